@@ -1,0 +1,101 @@
+"""``TileRTConnector``: a pure-producer ``KVConnectorBase_V1`` for unmodified vLLM.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "TileRTConnector",
+                           "kv_connector_module_path": "tilert.connector",
+                           "kv_role": "kv_producer",
+                           "kv_connector_extra_config": {"tilert_transport": "tcp"}}'
+
+It claims only requests whose ``kv_transfer_params`` carry ``tilert_host`` and is a strict no-op for
+every other request; it never changes scheduling or sampling. vLLM builds one instance per role;
+this class only dispatches to the half for its role (``scheduler.py`` / ``worker.py``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+from tilert.connector.claims import TileRTConnectorMetadata
+from tilert.connector.scheduler import SchedulerSide
+from tilert.connector.sender import BackgroundSender
+from tilert.connector.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+class TileRTConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        cfg = self._kv_transfer_config
+        if not cfg.is_kv_producer or cfg.is_kv_consumer:
+            raise ValueError('TileRTConnector is a pure producer: set "kv_role": "kv_producer"')
+        extra = dict(cfg.kv_connector_extra_config or {})
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(_block_size(vllm_config, kv_cache_config))
+        else:
+            sender = BackgroundSender(
+                str(extra.get("tilert_transport", "tcp")),
+                dict(extra.get("tilert_transport_options", {})),
+                timeout_s=float(extra.get("tilert_timeout_s", 10.0)),
+            )
+            self._worker = WorkerSide(vllm_config.model_config.hf_config, sender)
+
+    # ---- worker side -------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return  # a producer loads nothing
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self._worker is not None and isinstance(meta, TileRTConnectorMetadata) and meta.saves:
+            self._worker.save_layer(meta, layer_name)
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None:
+            self._worker.flush()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    # ---- scheduler side ----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        return
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> TileRTConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_meta(scheduler_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return False, self._scheduler.request_finished(request)
+
+
+def _block_size(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> int:
+    if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
+        return int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+    return int(vllm_config.cache_config.block_size)

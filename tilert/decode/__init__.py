@@ -1,0 +1,2 @@
+"""The decode node: slots, control port, decode loop and its HTTP API."""
+

@@ -1,0 +1,242 @@
+"""Decode-node slots: pre-registered receive buffers, each owned by at most one transfer at a time.
+
+Every slot moves through explicit states; every path ends in ``FREE``:
+
+    FREE --reserve--> RESERVED --offer--> RECEIVING --done--> READY --decode--> DECODING --end--> FREE
+                         |                    |                  |
+                         +--------------------+------------------+--- lease expiry / release / abort --> FREE
+
+A failed transfer (abort, disconnect, bad offer) keeps the slot in ``FAILED`` with its reason until
+the waiting decode request reads it or the lease runs out, so the client learns *why* at once.
+Freed transfer ids leave a short-lived tombstone, so a late writer or a late decode call gets a clear
+answer instead of landing in someone else's slot. All methods run on the decode node's event loop.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import structlog
+import torch
+
+from tilert.protocol import KVLayout, Offer
+from tilert.transports.base import Receiver
+
+log = structlog.get_logger("tilert.decode.slots")
+
+TOMBSTONES = 1024
+
+
+class State(enum.Enum):
+    FREE = "free"
+    RESERVED = "reserved"
+    RECEIVING = "receiving"
+    READY = "ready"
+    FAILED = "failed"
+    DECODING = "decoding"
+
+
+class SlotError(Exception):
+    """A slot operation that cannot proceed; ``status`` is the HTTP status that describes it."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Slot:
+    index: int
+    buffer: torch.Tensor
+    region: int
+    state: State = State.FREE
+    transfer_id: str | None = None
+    deadline: float = 0.0
+    offer: Offer | None = None
+    grant: dict[str, Any] | None = None
+    error: str | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    changed: anyio.Event = field(default_factory=anyio.Event)
+
+    def notify(self) -> None:
+        self.changed.set()
+        self.changed = anyio.Event()
+
+    def tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, KVLayout], int]:
+        """The received bytes as ``uint8 [num_layers, num_tokens, row_bytes]`` views, in offer order."""
+        assert self.offer is not None
+        n, views, offset = self.offer.num_tokens, {}, 0
+        for name, lay in self.offer.layouts.items():
+            size = lay.nbytes(n)
+            views[name] = self.buffer[offset : offset + size].view(lay.num_layers, n, lay.row_bytes)
+            offset += size
+        return views, dict(self.offer.layouts), n
+
+
+class SlotTable:
+    def __init__(
+        self,
+        num_slots: int,
+        expected: dict[str, KVLayout],
+        max_seq_len: int,
+        receiver: Receiver,
+        default_lease_s: float = 30.0,
+    ) -> None:
+        if num_slots < 1:
+            raise ValueError("need at least one slot")
+        self.expected = expected
+        self.max_seq_len = max_seq_len
+        self.default_lease_s = default_lease_s
+        self._receiver = receiver
+        per_token = sum(lay.num_layers * lay.row_bytes for lay in expected.values())
+        self.capacity = per_token * max_seq_len
+        self.slots: list[Slot] = []
+        for i in range(num_slots):
+            buf = torch.empty(self.capacity, dtype=torch.uint8)
+            self.slots.append(Slot(i, buf, receiver.register(buf)))
+        self._by_tid: dict[str, Slot] = {}
+        self._tombstones: OrderedDict[str, str] = OrderedDict()
+        self.transfers_received = 0
+
+    # ---- queries --------------------------------------------------------------------------
+
+    @property
+    def free(self) -> int:
+        return sum(s.state is State.FREE for s in self.slots)
+
+    def get(self, tid: str) -> Slot:
+        slot = self._by_tid.get(tid)
+        if slot is not None:
+            return slot
+        reason = self._tombstones.get(tid)
+        if reason is not None:
+            raise SlotError(f"transfer {tid} is no longer held here: {reason}", 410)
+        raise SlotError(f"unknown transfer {tid}: reserve a slot first", 404)
+
+    # ---- transitions ----------------------------------------------------------------------
+
+    def reserve(self, tid: str, lease_s: float | None = None) -> Slot:
+        if tid in self._by_tid or tid in self._tombstones:
+            raise SlotError(f"transfer id {tid} was already used", 409)
+        slot = next((s for s in self.slots if s.state is State.FREE), None)
+        if slot is None:
+            raise SlotError("all decode slots are taken", 429)
+        slot.state, slot.transfer_id, slot.error, slot.offer = State.RESERVED, tid, None, None
+        slot.deadline = time.monotonic() + (lease_s or self.default_lease_s)
+        slot.cancel = threading.Event()
+        self._by_tid[tid] = slot
+        slot.notify()
+        log.info("slot_reserved", transfer_id=tid, slot=slot.index)
+        return slot
+
+    def accept(self, offer: Offer) -> dict[str, Any]:
+        """Check an offer against the reservation and the engine; returns the write target."""
+        slot = self.get(offer.transfer_id)
+        if slot.state is not State.RESERVED:
+            raise SlotError(f"transfer {offer.transfer_id} is {slot.state.value}, not awaiting data", 409)
+        problem = self._check(offer)
+        if problem:
+            self.fail(offer.transfer_id, problem)
+            raise SlotError(problem, 400)
+        slot.offer = offer
+        slot.grant = self._receiver.grant(slot.region, 0, offer.nbytes)
+        slot.state = State.RECEIVING
+        slot.notify()
+        return slot.grant
+
+    def _check(self, offer: Offer) -> str | None:
+        if not 0 < offer.num_tokens < self.max_seq_len:
+            return f"prompt of {offer.num_tokens} tokens does not fit max_seq_len {self.max_seq_len}"
+        missing = set(self.expected) - set(offer.layouts)
+        if "mla" in missing:
+            return "offer carries no 'mla' state"
+        for name, lay in offer.layouts.items():
+            want = self.expected.get(name)
+            if want is None:
+                return f"engine takes no '{name}' state (it takes {sorted(self.expected)})"
+            if (lay.kind, lay.dtype, lay.row_bytes, lay.num_layers) != (
+                want.kind, want.dtype, want.row_bytes, want.num_layers
+            ):
+                return f"'{name}' layout mismatch: prefill sends {lay}, engine expects {want}"
+        if offer.nbytes > self.capacity:
+            return f"offer of {offer.nbytes} bytes exceeds the slot capacity {self.capacity}"
+        return None
+
+    def complete(self, tid: str, nbytes: int) -> None:
+        slot = self.get(tid)
+        if slot.state is not State.RECEIVING or slot.offer is None or nbytes != slot.offer.nbytes:
+            raise SlotError(f"done for transfer {tid} in state {slot.state.value} ({nbytes} bytes)", 409)
+        self._revoke(slot)
+        slot.state = State.READY
+        self.transfers_received += 1
+        slot.notify()
+        log.info("transfer_received", transfer_id=tid, nbytes=nbytes, tokens=slot.offer.num_tokens)
+
+    def fail(self, tid: str, reason: str) -> None:
+        slot = self._by_tid.get(tid)
+        if slot is None or slot.state in (State.DECODING, State.FAILED):
+            return
+        self._revoke(slot)
+        slot.state, slot.error = State.FAILED, reason
+        slot.notify()
+        log.warning("transfer_failed", transfer_id=tid, reason=reason)
+
+    async def wait_ready(self, tid: str, timeout_s: float) -> Slot:
+        """Wait until the transfer has landed; ``SlotError`` (502/504) if it failed or timed out."""
+        slot = self.get(tid)
+        with anyio.move_on_after(timeout_s):
+            while slot.state in (State.RESERVED, State.RECEIVING):
+                await slot.changed.wait()
+        if slot.state is State.READY:
+            return slot
+        if slot.state is State.FAILED:
+            raise SlotError(f"KV transfer failed: {slot.error}", 502)
+        if slot.transfer_id != tid:
+            raise SlotError(f"transfer {tid} was released while waiting", 410)
+        raise SlotError(f"KV transfer did not arrive within {timeout_s:.1f}s", 504)
+
+    def start_decode(self, tid: str) -> Slot:
+        slot = self.get(tid)
+        if slot.state is not State.READY:
+            raise SlotError(f"transfer {tid} is {slot.state.value}, not ready", 409)
+        slot.state = State.DECODING
+        slot.notify()
+        return slot
+
+    def release(self, tid: str, reason: str = "released") -> bool:
+        """Free the slot of ``tid`` whatever its state (idempotent); a decode in flight is cancelled."""
+        slot = self._by_tid.pop(tid, None)
+        if slot is None:
+            return False
+        slot.cancel.set()
+        self._revoke(slot)
+        slot.state, slot.transfer_id, slot.offer, slot.error = State.FREE, None, None, None
+        self._tombstones[tid] = reason
+        while len(self._tombstones) > TOMBSTONES:
+            self._tombstones.popitem(last=False)
+        slot.notify()
+        log.info("slot_released", transfer_id=tid, slot=slot.index, reason=reason)
+        return True
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Release every reservation whose lease ran out before its decode began."""
+        now = time.monotonic() if now is None else now
+        expired: list[str] = [
+            s.transfer_id
+            for s in self.slots
+            if s.transfer_id and s.state not in (State.FREE, State.DECODING) and s.deadline < now
+        ]
+        for tid in expired:
+            self.release(tid, "lease expired before decode started")
+        return expired
+
+    def _revoke(self, slot: Slot) -> None:
+        if slot.grant is not None:
+            self._receiver.revoke(slot.grant)
+            slot.grant = None

@@ -1,0 +1,127 @@
+"""Seeded tiny random-weight checkpoints with a locally trained tokenizer (no model hub needed).
+
+``build_tiny_model("deepseek_v3", out)`` writes a transformers checkpoint (safetensors + config.json)
+and a byte-level BPE tokenizer with a chat template. The ``deepseek_v3`` defaults are the values stock
+vLLM's CPU build can serve: its MLA kernel takes head size 576 only (``kv_lora_rank=512``,
+``qk_rope_head_dim=64``), and vLLM needs ``topk_method``/``scoring_func`` in config.json, which
+transformers does not write.
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+ARCHS = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+# Shared by all families: small enough for a 2-core CI machine, MLA dims vLLM's CPU kernel accepts.
+_COMMON: dict[str, Any] = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_shared_experts": 1,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 96,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "max_position_embeddings": 4096,
+    "initializer_range": 0.08,
+    "tie_word_embeddings": False,
+    "num_nextn_predict_layers": 0,
+}
+
+_PER_ARCH: dict[str, dict[str, Any]] = {
+    "deepseek_v3": {},
+    "deepseek_v32": {"index_n_heads": 4, "index_head_dim": 64, "index_topk": 64},
+    "glm_moe_dsa": {"index_n_heads": 4, "index_head_dim": 64, "index_topk": 64, "n_group": 1, "topk_group": 1},
+}
+
+
+def train_tokenizer(vocab_size: int = 2048) -> Any:
+    """Train a byte-level BPE on the Python standard library's sources (always on disk, deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(str(p) for p in stdlib.glob("*.py"))[:120]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train(files, trainer)
+    return tok
+
+
+def build_tiny_model(arch: str, out_dir: Path | str, seed: int = 0, **config_overrides: Any) -> Path:
+    """Write a seeded random checkpoint of family ``arch`` and its tokenizer to ``out_dir``."""
+    import torch
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tok = train_tokenizer()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+        model_max_length=4096,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+
+    values = {**_COMMON, **_PER_ARCH[arch], **config_overrides}
+    values.setdefault("vocab_size", 2048)
+    values["bos_token_id"] = fast.bos_token_id
+    values["eos_token_id"] = fast.eos_token_id
+    values["pad_token_id"] = fast.pad_token_id
+    config_cls, model_cls = {
+        "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+        "deepseek_v32": (transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM),
+        "glm_moe_dsa": (transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM),
+    }[arch]
+    config = config_cls(**values)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    # The router's correction bias is zero-initialised; give it values so routing is exercised.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                param.normal_(0.0, 0.05)
+    model.save_pretrained(out, safe_serialization=True)
+
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update({"topk_method": "noaux_tc", "scoring_func": "sigmoid", "tilert_tiny_seed": seed})
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return out

@@ -1,0 +1,197 @@
+"""``tilert up``: the whole stack on one machine, as three supervised child processes.
+
+stock vLLM (prefill, with ``TileRTConnector``)  +  the decode node  +  the router.
+
+Each child runs in its own process group, so stopping it reaches every process it spawned (vLLM
+starts an engine-core process of its own). Start-up waits until each answers ``/health``; a child
+that dies, SIGINT or SIGTERM stops all three and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import structlog
+
+log = structlog.get_logger("tilert.stack")
+
+
+@dataclass
+class StackConfig:
+    model: Path
+    port: int = 8000
+    prefill_port: int = 8100
+    ctrl_port: int = 5556
+    decode_http_port: int = 5557
+    host: str = "127.0.0.1"
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    kv_cache_bytes: int = 134_217_728
+    engine: str = "tilert"
+    transport: str = "tcp"
+    startup_timeout_s: float = 600.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def prefill_command(cfg: StackConfig) -> list[str]:
+    """Stock vLLM's OpenAI server with the connector configured (no patch, no wrapper)."""
+    kv_config = {
+        "kv_connector": "TileRTConnector",
+        "kv_connector_module_path": "tilert.connector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"tilert_transport": cfg.transport},
+    }
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(cfg.model),
+        "--host", cfg.host, "--port", str(cfg.prefill_port),
+        "--dtype", cfg.dtype,
+        "--max-model-len", str(cfg.max_model_len),
+        "--enforce-eager",
+        "--kv-cache-memory-bytes", str(cfg.kv_cache_bytes),
+        "--kv-transfer-config", json.dumps(kv_config),
+    ]  # fmt: skip
+
+
+def decode_command(cfg: StackConfig) -> list[str]:
+    return [
+        sys.executable, "-m", "tilert.cli", "decode",
+        "--model", str(cfg.model), "--engine", cfg.engine, "--transport", cfg.transport,
+        "--host", cfg.host, "--ctrl-port", str(cfg.ctrl_port), "--http-port", str(cfg.decode_http_port),
+        "--dtype", cfg.dtype, "--max-seq-len", str(cfg.max_model_len),
+    ]  # fmt: skip
+
+
+def router_command(cfg: StackConfig) -> list[str]:
+    return [
+        sys.executable, "-m", "tilert.cli", "router",
+        "--prefill-url", _url(cfg.host, cfg.prefill_port),
+        "--decode", f"{'[' + cfg.host + ']' if ':' in cfg.host else cfg.host}:{cfg.ctrl_port}:{cfg.decode_http_port}",
+        "--model", str(cfg.model), "--host", cfg.host, "--port", str(cfg.port),
+    ]  # fmt: skip
+
+
+class Stack:
+    def __init__(self, cfg: StackConfig) -> None:
+        self.cfg = cfg
+        self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self.urls = {
+            "prefill": _url(cfg.host, cfg.prefill_port),
+            "decode": _url(cfg.host, cfg.decode_http_port),
+            "router": _url(cfg.host, cfg.port),
+        }
+
+    def start(self) -> None:
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            **self.cfg.extra_env,
+        }
+        commands = {
+            "prefill": prefill_command(self.cfg),
+            "decode": decode_command(self.cfg),
+            "router": router_command(self.cfg),
+        }
+        for name, cmd in commands.items():
+            log.info("starting", process=name, command=" ".join(cmd))
+            self.children[name] = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    def wait_healthy(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        pending = dict(self.urls)
+        with httpx.Client(timeout=2.0) as client:
+            while pending:
+                if should_stop():
+                    raise RuntimeError("interrupted during start-up")
+                for name, url in list(pending.items()):
+                    code = self.children[name].poll()
+                    if code is not None:
+                        raise RuntimeError(f"{name} exited with status {code} during start-up")
+                    try:
+                        if client.get(url + "/health").status_code == 200:
+                            del pending[name]
+                            log.info("healthy", process=name, url=url)
+                    except httpx.HTTPError:
+                        pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"not healthy within {self.cfg.startup_timeout_s:.0f}s: {sorted(pending)}")
+                if pending:
+                    time.sleep(0.5)
+
+    def first_exit(self) -> tuple[str, int] | None:
+        for name, proc in self.children.items():
+            code = proc.poll()
+            if code is not None:
+                return name, code
+        return None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every child's process group, then SIGKILL what is left after ``grace_s``."""
+        for proc in self.children.values():
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in self.children.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            _signal_group(proc, signal.SIGKILL)  # reaps stragglers the leader left in its group
+            proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run(cfg: StackConfig) -> int:
+    """Start, report the three URLs, serve until a signal or a child's death, then stop everything."""
+    if not (cfg.model / "config.json").exists():
+        print(f"tilert up: {cfg.model} holds no config.json (build one with `tilert tiny-model`)", file=sys.stderr)
+        return 2
+    stack = Stack(cfg)
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stack.start()
+        try:
+            stack.wait_healthy(lambda: stopping)
+        except RuntimeError as exc:
+            print(f"tilert up: {exc}", file=sys.stderr)
+            return 1
+        for name, url in stack.urls.items():
+            print(f"{name}: {url}", flush=True)
+        while not stopping:
+            dead = stack.first_exit()
+            if dead:
+                print(f"tilert up: {dead[0]} exited with status {dead[1]}; stopping the stack", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        return 0
+    finally:
+        stack.stop()
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

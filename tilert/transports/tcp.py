@@ -1,0 +1,172 @@
+"""The embedded default transport: plain TCP sockets, loopback unless configured otherwise.
+
+Each write is one frame on a pooled connection: a fixed header (grant key, offset, length), then the
+payload, which the receiver reads straight into the registered buffer (``recv_into``, no extra copy);
+the receiver answers one status byte once the bytes are in place. A write outside its grant, or to a
+revoked grant, is refused and the connection closed.
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import structlog
+import torch
+
+from tilert.transports.base import Receiver, Sender, TransferError, Transport
+
+log = structlog.get_logger("tilert.transports.tcp")
+
+_HEADER = struct.Struct(">16sQQ")  # grant key, offset within the grant, nbytes
+_OK, _REFUSED = b"\x01", b"\x00"
+_CHUNK = 1 << 22
+
+
+@dataclass
+class _Grant:
+    view: memoryview  # the granted window of the registered buffer
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        k = sock.recv_into(view[got : got + _CHUNK])
+        if k == 0:
+            raise ConnectionError("peer closed mid-write")
+        got += k
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+class TcpReceiver(Receiver):
+    def __init__(self, host: str, port: int = 0, timeout_s: float = 30.0) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self._sock.listen(16)
+        self.host, self.port = host, self._sock.getsockname()[1]
+        self._timeout_s = timeout_s
+        self._regions: list[torch.Tensor] = []
+        self._grants: dict[bytes, _Grant] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._accept_loop, name="tilert-tcp-recv", daemon=True)
+        self._thread.start()
+
+    def register(self, buffer: torch.Tensor) -> int:
+        if buffer.device.type != "cpu" or buffer.dtype != torch.uint8 or not buffer.is_contiguous():
+            raise ValueError("tcp transport registers contiguous uint8 CPU buffers only")
+        with self._lock:
+            self._regions.append(buffer)
+            return len(self._regions) - 1
+
+    def grant(self, region: int, offset: int, nbytes: int) -> dict[str, Any]:
+        buf = self._regions[region]
+        if offset < 0 or nbytes < 0 or offset + nbytes > buf.numel():
+            raise ValueError(f"grant [{offset}, {offset + nbytes}) outside region of {buf.numel()} bytes")
+        key = secrets.token_bytes(16)
+        view = memoryview(buf.numpy()).cast("B")[offset : offset + nbytes]
+        with self._lock:
+            self._grants[key] = _Grant(view)
+        return {"transport": "tcp", "host": self.host, "port": self.port, "key": key.hex(), "nbytes": nbytes}
+
+    def revoke(self, target: dict[str, Any]) -> None:
+        with self._lock:
+            self._grants.pop(bytes.fromhex(target["key"]), None)
+
+    def close(self) -> None:
+        self._closed.set()
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="tilert-tcp-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(self._timeout_s)
+        with conn:
+            while not self._closed.is_set():
+                try:
+                    key, offset, nbytes = _HEADER.unpack(_recv_exact(conn, _HEADER.size))
+                except (ConnectionError, OSError):
+                    return
+                with self._lock:
+                    grant = self._grants.get(key)
+                if grant is None or offset + nbytes > len(grant.view):
+                    log.warning("tcp_write_refused", offset=offset, nbytes=nbytes, known=grant is not None)
+                    conn.sendall(_REFUSED)
+                    return  # the payload follows the header: the stream cannot be resynchronised
+                try:
+                    _recv_into(conn, grant.view[offset : offset + nbytes])
+                    conn.sendall(_OK)
+                except (ConnectionError, OSError) as exc:
+                    log.warning("tcp_write_broken", error=str(exc))
+                    return
+
+
+class TcpSender(Sender):
+    def __init__(self, timeout_s: float = 30.0) -> None:
+        self._timeout_s = timeout_s
+        self._pool: dict[tuple[str, int], socket.socket] = {}
+        self._lock = threading.Lock()
+
+    def write(self, target: dict[str, Any], data: torch.Tensor) -> None:
+        if data.device.type != "cpu" or not data.is_contiguous():
+            data = data.contiguous().cpu()
+        payload = memoryview(data.view(torch.uint8).numpy()).cast("B")
+        if len(payload) > int(target["nbytes"]):
+            raise TransferError(f"write of {len(payload)} bytes exceeds the {target['nbytes']}-byte grant")
+        endpoint = (str(target["host"]), int(target["port"]))
+        header = _HEADER.pack(bytes.fromhex(target["key"]), 0, len(payload))
+        with self._lock:  # one write at a time per sender keeps pooled streams framed
+            sock = self._pool.pop(endpoint, None)
+            try:
+                if sock is None:
+                    sock = socket.create_connection(endpoint, timeout=self._timeout_s)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.sendall(header)
+                sock.sendall(payload)
+                status = _recv_exact(sock, 1)
+            except (ConnectionError, OSError) as exc:
+                if sock is not None:
+                    sock.close()
+                raise TransferError(f"tcp write to {endpoint[0]}:{endpoint[1]} failed: {exc}") from exc
+            if status != _OK:
+                sock.close()
+                raise TransferError("receiver refused the write (grant unknown, revoked or too small)")
+            self._pool[endpoint] = sock
+
+    def close(self) -> None:
+        with self._lock:
+            for sock in self._pool.values():
+                sock.close()
+            self._pool.clear()
+
+
+class TcpTransport(Transport):
+    name: ClassVar[str] = "tcp"
+
+    @classmethod
+    def receiver(cls, *, host: str, options: dict[str, Any]) -> TcpReceiver:
+        return TcpReceiver(host, int(options.get("port", 0)), float(options.get("timeout_s", 30.0)))
+
+    @classmethod
+    def sender(cls, *, options: dict[str, Any]) -> TcpSender:
+        return TcpSender(float(options.get("timeout_s", 30.0)))
