@@ -1,0 +1,82 @@
+"""Session-wide fixtures: one tiny checkpoint, one real stack (stock vLLM + decode node + router).
+
+The stack is started once per session through ``tilert up`` itself, exactly as a user starts it;
+``tests/test_zz_up_shutdown.py`` (last by name) stops it with SIGINT and checks nothing is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+STARTUP_TIMEOUT_S = 600
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tilert.models.tiny import build_tiny_model
+
+    return build_tiny_model("deepseek_v3", tmp_path_factory.mktemp("models") / "tiny-deepseek-v3", seed=0)
+
+
+@dataclass
+class Stack:
+    proc: subprocess.Popen[str]
+    model: Path
+    prefill: str
+    decode: str
+    router: str
+    log: Path
+
+
+@pytest.fixture(scope="session")
+def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    log = tmp_path_factory.mktemp("logs") / "stack.log"
+    ports = [free_port() for _ in range(4)]
+    cmd = [
+        sys.executable, "-m", "tilert.cli", "up", "--model", str(tiny_model),
+        "--port", str(ports[0]), "--prefill-port", str(ports[1]),
+        "--ctrl-port", str(ports[2]), "--decode-http-port", str(ports[3]),
+    ]  # fmt: skip
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+    urls: dict[str, str] = {}
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    assert proc.stdout is not None
+    while len(urls) < 3 and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        name, _, url = line.strip().partition(": ")
+        urls[name] = url
+    if len(urls) < 3:
+        proc.kill()
+        pytest.fail(f"tilert up did not come up; log tail:\n{log.read_text()[-4000:]}")
+    handle = Stack(proc, tiny_model, urls["prefill"], urls["decode"], urls["router"], log)
+    yield handle
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _offline_env() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

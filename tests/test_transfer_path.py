@@ -1,0 +1,193 @@
+"""The handoff below the HTTP layer, over real loopback sockets: protocol frames, the TCP transport,
+and the decode node's slots and control port driven by the connector's real background sender."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+import torch
+
+from tilert import protocol as p
+from tilert.connector.claims import Claim, SaveRequest
+from tilert.connector.sender import BackgroundSender
+from tilert.decode.control import ControlServer
+from tilert.decode.slots import SlotError, SlotTable, State
+from tilert.transports.base import TransferError
+from tilert.transports.tcp import TcpTransport
+
+LAYOUT = p.KVLayout("mla_dense", "float32", 576 * 4, 3)
+
+
+def test_protocol_round_trip_and_refusals() -> None:
+    offer = p.Offer("t-1", 7, {"mla": LAYOUT})
+    frame = p.encode(offer)
+    assert p.decode(frame[4:]) == offer
+    assert offer.nbytes == 3 * 7 * 576 * 4
+    with pytest.raises(p.ProtocolError):
+        p.decode(b'{"type": "offer", "transfer_id": "x"}')
+    with pytest.raises(p.ProtocolError):
+        p.decode(b'{"type": "nonsense"}')
+    with pytest.raises(p.ProtocolError):
+        p.decode(b'{"type": "done", "transfer_id": "x", "nbytes": 1, "extra": 2}')
+    with pytest.raises(p.ProtocolError, match="rejected"):
+        p.expect(p.Reject("no"), p.Accept)
+
+
+def test_save_request_slot_ids_cross_blocks() -> None:
+    save = SaveRequest("r", Claim("t", "127.0.0.1", 1), [7, 2, 9], 16, 35)
+    slots = save.slot_ids()
+    assert slots[:2] == [112, 113] and slots[16] == 32 and slots[32] == 144 and len(slots) == 35
+
+
+def test_claim_parsing() -> None:
+    assert Claim.parse(None) is None
+    assert Claim.parse({"do_remote_decode": True}) is None
+    claim = Claim.parse({"tilert_host": "::1", "tilert_ctrl_port": 5556, "tilert_transfer_id": "abc-1"})
+    assert claim == Claim("abc-1", "::1", 5556)
+    for bad in ({"tilert_ctrl_port": 0}, {"tilert_ctrl_port": True}, {"tilert_transfer_id": "a/b"}):
+        with pytest.raises(ValueError):
+            Claim.parse({"tilert_host": "h", "tilert_ctrl_port": 1, "tilert_transfer_id": "t"} | bad)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_tcp_transport_writes_only_inside_live_grants(host: str) -> None:
+    receiver = TcpTransport.receiver(host=host, options={})
+    sender = TcpTransport.sender(options={"timeout_s": 5})
+    try:
+        buf = torch.zeros(1024, dtype=torch.uint8)
+        region = receiver.register(buf)
+        target = receiver.grant(region, 100, 64)
+        data = torch.arange(64, dtype=torch.uint8)
+        sender.write(target, data)
+        assert torch.equal(buf[100:164], data) and int(buf[:100].sum()) == 0 and int(buf[164:].sum()) == 0
+        with pytest.raises(TransferError, match="exceeds"):
+            sender.write(target, torch.zeros(65, dtype=torch.uint8))
+        receiver.revoke(target)
+        with pytest.raises(TransferError):
+            sender.write(target, data)
+        with pytest.raises(ValueError):
+            receiver.grant(region, 1000, 64)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+class _Node:
+    """A decode node's transfer half (slots + control port) on a real loopback socket."""
+
+    def __init__(self, slots: int = 1, lease_s: float = 30.0) -> None:
+        self.receiver = TcpTransport.receiver(host="127.0.0.1", options={})
+        self.table = SlotTable(slots, {"mla": LAYOUT}, 64, self.receiver, lease_s)
+        self.control = ControlServer(self.table, "tcp", "test-node")
+        self.port = 0
+
+
+def _staging(tokens: int) -> torch.Tensor:
+    return torch.randint(0, 255, (LAYOUT.nbytes(tokens),), dtype=torch.uint8)
+
+
+async def _with_node(node: _Node, body) -> None:  # type: ignore[no-untyped-def]
+    async with anyio.create_task_group() as tg:
+        node.port = await tg.start(node.control.serve, "127.0.0.1", 0)
+        try:
+            await body()
+        finally:
+            tg.cancel_scope.cancel()
+            node.receiver.close()
+
+
+def test_sender_to_slot_round_trip_and_slot_states() -> None:
+    node = _Node()
+    sender = BackgroundSender("tcp", {})
+
+    async def body() -> None:
+        node.table.reserve("t1")
+        with pytest.raises(SlotError) as full:
+            node.table.reserve("t2")
+        assert full.value.status == 429
+        data = _staging(10)
+        fut = sender.submit(Claim("t1", "127.0.0.1", node.port), 10, {"mla": LAYOUT}, data)
+        slot = await node.table.wait_ready("t1", 10)
+        await anyio.to_thread.run_sync(fut.result)
+        views, layouts, n = slot.tensors()
+        assert n == 10 and layouts == {"mla": LAYOUT}
+        assert torch.equal(views["mla"].reshape(-1), data)
+        assert node.table.start_decode("t1").state is State.DECODING
+        node.table.release("t1")
+        assert node.table.free == 1
+        with pytest.raises(SlotError) as gone:
+            node.table.get("t1")
+        assert gone.value.status == 410
+        with pytest.raises(SlotError) as reused:
+            node.table.reserve("t1")
+        assert reused.value.status == 409
+
+    try:
+        anyio.run(_with_node, node, body)
+    finally:
+        sender.close()
+
+
+def test_bad_offer_and_abort_fail_the_waiting_request_at_once() -> None:
+    node = _Node(slots=2)
+    sender = BackgroundSender("tcp", {})
+
+    async def body() -> None:
+        node.table.reserve("wrong-layout")
+        other = p.KVLayout("mla_dense", "bfloat16", 576 * 2, 3)
+        sender.submit(Claim("wrong-layout", "127.0.0.1", node.port), 4, {"mla": other}, _staging(4)[: other.nbytes(4)])
+        t0 = time.monotonic()
+        with pytest.raises(SlotError, match="layout mismatch") as exc:
+            await node.table.wait_ready("wrong-layout", 10)
+        assert exc.value.status == 502 and time.monotonic() - t0 < 2
+        node.table.release("wrong-layout")
+
+        node.table.reserve("aborted")
+        sender.abort(Claim("aborted", "127.0.0.1", node.port), "extraction failed")
+        t0 = time.monotonic()
+        with pytest.raises(SlotError, match="extraction failed"):
+            await node.table.wait_ready("aborted", 10)
+        assert time.monotonic() - t0 < 2
+
+        # An offer for a transfer nobody reserved is refused; nothing is written anywhere.
+        sender.submit(Claim("never-reserved", "127.0.0.1", node.port), 4, {"mla": LAYOUT}, _staging(4))
+        await anyio.sleep(0.3)
+        assert node.table.free == 1
+
+    try:
+        anyio.run(_with_node, node, body)
+    finally:
+        sender.close()
+
+
+def test_leases_expire_and_late_transfers_are_refused() -> None:
+    node = _Node(lease_s=0.05)
+    sender = BackgroundSender("tcp", {})
+
+    async def body() -> None:
+        node.table.reserve("late")
+        await anyio.sleep(0.1)
+        assert node.table.expire() == ["late"]
+        assert node.table.free == 1
+        fut = sender.submit(Claim("late", "127.0.0.1", node.port), 4, {"mla": LAYOUT}, _staging(4))
+        await anyio.to_thread.run_sync(fut.result)
+        assert node.table.free == 1 and node.table.transfers_received == 0
+
+    try:
+        anyio.run(_with_node, node, body)
+    finally:
+        sender.close()
+
+
+def test_transfer_timeout_when_prefill_never_sends() -> None:
+    node = _Node()
+
+    async def body() -> None:
+        node.table.reserve("silent")
+        with pytest.raises(SlotError) as exc:
+            await node.table.wait_ready("silent", 0.2)
+        assert exc.value.status == 504
+
+    anyio.run(_with_node, node, body)
