@@ -159,3 +159,28 @@ def test_first_token_stop_is_answered_from_prefill(stack: Any) -> None:
     after = _decode_health(stack)
     assert after["slots_free"] == after["slots_total"]
     assert after["decodes_completed"] == before["decodes_completed"]
+
+
+@pytest.mark.stack
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_first_token_eos_is_answered_from_prefill(stack: Any, stream: bool) -> None:
+    """The tiny model is built so that EOS is the greedy first token after ``EOS_TRIGGER_PROMPT``."""
+    from tilert.models.tiny import EOS_TRIGGER_PROMPT
+
+    want_ids, want_text, _ = _vllm_alone(stack, "completion", EOS_TRIGGER_PROMPT)
+    eos = AutoTokenizer.from_pretrained(stack.model).eos_token_id
+    assert want_ids == [eos]
+    before = _decode_health(stack)
+    client = OpenAI(base_url=stack.router + "/v1", api_key="unused", timeout=60, max_retries=0)
+    resp = client.completions.create(
+        model=str(stack.model), prompt=EOS_TRIGGER_PROMPT, max_tokens=16, temperature=0, stream=stream,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    chunks = [resp] if not stream else list(resp)
+    finish = [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason]
+    ids = [t for chunk in chunks for c in chunk.choices for t in ((c.model_extra or {}).get("token_ids") or [])]
+    text = "".join(c.text or "" for chunk in chunks for c in chunk.choices)
+    assert finish == ["stop"] and ids == [eos] and text == want_text
+    after = _decode_health(stack)
+    assert after["slots_free"] == after["slots_total"]
+    assert after["decodes_completed"] == before["decodes_completed"]

@@ -26,6 +26,10 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 
+# A prompt (one special token) after which the tiny model's greedy first token is EOS, planted on
+# purpose (see ``_plant_eos``) so the "prefill's only token is EOS" path can be tested for real.
+EOS_TRIGGER_PROMPT = "<|system|>"
+
 # Shared by all families: small enough for a 2-core CI machine, MLA dims vLLM's CPU kernel accepts.
 _COMMON: dict[str, Any] = {
     "hidden_size": 256,
@@ -118,6 +122,7 @@ def build_tiny_model(arch: str, out_dir: Path | str, seed: int = 0, **config_ove
         for name, param in model.named_parameters():
             if name.endswith("e_score_correction_bias"):
                 param.normal_(0.0, 0.05)
+    _plant_eos(model, fast(EOS_TRIGGER_PROMPT, add_special_tokens=False)["input_ids"], fast.eos_token_id, seed)
     model.save_pretrained(out, safe_serialization=True)
 
     cfg_path = out / "config.json"
@@ -125,3 +130,22 @@ def build_tiny_model(arch: str, out_dir: Path | str, seed: int = 0, **config_ove
     cfg.update({"topk_method": "noaux_tc", "scoring_func": "sigmoid", "tilert_tiny_seed": seed})
     cfg_path.write_text(json.dumps(cfg, indent=2))
     return out
+
+
+def _plant_eos(model: Any, trigger_ids: list[int], eos_id: int, seed: int) -> None:
+    """Make EOS the greedy next token after exactly ``trigger_ids`` and nowhere else (in practice).
+
+    The EOS row of ``lm_head`` becomes the trigger's final hidden state minus the mean hidden state
+    of random contexts (their shared direction), scaled so that EOS beats the best other logit by 3
+    at the trigger; for other contexts the EOS logit stays well below their best one.
+    """
+    import torch
+
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed)
+        vocab = model.config.vocab_size
+        h = model.model(torch.tensor([trigger_ids])).last_hidden_state[0, -1]
+        ref = model.model(torch.randint(8, vocab, (8, 32), generator=gen)).last_hidden_state
+        direction = h - ref.reshape(-1, h.numel()).mean(0)
+        target = model.lm_head(h).max() + 3.0
+        model.lm_head.weight[eos_id] = direction * (target / (direction @ h))

@@ -1,0 +1,375 @@
+"""TileRT reference engine vs transformers on tiny seeded checkpoints with unusual dims (CPU, float32).
+
+Covers: logits (prompt at once and token by token) and 64-step greedy equality for deepseek_v3 (incl.
+q_lora=None and YaRN), deepseek_v32 and glm_moe_dsa (shared indexer layer); injection of vLLM-layout
+KV; the KV layout decoders; MTP speculative greedy == plain greedy.
+
+DSA note: the indexer score ``sum_h w_h relu(q_h . k_t)`` is *exactly* zero whenever all heads' dot
+products are negative (probability ~2^-Hi per pair). With 2 indexer heads such zero ties routinely sit
+on the top-k boundary, and CPU ``torch.topk`` breaks ties arbitrarily and differently for rows of
+different lengths (transformers' own prefill and decode then disagree). The DSA fixtures therefore use
+8 indexer heads (and top-k 12 < 40-token prompt, so sparsity matters).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tilert.engines.base import KVLayout
+from tilert.engines.tilert import layouts
+from tilert.engines.tilert.engine import TileRTEngine, greedy_generate, speculative_generate
+
+PROMPT_LEN = 40
+GEN = 64
+MAX_SEQ = 128
+VOCAB = 101
+
+COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=72,
+    intermediate_size=88,
+    moe_intermediate_size=24,
+    num_hidden_layers=3,
+    num_attention_heads=3,
+    num_key_value_heads=3,
+    n_shared_experts=1,
+    n_routed_experts=8,
+    kv_lora_rank=40,
+    q_lora_rank=48,
+    qk_rope_head_dim=16,
+    v_head_dim=40,
+    qk_nope_head_dim=24,
+    n_group=4,
+    topk_group=2,
+    num_experts_per_tok=3,
+    first_k_dense_replace=1,
+    max_position_embeddings=256,
+    eos_token_id=None,
+    bos_token_id=None,
+)
+DSA: dict[str, Any] = dict(index_n_heads=8, index_head_dim=32, index_topk=12)
+FAMILIES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+}
+
+
+def _hf_model(arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """A seeded random transformers model; weights re-drawn larger than HF's init so logits are not flat."""
+    import transformers as tf
+
+    kw = {**COMMON, **overrides}
+    if arch == "deepseek_v3":
+        cfg, cls = tf.DeepseekV3Config(**kw), tf.DeepseekV3ForCausalLM
+    elif arch == "deepseek_v32":
+        cfg, cls = tf.DeepseekV32Config(**kw, **DSA), tf.DeepseekV32ForCausalLM
+    else:
+        cfg = tf.GlmMoeDsaConfig(**kw, **DSA, indexer_types=["full", "shared", "full"])
+        cls = tf.GlmMoeDsaForCausalLM
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 1.0 if "embed_tokens" in name else 0.08)
+        for mod in model.modules():
+            if hasattr(mod, "e_score_correction_bias"):
+                mod.e_score_correction_bias.normal_(0.0, 0.1)
+            if isinstance(mod, torch.nn.LayerNorm):
+                mod.weight.normal_(1.0, 0.1)
+                mod.bias.normal_(0.0, 0.1)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _prompt(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(seed))
+
+
+class Case:
+    """A saved checkpoint plus transformers' reference outputs for the prompt."""
+
+    def __init__(self, model: torch.nn.Module, path: Path, with_generate: bool) -> None:
+        self.path = path
+        model.save_pretrained(path)
+        self.prompt = _prompt()
+        with torch.no_grad():
+            self.logits = model(self.prompt[None]).logits[0].float()
+            self.generated: list[int] = []
+            if with_generate:
+                out = model.generate(
+                    self.prompt[None], max_new_tokens=GEN, do_sample=False, use_cache=True, pad_token_id=0
+                )
+                self.generated = out[0, PROMPT_LEN:].tolist()
+
+    def engine(self, path: Path | None = None) -> TileRTEngine:
+        return TileRTEngine.load(path or self.path, device="cpu", dtype=torch.float32, max_seq_len=MAX_SEQ)
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {arch: Case(_hf_model(arch), root / arch, with_generate=True) for arch in FAMILIES}
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+# ------------------------------------------------------------------------------ logits / greedy
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_logits_match_transformers(cases: dict[str, Case], arch: str) -> None:
+    case = cases[arch]
+    eng = case.engine()
+    at_once = eng.forward(case.prompt, 0)
+    assert at_once.dtype == torch.float32 and at_once.shape == (PROMPT_LEN, VOCAB)
+    for pos in (0, 5, 17, 30, PROMPT_LEN - 1):
+        assert _rel_err(at_once[pos], case.logits[pos]) <= 1e-4, pos
+    eng2 = case.engine()
+    steps = torch.stack([eng2.forward(case.prompt[i : i + 1], i)[0] for i in range(PROMPT_LEN)])
+    assert _rel_err(steps, case.logits) <= 1e-4
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_greedy_matches_transformers_generate(cases: dict[str, Case], arch: str) -> None:
+    case = cases[arch]
+    eng = case.engine()
+    first = int(eng.forward(case.prompt, 0)[-1].argmax())
+    ours = [first] + greedy_generate(eng, first, PROMPT_LEN, GEN - 1)
+    assert ours == case.generated
+
+
+@pytest.mark.parametrize(
+    "variant", [{"q_lora_rank": None}, {"rope_parameters": YARN}], ids=["no_q_lora", "yarn"]
+)
+def test_deepseek_v3_variants(tmp_path: Path, variant: dict[str, Any]) -> None:
+    case = Case(_hf_model("deepseek_v3", seed=3, **variant), tmp_path / "m", with_generate=False)
+    eng = case.engine()
+    assert _rel_err(eng.forward(case.prompt, 0), case.logits) <= 1e-4
+    if "rope_parameters" in variant:
+        base = (COMMON["qk_nope_head_dim"] + COMMON["qk_rope_head_dim"]) ** -0.5
+        assert eng.model.args.softmax_scale != pytest.approx(base)
+        assert eng.model.args.rope_attention_scaling != pytest.approx(1.0)
+
+
+# ------------------------------------------------------------------------------------ injection
+
+
+def _vllm_state(eng: TileRTEngine, n: int) -> tuple[dict[str, torch.Tensor], dict[str, KVLayout]]:
+    """Encode the engine's own cache rows ``[0, n)`` the way vLLM would hand them over."""
+    a = eng.model.args
+    lay = eng.expected_layouts()
+    state = {"mla": layouts.encode_mla_dense(eng.model.kv_cache[:, :n], "float32", a.kv_lora_rank, True)}
+    if a.dsa:
+        state["indexer"] = layouts.encode_dsa_indexer(
+            eng.model.index_cache[:, :n], a.qk_rope_head_dim, a.indexer_rope_interleave
+        )
+    return state, lay
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_inject_vllm_layout_then_decode(cases: dict[str, Case], arch: str) -> None:
+    case = cases[arch]
+    src = case.engine()
+    first = int(src.forward(case.prompt, 0)[-1].argmax())
+    state, lay = _vllm_state(src, PROMPT_LEN)
+    assert state["mla"].shape == (3, PROMPT_LEN, lay["mla"].row_bytes)
+    if src.model.args.dsa:
+        # fp8 indexer keys are lossy: the reference is the source engine holding the same dequantised keys.
+        a = src.model.args
+        src.model.index_cache[:, :PROMPT_LEN] = layouts.decode_dsa_indexer(
+            state["indexer"], a.index_head_dim, a.qk_rope_head_dim, a.indexer_rope_interleave
+        )
+    dst = case.engine()
+    dst.inject(state, lay, PROMPT_LEN)
+    assert torch.equal(dst.model.kv_cache[:, :PROMPT_LEN], src.model.kv_cache[:, :PROMPT_LEN])
+    want = greedy_generate(src, first, PROMPT_LEN, 24)
+    assert greedy_generate(dst, first, PROMPT_LEN, 24) == want
+    if arch == "deepseek_v3":
+        assert [first] + want == case.generated[:25]
+
+
+def test_inject_refuses_unknown_layouts(cases: dict[str, Case]) -> None:
+    eng = cases["deepseek_v32"].engine()
+    rows = torch.zeros(3, 4, 56 * 4, dtype=torch.uint8)
+    idx = torch.zeros(3, 4, 36, dtype=torch.uint8)
+    good = eng.expected_layouts()
+    with pytest.raises(ValueError, match="unknown MLA KV layout"):
+        eng.inject({"mla": rows, "indexer": idx}, {**good, "mla": KVLayout("paged_weird", "float32", 224, 3)}, 4)
+    with pytest.raises(ValueError, match="unknown indexer"):
+        eng.inject({"mla": rows, "indexer": idx}, {**good, "indexer": KVLayout("fp8_ds_mla", "x", 36, 3)}, 4)
+    with pytest.raises(ValueError, match="indexer"):
+        eng.inject({"mla": rows}, good, 4)  # DSA needs the indexer KV
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        eng.inject({"mla": rows, "indexer": idx}, {**good, "mla": KVLayout("mla_dense", "fp8_e4m3", 224, 3)}, 4)
+    with pytest.raises(ValueError, match="bytes"):
+        eng.inject({"mla": rows[..., :100], "indexer": idx}, good, 4)
+    with pytest.raises(ValueError, match="rope_interleaved"):
+        eng.inject(
+            {"mla": rows, "indexer": idx}, {**good, "indexer": KVLayout("dsa_indexer", "x", 36, 3, True)}, 4
+        )
+
+
+# -------------------------------------------------------------------------------- layout codecs
+
+
+def test_rope_permutation_roundtrip() -> None:
+    perm, inv = layouts.rope_deinterleave_perm(64), layouts.rope_interleave_perm(64)
+    assert perm.tolist() == list(range(0, 64, 2)) + list(range(1, 64, 2))
+    x = torch.arange(64)
+    assert torch.equal(x[perm][inv], x)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mla_dense_decode(dtype: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    latent = torch.randn(2, 5, 576, generator=g)
+    tdt = torch.float32 if dtype == "float32" else torch.bfloat16
+    # Build vLLM rows by hand: rope pairs interleaved, i.e. vllm[2i] = engine[i], vllm[2i+1] = engine[32+i].
+    rope = latent[..., 512:]
+    vrope = torch.stack([rope[..., :32], rope[..., 32:]], dim=-1).reshape(2, 5, 64)
+    rows = torch.cat([latent[..., :512], vrope], -1).to(tdt).contiguous().view(torch.uint8)
+    assert rows.shape[-1] == 576 * torch.empty((), dtype=tdt).element_size()
+    got = layouts.decode_mla_dense(rows, dtype, 512, 64, rope_interleaved=True)
+    torch.testing.assert_close(got, latent.to(tdt).float(), rtol=0, atol=0)
+    assert torch.equal(layouts.encode_mla_dense(latent, dtype, 512, True), rows)
+
+
+def test_fp8_ds_mla_decode() -> None:
+    g = torch.Generator().manual_seed(1)
+    latent = torch.randn(3, 7, 576, generator=g) * torch.tensor([0.01, 1.0, 30.0, 0.5]).repeat_interleave(144)
+    rows = layouts.encode_fp8_ds_mla(latent, 512, rope_interleaved=True)
+    assert rows.shape == (3, 7, 656) and rows.dtype == torch.uint8
+    # Byte-level checks of the format: scales at 512..527, rope bf16 (interleaved) at 528..655.
+    scales = rows[..., 512:528].contiguous().view(torch.float32)
+    want_s = (latent[..., :512].reshape(3, 7, 4, 128).abs().amax(-1) / 448.0).clamp(min=torch.finfo(torch.float32).tiny)
+    assert torch.equal(scales, want_s)
+    rope_v = rows[..., 528:].contiguous().view(torch.bfloat16).float()
+    assert torch.equal(rope_v[..., 0::2], latent[..., 512:544].to(torch.bfloat16).float())
+    got = layouts.decode_fp8_ds_mla(rows, 512, 64, rope_interleaved=True)
+    err = (got[..., :512] - latent[..., :512]).abs().reshape(3, 7, 4, 128).amax(-1)
+    assert (err <= scales * 448.0 * 2**-3).all()  # e4m3 has 3 mantissa bits
+    torch.testing.assert_close(got[..., 512:], latent[..., 512:].to(torch.bfloat16).float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_dsa_indexer_decode_rows_and_blocks(interleaved: bool) -> None:
+    g = torch.Generator().manual_seed(2)
+    n = 100  # two blocks of 64, the second partial
+    keys = torch.randn(n, 128, generator=g) * 3
+    # Hand-built block-major cache (vLLM): per 8448-byte block, 64x128 fp8 bytes then 64 fp32 scales.
+    vk = keys.clone()
+    if interleaved:
+        rope = keys[:, :64]
+        vk[:, :64] = torch.stack([rope[:, :32], rope[:, 32:]], -1).reshape(n, 64)
+    s = (vk.abs().amax(-1) / 448.0).clamp(min=torch.finfo(torch.float32).tiny)
+    q8 = (vk / s[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
+    blocks = torch.zeros(2, 8448, dtype=torch.uint8)
+    for t in range(n):
+        b, j = divmod(t, 64)
+        blocks[b, j * 128 : (j + 1) * 128] = q8[t]
+        blocks[b, 8192 + 4 * j : 8192 + 4 * j + 4] = s[t : t + 1].view(torch.uint8)
+    rows = layouts.dsa_indexer_blocks_to_rows(blocks, n)
+    assert rows.shape == (n, 132)
+    assert torch.equal(layouts.dsa_indexer_rows_to_blocks(rows)[:, : 64 * 132], blocks[:, : 64 * 132]) or n % 64
+    assert torch.equal(rows, layouts.encode_dsa_indexer(keys, 64, interleaved))
+    got = layouts.decode_dsa_indexer_blocks(blocks, n, 128, 64, interleaved)
+    assert ((got - keys).abs() <= s[:, None] * 448.0 * 2**-3).all()
+    want = layouts.decode_dsa_indexer(rows, 128, 64, interleaved)
+    assert torch.equal(got, want)
+
+
+# ------------------------------------------------------------------------------------------ MTP
+
+
+def _add_mtp(case: Case, out: Path, predictive: bool = False) -> Path:
+    """Copy the checkpoint and add ``model.layers.{N}.*`` MTP tensors with DeepSeek's names.
+
+    Random: the MTP decoder layer is a copy of the last layer, the MTP-only weights random.
+    ``predictive``: the MTP module is built to predict what a near-bigram main model predicts (the main
+    model's o_proj/down projections are scaled by 1e-3): ``eh_proj = [I | 0]``, a pass-through block
+    (zero o_proj / expert outputs), so MTP logits ~ ``lm_head(norm(embed(t_{i+1})))``.
+    """
+    shutil.copytree(case.path, out)
+    sd = load_file(str(out / "model.safetensors"))
+    n = 3
+    last = f"model.layers.{n - 1}."
+    g = torch.Generator().manual_seed(9)
+    d = COMMON["hidden_size"]
+    for k in list(sd):
+        if k.startswith(last):
+            sd[f"model.layers.{n}." + k[len(last) :]] = sd[k].clone()
+    p = f"model.layers.{n}."
+    sd[p + "embed_tokens.weight"] = sd["model.embed_tokens.weight"].clone()
+    sd[p + "shared_head.head.weight"] = sd["lm_head.weight"].clone()
+    sd[p + "enorm.weight"] = 1.0 + 0.1 * torch.randn(d, generator=g)
+    sd[p + "hnorm.weight"] = 1.0 + 0.1 * torch.randn(d, generator=g)
+    sd[p + "shared_head.norm.weight"] = 1.0 + 0.1 * torch.randn(d, generator=g)
+    sd[p + "eh_proj.weight"] = 0.08 * torch.randn(d, 2 * d, generator=g)
+    if predictive:
+        for k in list(sd):
+            if k.endswith(("o_proj.weight", "down_proj.weight")):
+                sd[k] = sd[k] * (0.0 if k.startswith(p) else 1e-3)
+        sd[p + "eh_proj.weight"] = torch.cat([torch.eye(d), torch.zeros(d, d)], dim=1)
+        sd[p + "enorm.weight"] = torch.ones(d)
+        sd[p + "shared_head.norm.weight"] = sd["model.norm.weight"].clone()
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_mtp_speculative_equals_plain_greedy(cases: dict[str, Case], arch: str, tmp_path: Path) -> None:
+    case = cases[arch]
+    path = _add_mtp(case, tmp_path / "mtp")
+    eng = case.engine(path)
+    assert eng.supports_mtp and eng.capabilities().mtp
+    assert not case.engine().supports_mtp
+    first = int(eng.forward(case.prompt, 0)[-1].argmax())
+    plain = greedy_generate(eng, first, PROMPT_LEN, GEN)
+    assert [first] + plain[: GEN - 1] == case.generated  # the MTP layer does not change the main model
+    for k in (1, 2, 3):
+        eng.forward(case.prompt, 0)  # rewind to the prompt (MTP rows are recomputed from hidden states)
+        spec, drafted, _ = speculative_generate(eng, first, PROMPT_LEN, GEN, num_draft=k)
+        assert spec == plain, k
+        assert drafted > 0
+    # After an injection (no MTP KV, no hidden states): the MTP cache starts empty, output unchanged.
+    state, lay = _vllm_state(eng, PROMPT_LEN)
+    if eng.model.args.dsa:
+        a = eng.model.args
+        eng.model.index_cache[:, :PROMPT_LEN] = layouts.decode_dsa_indexer(
+            state["indexer"], a.index_head_dim, a.qk_rope_head_dim, a.indexer_rope_interleave
+        )
+        plain = greedy_generate(eng, first, PROMPT_LEN, 32)
+    dst = case.engine(path)
+    dst.inject(state, lay, PROMPT_LEN)
+    assert not bool(dst.model.mtp_valid.any())
+    spec, _, _ = speculative_generate(dst, first, PROMPT_LEN, 32, num_draft=2)
+    assert spec == plain[:32]
+
+
+def test_mtp_acceptance_with_predictive_module(tmp_path: Path) -> None:
+    model = _hf_model("deepseek_v3", seed=5)
+    case = Case(model, tmp_path / "base", with_generate=False)
+    path = _add_mtp(case, tmp_path / "mtp", predictive=True)
+    eng = case.engine(path)
+    first = int(eng.forward(case.prompt, 0)[-1].argmax())
+    plain = greedy_generate(eng, first, PROMPT_LEN, GEN)
+    eng.forward(case.prompt, 0)
+    spec, drafted, accepted = speculative_generate(eng, first, PROMPT_LEN, GEN, num_draft=3)
+    assert spec == plain
+    assert accepted > 0.5 * drafted

@@ -1,0 +1,184 @@
+"""The ``tilert::*`` reference ops against naive formulations (float64 where exactness is claimed)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tilert.engines.tilert import ops
+from tilert.engines.tilert.ops import reference
+
+D64 = torch.float64
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_rms_norm_matches_formula() -> None:
+    g = _gen(0)
+    x = torch.randn(5, 3, 24, generator=g, dtype=D64)
+    w = torch.randn(24, generator=g, dtype=D64)
+    want = w * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), want, rtol=1e-12, atol=1e-12)
+    xb = x.to(torch.bfloat16)
+    out = ops.rms_norm(xb, w.to(torch.bfloat16), 1e-6)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), want, rtol=3e-2, atol=3e-2)
+
+
+def _naive_mla(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    c_kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    w_kvb: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Expand keys/values per head (``k = W_UK c``, ``v = W_UV c``) and attend: ``[n, H, V]``."""
+    p = q_nope.shape[-1]
+    k_nope = torch.einsum("hpl,tl->htp", w_kvb[:, :p], c_kv)
+    v = torch.einsum("hvl,tl->htv", w_kvb[:, p:], c_kv)
+    s = (torch.einsum("nhp,htp->nht", q_nope, k_nope) + torch.einsum("nhr,tr->nht", q_pe, k_pe)) * scale
+    s = s.masked_fill(~mask[:, None, :], float("-inf"))
+    return torch.einsum("nht,htv->nhv", s.softmax(-1), v)
+
+
+def _mla_problem(seed: int, n: int = 4, h: int = 3, p: int = 24, r: int = 16, v: int = 40, lat: int = 40, s: int = 29):
+    g = _gen(seed)
+    q_nope = torch.randn(n, h, p, generator=g, dtype=D64)
+    q_pe = torch.randn(n, h, r, generator=g, dtype=D64)
+    c_kv = torch.randn(s, lat, generator=g, dtype=D64)
+    k_pe = torch.randn(s, r, generator=g, dtype=D64)
+    w_kvb = torch.randn(h, p + v, lat, generator=g, dtype=D64) * 0.3
+    q_abs = torch.einsum("nhp,hpl->nhl", q_nope, w_kvb[:, :p])
+    q = torch.cat([q_abs, q_pe], -1)
+    cache = torch.cat([c_kv, k_pe], -1)
+    return q_nope, q_pe, c_kv, k_pe, w_kvb, q, cache
+
+
+def test_absorbed_mla_equals_naive_float64() -> None:
+    q_nope, q_pe, c_kv, k_pe, w_kvb, q, cache = _mla_problem(1)
+    p, lat = q_nope.shape[-1], c_kv.shape[-1]
+    positions = torch.tensor([0, 7, 20, 28])
+    scale = 0.123
+    o_lat = ops.mla_attention(q, cache, positions, scale, lat)
+    o = torch.einsum("nhl,hvl->nhv", o_lat, w_kvb[:, p:])
+    mask = torch.arange(cache.shape[0])[None, :] <= positions[:, None]
+    want = _naive_mla(q_nope, q_pe, c_kv, k_pe, w_kvb, mask, scale)
+    assert (o - want).abs().max().item() < 1e-12
+
+
+def test_sparse_attention_with_all_rows_equals_dense() -> None:
+    *_, q, cache = _mla_problem(2)
+    lat = 40
+    positions = torch.tensor([3, 11, 12, 28])
+    s = cache.shape[0]
+    g = _gen(3)
+    idx = torch.full((4, s + 5), -1, dtype=torch.int32)  # extra -1 slots, shuffled order
+    for i, pos in enumerate(positions.tolist()):
+        rows = torch.randperm(pos + 1, generator=g)
+        slots = torch.randperm(s + 5, generator=g)[: pos + 1]
+        idx[i, slots] = rows.to(torch.int32)
+    dense = ops.mla_attention(q, cache, positions, 0.2, lat)
+    sparse = ops.mla_sparse_attention(q, cache, idx, 0.2, lat)
+    assert (dense - sparse).abs().max().item() < 1e-12
+
+
+def test_sparse_attention_subset_matches_naive() -> None:
+    q_nope, q_pe, c_kv, k_pe, w_kvb, q, cache = _mla_problem(4)
+    p, lat = q_nope.shape[-1], c_kv.shape[-1]
+    idx = torch.tensor([[5, -1, 2, 9], [-1, -1, -1, -1], [0, 1, 2, 3], [28, 3, -1, 17]], dtype=torch.int32)
+    mask = torch.zeros(4, cache.shape[0], dtype=torch.bool)
+    for i in range(4):
+        for j in idx[i].tolist():
+            if j >= 0:
+                mask[i, j] = True
+    o = torch.einsum("nhl,hvl->nhv", ops.mla_sparse_attention(q, cache, idx, 0.3, lat), w_kvb[:, p:])
+    want = _naive_mla(q_nope, q_pe, c_kv, k_pe, w_kvb, mask, 0.3)
+    keep = [0, 2, 3]
+    assert (o[keep] - want[keep]).abs().max().item() < 1e-12
+    assert o[1].abs().max().item() == 0.0  # no valid index -> zeros
+
+
+def test_indexer_topk_matches_naive() -> None:
+    g = _gen(5)
+    n, hi, di, s, topk = 5, 2, 32, 30, 6
+    q = torch.randn(n, hi, di, generator=g, dtype=D64)
+    w = torch.randn(n, hi, generator=g, dtype=D64).float()
+    k = torch.randn(s, di, generator=g, dtype=D64)
+    positions = torch.tensor([0, 3, 5, 17, 29])
+    got = ops.indexer_topk(q, w, k, positions, topk)
+    assert got.dtype == torch.int32 and got.shape == (n, topk)
+    for i, pos in enumerate(positions.tolist()):
+        score = [sum(float(w[i, h]) * max(float(q[i, h] @ k[t]), 0.0) for h in range(hi)) for t in range(pos + 1)]
+        # ReLU makes exact-zero ties common: compare the selected *scores*, which is tie-insensitive.
+        want = sorted(score, reverse=True)[:topk]
+        have = [x for x in got[i].tolist() if x >= 0]
+        assert len(set(have)) == len(have) == len(want)
+        assert all(0 <= t <= pos for t in have)
+        got_scores = sorted((score[t] for t in have), reverse=True)
+        assert max(abs(a - b) for a, b in zip(got_scores, want)) < 1e-9
+        assert got[i].tolist().count(-1) == topk - min(topk, pos + 1)
+
+
+def test_indexer_topk_pads_when_cache_smaller_than_topk() -> None:
+    q = torch.randn(2, 2, 8)
+    k = torch.randn(4, 8)
+    got = ops.indexer_topk(q, torch.ones(2, 2), k, torch.tensor([1, 3]), 6)
+    assert got.shape == (2, 6)
+    assert sorted(x for x in got[0].tolist() if x >= 0) == [0, 1]
+    assert sorted(x for x in got[1].tolist() if x >= 0) == [0, 1, 2, 3]
+
+
+def _naive_moe(x, ids, weights, w13, w2):
+    inter = w13.shape[1] // 2
+    out = torch.zeros_like(x)
+    for i in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[i, j])
+            gu = w13[e] @ x[i]
+            out[i] += float(weights[i, j]) * (w2[e] @ (F.silu(gu[:inter]) * gu[inter:]))
+    return out
+
+
+def test_moe_experts_both_paths_match_naive() -> None:
+    g = _gen(6)
+    e, d, inter, k = 6, 12, 5, 2
+    w13 = torch.randn(e, 2 * inter, d, generator=g, dtype=D64)
+    w2 = torch.randn(e, d, inter, generator=g, dtype=D64)
+    for n in (1, 3, 9):  # n*k <= E (gather path) and > E (per-expert loop)
+        x = torch.randn(n, d, generator=g, dtype=D64)
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)]).to(torch.int32)
+        wts = torch.rand(n, k, generator=g).float()
+        got = ops.moe_experts(x, ids, wts, w13, w2)
+        want = _naive_moe(x, ids, wts.double(), w13, w2)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # weights are fp32
+
+
+def test_ops_registered_with_fake_kernels() -> None:
+    """Schema and fake (meta) kernels are consistent, so torch.compile can trace the ops."""
+    g = _gen(7)
+    cache = torch.randn(10, 12, generator=g)
+    q = torch.randn(2, 3, 12, generator=g)
+    pos = torch.tensor([4, 9])
+    cases = [
+        (ops.rms_norm, (torch.randn(3, 8, generator=g), torch.randn(8, generator=g), 1e-6)),
+        (ops.mla_attention, (q, cache, pos, 0.5, 8)),
+        (ops.mla_sparse_attention, (q, cache, torch.tensor([[0, 3, -1], [9, 1, 2]], dtype=torch.int32), 0.5, 8)),
+        (ops.indexer_topk, (torch.randn(2, 2, 12, generator=g), torch.rand(2, 2), cache, pos, 4)),
+        (
+            ops.moe_experts,
+            (
+                torch.randn(2, 6, generator=g),
+                torch.tensor([[0, 2], [1, 3]], dtype=torch.int32),
+                torch.rand(2, 2),
+                torch.randn(4, 8, 6, generator=g),
+                torch.randn(4, 6, 4, generator=g),
+            ),
+        ),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+        assert torch.equal(op(*args), getattr(reference, op._name.split("::")[-1])(*args))

@@ -1,0 +1,743 @@
+"""Router unit tests: real HTTP on loopback, the real openai client against the router.
+
+The prefill and decode servers here are STAND-INS for protocol and fault tests: small in-process
+Starlette apps that speak the vLLM prefill protocol (``max_tokens=1`` + TileRT ``kv_transfer_params``)
+and the decode node's HTTP protocol (reserve/release/cancel/decode NDJSON/health). The real vLLM and
+the real decode server are integration-tested elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import openai
+import orjson
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from tilert.router import ConfigError, RouterConfig, build_app, load_config, parse_decode_spec
+from tilert.router.config import DecodeNodeSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+MODEL_TEXT = "Hello there! def foo(bar): return bar * 2  # done"
+
+
+# ----------------------------------------------------------------------------------------------
+# Fixtures: tokenizer model dir, loopback servers
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tokenizer files as transformers' ``save_pretrained`` writes them (without importing transformers)."""
+    from tilert.models.tiny import train_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny_tok")
+    tok = train_tokenizer()
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }))
+    (out / "config.json").write_text(json.dumps({
+        "eos_token_id": tok.token_to_id("<|eos|>"), "bos_token_id": tok.token_to_id("<|bos|>"), "model_type": "tiny",
+    }))
+    return out
+
+
+class _Server:
+    def __init__(self, app: Any, lifespan: str = "auto") -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port: int = self.sock.getsockname()[1]
+        cfg = uvicorn.Config(app, log_level="warning", lifespan=lifespan, timeout_graceful_shutdown=1)
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def start(self) -> _Server:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=5)
+        self.sock.close()
+
+
+def _wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+# ----------------------------------------------------------------------------------------------
+# Stand-ins (protocol/fault tests only)
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class World:
+    """Shared state of the stand-in prefill and decode servers."""
+
+    tokenizer: Any
+    eos_id: int
+    model_name: str = "tiny"
+    script: list[int] = field(default_factory=list)
+    prefill_mode: str = "ok"  # ok | no_kv | http_500
+    decode_mode: str = "ok"  # ok | error_after | hang | refuse
+    error_after: int = 2
+    hold: bool = False
+    token_delay: float = 0.002
+    tokens_per_line: int = 1
+    slots_total: int = 2
+    reservations: dict[str, int] = field(default_factory=dict)
+    prefill_bodies: list[dict[str, Any]] = field(default_factory=list)
+    prompts: dict[str, str] = field(default_factory=dict)
+    transfers: dict[str, list[int]] = field(default_factory=dict)
+    decode_calls: list[str] = field(default_factory=list)
+    decode_bodies: list[dict[str, Any]] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+    releases: list[str] = field(default_factory=list)
+    closed_streams: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def reset(self) -> None:
+        self.script = self.tokenizer.encode(MODEL_TEXT).ids + [self.eos_id]
+        self.prefill_mode, self.decode_mode, self.error_after = "ok", "ok", 2
+        self.hold, self.token_delay, self.tokens_per_line, self.slots_total = False, 0.002, 1, 2
+        for coll in (self.reservations, self.prefill_bodies, self.prompts, self.transfers, self.decode_calls,
+                     self.decode_bodies, self.cancels, self.releases, self.closed_streams):
+            coll.clear()
+
+    def text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def prefill_standin(world: World) -> Starlette:
+    async def generate(request: Request) -> Response:
+        body = await request.json()
+        chat = request.url.path.endswith("/chat/completions")
+        world.prefill_bodies.append(body)
+        if body.get("model") != world.model_name:
+            return JSONResponse(
+                {"error": {"message": f"The model `{body.get('model')}` does not exist.", "type": "NotFoundError",
+                           "param": "model", "code": 404}},
+                status_code=404,
+            )
+        if world.prefill_mode == "http_500":
+            return JSONResponse({"error": {"message": "engine dead", "code": 500}}, status_code=500)
+        assert body["max_tokens"] == 1 and body["stream"] is False and body["return_token_ids"] is True
+        assert "max_completion_tokens" not in body and "stream_options" not in body
+        kv_in = body["kv_transfer_params"]
+        prompt = " ".join(m["content"] for m in body["messages"]) if chat else body["prompt"]
+        prompt_ids = world.tokenizer.encode(prompt).ids
+        first = world.script[0]
+        text = world.text([first])
+        finish, stop_reason = "length", None
+        if first == world.eos_id:
+            finish = "stop"
+        stops = body.get("stop") or []
+        for s in [stops] if isinstance(stops, str) else stops:
+            if s in text:
+                text, finish, stop_reason = text[: text.index(s)], "stop", s
+                break
+        tid = kv_in["tilert_transfer_id"]
+        world.prompts[tid] = prompt
+        world.transfers[tid] = world.script[1:]
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason,
+                                  "token_ids": [first]}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+            choice["prompt_token_ids"] = prompt_ids
+        resp: dict[str, Any] = {
+            "id": "chatcmpl-standin" if chat else "cmpl-standin",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": 1700000000,
+            "model": body["model"],
+            "choices": [choice],
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": 1, "total_tokens": len(prompt_ids) + 1},
+        }
+        if chat:
+            resp["prompt_token_ids"] = prompt_ids
+        if world.prefill_mode != "no_kv":
+            resp["kv_transfer_params"] = {
+                "tilert_first_token_id": first,
+                "tilert_prompt_tokens": len(prompt_ids),
+                "tilert_transfer_id": tid,
+            }
+        return JSONResponse(resp)
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200)
+
+    return Starlette(routes=[
+        Route("/v1/chat/completions", generate, methods=["POST"]),
+        Route("/v1/completions", generate, methods=["POST"]),
+        Route("/health", health),
+    ])
+
+
+def decode_standin(world: World) -> Starlette:
+    def free(tid: str) -> None:
+        with world.lock:
+            world.reservations.pop(tid, None)
+
+    async def reserve(request: Request) -> Response:
+        body = await request.json()
+        with world.lock:
+            if len(world.reservations) >= world.slots_total:
+                return JSONResponse({"error": {"message": "no free slot"}}, status_code=429)
+            slot = len(world.reservations)
+            world.reservations[body["transfer_id"]] = slot
+        return JSONResponse({"transfer_id": body["transfer_id"], "slot": slot})
+
+    async def release(request: Request) -> Response:
+        tid = (await request.json())["transfer_id"]
+        world.releases.append(tid)
+        free(tid)
+        return JSONResponse({"ok": True})
+
+    async def cancel(request: Request) -> Response:
+        tid = (await request.json())["transfer_id"]
+        world.cancels.append(tid)
+        free(tid)
+        return JSONResponse({"ok": True})
+
+    async def decode(request: Request) -> Response:
+        body = await request.json()
+        tid = body["transfer_id"]
+        if tid not in world.reservations:
+            return JSONResponse({"error": {"message": "unknown transfer"}}, status_code=404)
+        if world.decode_mode == "refuse":
+            return JSONResponse({"error": {"message": "top_k too large"}}, status_code=400)
+        world.decode_calls.append(tid)
+        world.decode_bodies.append(body)
+        script = world.transfers[tid]
+        stop_ids = set(body.get("stop_token_ids") or [])
+        ignore_eos = bool(body.get("ignore_eos"))
+
+        async def lines() -> Any:
+            try:
+                while world.hold:
+                    await anyio.sleep(0.005)
+                produced: list[int] = []
+                finish = "length"
+                pending: list[int] = []
+                for tok in script:
+                    if len(produced) >= body["max_tokens"]:
+                        break
+                    if world.decode_mode == "error_after" and len(produced) >= world.error_after:
+                        yield orjson.dumps({"error": {"message": "injected decode failure", "code": 500}}) + b"\n"
+                        return
+                    if world.decode_mode == "hang" and len(produced) >= world.error_after:
+                        await anyio.sleep(3600)
+                    produced.append(tok)
+                    pending.append(tok)
+                    done = (tok == world.eos_id and not ignore_eos) or tok in stop_ids
+                    if len(pending) >= world.tokens_per_line or done:
+                        await anyio.sleep(world.token_delay)
+                        yield orjson.dumps({"token_ids": pending}) + b"\n"
+                        pending = []
+                    if done:
+                        finish = "stop"
+                        break
+                if pending:
+                    yield orjson.dumps({"token_ids": pending}) + b"\n"
+                yield orjson.dumps({"finish_reason": finish}) + b"\n"
+            finally:
+                world.closed_streams.append(tid)
+                free(tid)
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    async def health(request: Request) -> Response:
+        with world.lock:
+            used = len(world.reservations)
+        return JSONResponse({"status": "ok", "slots_total": world.slots_total, "slots_free": world.slots_total - used})
+
+    return Starlette(routes=[
+        Route("/v1/reserve", reserve, methods=["POST"]),
+        Route("/v1/release", release, methods=["POST"]),
+        Route("/v1/cancel", cancel, methods=["POST"]),
+        Route("/v1/decode", decode, methods=["POST"]),
+        Route("/health", health),
+    ])
+
+
+@pytest.fixture(scope="module")
+def standins(model_dir: Path) -> Iterator[tuple[World, _Server, _Server]]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    world = World(tokenizer=tok, eos_id=tok.token_to_id("<|eos|>"))
+    world.reset()
+    prefill = _Server(prefill_standin(world), lifespan="off").start()
+    decode = _Server(decode_standin(world), lifespan="off").start()
+    yield world, prefill, decode
+    prefill.stop()
+    decode.stop()
+
+
+@pytest.fixture
+def world(standins: tuple[World, _Server, _Server]) -> World:
+    standins[0].reset()
+    return standins[0]
+
+
+@dataclass
+class RouterHandle:
+    port: int
+    config: RouterConfig
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, api_key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=15)
+
+
+@pytest.fixture
+def make_router(standins: tuple[World, _Server, _Server], model_dir: Path) -> Iterator[Callable[..., RouterHandle]]:
+    _, prefill, decode = standins
+    started: list[_Server] = []
+
+    def make(**overrides: Any) -> RouterHandle:
+        nodes = overrides.pop("decode_nodes", [DecodeNodeSpec("127.0.0.1", 1, decode.port)])
+        cfg = RouterConfig(
+            prefill_url=f"http://127.0.0.1:{prefill.port}",
+            decode_nodes=nodes,
+            model_dir=str(model_dir),
+            served_model_name="tiny",
+            health_interval_s=0.5,
+            **overrides,
+        )
+        server = _Server(build_app(cfg), lifespan="on").start()
+        started.append(server)
+        return RouterHandle(server.port, cfg)
+
+    yield make
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture
+def router(make_router: Callable[..., RouterHandle]) -> RouterHandle:
+    return make_router()
+
+
+def _slots_in_use(router: RouterHandle) -> int:
+    data = httpx.get(router.url + "/health", timeout=5).json()
+    return sum(n["router_in_use"] for n in data["decode"])
+
+
+def _expected(world: World) -> tuple[str, list[int]]:
+    return world.text(world.script[:-1]), list(world.script)
+
+
+# ----------------------------------------------------------------------------------------------
+# Happy paths
+# ----------------------------------------------------------------------------------------------
+def test_chat_streaming_text_token_ids_usage(router: RouterHandle, world: World) -> None:
+    text, ids = _expected(world)
+    stream = router.client().chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=100,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True},
+    )
+    chunks = list(stream)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    got_ids = [t for c in chunks if c.choices for t in (c.choices[0].model_extra or {}).get("token_ids", [])]
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert content == text
+    assert got_ids == ids
+    assert finishes == ["stop"]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    prompt_tokens = len(world.tokenizer.encode("hi").ids)
+    assert chunks[-1].usage.prompt_tokens == prompt_tokens
+    assert chunks[-1].usage.completion_tokens == len(ids)
+    assert chunks[-1].usage.total_tokens == prompt_tokens + len(ids)
+    # The decode node got the rest of the budget and the claim went to vLLM with a router-minted id.
+    assert world.decode_bodies[0]["max_tokens"] == 99
+    assert world.decode_bodies[0]["first_token_id"] == ids[0]
+    kv = world.prefill_bodies[0]["kv_transfer_params"]
+    assert kv["tilert_host"] == "127.0.0.1" and kv["tilert_ctrl_port"] == 1 and len(kv["tilert_transfer_id"]) == 32
+    assert _wait_for(lambda: _slots_in_use(router) == 0)
+    assert not world.reservations
+
+
+def test_chat_non_streaming(router: RouterHandle, world: World) -> None:
+    text, ids = _expected(world)
+    world.tokens_per_line = 3  # MTP-style multi-token lines
+    resp = router.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_completion_tokens=64,
+        extra_body={"return_token_ids": True},
+    )
+    assert resp.object == "chat.completion"
+    assert resp.choices[0].message.content == text
+    assert resp.choices[0].finish_reason == "stop"
+    assert (resp.choices[0].model_extra or {})["token_ids"] == ids
+    assert resp.usage is not None and resp.usage.completion_tokens == len(ids)
+    assert "max_completion_tokens" not in world.prefill_bodies[0]
+
+
+def test_completions_streaming_and_length(router: RouterHandle, world: World) -> None:
+    client = router.client()
+    ids = world.script
+    stream = client.completions.create(model="tiny", prompt="def f():", max_tokens=5, stream=True,
+                                       extra_body={"return_token_ids": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == world.text(ids[:5])
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    got = [t for c in chunks for t in (c.choices[0].model_extra or {}).get("token_ids", [])]
+    assert got == ids[:5]
+
+    resp = client.completions.create(model="tiny", prompt="def f():", max_tokens=300)
+    assert resp.object == "text_completion"
+    assert resp.choices[0].text == world.text(ids[:-1])
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage is not None and resp.usage.completion_tokens == len(ids)
+    assert _wait_for(lambda: _slots_in_use(router) == 0)
+
+
+def test_router_side_stop_string_spanning_tokens(router: RouterHandle, world: World) -> None:
+    full = world.text(world.script[:-1])
+    stop = "return bar"
+    expected = full[: full.index(stop)]
+    stream = router.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=100, stream=True, stop=[stop],
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    resp = router.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=100, stop=stop,
+    )
+    assert resp.choices[0].message.content == expected
+    assert (resp.choices[0].model_extra or {}).get("stop_reason") == stop
+    assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)
+
+
+def test_first_token_stop_answered_from_prefill(router: RouterHandle, world: World) -> None:
+    world.script = [world.eos_id]
+    client = router.client()
+    resp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "q"}], max_tokens=50)
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.choices[0].message.content == ""
+    assert resp.usage is not None and resp.usage.completion_tokens == 1
+    chunks = list(client.completions.create(model="tiny", prompt="q", max_tokens=50, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # max_tokens=1 also ends at the prefill.
+    world.reset()
+    resp2 = client.completions.create(model="tiny", prompt="q", max_tokens=1)
+    assert resp2.choices[0].finish_reason == "length"
+    assert resp2.choices[0].text == world.text(world.script[:1])
+    assert world.decode_calls == []
+    assert len(world.releases) >= 1
+    assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Admission
+# ----------------------------------------------------------------------------------------------
+def _stream_in_thread(router: RouterHandle, prompt: str, results: dict[str, Any]) -> threading.Thread:
+    def run() -> None:
+        try:
+            stream = router.client().completions.create(model="tiny", prompt=prompt, max_tokens=4, stream=True)
+            results[prompt] = "".join(c.choices[0].text for c in stream)
+        except Exception as exc:  # noqa: BLE001
+            results[prompt] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_full_then_queue_timeout_429_retry_after(make_router: Callable[..., RouterHandle], world: World) -> None:
+    world.slots_total = 1
+    world.hold = True
+    router = make_router(queue_timeout_s=0.3, retry_after_s=2)
+    results: dict[str, Any] = {}
+    t = _stream_in_thread(router, "holder", results)
+    assert _wait_for(lambda: len(world.decode_calls) == 1)
+    r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "late", "max_tokens": 3},
+                   timeout=5)
+    assert r.status_code == 429
+    assert r.headers["retry-after"] == "2"
+    assert "decode slot" in r.json()["error"]["message"]
+    world.hold = False
+    t.join(10)
+    assert isinstance(results["holder"], str)
+
+
+def test_queue_full_429_at_once(make_router: Callable[..., RouterHandle], world: World) -> None:
+    world.slots_total = 1
+    world.hold = True
+    router = make_router(queue_timeout_s=5, max_queue=0)
+    results: dict[str, Any] = {}
+    t = _stream_in_thread(router, "holder", results)
+    assert _wait_for(lambda: len(world.decode_calls) == 1)
+    t0 = time.monotonic()
+    with pytest.raises(openai.RateLimitError):
+        router.client().completions.create(model="tiny", prompt="x", max_tokens=3)
+    assert time.monotonic() - t0 < 2
+    world.hold = False
+    t.join(10)
+
+
+def test_fifo_order(make_router: Callable[..., RouterHandle], world: World) -> None:
+    world.slots_total = 1
+    world.hold = True
+    router = make_router(queue_timeout_s=20)
+    results: dict[str, Any] = {}
+    threads = [_stream_in_thread(router, "A", results)]
+    assert _wait_for(lambda: len(world.decode_calls) == 1)
+    for name in ("B", "C", "D"):
+        threads.append(_stream_in_thread(router, name, results))
+        assert _wait_for(lambda: httpx.get(router.url + "/health", timeout=5).json()["queue_depth"] == ord(name) - ord("A"))
+    world.hold = False
+    for t in threads:
+        t.join(20)
+    order = [world.prompts[tid] for tid in world.decode_calls]
+    assert order == ["A", "B", "C", "D"]
+    assert all(isinstance(v, str) for v in results.values())
+
+
+def test_no_healthy_node_503(make_router: Callable[..., RouterHandle], world: World) -> None:
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    port = dead.getsockname()[1]
+    dead.close()
+    router = make_router(decode_nodes=[DecodeNodeSpec("127.0.0.1", 1, port)])
+    r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=5)
+    assert r.status_code == 503
+    h = httpx.get(router.url + "/health", timeout=5)
+    assert h.status_code == 503 and h.json()["decode"][0]["ok"] is False
+
+
+# ----------------------------------------------------------------------------------------------
+# Refusals and upstream errors
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"n": 2},
+        {"logprobs": True},
+        {"top_logprobs": 3, "logprobs": True},
+        {"presence_penalty": 0.5},
+        {"frequency_penalty": 1.0},
+        {"logit_bias": {"5": 10}},
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+        {"response_format": {"type": "json_object"}},
+        {"guided_json": {"type": "object"}},
+        {"min_tokens": 3},
+        {"max_tokens": 0},
+        {"max_tokens": "5"},
+        {"stop": [1, 2]},
+    ],
+)
+def test_unsupported_options_400(router: RouterHandle, world: World, extra: dict[str, Any]) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], **extra}
+    r = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=5)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"]
+    assert world.prefill_bodies == []
+
+
+def test_completions_only_refusals_and_bad_json(router: RouterHandle, world: World) -> None:
+    for extra in ({"echo": True}, {"best_of": 3}, {"suffix": "end"}, {"logprobs": 2}, {"prompt": ["a", "b"]}):
+        r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x", **extra}, timeout=5)
+        assert r.status_code == 400, (extra, r.text)
+    r = httpx.post(router.url + "/v1/completions", content=b"{not json", timeout=5,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError):
+        router.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=2)
+    assert world.prefill_bodies == []
+
+
+def test_vllm_4xx_propagated(router: RouterHandle, world: World) -> None:
+    with pytest.raises(openai.NotFoundError) as err:
+        router.client().chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert "The model `nope` does not exist." in str(err.value)
+    assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)
+    assert world.releases  # the reservation was released
+
+
+def test_prefill_5xx_is_502(router: RouterHandle, world: World) -> None:
+    world.prefill_mode = "http_500"
+    r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=5)
+    assert r.status_code == 502 and "HTTP 500" in r.json()["error"]["message"]
+    assert _wait_for(lambda: not world.reservations)
+
+
+def test_missing_kv_transfer_params_502(router: RouterHandle, world: World) -> None:
+    world.prefill_mode = "no_kv"
+    r = httpx.post(router.url + "/v1/chat/completions",
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True}, timeout=5)
+    assert r.status_code == 502
+    assert "kv_transfer_params" in r.json()["error"]["message"]
+    assert world.decode_calls == []
+    assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)
+
+
+def _sse_events(text: str) -> list[str]:
+    return [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+
+
+def test_decode_error_mid_stream_error_event_then_done(router: RouterHandle, world: World) -> None:
+    world.decode_mode = "error_after"
+    world.error_after = 2
+    r = httpx.post(router.url + "/v1/chat/completions", timeout=10, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True, "max_tokens": 50})
+    assert r.status_code == 200
+    events = _sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert "injected decode failure" in last["error"]["message"]
+    content = [json.loads(e) for e in events[:-2]]
+    assert len(content) == 3  # first token from prefill, two from decode
+    # The openai client surfaces it as an APIError.
+    with pytest.raises(openai.APIError):
+        list(router.client().chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], stream=True, max_tokens=50))
+    # Non-streaming: a plain 502.
+    r2 = httpx.post(router.url + "/v1/completions", timeout=10, json={"model": "tiny", "prompt": "x", "max_tokens": 50})
+    assert r2.status_code == 502
+    assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)
+
+
+def test_decode_refusal_4xx(router: RouterHandle, world: World) -> None:
+    world.decode_mode = "refuse"
+    r = httpx.post(router.url + "/v1/completions", timeout=10, json={"model": "tiny", "prompt": "x", "max_tokens": 9})
+    assert r.status_code == 400 and "top_k too large" in r.json()["error"]["message"]
+    assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)
+
+
+def test_client_disconnect_cancels_decode_and_releases(router: RouterHandle, world: World) -> None:
+    world.decode_mode = "hang"
+    world.error_after = 1
+    with httpx.Client(timeout=10) as client:
+        with client.stream("POST", router.url + "/v1/chat/completions", json={
+                "model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True,
+                "max_tokens": 50}) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            got = 0
+            for line in lines:
+                if line.startswith("data: "):
+                    got += 1
+                if got == 2:  # the prefill token and one decode token
+                    break
+            tid = world.decode_calls[0]
+    assert _wait_for(lambda: tid in world.cancels, timeout=5)
+    assert _wait_for(lambda: tid in world.closed_streams, timeout=5)
+    assert _wait_for(lambda: tid in world.releases and not world.reservations, timeout=5)
+    assert _wait_for(lambda: _slots_in_use(router) == 0)
+    metrics = httpx.get(router.url + "/metrics", timeout=5).text
+    assert 'outcome="client_disconnected"' in metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# Surface: request id, models, auth, metrics, health, config
+# ----------------------------------------------------------------------------------------------
+def test_request_id_echo_and_mint(router: RouterHandle, world: World) -> None:
+    r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+                   headers={"X-Request-Id": "abc-123"}, timeout=5)
+    assert r.status_code == 200 and r.headers["x-request-id"] == "abc-123"
+    r2 = httpx.get(router.url + "/v1/models", timeout=5)
+    assert len(r2.headers["x-request-id"]) == 32
+    r3 = httpx.post(router.url + "/v1/completions", json={"n": 3, "prompt": "x"}, headers={"X-Request-Id": "e-1"},
+                    timeout=5)
+    assert r3.status_code == 400 and r3.headers["x-request-id"] == "e-1"
+
+
+def test_models_health_metrics(router: RouterHandle, world: World) -> None:
+    models = router.client().models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    h = httpx.get(router.url + "/health", timeout=5)
+    assert h.status_code == 200 and h.json()["status"] == "ok"
+    assert h.json()["decode"][0]["slots_total"] == 2
+    router.client().completions.create(model="tiny", prompt="x", max_tokens=3, stream=True).close()
+    list(router.client().completions.create(model="tiny", prompt="x", max_tokens=3, stream=True))
+    text = httpx.get(router.url + "/metrics", timeout=5).text
+    for name in ("tilert_router_ttft_seconds", "tilert_router_itl_seconds", "tilert_router_queue_depth",
+                 "tilert_router_transfer_wait_seconds", "tilert_router_requests_total"):
+        assert name in text
+
+
+def test_auth_when_api_key_set(make_router: Callable[..., RouterHandle], world: World) -> None:
+    router = make_router(api_key="s3cret")
+    with pytest.raises(openai.AuthenticationError):
+        router.client("wrong").models.list()
+    r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=5)
+    assert r.status_code == 401
+    assert httpx.get(router.url + "/health", timeout=5).status_code == 200
+    resp = router.client("s3cret").completions.create(model="tiny", prompt="x", max_tokens=2)
+    assert resp.choices[0].finish_reason == "length"
+
+
+def test_parse_decode_spec_and_config(tmp_path: Path, model_dir: Path) -> None:
+    assert parse_decode_spec("10.0.0.2:5556:5557") == DecodeNodeSpec("10.0.0.2", 5556, 5557)
+    assert parse_decode_spec("[::1]:5556:5557").host == "::1"
+    for bad in ("host:5556", "host:x:5557", ":1:2", "h:0:5557", "h:5556:5556", "::1:5556:5557", ""):
+        with pytest.raises(ConfigError):
+            parse_decode_spec(bad)
+    cfg_file = tmp_path / "router.toml"
+    cfg_file.write_text(
+        f'prefill_url = "http://127.0.0.1:8000"\nmodel_dir = "{model_dir}"\nport = 23333\n'
+        'decode = ["127.0.0.1:5556:5557"]\n\n[[decode_nodes]]\nhost = "x"\nctrl_port = 1\nhttp_port = 2\n'
+    )
+    cfg = load_config(cfg_file)
+    assert cfg.served_model_name == str(model_dir)
+    assert [n.name for n in cfg.decode_nodes] == ["127.0.0.1:5556:5557"]
+    cfg_file.write_text(f'prefill_url = "http://h:1"\nmodel_dir = "{model_dir}"\nbogus = 1\n')
+    with pytest.raises(ConfigError, match="unknown"):
+        load_config(cfg_file)
+    cfg_file.write_text('prefill_url = "http://h:1"\nmodel_dir = "/nonexistent"\ndecode = ["h:1:2"]\n')
+    with pytest.raises(ConfigError, match="not a directory"):
+        load_config(cfg_file)
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        cfg_file.write_text("prefill_url = ")
+        load_config(cfg_file)
+    example = Path(__file__).resolve().parents[1] / "config" / "router.example.toml"
+    text = example.read_text().replace('"/models/GLM-5.1-FP8"', f'"{model_dir}"')
+    cfg_file.write_text(text)
+    assert load_config(cfg_file).decode_nodes
+
+
+def test_env_app_refuses_start_without_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TILERT_ROUTER_CONFIG", raising=False)
+    app = build_app()
+
+    async def main() -> None:
+        with pytest.raises(RuntimeError, match="TILERT_ROUTER_CONFIG"):
+            async with app.router.lifespan_context(app):
+                pass
+
+    anyio.run(main)
