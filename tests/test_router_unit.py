@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import httpx
@@ -58,7 +58,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class _Server:
-    def __init__(self, app: Any, lifespan: str = "auto") -> None:
+    def __init__(self, app: Any, lifespan: Literal["auto", "on", "off"] = "auto") -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
@@ -106,6 +106,7 @@ class World:
     decode_mode: str = "ok"  # ok | error_after | hang | refuse
     error_after: int = 2
     hold: bool = False
+    prefill_delay: float = 0.0
     token_delay: float = 0.002
     tokens_per_line: int = 1
     slots_total: int = 2
@@ -123,6 +124,7 @@ class World:
     def reset(self) -> None:
         self.script = self.tokenizer.encode(MODEL_TEXT).ids + [self.eos_id]
         self.prefill_mode, self.decode_mode, self.error_after = "ok", "ok", 2
+        self.prefill_delay = 0.0
         self.hold, self.token_delay, self.tokens_per_line, self.slots_total = False, 0.002, 1, 2
         for coll in (self.reservations, self.prefill_bodies, self.prompts, self.transfers, self.decode_calls,
                      self.decode_bodies, self.cancels, self.releases, self.closed_streams):
@@ -137,6 +139,8 @@ def prefill_standin(world: World) -> Starlette:
         body = await request.json()
         chat = request.url.path.endswith("/chat/completions")
         world.prefill_bodies.append(body)
+        if world.prefill_delay:
+            await anyio.sleep(world.prefill_delay)
         if body.get("model") != world.model_name:
             return JSONResponse(
                 {"error": {"message": f"The model `{body.get('model')}` does not exist.", "type": "NotFoundError",
@@ -290,7 +294,9 @@ def standins(model_dir: Path) -> Iterator[tuple[World, _Server, _Server]]:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    world = World(tokenizer=tok, eos_id=tok.token_to_id("<|eos|>"))
+    eos = tok.token_to_id("<|eos|>")
+    assert eos is not None
+    world = World(tokenizer=tok, eos_id=eos)
     world.reset()
     prefill = _Server(prefill_standin(world), lifespan="off").start()
     decode = _Server(decode_standin(world), lifespan="off").start()
@@ -438,6 +444,7 @@ def test_router_side_stop_string_spanning_tokens(router: RouterHandle, world: Wo
     resp = router.client().chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=100, stop=stop,
     )
+    assert not world.reservations and world.cancels  # router-side stop: decode cancelled before the answer ended
     assert resp.choices[0].message.content == expected
     assert (resp.choices[0].model_extra or {}).get("stop_reason") == stop
     assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)
@@ -447,6 +454,7 @@ def test_first_token_stop_answered_from_prefill(router: RouterHandle, world: Wor
     world.script = [world.eos_id]
     client = router.client()
     resp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "q"}], max_tokens=50)
+    assert not world.reservations  # released before the answer's last byte
     assert resp.choices[0].finish_reason == "stop"
     assert resp.choices[0].message.content == ""
     assert resp.usage is not None and resp.usage.completion_tokens == 1
@@ -741,3 +749,65 @@ def test_env_app_refuses_start_without_config(monkeypatch: pytest.MonkeyPatch) -
                 pass
 
     anyio.run(main)
+
+
+def test_stop_token_ids_and_split_utf8(router: RouterHandle, world: World) -> None:
+    text_ids = world.tokenizer.encode("ok naïve 世界 ✓ end").ids
+    world.script = text_ids + [world.eos_id]
+    stream = router.client().completions.create(model="tiny", prompt="u", max_tokens=64, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == "ok naïve 世界 ✓ end"
+    # A stop token id ends the request: its id counts and is returned, its text is not.
+    stop_id = text_ids[3]
+    resp = router.client().completions.create(model="tiny", prompt="u", max_tokens=64,
+                                              extra_body={"stop_token_ids": [stop_id], "return_token_ids": True})
+    assert resp.choices[0].finish_reason == "stop"
+    assert (resp.choices[0].model_extra or {})["stop_reason"] == stop_id
+    assert (resp.choices[0].model_extra or {})["token_ids"] == text_ids[:4]
+    assert resp.choices[0].text == world.text(text_ids[:3])
+    assert world.decode_bodies[-1]["stop_token_ids"] == [stop_id]
+
+
+def test_node_full_elsewhere_waits_then_proceeds(make_router: Callable[..., RouterHandle], world: World) -> None:
+    world.slots_total = 1
+    router = make_router(queue_timeout_s=10)
+    world.reservations["someone-else"] = 0  # a slot held by another router: our view says free
+    results: dict[str, Any] = {}
+    t = _stream_in_thread(router, "patient", results)
+    assert _wait_for(lambda: httpx.get(router.url + "/health", timeout=5).json()["queue_depth"] == 1)
+    assert world.prefill_bodies == []  # never prefilled without a reserved slot
+    with world.lock:
+        world.reservations.pop("someone-else")
+    t.join(10)
+    assert isinstance(results["patient"], str) and results["patient"]
+
+
+def test_disconnect_while_queued_or_prefilling_leaks_nothing(
+    make_router: Callable[..., RouterHandle], world: World
+) -> None:
+    world.slots_total = 1
+    world.hold = True
+    router = make_router(queue_timeout_s=20)
+    results: dict[str, Any] = {}
+    holder = _stream_in_thread(router, "holder", results)
+    assert _wait_for(lambda: len(world.decode_calls) == 1)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up while queued
+        httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "q"}, timeout=0.3)
+    assert _wait_for(lambda: httpx.get(router.url + "/health", timeout=5).json()["queue_depth"] == 0)
+    world.hold = False
+    holder.join(10)
+    world.prefill_delay = 2.0
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up during prefill
+        httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "p"}, timeout=0.5)
+    assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0, timeout=5)
+    assert world.decode_calls == [world.decode_calls[0]]  # nothing decoded for the abandoned requests
+
+
+def test_max_model_len_enforced_after_prefill(make_router: Callable[..., RouterHandle], world: World) -> None:
+    router = make_router(max_model_len=8, default_max_tokens=100)
+    prompt_tokens = len(world.tokenizer.encode("a b c").ids)
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 8"):
+        router.client().completions.create(model="tiny", prompt="a b c", max_tokens=50)
+    resp = router.client().completions.create(model="tiny", prompt="a b c")  # defaulted: clamped
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage is not None and resp.usage.completion_tokens == 8 - prompt_tokens
+    assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)

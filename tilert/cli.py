@@ -37,9 +37,7 @@ def _decode(args: argparse.Namespace) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from tilert.router.app import build_app
+    from tilert.router.app import serve
     from tilert.router.config import ConfigError, RouterConfig, parse_decode_spec
 
     try:
@@ -51,10 +49,13 @@ def _router(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             api_key=args.api_key,
+            max_model_len=args.max_model_len,
+            queue_timeout_s=args.queue_timeout_s,
+            max_queue=args.max_queue,
         ).validate()
     except ConfigError as exc:
         raise SystemExit(f"tilert router: {exc}") from None
-    uvicorn.run(build_app(config), host=config.host, port=config.port, log_level="warning")
+    serve(config, log_level="warning")
     return 0
 
 
@@ -103,7 +104,10 @@ def parser() -> argparse.ArgumentParser:
     rt.add_argument("--served-model-name", default=None)
     rt.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     rt.add_argument("--port", type=int, default=23333)
-    rt.add_argument("--api-key", default=None)
+    rt.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    rt.add_argument("--max-model-len", type=int, default=None, help="refuse prompt + max_tokens beyond this")
+    rt.add_argument("--queue-timeout-s", type=float, default=30.0, help="FIFO wait for a slot before 429")
+    rt.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond this get 429 at once")
     rt.set_defaults(func=_router)
 
     up = sub.add_parser("up", help="prefill (stock vLLM) + decode + router on this machine")

@@ -54,7 +54,7 @@ def prefill_command(cfg: StackConfig) -> list[str]:
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"tilert_transport": cfg.transport},
     }
-    return [
+    cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(cfg.model),
         "--host", cfg.host, "--port", str(cfg.prefill_port),
@@ -64,6 +64,17 @@ def prefill_command(cfg: StackConfig) -> list[str]:
         "--kv-cache-memory-bytes", str(cfg.kv_cache_bytes),
         "--kv-transfer-config", json.dumps(kv_config),
     ]  # fmt: skip
+    if not _has_cuda():
+        # vLLM 0.32's CPU rotary kernel mis-rotates MLA's strided q_pe/k_pe views (keys come out
+        # unrotated), so DeepSeek models diverge from their definition; its PyTorch-native RoPE is exact.
+        cmd += ["--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]})]
+    return cmd
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def decode_command(cfg: StackConfig) -> list[str]:
@@ -81,6 +92,7 @@ def router_command(cfg: StackConfig) -> list[str]:
         "--prefill-url", _url(cfg.host, cfg.prefill_port),
         "--decode", f"{'[' + cfg.host + ']' if ':' in cfg.host else cfg.host}:{cfg.ctrl_port}:{cfg.decode_http_port}",
         "--model", str(cfg.model), "--host", cfg.host, "--port", str(cfg.port),
+        "--max-model-len", str(cfg.max_model_len),
     ]  # fmt: skip
 
 
@@ -110,7 +122,8 @@ class Stack:
         }
         for name, cmd in commands.items():
             log.info("starting", process=name, command=" ".join(cmd))
-            self.children[name] = subprocess.Popen(cmd, env=env, start_new_session=True)
+            # Children log to stderr: stdout carries only the three URL lines, for people and scripts.
+            self.children[name] = subprocess.Popen(cmd, env=env, stdout=sys.stderr, start_new_session=True)
 
     def wait_healthy(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s

@@ -32,13 +32,19 @@ class DecodeParams:
         return self.temperature == 0.0
 
     @staticmethod
-    def parse(body: Any, vocab_size: int) -> "DecodeParams":
-        """Validate a ``/v1/decode`` body; ``ValueError`` names the first bad field."""
+    def parse(body: Any, vocab_size: int, defaults: dict[str, Any] | None = None) -> "DecodeParams":
+        """Validate a ``/v1/decode`` body; ``ValueError`` names the first bad field.
+
+        Sampling fields left null take ``defaults`` (the model's ``generation_config.json``), as vLLM does.
+        """
         if not isinstance(body, dict):
             raise ValueError("body must be a JSON object")
 
+        defaults = defaults or {}
+
         def integer(name: str, default: int | None = None, lo: int | None = None) -> int | None:
-            value = body.get(name, default)
+            value = body.get(name)
+            value = defaults.get(name, default) if value is None else value
             if value is None:
                 return None
             if isinstance(value, bool) or not isinstance(value, int) or (lo is not None and value < lo):
@@ -48,7 +54,7 @@ class DecodeParams:
         def number(name: str, default: float) -> float:
             value = body.get(name)
             if value is None:
-                return default
+                return float(defaults.get(name, default))
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{name} must be a number")
             return float(value)

@@ -79,6 +79,15 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
         raise SystemExit(f"--dtype must be auto, float32, bfloat16 or float16, not {dtype!r}") from None
 
 
+def sampling_defaults(model_dir: Path) -> dict[str, Any]:
+    """The model's own sampling defaults (``generation_config.json``), applied when a request leaves them unset."""
+    path = model_dir / "generation_config.json"
+    if not path.exists():
+        return {}
+    config = json.loads(path.read_text())
+    return {k: config[k] for k in ("temperature", "top_p", "top_k") if config.get(k) is not None}
+
+
 def eos_token_ids(model_dir: Path) -> frozenset[int]:
     ids: set[int] = set()
     for name in ("config.json", "generation_config.json"):
@@ -125,6 +134,7 @@ class DecodeNode:
         )
         self.control = ControlServer(self.table, config.transport, self.node_id)
         self.eos = eos_token_ids(config.model)
+        self.sampling_defaults = sampling_defaults(config.model)
         self.engine_lock = anyio.Lock()
         self.decodes_completed = 0
         self.app = Starlette(
@@ -187,7 +197,7 @@ class DecodeNode:
 
     async def decode(self, request: Request) -> Response:
         try:
-            params = DecodeParams.parse(await _json(request), self.engine.vocab_size)
+            params = DecodeParams.parse(await _json(request), self.engine.vocab_size, self.sampling_defaults)
             self.table.get(params.transfer_id)
         except SlotError as exc:
             return _error(str(exc), exc.status)

@@ -1,0 +1,285 @@
+"""``TileRTEngine``: the TileRT decode engine (thin wrapper; the math lives in ``model.py``).
+
+State per sequence (static, allocated at load): the latent cache ``[layers, S, L+R]``, the DSA indexer
+key cache ``[index layers, S, Di]``, and, when the checkpoint has an MTP module, its own latent (and
+indexer) cache plus per-position buffers of main-model hidden states and tokens that the MTP module
+needs to (re)compute its rows.
+
+MTP row bookkeeping: MTP row ``r`` holds the module's KV for input ``(h_r, t_{r+1})``. Rows are only
+valid once computed from the main model's real hidden ``h_r``; rows of an injected prompt (no hidden
+states) stay invalid and are masked out of the MTP attention. ``speculative_greedy_step`` first catches
+up the MTP rows whose inputs became known (``[_mtp_upto, L-1]``), which also yields the first draft.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tilert.engines.base import Capabilities, DecodeEngine, KVLayout
+
+from . import layouts
+from .model import Transformer
+from .weights import load_model
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class SpecStepResult:
+    """Outcome of one :meth:`TileRTEngine.speculative_greedy_step`.
+
+    ``tokens``: the newly decided tokens, in order: the accepted drafts followed by one bonus token
+    (``num_accepted + 1`` tokens). The next step is called with ``next_token=tokens[-1]`` and
+    ``start_pos = start_pos + len(tokens)``. ``num_drafted``: drafts proposed (0 when the MTP module
+    could not run, e.g. right after an injection with no hidden state yet).
+    """
+
+    tokens: list[int]
+    num_drafted: int
+    num_accepted: int
+
+
+class TileRTEngine(DecodeEngine):
+    """Plain-PyTorch MLA/DSA/MoE decoder for ``deepseek_v3``, ``deepseek_v32`` and ``glm_moe_dsa``."""
+
+    name = "tilert"
+
+    def __init__(self, model: Transformer, device: torch.device, dtype: torch.dtype, max_seq_len: int) -> None:
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.max_seq_len = max_seq_len
+        a = model.args
+        # Per-position buffers for the MTP module: main final-norm hidden h_r and token t_r.
+        n_buf = max_seq_len if a.num_mtp_layers else 0
+        self._hidden = torch.zeros(n_buf, a.hidden_size, dtype=dtype, device=device)
+        self._tokens = torch.zeros(n_buf + 1, dtype=torch.int64, device=device)
+        self._len = 0  # positions [0, _len) hold the current sequence in the main cache
+        self._hid_lo = 0  # rows [_hid_lo, _len) of _hidden are valid
+        self._mtp_upto = 0  # MTP rows < _mtp_upto are computed (or permanently invalid)
+
+    # ----------------------------------------------------------------------------- contract
+
+    @classmethod
+    def load(
+        cls, model_dir: Path, *, device: str = "cpu", dtype: torch.dtype = torch.bfloat16, max_seq_len: int = 4096
+    ) -> "TileRTEngine":
+        """Read the HF checkpoint in ``model_dir`` (bf16/fp16/fp32 safetensors) and allocate the caches."""
+        dev = torch.device(device)
+        model = load_model(Path(model_dir), device=dev, dtype=dtype, max_seq_len=max_seq_len)
+        return cls(model, dev, dtype, max_seq_len)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.args.vocab_size
+
+    @property
+    def supports_mtp(self) -> bool:
+        """True when the checkpoint carries an MTP module (``speculative_greedy_step`` can draft)."""
+        return self.model.args.num_mtp_layers > 0
+
+    def capabilities(self) -> Capabilities:
+        a = self.model.args
+        notes = [f"arch={a.arch}", "reference PyTorch kernels unless device kernels are registered"]
+        if a.dsa:
+            notes.append(f"DSA sparse attention, index_topk={a.index_topk}")
+        if self.supports_mtp:
+            notes.append("MTP speculative decoding: greedy only (speculative_greedy_step)")
+        return Capabilities(mtp=self.supports_mtp, max_seq_len=self.max_seq_len, notes=tuple(notes))
+
+    def expected_layouts(self) -> dict[str, KVLayout]:
+        """``"mla"``: vLLM's dense latent rows in the model dtype (rope interleaved) for every main layer;
+        ``"indexer"`` (DSA): per-token fp8 key rows + fp32 scale for every layer with its own indexer."""
+        a = self.model.args
+        dt = _DTYPE_NAMES[self.dtype]
+        item = torch.empty((), dtype=self.dtype).element_size()
+        out = {"mla": KVLayout("mla_dense", dt, a.latent_dim * item, a.num_layers, rope_interleaved=True)}
+        if a.dsa:
+            out["indexer"] = KVLayout(
+                "dsa_indexer",
+                "float8_e4m3fn",
+                layouts.dsa_indexer_row_bytes(a.index_head_dim),
+                len(a.index_layers),
+                rope_interleaved=a.indexer_rope_interleave,
+            )
+        return out
+
+    @torch.no_grad()
+    def inject(self, state: dict[str, torch.Tensor], layouts_: dict[str, KVLayout], num_tokens: int) -> None:
+        """Replace the sequence with a prompt of ``num_tokens`` tokens whose KV is ``state``.
+
+        ``state["mla"]``: ``uint8 [N or N+1, num_tokens, row_bytes]`` of kind ``mla_dense`` (float32 /
+        bfloat16 / float16) or ``fp8_ds_mla``; an extra last layer is taken as the MTP layer's KV (rows
+        then valid). ``state["indexer"]`` (DSA only): kind ``dsa_indexer`` per-token rows. Raises
+        ``ValueError`` on unknown names, kinds, shapes or rope conventions.
+        """
+        a = self.model.args
+        if not 0 < num_tokens <= self.max_seq_len:
+            raise ValueError(f"num_tokens={num_tokens} outside 1..{self.max_seq_len}")
+        unknown = set(state) - {"mla", "indexer"}
+        if unknown or "mla" not in state:
+            raise ValueError(f"expected KV tensors 'mla' (+ 'indexer' for DSA), got {sorted(state)}")
+        if a.dsa and "indexer" not in state:
+            raise ValueError("DSA model: the 'indexer' KV is required")
+        if not a.dsa and "indexer" in state:
+            raise ValueError("this model has no DSA indexer; unexpected 'indexer' KV")
+        for key in state:
+            if key not in layouts_:
+                raise ValueError(f"no layout given for {key!r}")
+
+        lay = layouts_["mla"]
+        rows = state["mla"]
+        mtp_given = a.num_mtp_layers > 0 and lay.num_layers == a.num_layers + 1
+        if lay.num_layers != a.num_layers and not mtp_given:
+            raise ValueError(f"mla layout has {lay.num_layers} layers, model has {a.num_layers}")
+        if rows.dim() != 3 or rows.shape[0] != lay.num_layers or rows.shape[1] != num_tokens:
+            raise ValueError(f"mla state shape {tuple(rows.shape)} != [{lay.num_layers}, {num_tokens}, row_bytes]")
+        if rows.shape[2] != lay.row_bytes:
+            raise ValueError(f"mla rows are {rows.shape[2]} bytes, layout says {lay.row_bytes}")
+        latent = layouts.decode_mla_rows(
+            rows.to(self.device), lay.kind, lay.dtype, a.kv_lora_rank, a.qk_rope_head_dim, lay.rope_interleaved
+        )
+        m = self.model
+        m.kv_cache[:, :num_tokens] = latent[: a.num_layers].to(self.dtype)
+        m.mtp_valid.zero_()
+        if mtp_given:
+            m.mtp_kv_cache[0, :num_tokens] = latent[a.num_layers].to(self.dtype)
+            m.mtp_valid[:num_tokens] = True
+
+        if a.dsa:
+            ilay = layouts_["indexer"]
+            irows = state["indexer"]
+            if ilay.kind != "dsa_indexer":
+                raise ValueError(f"unknown indexer KV layout kind {ilay.kind!r} (supported: 'dsa_indexer')")
+            if ilay.rope_interleaved != a.indexer_rope_interleave:
+                raise ValueError(
+                    f"indexer rope_interleaved={ilay.rope_interleaved}, but {a.arch}'s indexer RoPE is "
+                    f"{'interleaved' if a.indexer_rope_interleave else 'half-split'}"
+                )
+            n_idx = len(a.index_layers)
+            if ilay.num_layers != n_idx or irows.dim() != 3 or tuple(irows.shape[:2]) != (n_idx, num_tokens):
+                raise ValueError(f"indexer state shape {tuple(irows.shape)} != [{n_idx}, {num_tokens}, row_bytes]")
+            if irows.shape[2] != ilay.row_bytes:
+                raise ValueError(f"indexer rows are {irows.shape[2]} bytes, layout says {ilay.row_bytes}")
+            keys = layouts.decode_dsa_indexer(
+                irows.to(self.device), a.index_head_dim, a.qk_rope_head_dim, ilay.rope_interleaved
+            )
+            m.index_cache[:, :num_tokens] = keys.to(self.dtype)
+
+        self._len = num_tokens
+        self._hid_lo = num_tokens  # no hidden states for the prompt
+        self._mtp_upto = num_tokens if mtp_given else 0
+
+    @torch.no_grad()
+    def forward(self, token_ids: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """Run ``token_ids`` (int64 ``[n]``) at positions ``start_pos..start_pos+n-1``; float32 logits ``[n, V]``.
+
+        Positions ``>= start_pos`` of earlier calls are overwritten (a rewind is just a smaller start_pos).
+        """
+        hidden = self._forward_main(token_ids, start_pos, invalidate_mtp=True)
+        return self.model.logits(hidden)
+
+    # ---------------------------------------------------------------------------------- MTP
+
+    @torch.no_grad()
+    def speculative_greedy_step(self, next_token: int, start_pos: int, num_draft: int) -> SpecStepResult:
+        """One greedy speculative step with the MTP module.
+
+        Precondition: positions ``0..start_pos-1`` are in the cache and ``next_token`` is the (greedy)
+        token at ``start_pos``, not yet run. The MTP module drafts ``d_1..d_K`` (``K = num_draft``,
+        chaining its own output hidden), the main model verifies ``[next_token, d_1..d_K]`` at
+        ``start_pos..start_pos+K`` in one forward, and the longest prefix with ``d_j == argmax_{j-1}`` is
+        accepted plus one bonus token. Rejected positions are simply rewound (later writes overwrite
+        them). The emitted tokens equal plain greedy decoding token for token.
+
+        Without an MTP module, or without the main hidden state for ``start_pos-1`` (right after an
+        injection), no drafts are made and this is one plain greedy step.
+        """
+        if num_draft < 0:
+            raise ValueError("num_draft must be >= 0")
+        m = self.model
+        L = start_pos
+        if L >= self.max_seq_len:
+            raise ValueError(f"start_pos={L} is at capacity {self.max_seq_len}")
+        k_max = min(num_draft, self.max_seq_len - 1 - L)
+        drafts: list[int] = []
+        if self.supports_mtp and k_max > 0 and L > 0 and self._hid_lo <= L - 1 < self._len and self._mtp_upto < L:
+            self._tokens[L] = next_token
+            # Catch up MTP rows [lo, L-1] from real hidden states: row r <- (h_r, t_{r+1}).
+            lo = max(self._mtp_upto, self._hid_lo)
+            m.mtp_valid[self._mtp_upto :] = False  # stale rows (rewinds, drafts) and rows without hidden
+            rows = torch.arange(lo, L, device=self.device)
+            g, logits = m.mtp_forward(self._tokens[rows + 1], self._hidden[rows], rows)
+            self._mtp_upto = L  # rows >= L written below hold draft data only
+            d = int(logits[-1].argmax())
+            drafts.append(d)
+            h_prev = g[-1:]
+            for j in range(1, k_max):  # chained drafts at rows L, L+1, ...
+                pos = torch.tensor([L + j - 1], device=self.device)
+                h_prev, logits = m.mtp_forward(torch.tensor([d], device=self.device), h_prev, pos)
+                d = int(logits[-1].argmax())
+                drafts.append(d)
+
+        verify = torch.tensor([next_token, *drafts], dtype=torch.int64, device=self.device)
+        hidden = self._forward_main(verify, L, invalidate_mtp=False)
+        greedy = m.logits(hidden).argmax(dim=-1).tolist()
+        n_acc = 0
+        while n_acc < len(drafts) and drafts[n_acc] == greedy[n_acc]:
+            n_acc += 1
+        self._len = L + n_acc + 1  # rejected positions are rewound
+        if self._mtp_upto > L:
+            self._mtp_upto = L
+        return SpecStepResult(tokens=greedy[: n_acc + 1], num_drafted=len(drafts), num_accepted=n_acc)
+
+    # ----------------------------------------------------------------------------- internals
+
+    def _forward_main(self, token_ids: torch.Tensor, start_pos: int, invalidate_mtp: bool) -> torch.Tensor:
+        """Main model over ``token_ids`` at ``start_pos..``; returns final-norm hidden ``[n, D]`` and
+        records hidden states / tokens for the MTP module."""
+        token_ids = token_ids.to(device=self.device, dtype=torch.int64).reshape(-1)
+        n = token_ids.shape[0]
+        if start_pos < 0 or n == 0 or start_pos + n > self.max_seq_len:
+            raise ValueError(f"positions {start_pos}..{start_pos + n - 1} outside the cache (max {self.max_seq_len})")
+        positions = torch.arange(start_pos, start_pos + n, device=self.device)
+        hidden = self.model(token_ids, positions)
+        if self.supports_mtp:
+            if start_pos < self._hid_lo or start_pos > self._len:
+                self._hid_lo = start_pos
+            self._hidden[start_pos : start_pos + n] = hidden
+            self._tokens[start_pos : start_pos + n] = token_ids
+            if invalidate_mtp:
+                # t_{start_pos} may differ from what MTP row start_pos-1 used.
+                self._mtp_upto = min(self._mtp_upto, max(start_pos - 1, 0))
+        self._len = start_pos + n
+        return hidden
+
+
+def greedy_generate(engine: DecodeEngine, first_token: int, start_pos: int, n: int) -> list[int]:
+    """Plain greedy decoding: feed ``first_token`` at ``start_pos`` and return the next ``n`` tokens."""
+    out: list[int] = []
+    tok, pos = first_token, start_pos
+    for _ in range(n):
+        logits = engine.forward(torch.tensor([tok], dtype=torch.int64), pos)
+        tok = int(logits[-1].argmax())
+        out.append(tok)
+        pos += 1
+    return out
+
+
+def speculative_generate(engine: TileRTEngine, first_token: int, start_pos: int, n: int, num_draft: int) -> tuple[list[int], int, int]:
+    """Greedy decoding through :meth:`TileRTEngine.speculative_greedy_step`: the next ``n`` tokens after
+    ``first_token`` (at ``start_pos``), plus ``(drafted, accepted)`` totals."""
+    out: list[int] = []
+    drafted = accepted = 0
+    tok, pos = first_token, start_pos
+    while len(out) < n:
+        res = engine.speculative_greedy_step(tok, pos, num_draft)
+        out.extend(res.tokens)
+        drafted += res.num_drafted
+        accepted += res.num_accepted
+        pos += len(res.tokens)
+        tok = res.tokens[-1]
+    return out[:n], drafted, accepted

@@ -1,0 +1,242 @@
+"""Reading HF checkpoints (config.json + *.safetensors, bf16/fp16/fp32) into :class:`model.Transformer`.
+
+Config parsing goes through transformers' own config classes (``AutoConfig``), so the engine reads
+exactly what transformers reads (e.g. ``rope_scaling`` standardised into ``rope_parameters``) and the
+RoPE frequencies / YaRN attention factor come from transformers' ``ROPE_INIT_FUNCTIONS``.
+
+Name mapping (HF -> engine module):
+
+- ``model.embed_tokens``, ``model.norm``, ``lm_head`` -> ``embed_tokens``, ``norm``, ``lm_head``
+  (``lm_head`` falls back to the embedding when ``tie_word_embeddings``).
+- ``model.layers.{i}.X`` (``i < num_hidden_layers``) -> ``layers.{i}.X``.
+- ``model.layers.{N}.{embed_tokens,enorm,hnorm,eh_proj,shared_head.*}`` -> ``mtp.0.*``; the MTP layer's
+  decoder-layer weights ``model.layers.{N}.X`` -> ``mtp.0.block.X`` (``N = num_hidden_layers``).
+- experts, either per expert ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (DeepSeek / transformers'
+  saved format) or fused ``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj`` -> stacked
+  ``mlp.w13 [E, 2I, D]`` (gate rows first) and ``mlp.w2 [E, D, I]``.
+
+FP8 checkpoints (``weight_scale_inv`` tensors or a ``quantization_config``) are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from .model import ModelArgs, Transformer
+
+SUPPORTED_ARCHS = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+# Tensors transformers keeps in float32 whatever the model dtype.
+_FP32_SUFFIXES = ("e_score_correction_bias", "indexer.weights_proj.weight")
+_MTP_OWN = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
+_EXPERT_RE = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED_RE = re.compile(r"^(.*\.mlp)\.experts\.(gate_up_proj|down_proj)$")
+
+
+def load_hf_config(model_dir: Path) -> Any:
+    """transformers' config object for ``model_dir`` (refuses unsupported archs and FP8)."""
+    from transformers import AutoConfig
+
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    if raw.get("model_type") not in SUPPORTED_ARCHS:
+        raise ValueError(f"unsupported model_type {raw.get('model_type')!r}; supported: {SUPPORTED_ARCHS}")
+    if raw.get("quantization_config"):
+        raise ValueError("quantized (FP8) checkpoints are not supported by the tilert reference engine")
+    return AutoConfig.from_pretrained(str(model_dir))
+
+
+def _rope(cfg: Any) -> tuple[list[float], float, float]:
+    """``(inv_freq, cos/sin attention factor, softmax scale)`` as transformers computes them."""
+    params = dict(cfg.rope_parameters or {})
+    rope_type = params.get("rope_type", "default")
+    dim = cfg.qk_rope_head_dim
+    if rope_type == "default":
+        base = params["rope_theta"]
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        attention_scaling = 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        if rope_type not in ("yarn", "linear", "llama3"):
+            raise ValueError(f"rope_type {rope_type!r} is not supported (dynamic rope needs per-step tables)")
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, device=torch.device("cpu"))
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    # transformers' yarn_apply_mscale: scale *= mscale(factor, mscale_all_dim)^2 for non-default rope.
+    if rope_type != "default":
+        mscale_all_dim = params.get("mscale_all_dim", 0)
+        factor = params["factor"]
+        if mscale_all_dim and factor > 1:
+            import math
+
+            m = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+            scale = scale * m * m
+    return inv_freq.float().tolist(), float(attention_scaling), float(scale)
+
+
+def args_from_hf_config(cfg: Any, keys: set[str] | None = None) -> ModelArgs:
+    """Build :class:`ModelArgs` from a transformers config; ``keys`` (checkpoint tensor names) decide
+    whether an MTP layer is present and what it contains."""
+    arch = cfg.model_type
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {cfg.hidden_act!r} not supported (silu only)")
+    n = cfg.num_hidden_layers
+    mlp_types = getattr(cfg, "mlp_layer_types", None)
+    if mlp_types is None:
+        k = cfg.first_k_dense_replace or 0
+        mlp_types = ["dense"] * min(k, n) + ["sparse"] * max(n - k, 0)
+    inv_freq, attention_scaling, scale = _rope(cfg)
+    dsa = arch in ("deepseek_v32", "glm_moe_dsa")
+    if dsa and cfg.q_lora_rank is None:
+        raise ValueError("DSA models need q_lora_rank (the indexer reads the q_lora latent)")
+    indexer_types: list[str] = []
+    if dsa:
+        indexer_types = list(getattr(cfg, "indexer_types", None) or ["full"] * n)
+        if indexer_types[0] != "full":
+            raise ValueError("the first DSA layer must run its own indexer")
+    args = ModelArgs(
+        arch=arch,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        num_layers=n,
+        num_heads=cfg.num_attention_heads,
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        n_routed_experts=cfg.n_routed_experts,
+        n_shared_experts=cfg.n_shared_experts or 0,
+        num_experts_per_tok=cfg.num_experts_per_tok,
+        n_group=cfg.n_group or 1,
+        topk_group=cfg.topk_group or 1,
+        norm_topk_prob=bool(cfg.norm_topk_prob),
+        routed_scaling_factor=float(cfg.routed_scaling_factor),
+        mlp_layer_types=list(mlp_types),
+        rms_norm_eps=cfg.rms_norm_eps,
+        attention_bias=bool(getattr(cfg, "attention_bias", False)),
+        # transformers: V3 honours config.rope_interleave; V3.2 and GLM-5 always interleave in MLA.
+        rope_interleave=bool(getattr(cfg, "rope_interleave", True)) if arch == "deepseek_v3" else True,
+        softmax_scale=scale,
+        rope_inv_freq=inv_freq,
+        rope_attention_scaling=attention_scaling,
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        dsa=dsa,
+        index_n_heads=getattr(cfg, "index_n_heads", 0) if dsa else 0,
+        index_head_dim=getattr(cfg, "index_head_dim", 0) if dsa else 0,
+        index_topk=getattr(cfg, "index_topk", 0) if dsa else 0,
+        indexer_rope_interleave=arch == "glm_moe_dsa",
+        indexer_types=indexer_types,
+    )
+    # num_nextn_predict_layers (num_mtp_layers in transformers' V3 config); when the config does not say
+    # (transformers' V3.2 / GLM-5 configs drop it), the checkpoint's tensors decide.
+    want_mtp = getattr(cfg, "num_nextn_predict_layers", None)
+    if want_mtp is None:
+        want_mtp = getattr(cfg, "num_mtp_layers", None)
+    if keys is not None and (want_mtp is None or want_mtp > 0):
+        prefix = f"model.layers.{n}."
+        mtp_keys = {k[len(prefix) :] for k in keys if k.startswith(prefix)}
+        if "eh_proj.weight" in mtp_keys:
+            args.num_mtp_layers = 1  # one module, reused in a chain (extra modules are ignored)
+            args.mtp_moe = "mlp.gate.weight" in mtp_keys
+            args.mtp_indexer = "self_attn.indexer.wq_b.weight" in mtp_keys
+            args.mtp_own_embed = "embed_tokens.weight" in mtp_keys
+            args.mtp_own_head = "shared_head.head.weight" in mtp_keys
+    return args
+
+
+def _checkpoint_files(model_dir: Path) -> list[Path]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def checkpoint_keys(model_dir: Path) -> set[str]:
+    """All tensor names in the checkpoint."""
+    keys: set[str] = set()
+    for f in _checkpoint_files(model_dir):
+        with safe_open(str(f), framework="pt") as sf:
+            keys.update(sf.keys())
+    return keys
+
+
+def _target_name(hf_name: str, args: ModelArgs) -> str | None:
+    """HF tensor name -> engine state-dict name (``None`` = skip)."""
+    if "rotary_emb" in hf_name:
+        return None
+    if hf_name == "lm_head.weight":
+        return "lm_head.weight"
+    if not hf_name.startswith("model."):
+        raise ValueError(f"unexpected tensor {hf_name!r}")
+    name = hf_name[len("model.") :]
+    m = re.match(r"^layers\.(\d+)\.(.*)$", name)
+    if m is None:
+        return name
+    layer, rest = int(m.group(1)), m.group(2)
+    if layer < args.num_layers:
+        return f"layers.{layer}.{rest}"
+    if layer == args.num_layers and args.num_mtp_layers:
+        return f"mtp.0.{rest}" if rest.startswith(_MTP_OWN) else f"mtp.0.block.{rest}"
+    return None  # further MTP modules (unused)
+
+
+def convert_state_dict(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Rename HF tensors and stack experts into ``w13``/``w2``."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for hf_name, t in tensors.items():
+        if hf_name.endswith("weight_scale_inv") or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError("FP8 checkpoints are not supported by the tilert reference engine")
+        name = _target_name(hf_name, args)
+        if name is None:
+            continue
+        if (m := _EXPERT_RE.match(name)) is not None:
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+        elif (m := _FUSED_RE.match(name)) is not None:
+            out[f"{m.group(1)}.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}"] = t
+        else:
+            out[name] = t
+    for mlp, per_expert in experts.items():
+        ids = sorted(per_expert)
+        if ids != list(range(len(ids))):
+            raise ValueError(f"{mlp}: experts {ids} are not 0..E-1")
+        out[f"{mlp}.w13"] = torch.stack(
+            [torch.cat([per_expert[e]["gate_proj"], per_expert[e]["up_proj"]], dim=0) for e in ids]
+        )
+        out[f"{mlp}.w2"] = torch.stack([per_expert[e]["down_proj"] for e in ids])
+    if "lm_head.weight" not in out and args.tie_word_embeddings:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    return out
+
+
+def load_model(model_dir: Path, *, device: str | torch.device, dtype: torch.dtype, max_seq_len: int) -> Transformer:
+    """Read ``model_dir`` and return a ready :class:`Transformer` (weights in ``dtype``, caches allocated)."""
+    model_dir = Path(model_dir)
+    cfg = load_hf_config(model_dir)
+    keys = checkpoint_keys(model_dir)
+    args = args_from_hf_config(cfg, keys)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in _checkpoint_files(model_dir):
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                if _target_name(k, args) is not None:
+                    tensors[k] = sf.get_tensor(k)
+    sd = convert_state_dict(tensors, args)
+    for k, t in sd.items():
+        keep_fp32 = k.endswith(_FP32_SUFFIXES)
+        sd[k] = t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
+    with torch.device("meta"):
+        model = Transformer(args)
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the model: missing={missing} unexpected={unexpected}")
+    model.eval()
+    model.setup_caches(max_seq_len, device, dtype)
+    return model

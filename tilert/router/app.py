@@ -1,0 +1,200 @@
+"""The Starlette app: routes, lifespan (config, clients, health loop) and the flow-running response."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import orjson
+import structlog
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from tilert.router.config import RouterConfig, load_config_from_env
+from tilert.router.context import RouterContext
+from tilert.router.errors import RouterError
+from tilert.router.flow import RequestFlow
+from tilert.router.metrics import RouterMetrics
+from tilert.router.middleware import REQUEST_ID_SCOPE_KEY, BearerAuthMiddleware, RequestIdMiddleware
+from tilert.router.openai_format import models_list
+from tilert.router.validation import Route as ApiRoute
+from tilert.router.validation import build_plan, parse_body
+
+log = structlog.get_logger("tilert.router")
+
+
+class _Holder:
+    """Where the lifespan puts the running context (config known only at start-up for the env app)."""
+
+    def __init__(self, config: RouterConfig | None) -> None:
+        self.config = config
+        self.ctx: RouterContext | None = None
+        self.metrics = RouterMetrics()
+
+    def api_key(self) -> str | None:
+        return self.ctx.config.api_key if self.ctx else (self.config.api_key if self.config else None)
+
+
+def _ctx(request: Request) -> RouterContext:
+    holder: _Holder = request.app.state.holder
+    if holder.ctx is None:  # pragma: no cover - requests arrive only after start-up
+        raise RuntimeError("router not started")
+    return holder.ctx
+
+
+def _json(data: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json", headers=headers)
+
+
+def _error(exc: RouterError) -> Response:
+    return Response(exc.json_body(), status_code=exc.status, media_type="application/json", headers=exc.headers)
+
+
+class FlowResponse(Response):
+    """Runs a :class:`RequestFlow` as the ASGI response, cancelling it when the client disconnects."""
+
+    def __init__(self, flow: RequestFlow) -> None:
+        self.flow = flow
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        flow = self.flow
+        async with anyio.create_task_group() as tg:
+
+            async def watch_disconnect() -> None:
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        if flow.response_done:
+                            return  # the server reports disconnect once the response is complete
+                        flow.client_gone = True
+                        flow.log.info("client_disconnected", state=flow.state.value)
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(watch_disconnect)
+            try:
+                await flow.run(send)
+            finally:
+                tg.cancel_scope.cancel()
+
+
+async def _completion(request: Request, route: ApiRoute) -> Response:
+    arrived = anyio.current_time()
+    ctx = _ctx(request)
+    rid: str = request.scope.get(REQUEST_ID_SCOPE_KEY, "")
+    raw = await request.body()
+    try:
+        plan = build_plan(route, parse_body(raw), ctx.config.default_max_tokens)
+    except RouterError as exc:
+        ctx.metrics.requests.labels(route, exc.outcome).inc()
+        log.info("request_refused", route=route, status=exc.status, reason=exc.message)
+        return _error(exc)
+    return FlowResponse(RequestFlow(ctx, plan, rid, arrived))
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _completion(request, "chat")
+
+
+async def completions(request: Request) -> Response:
+    return await _completion(request, "completions")
+
+
+async def list_models(request: Request) -> Response:
+    ctx = _ctx(request)
+    return _json(models_list(ctx.config.model_name, ctx.started_at, ctx.config.model_dir))
+
+
+async def health(request: Request) -> Response:
+    ctx = _ctx(request)
+    prefill: dict[str, object] = {}
+    nodes: list[dict[str, object]] = []
+
+    async def check_prefill() -> None:
+        prefill.update(await ctx.check_prefill())
+
+    async def check_nodes() -> None:
+        nodes.extend(await ctx.check_nodes())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(check_prefill)
+        tg.start_soon(check_nodes)
+    healthy = sum(1 for n in nodes if n["ok"])
+    ok = bool(prefill.get("ok")) and healthy > 0
+    status = "ok" if ok and healthy == len(nodes) else ("degraded" if ok else "unavailable")
+    body = {
+        "status": status,
+        "prefill": prefill,
+        "decode": nodes,
+        "queue_depth": ctx.pool.queue_depth,
+        "model": ctx.config.model_name,
+    }
+    return _json(body, status=200 if ok else 503)
+
+
+async def metrics(request: Request) -> Response:
+    holder: _Holder = request.app.state.holder
+    return Response(holder.metrics.render(), media_type=holder.metrics.content_type)
+
+
+def build_app(config: RouterConfig | None = None) -> Starlette:
+    """The router app. Without ``config`` it is read at start-up from ``$TILERT_ROUTER_CONFIG``.
+
+    A given ``config`` is validated now, so a caller (the CLI) gets :class:`ConfigError` before serving.
+    """
+    if config is not None:
+        config.validate()
+    holder = _Holder(config)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            cfg = holder.config if holder.config is not None else load_config_from_env()
+            holder.ctx = await RouterContext.start(cfg, holder.metrics)
+        except Exception as exc:
+            log.error("router_startup_refused", reason=str(exc))
+            raise RuntimeError(f"tilert router refused to start: {exc}") from exc
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(holder.ctx.health_loop)
+                try:
+                    yield
+                finally:
+                    tg.cancel_scope.cancel()
+        finally:
+            await holder.ctx.aclose()
+            log.info("router_stopped")
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", list_models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ],
+        middleware=[
+            Middleware(RequestIdMiddleware),
+            Middleware(BearerAuthMiddleware, api_key=holder.api_key),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.holder = holder
+    return app
+
+
+def serve(config: RouterConfig, **uvicorn_kwargs: Any) -> None:
+    """Run the router with uvicorn on ``config.host:config.port`` (blocking)."""
+    import uvicorn
+
+    uvicorn.run(build_app(config), host=config.host, port=config.port, **uvicorn_kwargs)
+
+
+__all__ = ["FlowResponse", "build_app", "serve"]

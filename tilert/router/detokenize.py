@@ -1,0 +1,157 @@
+"""Incremental detokenization and stop strings, matching vLLM's V1 output processing.
+
+vLLM primes a ``tokenizers.decoders.DecodeStream(skip_special_tokens=...)`` with a short suffix of the
+prompt, then steps each generated token; stop strings are searched in the accumulated text, and while a
+request is running the last ``max(len(stop)) - 1`` characters are held back so that a stop string split
+across tokens never reaches the client. The router does the same, so its text equals vLLM's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+log = structlog.get_logger("tilert.router.detokenize")
+
+_REPLACEMENT = "\ufffd"
+
+
+@dataclass(frozen=True)
+class TokenizerBundle:
+    """The model's fast tokenizer and the token ids that end generation (EOS from all config files)."""
+
+    tokenizer: Tokenizer
+    eos_token_ids: frozenset[int]
+
+
+def _ids(value: Any) -> set[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return {value}
+    if isinstance(value, list):
+        return {v for v in value if isinstance(v, int) and not isinstance(v, bool)}
+    return set()
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def load_tokenizer(model_dir: str | Path) -> TokenizerBundle:
+    """Load ``tokenizer.json`` (or a transformers fast tokenizer) and EOS ids from ``model_dir``."""
+    d = Path(model_dir)
+    tok_file = d / "tokenizer.json"
+    if tok_file.is_file():
+        tokenizer = Tokenizer.from_file(str(tok_file))
+    else:
+        try:
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(str(d))
+        except Exception as exc:  # noqa: BLE001 - any loader failure is a start-up error
+            raise RuntimeError(f"cannot load a tokenizer from {str(d)!r}: {exc}") from exc
+        backend = getattr(hf, "backend_tokenizer", None)
+        if backend is None:
+            raise RuntimeError(f"the tokenizer in {str(d)!r} is not a fast tokenizer (no tokenizer.json)")
+        tokenizer = backend
+    eos: set[int] = set()
+    eos |= _ids(_read_json(d / "config.json").get("eos_token_id"))
+    eos |= _ids(_read_json(d / "generation_config.json").get("eos_token_id"))
+    tok_cfg = _read_json(d / "tokenizer_config.json")
+    eos_tok = tok_cfg.get("eos_token")
+    if isinstance(eos_tok, dict):
+        eos_tok = eos_tok.get("content")
+    if isinstance(eos_tok, str):
+        tid = tokenizer.token_to_id(eos_tok)
+        if tid is not None:
+            eos.add(tid)
+    return TokenizerBundle(tokenizer=tokenizer, eos_token_ids=frozenset(eos))
+
+
+class IncrementalDecoder:
+    """Token ids in, text pieces out, with the same priming vLLM's fast incremental detokenizer uses."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int] | None, skip_special_tokens: bool) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        prompt = list(prompt_token_ids or [])
+        suffix = prompt
+        if len(prompt) > 4:
+            for i in range(4, min(len(prompt) + 1, 24)):
+                candidate = prompt[-i:]
+                if _REPLACEMENT not in tokenizer.decode(candidate, skip_special_tokens=False):
+                    suffix = candidate
+                    break
+        for tid in suffix:
+            self.step(tid)
+
+    def step(self, token_id: int) -> str:
+        try:
+            piece = self._stream.step(self._tok, token_id)
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises on an invalid prefix; vLLM resets too
+            log.warning("detokenizer_reset", token_id=token_id, error=str(exc))
+            self._stream = DecodeStream(skip_special_tokens=self._skip)
+            piece = self._stream.step(self._tok, token_id)
+        return piece or ""
+
+
+def find_stop(text: str, new_chars: int, stops: list[str], include_in_output: bool) -> tuple[str, int] | None:
+    """vLLM's stop-string check: the first stop (in list order) found in the newly added tail of ``text``.
+
+    Returns ``(stop_string, truncate_to)``; ``truncate_to == -1`` means keep all of ``text``.
+    """
+    if not new_chars or not stops:
+        return None
+    for stop in stops:
+        idx = text.find(stop, max(0, len(text) + 1 - new_chars - len(stop)))
+        if idx == -1:
+            continue
+        if include_in_output:
+            idx += len(stop)
+            if idx >= len(text):
+                return stop, -1
+        return stop, idx
+    return None
+
+
+class OutputText:
+    """The generated text so far, stop-string truncation and the held-back tail while streaming."""
+
+    def __init__(self, stops: list[str], include_stop_str_in_output: bool) -> None:
+        self.text = ""
+        self._stops = stops
+        self._include = include_stop_str_in_output
+        self._holdback = max((len(s) for s in stops), default=1) - 1 if stops and not include_stop_str_in_output else 0
+        self._sent = 0
+
+    def add(self, piece: str) -> str | None:
+        """Append text; return the stop string if one now appears (the text is then truncated)."""
+        if not piece:
+            return None
+        self.text += piece
+        hit = find_stop(self.text, len(piece), self._stops, self._include)
+        if hit is None:
+            return None
+        stop, cut = hit
+        if cut != -1:
+            self.text = self.text[:cut]
+        return stop
+
+    def delta(self, finished: bool) -> str:
+        """New text the client may see now (everything, once finished)."""
+        end = len(self.text) if finished else len(self.text) - self._holdback
+        if end <= self._sent:
+            return ""
+        out = self.text[self._sent : end]
+        self._sent = end
+        return out

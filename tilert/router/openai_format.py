@@ -1,0 +1,126 @@
+"""OpenAI (and vLLM-extension) response shapes: SSE chunks, final JSON bodies, usage, errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from tilert.router.validation import Route
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class ResponseShape:
+    """Builds the client-facing objects of one request (id, created, model fixed once)."""
+
+    def __init__(self, route: Route, response_id: str, created: int, model: str, return_token_ids: bool) -> None:
+        self.route = route
+        self.id = response_id
+        self.created = created
+        self.model = model
+        self.return_token_ids = return_token_ids
+        self._role_sent = False
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def chunk(
+        self,
+        text: str,
+        token_ids: list[int],
+        finish_reason: str | None = None,
+        stop_reason: str | int | None = None,
+        usage_now: dict[str, int] | None = None,
+    ) -> dict[str, Any]:
+        if self.route == "chat":
+            delta: dict[str, Any] = {}
+            if not self._role_sent:
+                delta["role"] = "assistant"
+                self._role_sent = True
+            if text or finish_reason is None:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            out = self._head("chat.completion.chunk")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            out = self._head("text_completion")
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        if self.return_token_ids:
+            choice["token_ids"] = token_ids
+        out["choices"] = [choice]
+        if usage_now is not None:
+            out["usage"] = usage_now
+        return out
+
+    def usage_chunk(self, usage_all: dict[str, int]) -> dict[str, Any]:
+        out = self._head("chat.completion.chunk" if self.route == "chat" else "text_completion")
+        out["choices"] = []
+        out["usage"] = usage_all
+        return out
+
+    def final(
+        self,
+        text: str,
+        token_ids: list[int],
+        finish_reason: str | None,
+        stop_reason: str | int | None,
+        usage_all: dict[str, int],
+        prompt_token_ids: list[int] | None,
+    ) -> dict[str, Any]:
+        if self.route == "chat":
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "tool_calls": []},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+            }
+            out = self._head("chat.completion")
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+            }
+            out = self._head("text_completion")
+        if self.return_token_ids:
+            choice["token_ids"] = token_ids
+            if self.route == "completions":
+                choice["prompt_token_ids"] = prompt_token_ids
+        out["choices"] = [choice]
+        out["usage"] = usage_all
+        if self.return_token_ids and self.route == "chat":
+            out["prompt_token_ids"] = prompt_token_ids
+        return out
+
+
+def models_list(model: str, created: int, root: str) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": model,
+                "object": "model",
+                "created": created,
+                "owned_by": "tilert",
+                "root": root,
+                "parent": None,
+            }
+        ],
+    }

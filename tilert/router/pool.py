@@ -1,0 +1,197 @@
+"""Decode node pool: health view, least-loaded choice, and fair (FIFO) bounded admission.
+
+The pool only counts slots this router holds; the node's own ``/v1/reserve`` is the authority. When a
+node answers 429 although the local count said it had room, it is marked saturated until one of our
+slots on it is given back or its health report shows a free slot.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import anyio
+import structlog
+
+from tilert.router.config import DecodeNodeSpec
+from tilert.router.errors import RouterError
+from tilert.router.metrics import RouterMetrics
+
+log = structlog.get_logger("tilert.router.pool")
+
+
+@dataclass(eq=False)
+class DecodeNode:
+    spec: DecodeNodeSpec
+    healthy: bool = True
+    slots_total: int = 1
+    slots_free: int | None = None
+    in_use: int = 0
+    saturated: bool = False
+    last_error: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def has_room(self) -> bool:
+        return self.healthy and not self.saturated and self.in_use < self.slots_total
+
+
+@dataclass(eq=False)
+class _Waiter:
+    event: anyio.Event = field(default_factory=anyio.Event)
+    node: DecodeNode | None = None
+    error: RouterError | None = None
+
+
+class DecodePool:
+    """Grants decode nodes to requests first come, first served."""
+
+    def __init__(
+        self,
+        specs: list[DecodeNodeSpec],
+        *,
+        max_queue: int,
+        retry_after_s: int,
+        metrics: RouterMetrics,
+    ) -> None:
+        self.nodes = [DecodeNode(spec) for spec in specs]
+        self.max_queue = max_queue
+        self.retry_after_s = retry_after_s
+        self._metrics = metrics
+        self._waiters: deque[_Waiter] = deque()
+        self._rr = 0
+        for node in self.nodes:
+            metrics.node_healthy.labels(node.name).set(1)
+            metrics.slots_in_use.labels(node.name).set(0)
+
+    # -- views -------------------------------------------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiters)
+
+    def any_healthy(self) -> bool:
+        return any(n.healthy for n in self.nodes)
+
+    def _pick(self) -> DecodeNode | None:
+        candidates = [n for n in self.nodes if n.has_room()]
+        if not candidates:
+            return None
+        # Least loaded by fraction, then by count; rotate the start so ties spread out.
+        self._rr = (self._rr + 1) % len(self.nodes)
+        order = {id(n): (i - self._rr) % len(self.nodes) for i, n in enumerate(self.nodes)}
+        return min(candidates, key=lambda n: (n.in_use / max(n.slots_total, 1), n.in_use, order[id(n)]))
+
+    def _take(self, node: DecodeNode) -> DecodeNode:
+        node.in_use += 1
+        self._metrics.slots_in_use.labels(node.name).set(node.in_use)
+        return node
+
+    def _dispatch(self) -> None:
+        while self._waiters:
+            node = self._pick()
+            if node is None:
+                break
+            waiter = self._waiters.popleft()
+            waiter.node = self._take(node)
+            waiter.event.set()
+        self._metrics.queue_depth.set(len(self._waiters))
+
+    def _fail_waiters(self, error: RouterError) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            waiter.error = error
+            waiter.event.set()
+        self._metrics.queue_depth.set(0)
+
+    # -- admission ---------------------------------------------------------------------------------
+    def _retry_after(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+    async def acquire(self, deadline: float, *, front: bool = False) -> DecodeNode:
+        """Wait (FIFO, until the ``anyio.current_time()`` ``deadline``) for a node with a free slot.
+
+        ``front`` puts a request that already waited (and lost its slot to a stale view) back at the head.
+        Raises :class:`RouterError`: 503 no healthy node, 429 queue full or queue timeout.
+        """
+        if not self.any_healthy():
+            raise RouterError(503, "no healthy decode node", outcome="no_healthy_node", headers=self._retry_after())
+        if front or not self._waiters:
+            node = self._pick()
+            if node is not None:
+                return self._take(node)
+        if not front and len(self._waiters) >= self.max_queue:
+            raise RouterError(
+                429,
+                f"all decode slots are busy and the queue is full ({self.max_queue} waiting)",
+                outcome="queue_full",
+                headers=self._retry_after(),
+            )
+        waiter = _Waiter()
+        if front:
+            self._waiters.appendleft(waiter)
+        else:
+            self._waiters.append(waiter)
+        self._metrics.queue_depth.set(len(self._waiters))
+        try:
+            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                await waiter.event.wait()
+        except BaseException:
+            # Cancelled (client gone): leave the queue, and hand back a grant that raced in.
+            self._leave(waiter)
+            if waiter.node is not None:
+                self.give_back(waiter.node)
+            raise
+        self._leave(waiter)
+        if waiter.node is not None:
+            return waiter.node
+        if waiter.error is not None:
+            raise waiter.error
+        raise RouterError(
+            429,
+            "timed out waiting for a free decode slot",
+            outcome="queue_timeout",
+            headers=self._retry_after(),
+        )
+
+    def _leave(self, waiter: _Waiter) -> None:
+        try:
+            self._waiters.remove(waiter)
+        except ValueError:
+            pass
+        self._metrics.queue_depth.set(len(self._waiters))
+
+    def give_back(self, node: DecodeNode, *, saturated: bool = False) -> None:
+        """Return a slot taken by :meth:`acquire`; wakes the next waiter."""
+        node.in_use = max(0, node.in_use - 1)
+        node.saturated = saturated
+        self._metrics.slots_in_use.labels(node.name).set(node.in_use)
+        self._dispatch()
+
+    # -- health ------------------------------------------------------------------------------------
+    def mark_unhealthy(self, node: DecodeNode, reason: str) -> None:
+        if node.healthy:
+            log.warning("decode_node_unhealthy", node=node.name, reason=reason)
+        node.healthy = False
+        node.last_error = reason
+        self._metrics.node_healthy.labels(node.name).set(0)
+        if not self.any_healthy():
+            self._fail_waiters(RouterError(503, "no healthy decode node", outcome="no_healthy_node"))
+
+    def update_health(self, node: DecodeNode, ok: bool, *, slots_total: int | None, slots_free: int | None, error: str | None) -> None:
+        if not ok:
+            self.mark_unhealthy(node, error or "health check failed")
+            return
+        if not node.healthy:
+            log.info("decode_node_healthy", node=node.name)
+        node.healthy = True
+        node.last_error = None
+        if slots_total is not None and slots_total >= 0:
+            node.slots_total = slots_total
+        node.slots_free = slots_free
+        if slots_free is not None and slots_free > 0:
+            node.saturated = False
+        self._metrics.node_healthy.labels(node.name).set(1)
+        self._dispatch()
