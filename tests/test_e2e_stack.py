@@ -184,3 +184,28 @@ def test_first_token_eos_is_answered_from_prefill(stack: Any, stream: bool) -> N
     after = _decode_health(stack)
     assert after["slots_free"] == after["slots_total"]
     assert after["decodes_completed"] == before["decodes_completed"]
+
+
+@pytest.mark.stack
+def test_client_disconnect_cancels_decode_and_frees_slot(stack: Any) -> None:
+    """A client that leaves mid-stream must not keep the decode node busy for the rest of max_tokens."""
+    import time
+
+    body = {"model": str(stack.model), "prompt": "def main():", "max_tokens": 1500, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", stack.router + "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            events = 0
+            for line in resp.iter_lines():
+                events += line.startswith("data: ")
+                if events == 3:  # mid-stream, the connection still open: the decode holds its slot
+                    busy = _decode_health(stack)
+                    assert busy["slots_free"] < busy["slots_total"]
+                if events >= 4:
+                    break
+    deadline = time.monotonic() + 5
+    health = _decode_health(stack)
+    while health["slots_free"] < health["slots_total"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+        health = _decode_health(stack)
+    assert health["slots_free"] == health["slots_total"]

@@ -394,3 +394,36 @@ def test_mtp_acceptance_with_predictive_module(tmp_path: Path, main_scale: float
         assert accepted > 0.5 * drafted
     else:
         assert 0 < accepted < drafted
+
+
+@pytest.mark.parametrize("num_draft", [0, 2])
+def test_decode_loop_speculative_and_stops(cases: dict[str, Case], tmp_path: Path, num_draft: int) -> None:
+    """The decode node's loop: MTP-speculative greedy emits exactly plain greedy; a stop token inside a
+    multi-token step ends the stream at that token; sampling with a seed is reproducible."""
+    import threading
+
+    from tilert.decode.generate import run_decode
+    from tilert.decode.sampling import DecodeParams
+
+    case = cases["deepseek_v3"]
+    eng = case.engine(_add_mtp(case, tmp_path / "mtp"))
+    first = int(eng.forward(case.prompt, 0)[-1].argmax())
+    state, lay = _vllm_state(eng, PROMPT_LEN)
+
+    def run(**kw: Any) -> tuple[list[int], str]:
+        out: list[int] = []
+        params = DecodeParams("t", first, PROMPT_LEN, **{"max_tokens": 24, "temperature": 0.0, **kw})
+        finish = run_decode(eng, state, lay, PROMPT_LEN, params, frozenset(), out.extend, threading.Event(), num_draft)
+        return out, finish
+
+    plain, finish = run()
+    assert finish == "length" and len(plain) == 24
+    assert plain == case.generated[1:25]
+    stop_at = plain[10]
+    stopped, finish = run(stop_token_ids=(stop_at,))
+    assert finish == "stop" and stopped == plain[: plain.index(stop_at) + 1]
+    sampled_a, _ = run(temperature=1.0, top_k=5, seed=7)
+    sampled_b, _ = run(temperature=1.0, top_k=5, seed=7)
+    assert sampled_a == sampled_b and len(sampled_a) == 24
+    greedy_via_topk, _ = run(temperature=1.0, top_k=1, seed=3)
+    assert greedy_via_topk == plain

@@ -30,7 +30,7 @@ def _decode(args: argparse.Namespace) -> int:
             model=Path(args.model), engine=args.engine, transport=args.transport, transport_options=options,
             host=args.host, ctrl_port=args.ctrl_port, http_port=args.http_port, device=args.device,
             dtype=args.dtype, max_seq_len=args.max_seq_len, num_slots=args.slots, lease_s=args.lease_s,
-            transfer_timeout_s=args.transfer_timeout_s,
+            transfer_timeout_s=args.transfer_timeout_s, num_speculative_tokens=args.num_speculative_tokens,
         )
     )  # fmt: skip
     return 0
@@ -95,6 +95,10 @@ def parser() -> argparse.ArgumentParser:
     dec.add_argument("--slots", type=int, default=2, help="receive buffers: transfers overlap the running decode")
     dec.add_argument("--lease-s", type=float, default=30.0)
     dec.add_argument("--transfer-timeout-s", type=float, default=15.0)
+    dec.add_argument(
+        "--num-speculative-tokens", type=int, default=2,
+        help="MTP drafts per step for greedy requests when the checkpoint has an MTP layer (0: off)",
+    )  # fmt: skip
     dec.set_defaults(func=_decode)
 
     rt = sub.add_parser("router", help="run the OpenAI-compatible router")

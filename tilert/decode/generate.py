@@ -2,6 +2,10 @@
 
 Runs on a worker thread (the engine blocks); ``emit`` hands each step's tokens to the event loop
 as soon as they exist, so nothing is batched on a timer. ``cancel`` is checked between steps.
+
+Greedy requests on an engine with an MTP module decode speculatively (``num_draft`` drafts per step,
+verified by the main model), which yields exactly the plain greedy tokens, several per step. Sampled
+requests (temperature > 0) decode one token per step: MTP is switched off for them.
 """
 
 from __future__ import annotations
@@ -24,21 +28,31 @@ def run_decode(
     eos_token_ids: frozenset[int],
     emit: Callable[[list[int]], None],
     cancel: threading.Event,
+    num_draft: int = 0,
 ) -> str:
     """Returns the finish reason: ``"stop"``, ``"length"`` or ``"cancelled"``."""
     engine.inject(state, layouts, num_tokens)
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    speculate = params.greedy and num_draft > 0 and bool(getattr(engine, "supports_mtp", False))
     sampler = Sampler(params)
     token, pos = params.first_token_id, num_tokens
     produced = 0
     while produced < params.max_tokens:
         if cancel.is_set():
             return "cancelled"
-        logits = engine.forward(torch.tensor([token], dtype=torch.long), pos)
-        token = sampler(logits[-1])
-        pos += 1
-        produced += 1
-        emit([token])
-        if token in stops:
-            return "stop"
+        if speculate:
+            step = engine.speculative_greedy_step(token, pos, num_draft)  # type: ignore[attr-defined]
+            new = step.tokens
+        else:
+            logits = engine.forward(torch.tensor([token], dtype=torch.long), pos)
+            new = [sampler(logits[-1])]
+        new = new[: params.max_tokens - produced]
+        for i, t in enumerate(new):
+            if t in stops:
+                emit(new[: i + 1])
+                return "stop"
+        emit(new)
+        produced += len(new)
+        pos += len(new)
+        token = new[-1]
     return "length"

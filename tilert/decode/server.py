@@ -60,6 +60,7 @@ class DecodeConfig:
     num_slots: int = 2
     lease_s: float = 30.0
     transfer_timeout_s: float = 15.0
+    num_speculative_tokens: int = 2
 
 
 def resolve_device(device: str) -> str:
@@ -240,11 +241,15 @@ class DecodeNode:
                 def work() -> None:
                     try:
                         result["finish"] = run_decode(
-                            self.engine, state, layouts, num_tokens, params, self.eos, emit, cancel
-                        )
-                    except Exception as exc:  # the engine failed: end this request visibly
-                        bound.exception("decode_failed")
-                        result["error"] = f"decode engine failed: {exc}"
+                            self.engine, state, layouts, num_tokens, params, self.eos, emit, cancel,
+                            self.config.num_speculative_tokens,
+                        )  # fmt: skip
+                    except Exception as exc:
+                        if cancel.is_set():  # the reader left: emitting into a closed stream fails
+                            result["finish"] = "cancelled"
+                        else:  # the engine failed: end this request visibly
+                            bound.exception("decode_failed")
+                            result["error"] = f"decode engine failed: {exc}"
                     finally:
                         anyio.from_thread.run_sync(send.close)
 

@@ -100,11 +100,12 @@ class TcpReceiver(Receiver):
             threading.Thread(target=self._serve, args=(conn,), name="tilert-tcp-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        conn.settimeout(self._timeout_s)
         with conn:
             while not self._closed.is_set():
                 try:
+                    conn.settimeout(None)  # a pooled connection may idle between transfers
                     key, offset, nbytes = _HEADER.unpack(_recv_exact(conn, _HEADER.size))
+                    conn.settimeout(self._timeout_s)
                 except (ConnectionError, OSError):
                     return
                 with self._lock:
@@ -136,22 +137,34 @@ class TcpSender(Sender):
         endpoint = (str(target["host"]), int(target["port"]))
         header = _HEADER.pack(bytes.fromhex(target["key"]), 0, len(payload))
         with self._lock:  # one write at a time per sender keeps pooled streams framed
-            sock = self._pool.pop(endpoint, None)
+            pooled = self._pool.pop(endpoint, None)
+            if pooled is not None:
+                try:
+                    return self._write_on(pooled, endpoint, header, payload)
+                except ConnectionError:
+                    pass  # the receiver dropped the idle pooled connection: once more on a fresh one
+                except OSError as exc:
+                    raise TransferError(f"tcp write to {endpoint[0]}:{endpoint[1]} failed: {exc}") from exc
             try:
-                if sock is None:
-                    sock = socket.create_connection(endpoint, timeout=self._timeout_s)
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.sendall(header)
-                sock.sendall(payload)
-                status = _recv_exact(sock, 1)
+                sock = socket.create_connection(endpoint, timeout=self._timeout_s)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._write_on(sock, endpoint, header, payload)
             except (ConnectionError, OSError) as exc:
-                if sock is not None:
-                    sock.close()
                 raise TransferError(f"tcp write to {endpoint[0]}:{endpoint[1]} failed: {exc}") from exc
-            if status != _OK:
-                sock.close()
-                raise TransferError("receiver refused the write (grant unknown, revoked or too small)")
-            self._pool[endpoint] = sock
+
+    def _write_on(self, sock: socket.socket, endpoint: tuple[str, int], header: bytes, payload: memoryview) -> None:
+        """One framed write; the socket goes back to the pool only after the receiver's OK."""
+        try:
+            sock.sendall(header)
+            sock.sendall(payload)
+            status = _recv_exact(sock, 1)
+        except OSError:
+            sock.close()
+            raise
+        if status != _OK:
+            sock.close()
+            raise TransferError("receiver refused the write (grant unknown, revoked or too small)")
+        self._pool[endpoint] = sock
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,225 @@
+"""Batch-1 (n <= 4 tokens) GEMV kernels in Triton for the decode fast path.
+
+``y[n, N] = x[n, K] @ W[N, K]^T`` with W in ``nn.Linear`` layout (row-major ``[out, in]``), bf16.
+Optional fusions, all decided at compile time:
+
+* ``norm_w``: RMSNorm of each input row first (``x * rsqrt(mean(x^2) + eps) * norm_w``, rounded to
+  bf16 like the unfused reference); every program recomputes the row's norm (K <= 8K: a few KB from L2).
+* ``residual``: ``residual[n, N] += y`` written back in place (each program owns its output rows).
+* ``split_k``: fp32 partial sums ``[split_k, n, N]`` for small N (the MoE router); the consumer sums.
+
+Everything is capturable in a CUDA graph (no host syncs, shapes fixed per call site).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from . import triton_pdl
+
+__all__ = ["gemv", "rms_norm", "gemv_config"]
+
+
+@triton.jit
+def _row_rstd(x_row_ptr, K, eps, BK: tl.constexpr):
+    acc = tl.zeros([BK], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        offs = k0 + tl.arange(0, BK)
+        v = tl.load(x_row_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
+        acc += v * v
+    return tl.rsqrt(tl.sum(acc, 0) / K + eps)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, y_ptr, nw_ptr, res_ptr,
+    N, K, k_per_split, stride_xm, stride_wn, stride_ym, stride_rm, stride_ys, eps,
+    NT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, OUT_F32: tl.constexpr, PDL: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nmask = offs_n < N
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    if NT == 1:
+        # first weight tile is static: fetch it before waiting on the previous kernel (PDL)
+        offs_k = k_lo + tl.arange(0, BK)
+        kmask = offs_k < k_hi
+        w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        if HAS_NORM:
+            rstd = _row_rstd(x_ptr, K, eps, BK)
+        xv = tl.load(x_ptr + offs_k, mask=kmask, other=0.0)
+        if HAS_NORM:
+            g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
+            xv = (xv.to(tl.float32) * rstd * g).to(w_ptr.dtype.element_ty)
+        acc = w.to(tl.float32) * xv.to(tl.float32)[None, :]
+        for k0 in range(k_lo + BK, k_hi, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            kmask = offs_k < k_hi
+            xv = tl.load(x_ptr + offs_k, mask=kmask, other=0.0)
+            if HAS_NORM:
+                g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
+                xv = (xv.to(tl.float32) * rstd * g).to(w_ptr.dtype.element_ty)
+            w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+        out = tl.sum(acc, 1)
+        if OUT_F32:
+            tl.store(y_ptr + pid_k * stride_ys + offs_n, out, mask=nmask)
+        else:
+            if HAS_RES:
+                r = tl.load(res_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
+                tl.store(res_ptr + offs_n, (r + out.to(res_ptr.dtype.element_ty).to(tl.float32)).to(res_ptr.dtype.element_ty), mask=nmask)
+            else:
+                tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=nmask)
+    else:
+        # n in 2..16 tokens: one dot per K tile, rows padded to 16 (MMA minimum).
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        offs_m = tl.arange(0, 16)
+        mmask = offs_m < NT
+        x_rows = x_ptr + offs_m[:, None] * stride_xm
+        if HAS_NORM:
+            sq = tl.zeros([16, BK], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                offs_k = k0 + tl.arange(0, BK)
+                v = tl.load(x_rows + offs_k[None, :], mask=mmask[:, None] & (offs_k < K)[None, :], other=0.0)
+                v = v.to(tl.float32)
+                sq += v * v
+            rstd = tl.rsqrt(tl.sum(sq, 1) / K + eps)
+        acc = tl.zeros([16, BN], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            kmask = offs_k < k_hi
+            xv = tl.load(x_rows + offs_k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            if HAS_NORM:
+                g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
+                xv = (xv.to(tl.float32) * rstd[:, None] * g[None, :]).to(w_ptr.dtype.element_ty)
+            w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            acc = tl.dot(xv.to(w_ptr.dtype.element_ty), tl.trans(w), acc)
+        omask = mmask[:, None] & nmask[None, :]
+        if OUT_F32:
+            tl.store(y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :], acc, mask=omask)
+        else:
+            if HAS_RES:
+                rp = res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :]
+                r = tl.load(rp, mask=omask, other=0.0).to(tl.float32)
+                tl.store(rp, (r + acc.to(res_ptr.dtype.element_ty).to(tl.float32)).to(res_ptr.dtype.element_ty), mask=omask)
+            else:
+                tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=omask)
+
+
+_NUM_SMS = None
+
+
+def _num_sms() -> int:
+    global _NUM_SMS
+    if _NUM_SMS is None:
+        _NUM_SMS = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count if torch.cuda.is_available() else 132)
+    return _NUM_SMS
+
+
+_CFG_OVERRIDE: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+
+
+def gemv_config(N: int, K: int, nt: int) -> tuple[int, int, int, int]:
+    """(BN, BK, num_warps, num_stages) for a shape; heuristic: >= 2 programs per SM, 16-byte loads."""
+    key = (N, K, nt)
+    if key in _CFG_OVERRIDE:
+        return _CFG_OVERRIDE[key]
+    if nt > 1:
+        return (16, 128, 4, 4)
+    # Measured on H200 (benchmarks/micro.py, 2026-11-29): tiny row blocks with long K tiles win for
+    # <64 MB matrices (more programs in flight), 8x512 for large ones, 16x256 for the lm_head.
+    nbytes = N * K * 2
+    if N >= 65536:
+        return (16, 256, 4, 4)
+    if nbytes >= (64 << 20):
+        return (8, 512, 4, 3)
+    if K % 1024 == 0:
+        return (2, 1024, 4, 3)
+    return (8, 512, 4, 3) if N >= 4096 else (2, 512, 4, 3)
+
+
+def gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    norm_w: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    split_k: int = 1,
+    out_f32: bool = False,
+    cfg: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """``x[n, K] @ w[N, K]^T`` (bf16 out, or fp32 partials ``[split_k, n, N]`` when split_k > 1).
+
+    With ``residual`` the result is added into ``residual`` in place and ``residual`` is returned.
+    ``x`` may be a strided row view (last dim contiguous).
+    """
+    assert x.dim() == 2 and x.stride(-1) == 1 and w.stride(-1) == 1
+    nt, K = x.shape
+    N = w.shape[0]
+    assert w.shape[1] == K and nt <= 16
+    bn, bk, nw, ns = cfg or gemv_config(N, K, nt)
+    if nt > 1:
+        bn = max(bn, 16)
+    out_f32 = out_f32 or split_k > 1
+    if out_f32:
+        shape = (split_k, nt, N) if split_k > 1 else (nt, N)
+        y = out if out is not None else torch.empty(shape, device=x.device, dtype=torch.float32)
+    elif residual is not None:
+        y = residual
+    else:
+        y = out if out is not None else torch.empty(nt, N, device=x.device, dtype=x.dtype)
+    k_per_split = triton.cdiv(triton.cdiv(K, split_k), bk) * bk
+    grid = (triton.cdiv(N, bn), split_k)
+    res = residual if residual is not None else y
+    _gemv_kernel[grid](
+        x, w, y, norm_w if norm_w is not None else x, res,
+        N, K, k_per_split, x.stride(0), w.stride(0), y.stride(-2), res.stride(0),
+        y.stride(0) if (out_f32 and split_k > 1) else 0, eps,
+        NT=nt, BN=bn, BK=bk, HAS_NORM=norm_w is not None, HAS_RES=residual is not None and not out_f32,
+        OUT_F32=out_f32, num_warps=nw, num_stages=ns,
+     **triton_pdl.kw())
+    return y
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_x, stride_y, eps, BD: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    row = tl.program_id(0)
+    offs = tl.arange(0, BD)
+    m = offs < D
+    x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    # Reference order: normalise in fp32, cast to the input dtype, then scale by the weight.
+    xn = (x * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + offs, (xn * w).to(y_ptr.dtype.element_ty), mask=m)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = out if out is not None else torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    y2 = y.view(-1, D)
+    if x2.shape[0] == 0:
+        return y
+    BD = triton.next_power_of_2(D)
+    _rms_norm_kernel[(x2.shape[0],)](x2, weight, y2, D, x2.stride(0), y2.stride(0), eps, BD=BD,
+                                      num_warps=4 if BD <= 2048 else 8, **triton_pdl.kw())
+    return y

@@ -1,0 +1,236 @@
+"""Batch-1 MoE in Triton: reads only the selected experts' weights, GEMV-style.
+
+Two kernels per MoE block:
+
+1. ``moe_up``: grid (I / BI, n * k). Each program streams BI rows of the gate half and the same BI rows
+   of the up half of ``w13[e]`` (e = this slot's expert), optionally RMS-normalising x on the fly, and
+   writes ``act = silu(gate) * up`` (bf16) for its slice.
+2. ``moe_down``: grid (D / BD, n). Each program streams ``w2[e_j][BD rows, :]`` for every slot j and
+   accumulates ``sum_j w_j * w2[e_j] @ act_j`` in fp32; optionally adds into the residual in place.
+
+Shared experts fold in as extra slots: stack them after the routed experts (``w13[E + s]``) and append
+ids ``E + s`` with weight 1.0 (an MLP with intermediate 2*I equals two MLPs of I on its halves). A dense
+MLP is the same with one slot. ``router_select`` does sigmoid + bias + group-limited top-k + normalise +
+scale for one token in one program, reading fp32 split-K partial logits from ``triton_gemv.gemv``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from . import triton_pdl
+
+__all__ = ["moe_experts", "moe_up", "moe_down", "router_select"]
+
+
+@triton.jit
+def _moe_up_kernel(
+    x_ptr, nw_ptr, ids_ptr, w13_ptr, act_ptr, D, I, KK, stride_xm, stride_ids, stride_we, stride_wn,
+    stride_an, stride_ak, eps,
+    BI: tl.constexpr, BK: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    ib = tl.program_id(0)
+    r = tl.program_id(1)
+    i = r // KK
+    j = r % KK
+    e = tl.load(ids_ptr + i * stride_ids + j)
+    offs_i = ib * BI + tl.arange(0, BI)
+    imask = offs_i < I
+    out_ptr = act_ptr + i * stride_an + j * stride_ak + offs_i
+    if e < 0:
+        tl.store(out_ptr, tl.zeros([BI], dtype=tl.float32).to(act_ptr.dtype.element_ty), mask=imask)
+    else:
+        x_row = x_ptr + i * stride_xm
+        if HAS_NORM:
+            sq = tl.zeros([BK], dtype=tl.float32)
+            for k0 in range(0, D, BK):
+                offs_k = k0 + tl.arange(0, BK)
+                v = tl.load(x_row + offs_k, mask=offs_k < D, other=0.0).to(tl.float32)
+                sq += v * v
+            rstd = tl.rsqrt(tl.sum(sq, 0) / D + eps)
+        wb = w13_ptr + e.to(tl.int64) * stride_we
+        g_rows = wb + offs_i.to(tl.int64)[:, None] * stride_wn
+        u_rows = wb + (offs_i + I).to(tl.int64)[:, None] * stride_wn
+        acc_g = tl.zeros([BI, BK], dtype=tl.float32)
+        acc_u = tl.zeros([BI, BK], dtype=tl.float32)
+        for k0 in range(0, D, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            kmask = offs_k < D
+            xv = tl.load(x_row + offs_k, mask=kmask, other=0.0)
+            if HAS_NORM:
+                g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
+                xv = (xv.to(tl.float32) * rstd * g).to(w13_ptr.dtype.element_ty)
+            xf = xv.to(tl.float32)[None, :]
+            m2 = imask[:, None] & kmask[None, :]
+            wg = tl.load(g_rows + offs_k[None, :], mask=m2, other=0.0)
+            wu = tl.load(u_rows + offs_k[None, :], mask=m2, other=0.0)
+            acc_g += wg.to(tl.float32) * xf
+            acc_u += wu.to(tl.float32) * xf
+        gate = tl.sum(acc_g, 1).to(act_ptr.dtype.element_ty).to(tl.float32)
+        up = tl.sum(acc_u, 1).to(act_ptr.dtype.element_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(act_ptr.dtype.element_ty).to(tl.float32) * up
+        tl.store(out_ptr, act.to(act_ptr.dtype.element_ty), mask=imask)
+
+
+@triton.jit
+def _moe_down_kernel(
+    act_ptr, ids_ptr, wts_ptr, w2_ptr, y_ptr, D, I, KK, stride_an, stride_ak, stride_ids, stride_wts,
+    stride_we, stride_wd, stride_yn,
+    BD: tl.constexpr, BI: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    db = tl.program_id(0)
+    i = tl.program_id(1)
+    offs_d = db * BD + tl.arange(0, BD)
+    dmask = offs_d < D
+    n_ch = tl.cdiv(I, BI)
+    # One flat loop over (slot, I-chunk) so the software pipeline streams across experts.
+    acc = tl.zeros([BD, BI], dtype=tl.float32)
+    for t in range(0, KK * n_ch):
+        j = t // n_ch
+        i0 = (t - j * n_ch) * BI
+        e = tl.load(ids_ptr + i * stride_ids + j)
+        wj = tl.load(wts_ptr + i * stride_wts + j)
+        ok = e >= 0
+        e = tl.where(ok, e, 0)
+        offs_i = i0 + tl.arange(0, BI)
+        imask = (offs_i < I) & ok
+        a = tl.load(act_ptr + i * stride_an + j * stride_ak + offs_i, mask=imask, other=0.0).to(tl.float32)
+        w = tl.load(w2_ptr + e.to(tl.int64) * stride_we + offs_d.to(tl.int64)[:, None] * stride_wd + offs_i[None, :],
+                    mask=dmask[:, None] & imask[None, :], other=0.0)
+        acc += w.to(tl.float32) * (a * wj)[None, :]
+    total = tl.sum(acc, 1)
+    yp = y_ptr + i * stride_yn + offs_d
+    if HAS_RES:
+        r = tl.load(yp, mask=dmask, other=0.0).to(tl.float32)
+        tl.store(yp, (r + total.to(y_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty), mask=dmask)
+    else:
+        tl.store(yp, total.to(y_ptr.dtype.element_ty), mask=dmask)
+
+
+def _sms():
+    return (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count if torch.cuda.is_available() else 132)
+
+
+def moe_up(x, ids, w13, *, norm_w=None, eps=1e-6, out=None, cfg=None):
+    n, D = x.shape
+    KK = ids.shape[1]
+    I = w13.shape[1] // 2
+    assert w13.shape[2] == D and w13.stride(-1) == 1 and x.stride(-1) == 1
+    act = out if out is not None else torch.empty(n, KK, I, device=x.device, dtype=x.dtype)
+    if cfg is None:
+        cfg = (8, 512, 4, 4)  # best of the micro.py sweep for lite and V3.2 shapes
+    BI, BK, nw, ns = cfg
+    _moe_up_kernel[(triton.cdiv(I, BI), n * KK)](
+        x, norm_w if norm_w is not None else x, ids, w13, act, D, I, KK, x.stride(0), ids.stride(0),
+        w13.stride(0), w13.stride(1), act.stride(0), act.stride(1), eps,
+        BI=BI, BK=BK, HAS_NORM=norm_w is not None, num_warps=nw, num_stages=ns,
+     **triton_pdl.kw())
+    return act
+
+
+def moe_down(act, ids, wts, w2, *, residual=None, out=None, cfg=None):
+    n, KK, I = act.shape
+    D = w2.shape[1]
+    assert w2.shape[2] == I and w2.stride(-1) == 1
+    if residual is not None:
+        y = residual
+    else:
+        y = out if out is not None else torch.empty(n, D, device=act.device, dtype=act.dtype)
+    if cfg is None:
+        cfg = (2, 1024, 4, 3)  # best of the micro.py sweep (lite 21.6us, V3.2 76us, dense-lite 12us)
+    BD, BI, nw, ns = cfg
+    _moe_down_kernel[(triton.cdiv(D, BD), n)](
+        act, ids, wts, w2, y, D, I, KK, act.stride(0), act.stride(1), ids.stride(0), wts.stride(0),
+        w2.stride(0), w2.stride(1), y.stride(0),
+        BD=BD, BI=BI, HAS_RES=residual is not None, num_warps=nw, num_stages=ns,
+     **triton_pdl.kw())
+    return y
+
+
+def moe_experts(x, topk_ids, topk_weights, w13, w2):
+    """The ``tilert::moe_experts`` contract: ``sum_j w_j * w2[e_j] @ (silu(gate) * up)``."""
+    ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+    wts = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
+    act = moe_up(x.contiguous(), ids.contiguous(), w13)
+    return moe_down(act, ids.contiguous(), wts.contiguous(), w2)
+
+
+@triton.jit
+def _router_select_kernel(
+    part_ptr, bias_ptr, ids_ptr, wts_ptr, n, SPLIT, stride_ps, stride_pn, stride_ids, stride_wts,
+    route_scale, E_real,
+    E: tl.constexpr, G: tl.constexpr, TOPK_G: tl.constexpr, K: tl.constexpr, KPAD: tl.constexpr,
+    N_SHARED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    i = tl.program_id(0)
+    offs = tl.arange(0, E)
+    emask = offs < E_real
+    logits = tl.zeros([E], dtype=tl.float32)
+    for s in range(0, SPLIT):
+        logits += tl.load(part_ptr + s * stride_ps + i * stride_pn + offs, mask=emask, other=0.0)
+    scores = 1.0 / (1.0 + tl.exp(-logits))
+    choice = scores + tl.load(bias_ptr + offs, mask=emask, other=0.0).to(tl.float32)
+    choice = tl.where(emask, choice, float("-inf"))
+    if G > 1:
+        c2 = tl.reshape(choice, [G, E // G])
+        cols = tl.arange(0, E // G)
+        a1 = tl.argmax(c2, 1)
+        m1 = tl.max(c2, 1)
+        m2 = tl.max(tl.where(cols[None, :] == a1[:, None], float("-inf"), c2), 1)
+        gs = m1 + m2
+        gidx = tl.arange(0, G)
+        keep = gidx < 0
+        for _t in tl.static_range(TOPK_G):
+            g = tl.argmax(gs, 0)
+            keep = keep | (gidx == g)
+            gs = tl.where(gidx == g, float("-inf"), gs)
+        c2 = tl.where(keep[:, None], c2, float("-inf"))
+        choice = tl.reshape(c2, [E])
+    kk = tl.arange(0, KPAD)
+    sel_ids = tl.full([KPAD], -1, dtype=tl.int32)
+    sel_w = tl.zeros([KPAD], dtype=tl.float32)
+    for t in tl.static_range(K):
+        j = tl.argmax(choice, 0)
+        wj = tl.sum(tl.where(offs == j, scores, 0.0), 0)
+        sel_ids = tl.where(kk == t, j.to(tl.int32), sel_ids)
+        sel_w = tl.where(kk == t, wj, sel_w)
+        choice = tl.where(offs == j, float("-inf"), choice)
+    if NORM:
+        sel_w = sel_w / (tl.sum(sel_w, 0) + 1e-20)
+    sel_w = sel_w * route_scale
+    for s in tl.static_range(N_SHARED):
+        sel_ids = tl.where(kk == K + s, (E_real + s).to(tl.int32), sel_ids)
+        sel_w = tl.where(kk == K + s, 1.0, sel_w)
+    m = kk < K + N_SHARED
+    tl.store(ids_ptr + i * stride_ids + kk, sel_ids, mask=m)
+    tl.store(wts_ptr + i * stride_wts + kk, sel_w, mask=m)
+
+
+def router_select(partials, bias, *, top_k, n_group, topk_group, route_scale, norm_topk=True, n_shared_slots=0,
+                  ids_out=None, wts_out=None):
+    """partials fp32 ``[split, n, E]`` (summed here) -> ids int32 ``[n, top_k + n_shared_slots]`` and fp32 weights.
+
+    Shared-expert slots get ids ``E..E+n_shared_slots-1`` and weight 1.0.
+    """
+    split, n, E_real = partials.shape
+    KK = top_k + n_shared_slots
+    ids = ids_out if ids_out is not None else torch.empty(n, KK, device=partials.device, dtype=torch.int32)
+    wts = wts_out if wts_out is not None else torch.empty(n, KK, device=partials.device, dtype=torch.float32)
+    E = triton.next_power_of_2(E_real)
+    G = n_group if n_group > 1 else 1
+    assert G == 1 or E == E_real
+    _router_select_kernel[(n,)](
+        partials, bias, ids, wts, n, split, partials.stride(0), partials.stride(1), ids.stride(0), wts.stride(0),
+        route_scale, E_real, E=E, G=G, TOPK_G=topk_group, K=top_k, KPAD=triton.next_power_of_2(KK),
+        N_SHARED=n_shared_slots, NORM=norm_topk, num_warps=4,
+     **triton_pdl.kw())
+    return ids, wts
