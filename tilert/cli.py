@@ -21,6 +21,21 @@ def _tiny_model(args: argparse.Namespace) -> int:
 def _decode(args: argparse.Namespace) -> int:
     from tilert.decode.server import DecodeConfig, serve
 
+    problems = [
+        f"{what} ({value})"
+        for what, value, ok in (
+            ("--model must hold a config.json", args.model, (Path(args.model) / "config.json").is_file()),
+            ("--slots must be >= 1", args.slots, args.slots >= 1),
+            ("--max-seq-len must be >= 2", args.max_seq_len, args.max_seq_len >= 2),
+            ("--num-speculative-tokens must be in 0..8", args.num_speculative_tokens, 0 <= args.num_speculative_tokens <= 8),
+            ("--lease-s must be > 0", args.lease_s, args.lease_s > 0),
+            ("--transfer-timeout-s must be > 0", args.transfer_timeout_s, args.transfer_timeout_s > 0),
+            ("--ctrl-port and --http-port must differ", args.ctrl_port, args.ctrl_port != args.http_port),
+        )
+        if not ok
+    ]
+    if problems:
+        raise SystemExit("tilert decode: " + "; ".join(problems))
     try:
         options = json.loads(args.transport_options) if args.transport_options else {}
     except json.JSONDecodeError as exc:
