@@ -61,10 +61,12 @@ def _vllm_alone(stack: Any, kind: str, prompt: Any) -> tuple[list[int], str, int
     return choice["token_ids"], text, data["usage"]["prompt_tokens"]
 
 
-def _router_call(stack: Any, kind: str, prompt: Any, stream: bool) -> tuple[list[int], str, dict[str, int]]:
-    client = OpenAI(base_url=stack.router + "/v1", api_key="unused", timeout=120, max_retries=0)
+def _router_call(
+    router: str, model: Path, kind: str, prompt: Any, stream: bool
+) -> tuple[list[int], str, dict[str, int]]:
+    client = OpenAI(base_url=router + "/v1", api_key="unused", timeout=120, max_retries=0)
     kwargs: dict[str, Any] = {
-        "model": str(stack.model), "max_tokens": MAX_TOKENS, "temperature": 0,
+        "model": str(model), "max_tokens": MAX_TOKENS, "temperature": 0,
         "extra_body": {"return_token_ids": True},
     }  # fmt: skip
     if stream:
@@ -97,7 +99,7 @@ def test_router_tokens_equal_vllm_alone(stack: Any, index: int, stream: bool) ->
     kind, prompt = _prompts(stack.model)[index]
     want_ids, want_text, prompt_tokens = _vllm_alone(stack, kind, prompt)
     assert len(want_ids) == MAX_TOKENS
-    got_ids, got_text, usage = _router_call(stack, kind, prompt, stream)
+    got_ids, got_text, usage = _router_call(stack.router, stack.model, kind, prompt, stream)
     assert got_ids == want_ids
     assert got_text == want_text
     assert usage["prompt_tokens"] == prompt_tokens
@@ -209,3 +211,62 @@ def test_client_disconnect_cancels_decode_and_frees_slot(stack: Any) -> None:
         time.sleep(0.1)
         health = _decode_health(stack)
     assert health["slots_free"] == health["slots_total"]
+
+
+@pytest.mark.stack
+def test_uvicorn_app_configured_by_file(stack: Any, tmp_path: Path) -> None:
+    """``TILERT_ROUTER_CONFIG=file uvicorn tilert.router:app``, in front of the same prefill and decode node."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from urllib.parse import urlparse
+
+    from conftest import free_port
+
+    decode = urlparse(stack.decode)
+    health = httpx.get(stack.decode + "/health", timeout=10).json()
+    ctrl = int(health["ctrl_port"])
+    config = tmp_path / "router.toml"
+    config.write_text(
+        f'prefill_url = "{stack.prefill}"\nmodel_dir = "{stack.model}"\n'
+        f'decode = ["{decode.hostname}:{ctrl}:{decode.port}"]\n'
+    )
+    port = free_port()
+    env = {**os.environ, "TILERT_ROUTER_CONFIG": str(config)}
+    cmd = [sys.executable, "-m", "uvicorn", "tilert.router:app", "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        prompt = [{"role": "user", "content": "Write a function that reverses a list."}]
+        want_ids, want_text, _ = _vllm_alone(stack, "chat", prompt)
+        got_ids, got_text, _ = _router_call(url, stack.model, "chat", prompt, True)
+        assert (got_ids, got_text) == (want_ids, want_text)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.stack
+def test_marked_and_unmarked_requests_in_one_batch(stack: Any) -> None:
+    """Unmarked traffic sharing vLLM's forward batches with marked traffic is untouched, and vice versa."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [("completion", "def add(a, b):"), ("chat", [{"role": "user", "content": "import os"}])]
+    solo = [_vllm_alone(stack, kind, p)[:2] for kind, p in prompts]
+    before = _decode_health(stack)["transfers_received"]
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        unmarked = [pool.submit(_vllm_alone, stack, kind, p) for kind, p in prompts * 2]
+        marked = [pool.submit(_router_call, stack.router, stack.model, kind, p, True) for kind, p in prompts]
+        got_unmarked = [f.result()[:2] for f in unmarked]
+        got_marked = [f.result()[:2] for f in marked]
+    assert got_unmarked == solo * 2
+    assert got_marked == solo
+    assert _decode_health(stack)["transfers_received"] == before + len(prompts)

@@ -188,6 +188,7 @@ class DecodeNode:
                 "engine": self.engine.name,
                 "model": str(self.config.model),
                 "transport": self.config.transport,
+                "ctrl_port": self.config.ctrl_port,
                 "slots_total": len(self.table.slots),
                 "slots_free": self.table.free,
                 "transfers_received": self.table.transfers_received,
