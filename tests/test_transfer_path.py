@@ -191,3 +191,16 @@ def test_transfer_timeout_when_prefill_never_sends() -> None:
         assert exc.value.status == 504
 
     anyio.run(_with_node, node, body)
+
+
+def test_held_reservation_outlives_its_lease() -> None:
+    node = _Node(lease_s=0.05)
+
+    async def body() -> None:
+        node.table.reserve("queued-decode")
+        node.table.hold("queued-decode")
+        await anyio.sleep(0.1)
+        assert node.table.expire() == []
+        assert node.table.get("queued-decode").state is State.RESERVED
+
+    anyio.run(_with_node, node, body)

@@ -200,7 +200,7 @@ class DecodeNode:
     async def decode(self, request: Request) -> Response:
         try:
             params = DecodeParams.parse(await _json(request), self.engine.vocab_size, self.sampling_defaults)
-            self.table.get(params.transfer_id)
+            self.table.hold(params.transfer_id)  # queued behind a running decode, it must not expire
         except SlotError as exc:
             return _error(str(exc), exc.status)
         except ValueError as exc:

@@ -187,6 +187,13 @@ class SlotTable:
         slot.notify()
         log.warning("transfer_failed", transfer_id=tid, reason=reason)
 
+    def hold(self, tid: str) -> Slot:
+        """A decode request now owns this transfer: its lease no longer expires (the request's own
+        life bounds it; it releases the slot when it ends)."""
+        slot = self.get(tid)
+        slot.deadline = float("inf")
+        return slot
+
     async def wait_ready(self, tid: str, timeout_s: float) -> Slot:
         """Wait until the transfer has landed; ``SlotError`` (502/504) if it failed or timed out."""
         slot = self.get(tid)
