@@ -250,7 +250,7 @@ class RequestFlow:
         self._to(State.FINISHED, finish_reason=finish, from_prefill=True)
 
     async def _decode(self, send: Send, shape: ResponseShape, pre: PrefillResult) -> None:
-        plan, cfg, metrics = self.plan, self.ctx.config, self.ctx.metrics
+        plan, metrics = self.plan, self.ctx.metrics
         bundle = self.ctx.tokenizer
         out = OutputText(plan.stop, plan.include_stop_str_in_output)
         out.text = pre.text  # vLLM already applied stop strings to the first token
