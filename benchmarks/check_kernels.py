@@ -289,56 +289,112 @@ def check_registered(dev):
     wts = torch.rand(1, 3, device=dev)
     report("op tilert::moe_experts (cuda)", ops.moe_experts(x[:1], ids, wts, w13, w2),
            ref.moe_experts(x[:1], ids, wts, w13, w2))
+    # fused decode-layer ops, lite-v32 shapes
+    w = rnd(2256, 2048, dev=dev, scale=2048 ** -0.5)
+    for n in (1, 3):
+        xn = x[:1].repeat(n, 1) if n > 1 else x[:1]
+        report(f"op tilert::gemv+norm n={n} (cuda)", ops.gemv(xn, w, g, 1e-6), ref.gemv(xn, w, g, 1e-6))
+        hh = rnd(n, 2048, dev=dev)
+        o = rnd(n, 2048, dev=dev)
+        h1, h2 = hh.clone(), hh.clone()
+        ops.gemv_residual(h1, o, w[:2048])
+        ref.gemv_residual(h2, o, w[:2048])
+        report(f"op tilert::gemv_residual n={n} (cuda)", h1, h2)
+        gate = rnd(64, 2048, dev=dev, scale=2048 ** -0.5)
+        bias = 0.01 * torch.randn(64, device=dev)
+        ids_g, wts_g = ops.router(hh, g, 1e-6, gate, bias, 6, 1, 1, 1.0, True, 2)
+        ids_r, wts_r = ref.router(hh, g, 1e-6, gate, bias, 6, 1, 1, 1.0, True, 2)
+        same = all(set(a.tolist()) == set(b.tolist()) for a, b in zip(ids_g, ids_r))
+        report(f"op tilert::router n={n} ids identical={same} (cuda): sorted weights",
+               wts_g.sort(-1).values, wts_r.sort(-1).values, tol=1e-2 if same else -1)
+        w13b = rnd(66, 2 * 1408, 2048, dev=dev, scale=2048 ** -0.5)
+        w2b = rnd(66, 2048, 1408, dev=dev, scale=1408 ** -0.5)
+        h1, h2 = hh.clone(), hh.clone()
+        ops.moe_residual(h1, g, 1e-6, ids_r, wts_r, w13b, w2b)
+        ref.moe_residual(h2, g, 1e-6, ids_r, wts_r, w13b, w2b)
+        report(f"op tilert::moe_residual n={n} (cuda)", h1, h2)
+        H, P, R, V, L, QL, Hi, DI = 16, 128, 64, 128, 512, 1536, 16, 128
+        a_ = rnd(n, QL + L + R + DI + Hi, dev=dev)
+        b_ = rnd(n, H * (P + R) + Hi * DI, dev=dev)
+        kvb = rnd(H * (P + V), L, dev=dev, scale=L ** -0.5)
+        ang = torch.arange(4096, device=dev).float()[:, None] * (1e-2 * torch.rand(R // 2, device=dev))[None]
+        cs, sn = ang.cos().to(DTYPE), ang.sin().to(DTYPE)
+        kvn, ikw, ikb = rnd(L, dev=dev) + 1, rnd(DI, dev=dev) + 1, 0.05 * rnd(DI, dev=dev)
+        pos_ = torch.randperm(4096, device=dev)[:n]
+        kc1, kc2 = rnd(4096, L + R, dev=dev), None
+        ic1 = rnd(4096, DI, dev=dev)
+        kc2, ic2 = kc1.clone(), ic1.clone()
+        got = ops.mla_prep(a_, b_, pos_, kvb, cs, sn, kvn, kc1, ikw, ikb, ic1, H, P, QL, Hi, 1e-6, 0.01)
+        want = ref.mla_prep(a_, b_, pos_, kvb, cs, sn, kvn, kc2, ikw, ikb, ic2, H, P, QL, Hi, 1e-6, 0.01)
+        for nm, x1, x2 in zip(("q", "index_q", "index_w"), got, want):
+            report(f"op tilert::mla_prep n={n} (cuda): {nm}", x1, x2)
+        report(f"op tilert::mla_prep n={n} (cuda): kv rows", kc1[pos_], kc2[pos_])
+        report(f"op tilert::mla_prep n={n} (cuda): index rows", ic1[pos_], ic2[pos_])
+        ol = rnd(n, H, L, dev=dev)
+        report(f"op tilert::mla_uv n={n} (cuda)", ops.mla_uv(ol, kvb, P), ref.mla_uv(ol, kvb, P))
 
 
-def check_fused_model(dev, small):
-    """The fused kernel sequence of benchmarks/fused_model.py vs the same layer in plain PyTorch."""
+def check_engine_model(dev, small):
+    """The engine (one model: CUDA ops in a CUDA graph, bf16) vs the same engine with the reference ops on
+    the CPU in fp32, on the same random weights (lite-v32 / layer-v32 layer dims, few layers) and the same
+    random cache rows; decode n=1 in the dense regime (pos < index_topk) and DSA regime, n=3 verify."""
     sys.path.insert(0, os.path.dirname(__file__))
-    import fused_model as fm
+    import engine_configs as ec
 
-    cases = [(fm.small_cfg(fm.LITE_V32, 3), 3000), (fm.small_cfg(fm.LAYER_V32, 1), 3000)]
-    for cfg, S in cases:
-        model = fm.FusedDecoder(cfg, S, dev)
-        kv_ref, ik_ref = model.kv.clone(), model.ik.clone()
-        for n, p0 in ((1, 100), (3, 500), (1, 2400), (2, 2500)):
-            tok = torch.randint(0, cfg.vocab, (n,), device=dev)
-            pos = torch.arange(p0, p0 + n, device=dev)
-            sparse = p0 + n > cfg.idx_topk
-            got = model.forward(tok, pos, sparse).clone()
-            want = model.reference_forward(tok, pos, kv_ref, ik_ref)
-            report(f"fused model {cfg.name} n={n} pos={p0} {'sparse' if sparse else 'dense'}: logits", got, want,
-                   tol=3e-2)
-            agree = float((got.argmax(-1) == want.argmax(-1)).float().mean())
-            print(f"      top-1 agreement {agree:.2f}", flush=True)
-            report(f"fused model {cfg.name} n={n} pos={p0}: kv-cache rows", model.kv[:, pos], kv_ref[:, pos], tol=3e-2)
-        # determinism (races): the same step twice, eager
-        tok = torch.randint(0, cfg.vocab, (1,), device=dev)
-        pos = torch.tensor([2650], device=dev)
-        r1 = model.forward(tok, pos, True).clone()
-        r2 = model.forward(tok, pos, True).clone()
-        report(f"fused model {cfg.name}: same step twice (eager, PDL on) bitwise", r2, r1, tol=1e-9)
-        from tilert.engines.tilert.ops import triton_pdl
+    from tilert.engines.tilert.engine import TileRTEngine
+    from tilert.engines.tilert.model import Transformer
+    from tilert.engines.tilert.ops import cuda as _cuda  # noqa: F401
+    from tilert.engines.tilert.weights import _finish, random_model
 
-        triton_pdl.set_enabled(False)
-        r3 = model.forward(tok, pos, True).clone()
-        triton_pdl.set_enabled(True)
-        report(f"fused model {cfg.name}: PDL off vs on", r3, r1, tol=1e-9)
-        # CUDA graph replay reproduces the eager result
-        from tilert.engines.tilert.fast import GraphStep
+    S = 3000
+    from dataclasses import replace
 
-        tok = torch.randint(0, cfg.vocab, (1,), device=dev)
-        pos = torch.tensor([2700], device=dev)
-        eager = model.forward(tok, pos, True).clone()
-        st = GraphStep(lambda t, p: model.forward(t, p, True), 1, dev)
-        st.capture(tok, pos)
-        report(f"fused model {cfg.name}: CUDA graph replay == eager", st(tok, pos), eager, tol=1e-6)
-        del model, st
+    layer1 = replace(ec.small(ec.LAYER_V32, 1), n_routed_experts=32)  # 32 experts: keeps the fp32 CPU copy small
+    for name, args in (("lite-v32-3L", ec.small(ec.LITE_V32, 3)), ("layer-v32-1L-32e", layer1)):
+        cpu = random_model(args, device="cpu", dtype=torch.float32, max_seq_len=S, seed=1)
+        sd = {k: v.clone() for k, v in cpu.state_dict().items()}
+        with torch.device("meta"):
+            gm = Transformer(args)
+        gm = _finish(gm, sd, dev, torch.bfloat16, S)
+        g = torch.Generator().manual_seed(2)
+        cpu.kv_cache.copy_(torch.randn(cpu.kv_cache.shape, generator=g))
+        cpu.index_cache.copy_(torch.randn(cpu.index_cache.shape, generator=g))
+        gm.kv_cache.copy_(cpu.kv_cache.to(torch.bfloat16))  # the same (bf16-representable) rows
+        gm.index_cache.copy_(cpu.index_cache.to(torch.bfloat16))
+        cpu.kv_cache.copy_(gm.kv_cache.float().cpu())
+        cpu.index_cache.copy_(gm.index_cache.float().cpu())
+        e_cpu = TileRTEngine(cpu, torch.device("cpu"), torch.float32, S)
+        e_gpu = TileRTEngine(gm, dev, torch.bfloat16, S)
+        assert e_gpu.use_graphs
+        for n, p0 in ((1, 100), (1, 101), (1, 2500), (1, 2501), (3, 2502)):
+            tok = torch.randint(0, args.vocab_size, (n,))
+            with torch.no_grad():
+                want = e_cpu.forward(tok, p0)
+                got = e_gpu.forward(tok.to(dev), p0)
+            mode = "DSA" if p0 + n > args.index_topk else "dense"
+            report(f"engine {name} graph bf16 vs reference fp32 CPU: n={n} pos={p0} {mode} logits", got, want, tol=3e-2)
+            agree = float((got.argmax(-1).cpu() == want.argmax(-1)).float().mean())
+            print(f"      top-1 agreement {agree:.2f}; graphs captured: {sorted(k for k, v in e_gpu._graphs.items() if v)}",
+                  flush=True)
+            report(f"engine {name} n={n} pos={p0}: written kv rows", gm.kv_cache[:, p0:p0 + n],
+                   cpu.kv_cache[:, p0:p0 + n], tol=3e-2)
+        # graph replay reproduces eager, and the same step twice is bitwise identical
+        tok = torch.randint(0, args.vocab_size, (1,), device=dev)
+        with torch.no_grad():
+            r1 = e_gpu.forward(tok, 2600)
+            r2 = e_gpu.forward(tok, 2600)
+            e_gpu.use_graphs = False
+            r3 = e_gpu.forward(tok, 2600)
+            e_gpu.use_graphs = True
+        report(f"engine {name}: same graph step twice bitwise", r2, r1, tol=1e-9)
+        report(f"engine {name}: CUDA graph replay vs eager", r3, r1, tol=1e-6)
+        del cpu, gm, e_cpu, e_gpu
         torch.cuda.empty_cache()
 
 
 def check_engine_vs_transformers(dev, small):
     """The engine (tilert.engines.tilert, CUDA ops registered) vs transformers on the same tiny weights,
-    prefill eager and decode through fast.FastEngine (CUDA graph)."""
+    prefill eager and decode through the engine's own CUDA graphs (n=1, n=3)."""
     import tempfile
 
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
@@ -346,7 +402,6 @@ def check_engine_vs_transformers(dev, small):
     import tilert.engines.tilert.ops  # noqa: F401
     from tilert.engines.tilert.ops import cuda as _cuda  # noqa: F401
     from tilert.engines.tilert.engine import TileRTEngine
-    from tilert.engines.tilert.fast import FastEngine
 
     hc = DeepseekV32Config(
         vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=3,
@@ -377,16 +432,15 @@ def check_engine_vs_transformers(dev, small):
         got = eng.forward(ids[:T], 0)
         eng_pre = got.clone()
         report("engine vs transformers: prefill logits (60 tok, indexer top-128 >= len: continuous)", got, ref_logits[:T], tol=5e-2)
-        fast = FastEngine(eng, sizes=(1, 3))
         outs = []
         for j in range(4):
-            outs.append(fast.forward(ids[T + j: T + j + 1], T + j).clone())
+            outs.append(eng.forward(ids[T + j: T + j + 1], T + j).clone())
         got = torch.cat(outs)
-        report("engine(FastEngine graph, n=1) vs transformers: decode logits", got, ref_logits[T:T + 4], tol=5e-2)
+        report("engine(graph, n=1) vs transformers: decode logits", got, ref_logits[T:T + 4], tol=5e-2)
         agree = float((got.argmax(-1) == ref_logits[T:T + 4].argmax(-1)).float().mean())
         print(f"      top-1 agreement {agree:.2f}", flush=True)
-        got3 = fast.forward(ids[T + 1:T + 4], T + 1).clone()
-        report("engine(FastEngine graph, n=3 verify) vs transformers", got3, ref_logits[T + 1:T + 4], tol=5e-2)
+        got3 = eng.forward(ids[T + 1:T + 4], T + 1).clone()
+        report("engine(graph, n=3 verify) vs transformers", got3, ref_logits[T + 1:T + 4], tol=5e-2)
         # Same engine code, reference ops on the CPU in fp32: isolates the CUDA kernels + graph from the model.
         cpu_pre = eng_cpu.forward(ids[:T].cpu(), 0)
         cpu_dec = torch.cat([eng_cpu.forward(ids[T + j: T + j + 1].cpu(), T + j) for j in range(4)])
@@ -412,7 +466,7 @@ def main():
     dev = torch.device(args.device)
     checks = {"gemv": check_gemv, "mla": check_mla, "indexer": check_indexer, "moe": check_moe, "prep": check_prep}
     if dev.type == "cuda":
-        checks["model"] = check_fused_model
+        checks["model"] = check_engine_model
         checks["engine"] = check_engine_vs_transformers
     for name, fn in checks.items():
         if args.only and name not in args.only.split(","):

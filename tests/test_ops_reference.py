@@ -182,3 +182,53 @@ def test_ops_registered_with_fake_kernels() -> None:
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
         assert torch.equal(op(*args), getattr(reference, op._name.split("::")[-1])(*args))
+
+
+def test_fused_ops_registered_with_fake_kernels() -> None:
+    """The fused decode-layer ops: schema (incl. declared mutations) and fake kernels are consistent."""
+    g = _gen(8)
+    n, d, h, p, r, v, lat, hi, di, ql = 2, 16, 2, 8, 4, 8, 8, 2, 8, 6
+    x = torch.randn(n, d, generator=g)
+    a = torch.randn(n, ql + lat + r + di + hi, generator=g)
+    b = torch.randn(n, h * (p + r) + hi * di, generator=g)
+    cos, sin = torch.randn(10, r // 2, generator=g), torch.randn(10, r // 2, generator=g)
+    pos = torch.tensor([3, 7])
+    cases = [
+        (ops.gemv, (x, torch.randn(5, d, generator=g), torch.rand(d, generator=g), 1e-6, None, True)),
+        (ops.gemv_residual, (x.clone(), torch.randn(n, 5, generator=g), torch.randn(d, 5, generator=g))),
+        (ops.router, (x, torch.rand(d, generator=g), 1e-6, torch.randn(8, d, generator=g), torch.rand(8), 2, 4, 2,
+                      2.5, True, 1)),
+        (ops.moe_residual, (x.clone(), torch.rand(d, generator=g), 1e-6, torch.tensor([[0, 2], [1, 3]], dtype=torch.int32),
+                            torch.rand(n, 2), torch.randn(4, 6, d, generator=g), torch.randn(4, d, 3, generator=g))),
+        (ops.mla_prep, (a, b, pos, torch.randn(h * (p + v), lat, generator=g), cos, sin, torch.rand(lat),
+                        torch.zeros(10, lat + r), torch.rand(di), torch.rand(di), torch.zeros(10, di), h, p, ql, hi,
+                        1e-6, 0.1)),
+        (ops.mla_prep, (a[:, : ql + lat + r], b[:, : h * (p + r)], pos, torch.randn(h * (p + v), lat, generator=g), cos,
+                        sin, torch.rand(lat), torch.zeros(10, lat + r), None, None, None, h, p, ql, 0, 1e-6, 1.0)),
+        (ops.mla_uv, (torch.randn(n, h, lat, generator=g), torch.randn(h * (p + v), lat, generator=g), p)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_router_shared_slots_and_moe_residual() -> None:
+    """Shared experts stacked after the routed ones (weight 1) equal the separate shared MLP."""
+    g = _gen(9)
+    n, d, e, inter, s = 3, 12, 8, 5, 2
+    h = torch.randn(n, d, generator=g, dtype=D64)
+    norm = torch.rand(d, generator=g, dtype=D64) + 0.5
+    ids, wts = ops.router(h, norm, 1e-6, torch.randn(e, d, generator=g, dtype=D64), torch.rand(e, dtype=D64) * 0.1,
+                          2, 4, 2, 2.5, True, s)
+    assert ids.shape == (n, 2 + s) and (ids[:, 2:] == torch.tensor([e, e + 1])).all() and (wts[:, 2:] == 1).all()
+    torch.testing.assert_close(wts[:, :2].sum(-1), torch.full((n,), 2.5, dtype=torch.float32))
+    w13 = torch.randn(e + s, 2 * inter, d, generator=g, dtype=D64)
+    w2 = torch.randn(e + s, d, inter, generator=g, dtype=D64)
+    got = h.clone()
+    ops.moe_residual(got, norm, 1e-6, ids, wts, w13, w2)
+    x = reference.rms_norm(h, norm, 1e-6)
+    want = h + _naive_moe(x, ids[:, :2], wts[:, :2].double(), w13, w2)
+    gate = torch.cat([w13[e + j, :inter] for j in range(s)])  # the shared MLP of width s*inter
+    up = torch.cat([w13[e + j, inter:] for j in range(s)])
+    down = torch.cat([w2[e + j] for j in range(s)], dim=1)
+    want = want + (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -6,9 +6,14 @@ indexer) cache plus per-position buffers of main-model hidden states and tokens 
 needs to (re)compute its rows.
 
 MTP row bookkeeping: MTP row ``r`` holds the module's KV for input ``(h_r, t_{r+1})``. Rows are only
-valid once computed from the main model's real hidden ``h_r``; rows of an injected prompt (no hidden
-states) stay invalid and are masked out of the MTP attention. ``speculative_greedy_step`` first catches
-up the MTP rows whose inputs became known (``[_mtp_upto, L-1]``), which also yields the first draft.
+valid once computed from the main model's real hidden ``h_r``; the valid rows are kept as one range
+``[_mtp_lo, _mtp_upto)`` (rows of an injected prompt without MTP KV lie below it) and the MTP attention
+runs dense over ``_mtp_lo..row``. ``speculative_greedy_step`` first catches up the MTP rows whose inputs
+became known (``[_mtp_upto, L-1]``), which also yields the first draft; when those rows do not continue
+the range (a gap after a rewind), the range restarts at them.
+
+On CUDA the main-model step of 1..16 tokens (decode, MTP verify) runs as one CUDA graph per
+``(n, dense/DSA)`` (``fast.GraphStep``, captured at first use); prefill and CPU run eagerly.
 """
 
 from __future__ import annotations
@@ -21,8 +26,11 @@ import torch
 from tilert.engines.base import Capabilities, DecodeEngine, KVLayout
 
 from . import layouts
+from .fast import GraphStep
 from .model import Transformer
 from .weights import load_model
+
+GRAPH_MAX_TOKENS = 16  # main-model steps of up to this many tokens are replayed as CUDA graphs
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -60,6 +68,10 @@ class TileRTEngine(DecodeEngine):
         self._len = 0  # positions [0, _len) hold the current sequence in the main cache
         self._hid_lo = 0  # rows [_hid_lo, _len) of _hidden are valid
         self._mtp_upto = 0  # MTP rows < _mtp_upto are computed (or permanently invalid)
+        self._mtp_lo = 0  # MTP rows >= _mtp_lo (and < _mtp_upto) are valid
+        self.use_graphs = device.type == "cuda"
+        self._graphs: dict[tuple[int, bool], GraphStep | None] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None  # shared by the graphs
 
     # ----------------------------------------------------------------------------- contract
 
@@ -84,6 +96,8 @@ class TileRTEngine(DecodeEngine):
     def capabilities(self) -> Capabilities:
         a = self.model.args
         notes = [f"arch={a.arch}", "reference PyTorch kernels unless device kernels are registered"]
+        if self.use_graphs:
+            notes.append(f"CUDA-graph decode steps (1..{GRAPH_MAX_TOKENS} tokens)")
         if a.dsa:
             notes.append(f"DSA sparse attention, index_topk={a.index_topk}")
         if self.supports_mtp:
@@ -144,10 +158,8 @@ class TileRTEngine(DecodeEngine):
         )
         m = self.model
         m.kv_cache[:, :num_tokens] = latent[: a.num_layers].to(self.dtype)
-        m.mtp_valid.zero_()
         if mtp_given:
             m.mtp_kv_cache[0, :num_tokens] = latent[a.num_layers].to(self.dtype)
-            m.mtp_valid[:num_tokens] = True
 
         if a.dsa:
             ilay = layouts_["indexer"]
@@ -172,6 +184,7 @@ class TileRTEngine(DecodeEngine):
         self._len = num_tokens
         self._hid_lo = num_tokens  # no hidden states for the prompt
         self._mtp_upto = num_tokens if mtp_given else 0
+        self._mtp_lo = 0 if mtp_given else num_tokens
 
     @torch.no_grad()
     def forward(self, token_ids: torch.Tensor, start_pos: int) -> torch.Tensor:
@@ -179,8 +192,8 @@ class TileRTEngine(DecodeEngine):
 
         Positions ``>= start_pos`` of earlier calls are overwritten (a rewind is just a smaller start_pos).
         """
-        hidden = self._forward_main(token_ids, start_pos, invalidate_mtp=True)
-        return self.model.logits(hidden)
+        _, logits = self._forward_main(token_ids, start_pos, invalidate_mtp=True)
+        return logits
 
     # ---------------------------------------------------------------------------------- MTP
 
@@ -210,22 +223,23 @@ class TileRTEngine(DecodeEngine):
             self._tokens[L] = next_token
             # Catch up MTP rows [lo, L-1] from real hidden states: row r <- (h_r, t_{r+1}).
             lo = max(self._mtp_upto, self._hid_lo)
-            m.mtp_valid[self._mtp_upto :] = False  # stale rows (rewinds, drafts) and rows without hidden
+            if lo > self._mtp_upto or self._mtp_upto <= self._mtp_lo:  # gap or empty: restart the range
+                self._mtp_lo = lo
             rows = torch.arange(lo, L, device=self.device)
-            g, logits = m.mtp_forward(self._tokens[rows + 1], self._hidden[rows], rows)
+            g, logits = m.mtp_forward(self._tokens[rows + 1], self._hidden[rows], rows, self._mtp_lo)
             self._mtp_upto = L  # rows >= L written below hold draft data only
             d = int(logits[-1].argmax())
             drafts.append(d)
             h_prev = g[-1:]
             for j in range(1, k_max):  # chained drafts at rows L, L+1, ...
                 pos = torch.tensor([L + j - 1], device=self.device)
-                h_prev, logits = m.mtp_forward(torch.tensor([d], device=self.device), h_prev, pos)
+                h_prev, logits = m.mtp_forward(torch.tensor([d], device=self.device), h_prev, pos, self._mtp_lo)
                 d = int(logits[-1].argmax())
                 drafts.append(d)
 
         verify = torch.tensor([next_token, *drafts], dtype=torch.int64, device=self.device)
-        hidden = self._forward_main(verify, L, invalidate_mtp=False)
-        greedy = m.logits(hidden).argmax(dim=-1).tolist()
+        _, logits = self._forward_main(verify, L, invalidate_mtp=False)
+        greedy = logits.argmax(dim=-1).tolist()
         n_acc = 0
         while n_acc < len(drafts) and drafts[n_acc] == greedy[n_acc]:
             n_acc += 1
@@ -236,15 +250,45 @@ class TileRTEngine(DecodeEngine):
 
     # ----------------------------------------------------------------------------- internals
 
-    def _forward_main(self, token_ids: torch.Tensor, start_pos: int, invalidate_mtp: bool) -> torch.Tensor:
-        """Main model over ``token_ids`` at ``start_pos..``; returns final-norm hidden ``[n, D]`` and
-        records hidden states / tokens for the MTP module."""
+    def _step(self, n: int, use_indexer: bool) -> GraphStep | None:
+        """The CUDA graph for ``n`` tokens in the dense / DSA regime (``None``: run eagerly)."""
+        if not self.use_graphs or n > GRAPH_MAX_TOKENS:
+            return None
+        key = (n, use_indexer)
+        if key not in self._graphs:  # a size that failed to capture stays None (eager)
+            model = self.model
+
+            def step(tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                hidden = model(tokens, positions, use_indexer)
+                return hidden, model.logits(hidden)
+
+            self._graphs[key] = GraphStep(step, n, self.device)
+        return self._graphs[key]
+
+    def _forward_main(
+        self, token_ids: torch.Tensor, start_pos: int, invalidate_mtp: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Main model over ``token_ids`` at ``start_pos..``; returns final-norm hidden ``[n, D]`` and float32
+        logits ``[n, V]``, and records hidden states / tokens for the MTP module."""
         token_ids = token_ids.to(device=self.device, dtype=torch.int64).reshape(-1)
         n = token_ids.shape[0]
         if start_pos < 0 or n == 0 or start_pos + n > self.max_seq_len:
             raise ValueError(f"positions {start_pos}..{start_pos + n - 1} outside the cache (max {self.max_seq_len})")
         positions = torch.arange(start_pos, start_pos + n, device=self.device)
-        hidden = self.model(token_ids, positions)
+        # Every query position < index_topk: the DSA top-k is every row, so dense MLA gives the same result.
+        use_indexer = self.model.args.dsa and start_pos + n > self.model.args.index_topk
+        step = self._step(n, use_indexer)
+        if step is not None and step.graph is None:
+            try:  # its warm-up runs write rows that the replay below rewrites
+                step.capture(token_ids, positions, pool=self._pool)
+            except RuntimeError:  # an op fell back to a non-capturable kernel: stay eager for this size
+                self._graphs[(n, use_indexer)] = step = None
+        if step is not None:
+            hidden, logits = step(token_ids, positions)
+            logits = logits.clone()  # the graph's static buffer is rewritten by the next step
+        else:
+            hidden = self.model(token_ids, positions, use_indexer)
+            logits = self.model.logits(hidden)
         if self.supports_mtp:
             if start_pos < self._hid_lo or start_pos > self._len:
                 self._hid_lo = start_pos
@@ -254,7 +298,7 @@ class TileRTEngine(DecodeEngine):
                 # t_{start_pos} may differ from what MTP row start_pos-1 used.
                 self._mtp_upto = min(self._mtp_upto, max(start_pos - 1, 0))
         self._len = start_pos + n
-        return hidden
+        return hidden, logits
 
 
 def greedy_generate(engine: DecodeEngine, first_token: int, start_pos: int, n: int) -> list[int]:

@@ -3,39 +3,57 @@
 One sequence, a static latent cache sized at load, positions as device tensors. The math follows
 transformers 5.19's modeling files (``deepseek_v3``, ``deepseek_v32``, ``glm_moe_dsa``) so that logits
 agree with them to rounding; attention is computed in the *absorbed* MLA form over the latent cache.
+Every heavy step is one ``tilert::*`` op (``ops/__init__.py``): plain PyTorch on CPU (exact), fused
+Triton kernels on CUDA (``ops/cuda.py``), so one model serves both; on CUDA the engine replays the
+whole decode step as one CUDA graph (``fast.py``).
 
 Notation (per layer): hidden ``D``, heads ``H``, nope ``P``, rope ``R``, value ``V``, latent ``L``
-(``kv_lora_rank``), sequence capacity ``S`` (``max_seq_len``).
+(``kv_lora_rank``), q latent ``Q`` (``q_lora_rank``), indexer heads/dim ``Hi``/``Di``, capacity ``S``.
 
-MLA, per token ``x`` (already RMS-normed by the layer):
+Weight layout (fused at load by ``weights.py``; names below are this module's parameters):
 
-- ``q = W_qb rms(W_qa x)`` (or ``W_q x`` without q_lora) viewed ``[H, P+R]`` -> ``q_nope, q_pe``.
-- ``[c_kv | k_pe] = W_kva x``; ``c_kv = rms(c_kv)``; RoPE on ``q_pe`` and ``k_pe``.
-- cache row ``= [c_kv | k_pe]`` (``L+R`` wide, rope dims in transformers' order, see ``layouts.py``).
-- with ``W_kvb.view(H, P+V, L) = [W_UK; W_UV]``: ``q~_h = W_UK_h^T q_nope_h`` (``L`` wide), and
-  ``s_h[t] = scale * [q~_h | q_pe_h] . cache[t]`` equals the naive ``q_nope_h.(W_UK_h c_kv[t]) + q_pe_h.k_pe[t]``.
-- ``o~_h = sum_t softmax(s_h)[t] c_kv[t]`` (op ``tilert::mla_attention``), ``o_h = W_UV_h o~_h``, ``out = W_o o``.
+- ``attn.wa [Q + L + R + Di + Hi, D] = [q_a_proj | kv_a_proj_with_mqa | indexer.wk | indexer.weights_proj]``
+  applied to ``rms(h)`` in one GEMV (``input_layernorm`` fused in). Without q_lora ``q_proj`` takes the
+  place of ``q_a_proj``; layers without an indexer drop its two blocks.
+- ``attn.wb [H(P+R) + Hi Di, Q] = [q_b_proj | indexer.wq_b]`` applied to ``rms(q_a)`` (``q_a_layernorm``
+  fused in).
+- ``attn.wkv_b = kv_b_proj [H(P+V), L]`` read in place as ``[W_UK; W_UV]`` per head; ``attn.wo = o_proj``.
+- ``mlp.w13 [E+S, 2I, D]`` (gate rows first), ``mlp.w2 [E+S, D, I]``: routed experts ``0..E-1`` then the
+  shared MLP split into ``S`` experts of width ``I`` (``sum_s down_s(silu(gate_s x) up_s x)`` is the
+  shared MLP exactly), routed with weight 1. A dense MLP is a one-slot MoE (``w13 [1, 2I', D]``).
+- RoPE: DeepSeek's interleaved rope dims are permuted evens-first in the producing weight rows at load,
+  after which the interleaved rotation *is* the half-split one (``reference.apply_rope_half``); the cache
+  rows come out in transformers' order either way (see ``layouts.py``).
+
+MLA, per token (``x = rms(h)``): ``a = W_a x``, ``b = W_b rms(q_a)``, then ``tilert::mla_prep``:
+
+- ``q = b[:H(P+R)]`` viewed ``[H, P+R]`` -> ``q_nope, q_pe``; with ``[W_UK; W_UV] = W_kvb.view(H, P+V, L)``,
+  ``q~_h = W_UK_h^T q_nope_h`` (``L`` wide); the attention query is ``[q~_h | rope(q_pe_h)]``.
+- cache row ``[rms(c_kv) | rope(k_pe)]`` written at the position; ``s_h[t] = scale * q_h . cache[t]``
+  equals the naive ``q_nope_h.(W_UK_h c_kv[t]) + q_pe_h.k_pe[t]``.
+- ``o~_h = sum_t softmax(s_h)[t] c_kv[t]`` (``tilert::mla_attention`` / ``mla_sparse_attention``),
+  ``o_h = W_UV_h o~_h`` (``tilert::mla_uv``), ``h += W_o o`` (``tilert::gemv_residual``).
 - ``scale = (P+R)^-0.5 * mscale^2`` (YaRN's ``mscale_all_dim`` factor), never ``(L+R)^-0.5``.
 
-DSA (V3.2, GLM-5): a per-layer lightning indexer picks ``index_topk`` cache rows per query and the
-attention runs over those rows only (op ``tilert::mla_sparse_attention``):
+DSA (V3.2, GLM-5): the lightning indexer picks ``index_topk`` cache rows per query and attention runs
+over those rows only: ``q_i = W_iq q_lat`` ``[Hi, Di]``, ``k_i = LayerNorm(W_ik x)``, both RoPE'd on their
+first ``R`` dims (``k_i`` cached); ``w = W_w x * Hi^-0.5 * Di^-0.5`` (fp32);
+``score[t] = sum_h w_h relu(q_i,h . k_i[t])`` (``tilert::indexer_topk``). While every query position is
+``< index_topk`` the top-k is every row, so the step runs dense MLA instead (same result; the indexer keys
+are still cached). GLM-5 ``indexer_types``: a ``"shared"`` layer reuses the previous full layer's top-k.
 
-- ``q_i = W_iq q_lat`` ``[Hi, Di]`` from the q_lora latent ``q_lat = rms(W_qa x)``;
-  ``k_i = LayerNorm(W_ik x)`` ``[Di]``; both split ``[rope R | nope Di-R]`` and RoPE'd (half-split
-  RoPE for V3.2, interleaved for GLM-5); ``k_i`` goes to the indexer cache ``[S, Di]``.
-- ``w = W_w x * Hi^-0.5 * Di^-0.5`` (fp32); ``score[t] = sum_h w_h relu(q_i,h . k_i[t])`` (op ``tilert::indexer_topk``).
-- GLM-5 ``indexer_types``: a ``"shared"`` layer has no indexer and reuses the previous full layer's top-k.
-
-MoE (noaux_tc): ``s = sigmoid(W_g x)`` (fp32); choice scores ``s + bias``; groups ranked by the sum of
-their top-2 choice scores, keep ``topk_group`` groups, pick ``top_k`` experts among them; weights
-``s[e] / sum s[e] * routed_scaling_factor``; experts through ``tilert::moe_experts``; plus shared experts.
+MoE (noaux_tc, ``tilert::router``): ``s = sigmoid(W_g x)`` (fp32); choice scores ``s + bias``; groups
+ranked by the sum of their top-2 choice scores, keep ``topk_group`` groups, pick ``top_k`` experts among
+them; weights ``s[e] / sum s[e] * routed_scaling_factor``; then the shared slots. ``tilert::moe_residual``
+computes ``h += sum_j w_j W2_j (silu(G_j x) * U_j x)`` with ``x = rms(h)``.
 
 MTP (DeepSeek-V3 style, one module reused in a chain): for row ``i`` the module takes the main model's
 final-norm hidden ``h_i`` and the next token ``t_{i+1}``:
 ``h' = W_eh [rms_e(embed(t_{i+1})) | rms_h(h_i)]`` -> one full decoder layer with its own latent cache
 (row ``i``, rope position ``i``) -> ``logits = head(rms_s(h'))`` predicting ``t_{i+2}``. Chained drafts
-feed the layer output ``h'`` (before ``shared_head.norm``) back in as ``h``. Rows of the MTP cache can be
-invalid (a prompt whose MTP KV was not handed over): ``mtp_valid`` masks them out.
+feed the layer output ``h'`` (before ``shared_head.norm``) back in as ``h``. The module's attention is
+dense over its valid rows ``valid_from..i`` (rows before ``valid_from``, e.g. of a prompt whose MTP KV was
+not handed over, are skipped); its indexer keys, if any, are still written.
 """
 
 from __future__ import annotations
@@ -75,7 +93,7 @@ class ModelArgs:
     mlp_layer_types: list[str]  # "dense" | "sparse" per layer
     rms_norm_eps: float
     attention_bias: bool
-    rope_interleave: bool  # MLA rope pairs (2i, 2i+1) in the weights (DeepSeek) vs half-split
+    rope_interleave: bool  # MLA rope pairs (2i, 2i+1) in the checkpoint (permuted evens-first at load)
     softmax_scale: float  # (P+R)^-0.5 * mscale^2
     rope_inv_freq: list[float]
     rope_attention_scaling: float  # multiplies cos/sin (YaRN attention factor)
@@ -104,248 +122,175 @@ class ModelArgs:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
+    def q_width(self) -> int:
+        """Width of the query block of ``W_b`` (or ``W_a`` without q_lora), ``H (P+R)``."""
+        return self.num_heads * self.qk_head_dim
+
+    @property
     def index_layers(self) -> list[int]:
         """Main-model layers that run their own indexer (and own an indexer cache slot)."""
         if not self.dsa:
             return []
         return [i for i in range(self.num_layers) if self.indexer_types[i] == "full"]
 
+    def wa_rows(self, has_indexer: bool) -> int:
+        """Rows of the fused ``W_a``: ``[q_a or q | kv_a | idx_wk | idx_weights_proj]``."""
+        q = self.q_lora_rank if self.q_lora_rank is not None else self.q_width
+        idx = self.index_head_dim + self.index_n_heads if has_indexer else 0
+        return q + self.latent_dim + idx
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
-    """Rotate ``x [..., R]`` by angles whose ``cos``/``sin`` broadcast to ``[..., R/2]``.
-
-    Interleaved (DeepSeek weights): pairs ``(x_{2i}, x_{2i+1})``; half-split (rotate_half): pairs
-    ``(x_i, x_{i+R/2})``. Either way the output is ``[x1 cos - x2 sin | x2 cos + x1 sin]``, i.e. the
-    interleaved form comes out evens-first, exactly as transformers writes it.
-    """
-    if interleaved:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-    else:
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    def wb_rows(self, has_indexer: bool) -> int:
+        """Rows of the fused ``W_b = [q_b | idx_wq_b]`` (q_lora models only)."""
+        return self.q_width + (self.index_n_heads * self.index_head_dim if has_indexer else 0)
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm through ``tilert::rms_norm``."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
-
-
-class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))`` (dense layers and shared experts)."""
-
-    def __init__(self, dim: int, inter: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, inter, bias=False)
-        self.up_proj = nn.Linear(dim, inter, bias=False)
-        self.down_proj = nn.Linear(inter, dim, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Router(nn.Module):
-    """noaux_tc router: sigmoid scores + correction bias, group-limited top-k, normalised, scaled."""
-
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.hidden_size), requires_grad=False)
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(args.n_routed_experts), requires_grad=False)
-
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``x [n, D]`` -> ``(topk_ids int32 [n, k], topk_weights fp32 [n, k])``."""
-        a = self.args
-        n = x.shape[0]
-        e, g = a.n_routed_experts, a.n_group
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
-        choice = scores + self.e_score_correction_bias.float()
-        group_scores = choice.view(n, g, e // g).topk(2, dim=-1).values.sum(dim=-1)
-        group_idx = group_scores.topk(a.topk_group, dim=-1, sorted=False).indices
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
-        expert_mask = group_mask[:, :, None].expand(n, g, e // g).reshape(n, e)
-        choice = choice.masked_fill(expert_mask == 0, float("-inf"))
-        ids = choice.topk(a.num_experts_per_tok, dim=-1, sorted=False).indices
-        weights = scores.gather(1, ids)
-        if a.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return ids.to(torch.int32), weights * a.routed_scaling_factor
-
-
-class MoE(nn.Module):
-    """Routed experts (stacked ``w13 [E, 2I, D]`` gate-rows-first, ``w2 [E, D, I]``) + shared experts."""
-
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        e, d, i = args.n_routed_experts, args.hidden_size, args.moe_intermediate_size
-        self.gate = Router(args)
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, d), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(e, d, i), requires_grad=False)
-        self.shared_experts = MLP(d, i * args.n_shared_experts) if args.n_shared_experts else None
-
-    def forward(self, x: Tensor) -> Tensor:
-        ids, weights = self.gate(x)
-        out = ops.moe_experts(x, ids, weights, self.w13, self.w2)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
-
-
-class Indexer(nn.Module):
-    """DSA lightning indexer (weights named as in transformers / DeepSeek checkpoints)."""
-
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        assert args.q_lora_rank is not None, "the DSA indexer reads the q_lora latent"
-        self.args = args
-        hi, di = args.index_n_heads, args.index_head_dim
-        self.wq_b = nn.Linear(args.q_lora_rank, hi * di, bias=False)
-        self.wk = nn.Linear(args.hidden_size, di, bias=False)
-        self.k_norm = nn.LayerNorm(di, eps=1e-6)
-        self.weights_proj = nn.Linear(args.hidden_size, hi, bias=False)  # kept in fp32, as transformers does
-
-    def forward(
-        self, x: Tensor, q_lat: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor
-    ) -> Tensor:
-        """Write this step's indexer keys into ``k_cache [S, Di]`` and return top-k rows ``int32 [n, topk]``."""
-        a = self.args
-        n = x.shape[0]
-        hi, di, r = a.index_n_heads, a.index_head_dim, a.qk_rope_head_dim
-        q = self.wq_b(q_lat).view(n, hi, di)
-        k = self.k_norm(self.wk(x))
-        q = torch.cat([apply_rope(q[..., :r], cos[:, None], sin[:, None], a.indexer_rope_interleave), q[..., r:]], -1)
-        k = torch.cat([apply_rope(k[..., :r], cos, sin, a.indexer_rope_interleave), k[..., r:]], -1)
-        k_cache.index_copy_(0, positions, k.to(k_cache.dtype))
-        w = F.linear(x.to(self.weights_proj.weight.dtype), self.weights_proj.weight).float()
-        w = w * (hi**-0.5 * di**-0.5)
-        return ops.indexer_topk(q, w, k_cache, positions, a.index_topk)
+def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
 class MLAttention(nn.Module):
-    """Multi-head latent attention in the absorbed form over the latent cache (optionally DSA-sparse)."""
+    """Multi-head latent attention in the absorbed form over the latent cache (optionally DSA-sparse).
+
+    The layer's ``input_layernorm`` weight lives here as ``attn_norm`` (it is fused into ``W_a``).
+    """
 
     def __init__(self, args: ModelArgs, has_indexer: bool) -> None:
         super().__init__()
         self.args = args
-        d, h = args.hidden_size, args.num_heads
-        if args.q_lora_rank is None:
-            self.q_proj = nn.Linear(d, h * args.qk_head_dim, bias=False)
-        else:
-            self.q_a_proj = nn.Linear(d, args.q_lora_rank, bias=args.attention_bias)
-            self.q_a_layernorm = RMSNorm(args.q_lora_rank, 1e-6)
-            self.q_b_proj = nn.Linear(args.q_lora_rank, h * args.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(d, args.latent_dim, bias=args.attention_bias)
-        self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, 1e-6)
-        self.kv_b_proj = nn.Linear(args.kv_lora_rank, h * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(h * args.v_head_dim, d, bias=args.attention_bias)
-        self.indexer = Indexer(args) if has_indexer else None
-
-    def forward(
-        self,
-        x: Tensor,
-        positions: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        kv_cache: Tensor,
-        index_cache: Tensor | None,
-        shared_topk: Tensor | None,
-        valid_rows: Tensor | None,
-    ) -> tuple[Tensor, Tensor | None]:
-        """``x [n, D]`` at ``positions [n]`` -> ``(out [n, D], topk indices used or None)``.
-
-        ``kv_cache [S, L+R]`` and ``index_cache [S, Di]`` are this layer's slices (written here).
-        ``shared_topk``: a GLM-5 "shared" layer's top-k from the previous full layer. ``valid_rows``:
-        bool ``[S]`` mask of usable cache rows (MTP layer), ``None`` = all rows up to the position.
-        """
-        a = self.args
-        n = x.shape[0]
-        h, p, r, lat = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank
-        q_lat = None
-        if a.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q_lat = self.q_a_layernorm(self.q_a_proj(x))
-            q = self.q_b_proj(q_lat)
-        q = q.view(n, h, a.qk_head_dim)
-        q_nope, q_pe = q[..., :p], q[..., p:]
-
-        ckv = self.kv_a_proj_with_mqa(x)
-        c_kv = self.kv_a_layernorm(ckv[:, :lat])
-        q_pe = apply_rope(q_pe, cos[:, None], sin[:, None], a.rope_interleave)
-        k_pe = apply_rope(ckv[:, lat:], cos, sin, a.rope_interleave)
-        kv_cache.index_copy_(0, positions, torch.cat([c_kv, k_pe], dim=-1).to(kv_cache.dtype))
-
-        # Absorb W_UK into the query: q~_h = W_UK_h^T q_nope_h (per-head batched matmul).
-        w_kvb = self.kv_b_proj.weight.view(h, p + a.v_head_dim, lat)
-        q_abs = torch.bmm(q_nope.transpose(0, 1), w_kvb[:, :p]).transpose(0, 1)  # [n, H, L]
-        q_full = torch.cat([q_abs, q_pe], dim=-1).to(kv_cache.dtype)
-
-        topk: Tensor | None = None
-        if self.indexer is not None:
-            assert index_cache is not None and q_lat is not None
-            topk = self.indexer(x, q_lat, positions, cos, sin, index_cache)
-        elif shared_topk is not None:
-            topk = shared_topk
-        if valid_rows is not None:
-            if topk is None:  # dense attention restricted to valid rows: list every row
-                s = kv_cache.shape[0]
-                rows = torch.arange(s, device=x.device, dtype=torch.int32).expand(n, s)
-                topk = torch.where(rows <= positions[:, None], rows, torch.full_like(rows, -1))
-            safe = topk.long().clamp(min=0)
-            topk = torch.where((topk >= 0) & valid_rows[safe], topk, torch.full_like(topk, -1))
-        if topk is None:
-            o_lat = ops.mla_attention(q_full, kv_cache, positions, a.softmax_scale, lat)
-        else:
-            o_lat = ops.mla_sparse_attention(q_full, kv_cache, topk, a.softmax_scale, lat)
-
-        # o_h = W_UV_h o~_h, then o_proj.
-        o = torch.bmm(o_lat.to(x.dtype).transpose(0, 1), w_kvb[:, p:].transpose(1, 2))  # [H, n, V]
-        return self.o_proj(o.transpose(0, 1).reshape(n, h * a.v_head_dim)), topk
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm block: ``h += attn(rms(h)); h += mlp(rms(h))``."""
-
-    def __init__(self, args: ModelArgs, moe: bool, has_indexer: bool) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = MLAttention(args, has_indexer)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp: nn.Module = MoE(args) if moe else MLP(args.hidden_size, args.intermediate_size)
+        self.has_indexer = has_indexer
+        d, h, lat = args.hidden_size, args.num_heads, args.kv_lora_rank
+        self.attn_norm = _param(d)
+        self.wa = _param(args.wa_rows(has_indexer), d)
+        self.wa_bias = _param(args.wa_rows(has_indexer)) if args.attention_bias else None
+        if args.q_lora_rank is not None:
+            self.q_norm = _param(args.q_lora_rank)
+            self.wb = _param(args.wb_rows(has_indexer), args.q_lora_rank)
+        self.kv_norm = _param(lat)
+        self.wkv_b = _param(h * (args.qk_nope_head_dim + args.v_head_dim), lat)
+        self.wo = _param(d, h * args.v_head_dim)
+        self.wo_bias = _param(d) if args.attention_bias else None
+        if has_indexer:
+            self.index_k_norm = _param(args.index_head_dim)
+            self.index_k_bias = _param(args.index_head_dim)
 
     def forward(
         self,
         h: Tensor,
         positions: Tensor,
-        cos: Tensor,
-        sin: Tensor,
+        rope: tuple[Tensor, Tensor],
         kv_cache: Tensor,
         index_cache: Tensor | None,
-        shared_topk: Tensor | None = None,
-        valid_rows: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor | None]:
-        attn, topk = self.self_attn(
-            self.input_layernorm(h), positions, cos, sin, kv_cache, index_cache, shared_topk, valid_rows
-        )
-        h = h + attn
-        h = h + self.mlp(self.post_attention_layernorm(h))
-        return h, topk
+        topk: Tensor | None,
+        use_indexer: bool,
+        valid_from: int = 0,
+    ) -> Tensor | None:
+        """``h += attn(rms(h))`` in place, for ``h [n, D]`` at ``positions [n]``.
+
+        ``kv_cache [S, L+R]`` / ``index_cache [S, Di]`` are this layer's slices (rows written here).
+        ``use_indexer``: run the DSA top-k (else dense MLA; the caller guarantees every query position is
+        ``< index_topk``, where the top-k is every row). ``topk``: a GLM-5 "shared" layer's rows from the
+        previous full layer. ``valid_from``: first usable cache row (MTP layer; forces dense attention).
+        Returns the top-k rows this layer attended to (``None`` when dense).
+        """
+        a = self.args
+        n = h.shape[0]
+        qa = a.q_lora_rank if a.q_lora_rank is not None else a.q_width
+        # a = [q_a | c_kv | k_pe | idx_k | idx_w] = W_a rms(h);  b = [q | idx_q] = W_b rms(q_a).
+        wa = ops.gemv(h, self.wa, self.attn_norm, a.rms_norm_eps, self.wa_bias)
+        if a.q_lora_rank is not None:
+            b = ops.gemv(wa[:, :qa], self.wb, self.q_norm, 1e-6)
+        else:
+            b = wa
+        index_scale = (a.index_n_heads**-0.5 * a.index_head_dim**-0.5) if self.has_indexer else 1.0
+        q, index_q, index_w = ops.mla_prep(
+            wa, b, positions, self.wkv_b, rope[0], rope[1], self.kv_norm, kv_cache,
+            self.index_k_norm if self.has_indexer else None, self.index_k_bias if self.has_indexer else None,
+            index_cache, a.num_heads, a.qk_nope_head_dim, qa, a.index_n_heads, 1e-6, index_scale,
+        )  # fmt: skip
+
+        lat = a.kv_lora_rank
+        if valid_from > 0:  # rows valid_from..pos: dense attention over the tail of the cache
+            o_lat = ops.mla_attention(q, kv_cache[valid_from:], positions - valid_from, a.softmax_scale, lat)
+            topk = None
+        else:
+            if self.has_indexer and use_indexer:
+                topk = ops.indexer_topk(index_q, index_w, index_cache, positions, a.index_topk)
+            if topk is None or not use_indexer:
+                topk = None
+                o_lat = ops.mla_attention(q, kv_cache, positions, a.softmax_scale, lat)
+            else:
+                o_lat = ops.mla_sparse_attention(q, kv_cache, topk, a.softmax_scale, lat)
+
+        # o = [W_UV_h o~_h]_h, then h += W_o o.
+        o = ops.mla_uv(o_lat, self.wkv_b, a.qk_nope_head_dim)
+        if self.wo_bias is not None:
+            h.add_(ops.gemv(o, self.wo, None, 0.0, self.wo_bias))
+        else:
+            ops.gemv_residual(h, o, self.wo)
+        return topk
 
 
-class SharedHead(nn.Module):
-    """MTP output head: ``shared_head.norm`` and optionally its own ``shared_head.head``."""
+class MoE(nn.Module):
+    """Routed + shared experts stacked in ``w13``/``w2`` (module docstring), with their router.
 
-    def __init__(self, args: ModelArgs, own_head: bool) -> None:
+    ``routed=False`` builds the dense MLP as a one-slot MoE (no router, the single slot has weight 1).
+    The layer's ``post_attention_layernorm`` weight lives here as ``ffn_norm``.
+    """
+
+    def __init__(self, args: ModelArgs, routed: bool) -> None:
         super().__init__()
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False) if own_head else None
+        self.args = args
+        d = args.hidden_size
+        self.ffn_norm = _param(d)
+        self.routed = routed
+        if routed:
+            i, e, s = args.moe_intermediate_size, args.n_routed_experts, args.n_shared_experts
+            self.gate = _param(e, d)
+            self.gate_bias = _param(e, dtype=torch.float32)  # e_score_correction_bias, kept in fp32
+            self.w13 = _param(e + s, 2 * i, d)
+            self.w2 = _param(e + s, d, i)
+        else:
+            i = args.intermediate_size
+            self.w13 = _param(1, 2 * i, d)
+            self.w2 = _param(1, d, i)
+
+    def forward(self, h: Tensor) -> None:
+        """``h += mlp(rms(h))`` in place."""
+        a = self.args
+        n = h.shape[0]
+        if self.routed:
+            ids, weights = ops.router(
+                h, self.ffn_norm, a.rms_norm_eps, self.gate, self.gate_bias, a.num_experts_per_tok, a.n_group,
+                a.topk_group, a.routed_scaling_factor, a.norm_topk_prob, a.n_shared_experts,
+            )  # fmt: skip
+        else:
+            ids = torch.zeros(n, 1, dtype=torch.int32, device=h.device)
+            weights = torch.ones(n, 1, dtype=torch.float32, device=h.device)
+        ops.moe_residual(h, self.ffn_norm, a.rms_norm_eps, ids, weights, self.w13, self.w2)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``h += attn(rms(h)); h += mlp(rms(h))`` (both in place, norms fused in)."""
+
+    def __init__(self, args: ModelArgs, moe: bool, has_indexer: bool) -> None:
+        super().__init__()
+        self.attn = MLAttention(args, has_indexer)
+        self.mlp = MoE(args, routed=moe)
+
+    def forward(
+        self,
+        h: Tensor,
+        positions: Tensor,
+        rope: tuple[Tensor, Tensor],
+        kv_cache: Tensor,
+        index_cache: Tensor | None,
+        topk: Tensor | None,
+        use_indexer: bool,
+        valid_from: int = 0,
+    ) -> Tensor | None:
+        topk = self.attn(h, positions, rope, kv_cache, index_cache, topk, use_indexer, valid_from)
+        self.mlp(h)
+        return topk
 
 
 class MTPLayer(nn.Module):
@@ -354,11 +299,12 @@ class MTPLayer(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         d = args.hidden_size
-        self.embed_tokens = nn.Embedding(args.vocab_size, d) if args.mtp_own_embed else None
-        self.enorm = RMSNorm(d, args.rms_norm_eps)
-        self.hnorm = RMSNorm(d, args.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * d, d, bias=False)
-        self.shared_head = SharedHead(args, args.mtp_own_head)
+        self.embed = _param(args.vocab_size, d) if args.mtp_own_embed else None
+        self.enorm = _param(d)
+        self.hnorm = _param(d)
+        self.eh_proj = _param(d, 2 * d)
+        self.head_norm = _param(d)  # shared_head.norm
+        self.head = _param(args.vocab_size, d) if args.mtp_own_head else None  # shared_head.head
         self.block = DecoderLayer(args, moe=args.mtp_moe, has_indexer=args.mtp_indexer)
 
 
@@ -369,21 +315,20 @@ class Transformer(nn.Module):
     index_cache: Tensor
     mtp_kv_cache: Tensor
     mtp_index_cache: Tensor
-    mtp_valid: Tensor
     rope_cos: Tensor
     rope_sin: Tensor
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed = _param(args.vocab_size, args.hidden_size)
         index_layers = set(args.index_layers)
         self.layers = nn.ModuleList(
             DecoderLayer(args, moe=args.mlp_layer_types[i] == "sparse", has_indexer=i in index_layers)
             for i in range(args.num_layers)
         )
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.norm = _param(args.hidden_size)
+        self.lm_head = _param(args.vocab_size, args.hidden_size)
         self.mtp = nn.ModuleList(MTPLayer(args) for _ in range(args.num_mtp_layers))
         # layer -> slot in index_cache (only layers that run their own indexer)
         self.index_slot = {layer: slot for slot, layer in enumerate(args.index_layers)}
@@ -410,9 +355,6 @@ class Transformer(nn.Module):
         self.register_buffer(
             "mtp_index_cache", torch.zeros(n_mtp_idx, max_seq_len, a.index_head_dim, **mk), persistent=False
         )
-        self.register_buffer(
-            "mtp_valid", torch.zeros(max_seq_len, dtype=torch.bool, device=device), persistent=False
-        )
         # transformers: freqs = pos * inv_freq in fp32, cos/sin times the attention factor, cast to x.dtype.
         inv_freq = torch.tensor(a.rope_inv_freq, dtype=torch.float32, device=device)
         freqs = torch.arange(max_seq_len, device=device).float()[:, None] * inv_freq[None, :]
@@ -421,40 +363,43 @@ class Transformer(nn.Module):
 
     # ---------------------------------------------------------------------------------- forward
 
-    def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, positions: Tensor, use_indexer: bool = True) -> Tensor:
         """Main model: ``tokens int64 [n]`` at ``positions int64 [n]`` -> final-norm hidden ``[n, D]``.
 
-        Writes the new tokens' latent (and indexer) rows into the caches.
+        Writes the new tokens' latent (and indexer) rows into the caches. ``use_indexer=False`` runs dense
+        MLA in every layer; only valid while every position is ``< index_topk`` (then identical).
         """
-        h = self.embed_tokens(tokens)
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        use_indexer = use_indexer and self.args.dsa
+        h = F.embedding(tokens, self.embed)
+        rope = (self.rope_cos, self.rope_sin)
         topk: Tensor | None = None
         for i, layer in enumerate(self.layers):
             slot = self.index_slot.get(i)
             index_cache = self.index_cache[slot] if slot is not None else None
-            shared = topk if (self.args.dsa and slot is None) else None
-            h, new_topk = layer(h, positions, cos, sin, self.kv_cache[i], index_cache, shared)
-            if new_topk is not None:
-                topk = new_topk
-        return self.norm(h)
+            topk = layer(h, positions, rope, self.kv_cache[i], index_cache, topk, use_indexer)
+        return ops.rms_norm(h, self.norm, self.args.rms_norm_eps)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """``lm_head`` -> float32 logits ``[n, V]``."""
-        return self.lm_head(hidden).float()
+        return ops.gemv(hidden, self.lm_head, fp32_out=True)
 
-    def mtp_forward(self, tokens: Tensor, prev_hidden: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    def mtp_forward(
+        self, tokens: Tensor, prev_hidden: Tensor, positions: Tensor, valid_from: int = 0
+    ) -> tuple[Tensor, Tensor]:
         """MTP rows at ``positions``: ``tokens`` are ``t_{i+1}``, ``prev_hidden`` is ``h_i`` (main final-norm
-        output, or the previous draft's MTP output). Writes the MTP cache rows, marks them valid, and
-        returns ``(h' [n, D] before shared_head.norm, logits fp32 [n, V])``.
+        output, or the previous draft's MTP output). Writes the MTP cache rows and attends over rows
+        ``valid_from..i``; returns ``(h' [n, D] before shared_head.norm, logits fp32 [n, V])``.
         """
+        a = self.args
         m = self.mtp[0]
-        embed = m.embed_tokens if m.embed_tokens is not None else self.embed_tokens
-        x = torch.cat([m.enorm(embed(tokens)), m.hnorm(prev_hidden.to(self.rope_cos.dtype))], dim=-1)
-        h = m.eh_proj(x)
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        self.mtp_valid[positions] = True
-        index_cache = self.mtp_index_cache[0] if self.args.mtp_indexer else None
-        h, _ = m.block(h, positions, cos, sin, self.mtp_kv_cache[0], index_cache, None, self.mtp_valid)
-        normed = m.shared_head.norm(h)
-        head = m.shared_head.head if m.shared_head.head is not None else self.lm_head
-        return h, head(normed).float()
+        eps = a.rms_norm_eps
+        embed = m.embed if m.embed is not None else self.embed
+        e = ops.rms_norm(F.embedding(tokens, embed), m.enorm, eps)
+        x = torch.cat([e, ops.rms_norm(prev_hidden.to(e.dtype), m.hnorm, eps)], dim=-1)
+        h = ops.gemv(x, m.eh_proj)
+        index_cache = self.mtp_index_cache[0] if a.mtp_indexer else None
+        rope = (self.rope_cos, self.rope_sin)
+        # valid_from >= 1 selects the dense-over-valid-rows path; valid_from = 0 is plain causal dense.
+        m.block(h, positions, rope, self.mtp_kv_cache[0], index_cache, None, False, valid_from)
+        head = m.head if m.head is not None else self.lm_head
+        return h, ops.gemv(h, head, m.head_norm, eps, fp32_out=True)

@@ -14,6 +14,11 @@ Name mapping (HF -> engine module):
 - experts, either per expert ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (DeepSeek / transformers'
   saved format) or fused ``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj`` -> stacked
   ``mlp.w13 [E, 2I, D]`` (gate rows first) and ``mlp.w2 [E, D, I]``.
+- then :func:`fuse_state_dict` builds the fused decode layout of ``model.py`` (``W_a``, ``W_b``, shared
+  experts stacked after the routed ones, dense MLP as a one-slot MoE, rope rows permuted evens-first).
+
+:func:`random_model` builds a model of the same layout from :class:`ModelArgs` alone (random weights,
+created directly on the target device; benchmarks and kernel checks).
 
 FP8 checkpoints (``weight_scale_inv`` tensors or a ``quantization_config``) are refused.
 """
@@ -28,11 +33,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from . import layouts
 from .model import ModelArgs, Transformer
 
 SUPPORTED_ARCHS = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 # Tensors transformers keeps in float32 whatever the model dtype.
-_FP32_SUFFIXES = ("e_score_correction_bias", "indexer.weights_proj.weight")
+_FP32_SUFFIXES = ("gate_bias",)  # e_score_correction_bias (fp32 in transformers too)
 _MTP_OWN = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
 _EXPERT_RE = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED_RE = re.compile(r"^(.*\.mlp)\.experts\.(gate_up_proj|down_proj)$")
@@ -216,6 +222,127 @@ def convert_state_dict(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dic
     return out
 
 
+def _deinterleave_rows(w: torch.Tensor, start: int, rope: int, stride: int = 0, count: int = 1) -> torch.Tensor:
+    """Permute, in ``count`` blocks of rows ``[start + j*stride, +rope)``, interleaved rope rows
+    evens-first (so that half-split RoPE on the output equals interleaved RoPE on the original)."""
+    w = w.clone()
+    perm = layouts.rope_deinterleave_perm(rope).to(w.device)
+    for j in range(count):
+        lo = start + j * stride
+        w[lo : lo + rope] = w[lo : lo + rope][perm]
+    return w
+
+
+def _fuse_layer(sd: dict[str, torch.Tensor], src: str, args: ModelArgs, moe: bool, has_indexer: bool) -> dict[str, torch.Tensor]:
+    """One decoder layer's HF-named tensors (prefix ``src``) -> the fused layout (same prefix)."""
+    a = args
+    h, p, r, lat = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank
+    at = src + "self_attn."
+    out: dict[str, torch.Tensor] = {}
+
+    def take(name: str) -> torch.Tensor:
+        return sd.pop(at + name)
+
+    q_name = "q_a_proj" if a.q_lora_rank is not None else "q_proj"
+    wq = take(f"{q_name}.weight")
+    wkv = take("kv_a_proj_with_mqa.weight")
+    bias = [take(f"{q_name}.bias"), take("kv_a_proj_with_mqa.bias")] if a.attention_bias else []
+    if a.rope_interleave:  # k_pe rows (and q_pe rows, below) evens-first
+        wkv = _deinterleave_rows(wkv, lat, r)
+        if bias:
+            bias[1] = _deinterleave_rows(bias[1], lat, r)
+    if a.q_lora_rank is None and a.rope_interleave:
+        wq = _deinterleave_rows(wq, p, r, stride=p + r, count=h)
+        if bias:
+            bias[0] = _deinterleave_rows(bias[0], p, r, stride=p + r, count=h)
+    wa = [wq, wkv]
+    if has_indexer:
+        di, hi = a.index_head_dim, a.index_n_heads
+        wk, kn_w, kn_b = take("indexer.wk.weight"), take("indexer.k_norm.weight"), take("indexer.k_norm.bias")
+        wq_b = take("indexer.wq_b.weight")
+        if a.indexer_rope_interleave:
+            wk, kn_w, kn_b = (_deinterleave_rows(t, 0, r) for t in (wk, kn_w, kn_b))
+            wq_b = _deinterleave_rows(wq_b, 0, r, stride=di, count=hi)
+        wa += [wk, take("indexer.weights_proj.weight").to(wq.dtype)]
+        if bias:
+            bias += [torch.zeros(di + hi, dtype=bias[0].dtype)]
+        out[at.replace("self_attn.", "attn.") + "index_k_norm"] = kn_w
+        out[at.replace("self_attn.", "attn.") + "index_k_bias"] = kn_b
+    pre = src + "attn."
+    out[pre + "wa"] = torch.cat(wa, 0)
+    if bias:
+        out[pre + "wa_bias"] = torch.cat(bias, 0)
+    if a.q_lora_rank is not None:
+        wq_b_main = take("q_b_proj.weight")
+        if a.rope_interleave:
+            wq_b_main = _deinterleave_rows(wq_b_main, p, r, stride=p + r, count=h)
+        out[pre + "q_norm"] = take("q_a_layernorm.weight")
+        out[pre + "wb"] = torch.cat([wq_b_main] + ([wq_b] if has_indexer else []), 0)
+    out[pre + "kv_norm"] = take("kv_a_layernorm.weight")
+    out[pre + "wkv_b"] = take("kv_b_proj.weight")
+    out[pre + "wo"] = take("o_proj.weight")
+    if a.attention_bias:
+        out[pre + "wo_bias"] = take("o_proj.bias")
+    out[pre + "attn_norm"] = sd.pop(src + "input_layernorm.weight")
+
+    mp = src + "mlp."
+    out[mp + "ffn_norm"] = sd.pop(src + "post_attention_layernorm.weight")
+    if moe:
+        out[mp + "gate"] = sd.pop(mp + "gate.weight")
+        out[mp + "gate_bias"] = sd.pop(mp + "gate.e_score_correction_bias")
+        w13, w2 = sd.pop(mp + "w13"), sd.pop(mp + "w2")
+        if a.n_shared_experts:
+            i, s = a.moe_intermediate_size, a.n_shared_experts
+            g = sd.pop(mp + "shared_experts.gate_proj.weight").view(s, i, -1)
+            u = sd.pop(mp + "shared_experts.up_proj.weight").view(s, i, -1)
+            d = sd.pop(mp + "shared_experts.down_proj.weight").view(-1, s, i).transpose(0, 1)
+            w13 = torch.cat([w13, torch.cat([g, u], 1).to(w13.dtype)], 0)
+            w2 = torch.cat([w2, d.to(w2.dtype)], 0)
+        out[mp + "w13"], out[mp + "w2"] = w13, w2
+    else:
+        g, u, d = (sd.pop(mp + f"{k}.weight") for k in ("gate_proj", "up_proj", "down_proj"))
+        out[mp + "w13"] = torch.cat([g, u], 0)[None]
+        out[mp + "w2"] = d[None]
+    return out
+
+
+def fuse_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """HF-named (renamed by :func:`convert_state_dict`) tensors -> :class:`Transformer`'s fused layout."""
+    sd = dict(sd)
+    out: dict[str, torch.Tensor] = {
+        "embed": sd.pop("embed_tokens.weight"),
+        "norm": sd.pop("norm.weight"),
+        "lm_head": sd.pop("lm_head.weight"),
+    }
+    index_layers = set(args.index_layers)
+    for i in range(args.num_layers):
+        out.update(_fuse_layer(sd, f"layers.{i}.", args, args.mlp_layer_types[i] == "sparse", i in index_layers))
+    if args.num_mtp_layers:
+        out.update(_fuse_layer(sd, "mtp.0.block.", args, args.mtp_moe, args.mtp_indexer))
+        for src, dst in (("enorm.weight", "enorm"), ("hnorm.weight", "hnorm"), ("eh_proj.weight", "eh_proj"),
+                         ("shared_head.norm.weight", "head_norm"), ("embed_tokens.weight", "embed"),
+                         ("shared_head.head.weight", "head")):
+            if "mtp.0." + src in sd:
+                out["mtp.0." + dst] = sd.pop("mtp.0." + src)
+    leftover = [k for k in sd if not k.startswith("mtp.0.")]
+    if leftover:
+        raise ValueError(f"checkpoint tensors not used by the model: {leftover[:8]}")
+    return out
+
+
+def _finish(model: Transformer, sd: dict[str, torch.Tensor], device: torch.device | str, dtype: torch.dtype,
+            max_seq_len: int) -> Transformer:
+    for k, t in sd.items():
+        keep_fp32 = k.endswith(_FP32_SUFFIXES)
+        sd[k] = t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype).contiguous()
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the model: missing={missing} unexpected={unexpected}")
+    model.eval()
+    model.setup_caches(max_seq_len, device, dtype)
+    return model
+
+
 def load_model(model_dir: Path, *, device: str | torch.device, dtype: torch.dtype, max_seq_len: int) -> Transformer:
     """Read ``model_dir`` and return a ready :class:`Transformer` (weights in ``dtype``, caches allocated)."""
     model_dir = Path(model_dir)
@@ -228,15 +355,38 @@ def load_model(model_dir: Path, *, device: str | torch.device, dtype: torch.dtyp
             for k in sf.keys():
                 if _target_name(k, args) is not None:
                     tensors[k] = sf.get_tensor(k)
-    sd = convert_state_dict(tensors, args)
-    for k, t in sd.items():
-        keep_fp32 = k.endswith(_FP32_SUFFIXES)
-        sd[k] = t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
+    sd = fuse_state_dict(convert_state_dict(tensors, args), args)
     with torch.device("meta"):
         model = Transformer(args)
-    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
-    if missing or unexpected:
-        raise ValueError(f"checkpoint does not match the model: missing={missing} unexpected={unexpected}")
-    model.eval()
-    model.setup_caches(max_seq_len, device, dtype)
-    return model
+    return _finish(model, sd, device, dtype, max_seq_len)
+
+
+@torch.no_grad()
+def random_model(
+    args: ModelArgs, *, device: str | torch.device, dtype: torch.dtype, max_seq_len: int, seed: int = 0
+) -> Transformer:
+    """A :class:`Transformer` with random weights, created directly on ``device`` in the fused layout.
+
+    Matrices ``~ N(0, fan_in^-1)`` (the embedding ``N(0, 1)``), norm weights ``1 + 0.1 N(0, 1)``, the indexer
+    key-norm bias and the router bias small; caches zeroed. No checkpoint is read.
+    """
+    with torch.device("meta"):
+        model = Transformer(args)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    sd: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        keep_fp32 = name.endswith(_FP32_SUFFIXES)
+        t = torch.empty(p.shape, device=device, dtype=torch.float32 if keep_fp32 else dtype)
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("gate_bias",):
+            t.normal_(0.0, 0.01, generator=gen)
+        elif leaf in ("index_k_bias", "wa_bias", "wo_bias"):
+            t.normal_(0.0, 0.05, generator=gen)
+        elif p.dim() == 1:
+            t.normal_(1.0, 0.1, generator=gen)
+        elif leaf == "embed":
+            t.normal_(0.0, 1.0, generator=gen)
+        else:
+            t.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+        sd[name] = t
+    return _finish(model, sd, device, dtype, max_seq_len)

@@ -19,7 +19,19 @@ from torch import Tensor
 
 from . import reference
 
-__all__ = ["rms_norm", "mla_attention", "mla_sparse_attention", "indexer_topk", "moe_experts"]
+__all__ = [
+    "rms_norm",
+    "mla_attention",
+    "mla_sparse_attention",
+    "indexer_topk",
+    "moe_experts",
+    "gemv",
+    "gemv_residual",
+    "router",
+    "moe_residual",
+    "mla_prep",
+    "mla_uv",
+]
 
 
 @torch.library.custom_op("tilert::rms_norm", mutates_args=())
@@ -79,5 +91,129 @@ def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, 
 @moe_experts.register_fake
 def _(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
     return torch.empty_like(x)
+
+
+
+# ------------------------------------------------------------------------------------------------
+# Fused decode-layer ops (one CUDA kernel, or a short fixed sequence, each). In-place ops (trailing
+# residual ``h``) return nothing and mutate ``h``; cache-writing ops declare the caches they mutate.
+
+
+@torch.library.custom_op("tilert::gemv", mutates_args=())
+def gemv(
+    x: Tensor,
+    weight: Tensor,
+    norm_weight: Tensor | None = None,
+    eps: float = 1e-6,
+    bias: Tensor | None = None,
+    fp32_out: bool = False,
+) -> Tensor:
+    """``rms_norm(x; norm_weight) @ weight^T (+ bias)``; see :func:`reference.gemv`."""
+    return reference.gemv(x, weight, norm_weight, eps, bias, fp32_out)
+
+
+@gemv.register_fake
+def _(x, weight, norm_weight=None, eps=1e-6, bias=None, fp32_out=False):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32 if fp32_out else x.dtype)
+
+
+@torch.library.custom_op("tilert::gemv_residual", mutates_args=("h",))
+def gemv_residual(h: Tensor, x: Tensor, weight: Tensor) -> None:
+    """In place ``h += x @ weight^T``; see :func:`reference.gemv_residual`."""
+    reference.gemv_residual(h, x, weight)
+
+
+@gemv_residual.register_fake
+def _(h, x, weight):
+    return None
+
+
+@torch.library.custom_op("tilert::router", mutates_args=())
+def router(
+    h: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+    gate_weight: Tensor,
+    bias: Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    route_scale: float,
+    norm_topk: bool,
+    n_shared: int,
+) -> tuple[Tensor, Tensor]:
+    """noaux_tc routing of ``rms_norm(h)`` plus the shared-expert slots; see :func:`reference.router`."""
+    return reference.router(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
+                            norm_topk, n_shared)
+
+
+@router.register_fake
+def _(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared):
+    k = top_k + n_shared
+    return h.new_empty((h.shape[0], k), dtype=torch.int32), h.new_empty((h.shape[0], k), dtype=torch.float32)
+
+
+@torch.library.custom_op("tilert::moe_residual", mutates_args=("h",))
+def moe_residual(
+    h: Tensor, norm_weight: Tensor, eps: float, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor
+) -> None:
+    """In place ``h += moe_experts(rms_norm(h), ...)``; see :func:`reference.moe_residual`."""
+    reference.moe_residual(h, norm_weight, eps, topk_ids, topk_weights, w13, w2)
+
+
+@moe_residual.register_fake
+def _(h, norm_weight, eps, topk_ids, topk_weights, w13, w2):
+    return None
+
+
+@torch.library.custom_op("tilert::mla_prep", mutates_args=("kv_cache", "index_cache"))
+def mla_prep(
+    a: Tensor,
+    b: Tensor,
+    positions: Tensor,
+    kv_b: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    kv_norm_weight: Tensor,
+    kv_cache: Tensor,
+    index_norm_weight: Tensor | None,
+    index_norm_bias: Tensor | None,
+    index_cache: Tensor | None,
+    num_heads: int,
+    nope_dim: int,
+    kv_offset: int,
+    index_heads: int,
+    eps: float,
+    index_weight_scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Query absorption + RoPE, latent / indexer cache rows, indexer queries and weights; see
+    :func:`reference.mla_prep`."""
+    q, iq, iw = reference.mla_prep(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, index_norm_weight,
+                                   index_norm_bias, index_cache, num_heads, nope_dim, kv_offset, index_heads, eps,
+                                   index_weight_scale)
+    return q, iq, iw
+
+
+@mla_prep.register_fake
+def _(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, index_norm_weight, index_norm_bias, index_cache,
+      num_heads, nope_dim, kv_offset, index_heads, eps, index_weight_scale):
+    n = a.shape[0]
+    q = kv_cache.new_empty((n, num_heads, kv_cache.shape[-1]))
+    if index_cache is None:
+        return q, a.new_empty((n, 0, 0)), a.new_empty((n, 0), dtype=torch.float32)
+    return q, a.new_empty((n, index_heads, index_cache.shape[-1])), a.new_empty((n, index_heads), dtype=torch.float32)
+
+
+@torch.library.custom_op("tilert::mla_uv", mutates_args=())
+def mla_uv(o_lat: Tensor, kv_b: Tensor, nope_dim: int) -> Tensor:
+    """``W_UV`` per head: ``[n, H, L]`` -> ``[n, H*V]``; see :func:`reference.mla_uv`."""
+    return reference.mla_uv(o_lat, kv_b, nope_dim)
+
+
+@mla_uv.register_fake
+def _(o_lat, kv_b, nope_dim):
+    n, h, _ = o_lat.shape
+    return o_lat.new_empty((n, kv_b.shape[0] - h * nope_dim))
+
 
 if torch.cuda.is_available(): from . import cuda  # noqa: E701,F401  Triton kernels for CUDA (ops/cuda.py)

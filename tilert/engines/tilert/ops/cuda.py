@@ -70,12 +70,113 @@ def _moe_experts_cuda(x, topk_ids, topk_weights, w13, w2):
     return moe_experts(x, topk_ids, topk_weights, w13.contiguous(), w2.contiguous())
 
 
+def _rows_ok(*ts) -> bool:
+    return all(t.dim() >= 1 and t.stride(-1) == 1 for t in ts)
+
+
+def _gemv_ok(x, w) -> bool:
+    return x.dtype in _FAST_DTYPES and w.dtype == x.dtype and x.dim() == 2 and x.shape[0] <= 16 and _rows_ok(x, w)
+
+
+def _gemv_cuda(x, weight, norm_weight=None, eps=1e-6, bias=None, fp32_out=False):
+    if not _gemv_ok(x, weight) or x.shape[0] == 0:
+        return reference.gemv(x, weight, norm_weight, eps, bias, fp32_out)
+    from . import triton_gemv
+
+    nw = None if norm_weight is None else norm_weight.to(x.dtype).contiguous()
+    y = triton_gemv.gemv(x, weight, norm_w=nw, eps=eps, out_f32=fp32_out)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def _gemv_residual_cuda(h, x, weight):
+    if not (_gemv_ok(x, weight) and h.dtype == x.dtype and h.is_contiguous()) or x.shape[0] == 0:
+        return reference.gemv_residual(h, x, weight)
+    from . import triton_gemv
+
+    triton_gemv.gemv(x, weight, residual=h)
+
+
+def _router_cuda(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk,
+                 n_shared):
+    e = gate_weight.shape[0]
+    if not _gemv_ok(h, gate_weight) or (n_group > 1 and not _pow2(e)) or e > 1024 or h.shape[0] == 0:
+        return reference.router(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
+                                norm_topk, n_shared)
+    from . import triton_gemv, triton_moe
+
+    part = triton_gemv.gemv(h, gate_weight, norm_w=norm_weight.to(h.dtype).contiguous(), eps=eps, split_k=8)
+    return triton_moe.router_select(part, bias.float().contiguous(), top_k=top_k, n_group=n_group,
+                                    topk_group=topk_group, route_scale=route_scale, norm_topk=norm_topk,
+                                    n_shared_slots=n_shared)
+
+
+def _moe_residual_cuda(h, norm_weight, eps, topk_ids, topk_weights, w13, w2):
+    if (h.dtype not in _FAST_DTYPES or w13.dtype != h.dtype or w2.dtype != h.dtype or h.shape[0] > 16
+            or not h.is_contiguous() or h.shape[0] == 0):
+        return reference.moe_residual(h, norm_weight, eps, topk_ids, topk_weights, w13, w2)
+    from . import triton_moe
+
+    ids = topk_ids.to(torch.int32).contiguous()
+    act = triton_moe.moe_up(h, ids, w13.contiguous(), norm_w=norm_weight.to(h.dtype).contiguous(), eps=eps)
+    triton_moe.moe_down(act, ids, topk_weights.float().contiguous(), w2.contiguous(), residual=h)
+
+
+def _mla_prep_cuda(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, index_norm_weight, index_norm_bias,
+                   index_cache, num_heads, nope_dim, kv_offset, index_heads, eps, index_weight_scale):
+    lat = kv_norm_weight.shape[0]
+    r = kv_cache.shape[-1] - lat
+    h, p = num_heads, nope_dim
+    v = kv_b.shape[0] // h - p
+    has_idx = index_cache is not None
+    di = index_cache.shape[-1] if has_idx else 0
+    ok = (
+        a.dtype in _FAST_DTYPES and b.dtype == a.dtype and kv_cache.dtype == a.dtype and kv_b.dtype == a.dtype
+        and _pow2(lat) and _pow2(r) and _pow2(p) and v % 16 == 0 and r >= 2
+        and (not has_idx or (index_cache.dtype == a.dtype and _pow2(di) and _pow2(di - r)))
+        and _rows_ok(a, b, kv_cache, kv_b, cos, sin) and a.shape[0] > 0
+    )
+    if not ok:
+        return reference.mla_prep(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, index_norm_weight,
+                                  index_norm_bias, index_cache, num_heads, nope_dim, kv_offset, index_heads, eps,
+                                  index_weight_scale)
+    from .triton_fused import mla_prep
+
+    n = a.shape[0]
+    q = torch.empty(n, h, lat + r, device=a.device, dtype=a.dtype)
+    hi = index_heads if has_idx else 0
+    iq = torch.empty(n, hi, di, device=a.device, dtype=a.dtype)
+    iw = torch.empty(n, hi, device=a.device, dtype=torch.float32)
+    mla_prep(a, b, positions.contiguous(), kv_b, cos, sin, kv_norm_weight.to(a.dtype).contiguous(),
+             index_norm_weight.to(a.dtype).contiguous() if has_idx else None,
+             index_norm_bias.to(a.dtype).contiguous() if has_idx else None,
+             q, kv_cache, index_cache, iq if has_idx else None, iw if has_idx else None,
+             H=h, Hi=max(hi, 1), QL=kv_offset, L=lat, R=r, P=p, V=v, DI=di if has_idx else 2 * r, eps=eps,
+             iw_scale=index_weight_scale)
+    return q, iq, iw
+
+
+def _mla_uv_cuda(o_lat, kv_b, nope_dim):
+    n, h, lat = o_lat.shape
+    v = kv_b.shape[0] // h - nope_dim
+    if o_lat.dtype not in _FAST_DTYPES or kv_b.dtype != o_lat.dtype or not _pow2(lat) or v % 16 or n == 0:
+        return reference.mla_uv(o_lat, kv_b, nope_dim)
+    from .triton_fused import mla_uv
+
+    return mla_uv(o_lat.contiguous(), kv_b.contiguous(), P=nope_dim, V=v)
+
+
 def register() -> None:
     torch.library.register_kernel("tilert::rms_norm", "cuda", _rms_norm_cuda)
     torch.library.register_kernel("tilert::mla_attention", "cuda", _mla_attention_cuda)
     torch.library.register_kernel("tilert::mla_sparse_attention", "cuda", _mla_sparse_attention_cuda)
     torch.library.register_kernel("tilert::indexer_topk", "cuda", _indexer_topk_cuda)
     torch.library.register_kernel("tilert::moe_experts", "cuda", _moe_experts_cuda)
+    torch.library.register_kernel("tilert::gemv", "cuda", _gemv_cuda)
+    torch.library.register_kernel("tilert::gemv_residual", "cuda", _gemv_residual_cuda)
+    torch.library.register_kernel("tilert::router", "cuda", _router_cuda)
+    torch.library.register_kernel("tilert::moe_residual", "cuda", _moe_residual_cuda)
+    torch.library.register_kernel("tilert::mla_prep", "cuda", _mla_prep_cuda)
+    torch.library.register_kernel("tilert::mla_uv", "cuda", _mla_uv_cuda)
 
 
 try:  # Triton missing (CPU-only installs) leaves the reference kernels in place.

@@ -159,3 +159,174 @@ def moe_experts(
         y = F.linear(h, w2[e].to(x.dtype))
         out.index_add_(0, tok, y.to(acc) * topk_weights[tok, slot].to(acc)[:, None])
     return out.to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Fused decode-layer ops. Each is the unfused PyTorch formulation of one fused CUDA kernel sequence;
+# on CPU they reproduce transformers' math (same casts, same order), so the engine stays exact.
+
+
+def apply_rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split (rotate_half) RoPE on the last dim ``R``: pairs ``(x_i, x_{i+R/2})`` rotated by
+    ``cos/sin [..., R/2]`` (broadcast), ``[x1 cos - x2 sin | x2 cos + x1 sin]``, in ``x.dtype``.
+
+    DeepSeek's interleaved RoPE (pairs ``(x_2i, x_2i+1)``, written evens-first by transformers) is the same
+    map once the projection rows that produce ``x`` are permuted evens-first; ``weights.py`` does that at
+    load time, so every RoPE in the engine is this one.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    bias: torch.Tensor | None = None,
+    fp32_out: bool = False,
+) -> torch.Tensor:
+    """``y = rms_norm(x; norm_weight) @ weight^T (+ bias)`` (the norm only when ``norm_weight`` is given),
+    in ``x.dtype``; ``fp32_out`` returns it as float32 (the lm_head's logits)."""
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps)
+    y = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    return y.float() if fp32_out else y
+
+
+def gemv_residual(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """In place: ``h += x @ weight^T`` (o_proj folded into the residual add)."""
+    h.add_(F.linear(x, weight.to(x.dtype)))
+
+
+def router(
+    h: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_weight: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    route_scale: float,
+    norm_topk: bool,
+    n_shared: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """noaux_tc routing of ``x = rms_norm(h)`` (DeepSeek-V3 / V3.2 / GLM-5, as transformers computes it).
+
+    ``s = sigmoid(x @ gate^T)`` in float32; choice scores ``s + bias``; experts split in ``n_group``
+    groups ranked by the sum of their two best choice scores, the best ``topk_group`` groups kept;
+    ``top_k`` experts by choice score among them; weights ``s[e]`` (normalised to sum 1 when
+    ``norm_topk``) times ``route_scale``. Then ``n_shared`` shared-expert slots are appended: ids
+    ``E..E+n_shared-1`` (the shared experts stacked after the routed ones), weight 1.
+
+    Shapes: ``h [n, D]``, ``gate_weight [E, D]``, ``bias fp32 [E]`` -> ``(int32 [n, k+S], fp32 [n, k+S])``.
+    """
+    n = h.shape[0]
+    e, g = gate_weight.shape[0], n_group
+    acc = _acc_dtype(h)
+    x = rms_norm(h, norm_weight, eps)
+    scores = F.linear(x.to(acc), gate_weight.to(acc)).sigmoid()
+    choice = scores + bias.to(acc)
+    group_scores = choice.view(n, g, e // g).topk(2, dim=-1).values.sum(dim=-1)
+    group_idx = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+    expert_mask = group_mask[:, :, None].expand(n, g, e // g).reshape(n, e)
+    choice = choice.masked_fill(expert_mask == 0, float("-inf"))
+    ids = choice.topk(top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if norm_topk:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    weights = weights * route_scale
+    shared_ids = torch.arange(e, e + n_shared, device=h.device).expand(n, n_shared)
+    ids = torch.cat([ids, shared_ids], dim=1).to(torch.int32)
+    weights = torch.cat([weights.float(), torch.ones(n, n_shared, device=h.device)], dim=1)
+    return ids, weights
+
+
+def moe_residual(
+    h: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> None:
+    """In place: ``h += moe_experts(rms_norm(h), ...)`` (post-attention norm, experts incl. the stacked
+    shared ones, and the residual add in one op)."""
+    x = rms_norm(h, norm_weight, eps)
+    h.add_(moe_experts(x, topk_ids, topk_weights, w13, w2))
+
+
+def mla_prep(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    positions: torch.Tensor,
+    kv_b: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_norm_weight: torch.Tensor,
+    kv_cache: torch.Tensor,
+    index_norm_weight: torch.Tensor | None,
+    index_norm_bias: torch.Tensor | None,
+    index_cache: torch.Tensor | None,
+    num_heads: int,
+    nope_dim: int,
+    kv_offset: int,
+    index_heads: int,
+    eps: float,
+    index_weight_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Everything between the two input GEMVs of an MLA(+DSA) layer and attention.
+
+    Inputs: ``a = W_a rms(h)`` laid out ``[q_a (kv_offset) | c_kv (L) | k_pe (R) | idx_k (Di) | idx_w (Hi)]``
+    and ``b = W_b rms(q_a)`` laid out ``[q (H*(P+R)) | idx_q (Hi*Di)]`` (without q_lora ``b`` is ``a`` and
+    ``q`` its first ``H*(P+R)`` columns); ``kv_b [H*(P+V), L]`` (``[W_UK; W_UV]`` per head); RoPE tables
+    ``cos/sin [S, R/2]``.
+
+    - ``q~_h = W_UK_h^T q_nope_h``; the query is ``[q~_h | rope(q_pe_h)]`` ``[n, H, L+R]``.
+    - cache row ``kv_cache[pos] = [rms_norm(c_kv; kv_norm_weight) | rope(k_pe)]``.
+    - with an indexer: ``index_cache[pos] = [rope(k[:R]) | k[R:]]`` with ``k = LayerNorm(idx_k)``;
+      indexer queries ``[rope(q_i[:R]) | q_i[R:]]`` ``[n, Hi, Di]``; head weights
+      ``idx_w * index_weight_scale`` (float32 ``[n, Hi]``). Without one, both come back empty.
+
+    Returns ``(q, index_q, index_w)``; writes the cache rows at ``positions``.
+    """
+    n = a.shape[0]
+    h, p = num_heads, nope_dim
+    lat = kv_norm_weight.shape[0]
+    r = kv_cache.shape[-1] - lat
+    q = b[:, : h * (p + r)].reshape(n, h, p + r)
+    q_nope, q_pe = q[..., :p], q[..., p:]
+    w_kvb = kv_b.view(h, -1, lat)
+    cs, sn = cos[positions], sin[positions]  # [n, R/2]
+    # Absorb W_UK into the query (per-head batched matmul): q~ [n, H, L].
+    q_abs = torch.bmm(q_nope.transpose(0, 1), w_kvb[:, :p].to(q.dtype)).transpose(0, 1)
+    q_full = torch.cat([q_abs, apply_rope_half(q_pe, cs[:, None], sn[:, None])], dim=-1).to(kv_cache.dtype)
+
+    c_kv = rms_norm(a[:, kv_offset : kv_offset + lat], kv_norm_weight, eps)
+    k_pe = apply_rope_half(a[:, kv_offset + lat : kv_offset + lat + r], cs, sn)
+    kv_cache.index_copy_(0, positions, torch.cat([c_kv, k_pe], dim=-1).to(kv_cache.dtype))
+
+    if index_cache is None:
+        return q_full, a.new_empty(n, 0, 0), a.new_empty(n, 0, dtype=torch.float32)
+    di, hi = index_cache.shape[-1], index_heads
+    o = kv_offset + lat + r
+    k = F.layer_norm(a[:, o : o + di], (di,), index_norm_weight.to(a.dtype), index_norm_bias.to(a.dtype), eps)
+    k = torch.cat([apply_rope_half(k[:, :r], cs, sn), k[:, r:]], dim=-1)
+    index_cache.index_copy_(0, positions, k.to(index_cache.dtype))
+    iw = a[:, o + di : o + di + hi].float() * index_weight_scale
+    iq = b[:, h * (p + r) : h * (p + r) + hi * di].reshape(n, hi, di)
+    iq = torch.cat([apply_rope_half(iq[..., :r], cs[:, None], sn[:, None]), iq[..., r:]], dim=-1)
+    return q_full, iq.contiguous(), iw
+
+
+def mla_uv(o_lat: torch.Tensor, kv_b: torch.Tensor, nope_dim: int) -> torch.Tensor:
+    """``o_h = W_UV_h o~_h`` for every head: ``o_lat [n, H, L]``, ``kv_b [H*(P+V), L]`` -> ``[n, H*V]``."""
+    n, h, lat = o_lat.shape
+    w_kvb = kv_b.view(h, -1, lat)
+    o = torch.bmm(o_lat.transpose(0, 1), w_kvb[:, nope_dim:].transpose(1, 2).to(o_lat.dtype))  # [H, n, V]
+    return o.transpose(0, 1).reshape(n, -1)
