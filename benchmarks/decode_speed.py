@@ -32,6 +32,7 @@ import torch
 
 from engine_configs import CONFIGS  # noqa: E402
 from tilert.engines.tilert.fast import GraphStep  # noqa: E402
+from tilert.engines.tilert.model import ModelArgs  # noqa: E402
 
 DEV = torch.device("cuda")
 RESULT: dict = {}
@@ -200,6 +201,73 @@ def kernel_profile(fn, steps=3):
     return dict(total_us=total, launches=sum(r[2] for r in rows), top=[(k, us, c) for k, us, c in rows[:20]])
 
 
+
+def hf_config(args: ModelArgs):
+    """transformers' DeepseekV32Config with the engine config's shapes (for the side-by-side eager run)."""
+    from transformers import DeepseekV32Config
+
+    return DeepseekV32Config(
+        vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+        moe_intermediate_size=args.moe_intermediate_size, num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads, num_key_value_heads=args.num_heads,
+        n_shared_experts=args.n_shared_experts, n_routed_experts=args.n_routed_experts,
+        num_experts_per_tok=args.num_experts_per_tok, routed_scaling_factor=args.routed_scaling_factor,
+        kv_lora_rank=args.kv_lora_rank, q_lora_rank=args.q_lora_rank, qk_rope_head_dim=args.qk_rope_head_dim,
+        v_head_dim=args.v_head_dim, qk_nope_head_dim=args.qk_nope_head_dim, n_group=args.n_group,
+        topk_group=args.topk_group, first_k_dense_replace=args.mlp_layer_types.count("dense"),
+        norm_topk_prob=True, max_position_embeddings=65536, index_n_heads=args.index_n_heads,
+        index_head_dim=args.index_head_dim, index_topk=args.index_topk, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def bench_transformers(name: str, args: ModelArgs, contexts: list[int], steps: int = 5) -> dict:
+    """transformers' own eager DeepseekV32ForCausalLM, same shapes, its own random init, bf16: median
+    decode-step time after a prefill of ``ctx`` random tokens (measured in the same run as the engine)."""
+    from transformers import DeepseekV32ForCausalLM
+
+    hc = hf_config(args)
+    hc._attn_implementation = "eager"
+    t0 = time.time()
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(DEV):
+            m = DeepseekV32ForCausalLM(hc).eval()
+    finally:
+        torch.set_default_dtype(prev)
+    torch.cuda.synchronize()
+    log(f"[transformers {name}] built in {time.time() - t0:.1f}s")
+    out: dict = {}
+    for ctx in contexts:
+        try:
+            o = m(input_ids=torch.randint(0, args.vocab_size, (1, ctx), device=DEV), use_cache=True)
+            pkv, nxt = o.past_key_values, o.logits[:, -1:].argmax(-1)
+            del o
+            ts = []
+            for _ in range(steps + 1):
+                torch.cuda.synchronize()
+                t1 = time.time()
+                o = m(input_ids=nxt, past_key_values=pkv, use_cache=True)
+                nxt = o.logits[:, -1:].argmax(-1)
+                torch.cuda.synchronize()
+                ts.append(time.time() - t1)
+                del o
+            t = sorted(ts[1:])[len(ts[1:]) // 2]
+            out[ctx] = dict(ms=t * 1e3, tok_s=1 / t, layers=args.num_layers)
+            log(f"[transformers {name}] ctx={ctx}: {t * 1e3:.1f} ms/token ({1 / t:.2f} tok/s)")
+            del pkv
+        except Exception as exc:  # OOM at long contexts: the eager indexer materialises [S, H, T] scores
+            out[ctx] = dict(error=repr(exc)[:200])
+            log(f"[transformers {name}] ctx={ctx} failed: {exc!r}"[:300])
+        gc.collect()
+        torch.cuda.empty_cache()
+    del m
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -207,12 +275,14 @@ def main():
     ap.add_argument("--contexts", default="1024,8192,32768")
     ap.add_argument("--no-breakdown", action="store_true")
     ap.add_argument("--tf-json", default="", help="reuse transformers numbers from an earlier decode_speed.json")
+    ap.add_argument("--transformers", default="", metavar="CTXS",
+                    help="also time transformers eager at these contexts (comma list), in this run")
     args = ap.parse_args()
     import triton
     import transformers
 
     contexts = [int(x) for x in args.contexts.split(",")]
-    RESULT.update(date=datetime.datetime.utcnow().isoformat(timespec="seconds") + "Z",
+    RESULT.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                   transformers_version=transformers.__version__, cuda=torch.version.cuda,
                   conditions="batch 1, bf16, random weights built on the GPU, caches filled with random rows, "
@@ -239,6 +309,10 @@ def main():
                 RESULT["mtp_verify"][name] = verify
         except Exception:
             traceback.print_exc()
+        if args.transformers and name in ("lite-v32",):
+            RESULT["transformers"][name] = bench_transformers(
+                name, CONFIGS[name], [int(c) for c in args.transformers.split(",")])
+            RESULT["transformers_source"] = "measured in this run"
         save()
         if args.tf_json:
             with open(args.tf_json) as f:
