@@ -25,7 +25,7 @@ from tilert.protocol import KVLayout
 log = structlog.get_logger("tilert.connector.worker")
 
 FP8_DS_MLA_ROW = 656
-INDEXER_KEY_BYTES, INDEXER_SCALE_BYTES = 128, 4
+INDEXER_SCALE_BYTES = 4  # one fp32 scale per token's fp8 key
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 _DENSE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -37,12 +37,20 @@ class _Layer:
     cache: torch.Tensor
 
 
-def classify(name: str, cache: torch.Tensor, mla_width: int) -> tuple[str, KVLayout]:
-    """Name the vLLM layout of one layer's cache, or raise ``ValueError`` for one we do not know."""
+def classify(
+    name: str, cache: torch.Tensor, mla_width: int, index_head_dim: int, indexer_rope_interleaved: bool
+) -> tuple[str, KVLayout]:
+    """Name the vLLM layout of one layer's cache, or raise ``ValueError`` for one we do not know.
+
+    vLLM always keeps MLA's rope pairs interleaved; the indexer's keys follow the model's
+    ``indexer_rope_interleave`` (GLM-5: interleaved, DeepSeek-V3.2: half-split)."""
     if "indexer" in name:
         if cache.dtype != torch.uint8:
             raise ValueError(f"{name}: indexer cache of dtype {cache.dtype}, expected uint8")
-        return "indexer", KVLayout("dsa_indexer", "fp8_e4m3", INDEXER_KEY_BYTES + INDEXER_SCALE_BYTES, 0)
+        if not index_head_dim:
+            raise ValueError(f"{name}: an indexer cache, but the model config has no index_head_dim")
+        row = index_head_dim + INDEXER_SCALE_BYTES
+        return "indexer", KVLayout("dsa_indexer", "float8_e4m3fn", row, 0, indexer_rope_interleaved)
     last = cache.shape[-1]
     if cache.dtype == torch.uint8 and last == FP8_DS_MLA_ROW:
         return "mla", KVLayout("fp8_ds_mla", "fp8_ds_mla", FP8_DS_MLA_ROW, 0)
@@ -54,14 +62,15 @@ def classify(name: str, cache: torch.Tensor, mla_width: int) -> tuple[str, KVLay
     )
 
 
-def gather_rows(kind: str, cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
+def gather_rows(kind: str, row_bytes: int, cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
     """The ``[T, row_bytes]`` uint8 rows of ``slots`` (block_id * block_size + offset) from one layer."""
     if kind == "dsa_indexer":
-        # Block-major: per block, block_size keys of 128 fp8 bytes, then block_size fp32 scales.
+        # Block-major: per block, block_size fp8 keys of row_bytes-4 bytes, then block_size fp32 scales.
+        key_bytes = row_bytes - INDEXER_SCALE_BYTES
         blocks = cache.reshape(cache.shape[0], -1)
-        bs = blocks.shape[1] // (INDEXER_KEY_BYTES + INDEXER_SCALE_BYTES)
-        keys = blocks[:, : bs * INDEXER_KEY_BYTES].reshape(-1, INDEXER_KEY_BYTES)
-        scales = blocks[:, bs * INDEXER_KEY_BYTES :].reshape(-1, INDEXER_SCALE_BYTES)
+        bs = blocks.shape[1] // row_bytes
+        keys = blocks[:, : bs * key_bytes].reshape(-1, key_bytes)
+        scales = blocks[:, bs * key_bytes :].reshape(-1, INDEXER_SCALE_BYTES)
         s = (slots // block_size) * bs + slots % block_size
         return torch.cat([keys.index_select(0, s), scales.index_select(0, s)], dim=1)
     rows = cache.reshape(-1, cache.shape[-1])
@@ -86,6 +95,8 @@ class WorkerSide:
             raise ValueError("TileRTConnector needs an MLA model (config without kv_lora_rank/qk_rope_head_dim)")
         self._mla_width = int(lora) + int(rope)
         self._num_main_layers = int(hf_config.num_hidden_layers)
+        self._index_head_dim = int(getattr(hf_config, "index_head_dim", 0) or 0)
+        self._indexer_rope_interleaved = bool(getattr(hf_config, "indexer_rope_interleave", False))
         self._sender = sender
         self._layers: dict[str, _Layer] = {}
         self._layouts: dict[str, KVLayout] = {}
@@ -95,7 +106,9 @@ class WorkerSide:
         groups: dict[str, list[tuple[int, str, torch.Tensor]]] = {}
         kinds: dict[str, KVLayout] = {}
         for order, (name, cache) in enumerate(kv_caches.items()):
-            group, layout = classify(name, cache, self._mla_width)
+            group, layout = classify(
+                name, cache, self._mla_width, self._index_head_dim, self._indexer_rope_interleaved
+            )
             match = _LAYER_INDEX.search(name)
             index = int(match.group(1)) if match else order
             if index >= self._num_main_layers:
@@ -118,7 +131,7 @@ class WorkerSide:
         layout = self._layouts[layer.group]
         for save in meta.saves:
             staging = self._staging.get(save.req_id) or self._open(save, layer.cache.device)
-            rows = gather_rows(layout.kind, layer.cache, staging.slots, save.block_size)
+            rows = gather_rows(layout.kind, layout.row_bytes, layer.cache, staging.slots, save.block_size)
             staging.views[layer.group][layer.position].copy_(rows, non_blocking=True)
             staging.layers_done.add(layer_name)
 

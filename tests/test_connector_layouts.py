@@ -1,0 +1,76 @@
+"""The connector's view of vLLM's caches (shapes as vLLM allocates them) must be exactly what the engine
+takes: same layout descriptors, and rows gathered through the block table equal to the tokens' rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tilert import protocol as p
+from tilert.connector.claims import Claim, SaveRequest
+from tilert.connector.sender import BackgroundSender
+from tilert.connector.worker import WorkerSide, gather_rows
+from tilert.decode.slots import SlotTable
+from tilert.engines.tilert import layouts
+from tilert.engines.tilert.engine import TileRTEngine
+from tilert.models.tiny import build_tiny_model
+from tilert.transports.tcp import TcpTransport
+
+
+@pytest.fixture(scope="module")
+def v32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model("deepseek_v32", tmp_path_factory.mktemp("v32") / "m", num_hidden_layers=2)
+
+
+def _vllm_gpu_caches(cfg, num_blocks: int, block: int = 64) -> dict[str, torch.Tensor]:
+    """Per layer as vLLM lays them out on GPU for V3.2 (bf16 dense MLA + block-major fp8 indexer)."""
+    caches = {}
+    for i in range(cfg.num_hidden_layers):
+        caches[f"model.layers.{i}.self_attn.attn"] = torch.zeros(num_blocks, block, 576, dtype=torch.bfloat16)
+        caches[f"model.layers.{i}.self_attn.indexer.k_cache"] = torch.zeros(
+            num_blocks, block * (cfg.index_head_dim + 4), dtype=torch.uint8
+        )
+    return caches
+
+
+def test_connector_layouts_are_what_the_engine_expects(v32: Path) -> None:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(v32)
+    sender = BackgroundSender("tcp", {})
+    worker = WorkerSide(cfg, sender)
+    try:
+        worker.register(_vllm_gpu_caches(cfg, num_blocks=4))
+        engine = TileRTEngine.load(v32, device="cpu", dtype=torch.bfloat16, max_seq_len=256)
+        receiver = TcpTransport.receiver(host="127.0.0.1", options={})
+        try:
+            table = SlotTable(1, engine.expected_layouts(), 256, receiver)
+            table.reserve("t")
+            offer = p.Offer("t", 100, dict(worker._layouts))
+            assert table.accept(offer)["nbytes"] == offer.nbytes  # no layout mismatch, nothing refused
+        finally:
+            receiver.close()
+    finally:
+        sender.close()
+
+
+def test_indexer_rows_gathered_through_the_block_table() -> None:
+    head_dim, n = 32, 70
+    rows = torch.randint(0, 255, (n, head_dim + 4), dtype=torch.uint8)
+    blocks = layouts.dsa_indexer_rows_to_blocks(rows, head_dim)  # [2, 64*(D+4)], tokens 0..69 in order
+    shuffled = torch.zeros(5, blocks.shape[1], dtype=torch.uint8)
+    shuffled[3], shuffled[1] = blocks[0], blocks[1]  # the request's block table is [3, 1]
+    slots = torch.tensor(SaveRequest("r", Claim("t", "h", 1), [3, 1], 64, n).slot_ids())
+    got = gather_rows("dsa_indexer", head_dim + 4, shuffled, slots, 64)
+    assert torch.equal(got, rows)
+
+
+def test_dense_rows_gathered_through_the_block_table() -> None:
+    cache = torch.randn(6, 1, 16, 576)  # vLLM CPU_MLA: [num_blocks, 1, 16, 576]
+    save = SaveRequest("r", Claim("t", "h", 1), [4, 0, 2], 16, 40)
+    got = gather_rows("mla_dense", 576 * 4, cache, torch.tensor(save.slot_ids()), 16)
+    flat = cache.reshape(-1, 576)
+    want = torch.cat([flat[64:80], flat[0:16], flat[32:40]]).view(torch.uint8).reshape(40, -1)
+    assert torch.equal(got, want)
