@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -39,7 +39,6 @@ class StackConfig:
     engine: str = "tilert"
     transport: str = "tcp"
     startup_timeout_s: float = 600.0
-    extra_env: dict[str, str] = field(default_factory=dict)
 
 
 def _url(host: str, port: int) -> str:
@@ -113,7 +112,6 @@ class Stack:
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
-            **self.cfg.extra_env,
         }
         commands = {
             "prefill": prefill_command(self.cfg),
