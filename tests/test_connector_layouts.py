@@ -74,3 +74,31 @@ def test_dense_rows_gathered_through_the_block_table() -> None:
     flat = cache.reshape(-1, 576)
     want = torch.cat([flat[64:80], flat[0:16], flat[32:40]]).view(torch.uint8).reshape(40, -1)
     assert torch.equal(got, want)
+
+
+def test_fp8_ds_mla_prefill_is_accepted_and_wrong_layouts_are_refused_with_a_reason(v32: Path) -> None:
+    """vLLM's sparse-MLA cache (``--kv-cache-dtype fp8_ds_mla``: 656-byte rows) is taken by the engine;
+    a layout it cannot convert is refused before any byte moves, with the engine's reason."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(v32)
+    caches = _vllm_gpu_caches(cfg, num_blocks=4)
+    for i in range(cfg.num_hidden_layers):
+        caches[f"model.layers.{i}.self_attn.attn"] = torch.zeros(4, 64, 656, dtype=torch.uint8)
+    sender = BackgroundSender("tcp", {})
+    worker = WorkerSide(cfg, sender)
+    engine = TileRTEngine.load(v32, device="cpu", dtype=torch.bfloat16, max_seq_len=256)
+    receiver = TcpTransport.receiver(host="127.0.0.1", options={})
+    try:
+        worker.register(caches)
+        assert worker._layouts["mla"].kind == "fp8_ds_mla"
+        table = SlotTable(2, engine.expected_layouts(), 256, receiver, check_layouts=engine.check_layouts)
+        table.reserve("fp8")
+        table.accept(p.Offer("fp8", 100, dict(worker._layouts)))
+        table.reserve("bad")
+        bad = dict(worker._layouts) | {"mla": p.KVLayout("mla_dense", "float8_e5m2", 576, cfg.num_hidden_layers)}
+        with pytest.raises(Exception, match="unsupported dtype"):
+            table.accept(p.Offer("bad", 100, bad))
+    finally:
+        receiver.close()
+        sender.close()

@@ -131,8 +131,9 @@ class DecodeNode:
             host=config.host, options=dict(config.transport_options or {})
         )
         self.table = SlotTable(
-            config.num_slots, engine.expected_layouts(), config.max_seq_len, self.receiver, config.lease_s
-        )
+            config.num_slots, engine.expected_layouts(), config.max_seq_len, self.receiver, config.lease_s,
+            engine.check_layouts,
+        )  # fmt: skip
         self.control = ControlServer(self.table, config.transport, self.node_id)
         self.eos = eos_token_ids(config.model)
         self.sampling_defaults = sampling_defaults(config.model)

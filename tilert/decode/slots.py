@@ -18,6 +18,7 @@ import enum
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ import anyio
 import structlog
 import torch
 
+from tilert.engines.base import require_exact_layouts
 from tilert.protocol import KVLayout, Offer
 from tilert.transports.base import Receiver
 
@@ -87,10 +89,14 @@ class SlotTable:
         max_seq_len: int,
         receiver: Receiver,
         default_lease_s: float = 30.0,
+        check_layouts: Callable[[Mapping[str, KVLayout]], None] | None = None,
     ) -> None:
+        """``expected`` sizes the buffers; ``check_layouts`` (the engine's) decides which offered layouts
+        are acceptable, by default exactly ``expected``."""
         if num_slots < 1:
             raise ValueError("need at least one slot")
         self.expected = expected
+        self._check_layouts = check_layouts or (lambda offered: require_exact_layouts(expected, offered))
         self.max_seq_len = max_seq_len
         self.default_lease_s = default_lease_s
         self._receiver = receiver
@@ -153,17 +159,10 @@ class SlotTable:
     def _check(self, offer: Offer) -> str | None:
         if not 0 < offer.num_tokens < self.max_seq_len:
             return f"prompt of {offer.num_tokens} tokens does not fit max_seq_len {self.max_seq_len}"
-        missing = set(self.expected) - set(offer.layouts)
-        if "mla" in missing:
-            return "offer carries no 'mla' state"
-        for name, lay in offer.layouts.items():
-            want = self.expected.get(name)
-            if want is None:
-                return f"engine takes no '{name}' state (it takes {sorted(self.expected)})"
-            if (lay.kind, lay.dtype, lay.row_bytes, lay.num_layers) != (
-                want.kind, want.dtype, want.row_bytes, want.num_layers
-            ):
-                return f"'{name}' layout mismatch: prefill sends {lay}, engine expects {want}"
+        try:
+            self._check_layouts(offer.layouts)
+        except ValueError as exc:
+            return str(exc)
         if offer.nbytes > self.capacity:
             return f"offer of {offer.nbytes} bytes exceeds the slot capacity {self.capacity}"
         return None

@@ -11,6 +11,7 @@ Engines are plugins: registered under the ``tilert.engines`` entry-point group a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -19,7 +20,19 @@ import torch
 
 from tilert.protocol import KVLayout
 
-__all__ = ["Capabilities", "DecodeEngine", "KVLayout"]
+__all__ = ["Capabilities", "DecodeEngine", "KVLayout", "require_exact_layouts"]
+
+
+def require_exact_layouts(expected: Mapping[str, KVLayout], offered: Mapping[str, KVLayout]) -> None:
+    """``ValueError`` unless ``offered`` carries ``"mla"`` and every tensor exactly as ``expected``."""
+    if "mla" not in offered:
+        raise ValueError("offer carries no 'mla' state")
+    for name, lay in offered.items():
+        want = expected.get(name)
+        if want is None:
+            raise ValueError(f"engine takes no '{name}' state (it takes {sorted(expected)})")
+        if (lay.kind, lay.dtype, lay.row_bytes, lay.num_layers) != (want.kind, want.dtype, want.row_bytes, want.num_layers):
+            raise ValueError(f"'{name}' layout mismatch: prefill sends {lay}, engine expects {want}")
 
 
 @dataclass(frozen=True)
@@ -56,6 +69,14 @@ class DecodeEngine(ABC):
     @abstractmethod
     def expected_layouts(self) -> dict[str, KVLayout]:
         """The KV tensors (by name, e.g. ``"mla"``, ``"indexer"``) this engine needs from prefill."""
+
+    def check_layouts(self, layouts: Mapping[str, KVLayout]) -> None:
+        """``ValueError`` naming why this engine cannot take a prompt state laid out as ``layouts``.
+
+        Called before any byte moves (the decode node rejects the offer with this reason). The default
+        takes exactly ``expected_layouts()``; engines that convert more layouts widen it.
+        """
+        require_exact_layouts(self.expected_layouts(), layouts)
 
     @abstractmethod
     def inject(self, state: dict[str, torch.Tensor], layouts: dict[str, KVLayout], num_tokens: int) -> None:

@@ -18,6 +18,7 @@ On CUDA the main-model step of 1..16 tokens (decode, MTP verify) runs as one CUD
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,6 +122,41 @@ class TileRTEngine(DecodeEngine):
             )
         return out
 
+    def check_layouts(self, layouts_: Mapping[str, KVLayout]) -> None:
+        """Every layout ``inject`` can convert: ``"mla"`` as ``mla_dense`` (float32 / bfloat16 / float16)
+        or ``fp8_ds_mla`` for the main layers (plus one MTP layer when the model has one), and for DSA
+        models ``"indexer"`` as ``dsa_indexer`` rows with the model's indexer RoPE convention."""
+        a = self.model.args
+        unknown = set(layouts_) - {"mla", "indexer"}
+        if unknown or "mla" not in layouts_:
+            raise ValueError(f"expected KV tensors 'mla' (+ 'indexer' for DSA), got {sorted(layouts_)}")
+        if a.dsa and "indexer" not in layouts_:
+            raise ValueError("DSA model: the 'indexer' KV is required")
+        if not a.dsa and "indexer" in layouts_:
+            raise ValueError("this model has no DSA indexer; unexpected 'indexer' KV")
+        lay = layouts_["mla"]
+        layer_counts = {a.num_layers, a.num_layers + 1} if a.num_mtp_layers else {a.num_layers}
+        if lay.num_layers not in layer_counts:
+            raise ValueError(f"mla layout has {lay.num_layers} layers, model has {a.num_layers}")
+        row = layouts.mla_row_bytes(lay.kind, lay.dtype, a.kv_lora_rank, a.qk_rope_head_dim)
+        if lay.row_bytes != row:
+            raise ValueError(f"mla rows of {lay.row_bytes} bytes, {lay.kind}/{lay.dtype} has {row}")
+        if a.dsa:
+            ilay = layouts_["indexer"]
+            if ilay.kind != "dsa_indexer":
+                raise ValueError(f"unknown indexer KV layout kind {ilay.kind!r} (supported: 'dsa_indexer')")
+            if ilay.rope_interleaved != a.indexer_rope_interleave:
+                raise ValueError(
+                    f"indexer rope_interleaved={ilay.rope_interleaved}, but {a.arch}'s indexer RoPE is "
+                    f"{'interleaved' if a.indexer_rope_interleave else 'half-split'}"
+                )
+            if ilay.num_layers != len(a.index_layers):
+                raise ValueError(f"indexer layout has {ilay.num_layers} layers, model has {len(a.index_layers)}")
+            if ilay.row_bytes != layouts.dsa_indexer_row_bytes(a.index_head_dim):
+                raise ValueError(
+                    f"indexer rows of {ilay.row_bytes} bytes, expected {layouts.dsa_indexer_row_bytes(a.index_head_dim)}"
+                )
+
     @torch.no_grad()
     def inject(self, state: dict[str, torch.Tensor], layouts_: dict[str, KVLayout], num_tokens: int) -> None:
         """Replace the sequence with a prompt of ``num_tokens`` tokens whose KV is ``state``.
@@ -133,26 +169,17 @@ class TileRTEngine(DecodeEngine):
         a = self.model.args
         if not 0 < num_tokens <= self.max_seq_len:
             raise ValueError(f"num_tokens={num_tokens} outside 1..{self.max_seq_len}")
-        unknown = set(state) - {"mla", "indexer"}
-        if unknown or "mla" not in state:
-            raise ValueError(f"expected KV tensors 'mla' (+ 'indexer' for DSA), got {sorted(state)}")
-        if a.dsa and "indexer" not in state:
-            raise ValueError("DSA model: the 'indexer' KV is required")
-        if not a.dsa and "indexer" in state:
-            raise ValueError("this model has no DSA indexer; unexpected 'indexer' KV")
-        for key in state:
-            if key not in layouts_:
-                raise ValueError(f"no layout given for {key!r}")
-
+        self.check_layouts(layouts_)
+        if set(state) != set(layouts_):
+            raise ValueError(f"state tensors {sorted(state)} do not match their layouts {sorted(layouts_)}")
         lay = layouts_["mla"]
         rows = state["mla"]
-        mtp_given = a.num_mtp_layers > 0 and lay.num_layers == a.num_layers + 1
-        if lay.num_layers != a.num_layers and not mtp_given:
-            raise ValueError(f"mla layout has {lay.num_layers} layers, model has {a.num_layers}")
-        if rows.dim() != 3 or rows.shape[0] != lay.num_layers or rows.shape[1] != num_tokens:
-            raise ValueError(f"mla state shape {tuple(rows.shape)} != [{lay.num_layers}, {num_tokens}, row_bytes]")
-        if rows.shape[2] != lay.row_bytes:
-            raise ValueError(f"mla rows are {rows.shape[2]} bytes, layout says {lay.row_bytes}")
+        mtp_given = lay.num_layers == a.num_layers + 1
+        if tuple(rows.shape) != (lay.num_layers, num_tokens, lay.row_bytes):
+            raise ValueError(
+                f"mla state shape {tuple(rows.shape)} != [layers, tokens, row bytes] "
+                f"{(lay.num_layers, num_tokens, lay.row_bytes)}"
+            )
         latent = layouts.decode_mla_rows(
             rows.to(self.device), lay.kind, lay.dtype, a.kv_lora_rank, a.qk_rope_head_dim, lay.rope_interleaved
         )
@@ -164,18 +191,11 @@ class TileRTEngine(DecodeEngine):
         if a.dsa:
             ilay = layouts_["indexer"]
             irows = state["indexer"]
-            if ilay.kind != "dsa_indexer":
-                raise ValueError(f"unknown indexer KV layout kind {ilay.kind!r} (supported: 'dsa_indexer')")
-            if ilay.rope_interleaved != a.indexer_rope_interleave:
+            if tuple(irows.shape) != (ilay.num_layers, num_tokens, ilay.row_bytes):
                 raise ValueError(
-                    f"indexer rope_interleaved={ilay.rope_interleaved}, but {a.arch}'s indexer RoPE is "
-                    f"{'interleaved' if a.indexer_rope_interleave else 'half-split'}"
+                    f"indexer state shape {tuple(irows.shape)} != [layers, tokens, row bytes] "
+                    f"{(ilay.num_layers, num_tokens, ilay.row_bytes)}"
                 )
-            n_idx = len(a.index_layers)
-            if ilay.num_layers != n_idx or irows.dim() != 3 or tuple(irows.shape[:2]) != (n_idx, num_tokens):
-                raise ValueError(f"indexer state shape {tuple(irows.shape)} != [{n_idx}, {num_tokens}, row_bytes]")
-            if irows.shape[2] != ilay.row_bytes:
-                raise ValueError(f"indexer rows are {irows.shape[2]} bytes, layout says {ilay.row_bytes}")
             keys = layouts.decode_dsa_indexer(
                 irows.to(self.device), a.index_head_dim, a.qk_rope_head_dim, ilay.rope_interleaved
             )

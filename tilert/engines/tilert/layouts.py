@@ -216,6 +216,17 @@ def decode_dsa_indexer_blocks(
 KNOWN_KINDS = ("mla_dense", "fp8_ds_mla", "dsa_indexer")
 
 
+def mla_row_bytes(kind: str, dtype: str, kv_lora_rank: int, rope_dim: int) -> int:
+    """Bytes of one token's row in one layer for an MLA layout; ``ValueError`` for one we cannot decode."""
+    if kind == "mla_dense":
+        if dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"mla_dense: unsupported dtype {dtype!r} (supported: {sorted(_FLOAT_DTYPES)})")
+        return (kv_lora_rank + rope_dim) * torch.empty((), dtype=_FLOAT_DTYPES[dtype]).element_size()
+    if kind == "fp8_ds_mla":
+        return fp8_ds_mla_row_bytes(kv_lora_rank, rope_dim)
+    raise ValueError(f"unknown MLA KV layout kind {kind!r} (supported: 'mla_dense', 'fp8_ds_mla')")
+
+
 def decode_mla_rows(
     rows: torch.Tensor, kind: str, dtype: str, kv_lora_rank: int, rope_dim: int, rope_interleaved: bool
 ) -> torch.Tensor:
