@@ -193,7 +193,6 @@ class MLAttention(nn.Module):
         Returns the top-k rows this layer attended to (``None`` when dense).
         """
         a = self.args
-        n = h.shape[0]
         qa = a.q_lora_rank if a.q_lora_rank is not None else a.q_width
         # a = [q_a | c_kv | k_pe | idx_k | idx_w] = W_a rms(h);  b = [q | idx_q] = W_b rms(q_a).
         wa = ops.gemv(h, self.wa, self.attn_norm, a.rms_norm_eps, self.wa_bias)
