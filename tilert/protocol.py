@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
 
+from tilert.netio import recv_exact
+
 if TYPE_CHECKING:
     from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -161,18 +163,6 @@ def decode(body: bytes) -> Message:
         raise
     except (KeyError, TypeError, ValueError, orjson.JSONDecodeError) as exc:
         raise ProtocolError(f"malformed control frame: {exc!r}") from exc
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError("peer closed the connection")
-        got += k
-    return bytes(buf)
 
 
 def send_msg(sock: socket.socket, msg: Message) -> None:

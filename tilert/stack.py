@@ -45,6 +45,11 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+# vLLM 0.32's CPU rotary kernel mis-rotates MLA's strided q_pe/k_pe views (keys come out unrotated), so
+# DeepSeek models diverge from their definition; its PyTorch-native RoPE is exact.
+CPU_PREFILL_COMPILATION_CONFIG = {"custom_ops": ["-rotary_embedding"]}
+
+
 def prefill_command(cfg: StackConfig) -> list[str]:
     """Stock vLLM's OpenAI server with the connector configured (no patch, no wrapper)."""
     kv_config = {
@@ -64,9 +69,7 @@ def prefill_command(cfg: StackConfig) -> list[str]:
         "--kv-transfer-config", json.dumps(kv_config),
     ]  # fmt: skip
     if not _has_cuda():
-        # vLLM 0.32's CPU rotary kernel mis-rotates MLA's strided q_pe/k_pe views (keys come out
-        # unrotated), so DeepSeek models diverge from their definition; its PyTorch-native RoPE is exact.
-        cmd += ["--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]})]
+        cmd += ["--compilation-config", json.dumps(CPU_PREFILL_COMPILATION_CONFIG)]
     return cmd
 
 

@@ -16,13 +16,15 @@ def main() -> None:
     model, ctrl_port, transfer_id, prompt = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     from vllm import LLM, SamplingParams
 
+    from tilert.stack import CPU_PREFILL_COMPILATION_CONFIG
+
     llm = LLM(
         model=model,
         dtype="float32",
         max_model_len=512,
         enforce_eager=True,
         kv_cache_memory_bytes=64 << 20,
-        compilation_config={"custom_ops": ["-rotary_embedding"]},  # see tilert/stack.py
+        compilation_config=CPU_PREFILL_COMPILATION_CONFIG,
         kv_transfer_config={
             "kv_connector": "TileRTConnector",
             "kv_connector_module_path": "tilert.connector",

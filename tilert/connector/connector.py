@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import structlog
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
@@ -23,6 +24,8 @@ from tilert.connector.claims import TileRTConnectorMetadata
 from tilert.connector.scheduler import SchedulerSide
 from tilert.connector.sender import BackgroundSender
 from tilert.connector.worker import WorkerSide
+
+log = structlog.get_logger("tilert.connector")
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -52,6 +55,7 @@ class TileRTConnector(KVConnectorBase_V1):
                 timeout_s=float(extra.get("tilert_timeout_s", 10.0)),
             )
             self._worker = WorkerSide(vllm_config.model_config.hf_config, sender)
+            _warn_cpu_rope(vllm_config)
 
     # ---- worker side -------------------------------------------------------------------------
 
@@ -93,6 +97,18 @@ class TileRTConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return False, self._scheduler.request_finished(request)
+
+
+def _warn_cpu_rope(vllm_config: "VllmConfig") -> None:
+    """vLLM 0.32's CPU rotary kernel mis-rotates MLA's strided q_pe/k_pe (keys come out unrotated), so the
+    handed-off KV would not be the model's; its PyTorch-native RoPE is exact. Say so at start-up."""
+    device = getattr(vllm_config.device_config, "device_type", None)
+    custom_ops = list(vllm_config.compilation_config.custom_ops or [])
+    if device == "cpu" and "-rotary_embedding" not in custom_ops:
+        log.warning(
+            "cpu_rotary_kernel_inexact",
+            remedy="""start vLLM with --compilation-config '{"custom_ops": ["-rotary_embedding"]}'""",
+        )
 
 
 def _block_size(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> int:

@@ -17,7 +17,6 @@ the current one decodes.
 
 from __future__ import annotations
 
-import json
 import math
 import uuid
 from collections.abc import AsyncIterator
@@ -40,6 +39,7 @@ from tilert.decode.generate import run_decode
 from tilert.decode.sampling import DecodeParams
 from tilert.decode.slots import SlotError, SlotTable
 from tilert.engines.base import DecodeEngine
+from tilert.models.checkpoint import eos_token_ids, sampling_defaults
 from tilert.plugins import load_engine, load_transport
 
 log = structlog.get_logger("tilert.decode.server")
@@ -78,25 +78,6 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     except KeyError:
         raise SystemExit(f"--dtype must be auto, float32, bfloat16 or float16, not {dtype!r}") from None
-
-
-def sampling_defaults(model_dir: Path) -> dict[str, Any]:
-    """The model's own sampling defaults (``generation_config.json``), applied when a request leaves them unset."""
-    path = model_dir / "generation_config.json"
-    if not path.exists():
-        return {}
-    config = json.loads(path.read_text())
-    return {k: config[k] for k in ("temperature", "top_p", "top_k") if config.get(k) is not None}
-
-
-def eos_token_ids(model_dir: Path) -> frozenset[int]:
-    ids: set[int] = set()
-    for name in ("config.json", "generation_config.json"):
-        path = model_dir / name
-        if path.exists():
-            value = json.loads(path.read_text()).get("eos_token_id")
-            ids.update(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
-    return frozenset(ids)
 
 
 def _error(message: str, status: int) -> JSONResponse:

@@ -8,14 +8,14 @@ across tokens never reaches the client. The router does the same, so its text eq
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import structlog
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
+
+from tilert.models.checkpoint import eos_token_ids
 
 log = structlog.get_logger("tilert.router.detokenize")
 
@@ -28,22 +28,6 @@ class TokenizerBundle:
 
     tokenizer: Tokenizer
     eos_token_ids: frozenset[int]
-
-
-def _ids(value: Any) -> set[int]:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return {value}
-    if isinstance(value, list):
-        return {v for v in value if isinstance(v, int) and not isinstance(v, bool)}
-    return set()
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def load_tokenizer(model_dir: str | Path) -> TokenizerBundle:
@@ -63,18 +47,7 @@ def load_tokenizer(model_dir: str | Path) -> TokenizerBundle:
         if backend is None:
             raise RuntimeError(f"the tokenizer in {str(d)!r} is not a fast tokenizer (no tokenizer.json)")
         tokenizer = backend
-    eos: set[int] = set()
-    eos |= _ids(_read_json(d / "config.json").get("eos_token_id"))
-    eos |= _ids(_read_json(d / "generation_config.json").get("eos_token_id"))
-    tok_cfg = _read_json(d / "tokenizer_config.json")
-    eos_tok = tok_cfg.get("eos_token")
-    if isinstance(eos_tok, dict):
-        eos_tok = eos_tok.get("content")
-    if isinstance(eos_tok, str):
-        tid = tokenizer.token_to_id(eos_tok)
-        if tid is not None:
-            eos.add(tid)
-    return TokenizerBundle(tokenizer=tokenizer, eos_token_ids=frozenset(eos))
+    return TokenizerBundle(tokenizer=tokenizer, eos_token_ids=eos_token_ids(d, tokenizer.token_to_id))
 
 
 class IncrementalDecoder:

@@ -18,33 +18,18 @@ from typing import Any, ClassVar
 import structlog
 import torch
 
+from tilert.netio import recv_exact, recv_into
 from tilert.transports.base import Receiver, Sender, TransferError, Transport
 
 log = structlog.get_logger("tilert.transports.tcp")
 
 _HEADER = struct.Struct(">16sQQ")  # grant key, offset within the grant, nbytes
 _OK, _REFUSED = b"\x01", b"\x00"
-_CHUNK = 1 << 22
 
 
 @dataclass
 class _Grant:
     view: memoryview  # the granted window of the registered buffer
-
-
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        k = sock.recv_into(view[got : got + _CHUNK])
-        if k == 0:
-            raise ConnectionError("peer closed mid-write")
-        got += k
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    _recv_into(sock, memoryview(buf))
-    return bytes(buf)
 
 
 class TcpReceiver(Receiver):
@@ -104,7 +89,7 @@ class TcpReceiver(Receiver):
             while not self._closed.is_set():
                 try:
                     conn.settimeout(None)  # a pooled connection may idle between transfers
-                    key, offset, nbytes = _HEADER.unpack(_recv_exact(conn, _HEADER.size))
+                    key, offset, nbytes = _HEADER.unpack(recv_exact(conn, _HEADER.size))
                     conn.settimeout(self._timeout_s)
                 except (ConnectionError, OSError):
                     return
@@ -115,7 +100,7 @@ class TcpReceiver(Receiver):
                     conn.sendall(_REFUSED)
                     return  # the payload follows the header: the stream cannot be resynchronised
                 try:
-                    _recv_into(conn, grant.view[offset : offset + nbytes])
+                    recv_into(conn, grant.view[offset : offset + nbytes])
                     conn.sendall(_OK)
                 except (ConnectionError, OSError) as exc:
                     log.warning("tcp_write_broken", error=str(exc))
@@ -157,7 +142,7 @@ class TcpSender(Sender):
         try:
             sock.sendall(header)
             sock.sendall(payload)
-            status = _recv_exact(sock, 1)
+            status = recv_exact(sock, 1)
         except OSError:
             sock.close()
             raise
