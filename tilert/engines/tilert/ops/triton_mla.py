@@ -1,5 +1,5 @@
 """Absorbed MLA decode over the 576-wide latent cache (flash-decoding / split-K), dense and sparse,
-plus the DSA indexer scores, in Triton.
+plus the DSA indexer scores (and their exact top-k through :mod:`.triton_topk`), in Triton.
 
 Dense: query i attends to cache rows ``0..positions[i]``. The number of splits is fixed per launch (a
 CUDA graph captures one grid); each program derives its token range from ``positions[i]`` on the device,
@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from . import triton_pdl
+from . import triton_pdl, triton_topk
+from .triton_topk import hist_update, key64
 
 __all__ = ["mla_decode", "indexer_scores", "indexer_topk"]
 
@@ -178,8 +179,8 @@ def mla_decode(
 
 @triton.jit
 def _indexer_score_kernel(
-    q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, S, Hi, stride_qn, stride_qh, stride_wn, stride_k, stride_on,
-    DI: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, PDL: tl.constexpr):
+    q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, fine_ptr, coarse_ptr, S, Hi, stride_qn, stride_qh, stride_wn, stride_k,
+    stride_on, DI: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, HIST: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -205,165 +206,48 @@ def _indexer_score_kernel(
             s = tl.maximum(s, 0.0) * w[:, None]
             acc += tl.sum(s, 0)
         res = tl.where(valid, acc, float("-inf"))
+        if HIST:  # pass 1 of the radix top-k (triton_topk), fused: no second read of the scores
+            key = key64(res)
+            hist_update((key >> 16).to(tl.int32), valid & tmask, fine_ptr + i * 65536,
+                                    coarse_ptr + i * 256)
     tl.store(out_ptr + i * stride_on + offs_t, res, mask=tmask)
 
 
-def indexer_scores(q, weights, k_cache, positions, out=None):
-    """fp32 ``[n, S_max]``: sum_h w[h] relu(q[h].k[t]) for t <= pos, -inf elsewhere."""
+def indexer_scores(q, weights, k_cache, positions, out=None, topk_ws: triton_topk.TopkWorkspace | None = None):
+    """fp32 ``[n, S_max]``: sum_h w[h] relu(q[h].k[t]) for t <= pos, -inf elsewhere. With ``topk_ws`` the
+    radix top-k's pass-1 histogram is accumulated on the way (``triton_topk.select_from_hist`` finishes it)."""
     n, Hi, Di = q.shape
     S = k_cache.shape[0]
     k = k_cache.reshape(S, -1)
     res = out if out is not None else torch.empty(n, S, device=q.device, dtype=torch.float32)
     BT = 128
     BH = 16 if Hi <= 16 else 32
+    hist = topk_ws is not None
     _indexer_score_kernel[(triton.cdiv(S, BT), n)](
-        q, weights, k, positions, res, S, Hi, q.stride(0), q.stride(1), weights.stride(0), k.stride(0),
-        res.stride(0), DI=Di, BH=BH, BT=BT, num_warps=4, num_stages=2,
-     **triton_pdl.kw())
+        q, weights, k, positions, res, topk_ws.fine if hist else res, topk_ws.coarse if hist else res, S, Hi,
+        q.stride(0), q.stride(1), weights.stride(0), k.stride(0), res.stride(0), DI=Di, BH=BH, BT=BT, HIST=hist,
+        num_warps=4, num_stages=2, **triton_pdl.kw())
     return res
 
 
-@triton.jit
-def _key64(v):
-    """fp32 -> int64 key in [0, 2^32) with the same order (radix-select friendly)."""
-    b = v.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-    return tl.where(b >= 0x80000000, 0xFFFFFFFF - b, b + 0x80000000)
-
-
-@triton.jit
-def _radix_topk_kernel(s_ptr, pos_ptr, out_ptr, S, stride_s, stride_o, K: tl.constexpr, CH: tl.constexpr,
-                       NB: tl.constexpr, PDL: tl.constexpr):
-    """One program per query row: exact top-K index set of ``scores[i, :pos+1]`` by 3-pass radix select
-    (11/11/10-bit digits of the order-preserving key), then one compaction pass. Unordered; -1 padded."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    i = tl.program_id(0)
-    total = tl.minimum(tl.load(pos_ptr + i) + 1, S)
-    row = s_ptr + i * stride_s
-    orow = out_ptr + i * stride_o
-    if total <= K:
-        for cz in range(0, K, CH):
-            offz = cz + tl.arange(0, CH)
-            tl.store(orow + offz, tl.where(offz < total, offz, -1).to(tl.int32), mask=offz < K)
-    else:
-        bins = tl.arange(0, NB)
-        prefix = total * 0
-        pmask = total * 0
-        kk = total * 0 + K
-        for p in tl.static_range(3):
-            hist = tl.zeros([NB], dtype=tl.int32)
-            for c0 in range(0, total, CH):
-                offs = c0 + tl.arange(0, CH)
-                m = offs < total
-                key = _key64(tl.load(row + offs, mask=m, other=0.0))
-                match = m & ((key & pmask) == prefix)
-                digit = ((key >> (21 - 11 * p + p // 2)) & ((1 << (11 - p // 2)) - 1)).to(tl.int32)
-                hist += tl.histogram(digit, NB, mask=match)
-            ge = tl.cumsum(hist, 0, reverse=True)
-            gt = ge - hist
-            sel = (gt < kk) & (ge >= kk)
-            b = tl.sum(tl.where(sel, bins, 0), 0).to(tl.int64)
-            kk = kk - tl.sum(tl.where(sel, gt, 0), 0).to(tl.int64)
-            prefix = prefix | (b << (21 - 11 * p + p // 2))
-            pmask = pmask | (((1 << (11 - p // 2)) - 1) << (21 - 11 * p + p // 2))
-        thr = prefix
-        n_gt = K - kk
-        cnt_gt = total * 0
-        cnt_eq = total * 0
-        for c0 in range(0, total, CH):
-            offs = c0 + tl.arange(0, CH)
-            m = offs < total
-            key = _key64(tl.load(row + offs, mask=m, other=0.0))
-            gtm = m & (key > thr)
-            eqm = m & (key == thr)
-            p_gt = cnt_gt + tl.cumsum(gtm.to(tl.int32), 0).to(tl.int64) - 1
-            tl.store(orow + p_gt, offs.to(tl.int32), mask=gtm)
-            p_eq = cnt_eq + tl.cumsum(eqm.to(tl.int32), 0).to(tl.int64) - 1
-            take = eqm & (p_eq < kk)
-            tl.store(orow + n_gt + p_eq, offs.to(tl.int32), mask=take)
-            cnt_gt += tl.sum(gtm.to(tl.int64), 0)
-            cnt_eq += tl.sum(eqm.to(tl.int64), 0)
-
-
-def radix_topk(scores, positions, topk: int, out=None):
-    """Top-``topk`` index set per row of fp32 ``scores [n, S]`` over columns ``0..positions[i]``
-    (int32, unordered, -1 padded when fewer are valid). Graph-capturable, one launch."""
-    n, S = scores.shape
-    res = out if out is not None else torch.empty(n, topk, device=scores.device, dtype=torch.int32)
-    _radix_topk_kernel[(n,)](scores, positions, res, S, scores.stride(0), res.stride(0), K=topk, CH=4096, NB=2048,
-                             num_warps=16, **triton_pdl.kw())
-    return res
-
-
-@triton.jit
-def _bisect_topk_kernel(s_ptr, pos_ptr, out_ptr, S, stride_s, stride_o, K: tl.constexpr, BS: tl.constexpr,
-                        PDL: tl.constexpr):
-    """One program per query row, the whole row in registers: exact top-K index set of ``scores[i, :pos+1]``.
-    Bisection (32 steps) on an order-preserving int32 key finds the K-th largest key, then one scan compacts
-    the winners (ties at the threshold: lowest indices first). Unordered; -1 padded."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    i = tl.program_id(0)
-    total = tl.minimum(tl.load(pos_ptr + i) + 1, S).to(tl.int32)
-    row = s_ptr + i * stride_s
-    orow = out_ptr + i * stride_o
-    offs = tl.arange(0, BS)
-    m = offs < total
-    bits = tl.load(row + offs, mask=m, other=0.0).to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    key = tl.where(m, key, -2147483647 - 1)
-    if total <= K:
-        tl.store(orow + offs, tl.where(m, offs, -1), mask=offs < K)
-        offz = BS + tl.arange(0, BS)
-        for cz in range(BS, K, BS):
-            tl.store(orow + cz - BS + offz, tl.full([BS], -1, tl.int32), mask=(cz - BS + offz) < K)
-    else:
-        lo = (total * 0).to(tl.int64) - 2147483648
-        hi = (total * 0).to(tl.int64) + 2147483647
-        for _it in tl.static_range(32):
-            mid = (lo + hi + 1) >> 1
-            c = tl.sum((key.to(tl.int64) >= mid).to(tl.int32), 0)
-            ok = c >= K
-            lo = tl.where(ok, mid, lo)
-            hi = tl.where(ok, hi, mid - 1)
-        thr = lo.to(tl.int32)
-        gtm = key > thr
-        eqm = key == thr
-        n_gt = tl.sum(gtm.to(tl.int32), 0)
-        p_gt = tl.cumsum(gtm.to(tl.int32), 0) - 1
-        tl.store(orow + p_gt, offs, mask=gtm)
-        p_eq = tl.cumsum(eqm.to(tl.int32), 0) - 1
-        take = eqm & (p_eq < K - n_gt)
-        tl.store(orow + n_gt + p_eq, offs, mask=take)
-
-
-def bisect_topk(scores, positions, topk: int, out=None):
-    n, S = scores.shape
-    BS = triton.next_power_of_2(S)
-    assert BS <= 65536, "row too long for the register-resident top-k"
-    res = out if out is not None else torch.empty(n, topk, device=scores.device, dtype=torch.int32)
-    _bisect_topk_kernel[(n,)](scores, positions, res, S, scores.stride(0), res.stride(0), K=topk, BS=BS,
-                              num_warps=32 if BS >= 32768 else 16, **triton_pdl.kw())
-    return res
-
-
-# "torch" (default): torch.topk (~44 us per row on H200 whatever S); "bisect": one register-resident kernel
-# (measured 270 us: slower);
-# "radix": _radix_topk_kernel (slow: tl.histogram made it 260-770 us; kept for reference).
-TOPK_IMPL = "torch"
+# "radix" (default): triton_topk's multi-program radix select, pass 1 fused into the score kernel;
+# "torch": torch.topk (~44 us per row on the H200 whatever S; kept to compare side by side).
+TOPK_IMPL = "radix"
 
 
 def indexer_topk(q, weights, k_cache, positions, topk: int, scores_out=None):
-    scores = indexer_scores(q, weights, k_cache, positions, out=scores_out)
-    if TOPK_IMPL == "bisect" and triton.next_power_of_2(scores.shape[-1]) <= 65536:
-        return bisect_topk(scores, positions, topk)
+    """Indexer scores + exact top-``topk`` index set per query (int32 ``[n, topk]``, -1 padded)."""
+    n, S = q.shape[0], k_cache.shape[0]
     if TOPK_IMPL == "radix":
-        return radix_topk(scores, positions, topk)
-    kk = min(topk, scores.shape[-1])
+        ws = triton_topk.workspace(n, S, topk, q.device)
+        scores = indexer_scores(q, weights, k_cache, positions, out=scores_out, topk_ws=ws)
+        return triton_topk.select_from_hist(scores, positions, ws)
+    scores = indexer_scores(q, weights, k_cache, positions, out=scores_out)
+    kk = min(topk, S)
     vals, idx = torch.topk(scores, kk, dim=-1, sorted=False)
     idx = torch.where(vals == float("-inf"), -1, idx).to(torch.int32)
     if kk < topk:
         idx = torch.nn.functional.pad(idx, (0, topk - kk), value=-1)
     return idx
+
+

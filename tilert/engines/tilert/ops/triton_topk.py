@@ -1,0 +1,235 @@
+"""Exact DSA top-k on the GPU: a multi-program two-pass radix select over fp32 scores, deterministic output.
+
+Row ``i`` selects the ``K`` largest of ``scores[i, 0..positions[i]]`` (the indexer scores). Each score maps to
+an order-preserving unsigned 32-bit key. Pass 1 histograms the keys' top 16 bits (65536 bins, plus a 256-bin
+histogram of their top 8 bits so that one program finds the threshold bin reading 2 x 256 counters); pass 2
+histograms the low 16 bits of the keys inside that bin. That fixes the exact threshold key ``T`` and how many
+keys equal to ``T`` are taken; two compaction passes then write the winners at deterministic positions:
+keys ``> T`` in index order, then the lowest-index keys ``== T``. No host sync, fixed grids: graph-capturable.
+
+Launches (grid ``(chunks of CH scores, n)`` unless noted):
+
+1. ``hist_hi``: pass-1 histogram. On the DSA path it is fused into the indexer score kernel
+   (``triton_mla.indexer_scores(..., topk_ws=...)``); ``topk`` runs it standalone for given scores.
+2. ``scan`` (grid ``n``): threshold bin of pass 1; zeroes the pass-1 coarse counters.
+3. ``hist_lo``: pass-2 histogram of the keys in that bin; zeroes the pass-1 bins it read.
+4. ``scan`` (grid ``n``): threshold key ``T`` and the number of keys ``== T`` taken.
+5. ``count``: per-chunk counts of keys ``> T`` and ``== T``; zeroes the pass-2 bins.
+6. ``write``: the compaction (rows with ``positions[i] + 1 <= K``: ``0..positions[i]`` then ``-1``).
+
+Every histogram is zeroed by the kernel that reads it last, so each replay starts from zero (the workspace is
+allocated zeroed). Measured on the H200: see ``benchmarks/results``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from . import triton_pdl
+
+__all__ = ["TopkWorkspace", "topk", "select_from_hist"]
+
+CH = 1024  # scores per program in the per-chunk passes
+BINS = 65536  # 16-bit digits
+COARSE = 256
+
+
+@triton.jit
+def key64(v):
+    """fp32 -> int64 key in [0, 2^32) with the same order as the floats."""
+    b = v.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    return tl.where(b >= 0x80000000, 0xFFFFFFFF - b, b + 0x80000000)
+
+
+@triton.jit
+def hist_update(digit, mask, fine_row, coarse_row):
+    """Count 16-bit ``digit``s (int32) where ``mask`` into ``fine_row[65536]`` and their top 8 bits into
+    ``coarse_row[256]`` (a local histogram first: few global atomics on the hot coarse bins)."""
+    tl.atomic_add(fine_row + digit, 1, mask=mask, sem="relaxed")
+    local = tl.histogram(digit >> 8, 256, mask=mask)
+    tl.atomic_add(coarse_row + tl.arange(0, 256), local, mask=local > 0, sem="relaxed")
+
+
+@triton.jit
+def _hist_hi_kernel(s_ptr, pos_ptr, fine_ptr, coarse_ptr, S, stride_s, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    c = tl.program_id(0)
+    i = tl.program_id(1)
+    total = tl.minimum(tl.load(pos_ptr + i) + 1, S)
+    start = c * CHUNK
+    if start < total:
+        offs = start + tl.arange(0, CHUNK)
+        valid = offs < total
+        key = key64(tl.load(s_ptr + i * stride_s + offs, mask=valid, other=0.0))
+        hist_update((key >> 16).to(tl.int32), valid, fine_ptr + i * 65536, coarse_ptr + i * 256)
+
+
+@triton.jit
+def _scan_kernel(fine_ptr, coarse_ptr, state_ptr, n, K: tl.constexpr, PASS: tl.constexpr, PDL: tl.constexpr):
+    """One program per row: the bin holding the ``need``-th largest key (need = K, or what pass 1 left)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    i = tl.program_id(0)
+    bins = tl.arange(0, 256)
+    if PASS == 0:
+        need = K + 0 * i
+    else:
+        need = tl.load(state_ptr + i * 4 + 1)
+    crow = coarse_ptr + (PASS * n + i) * 256
+    cnt = tl.load(crow + bins)
+    ge = tl.cumsum(cnt, 0, reverse=True)
+    gt = ge - cnt
+    sel = (gt < need) & (ge >= need)
+    cb = tl.sum(tl.where(sel, bins, 0), 0)
+    need = need - tl.sum(tl.where(sel, gt, 0), 0)
+    fine = tl.load(fine_ptr + (PASS * n + i).to(tl.int64) * 65536 + cb * 256 + bins)
+    ge = tl.cumsum(fine, 0, reverse=True)
+    gt = ge - fine
+    sel = (gt < need) & (ge >= need)
+    fb = tl.sum(tl.where(sel, bins, 0), 0)
+    need = need - tl.sum(tl.where(sel, gt, 0), 0)
+    tl.store(crow + bins, tl.zeros([256], dtype=tl.int32))
+    tl.store(state_ptr + i * 4 + 2 * PASS, cb * 256 + fb)
+    tl.store(state_ptr + i * 4 + 2 * PASS + 1, need)
+
+
+@triton.jit
+def _hist_lo_kernel(s_ptr, pos_ptr, fine_ptr, coarse_ptr, state_ptr, S, n, stride_s, CHUNK: tl.constexpr,
+                    PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    c = tl.program_id(0)
+    i = tl.program_id(1)
+    total = tl.minimum(tl.load(pos_ptr + i) + 1, S)
+    start = c * CHUNK
+    if start < total:
+        offs = start + tl.arange(0, CHUNK)
+        valid = offs < total
+        key = key64(tl.load(s_ptr + i * stride_s + offs, mask=valid, other=0.0))
+        hi = (key >> 16).to(tl.int32)
+        tl.store(fine_ptr + i * 65536 + hi, 0, mask=valid)  # pass-1 bins: read by the scan, done
+        b = tl.load(state_ptr + i * 4)
+        hist_update((key & 0xFFFF).to(tl.int32), valid & (hi == b), fine_ptr + (n + i).to(tl.int64) * 65536,
+                    coarse_ptr + (n + i) * 256)
+
+
+@triton.jit
+def _count_kernel(s_ptr, pos_ptr, fine_ptr, state_ptr, cnt_ptr, S, n, stride_s, NCHP: tl.constexpr,
+                  CHUNK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    c = tl.program_id(0)
+    i = tl.program_id(1)
+    total = tl.minimum(tl.load(pos_ptr + i) + 1, S)
+    start = c * CHUNK
+    n_gt = 0 * i
+    n_eq = 0 * i
+    if start < total:
+        offs = start + tl.arange(0, CHUNK)
+        valid = offs < total
+        key = key64(tl.load(s_ptr + i * stride_s + offs, mask=valid, other=0.0))
+        b = tl.load(state_ptr + i * 4).to(tl.int64)
+        thr = (b << 16) | tl.load(state_ptr + i * 4 + 2).to(tl.int64)
+        n_gt = tl.sum((valid & (key > thr)).to(tl.int32), 0)
+        n_eq = tl.sum((valid & (key == thr)).to(tl.int32), 0)
+        lo = (key & 0xFFFF).to(tl.int32)
+        tl.store(fine_ptr + (n + i).to(tl.int64) * 65536 + lo, 0, mask=valid & ((key >> 16) == b))  # pass-2 bins
+    tl.store(cnt_ptr + (i * 2) * NCHP + c, n_gt)
+    tl.store(cnt_ptr + (i * 2 + 1) * NCHP + c, n_eq)
+
+
+@triton.jit
+def _write_kernel(s_ptr, pos_ptr, state_ptr, cnt_ptr, out_ptr, S, stride_s, stride_o, K: tl.constexpr,
+                  NCHP: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    c = tl.program_id(0)
+    i = tl.program_id(1)
+    total = tl.minimum(tl.load(pos_ptr + i) + 1, S)
+    start = c * CHUNK
+    offs = start + tl.arange(0, CHUNK)
+    orow = out_ptr + i * stride_o
+    if total <= K:  # every valid row is selected: 0..total-1, then -1
+        tl.store(orow + offs, tl.where(offs < total, offs, -1).to(tl.int32), mask=offs < K)
+    elif start < total:
+        valid = offs < total
+        key = key64(tl.load(s_ptr + i * stride_s + offs, mask=valid, other=0.0))
+        thr = (tl.load(state_ptr + i * 4).to(tl.int64) << 16) | tl.load(state_ptr + i * 4 + 2).to(tl.int64)
+        take_eq = tl.load(state_ptr + i * 4 + 3)
+        chunks = tl.arange(0, NCHP)
+        before = chunks < c
+        p_gt = tl.sum(tl.where(before, tl.load(cnt_ptr + (i * 2) * NCHP + chunks), 0), 0)
+        p_eq = tl.sum(tl.where(before, tl.load(cnt_ptr + (i * 2 + 1) * NCHP + chunks), 0), 0)
+        gtm = valid & (key > thr)
+        eqm = valid & (key == thr)
+        dst = p_gt + tl.cumsum(gtm.to(tl.int32), 0) - 1
+        tl.store(orow + dst, offs.to(tl.int32), mask=gtm)
+        rank = p_eq + tl.cumsum(eqm.to(tl.int32), 0) - 1
+        tl.store(orow + (K - take_eq) + rank, offs.to(tl.int32), mask=eqm & (rank < take_eq))
+
+
+class TopkWorkspace:
+    """Histograms (pass 1 and 2), per-row state and per-chunk counts for ``n`` rows of ``S`` scores.
+
+    One per call site shape; the kernels leave the histograms zeroed, so it is reused across replays."""
+
+    def __init__(self, n: int, S: int, K: int, device: torch.device) -> None:
+        self.n, self.S, self.K = n, S, K
+        self.chunks = triton.cdiv(S, CH)
+        self.write_chunks = triton.cdiv(max(S, K), CH)
+        self.nchp = triton.next_power_of_2(self.write_chunks)
+        self.fine = torch.zeros(2, n, BINS, dtype=torch.int32, device=device)
+        self.coarse = torch.zeros(2, n, COARSE, dtype=torch.int32, device=device)
+        self.state = torch.zeros(n, 4, dtype=torch.int32, device=device)
+        self.counts = torch.zeros(n, 2, self.nchp, dtype=torch.int32, device=device)
+
+
+_WS: dict = {}
+
+
+def workspace(n: int, S: int, K: int, device: torch.device) -> TopkWorkspace:
+    key = (n, S, K, device)
+    ws = _WS.get(key)
+    if ws is None:
+        ws = _WS[key] = TopkWorkspace(n, S, K, device)
+    return ws
+
+
+def select_from_hist(scores: torch.Tensor, positions: torch.Tensor, ws: TopkWorkspace, out=None) -> torch.Tensor:
+    """Launches 2-6: ``scores [n, S]`` fp32 whose pass-1 histogram is already in ``ws`` -> ``[n, K]`` int32."""
+    n, S = scores.shape
+    K = ws.K
+    assert scores.stride(-1) == 1 and (n, S) == (ws.n, ws.S)
+    res = out if out is not None else torch.empty(n, K, device=scores.device, dtype=torch.int32)
+    pdl = triton_pdl.kw()
+    grid = (ws.chunks, n)
+    _scan_kernel[(n,)](ws.fine, ws.coarse, ws.state, n, K=K, PASS=0, num_warps=4, **pdl)
+    _hist_lo_kernel[grid](scores, positions, ws.fine, ws.coarse, ws.state, S, n, scores.stride(0), CHUNK=CH,
+                          num_warps=4, **pdl)
+    _scan_kernel[(n,)](ws.fine, ws.coarse, ws.state, n, K=K, PASS=1, num_warps=4, **pdl)
+    _count_kernel[grid](scores, positions, ws.fine, ws.state, ws.counts, S, n, scores.stride(0), NCHP=ws.nchp,
+                        CHUNK=CH, num_warps=4, **pdl)
+    _write_kernel[(ws.write_chunks, n)](scores, positions, ws.state, ws.counts, res, S, scores.stride(0),
+                                        res.stride(0), K=K, NCHP=ws.nchp, CHUNK=CH, num_warps=4, **pdl)
+    return res
+
+
+def topk(scores: torch.Tensor, positions: torch.Tensor, k: int, out=None) -> torch.Tensor:
+    """Exact top-``k`` index set of each row of fp32 ``scores [n, S]`` over columns ``0..positions[i]``:
+    int32 ``[n, k]``, keys ``> T`` in index order then ties at ``T`` (lowest indices), ``-1`` padded when a
+    row has ``<= k`` valid columns (then they are ``0..positions[i]`` in order)."""
+    n, S = scores.shape
+    scores = scores if scores.stride(-1) == 1 else scores.contiguous()
+    ws = workspace(n, S, k, scores.device)
+    _hist_hi_kernel[(ws.chunks, n)](scores, positions, ws.fine, ws.coarse, S, scores.stride(0), CHUNK=CH,
+                                    num_warps=4, **triton_pdl.kw())
+    return select_from_hist(scores, positions, ws, out=out)
