@@ -12,8 +12,10 @@ runs dense over ``_mtp_lo..row``. ``speculative_greedy_step`` first catches up t
 became known (``[_mtp_upto, L-1]``), which also yields the first draft; when those rows do not continue
 the range (a gap after a rewind), the range restarts at them.
 
-On CUDA the main-model step of 1..16 tokens (decode, MTP verify) runs as one CUDA graph per
-``(n, dense/DSA)`` (``fast.GraphStep``, captured at first use); prefill and CPU run eagerly.
+On CUDA the main-model step of 1..16 tokens runs as one CUDA graph per ``(n, dense/DSA)``
+(``fast.GraphStep``, captured at first use), and a speculative step (MTP catch-up + draft chain + verify +
+the verify's argmax) as one graph per ``(drafts, catch-up rows, dense/DSA)``: one launch and one host read
+per step. Prefill and CPU run eagerly (the same functions).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 from tilert.engines.base import Capabilities, DecodeEngine, KVLayout
 
 from . import layouts
-from .fast import GraphStep
+from .fast import CapturedFn, GraphStep
 from .model import Transformer
 from .weights import load_model
 
@@ -70,8 +72,10 @@ class TileRTEngine(DecodeEngine):
         self._hid_lo = 0  # rows [_hid_lo, _len) of _hidden are valid
         self._mtp_upto = 0  # MTP rows < _mtp_upto are computed (or permanently invalid)
         self._mtp_lo = 0  # MTP rows >= _mtp_lo (and < _mtp_upto) are valid
+        self._mtp_lo_t = torch.zeros(1, dtype=torch.int64, device=device)  # _mtp_lo, read by the graphs
         self.use_graphs = device.type == "cuda"
         self._graphs: dict[tuple[int, bool], GraphStep | None] = {}
+        self._spec_graphs: dict[tuple[int, int, bool], CapturedFn | None] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None  # shared by the graphs
 
     # ----------------------------------------------------------------------------- contract
@@ -233,42 +237,90 @@ class TileRTEngine(DecodeEngine):
         """
         if num_draft < 0:
             raise ValueError("num_draft must be >= 0")
-        m = self.model
         L = start_pos
         if L >= self.max_seq_len:
             raise ValueError(f"start_pos={L} is at capacity {self.max_seq_len}")
         k_max = min(num_draft, self.max_seq_len - 1 - L)
-        drafts: list[int] = []
-        if self.supports_mtp and k_max > 0 and L > 0 and self._hid_lo <= L - 1 < self._len and self._mtp_upto < L:
-            self._tokens[L] = next_token
-            # Catch up MTP rows [lo, L-1] from real hidden states: row r <- (h_r, t_{r+1}).
-            lo = max(self._mtp_upto, self._hid_lo)
-            if lo > self._mtp_upto or self._mtp_upto <= self._mtp_lo:  # gap or empty: restart the range
-                self._mtp_lo = lo
-            rows = torch.arange(lo, L, device=self.device)
-            g, logits = m.mtp_forward(self._tokens[rows + 1], self._hidden[rows], rows, self._mtp_lo)
-            self._mtp_upto = L  # rows >= L written below hold draft data only
-            d = int(logits[-1].argmax())
-            drafts.append(d)
-            h_prev = g[-1:]
-            for j in range(1, k_max):  # chained drafts at rows L, L+1, ...
-                pos = torch.tensor([L + j - 1], device=self.device)
-                h_prev, logits = m.mtp_forward(torch.tensor([d], device=self.device), h_prev, pos, self._mtp_lo)
-                d = int(logits[-1].argmax())
-                drafts.append(d)
+        if not (self.supports_mtp and k_max > 0 and L > 0 and self._hid_lo <= L - 1 < self._len and self._mtp_upto < L):
+            _, logits = self._forward_main(torch.tensor([next_token]), L, invalidate_mtp=False)
+            self._mtp_upto = min(self._mtp_upto, L)
+            return SpecStepResult(tokens=[int(logits[-1].argmax())], num_drafted=0, num_accepted=0)
 
-        verify = torch.tensor([next_token, *drafts], dtype=torch.int64, device=self.device)
-        _, logits = self._forward_main(verify, L, invalidate_mtp=False)
-        greedy = logits.argmax(dim=-1).tolist()
+        # Catch up MTP rows [lo, L-1] from real hidden states (row r <- (h_r, t_{r+1})), then draft.
+        lo = max(self._mtp_upto, self._hid_lo)
+        if lo > self._mtp_upto or self._mtp_upto <= self._mtp_lo:  # gap or empty: restart the range
+            self._mtp_lo = lo
+            self._mtp_lo_t.fill_(lo)
+        self._tokens[L] = next_token
+        rows = torch.arange(lo, L, device=self.device)
+        verify_pos = torch.arange(L, L + k_max + 1, device=self.device)
+        use_indexer = self.model.args.dsa and L + k_max + 1 > self.model.args.index_topk
+        inputs = (self._tokens[rows + 1], rows, verify_pos)
+        step = self._spec_step(k_max, L - lo, use_indexer, inputs)
+        if step is not None:
+            drafts_t, greedy_t = step(*inputs)
+        else:
+            drafts_t, greedy_t = self._draft_verify(*inputs, num_draft=k_max, use_indexer=use_indexer)
+        out = torch.cat([drafts_t, greedy_t]).tolist()  # the step's one host sync
+        drafts, greedy = out[:k_max], out[k_max:]
+        self._mtp_upto = L  # rows >= L hold draft data only
+        self._note_written(L, k_max + 1)
         n_acc = 0
-        while n_acc < len(drafts) and drafts[n_acc] == greedy[n_acc]:
+        while n_acc < k_max and drafts[n_acc] == greedy[n_acc]:
             n_acc += 1
         self._len = L + n_acc + 1  # rejected positions are rewound
-        if self._mtp_upto > L:
-            self._mtp_upto = L
         return SpecStepResult(tokens=greedy[: n_acc + 1], num_drafted=len(drafts), num_accepted=n_acc)
 
     # ----------------------------------------------------------------------------- internals
+
+    def _draft_verify(
+        self, catch_tokens: torch.Tensor, catch_rows: torch.Tensor, verify_pos: torch.Tensor, *, num_draft: int,
+        use_indexer: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One speculative step on the device, no host sync (graph-capturable): MTP rows ``catch_rows`` from
+        the recorded hidden states (tokens ``catch_tokens``), ``num_draft`` chained drafts, then the main
+        model over ``[t_L, drafts]`` at ``verify_pos`` (hidden states and tokens recorded for the MTP).
+        Returns the drafts ``[K]`` and the verify's greedy tokens ``[K+1]`` (int64)."""
+        m = self.model
+        g, logits = m.mtp_forward(catch_tokens, self._hidden[catch_rows], catch_rows, self._mtp_lo_t)
+        drafts = [logits[-1:].argmax(-1)]
+        h_prev = g[-1:]
+        for j in range(1, num_draft):  # chained drafts at rows L, L+1, ...
+            h_prev, logits = m.mtp_forward(drafts[-1], h_prev, verify_pos[j - 1 : j], self._mtp_lo_t)
+            drafts.append(logits[-1:].argmax(-1))
+        tokens = torch.cat([self._tokens[verify_pos[:1]], *drafts])
+        hidden = m(tokens, verify_pos, use_indexer)
+        greedy = m.logits(hidden).argmax(-1)
+        self._hidden.index_copy_(0, verify_pos, hidden)
+        self._tokens.index_copy_(0, verify_pos, tokens)
+        return tokens[1:], greedy
+
+    def _spec_step(
+        self, num_draft: int, n_catch: int, use_indexer: bool, inputs: tuple[torch.Tensor, ...]
+    ) -> CapturedFn | None:
+        """The CUDA graph of :meth:`_draft_verify` for this shape, captured with ``inputs`` (``None``: eager)."""
+        if not self.use_graphs or num_draft + 1 > GRAPH_MAX_TOKENS or n_catch > num_draft + 1:
+            return None
+        key = (num_draft, n_catch, use_indexer)
+        if key not in self._spec_graphs:
+
+            def fn(catch_tokens: torch.Tensor, catch_rows: torch.Tensor, verify_pos: torch.Tensor):
+                return self._draft_verify(catch_tokens, catch_rows, verify_pos, num_draft=num_draft,
+                                          use_indexer=use_indexer)
+
+            step: CapturedFn | None = CapturedFn(fn, self.device)
+            try:  # its warm-up runs write the rows the replay below rewrites
+                step.capture(*inputs, pool=self._pool)
+            except RuntimeError:  # an op fell back to a non-capturable kernel: stay eager for this shape
+                step = None
+            self._spec_graphs[key] = step
+        return self._spec_graphs[key]
+
+    def _note_written(self, start_pos: int, n: int) -> None:
+        """Bookkeeping after the main model wrote positions ``start_pos..start_pos+n-1`` (hidden recorded)."""
+        if self.supports_mtp and (start_pos < self._hid_lo or start_pos > self._len):
+            self._hid_lo = start_pos
+        self._len = start_pos + n
 
     def _step(self, n: int, use_indexer: bool) -> GraphStep | None:
         """The CUDA graph for ``n`` tokens in the dense / DSA regime (``None``: run eagerly)."""
@@ -310,14 +362,12 @@ class TileRTEngine(DecodeEngine):
             hidden = self.model(token_ids, positions, use_indexer)
             logits = self.model.logits(hidden)
         if self.supports_mtp:
-            if start_pos < self._hid_lo or start_pos > self._len:
-                self._hid_lo = start_pos
             self._hidden[start_pos : start_pos + n] = hidden
             self._tokens[start_pos : start_pos + n] = token_ids
             if invalidate_mtp:
                 # t_{start_pos} may differ from what MTP row start_pos-1 used.
                 self._mtp_upto = min(self._mtp_upto, max(start_pos - 1, 0))
-        self._len = start_pos + n
+        self._note_written(start_pos, n)
         return hidden, logits
 
 

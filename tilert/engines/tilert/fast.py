@@ -1,63 +1,69 @@
-"""The captured decode step: one CUDA graph per token count, replayed with static input buffers.
+"""Captured decode work: a function of static input buffers recorded once as a CUDA graph, then replayed.
 
-``GraphStep(fn, n)`` wraps ``fn(tokens int64 [n], positions int64 [n]) -> Tensor`` (a model forward that
-only touches static memory: caches, weights, its own buffers) into a CUDA graph captured once; each call
-copies the new token ids and positions into the static buffers and replays: one Python-side launch per
-step. Optionally ``torch.compile`` (mode ``"max-autotune-no-cudagraphs"``) the function first.
+``CapturedFn(fn)`` wraps ``fn(*inputs) -> outputs`` (a forward that only touches static memory: caches,
+weights, engine buffers, its own intermediates) into a CUDA graph captured at the first inputs; each call
+copies the new inputs into the static buffers and replays: one Python-side launch. Optionally
+``torch.compile`` (mode ``"max-autotune-no-cudagraphs"``) the function first. ``GraphStep`` is the main
+model's step of ``n`` tokens (inputs: token ids and positions, int64 ``[n]``).
 
-:class:`~tilert.engines.tilert.engine.TileRTEngine` uses it on CUDA for every main-model step of up to 16
-tokens (decode, and K+1 for MTP verify), one graph per token count and attention regime; the benchmarks
-capture the engine's model the same way.
+:class:`~tilert.engines.tilert.engine.TileRTEngine` uses them on CUDA for every main-model step of up to 16
+tokens (decode, one graph per token count and attention regime) and for the MTP draft chain + verify step;
+the benchmarks time the engine's graphs.
 
 Capturing runs ``fn`` a few times (warm-up on a side stream, then the capture): those runs write cache rows
-at the example positions, so capture at a position the next real step overwrites anyway (the default:
-the engine's current length), never inside a live prompt.
+at the example positions, so capture at positions the real step writes anyway (the engine captures with
+the step's own inputs), never inside a live prompt.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 
-class GraphStep:
-    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], n: int, device,
-                 *, compile: bool = False, warmup: int = 2) -> None:
-        self.n = n
+class CapturedFn:
+    def __init__(self, fn: Callable[..., Any], device, *, compile: bool = False, warmup: int = 2) -> None:
         self.device = torch.device(device)
         self.fn = torch.compile(fn, mode="max-autotune-no-cudagraphs", dynamic=False) if compile else fn
-        self.tokens = torch.zeros(n, dtype=torch.int64, device=self.device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.warmup = warmup
+        self.inputs: tuple[torch.Tensor, ...] = ()
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: torch.Tensor | None = None
+        self.out: Any = None
 
     @torch.no_grad()
-    def capture(self, tokens: torch.Tensor, positions: torch.Tensor, pool=None) -> None:
-        self.tokens.copy_(tokens)
-        self.positions.copy_(positions)
+    def capture(self, *inputs: torch.Tensor, pool=None) -> None:
+        self.inputs = tuple(t.to(self.device).clone() for t in inputs)
         s = torch.cuda.Stream(device=self.device)
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s):
             for _ in range(self.warmup):
-                self.fn(self.tokens, self.positions)
+                self.fn(*self.inputs)
         torch.cuda.current_stream(self.device).wait_stream(s)
         torch.cuda.synchronize(self.device)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.out = self.fn(self.tokens, self.positions)
+            self.out = self.fn(*self.inputs)
         torch.cuda.synchronize(self.device)
 
     @torch.no_grad()
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *inputs: torch.Tensor) -> Any:
         assert self.graph is not None, "capture() first"
-        self.tokens.copy_(tokens, non_blocking=True)
-        self.positions.copy_(positions, non_blocking=True)
+        for buf, t in zip(self.inputs, inputs, strict=True):
+            buf.copy_(t, non_blocking=True)
         self.graph.replay()
         return self.out
 
-    def replay(self) -> torch.Tensor:
+    def replay(self) -> Any:
         """Replay with whatever is in the static buffers (benchmarks)."""
         self.graph.replay()
         return self.out
+
+
+class GraphStep(CapturedFn):
+    """``fn(tokens int64 [n], positions int64 [n])``: the main model's step of ``n`` tokens."""
+
+    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], Any], n: int, device, *, compile: bool = False,
+                 warmup: int = 2) -> None:
+        super().__init__(fn, device, compile=compile, warmup=warmup)
+        self.n = n

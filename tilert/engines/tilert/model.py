@@ -182,14 +182,15 @@ class MLAttention(nn.Module):
         index_cache: Tensor | None,
         topk: Tensor | None,
         use_indexer: bool,
-        valid_from: int = 0,
+        valid_from: Tensor | None = None,
     ) -> Tensor | None:
         """``h += attn(rms(h))`` in place, for ``h [n, D]`` at ``positions [n]``.
 
         ``kv_cache [S, L+R]`` / ``index_cache [S, Di]`` are this layer's slices (rows written here).
         ``use_indexer``: run the DSA top-k (else dense MLA; the caller guarantees every query position is
         ``< index_topk``, where the top-k is every row). ``topk``: a GLM-5 "shared" layer's rows from the
-        previous full layer. ``valid_from``: first usable cache row (MTP layer; forces dense attention).
+        previous full layer. ``valid_from`` (int64 ``[1]``): first usable cache row (MTP layer; forces dense
+        attention; a device tensor, so one CUDA graph serves every value).
         Returns the top-k rows this layer attended to (``None`` when dense).
         """
         a = self.args
@@ -208,8 +209,8 @@ class MLAttention(nn.Module):
         )  # fmt: skip
 
         lat = a.kv_lora_rank
-        if valid_from > 0:  # rows valid_from..pos: dense attention over the tail of the cache
-            o_lat = ops.mla_attention(q, kv_cache[valid_from:], positions - valid_from, a.softmax_scale, lat)
+        if valid_from is not None:  # rows valid_from..pos: dense attention over the valid tail of the cache
+            o_lat = ops.mla_attention(q, kv_cache, positions, a.softmax_scale, lat, valid_from)
             topk = None
         else:
             if self.has_indexer and use_indexer:
@@ -285,7 +286,7 @@ class DecoderLayer(nn.Module):
         index_cache: Tensor | None,
         topk: Tensor | None,
         use_indexer: bool,
-        valid_from: int = 0,
+        valid_from: Tensor | None = None,
     ) -> Tensor | None:
         topk = self.attn(h, positions, rope, kv_cache, index_cache, topk, use_indexer, valid_from)
         self.mlp(h)
@@ -383,11 +384,11 @@ class Transformer(nn.Module):
         return ops.gemv(hidden, self.lm_head, fp32_out=True)
 
     def mtp_forward(
-        self, tokens: Tensor, prev_hidden: Tensor, positions: Tensor, valid_from: int = 0
+        self, tokens: Tensor, prev_hidden: Tensor, positions: Tensor, valid_from: Tensor
     ) -> tuple[Tensor, Tensor]:
         """MTP rows at ``positions``: ``tokens`` are ``t_{i+1}``, ``prev_hidden`` is ``h_i`` (main final-norm
         output, or the previous draft's MTP output). Writes the MTP cache rows and attends over rows
-        ``valid_from..i``; returns ``(h' [n, D] before shared_head.norm, logits fp32 [n, V])``.
+        ``valid_from..i`` (``valid_from``: int64 ``[1]`` on the model's device); returns ``(h' [n, D] before shared_head.norm, logits fp32 [n, V])``.
         """
         a = self.args
         m = self.mtp[0]
@@ -398,7 +399,6 @@ class Transformer(nn.Module):
         h = ops.gemv(x, m.eh_proj)
         index_cache = self.mtp_index_cache[0] if a.mtp_indexer else None
         rope = (self.rope_cos, self.rope_sin)
-        # valid_from >= 1 selects the dense-over-valid-rows path; valid_from = 0 is plain causal dense.
         m.block(h, positions, rope, self.mtp_kv_cache[0], index_cache, None, False, valid_from)
         head = m.head if m.head is not None else self.lm_head
         return h, ops.gemv(h, head, m.head_norm, eps, fp32_out=True)

@@ -46,14 +46,17 @@ def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 @torch.library.custom_op("tilert::mla_attention", mutates_args=())
-def mla_attention(q: Tensor, kv_cache: Tensor, positions: Tensor, scale: float, kv_lora_rank: int) -> Tensor:
-    """Absorbed causal MLA: ``q [n,H,L+R]`` over ``kv_cache [S_max,L+R]`` rows ``0..positions[i]``
-    -> latent output ``[n,H,L]``; see :func:`reference.mla_attention`."""
-    return reference.mla_attention(q, kv_cache, positions, scale, kv_lora_rank)
+def mla_attention(
+    q: Tensor, kv_cache: Tensor, positions: Tensor, scale: float, kv_lora_rank: int, row_start: Tensor | None = None
+) -> Tensor:
+    """Absorbed causal MLA: ``q [n,H,L+R]`` over ``kv_cache [S_max,L+R]`` rows ``row_start..positions[i]``
+    (``row_start`` int64 ``[1]``, default 0) -> latent output ``[n,H,L]``; see :func:`reference.mla_attention`."""
+    return reference.mla_attention(q, kv_cache, positions, scale, kv_lora_rank, row_start)
 
 
 @mla_attention.register_fake
-def _(q: Tensor, kv_cache: Tensor, positions: Tensor, scale: float, kv_lora_rank: int) -> Tensor:
+def _(q: Tensor, kv_cache: Tensor, positions: Tensor, scale: float, kv_lora_rank: int,
+      row_start: Tensor | None = None) -> Tensor:
     return q.new_empty((q.shape[0], q.shape[1], kv_lora_rank))
 
 

@@ -38,12 +38,13 @@ def _mla_ok(q, kv_cache, kv_lora_rank):
     )
 
 
-def _mla_attention_cuda(q, kv_cache, positions, scale, kv_lora_rank):
+def _mla_attention_cuda(q, kv_cache, positions, scale, kv_lora_rank, row_start=None):
     if not _mla_ok(q, kv_cache, kv_lora_rank):
-        return reference.mla_attention(q, kv_cache, positions, scale, kv_lora_rank)
+        return reference.mla_attention(q, kv_cache, positions, scale, kv_lora_rank, row_start)
     from .triton_mla import mla_decode
 
-    return mla_decode(q.contiguous(), kv_cache, positions.contiguous(), None, scale, kv_lora_rank)
+    return mla_decode(q.contiguous(), kv_cache, positions.contiguous(), None, scale, kv_lora_rank,
+                      row_start=row_start)
 
 
 def _mla_sparse_attention_cuda(q, kv_cache, indices, scale, kv_lora_rank):

@@ -52,7 +52,12 @@ def _softmax_latent(scores: torch.Tensor, valid: torch.Tensor, latent: torch.Ten
 
 
 def mla_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, positions: torch.Tensor, scale: float, kv_lora_rank: int
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+    row_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA decode: MQA of ``H`` query heads of width ``L+R`` over one latent KV head.
 
@@ -61,6 +66,8 @@ def mla_attention(
     ``q = [W_UK^T q_nope | q_pe]`` and ``kv_cache[t] = [c_kv | k_pe]``, so ``q . kv`` equals the naive
     ``q_nope . k_nope + q_pe . k_pe``; the returned latent output still needs ``W_UV`` (per head).
 
+    ``row_start`` (int64 ``[1]``, optional): rows below it are skipped too (the MTP layer's valid range).
+
     Shapes: ``q [n, H, L+R]``, ``kv_cache [S_max, L+R]``, ``positions int64 [n]`` -> ``[n, H, L]``.
     """
     acc = _acc_dtype(q)
@@ -68,6 +75,8 @@ def mla_attention(
     scores = torch.matmul(q.to(acc), kv.t()) * scale  # [n, H, S]
     t = torch.arange(kv_cache.shape[0], device=q.device)
     valid = t[None, :] <= positions[:, None]
+    if row_start is not None:
+        valid = valid & (t[None, :] >= row_start.reshape(-1)[:1])
     return _softmax_latent(scores, valid, kv[:, :kv_lora_rank]).to(q.dtype)
 
 

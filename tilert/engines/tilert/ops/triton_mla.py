@@ -25,23 +25,27 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _mla_split_kernel(
-    q_ptr, kv_ptr, pos_ptr, idx_ptr, o_ptr, lse_ptr,
+    q_ptr, kv_ptr, pos_ptr, idx_ptr, start_ptr, o_ptr, lse_ptr,
     H, n_idx, stride_qn, stride_qh, stride_kv, stride_idx,
     stride_on, stride_oh, stride_os, qk_scale,
     NUM_SPLITS: tl.constexpr, MIN_TPS: tl.constexpr,
-    L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, SPARSE: tl.constexpr, PDL: tl.constexpr):
+    L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, SPARSE: tl.constexpr,
+    HAS_START: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     pid_s = tl.program_id(0)
     i = tl.program_id(1)
     hb = tl.program_id(2)
+    first = 0
     if SPARSE:
         total = n_idx
     else:
         total = tl.load(pos_ptr + i).to(tl.int32) + 1
-    tps = tl.maximum(tl.cdiv(tl.cdiv(total, NUM_SPLITS), BLOCK_T) * BLOCK_T, MIN_TPS)
-    start = pid_s * tps
+        if HAS_START:
+            first = tl.minimum(tl.load(start_ptr).to(tl.int32), total)
+    tps = tl.maximum(tl.cdiv(tl.cdiv(total - first, NUM_SPLITS), BLOCK_T) * BLOCK_T, MIN_TPS)
+    start = first + pid_s * tps
     end = tl.minimum(start + tps, total)
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -139,8 +143,9 @@ def mla_decode(
     kv_lora_rank: int,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    row_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dense (``indices is None``, uses ``positions``) or sparse absorbed MLA; returns ``[n, H, L]``."""
+    """Dense (``indices is None``, rows ``row_start..positions[i]``) or sparse absorbed MLA; ``[n, H, L]``."""
     n, H, D = q.shape
     L = kv_lora_rank
     R = D - L
@@ -162,11 +167,11 @@ def mla_decode(
         idx = positions
         pos = positions
     _mla_split_kernel[(S, n, hblocks)](
-        q, kv, pos, idx, o_part, lse,
+        q, kv, pos, idx, row_start if row_start is not None else pos, o_part, lse,
         H, n_idx, q.stride(0), q.stride(1), kv.stride(0), idx.stride(0) if sparse else 0,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), scale * _LOG2E,
         NUM_SPLITS=S, MIN_TPS=min_tps, L=L, R=R, BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, SPARSE=sparse,
-        num_warps=8 if BLOCK_H >= 64 else 4, num_stages=2,
+        HAS_START=row_start is not None and not sparse, num_warps=8 if BLOCK_H >= 64 else 4, num_stages=2,
      **triton_pdl.kw())
     res = out if out is not None else torch.empty(n, H, L, device=q.device, dtype=q.dtype)
     BL = min(L, 128 if S <= 32 else 64)
