@@ -11,7 +11,10 @@ For every (config, context): the engine's captured decode step (``TileRTEngine._
 ``engine.forward`` replays for one token), tok/s (median of replays), bytes read per token (weights actually
 read: attention + top-k and shared experts + router, the embedding row and lm_head, plus KV / indexer-cache
 bytes), the copy bandwidth measured in the same run, % of roofline, a per-kernel time breakdown
-(torch.profiler over eager steps), MTP verify steps (n = K+1 graphs); transformers eager from an earlier run.
+(torch.profiler over eager steps, plus the gaps between kernels), at DSA contexts the same step with torch.topk
+in place of the radix top-k; for lite-v32 (with its MTP module) the speculative step (MTP catch-up + K drafts +
+verify, one CUDA graph) for K = 1, 2, 3 and the tok/s at mean accepted lengths 1.0-4.0; transformers' eager
+speed on the same shapes in the same run (``--transformers CTXS``).
 """
 
 from __future__ import annotations
@@ -116,18 +119,68 @@ def bytes_per_token(args, ctx: int, sparse: bool) -> dict:
     return dict(weights=weights, head=head, kv=kv, total=weights + head + kv)
 
 
+def wall_per_call(fn, iters=30, reps=3) -> float:
+    """Median wall seconds per ``fn()`` call (each call ends in a host sync, as in the decode loop)."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        t1 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        ts.append((time.perf_counter() - t1) / iters)
+    return sorted(ts)[len(ts) // 2]
+
+
+def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
+    """Speculative steps of the engine (``speculative_greedy_step``: MTP catch-up of 1 row + K chained drafts +
+    verify of K+1 tokens + argmax, one CUDA graph, one host read) at ``ctx``: graph replay time, the whole
+    call's wall time, and the tok/s it gives at mean accepted lengths 1.0..4.0 (tokens per step, bonus
+    token included; at most K+1) next to the plain step's."""
+    tok = torch.tensor([77], device=DEV)
+    plain_wall = wall_per_call(lambda: int(eng.forward(tok, ctx)[-1].argmax()))
+    out = dict(ctx=ctx, plain_graph_ms=plain_graph_s * 1e3, plain_wall_ms=plain_wall * 1e3, steps={})
+    log(f"[{name}] ctx={ctx} plain step: graph {plain_graph_s * 1e3:.3f} ms, decode-loop call {plain_wall * 1e3:.3f} ms")
+
+    def spec_call(K):
+        # The steady state after a step that accepted nothing: sequence of ctx tokens, MTP rows < ctx-1 done,
+        # h_{ctx-1} recorded; the step catches up MTP row ctx-1, drafts K, verifies K+1.
+        eng._len, eng._mtp_upto = ctx, ctx - 1
+        return eng.speculative_greedy_step(77, ctx, K)
+
+    eng.forward(tok, ctx - 1)  # records h_{ctx-1}
+    for K in (1, 2, 3):
+        spec_call(K)
+        sparse = ctx + K + 1 > eng.model.args.index_topk
+        step = eng._spec_graphs.get((K, 1, sparse))
+        assert step is not None, "the speculative step fell back to eager"
+        tg = time_graph(step, iters=10, reps=3)
+        tw = wall_per_call(lambda: spec_call(K))
+        rates = {a: a / tw for a in (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0) if a <= K + 1}
+        out["steps"][K] = dict(graph_ms=tg * 1e3, wall_ms=tw * 1e3, ratio_to_plain=tg / plain_graph_s,
+                               tok_s_at_accepted_len=rates)
+        log(f"[{name}] ctx={ctx} MTP K={K}: draft+verify graph {tg * 1e3:.3f} ms ({tg / plain_graph_s:.2f}x plain), "
+            f"call {tw * 1e3:.3f} ms; tok/s at accepted length " + ", ".join(f"{a}: {r:.0f}" for a, r in rates.items()))
+    return out
+
+
 @torch.no_grad()
-def bench_engine(name, args, contexts, bw, verify_ks=(1, 2, 3), profile=True):
+def bench_engine(name, args, contexts, bw, mtp=True, profile=True, topk_compare=True):
     """The engine: random weights on the GPU, caches of random rows, its own CUDA-graph decode step."""
+    from dataclasses import replace
+
     from tilert.engines.tilert.engine import TileRTEngine
-    from tilert.engines.tilert.ops import cuda as _c  # noqa: F401
+    from tilert.engines.tilert.ops import cuda as _cuda  # noqa: F401
+    from tilert.engines.tilert.ops import triton_mla
     from tilert.engines.tilert.weights import random_model
 
+    if mtp:
+        args = replace(args, num_mtp_layers=1)  # DeepSeek-V3.2's one MTP module (not read by the plain step)
     max_seq = max(contexts) + 16
     t0 = time.time()
     model = random_model(args, device=DEV, dtype=torch.bfloat16, max_seq_len=max_seq, seed=0)
     model.kv_cache.normal_()
     model.index_cache.normal_()
+    model.mtp_kv_cache.normal_()
     eng = TileRTEngine(model, DEV, torch.bfloat16, max_seq)
     torch.cuda.synchronize()
     log(f"[{name}] built in {time.time() - t0:.1f}s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
@@ -157,18 +210,23 @@ def bench_engine(name, args, contexts, bw, verify_ks=(1, 2, 3), profile=True):
             for k, us, _c2 in prof["top"]:
                 cat = next((c for key, c in CATEGORIES if key in k), "other")
                 cats[cat] = cats.get(cat, 0.0) + us
+            cats["gaps between kernels (graph step - kernel sum)"] = t * 1e6 - prof["total_us"]
             r["kernel_profile"] = prof
             r["breakdown_us"] = cats
             log("   breakdown (us/step): " + ", ".join(f"{k}={v:.0f}" for k, v in sorted(cats.items(), key=lambda x: -x[1])))
+        if sparse and topk_compare:  # the same step with torch.topk instead of the radix top-k, same run
+            triton_mla.TOPK_IMPL = "torch"
+            eng._graphs.clear()
+            eng.forward(tok, ctx)
+            r["torch_topk_ms"] = time_graph(eng._graphs[(1, sparse)]) * 1e3
+            triton_mla.TOPK_IMPL = "radix"
+            eng._graphs.clear()
+            eng.forward(tok, ctx)
+            log(f"[{name}] ctx={ctx} same step with torch.topk: {r['torch_topk_ms']:.3f} ms "
+                f"(radix top-k saves {r['torch_topk_ms'] - r['ms']:.3f} ms)")
         rows.append(r)
-        if verify_ks and ctx == contexts[0]:
-            for K in verify_ks:
-                n = K + 1
-                eng.forward(torch.full((n,), 77, device=DEV), ctx)
-                st = eng._graphs[(n, ctx + n > args.index_topk)]
-                tv = time_graph(st, iters=10, reps=3)
-                verify[K] = dict(verify_ms=tv * 1e3, ratio_to_plain=tv / t)
-                log(f"[{name}] ctx={ctx} MTP verify K={K} (n={n}): {tv * 1e3:.3f} ms ({tv / t:.2f}x a plain step)")
+        if mtp and ctx == contexts[0]:
+            verify = bench_mtp(name, eng, ctx, t)
     del eng, model
     gc.collect()
     torch.cuda.empty_cache()
@@ -302,8 +360,8 @@ def main():
 
     for name in args.configs.split(","):
         try:
-            rows, verify = bench_engine(name, CONFIGS[name], contexts, bw,
-                                        verify_ks=(1, 2, 3) if name == "lite-v32" else (), profile=not args.no_breakdown)
+            rows, verify = bench_engine(name, CONFIGS[name], contexts, bw, mtp=name == "lite-v32",
+                                        profile=not args.no_breakdown)
             RESULT["runs"] += rows
             if verify:
                 RESULT["mtp_verify"][name] = verify
@@ -337,9 +395,20 @@ def main():
             log(f"breakdown {r['config']} ctx={r['ctx']} (kernel us/step, eager): "
                 + ", ".join(f"{k}={v:.0f}" for k, v in sorted(r["breakdown_us"].items(), key=lambda x: -x[1]))
                 + f" | graph step {r['ms'] * 1e3:.0f} us")
+    for r in RESULT["runs"]:
+        if "torch_topk_ms" in r:
+            log(f"DSA top-k {r['config']} ctx={r['ctx']}: radix {r['ms']:.3f} ms/step vs torch.topk "
+                f"{r['torch_topk_ms']:.3f} ms/step (same run)")
     for name, res in RESULT["mtp_verify"].items():
-        for K, v in res.items():
-            log(f"MTP verify {name} K={K}: {v['verify_ms']:.3f} ms ({v['ratio_to_plain']:.2f}x plain step)")
+        log(f"\n=== MTP speculative step, {name} ctx={res['ctx']} (plain step: graph {res['plain_graph_ms']:.3f} ms, "
+            f"decode-loop call {res['plain_wall_ms']:.3f} ms = {1e3 / res['plain_wall_ms']:.0f} tok/s) ===")
+        lens = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0)
+        log(f"{'K':>2} {'graph ms':>9} {'x plain':>8} {'call ms':>8} " + " ".join(f"{'L=' + str(a):>7}" for a in lens))
+        for K, v in res["steps"].items():
+            cells = " ".join(f"{v['tok_s_at_accepted_len'][a]:>7.0f}" if a in v["tok_s_at_accepted_len"] else f"{'-':>7}"
+                             for a in lens)
+            log(f"{K:>2} {v['graph_ms']:>9.3f} {v['ratio_to_plain']:>8.2f} {v['wall_ms']:>8.3f} {cells}")
+        log("(tok/s = accepted length / call time; accepted length counts the bonus token, at most K+1)")
     save()
 
 
