@@ -202,7 +202,7 @@ def bench_engine(name, args, contexts, bw, mtp=True, profile=True, topk_compare=
         if profile and ctx in (contexts[0], contexts[-1]):
             positions = torch.tensor([ctx], device=DEV)
 
-            def eager():
+            def eager(model=model, tok=tok, positions=positions, sparse=sparse):
                 model.logits(model(tok, positions, sparse))
 
             prof = kernel_profile(eager)
