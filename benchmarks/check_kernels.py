@@ -153,6 +153,51 @@ def check_indexer(dev, small):
               f"mass {float(mass_got):.4f} vs {float(mass_ref):.4f}", flush=True)
 
 
+def bitwise(name, batched, alone):
+    ok = all(torch.equal(a, b) for a, b in zip(batched, alone)) and len(batched) == len(alone)
+    RESULTS.append((name, 0.0, 0.0, ok))
+    print(f"{'PASS' if ok else 'FAIL'}  {name}", flush=True)
+
+
+def check_batch_invariance(dev, small):
+    """Each decode kernel computes a token of a verify batch (n = 2..4) bit for bit as it computes that
+    token alone (n = 1): what makes MTP speculative greedy reproduce plain greedy exactly."""
+    N, K = (2256, 2048) if not small else (40, 96)
+    w = rnd(N, K, dev=dev, scale=K ** -0.5)
+    g = rnd(K, dev=dev, scale=0.2) + 1
+    for n in (2, 3, 4):
+        x = rnd(n, K, dev=dev)
+        bitwise(f"batch invariance: gemv+rmsnorm n={n}", triton_gemv.gemv(x, w, norm_w=g),
+                [triton_gemv.gemv(x[i:i + 1], w, norm_w=g)[0] for i in range(n)])
+        bitwise(f"batch invariance: gemv split_k fp32 n={n}", triton_gemv.gemv(x, w, split_k=8).transpose(0, 1),
+                [triton_gemv.gemv(x[i:i + 1], w, split_k=8)[:, 0] for i in range(n)])
+        r = rnd(n, N, dev=dev)
+        rb = r.clone()
+        triton_gemv.gemv(x, w, residual=rb)
+        alone = []
+        for i in range(n):
+            ri = r[i:i + 1].clone()
+            triton_gemv.gemv(x[i:i + 1], w, residual=ri)
+            alone.append(ri[0])
+        bitwise(f"batch invariance: gemv+residual n={n}", rb, alone)
+    L, R, H, S = (512, 64, 16, 4096) if not small else (64, 16, 4, 300)
+    kv = rnd(S, L + R, dev=dev)
+    q = rnd(4, H, L + R, dev=dev)
+    pos = torch.arange(S - 10, S - 6, device=dev)
+    bitwise("batch invariance: mla dense n=4", triton_mla.mla_decode(q, kv, pos, None, 0.07, L),
+            [triton_mla.mla_decode(q[i:i + 1], kv, pos[i:i + 1], None, 0.07, L)[0] for i in range(4)])
+    idx = torch.stack([torch.randperm(S, device=dev)[:S // 2] for _ in range(4)]).to(torch.int32)
+    bitwise("batch invariance: mla sparse n=4", triton_mla.mla_decode(q, kv, None, idx, 0.07, L),
+            [triton_mla.mla_decode(q[i:i + 1], kv, None, idx[i:i + 1], 0.07, L)[0] for i in range(4)])
+    Hi, Di = (16, 128) if not small else (4, 32)
+    qi = rnd(4, Hi, Di, dev=dev)
+    wi = torch.randn(4, Hi, device=dev)
+    k = rnd(S, Di, dev=dev)
+    topk = S // 2
+    bitwise("batch invariance: indexer top-k n=4", triton_mla.indexer_topk(qi, wi, k, pos, topk),
+            [triton_mla.indexer_topk(qi[i:i + 1], wi[i:i + 1], k, pos[i:i + 1], topk)[0] for i in range(4)])
+
+
 def topk_exact(sc, pos, k, got):
     """``got`` is the exact top-k of each row (all selected >= the k-th largest, none missing, no duplicates),
     in the documented order (keys > T by index, then the lowest-index ties), -1 padded for short rows."""
@@ -390,11 +435,84 @@ def report_vs_noise(name, got, want, noisy, tol):
     report(f"{name} [limit {lim:.1e}: bf16 reference err {noise:.1e}]", got, want, tol=lim)
 
 
+class decisions_recorded:
+    """Records the outputs of the model's discrete choices (``tilert::router`` expert ids + weights,
+    ``tilert::indexer_topk`` row sets) during one forward."""
+
+    def __enter__(self):
+        from tilert.engines.tilert import ops
+
+        self.ops, self.orig = ops, (ops.router, ops.indexer_topk)
+        self.router, self.topk = [], []
+
+        def router(*a, **k):
+            ids, w = self.orig[0](*a, **k)
+            self.router.append((ids.cpu(), w.cpu()))
+            return ids, w
+
+        def topk(*a, **k):
+            idx = self.orig[1](*a, **k)
+            self.topk.append(idx.cpu())
+            return idx
+
+        ops.router, ops.indexer_topk = router, topk
+        return self
+
+    def __exit__(self, *exc):
+        self.ops.router, self.ops.indexer_topk = self.orig
+
+
+class decisions_pinned:
+    """Replays recorded choices in another forward (same layers in the same order) and counts how many of
+    them differ from the choices that forward would have made itself."""
+
+    def __init__(self, rec: decisions_recorded) -> None:
+        self.rec = rec
+
+    def __enter__(self):
+        from tilert.engines.tilert import ops
+
+        self.ops, self.orig = ops, (ops.router, ops.indexer_topk)
+        routes, tops = iter(self.rec.router), iter(self.rec.topk)
+        self.n_route = self.n_route_diff = self.n_rows = self.n_rows_diff = 0
+
+        def router(*a, **k):
+            own, _ = self.orig[0](*a, **k)
+            ids, w = next(routes)
+            for r_own, r in zip(own.tolist(), ids.tolist()):
+                self.n_route += 1
+                self.n_route_diff += set(r_own) != set(r)
+            return ids.to(own.device), w.to(own.device)
+
+        def topk(*a, **k):
+            own = self.orig[1](*a, **k)
+            idx = next(tops)
+            for r_own, r in zip(own.tolist(), idx.tolist()):
+                d = len(set(r_own) ^ set(r)) // 2
+                self.n_rows += len(r)
+                self.n_rows_diff += d
+            return idx.to(own.device)
+
+        ops.router, ops.indexer_topk = router, topk
+        return self
+
+    def __exit__(self, *exc):
+        self.ops.router, self.ops.indexer_topk = self.orig
+
+    def __str__(self) -> str:
+        return (f"expert sets {self.n_route_diff}/{self.n_route}, top-k rows "
+                f"{self.n_rows_diff}/{self.n_rows}")
+
+
 def check_engine_model(dev, small):
     """The engine (one model: CUDA ops in a CUDA graph, bf16) vs the same engine with the reference ops on
     the CPU in fp32, on the same random weights (lite-v32 / layer-v32 layer dims, few layers) and the same
-    random cache rows; decode n=1 in the dense regime (pos < index_topk) and DSA regime, n=3 verify. The
-    limit is 3e-2 or twice the error of the reference ops in bf16 (CPU), whichever is larger."""
+    random cache rows; decode n=1 in the dense regime (pos < index_topk) and DSA regime, n=3 verify.
+
+    MoE routing and DSA top-k membership are discrete: bf16 rounding near a tie flips them, and one flipped
+    expert moves the logits by several percent. So the limit (3e-2) applies to the fp32 reference run with
+    the GPU's choices (recorded in an eager run of the same step); how many choices differ from the
+    reference's own, and the unpinned error next to that of the reference ops in bf16, are printed."""
     sys.path.insert(0, os.path.dirname(__file__))
     import engine_configs as ec
 
@@ -428,16 +546,26 @@ def check_engine_model(dev, small):
         e_cpu = TileRTEngine(cpu, torch.device("cpu"), torch.float32, S)
         e_c16 = TileRTEngine(c16, torch.device("cpu"), torch.bfloat16, S)
         e_gpu = TileRTEngine(gm, dev, torch.bfloat16, S)
-        assert e_gpu.use_graphs
+        assert e_gpu.use_graphs or dev.type == "cpu"
         for n, p0 in ((1, 100), (1, 101), (1, 2500), (1, 2501), (3, 2502)):
             tok = torch.randint(0, args.vocab_size, (n,))
             with torch.no_grad():
                 want = e_cpu.forward(tok, p0)
                 noisy = e_c16.forward(tok, p0)
                 got = e_gpu.forward(tok.to(dev), p0)
+                e_gpu.use_graphs = False
+                with decisions_recorded() as rec:  # the same step eagerly (== the graph, checked below)
+                    e_gpu.forward(tok.to(dev), p0)
+                e_gpu.use_graphs = True
+                with decisions_pinned(rec) as diff:  # the fp32 reference making the GPU's discrete choices
+                    pinned = e_cpu.forward(tok, p0)
             mode = "DSA" if p0 + n > args.index_topk else "dense"
-            report_vs_noise(f"engine {name} graph bf16 vs ref fp32: n={n} pos={p0} {mode} logits", got, want, noisy,
-                            3e-2)
+            report(f"engine {name} graph bf16 vs ref fp32 (GPU's routing/top-k): n={n} pos={p0} {mode} logits", got,
+                   pinned, tol=3e-2)
+            err = float((got.float().cpu() - want).norm() / want.norm())
+            noise = float((noisy.float() - want).norm() / want.norm())
+            print(f"      decisions differing from the fp32 reference's own: {diff}; without pinning: engine err "
+                  f"{err:.1e}, the bf16 reference ops' err {noise:.1e}", flush=True)
             agree = float((got.argmax(-1).cpu() == want.argmax(-1)).float().mean())
             print(f"      top-1 agreement {agree:.2f}; graphs captured: {sorted(k for k, v in e_gpu._graphs.items() if v)}",
                   flush=True)
@@ -452,6 +580,12 @@ def check_engine_model(dev, small):
             r3 = e_gpu.forward(tok, 2600)
             e_gpu.use_graphs = True
         report(f"engine {name}: same graph step twice bitwise", r2, r1, tol=1e-9)
+        toks = torch.randint(0, args.vocab_size, (3,), device=dev)
+        with torch.no_grad():
+            for p0 in (1000, 2700) if dev.type == "cuda" else ():  # dense and DSA (torch on CPU: not invariant)
+                batched = e_gpu.forward(toks, p0)
+                alone = [e_gpu.forward(toks[j:j + 1], p0 + j)[0] for j in range(3)]
+                bitwise(f"engine {name}: n=3 verify logits == three n=1 steps, bit for bit, pos {p0}", batched, alone)
         report(f"engine {name}: CUDA graph replay vs eager", r3, r1, tol=1e-6)
         del cpu, gm, c16, e_cpu, e_c16, e_gpu
         torch.cuda.empty_cache()
@@ -569,7 +703,8 @@ def main():
     DTYPE = getattr(torch, args.dtype)
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
     dev = torch.device(args.device)
-    checks = {"gemv": check_gemv, "mla": check_mla, "indexer": check_indexer, "topk": check_topk, "moe": check_moe, "prep": check_prep}
+    checks = {"gemv": check_gemv, "mla": check_mla, "indexer": check_indexer, "topk": check_topk,
+              "batch": check_batch_invariance, "moe": check_moe, "prep": check_prep}
     if dev.type == "cuda":
         checks["model"] = check_engine_model
         checks["engine"] = check_engine_vs_transformers

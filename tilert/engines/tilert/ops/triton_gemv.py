@@ -1,4 +1,4 @@
-"""Batch-1 (n <= 4 tokens) GEMV kernels in Triton for the decode fast path.
+"""Batch-1 (n <= 16 tokens, each computed as if alone) GEMV kernels in Triton for the decode fast path.
 
 ``y[n, N] = x[n, K] @ W[N, K]^T`` with W in ``nn.Linear`` layout (row-major ``[out, in]``), bf16.
 Optional fusions, all decided at compile time:
@@ -37,84 +37,52 @@ def _row_rstd(x_row_ptr, K, eps, BK: tl.constexpr):
 def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, nw_ptr, res_ptr,
     N, K, k_per_split, stride_xm, stride_wn, stride_ym, stride_rm, stride_ys, eps,
-    NT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, OUT_F32: tl.constexpr, PDL: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    # grid (rows, N / BN, split_k): the rows of one weight tile run side by side (one HBM read, L2 hits),
+    # and every row is computed exactly as if it were alone (batch invariance: MTP verify == plain decode).
+    row = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_n = pid_n * BN + tl.arange(0, BN)
     nmask = offs_n < N
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    if NT == 1:
-        # first weight tile is static: fetch it before waiting on the previous kernel (PDL)
-        offs_k = k_lo + tl.arange(0, BK)
+    x_row = x_ptr + row * stride_xm
+    # first weight tile is static: fetch it before waiting on the previous kernel (PDL)
+    offs_k = k_lo + tl.arange(0, BK)
+    kmask = offs_k < k_hi
+    w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    if HAS_NORM:
+        rstd = _row_rstd(x_row, K, eps, BK)
+    xv = tl.load(x_row + offs_k, mask=kmask, other=0.0)
+    if HAS_NORM:
+        g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
+        xv = (xv.to(tl.float32) * rstd * g).to(w_ptr.dtype.element_ty)
+    acc = w.to(tl.float32) * xv.to(tl.float32)[None, :]
+    for k0 in range(k_lo + BK, k_hi, BK):
+        offs_k = k0 + tl.arange(0, BK)
         kmask = offs_k < k_hi
-        w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
-        if HAS_NORM:
-            rstd = _row_rstd(x_ptr, K, eps, BK)
-        xv = tl.load(x_ptr + offs_k, mask=kmask, other=0.0)
+        xv = tl.load(x_row + offs_k, mask=kmask, other=0.0)
         if HAS_NORM:
             g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
             xv = (xv.to(tl.float32) * rstd * g).to(w_ptr.dtype.element_ty)
-        acc = w.to(tl.float32) * xv.to(tl.float32)[None, :]
-        for k0 in range(k_lo + BK, k_hi, BK):
-            offs_k = k0 + tl.arange(0, BK)
-            kmask = offs_k < k_hi
-            xv = tl.load(x_ptr + offs_k, mask=kmask, other=0.0)
-            if HAS_NORM:
-                g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
-                xv = (xv.to(tl.float32) * rstd * g).to(w_ptr.dtype.element_ty)
-            w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
-        out = tl.sum(acc, 1)
-        if OUT_F32:
-            tl.store(y_ptr + pid_k * stride_ys + offs_n, out, mask=nmask)
-        else:
-            if HAS_RES:
-                r = tl.load(res_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
-                tl.store(res_ptr + offs_n, (r + out.to(res_ptr.dtype.element_ty).to(tl.float32)).to(res_ptr.dtype.element_ty), mask=nmask)
-            else:
-                tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=nmask)
+        w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+    out = tl.sum(acc, 1)
+    if OUT_F32:
+        tl.store(y_ptr + pid_k * stride_ys + row * stride_ym + offs_n, out, mask=nmask)
     else:
-        # n in 2..16 tokens: one dot per K tile, rows padded to 16 (MMA minimum).
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
-        offs_m = tl.arange(0, 16)
-        mmask = offs_m < NT
-        x_rows = x_ptr + offs_m[:, None] * stride_xm
-        if HAS_NORM:
-            sq = tl.zeros([16, BK], dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                offs_k = k0 + tl.arange(0, BK)
-                v = tl.load(x_rows + offs_k[None, :], mask=mmask[:, None] & (offs_k < K)[None, :], other=0.0)
-                v = v.to(tl.float32)
-                sq += v * v
-            rstd = tl.rsqrt(tl.sum(sq, 1) / K + eps)
-        acc = tl.zeros([16, BN], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BK):
-            offs_k = k0 + tl.arange(0, BK)
-            kmask = offs_k < k_hi
-            xv = tl.load(x_rows + offs_k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-            if HAS_NORM:
-                g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
-                xv = (xv.to(tl.float32) * rstd[:, None] * g[None, :]).to(w_ptr.dtype.element_ty)
-            w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            acc = tl.dot(xv.to(w_ptr.dtype.element_ty), tl.trans(w), acc)
-        omask = mmask[:, None] & nmask[None, :]
-        if OUT_F32:
-            tl.store(y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :], acc, mask=omask)
+        if HAS_RES:
+            rp = res_ptr + row * stride_rm + offs_n
+            r = tl.load(rp, mask=nmask, other=0.0).to(tl.float32)
+            tl.store(rp, (r + out.to(res_ptr.dtype.element_ty).to(tl.float32)).to(res_ptr.dtype.element_ty), mask=nmask)
         else:
-            if HAS_RES:
-                rp = res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :]
-                r = tl.load(rp, mask=omask, other=0.0).to(tl.float32)
-                tl.store(rp, (r + acc.to(res_ptr.dtype.element_ty).to(tl.float32)).to(res_ptr.dtype.element_ty), mask=omask)
-            else:
-                tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=omask)
+            tl.store(y_ptr + row * stride_ym + offs_n, out.to(y_ptr.dtype.element_ty), mask=nmask)
 
 
 _NUM_SMS = None
@@ -135,8 +103,6 @@ def gemv_config(N: int, K: int, nt: int) -> tuple[int, int, int, int]:
     key = (N, K, nt)
     if key in _CFG_OVERRIDE:
         return _CFG_OVERRIDE[key]
-    if nt > 1:
-        return (16, 128, 4, 4)
     # Measured on H200 (benchmarks/micro.py, 2026-11-29): tiny row blocks with long K tiles win for
     # <64 MB matrices (more programs in flight), 8x512 for large ones, 16x256 for the lm_head.
     nbytes = N * K * 2
@@ -171,8 +137,6 @@ def gemv(
     N = w.shape[0]
     assert w.shape[1] == K and nt <= 16
     bn, bk, nw, ns = cfg or gemv_config(N, K, nt)
-    if nt > 1:
-        bn = max(bn, 16)
     out_f32 = out_f32 or split_k > 1
     if out_f32:
         shape = (split_k, nt, N) if split_k > 1 else (nt, N)
@@ -182,13 +146,13 @@ def gemv(
     else:
         y = out if out is not None else torch.empty(nt, N, device=x.device, dtype=x.dtype)
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), bk) * bk
-    grid = (triton.cdiv(N, bn), split_k)
+    grid = (nt, triton.cdiv(N, bn), split_k)
     res = residual if residual is not None else y
     _gemv_kernel[grid](
         x, w, y, norm_w if norm_w is not None else x, res,
         N, K, k_per_split, x.stride(0), w.stride(0), y.stride(-2), res.stride(0),
         y.stride(0) if (out_f32 and split_k > 1) else 0, eps,
-        NT=nt, BN=bn, BK=bk, HAS_NORM=norm_w is not None, HAS_RES=residual is not None and not out_f32,
+        BN=bn, BK=bk, HAS_NORM=norm_w is not None, HAS_RES=residual is not None and not out_f32,
         OUT_F32=out_f32, num_warps=nw, num_stages=ns,
      **triton_pdl.kw())
     return y

@@ -116,9 +116,11 @@ def _mla_combine_kernel(
     tl.store(out_ptr + i * stride_outn + h * stride_outh + offs_l, res.to(out_ptr.dtype.element_ty))
 
 
-def _pick_splits(n: int, hblocks: int, sparse: bool, n_idx: int, max_tokens: int) -> int:
+def _pick_splits(hblocks: int, sparse: bool, n_idx: int, max_tokens: int) -> int:
+    """Splits per query, independent of the number of queries: each query's result is the same whether it
+    runs alone or in a verify batch (batch invariance, so MTP verify reproduces plain decoding exactly)."""
     sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count if torch.cuda.is_available() else 132)
-    want = max(1, (2 * sms) // max(1, n * hblocks))
+    want = max(1, (2 * sms) // hblocks)
     cap = triton.cdiv(max(n_idx if sparse else max_tokens, 1), 64)
     return max(1, min(want, 128, cap))
 
@@ -155,7 +157,7 @@ def mla_decode(
     BLOCK_H = 16 if H <= 16 else (32 if H <= 32 else 64)
     hblocks = triton.cdiv(H, BLOCK_H)
     n_idx = indices.shape[-1] if sparse else 0
-    S = num_splits or _pick_splits(n, hblocks, sparse, n_idx, kv.shape[0])
+    S = num_splits or _pick_splits(hblocks, sparse, n_idx, kv.shape[0])
     BLOCK_T = 32
     min_tps = BLOCK_T * (1 if sparse else 2)
     o_part = _workspace(("mla_o", q.device, n, H, S, L), (n, H, S, L), torch.float32, q.device)
