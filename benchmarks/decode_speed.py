@@ -163,8 +163,49 @@ def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
     return out
 
 
+TUNING = (  # (module, attribute, values): variants re-timed in the whole captured step (first context)
+    ("triton_mla", "DENSE_MIN_TOKENS_PER_SPLIT", (64, 32)),
+    ("triton_moe", "DOWN_CFG", ((2, 1024, 4, 3), (1, 2048, 4, 3), (4, 512, 4, 4), (2, 512, 4, 4))),
+    ("triton_moe", "UP_CFG", ((8, 512, 4, 4), (4, 1024, 4, 3), (8, 1024, 8, 3), (16, 512, 8, 4))),
+)
+
+
+def tune_in_situ(name, eng, ctx) -> list:
+    """Each TUNING variant (one at a time, the others at their defaults): recapture the engine's step and
+    time it, with the default re-timed around the variants (drift check)."""
+    import importlib
+
+    tok = torch.tensor([77], device=DEV)
+    sparse = ctx + 1 > eng.model.args.index_topk
+
+    def timed() -> float:
+        eng._graphs.clear()
+        eng.forward(tok, ctx)
+        return time_graph(eng._graphs[(1, sparse)]) * 1e3
+
+    rows = []
+    for mod_name, attr, values in TUNING:
+        mod = importlib.import_module(f"tilert.engines.tilert.ops.{mod_name}")
+        default = getattr(mod, attr)
+        for v in values:
+            setattr(mod, attr, v)
+            try:
+                ms = timed()
+            except Exception as exc:  # a variant that does not compile / fit
+                ms = float("nan")
+                log(f"   {attr}={v}: failed {exc!r}"[:200])
+            finally:
+                setattr(mod, attr, default)
+            rows.append(dict(attr=attr, value=v, ms=ms, default=v == default))
+            log(f"[{name}] ctx={ctx} tuning {attr}={v}: {ms:.4f} ms{' (default)' if v == default else ''}")
+    base = timed()
+    rows.append(dict(attr="default again", value=None, ms=base, default=True))
+    log(f"[{name}] ctx={ctx} tuning: defaults again {base:.4f} ms")
+    return rows
+
+
 @torch.no_grad()
-def bench_engine(name, args, contexts, bw, mtp=True, profile=True, topk_compare=True):
+def bench_engine(name, args, contexts, bw, mtp=True, profile=True, topk_compare=True, tune=False):
     """The engine: random weights on the GPU, caches of random rows, its own CUDA-graph decode step."""
     from dataclasses import replace
 
@@ -224,6 +265,8 @@ def bench_engine(name, args, contexts, bw, mtp=True, profile=True, topk_compare=
             eng.forward(tok, ctx)
             log(f"[{name}] ctx={ctx} same step with torch.topk: {r['torch_topk_ms']:.3f} ms "
                 f"(radix top-k saves {r['torch_topk_ms'] - r['ms']:.3f} ms)")
+        if tune and ctx == contexts[0]:
+            r["tuning"] = tune_in_situ(name, eng, ctx)
         rows.append(r)
         if mtp and ctx == contexts[0]:
             verify = bench_mtp(name, eng, ctx, t)
@@ -332,6 +375,7 @@ def main():
     ap.add_argument("--configs", default="lite-v32,layer-v32")
     ap.add_argument("--contexts", default="1024,8192,32768")
     ap.add_argument("--no-breakdown", action="store_true")
+    ap.add_argument("--tune", action="store_true", help="re-time kernel-config variants in the whole step")
     ap.add_argument("--tf-json", default="", help="reuse transformers numbers from an earlier decode_speed.json")
     ap.add_argument("--transformers", default="", metavar="CTXS",
                     help="also time transformers eager at these contexts (comma list), in this run")
@@ -361,7 +405,7 @@ def main():
     for name in args.configs.split(","):
         try:
             rows, verify = bench_engine(name, CONFIGS[name], contexts, bw, mtp=name == "lite-v32",
-                                        profile=not args.no_breakdown)
+                                        profile=not args.no_breakdown, tune=args.tune)
             RESULT["runs"] += rows
             if verify:
                 RESULT["mtp_verify"][name] = verify

@@ -116,6 +116,10 @@ def _mla_combine_kernel(
     tl.store(out_ptr + i * stride_outn + h * stride_outh + offs_l, res.to(out_ptr.dtype.element_ty))
 
 
+# Fewest cache rows one split of the dense kernel takes: short contexts use fewer, fuller splits.
+DENSE_MIN_TOKENS_PER_SPLIT = 64
+
+
 def _pick_splits(hblocks: int, sparse: bool, n_idx: int, max_tokens: int) -> int:
     """Splits per query, independent of the number of queries: each query's result is the same whether it
     runs alone or in a verify batch (batch invariance, so MTP verify reproduces plain decoding exactly)."""
@@ -159,7 +163,7 @@ def mla_decode(
     n_idx = indices.shape[-1] if sparse else 0
     S = num_splits or _pick_splits(hblocks, sparse, n_idx, kv.shape[0])
     BLOCK_T = 32
-    min_tps = BLOCK_T * (1 if sparse else 2)
+    min_tps = BLOCK_T if sparse else DENSE_MIN_TOKENS_PER_SPLIT
     o_part = _workspace(("mla_o", q.device, n, H, S, L), (n, H, S, L), torch.float32, q.device)
     lse = _workspace(("mla_lse", q.device, n, H, S), (n, H, S), torch.float32, q.device)
     if sparse:
