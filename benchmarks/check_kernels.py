@@ -300,6 +300,18 @@ def check_moe(dev, small):
         RESULTS.append((f"router E={E}", err, 0.0, ok))
         print(f"{'PASS' if ok else 'FAIL'}  router_select n={n} E={E} k={k} groups={G}/{TG}: ids_equal={same} "
               f"max_w_err={err:.2e} shared_ok={shared_ok}", flush=True)
+        # the same selection inside moe_up (moe_up_routed): identical ids/weights, identical act
+        D, I = (256, 96) if small else (2048, 256)
+        w13 = rnd(E + 2, 2 * I, D, dev=dev, scale=D ** -0.5)
+        x = rnd(n, D, dev=dev)
+        g = rnd(D, dev=dev, scale=0.2) + 1
+        rids, rwts, ract = triton_moe.moe_up_routed(x, part, bias, w13, norm_w=g, eps=1e-6, top_k=k, n_group=G,
+                                                    topk_group=TG, route_scale=2.5, norm_topk=True, n_shared_slots=2)
+        act = triton_moe.moe_up(x, ids, w13, norm_w=g, eps=1e-6)
+        ok = torch.equal(rids, ids) and torch.equal(rwts, wts) and torch.equal(ract, act)
+        RESULTS.append((f"moe_up_routed E={E}", 0.0, 0.0, ok))
+        print(f"{'PASS' if ok else 'FAIL'}  moe_up_routed n={n} E={E} k={k} groups={G}/{TG}: ids, weights and act == "
+              f"router_select + moe_up", flush=True)
 
 
 def rope_ref(x, cos, sin):
@@ -405,6 +417,11 @@ def check_registered(dev):
         ops.moe_residual(h1, g, 1e-6, ids_r, wts_r, w13b, w2b)
         ref.moe_residual(h2, g, 1e-6, ids_r, wts_r, w13b, w2b)
         report(f"op tilert::moe_residual n={n} (cuda)", h1, h2)
+        h1, h2 = hh.clone(), hh.clone()
+        ids_b, wts_b = ops.moe_block(h1, g, 1e-6, gate, bias, 6, 1, 1, 1.0, True, 2, w13b, w2b)
+        ref.moe_residual(h2, g, 1e-6, ids_b, wts_b, w13b, w2b)
+        same = all(set(a.tolist()) == set(b.tolist()) for a, b in zip(ids_b, ids_r))
+        report(f"op tilert::moe_block n={n} (cuda, routing inside moe_up; ids == reference: {same})", h1, h2)
         H, P, R, V, L, QL, Hi, DI = 16, 128, 64, 128, 512, 1536, 16, 128
         a_ = rnd(n, QL + L + R + DI + Hi, dev=dev)
         b_ = rnd(n, H * (P + R) + Hi * DI, dev=dev)
@@ -436,18 +453,18 @@ def report_vs_noise(name, got, want, noisy, tol):
 
 
 class decisions_recorded:
-    """Records the outputs of the model's discrete choices (``tilert::router`` expert ids + weights,
-    ``tilert::indexer_topk`` row sets) during one forward."""
+    """Records the model's discrete choices during one forward: the routing each ``tilert::moe_block``
+    used (expert ids + weights) and each ``tilert::indexer_topk`` row set."""
 
     def __enter__(self):
         from tilert.engines.tilert import ops
 
-        self.ops, self.orig = ops, (ops.router, ops.indexer_topk)
-        self.router, self.topk = [], []
+        self.ops, self.orig = ops, (ops.moe_block, ops.indexer_topk)
+        self.routes, self.topk = [], []
 
-        def router(*a, **k):
+        def moe_block(*a, **k):
             ids, w = self.orig[0](*a, **k)
-            self.router.append((ids.cpu(), w.cpu()))
+            self.routes.append((ids.cpu(), w.cpu()))
             return ids, w
 
         def topk(*a, **k):
@@ -455,16 +472,16 @@ class decisions_recorded:
             self.topk.append(idx.cpu())
             return idx
 
-        ops.router, ops.indexer_topk = router, topk
+        ops.moe_block, ops.indexer_topk = moe_block, topk
         return self
 
     def __exit__(self, *exc):
-        self.ops.router, self.ops.indexer_topk = self.orig
+        self.ops.moe_block, self.ops.indexer_topk = self.orig
 
 
 class decisions_pinned:
-    """Replays recorded choices in another forward (same layers in the same order) and counts how many of
-    them differ from the choices that forward would have made itself."""
+    """Replays recorded choices in another forward (same layers in the same order; reference ops) and
+    counts how many of them differ from the choices that forward would have made itself."""
 
     def __init__(self, rec: decisions_recorded) -> None:
         self.rec = rec
@@ -472,32 +489,34 @@ class decisions_pinned:
     def __enter__(self):
         from tilert.engines.tilert import ops
 
-        self.ops, self.orig = ops, (ops.router, ops.indexer_topk)
-        routes, tops = iter(self.rec.router), iter(self.rec.topk)
+        self.ops, self.orig = ops, (ops.moe_block, ops.indexer_topk)
+        routes, tops = iter(self.rec.routes), iter(self.rec.topk)
         self.n_route = self.n_route_diff = self.n_rows = self.n_rows_diff = 0
 
-        def router(*a, **k):
-            own, _ = self.orig[0](*a, **k)
-            ids, w = next(routes)
+        def moe_block(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk,
+                      n_shared, w13, w2):
+            own, _ = ref.router(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
+                                norm_topk, n_shared)
+            ids, w = (t.to(h.device) for t in next(routes))
             for r_own, r in zip(own.tolist(), ids.tolist()):
                 self.n_route += 1
                 self.n_route_diff += set(r_own) != set(r)
-            return ids.to(own.device), w.to(own.device)
+            ref.moe_residual(h, norm_weight, eps, ids, w, w13, w2)
+            return ids, w
 
         def topk(*a, **k):
             own = self.orig[1](*a, **k)
             idx = next(tops)
             for r_own, r in zip(own.tolist(), idx.tolist()):
-                d = len(set(r_own) ^ set(r)) // 2
                 self.n_rows += len(r)
-                self.n_rows_diff += d
+                self.n_rows_diff += len(set(r_own) ^ set(r)) // 2
             return idx.to(own.device)
 
-        ops.router, ops.indexer_topk = router, topk
+        ops.moe_block, ops.indexer_topk = moe_block, topk
         return self
 
     def __exit__(self, *exc):
-        self.ops.router, self.ops.indexer_topk = self.orig
+        self.ops.moe_block, self.ops.indexer_topk = self.orig
 
     def __str__(self) -> str:
         return (f"expert sets {self.n_route_diff}/{self.n_route}, top-k rows "

@@ -259,14 +259,14 @@ class MoE(nn.Module):
         a = self.args
         n = h.shape[0]
         if self.routed:
-            ids, weights = ops.router(
+            ops.moe_block(
                 h, self.ffn_norm, a.rms_norm_eps, self.gate, self.gate_bias, a.num_experts_per_tok, a.n_group,
-                a.topk_group, a.routed_scaling_factor, a.norm_topk_prob, a.n_shared_experts,
+                a.topk_group, a.routed_scaling_factor, a.norm_topk_prob, a.n_shared_experts, self.w13, self.w2,
             )  # fmt: skip
         else:
             ids = torch.zeros(n, 1, dtype=torch.int32, device=h.device)
             weights = torch.ones(n, 1, dtype=torch.float32, device=h.device)
-        ops.moe_residual(h, self.ffn_norm, a.rms_norm_eps, ids, weights, self.w13, self.w2)
+            ops.moe_residual(h, self.ffn_norm, a.rms_norm_eps, ids, weights, self.w13, self.w2)
 
 
 class DecoderLayer(nn.Module):

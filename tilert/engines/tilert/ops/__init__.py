@@ -29,6 +29,7 @@ __all__ = [
     "gemv_residual",
     "router",
     "moe_residual",
+    "moe_block",
     "mla_prep",
     "mla_uv",
 ]
@@ -167,6 +168,35 @@ def moe_residual(
 @moe_residual.register_fake
 def _(h, norm_weight, eps, topk_ids, topk_weights, w13, w2):
     return None
+
+
+@torch.library.custom_op("tilert::moe_block", mutates_args=("h",))
+def moe_block(
+    h: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+    gate_weight: Tensor,
+    bias: Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    route_scale: float,
+    norm_topk: bool,
+    n_shared: int,
+    w13: Tensor,
+    w2: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """A routed MoE block in place (``router`` then ``moe_residual``; on CUDA the expert selection runs
+    inside the experts' first kernel); returns the routing used; see :func:`reference.moe_block`."""
+    ids, weights = reference.moe_block(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group,
+                                       route_scale, norm_topk, n_shared, w13, w2)
+    return ids, weights
+
+
+@moe_block.register_fake
+def _(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared, w13, w2):
+    k = top_k + n_shared
+    return h.new_empty((h.shape[0], k), dtype=torch.int32), h.new_empty((h.shape[0], k), dtype=torch.float32)
 
 
 @torch.library.custom_op("tilert::mla_prep", mutates_args=("kv_cache", "index_cache"))

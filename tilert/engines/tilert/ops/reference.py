@@ -270,6 +270,29 @@ def moe_residual(
     h.add_(moe_experts(x, topk_ids, topk_weights, w13, w2))
 
 
+def moe_block(
+    h: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_weight: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    route_scale: float,
+    norm_topk: bool,
+    n_shared: int,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A routed MoE block in place: :func:`router` then :func:`moe_residual`; returns the routing
+    (``ids``, ``weights``) it used."""
+    ids, weights = router(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
+                          norm_topk, n_shared)
+    moe_residual(h, norm_weight, eps, ids, weights, w13, w2)
+    return ids, weights
+
+
 def mla_prep(
     a: torch.Tensor,
     b: torch.Tensor,

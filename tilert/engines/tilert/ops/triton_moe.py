@@ -11,7 +11,9 @@ Two kernels per MoE block:
 Shared experts fold in as extra slots: stack them after the routed experts (``w13[E + s]``) and append
 ids ``E + s`` with weight 1.0 (an MLP with intermediate 2*I equals two MLPs of I on its halves). A dense
 MLP is the same with one slot. ``router_select`` does sigmoid + bias + group-limited top-k + normalise +
-scale for one token in one program, reading fp32 split-K partial logits from ``triton_gemv.gemv``.
+scale for one token in one program, reading fp32 split-K partial logits from ``triton_gemv.gemv``;
+``moe_up_routed`` does the same selection inside every ``moe_up`` program instead (one launch fewer per
+layer; block 0 of each slot publishes the ids and weights that ``moe_down`` reads).
 """
 
 from __future__ import annotations
@@ -23,14 +25,17 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import triton_pdl
 
-__all__ = ["moe_experts", "moe_up", "moe_down", "router_select"]
+__all__ = ["moe_experts", "moe_up", "moe_up_routed", "moe_down", "router_select"]
 
 
 @triton.jit
 def _moe_up_kernel(
     x_ptr, nw_ptr, ids_ptr, w13_ptr, act_ptr, D, I, KK, stride_xm, stride_ids, stride_we, stride_wn,
     stride_an, stride_ak, eps,
-    BI: tl.constexpr, BK: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+    part_ptr, bias_ptr, wts_ptr, SPLIT, stride_ps, stride_pn, stride_wts, route_scale, E_real,
+    BI: tl.constexpr, BK: tl.constexpr, HAS_NORM: tl.constexpr,
+    ROUTED: tl.constexpr, E: tl.constexpr, G: tl.constexpr, TOPK_G: tl.constexpr, K: tl.constexpr,
+    KPAD: tl.constexpr, N_SHARED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -38,7 +43,16 @@ def _moe_up_kernel(
     r = tl.program_id(1)
     i = r // KK
     j = r % KK
-    e = tl.load(ids_ptr + i * stride_ids + j)
+    if ROUTED:  # every program routes its token itself (no separate select launch); block 0 publishes slot j
+        sel_ids, sel_w = _route(part_ptr, bias_ptr, i, SPLIT, stride_ps, stride_pn, route_scale, E_real,
+                                E, G, TOPK_G, K, KPAD, N_SHARED, NORM)
+        kk = tl.arange(0, KPAD)
+        e = tl.sum(tl.where(kk == j, sel_ids, 0), 0)
+        if ib == 0:
+            tl.store(ids_ptr + i * stride_ids + j, e)
+            tl.store(wts_ptr + i * stride_wts + j, tl.sum(tl.where(kk == j, sel_w, 0.0), 0))
+    else:
+        e = tl.load(ids_ptr + i * stride_ids + j)
     offs_i = ib * BI + tl.arange(0, BI)
     imask = offs_i < I
     out_ptr = act_ptr + i * stride_an + j * stride_ak + offs_i
@@ -117,6 +131,7 @@ def _moe_down_kernel(
 # (rows, K tile, warps, stages): best of the micro.py sweeps on the H200 for lite and V3.2 shapes
 # (moe_down: lite 21.6 us, V3.2 76 us, dense-lite 12 us); decode_speed.py re-times variants in the whole step.
 UP_CFG = (8, 512, 4, 4)
+FUSED_ROUTER = True  # route inside moe_up (moe_up_routed) rather than in a separate router_select launch
 DOWN_CFG = (2, 1024, 4, 3)
 
 
@@ -134,9 +149,36 @@ def moe_up(x, ids, w13, *, norm_w=None, eps=1e-6, out=None, cfg=None):
     _moe_up_kernel[(triton.cdiv(I, BI), n * KK)](
         x, norm_w if norm_w is not None else x, ids, w13, act, D, I, KK, x.stride(0), ids.stride(0),
         w13.stride(0), w13.stride(1), act.stride(0), act.stride(1), eps,
-        BI=BI, BK=BK, HAS_NORM=norm_w is not None, num_warps=nw, num_stages=ns,
-     **triton_pdl.kw())
+        act, act, act, 0, 0, 0, 0, 1.0, 0,
+        BI=BI, BK=BK, HAS_NORM=norm_w is not None, ROUTED=False, E=1, G=1, TOPK_G=1, K=1, KPAD=1, N_SHARED=0,
+        NORM=False, num_warps=nw, num_stages=ns, **triton_pdl.kw())
     return act
+
+
+def moe_up_routed(x, partials, bias, w13, *, norm_w, eps, top_k, n_group, topk_group, route_scale, norm_topk,
+                  n_shared_slots, cfg=None):
+    """``moe_up`` that routes each token itself from the router's fp32 split-K partials ``[split, n, E]``
+    (as ``router_select``) instead of reading ids: one launch fewer per MoE layer. Returns the routing it
+    used (ids int32, weights fp32 ``[n, top_k + n_shared_slots]``) and ``act``."""
+    split, n, E_real = partials.shape
+    D = x.shape[1]
+    KK = top_k + n_shared_slots
+    I = w13.shape[1] // 2
+    assert w13.shape[2] == D and w13.stride(-1) == 1 and x.stride(-1) == 1
+    E = triton.next_power_of_2(E_real)
+    assert n_group == 1 or E == E_real
+    ids = torch.empty(n, KK, device=x.device, dtype=torch.int32)
+    wts = torch.empty(n, KK, device=x.device, dtype=torch.float32)
+    act = torch.empty(n, KK, I, device=x.device, dtype=x.dtype)
+    BI, BK, nw, ns = cfg or UP_CFG
+    _moe_up_kernel[(triton.cdiv(I, BI), n * KK)](
+        x, norm_w, ids, w13, act, D, I, KK, x.stride(0), ids.stride(0), w13.stride(0), w13.stride(1),
+        act.stride(0), act.stride(1), eps,
+        partials, bias, wts, split, partials.stride(0), partials.stride(1), wts.stride(0), route_scale, E_real,
+        BI=BI, BK=BK, HAS_NORM=True, ROUTED=True, E=E, G=max(n_group, 1), TOPK_G=topk_group, K=top_k,
+        KPAD=triton.next_power_of_2(KK), N_SHARED=n_shared_slots, NORM=norm_topk, num_warps=nw, num_stages=ns,
+        **triton_pdl.kw())
+    return ids, wts, act
 
 
 def moe_down(act, ids, wts, w2, *, residual=None, out=None, cfg=None):
@@ -165,15 +207,11 @@ def moe_experts(x, topk_ids, topk_weights, w13, w2):
 
 
 @triton.jit
-def _router_select_kernel(
-    part_ptr, bias_ptr, ids_ptr, wts_ptr, n, SPLIT, stride_ps, stride_pn, stride_ids, stride_wts,
-    route_scale, E_real,
-    E: tl.constexpr, G: tl.constexpr, TOPK_G: tl.constexpr, K: tl.constexpr, KPAD: tl.constexpr,
-    N_SHARED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    i = tl.program_id(0)
+def _route(part_ptr, bias_ptr, i, SPLIT, stride_ps, stride_pn, route_scale, E_real,
+           E: tl.constexpr, G: tl.constexpr, TOPK_G: tl.constexpr, K: tl.constexpr, KPAD: tl.constexpr,
+           N_SHARED: tl.constexpr, NORM: tl.constexpr):
+    """Token ``i``'s noaux_tc routing from fp32 split-K partial logits: (ids, weights) ``[KPAD]``, the
+    shared-expert slots appended (ids ``E_real + s``, weight 1), -1 / 0 beyond ``K + N_SHARED``."""
     offs = tl.arange(0, E)
     emask = offs < E_real
     logits = tl.zeros([E], dtype=tl.float32)
@@ -212,6 +250,22 @@ def _router_select_kernel(
     for s in tl.static_range(N_SHARED):
         sel_ids = tl.where(kk == K + s, (E_real + s).to(tl.int32), sel_ids)
         sel_w = tl.where(kk == K + s, 1.0, sel_w)
+    return sel_ids, sel_w
+
+
+@triton.jit
+def _router_select_kernel(
+    part_ptr, bias_ptr, ids_ptr, wts_ptr, n, SPLIT, stride_ps, stride_pn, stride_ids, stride_wts,
+    route_scale, E_real,
+    E: tl.constexpr, G: tl.constexpr, TOPK_G: tl.constexpr, K: tl.constexpr, KPAD: tl.constexpr,
+    N_SHARED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    i = tl.program_id(0)
+    sel_ids, sel_w = _route(part_ptr, bias_ptr, i, SPLIT, stride_ps, stride_pn, route_scale, E_real,
+                            E, G, TOPK_G, K, KPAD, N_SHARED, NORM)
+    kk = tl.arange(0, KPAD)
     m = kk < K + N_SHARED
     tl.store(ids_ptr + i * stride_ids + kk, sel_ids, mask=m)
     tl.store(wts_ptr + i * stride_wts + kk, sel_w, mask=m)
