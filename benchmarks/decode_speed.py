@@ -164,10 +164,9 @@ def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
 
 
 TUNING = (  # (module, attribute, values): variants re-timed in the whole captured step (first context)
-    ("triton_moe", "FUSED_ROUTER", (True, False)),
-    ("triton_mla", "DENSE_MIN_TOKENS_PER_SPLIT", (64, 32)),
-    ("triton_moe", "DOWN_CFG", ((2, 1024, 4, 3), (1, 2048, 4, 3), (4, 512, 4, 4), (2, 512, 4, 4))),
-    ("triton_moe", "UP_CFG", ((8, 512, 4, 4), (4, 1024, 4, 3), (8, 1024, 8, 3), (16, 512, 8, 4))),
+    ("triton_mla", "DENSE_MIN_TOKENS_PER_SPLIT", (32, 64, 16)),
+    ("triton_moe", "DOWN_CFG", ((1, 2048, 4, 3), (2, 1024, 4, 3), (1, 2048, 8, 3), (1, 2048, 4, 4))),
+    ("triton_moe", "UP_CFG", ((8, 512, 4, 4), (4, 512, 4, 4), (8, 512, 4, 3), (16, 512, 8, 4))),
 )
 
 

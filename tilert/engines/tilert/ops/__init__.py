@@ -186,8 +186,8 @@ def moe_block(
     w13: Tensor,
     w2: Tensor,
 ) -> tuple[Tensor, Tensor]:
-    """A routed MoE block in place (``router`` then ``moe_residual``; on CUDA the expert selection runs
-    inside the experts' first kernel); returns the routing used; see :func:`reference.moe_block`."""
+    """A routed MoE block in place (``router`` then ``moe_residual``); returns the routing it used (what
+    the GPU checks record); see :func:`reference.moe_block`."""
     ids, weights = reference.moe_block(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group,
                                        route_scale, norm_topk, n_shared, w13, w2)
     return ids, weights

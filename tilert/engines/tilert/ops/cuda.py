@@ -124,24 +124,9 @@ def _moe_residual_cuda(h, norm_weight, eps, topk_ids, topk_weights, w13, w2):
 
 def _moe_block_cuda(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk,
                     n_shared, w13, w2):
-    from . import triton_gemv, triton_moe
-
-    e = gate_weight.shape[0]
-    fused = (
-        triton_moe.FUSED_ROUTER and _gemv_ok(h, gate_weight) and (n_group == 1 or _pow2(e)) and e <= 1024
-        and h.dtype == w13.dtype == w2.dtype and h.is_contiguous() and h.shape[0] > 0
-    )
-    if not fused:
-        ids, wts = _router_cuda(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
-                                norm_topk, n_shared)
-        _moe_residual_cuda(h, norm_weight, eps, ids, wts, w13, w2)
-        return ids, wts
-    nw = norm_weight.to(h.dtype).contiguous()
-    part = triton_gemv.gemv(h, gate_weight, norm_w=nw, eps=eps, split_k=8)
-    ids, wts, act = triton_moe.moe_up_routed(
-        h, part, bias.float().contiguous(), w13.contiguous(), norm_w=nw, eps=eps, top_k=top_k, n_group=n_group,
-        topk_group=topk_group, route_scale=route_scale, norm_topk=norm_topk, n_shared_slots=n_shared)
-    triton_moe.moe_down(act, ids, wts, w2.contiguous(), residual=h)
+    ids, wts = _router_cuda(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
+                            norm_topk, n_shared)
+    _moe_residual_cuda(h, norm_weight, eps, ids, wts, w13, w2)
     return ids, wts
 
 

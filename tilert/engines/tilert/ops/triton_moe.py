@@ -12,8 +12,8 @@ Shared experts fold in as extra slots: stack them after the routed experts (``w1
 ids ``E + s`` with weight 1.0 (an MLP with intermediate 2*I equals two MLPs of I on its halves). A dense
 MLP is the same with one slot. ``router_select`` does sigmoid + bias + group-limited top-k + normalise +
 scale for one token in one program, reading fp32 split-K partial logits from ``triton_gemv.gemv``;
-``moe_up_routed`` does the same selection inside every ``moe_up`` program instead (one launch fewer per
-layer; block 0 of each slot publishes the ids and weights that ``moe_down`` reads).
+(Doing that selection inside every ``moe_up`` program instead, to save the launch, measured 4% slower on
+the H200: it sits on every program's path to its first weight load.)
 """
 
 from __future__ import annotations
@@ -25,17 +25,14 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import triton_pdl
 
-__all__ = ["moe_experts", "moe_up", "moe_up_routed", "moe_down", "router_select"]
+__all__ = ["moe_experts", "moe_up", "moe_down", "router_select"]
 
 
 @triton.jit
 def _moe_up_kernel(
     x_ptr, nw_ptr, ids_ptr, w13_ptr, act_ptr, D, I, KK, stride_xm, stride_ids, stride_we, stride_wn,
     stride_an, stride_ak, eps,
-    part_ptr, bias_ptr, wts_ptr, SPLIT, stride_ps, stride_pn, stride_wts, route_scale, E_real,
-    BI: tl.constexpr, BK: tl.constexpr, HAS_NORM: tl.constexpr,
-    ROUTED: tl.constexpr, E: tl.constexpr, G: tl.constexpr, TOPK_G: tl.constexpr, K: tl.constexpr,
-    KPAD: tl.constexpr, N_SHARED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    BI: tl.constexpr, BK: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -43,16 +40,7 @@ def _moe_up_kernel(
     r = tl.program_id(1)
     i = r // KK
     j = r % KK
-    if ROUTED:  # every program routes its token itself (no separate select launch); block 0 publishes slot j
-        sel_ids, sel_w = _route(part_ptr, bias_ptr, i, SPLIT, stride_ps, stride_pn, route_scale, E_real,
-                                E, G, TOPK_G, K, KPAD, N_SHARED, NORM)
-        kk = tl.arange(0, KPAD)
-        e = tl.sum(tl.where(kk == j, sel_ids, 0), 0)
-        if ib == 0:
-            tl.store(ids_ptr + i * stride_ids + j, e)
-            tl.store(wts_ptr + i * stride_wts + j, tl.sum(tl.where(kk == j, sel_w, 0.0), 0))
-    else:
-        e = tl.load(ids_ptr + i * stride_ids + j)
+    e = tl.load(ids_ptr + i * stride_ids + j)
     offs_i = ib * BI + tl.arange(0, BI)
     imask = offs_i < I
     out_ptr = act_ptr + i * stride_an + j * stride_ak + offs_i
@@ -129,10 +117,9 @@ def _moe_down_kernel(
 
 
 # (rows, K tile, warps, stages): best of the micro.py sweeps on the H200 for lite and V3.2 shapes
-# (moe_down: lite 21.6 us, V3.2 76 us, dense-lite 12 us); decode_speed.py re-times variants in the whole step.
+# and of ``decode_speed.py --tune``, which re-times variants in the whole captured step.
 UP_CFG = (8, 512, 4, 4)
-FUSED_ROUTER = True  # route inside moe_up (moe_up_routed) rather than in a separate router_select launch
-DOWN_CFG = (2, 1024, 4, 3)
+DOWN_CFG = (1, 2048, 4, 3)  # in the whole lite-v32 step 0.14 ms faster than (2, 1024, 4, 3) (2026-11-29)
 
 
 def _sms():
@@ -149,36 +136,8 @@ def moe_up(x, ids, w13, *, norm_w=None, eps=1e-6, out=None, cfg=None):
     _moe_up_kernel[(triton.cdiv(I, BI), n * KK)](
         x, norm_w if norm_w is not None else x, ids, w13, act, D, I, KK, x.stride(0), ids.stride(0),
         w13.stride(0), w13.stride(1), act.stride(0), act.stride(1), eps,
-        act, act, act, 0, 0, 0, 0, 1.0, 0,
-        BI=BI, BK=BK, HAS_NORM=norm_w is not None, ROUTED=False, E=1, G=1, TOPK_G=1, K=1, KPAD=1, N_SHARED=0,
-        NORM=False, num_warps=nw, num_stages=ns, **triton_pdl.kw())
+        BI=BI, BK=BK, HAS_NORM=norm_w is not None, num_warps=nw, num_stages=ns, **triton_pdl.kw())
     return act
-
-
-def moe_up_routed(x, partials, bias, w13, *, norm_w, eps, top_k, n_group, topk_group, route_scale, norm_topk,
-                  n_shared_slots, cfg=None):
-    """``moe_up`` that routes each token itself from the router's fp32 split-K partials ``[split, n, E]``
-    (as ``router_select``) instead of reading ids: one launch fewer per MoE layer. Returns the routing it
-    used (ids int32, weights fp32 ``[n, top_k + n_shared_slots]``) and ``act``."""
-    split, n, E_real = partials.shape
-    D = x.shape[1]
-    KK = top_k + n_shared_slots
-    I = w13.shape[1] // 2
-    assert w13.shape[2] == D and w13.stride(-1) == 1 and x.stride(-1) == 1
-    E = triton.next_power_of_2(E_real)
-    assert n_group == 1 or E == E_real
-    ids = torch.empty(n, KK, device=x.device, dtype=torch.int32)
-    wts = torch.empty(n, KK, device=x.device, dtype=torch.float32)
-    act = torch.empty(n, KK, I, device=x.device, dtype=x.dtype)
-    BI, BK, nw, ns = cfg or UP_CFG
-    _moe_up_kernel[(triton.cdiv(I, BI), n * KK)](
-        x, norm_w, ids, w13, act, D, I, KK, x.stride(0), ids.stride(0), w13.stride(0), w13.stride(1),
-        act.stride(0), act.stride(1), eps,
-        partials, bias, wts, split, partials.stride(0), partials.stride(1), wts.stride(0), route_scale, E_real,
-        BI=BI, BK=BK, HAS_NORM=True, ROUTED=True, E=E, G=max(n_group, 1), TOPK_G=topk_group, K=top_k,
-        KPAD=triton.next_power_of_2(KK), N_SHARED=n_shared_slots, NORM=norm_topk, num_warps=nw, num_stages=ns,
-        **triton_pdl.kw())
-    return ids, wts, act
 
 
 def moe_down(act, ids, wts, w2, *, residual=None, out=None, cfg=None):
