@@ -656,7 +656,8 @@ def check_engine_vs_transformers(dev, small):
 def check_engine_mtp(dev, small):
     """MTP speculative greedy on the GPU (catch-up + draft chain + verify in one CUDA graph per shape) emits
     exactly the engine's plain greedy tokens, K = 1, 2, 3, in the dense and the DSA regime (index_topk
-    lowered to 64 so the DSA path runs at short contexts); the graph equals the same function run eagerly."""
+    lowered to 64 so the DSA path runs at short contexts); the graph equals the same function run eagerly.
+    The pipelined greedy_stream (argmax and next position inside its graph) emits them too."""
     sys.path.insert(0, os.path.dirname(__file__))
     from dataclasses import replace
 
@@ -689,6 +690,18 @@ def check_engine_mtp(dev, small):
                 print(f"{'PASS' if ok else 'FAIL'}  MTP speculative greedy == plain greedy, K={k}, from pos {start}, "
                       f"{gen} tokens (drafted {drafted}, accepted {accepted}); spec graphs "
                       f"{sorted(k_ for k_, v in eng._spec_graphs.items() if v)}", flush=True)
+            ids = torch.cat([prompt, prompt.repeat(4)])[:start]
+            first = int(eng.forward(ids, 0)[-1].argmax())
+            stream = list(eng.greedy_stream(first, start, gen))
+            eng.forward(ids, 0)
+            part = eng.greedy_stream(first, start, gen)
+            head = [next(part) for _ in range(gen // 2)]
+            part.close()
+            resumed = head + greedy_generate(eng, head[-1], start + gen // 2, gen - gen // 2)
+            ok = stream == plain and resumed == plain
+            RESULTS.append((f"greedy_stream start={start}", 0.0, 0.0, ok))
+            print(f"{'PASS' if ok else 'FAIL'}  pipelined greedy_stream == plain greedy from pos {start}, {gen} tokens; "
+                  f"stopped half-way and continued with forward(): same", flush=True)
         if eng.use_graphs:  # the captured step vs the same function eagerly, same inputs and state
             key, step = next((k_, v) for k_, v in eng._spec_graphs.items() if v)
             d1, g1 = (t.clone() for t in step.replay())

@@ -347,6 +347,21 @@ def _add_mtp(case: Case, out: Path, predictive: bool = False, main_scale: float 
     return out
 
 
+def test_greedy_stream_equals_greedy(cases: dict[str, Case]) -> None:
+    """The engine's pipelined greedy stream (the decode node's greedy path) yields greedy_generate's tokens;
+    stopping it early leaves the engine ready to continue from the last token read."""
+    case = cases["deepseek_v32"]
+    eng = case.engine()
+    first = int(eng.forward(case.prompt, 0)[-1].argmax())
+    want = greedy_generate(eng, first, PROMPT_LEN, 24)
+    assert list(eng.greedy_stream(first, PROMPT_LEN, 24)) == want
+    stream = eng.greedy_stream(first, PROMPT_LEN, 24)
+    head = [next(stream) for _ in range(10)]
+    stream.close()
+    assert head + greedy_generate(eng, head[-1], PROMPT_LEN + 10, 14) == want
+    assert list(eng.greedy_stream(first, eng.max_seq_len - 2, 10)).__len__() == 2  # stops at capacity
+
+
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_mtp_speculative_equals_plain_greedy(cases: dict[str, Case], arch: str, tmp_path: Path) -> None:
     case = cases[arch]

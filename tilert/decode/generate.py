@@ -4,8 +4,9 @@ Runs on a worker thread (the engine blocks); ``emit`` hands each step's tokens t
 as soon as they exist, so nothing is batched on a timer. ``cancel`` is checked between steps.
 
 Greedy requests on an engine with an MTP module decode speculatively (``num_draft`` drafts per step,
-verified by the main model), which yields exactly the plain greedy tokens, several per step. Sampled
-requests (temperature > 0) decode one token per step: MTP is switched off for them.
+verified by the main model), which yields exactly the plain greedy tokens, several per step; other greedy
+requests use the engine's pipelined ``greedy_stream`` when it has one. Sampled requests (temperature > 0)
+decode one token per step from the logits: MTP is switched off for them.
 """
 
 from __future__ import annotations
@@ -36,11 +37,20 @@ def run_decode(
     speculate = params.greedy and num_draft > 0 and bool(getattr(engine, "supports_mtp", False))
     sampler = Sampler(params)
     token, pos = params.first_token_id, num_tokens
+    # Plain greedy on an engine that pipelines it (the next step runs while this token is emitted).
+    stream = None
+    if params.greedy and not speculate and hasattr(engine, "greedy_stream"):
+        stream = engine.greedy_stream(token, pos, params.max_tokens)
     produced = 0
     while produced < params.max_tokens:
         if cancel.is_set():
             return "cancelled"
-        if speculate:
+        if stream is not None:
+            nxt = next(stream, None)
+            if nxt is None:  # the engine's cache is full
+                return "length"
+            new = [nxt]
+        elif speculate:
             step = engine.speculative_greedy_step(token, pos, num_draft)  # type: ignore[attr-defined]
             new = step.tokens
         else:

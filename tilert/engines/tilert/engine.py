@@ -20,7 +20,7 @@ per step. Prefill and CPU run eagerly (the same functions).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +76,13 @@ class TileRTEngine(DecodeEngine):
         self.use_graphs = device.type == "cuda"
         self._graphs: dict[tuple[int, bool], GraphStep | None] = {}
         self._spec_graphs: dict[tuple[int, int, bool], CapturedFn | None] = {}
+        # greedy_stream's step: reads and advances these on the device (token at position, position)
+        self._stream_tok = torch.zeros(1, dtype=torch.int64, device=device)
+        self._stream_pos = torch.zeros(1, dtype=torch.int64, device=device)
+        self._stream_graphs: dict[bool, CapturedFn | None] = {}
+        if self.use_graphs:  # where the host reads the streamed tokens (pinned: asynchronous copies)
+            self._stream_host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+            self._stream_done = (torch.cuda.Event(), torch.cuda.Event())
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None  # shared by the graphs
 
     # ----------------------------------------------------------------------------- contract
@@ -218,6 +225,72 @@ class TileRTEngine(DecodeEngine):
         """
         _, logits = self._forward_main(token_ids, start_pos, invalidate_mtp=True)
         return logits
+
+    @torch.no_grad()
+    def greedy_stream(self, first_token: int, start_pos: int, max_new: int) -> Iterator[int]:
+        """Plain greedy decoding, pipelined: feed ``first_token`` at ``start_pos`` and yield up to ``max_new``
+        next tokens one by one (the same tokens as :func:`greedy_generate`).
+
+        On CUDA each step is one graph replay that also takes the argmax and advances its own token and
+        position on the device, so step ``t+1`` is launched before token ``t`` is read: the GPU never
+        waits for Python. Stop iterating at any time; at most one step beyond the last token read has run
+        (its cache row lies beyond the sequence and is overwritten later).
+        """
+        max_new = min(max_new, self.max_seq_len - start_pos)
+        if max_new <= 0:
+            return
+        if not 0 <= start_pos < self.max_seq_len:
+            raise ValueError(f"start_pos={start_pos} outside the cache (max {self.max_seq_len})")
+        if not self.use_graphs:
+            tok = first_token
+            for pos in range(start_pos, start_pos + max_new):
+                tok = int(self.forward(torch.tensor([tok]), pos)[-1].argmax())
+                yield tok
+            return
+        self._mtp_upto = min(self._mtp_upto, max(start_pos - 1, 0))  # as forward(): t_start may be new
+        self._stream_tok.fill_(first_token)
+        self._stream_pos.fill_(start_pos)
+        host, done = self._stream_host, self._stream_done
+
+        def launch(pos: int, slot: int) -> None:
+            self._stream_step(self.model.args.dsa and pos + 1 > self.model.args.index_topk).replay()
+            host[slot : slot + 1].copy_(self._stream_tok, non_blocking=True)
+            done[slot].record()
+
+        launch(start_pos, 0)
+        for i in range(max_new):
+            pos = start_pos + i
+            if i + 1 < max_new:
+                launch(pos + 1, (i + 1) % 2)  # runs while token i is read
+            done[i % 2].synchronize()
+            self._note_written(pos, 1)
+            yield int(host[i % 2])
+
+    def _stream_step(self, use_indexer: bool) -> CapturedFn:
+        """greedy_stream's graph for the dense / DSA regime: one step at ``_stream_pos`` from ``_stream_tok``,
+        which it then replaces by the argmax, and the position by the next one."""
+        if use_indexer not in self._stream_graphs:
+            m = self.model
+
+            def fn() -> None:
+                hidden = m(self._stream_tok, self._stream_pos, use_indexer)
+                nxt = m.logits(hidden).argmax(-1)
+                if self.supports_mtp:
+                    self._hidden.index_copy_(0, self._stream_pos, hidden)
+                    self._tokens.index_copy_(0, self._stream_pos, self._stream_tok)
+                self._stream_tok.copy_(nxt)
+                self._stream_pos.add_(1)
+
+            torch.cuda.synchronize(self.device)  # the step in flight has advanced the buffers
+            saved = self._stream_tok.clone(), self._stream_pos.clone()
+            step = CapturedFn(fn, self.device)
+            step.capture(pool=self._pool)  # warm-up and capture advance the buffers: put them back
+            self._stream_tok.copy_(saved[0])
+            self._stream_pos.copy_(saved[1])
+            self._stream_graphs[use_indexer] = step
+        step = self._stream_graphs[use_indexer]
+        assert step is not None
+        return step
 
     # ---------------------------------------------------------------------------------- MTP
 
