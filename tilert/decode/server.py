@@ -60,7 +60,7 @@ class DecodeConfig:
     num_slots: int = 2
     lease_s: float = 30.0
     transfer_timeout_s: float = 15.0
-    num_speculative_tokens: int = 2
+    num_speculative_tokens: int = 1
 
 
 def resolve_device(device: str) -> str:

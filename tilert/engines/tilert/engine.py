@@ -236,11 +236,11 @@ class TileRTEngine(DecodeEngine):
         waits for Python. Stop iterating at any time; at most one step beyond the last token read has run
         (its cache row lies beyond the sequence and is overwritten later).
         """
-        max_new = min(max_new, self.max_seq_len - start_pos)
+        if not 0 <= start_pos <= self.max_seq_len:
+            raise ValueError(f"start_pos={start_pos} outside the cache (max {self.max_seq_len})")
+        max_new = min(max_new, self.max_seq_len - start_pos)  # ends early when the cache is full
         if max_new <= 0:
             return
-        if not 0 <= start_pos < self.max_seq_len:
-            raise ValueError(f"start_pos={start_pos} outside the cache (max {self.max_seq_len})")
         if not self.use_graphs:
             tok = first_token
             for pos in range(start_pos, start_pos + max_new):
