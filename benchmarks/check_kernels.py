@@ -653,6 +653,63 @@ def check_engine_vs_transformers(dev, small):
         report("engine reference ops fp32 CPU vs transformers fp32: prefill", cpu_pre, tf32[:T], tol=1e-4)
 
 
+def check_engine_families(dev, small):
+    """Each family's tiny checkpoint (``tilert tiny-model``: deepseek_v3, deepseek_v32, glm_moe_dsa; DSA top-k
+    64, so an 80-token prompt runs the indexer) on CUDA in bf16 against transformers on the same weights.
+
+    Two links: the engine's reference ops in fp32 (CPU) == transformers fp32 at 1e-4, unpinned; and the CUDA
+    engine in bf16 (prefill eager, decode n=1 and n=3 verify through its graphs) == that fp32 reference at
+    5e-2 with the CUDA run's routing / top-k choices replayed in it (this tiny random model's bf16 arithmetic
+    flips them: transformers' own bf16 run misses its fp32 one by 1e-1 in prefill). Printed too: how many
+    choices differ, and the unpinned error next to transformers' own bf16 error."""
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from tilert.engines.tilert.engine import TileRTEngine
+    from tilert.engines.tilert.ops import cuda as _cuda  # noqa: F401
+    from tilert.models.tiny import ARCHS, build_tiny_model
+
+    T = 80
+    for arch in ARCHS:
+        with tempfile.TemporaryDirectory() as d:
+            # 8 indexer heads: exact-zero indexer scores (all heads' dots negative, ~2^-heads per key) then
+            # rarely tie on the top-k boundary, where torch.topk's choice is arbitrary (tests/ note this too)
+            extra = {} if arch == "deepseek_v3" else {"index_n_heads": 8}
+            path = build_tiny_model(arch, Path(d) / arch, seed=5, **extra)
+            tf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            tf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(dev).eval()
+            eng = TileRTEngine.load(path, device=str(dev), dtype=torch.bfloat16, max_seq_len=256)
+            cpu = TileRTEngine.load(path, device="cpu", dtype=torch.float32, max_seq_len=256)
+        ids = torch.randint(8, tf32.config.vocab_size, (T + 4,))
+        with torch.no_grad():
+            want = tf32(input_ids=ids[None]).logits[0].float()
+            noisy = tf16(input_ids=ids[None].to(dev)).logits[0].float().cpu()
+            report(f"{arch}: engine reference ops fp32 CPU vs transformers fp32, prefill", cpu.forward(ids[:T], 0),
+                   want[:T], tol=1e-4)
+            steps = [("prefill (eager)", ids[:T], 0)] + [(f"decode n=1 (graph) pos {T + j}", ids[T + j:T + j + 1], T + j)
+                                                          for j in range(4)] + [("verify n=3 (graph)", ids[T + 1:T + 4], T + 1)]
+            for label, tok, p0 in steps:
+                got = eng.forward(tok.to(dev), p0).clone()
+                eng.use_graphs = False
+                with decisions_recorded() as rec:
+                    eager = eng.forward(tok.to(dev), p0)
+                eng.use_graphs = True
+                with decisions_pinned(rec) as diff:
+                    ref32 = cpu.forward(tok, p0)
+                same = torch.equal(got, eager)
+                report(f"{arch}: engine bf16 CUDA {label} vs fp32 reference (CUDA's choices){'' if same else ' GRAPH!=EAGER'}",
+                       got, ref32, tol=5e-2 if same else -1)
+                n = tok.shape[0]
+                err = float((got.float().cpu() - want[p0:p0 + n]).norm() / want[p0:p0 + n].norm())
+                tf_err = float((noisy[p0:p0 + n] - want[p0:p0 + n]).norm() / want[p0:p0 + n].norm())
+                print(f"      choices differing from the reference's own: {diff}; vs transformers fp32 unpinned: engine "
+                      f"{err:.1e}, transformers bf16 {tf_err:.1e}", flush=True)
+        del tf32, tf16, eng, cpu
+        torch.cuda.empty_cache()
+
+
 def check_engine_mtp(dev, small):
     """MTP speculative greedy on the GPU (catch-up + draft chain + verify in one CUDA graph per shape) emits
     exactly the engine's plain greedy tokens, K = 1, 2, 3, in the dense and the DSA regime (index_topk
@@ -728,6 +785,7 @@ def main():
     if dev.type == "cuda":
         checks["model"] = check_engine_model
         checks["engine"] = check_engine_vs_transformers
+        checks["families"] = check_engine_families
     checks["mtp"] = check_engine_mtp
     for name, fn in checks.items():
         if args.only and name not in args.only.split(","):
