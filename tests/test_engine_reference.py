@@ -347,6 +347,29 @@ def _add_mtp(case: Case, out: Path, predictive: bool = False, main_scale: float 
     return out
 
 
+def test_mtp_verify_stays_in_one_attention_regime(cases: dict[str, Case], tmp_path: Path) -> None:
+    """A verify batch never straddles index_topk (dense below, DSA from it, as plain steps): near the
+    boundary the step drafts fewer tokens, and the output is still plain greedy."""
+    case = cases["deepseek_v32"]
+    eng = case.engine(_add_mtp(case, tmp_path / "mtp"))
+    topk = eng.model.args.index_topk
+    assert topk < PROMPT_LEN
+    start = topk - 3
+    first = int(eng.forward(case.prompt[:start], 0)[-1].argmax())
+    plain = greedy_generate(eng, first, start, 8)
+    eng.forward(case.prompt[:start], 0)
+    steps = []
+    tok, pos = first, start
+    while pos < start + 8:
+        res = eng.speculative_greedy_step(tok, pos, 3)
+        steps.append((pos, res.num_drafted))
+        tok, pos = res.tokens[-1], pos + len(res.tokens)
+    assert all(p + d < topk or p >= topk for p, d in steps), steps
+    assert steps[0] == (start, 2)  # positions topk-3..topk-1: two drafts, not three
+    eng.forward(case.prompt[:start], 0)
+    assert speculative_generate(eng, first, start, 8, num_draft=3)[0] == plain
+
+
 def test_greedy_stream_equals_greedy(cases: dict[str, Case]) -> None:
     """The engine's pipelined greedy stream (the decode node's greedy path) yields greedy_generate's tokens;
     stopping it early leaves the engine ready to continue from the last token read."""

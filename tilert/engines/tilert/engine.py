@@ -314,6 +314,11 @@ class TileRTEngine(DecodeEngine):
         if L >= self.max_seq_len:
             raise ValueError(f"start_pos={L} is at capacity {self.max_seq_len}")
         k_max = min(num_draft, self.max_seq_len - 1 - L)
+        a = self.model.args
+        if a.dsa and L < a.index_topk <= L + k_max:
+            # Keep the verify batch in one attention regime, the one plain steps use at these positions
+            # (dense below index_topk, DSA from it): then it computes them bit for bit as plain decoding.
+            k_max = a.index_topk - 1 - L
         if not (self.supports_mtp and k_max > 0 and L > 0 and self._hid_lo <= L - 1 < self._len and self._mtp_upto < L):
             _, logits = self._forward_main(torch.tensor([next_token]), L, invalidate_mtp=False)
             self._mtp_upto = min(self._mtp_upto, L)
@@ -327,7 +332,7 @@ class TileRTEngine(DecodeEngine):
         self._tokens[L] = next_token
         rows = torch.arange(lo, L, device=self.device)
         verify_pos = torch.arange(L, L + k_max + 1, device=self.device)
-        use_indexer = self.model.args.dsa and L + k_max + 1 > self.model.args.index_topk
+        use_indexer = a.dsa and L + k_max + 1 > a.index_topk
         inputs = (self._tokens[rows + 1], rows, verify_pos)
         step = self._spec_step(k_max, L - lo, use_indexer, inputs)
         if step is not None:
