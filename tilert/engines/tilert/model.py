@@ -388,7 +388,8 @@ class Transformer(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """MTP rows at ``positions``: ``tokens`` are ``t_{i+1}``, ``prev_hidden`` is ``h_i`` (main final-norm
         output, or the previous draft's MTP output). Writes the MTP cache rows and attends over rows
-        ``valid_from..i`` (``valid_from``: int64 ``[1]`` on the model's device); returns ``(h' [n, D] before shared_head.norm, logits fp32 [n, V])``.
+        ``valid_from..i`` (``valid_from``: int64 ``[1]`` on the model's device); returns
+        ``(h' [n, D] before shared_head.norm, logits fp32 [n, V])``.
         """
         a = self.args
         m = self.mtp[0]

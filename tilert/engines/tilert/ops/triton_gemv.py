@@ -85,16 +85,6 @@ def _gemv_kernel(
             tl.store(y_ptr + row * stride_ym + offs_n, out.to(y_ptr.dtype.element_ty), mask=nmask)
 
 
-_NUM_SMS = None
-
-
-def _num_sms() -> int:
-    global _NUM_SMS
-    if _NUM_SMS is None:
-        _NUM_SMS = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count if torch.cuda.is_available() else 132)
-    return _NUM_SMS
-
-
 _CFG_OVERRIDE: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
 
 
