@@ -113,7 +113,11 @@ class TileRTEngine(DecodeEngine):
         if a.dsa:
             notes.append(f"DSA sparse attention, index_topk={a.index_topk}")
         if self.supports_mtp:
-            notes.append("MTP speculative decoding: greedy only (speculative_greedy_step)")
+            notes.append(
+                "MTP speculative decoding: greedy requests only (temperature > 0 decodes without MTP); drafts "
+                "from the second step after an injection (the handoff carries KV, not the prompt's last hidden "
+                "state)"
+            )
         return Capabilities(mtp=self.supports_mtp, max_seq_len=self.max_seq_len, notes=tuple(notes))
 
     def expected_layouts(self) -> dict[str, KVLayout]:
