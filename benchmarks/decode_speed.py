@@ -171,6 +171,10 @@ TUNING = (  # (module, attribute, values): variants re-timed in the whole captur
     ("triton_mla", "DENSE_MIN_TOKENS_PER_SPLIT", (32, 64, 16)),
     ("triton_moe", "DOWN_CFG", ((1, 2048, 4, 3), (2, 1024, 4, 3), (1, 2048, 8, 3), (1, 2048, 4, 4))),
     ("triton_moe", "UP_CFG", ((8, 512, 4, 4), (4, 512, 4, 4), (8, 512, 4, 3), (16, 512, 8, 4))),
+    ("triton_gemv", "SMALL_K1024_CFG", ((2, 1024, 4, 3), (1, 2048, 4, 3), (4, 1024, 4, 3), (2, 2048, 8, 2),
+                                        (1, 1024, 4, 4))),
+    ("triton_gemv", "MID_CFG", ((8, 512, 4, 3), (4, 512, 4, 3), (2, 512, 4, 4), (16, 512, 8, 3))),
+    ("triton_gemv", "HEAD_CFG", ((16, 256, 4, 4), (8, 512, 4, 3), (16, 512, 8, 3), (32, 256, 8, 4))),
 )
 
 

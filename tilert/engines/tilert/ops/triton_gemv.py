@@ -85,24 +85,26 @@ def _gemv_kernel(
             tl.store(y_ptr + row * stride_ym + offs_n, out.to(y_ptr.dtype.element_ty), mask=nmask)
 
 
-_CFG_OVERRIDE: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+# (BN rows, BK, num_warps, num_stages) per weight class. Measured on the H200 (benchmarks/micro.py and
+# decode_speed.py --tune, 2026-11-29): tiny row blocks with long K tiles win for < 64 MB matrices (more
+# programs in flight), 8 x 512 for large ones, 16 x 256 for the lm_head.
+HEAD_CFG = (16, 256, 4, 4)  # N >= 65536 (lm_head)
+LARGE_CFG = (8, 512, 4, 3)  # >= 64 MB
+SMALL_K1024_CFG = (2, 1024, 4, 3)  # < 64 MB, K a multiple of 1024 (W_a, W_o, router at lite / V3.2 dims)
+MID_CFG = (8, 512, 4, 3)  # < 64 MB, N >= 4096 (W_b)
+SMALL_CFG = (2, 512, 4, 3)
 
 
 def gemv_config(N: int, K: int, nt: int) -> tuple[int, int, int, int]:
-    """(BN, BK, num_warps, num_stages) for a shape; heuristic: >= 2 programs per SM, 16-byte loads."""
-    key = (N, K, nt)
-    if key in _CFG_OVERRIDE:
-        return _CFG_OVERRIDE[key]
-    # Measured on H200 (benchmarks/micro.py, 2026-11-29): tiny row blocks with long K tiles win for
-    # <64 MB matrices (more programs in flight), 8x512 for large ones, 16x256 for the lm_head.
+    """(BN, BK, num_warps, num_stages) for a weight of ``[N, K]`` (the same for every ``nt``: batch invariance)."""
     nbytes = N * K * 2
     if N >= 65536:
-        return (16, 256, 4, 4)
+        return HEAD_CFG
     if nbytes >= (64 << 20):
-        return (8, 512, 4, 3)
+        return LARGE_CFG
     if K % 1024 == 0:
-        return (2, 1024, 4, 3)
-    return (8, 512, 4, 3) if N >= 4096 else (2, 512, 4, 3)
+        return SMALL_K1024_CFG
+    return MID_CFG if N >= 4096 else SMALL_CFG
 
 
 def gemv(
