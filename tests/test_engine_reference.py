@@ -411,6 +411,7 @@ def test_mtp_speculative_equals_plain_greedy(cases: dict[str, Case], arch: str, 
     dst = case.engine(path)
     dst.inject(state, lay, PROMPT_LEN)
     assert dst._mtp_upto <= dst._mtp_lo == PROMPT_LEN  # no valid MTP row: the range starts after the prompt
+    assert int(dst._mtp_lo_t) == dst._mtp_lo  # the copy the MTP graphs read follows every change
     spec, _, _ = speculative_generate(dst, first, PROMPT_LEN, 32, num_draft=2)
     assert spec == plain[:32]
 

@@ -71,8 +71,8 @@ class TileRTEngine(DecodeEngine):
         self._len = 0  # positions [0, _len) hold the current sequence in the main cache
         self._hid_lo = 0  # rows [_hid_lo, _len) of _hidden are valid
         self._mtp_upto = 0  # MTP rows < _mtp_upto are computed (or permanently invalid)
+        self._mtp_lo_t = torch.zeros(1, dtype=torch.int64, device=device)  # _mtp_lo on the device (graphs)
         self._mtp_lo = 0  # MTP rows >= _mtp_lo (and < _mtp_upto) are valid
-        self._mtp_lo_t = torch.zeros(1, dtype=torch.int64, device=device)  # _mtp_lo, read by the graphs
         self.use_graphs = device.type == "cuda"
         self._graphs: dict[tuple[int, bool], GraphStep | None] = {}
         self._spec_graphs: dict[tuple[int, int, bool], CapturedFn | None] = {}
@@ -332,7 +332,6 @@ class TileRTEngine(DecodeEngine):
         lo = max(self._mtp_upto, self._hid_lo)
         if lo > self._mtp_upto or self._mtp_upto <= self._mtp_lo:  # gap or empty: restart the range
             self._mtp_lo = lo
-            self._mtp_lo_t.fill_(lo)
         self._tokens[L] = next_token
         rows = torch.arange(lo, L, device=self.device)
         verify_pos = torch.arange(L, L + k_max + 1, device=self.device)
@@ -354,6 +353,16 @@ class TileRTEngine(DecodeEngine):
         return SpecStepResult(tokens=greedy[: n_acc + 1], num_drafted=len(drafts), num_accepted=n_acc)
 
     # ----------------------------------------------------------------------------- internals
+
+    @property
+    def _mtp_lo(self) -> int:
+        return self._mtp_lo_host
+
+    @_mtp_lo.setter
+    def _mtp_lo(self, row: int) -> None:
+        """One source for the host value and the device copy the MTP graphs read."""
+        self._mtp_lo_host = row
+        self._mtp_lo_t.fill_(row)
 
     def _draft_verify(
         self, catch_tokens: torch.Tensor, catch_rows: torch.Tensor, verify_pos: torch.Tensor, *, num_draft: int,
