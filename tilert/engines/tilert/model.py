@@ -42,7 +42,7 @@ first ``R`` dims (``k_i`` cached); ``w = W_w x * Hi^-0.5 * Di^-0.5`` (fp32);
 ``< index_topk`` the top-k is every row, so the step runs dense MLA instead (same result; the indexer keys
 are still cached). GLM-5 ``indexer_types``: a ``"shared"`` layer reuses the previous full layer's top-k.
 
-MoE (noaux_tc, ``tilert::router``): ``s = sigmoid(W_g x)`` (fp32); choice scores ``s + bias``; groups
+MoE (noaux_tc routing inside ``tilert::moe_block``): ``s = sigmoid(W_g x)`` (fp32); choice scores ``s + bias``; groups
 ranked by the sum of their top-2 choice scores, keep ``topk_group`` groups, pick ``top_k`` experts among
 them; weights ``s[e] / sum s[e] * routed_scaling_factor``; then the shared slots. ``tilert::moe_residual``
 computes ``h += sum_j w_j W2_j (silu(G_j x) * U_j x)`` with ``x = rms(h)``.

@@ -27,7 +27,6 @@ __all__ = [
     "moe_experts",
     "gemv",
     "gemv_residual",
-    "router",
     "moe_residual",
     "moe_block",
     "mla_prep",
@@ -130,31 +129,6 @@ def gemv_residual(h: Tensor, x: Tensor, weight: Tensor) -> None:
 @gemv_residual.register_fake
 def _(h, x, weight):
     return None
-
-
-@torch.library.custom_op("tilert::router", mutates_args=())
-def router(
-    h: Tensor,
-    norm_weight: Tensor,
-    eps: float,
-    gate_weight: Tensor,
-    bias: Tensor,
-    top_k: int,
-    n_group: int,
-    topk_group: int,
-    route_scale: float,
-    norm_topk: bool,
-    n_shared: int,
-) -> tuple[Tensor, Tensor]:
-    """noaux_tc routing of ``rms_norm(h)`` plus the shared-expert slots; see :func:`reference.router`."""
-    return reference.router(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
-                            norm_topk, n_shared)
-
-
-@router.register_fake
-def _(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared):
-    k = top_k + n_shared
-    return h.new_empty((h.shape[0], k), dtype=torch.int32), h.new_empty((h.shape[0], k), dtype=torch.float32)
 
 
 @torch.library.custom_op("tilert::moe_residual", mutates_args=("h",))

@@ -182,7 +182,6 @@ def register() -> None:
     torch.library.register_kernel("tilert::moe_experts", "cuda", _moe_experts_cuda)
     torch.library.register_kernel("tilert::gemv", "cuda", _gemv_cuda)
     torch.library.register_kernel("tilert::gemv_residual", "cuda", _gemv_residual_cuda)
-    torch.library.register_kernel("tilert::router", "cuda", _router_cuda)
     torch.library.register_kernel("tilert::moe_residual", "cuda", _moe_residual_cuda)
     torch.library.register_kernel("tilert::moe_block", "cuda", _moe_block_cuda)
     torch.library.register_kernel("tilert::mla_prep", "cuda", _mla_prep_cuda)
