@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import triton_pdl
+from .triton_pdl import pdl_begin
 
 __all__ = ["mla_prep", "mla_uv"]
 
@@ -53,9 +53,7 @@ def _mla_prep_kernel(
         offs_p = tl.arange(0, P)
         offs_c = c * BC + tl.arange(0, BC)
         w = tl.load(kvb_ptr + (h * (P + V) + offs_p).to(tl.int64)[:, None] * L + offs_c[None, :])  # static
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
+        pdl_begin(PDL)
         qn = tl.load(b_row + h * (P + R) + offs_p).to(tl.float32)
         qt = tl.sum(w.to(tl.float32) * qn[:, None], 0)
         qo = q_ptr + i * stride_q_n + h * stride_q_h
@@ -67,9 +65,7 @@ def _mla_prep_kernel(
             tl.store(qo + L + offs_r2, o1.to(q_ptr.dtype.element_ty))
             tl.store(qo + L + R2 + offs_r2, o2.to(q_ptr.dtype.element_ty))
     elif p == H * NC:
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
+        pdl_begin(PDL)
         # latent row: RMSNorm(c_kv) | RoPE(k_pe)  -> kv cache row pos
         offs_l = tl.arange(0, L)
         ckv = tl.load(a_row + QL + offs_l).to(tl.float32)
@@ -84,9 +80,7 @@ def _mla_prep_kernel(
         tl.store(kv_row + L + offs_r2, o1.to(kv_ptr.dtype.element_ty))
         tl.store(kv_row + L + R2 + offs_r2, o2.to(kv_ptr.dtype.element_ty))
     elif p == H * NC + 1:
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
+        pdl_begin(PDL)
         if HAS_INDEXER:
             # indexer key: LayerNorm then RoPE on its first R dims -> indexer cache row pos
             kbase = a_row + QL + L + R
@@ -114,9 +108,7 @@ def _mla_prep_kernel(
             wv = tl.load(kbase + DI + offs_hi, mask=himask, other=0.0).to(tl.float32) * iw_scale
             tl.store(iw_ptr + i * stride_iw + offs_hi, wv, mask=himask)
     else:
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
+        pdl_begin(PDL)
         if HAS_INDEXER:
             offs_hi = tl.arange(0, HI_P2)
             himask = offs_hi < Hi
@@ -155,9 +147,7 @@ def mla_prep(a, b, positions, kv_b, cos, sin, kv_norm_w, idx_k_norm_w, idx_k_nor
 @triton.jit
 def _mla_uv_kernel(o_ptr, kvb_ptr, y_ptr, H, stride_on, stride_oh, stride_yn,
                    L: tl.constexpr, P: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_begin(PDL)
     i = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import triton_pdl
+from .triton_pdl import pdl_begin
 
 __all__ = ["gemv", "rms_norm", "gemv_config"]
 
@@ -54,9 +54,7 @@ def _gemv_kernel(
     offs_k = k_lo + tl.arange(0, BK)
     kmask = offs_k < k_hi
     w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_begin(PDL)
     if HAS_NORM:
         rstd = _row_rstd(x_row, K, eps, BK)
     xv = tl.load(x_row + offs_k, mask=kmask, other=0.0)
@@ -152,9 +150,7 @@ def gemv(
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_x, stride_y, eps, BD: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_begin(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BD)
     m = offs < D

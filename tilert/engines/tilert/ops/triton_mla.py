@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import triton_pdl, triton_topk
+from .triton_pdl import pdl_begin
 from .triton_topk import hist_update, key64
 
 __all__ = ["mla_decode", "indexer_scores", "indexer_topk"]
@@ -31,9 +31,7 @@ def _mla_split_kernel(
     NUM_SPLITS: tl.constexpr, MIN_TPS: tl.constexpr,
     L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, SPARSE: tl.constexpr,
     HAS_START: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_begin(PDL)
     pid_s = tl.program_id(0)
     i = tl.program_id(1)
     hb = tl.program_id(2)
@@ -94,9 +92,7 @@ def _mla_split_kernel(
 def _mla_combine_kernel(
     o_ptr, lse_ptr, out_ptr, H, stride_on, stride_oh, stride_os, stride_outn, stride_outh,
     NUM_SPLITS: tl.constexpr, BS: tl.constexpr, L: tl.constexpr, BL: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_begin(PDL)
     i = tl.program_id(0)
     h = tl.program_id(1)
     lb = tl.program_id(2)
@@ -192,9 +188,7 @@ def mla_decode(
 def _indexer_score_kernel(
     q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, fine_ptr, coarse_ptr, S, Hi, stride_qn, stride_qh, stride_wn, stride_k,
     stride_on, DI: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, HIST: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_begin(PDL)
     pid_t = tl.program_id(0)
     i = tl.program_id(1)
     pos = tl.load(pos_ptr + i)

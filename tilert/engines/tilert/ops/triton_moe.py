@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import triton_pdl
+from .triton_pdl import pdl_begin
 
 __all__ = ["moe_experts", "moe_up", "moe_down", "router_select"]
 
@@ -33,9 +33,7 @@ def _moe_up_kernel(
     x_ptr, nw_ptr, ids_ptr, w13_ptr, act_ptr, D, I, KK, stride_xm, stride_ids, stride_we, stride_wn,
     stride_an, stride_ak, eps,
     BI: tl.constexpr, BK: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_begin(PDL)
     ib = tl.program_id(0)
     r = tl.program_id(1)
     i = r // KK
@@ -84,9 +82,7 @@ def _moe_down_kernel(
     act_ptr, ids_ptr, wts_ptr, w2_ptr, y_ptr, D, I, KK, stride_an, stride_ak, stride_ids, stride_wts,
     stride_we, stride_wd, stride_yn,
     BD: tl.constexpr, BI: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_begin(PDL)
     db = tl.program_id(0)
     i = tl.program_id(1)
     offs_d = db * BD + tl.arange(0, BD)
@@ -214,9 +210,7 @@ def _router_select_kernel(
     route_scale, E_real,
     E: tl.constexpr, G: tl.constexpr, TOPK_G: tl.constexpr, K: tl.constexpr, KPAD: tl.constexpr,
     N_SHARED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_begin(PDL)
     i = tl.program_id(0)
     sel_ids, sel_w = _route(part_ptr, bias_ptr, i, SPLIT, stride_ps, stride_pn, route_scale, E_real,
                             E, G, TOPK_G, K, KPAD, N_SHARED, NORM)

@@ -26,9 +26,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import triton_pdl
+from .triton_pdl import pdl_begin
 
 __all__ = ["TopkWorkspace", "topk", "select_from_hist"]
 
@@ -54,27 +54,45 @@ def hist_update(digit, mask, fine_row, coarse_row):
 
 
 @triton.jit
-def _hist_hi_kernel(s_ptr, pos_ptr, fine_ptr, coarse_ptr, S, stride_s, CHUNK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    c = tl.program_id(0)
+def _chunk(s_ptr, pos_ptr, S, stride_s, CHUNK: tl.constexpr):
+    """This program's row ``i``, its number of valid scores, the chunk's offsets, validity and keys."""
     i = tl.program_id(1)
     total = tl.minimum(tl.load(pos_ptr + i) + 1, S)
-    start = c * CHUNK
-    if start < total:
-        offs = start + tl.arange(0, CHUNK)
-        valid = offs < total
-        key = key64(tl.load(s_ptr + i * stride_s + offs, mask=valid, other=0.0))
-        hist_update((key >> 16).to(tl.int32), valid, fine_ptr + i * 65536, coarse_ptr + i * 256)
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < total
+    key = key64(tl.load(s_ptr + i * stride_s + offs, mask=valid, other=0.0))
+    return i, total, offs, valid, key
+
+
+@triton.jit
+def _threshold(state_ptr, i):
+    """Row ``i``'s pass-1 bin and the exact threshold key ``T`` (int64)."""
+    b = tl.load(state_ptr + i * 4).to(tl.int64)
+    return b, (b << 16) | tl.load(state_ptr + i * 4 + 2).to(tl.int64)
+
+
+@triton.jit
+def _select_bin(cnt, need):
+    """The bin (of 256 counts, high bins = large keys) holding the ``need``-th largest key, and how many keys
+    are still needed from inside it."""
+    bins = tl.arange(0, 256)
+    ge = tl.cumsum(cnt, 0, reverse=True)
+    gt = ge - cnt
+    sel = (gt < need) & (ge >= need)
+    return tl.sum(tl.where(sel, bins, 0), 0), need - tl.sum(tl.where(sel, gt, 0), 0)
+
+
+@triton.jit
+def _hist_hi_kernel(s_ptr, pos_ptr, fine_ptr, coarse_ptr, S, stride_s, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
+    i, total, offs, valid, key = _chunk(s_ptr, pos_ptr, S, stride_s, CHUNK)
+    hist_update((key >> 16).to(tl.int32), valid, fine_ptr + i * 65536, coarse_ptr + i * 256)
 
 
 @triton.jit
 def _scan_kernel(fine_ptr, coarse_ptr, state_ptr, n, K: tl.constexpr, PASS: tl.constexpr, PDL: tl.constexpr):
     """One program per row: the bin holding the ``need``-th largest key (need = K, or what pass 1 left)."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_begin(PDL)
     i = tl.program_id(0)
     bins = tl.arange(0, 256)
     if PASS == 0:
@@ -82,18 +100,8 @@ def _scan_kernel(fine_ptr, coarse_ptr, state_ptr, n, K: tl.constexpr, PASS: tl.c
     else:
         need = tl.load(state_ptr + i * 4 + 1)
     crow = coarse_ptr + (PASS * n + i) * 256
-    cnt = tl.load(crow + bins)
-    ge = tl.cumsum(cnt, 0, reverse=True)
-    gt = ge - cnt
-    sel = (gt < need) & (ge >= need)
-    cb = tl.sum(tl.where(sel, bins, 0), 0)
-    need = need - tl.sum(tl.where(sel, gt, 0), 0)
-    fine = tl.load(fine_ptr + (PASS * n + i).to(tl.int64) * 65536 + cb * 256 + bins)
-    ge = tl.cumsum(fine, 0, reverse=True)
-    gt = ge - fine
-    sel = (gt < need) & (ge >= need)
-    fb = tl.sum(tl.where(sel, bins, 0), 0)
-    need = need - tl.sum(tl.where(sel, gt, 0), 0)
+    cb, need = _select_bin(tl.load(crow + bins), need)
+    fb, need = _select_bin(tl.load(fine_ptr + (PASS * n + i).to(tl.int64) * 65536 + cb * 256 + bins), need)
     tl.store(crow + bins, tl.zeros([256], dtype=tl.int32))
     tl.store(state_ptr + i * 4 + 2 * PASS, cb * 256 + fb)
     tl.store(state_ptr + i * 4 + 2 * PASS + 1, need)
@@ -102,71 +110,41 @@ def _scan_kernel(fine_ptr, coarse_ptr, state_ptr, n, K: tl.constexpr, PASS: tl.c
 @triton.jit
 def _hist_lo_kernel(s_ptr, pos_ptr, fine_ptr, coarse_ptr, state_ptr, S, n, stride_s, CHUNK: tl.constexpr,
                     PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    c = tl.program_id(0)
-    i = tl.program_id(1)
-    total = tl.minimum(tl.load(pos_ptr + i) + 1, S)
-    start = c * CHUNK
-    if start < total:
-        offs = start + tl.arange(0, CHUNK)
-        valid = offs < total
-        key = key64(tl.load(s_ptr + i * stride_s + offs, mask=valid, other=0.0))
-        hi = (key >> 16).to(tl.int32)
-        tl.store(fine_ptr + i * 65536 + hi, 0, mask=valid)  # pass-1 bins: read by the scan, done
-        b = tl.load(state_ptr + i * 4)
-        hist_update((key & 0xFFFF).to(tl.int32), valid & (hi == b), fine_ptr + (n + i).to(tl.int64) * 65536,
-                    coarse_ptr + (n + i) * 256)
+    pdl_begin(PDL)
+    i, total, offs, valid, key = _chunk(s_ptr, pos_ptr, S, stride_s, CHUNK)
+    hi = (key >> 16).to(tl.int32)
+    tl.store(fine_ptr + i * 65536 + hi, 0, mask=valid)  # pass-1 bins: read by the scan, done
+    b = tl.load(state_ptr + i * 4)
+    hist_update((key & 0xFFFF).to(tl.int32), valid & (hi == b), fine_ptr + (n + i).to(tl.int64) * 65536,
+                coarse_ptr + (n + i) * 256)
 
 
 @triton.jit
 def _count_kernel(s_ptr, pos_ptr, fine_ptr, state_ptr, cnt_ptr, S, n, stride_s, NCHP: tl.constexpr,
                   CHUNK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_begin(PDL)
+    i, total, offs, valid, key = _chunk(s_ptr, pos_ptr, S, stride_s, CHUNK)
+    b, thr = _threshold(state_ptr, i)
     c = tl.program_id(0)
-    i = tl.program_id(1)
-    total = tl.minimum(tl.load(pos_ptr + i) + 1, S)
-    start = c * CHUNK
-    n_gt = 0 * i
-    n_eq = 0 * i
-    if start < total:
-        offs = start + tl.arange(0, CHUNK)
-        valid = offs < total
-        key = key64(tl.load(s_ptr + i * stride_s + offs, mask=valid, other=0.0))
-        b = tl.load(state_ptr + i * 4).to(tl.int64)
-        thr = (b << 16) | tl.load(state_ptr + i * 4 + 2).to(tl.int64)
-        n_gt = tl.sum((valid & (key > thr)).to(tl.int32), 0)
-        n_eq = tl.sum((valid & (key == thr)).to(tl.int32), 0)
-        lo = (key & 0xFFFF).to(tl.int32)
-        tl.store(fine_ptr + (n + i).to(tl.int64) * 65536 + lo, 0, mask=valid & ((key >> 16) == b))  # pass-2 bins
-    tl.store(cnt_ptr + (i * 2) * NCHP + c, n_gt)
-    tl.store(cnt_ptr + (i * 2 + 1) * NCHP + c, n_eq)
+    tl.store(cnt_ptr + (i * 2) * NCHP + c, tl.sum((valid & (key > thr)).to(tl.int32), 0))
+    tl.store(cnt_ptr + (i * 2 + 1) * NCHP + c, tl.sum((valid & (key == thr)).to(tl.int32), 0))
+    lo = (key & 0xFFFF).to(tl.int32)
+    tl.store(fine_ptr + (n + i).to(tl.int64) * 65536 + lo, 0, mask=valid & ((key >> 16) == b))  # pass-2 bins
 
 
 @triton.jit
 def _write_kernel(s_ptr, pos_ptr, state_ptr, cnt_ptr, out_ptr, S, stride_s, stride_o, K: tl.constexpr,
                   NCHP: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    c = tl.program_id(0)
-    i = tl.program_id(1)
-    total = tl.minimum(tl.load(pos_ptr + i) + 1, S)
-    start = c * CHUNK
-    offs = start + tl.arange(0, CHUNK)
+    pdl_begin(PDL)
+    i, total, offs, valid, key = _chunk(s_ptr, pos_ptr, S, stride_s, CHUNK)
     orow = out_ptr + i * stride_o
     if total <= K:  # every valid row is selected: 0..total-1, then -1
-        tl.store(orow + offs, tl.where(offs < total, offs, -1).to(tl.int32), mask=offs < K)
-    elif start < total:
-        valid = offs < total
-        key = key64(tl.load(s_ptr + i * stride_s + offs, mask=valid, other=0.0))
-        thr = (tl.load(state_ptr + i * 4).to(tl.int64) << 16) | tl.load(state_ptr + i * 4 + 2).to(tl.int64)
+        tl.store(orow + offs, tl.where(valid, offs, -1).to(tl.int32), mask=offs < K)
+    else:
+        _, thr = _threshold(state_ptr, i)
         take_eq = tl.load(state_ptr + i * 4 + 3)
         chunks = tl.arange(0, NCHP)
-        before = chunks < c
+        before = chunks < tl.program_id(0)
         p_gt = tl.sum(tl.where(before, tl.load(cnt_ptr + (i * 2) * NCHP + chunks), 0), 0)
         p_eq = tl.sum(tl.where(before, tl.load(cnt_ptr + (i * 2 + 1) * NCHP + chunks), 0), 0)
         gtm = valid & (key > thr)
