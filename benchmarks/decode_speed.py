@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch
 
 from engine_configs import CONFIGS  # noqa: E402
-from tilert.engines.tilert.fast import GraphStep  # noqa: E402
+from tilert.engines.tilert.fast import CapturedFn  # noqa: E402
 from tilert.engines.tilert.model import ModelArgs  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -45,22 +45,27 @@ def log(*a):
     print(*a, flush=True)
 
 
-def time_graph(step: GraphStep, iters=30, reps=5) -> float:
-    """Median seconds per replay (events around ``iters`` back-to-back replays, ``reps`` times)."""
+def time_replays(replay, iters=30, reps=5) -> float:
+    """Median seconds per ``replay()`` (events around ``iters`` back-to-back calls, ``reps`` times)."""
     for _ in range(3):
-        step.replay()
+        replay()
     torch.cuda.synchronize()
     ts = []
     for _ in range(reps):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
         for _ in range(iters):
-            step.replay()
+            replay()
         e1.record()
         e1.synchronize()
         ts.append(e0.elapsed_time(e1) / 1e3 / iters)
     ts.sort()
     return ts[len(ts) // 2]
+
+
+def time_graph(step: CapturedFn, iters=30, reps=5) -> float:
+    """Median seconds per replay of a captured engine graph."""
+    return time_replays(step.replay, iters, reps)
 
 
 def copy_bandwidth() -> float:
@@ -84,12 +89,6 @@ def copy_bandwidth() -> float:
     del a, b
     torch.cuda.empty_cache()
     return bw
-
-
-def capture(fn, n, tok, pos):
-    st = GraphStep(fn, n, DEV)
-    st.capture(tok, pos)
-    return st
 
 
 CATEGORIES = (("moe_up", "moe up (norm + w13 + silu*up)"), ("moe_down", "moe down (+residual)"),

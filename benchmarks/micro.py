@@ -14,9 +14,11 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
 
+from decode_speed import time_replays  # noqa: E402
 from tilert.engines.tilert.ops import triton_gemv, triton_mla, triton_moe
 
 DEV = torch.device("cuda")
@@ -40,18 +42,7 @@ def graph_time(fns, reps=5):
             for f in fns:
                 f()
     ncalls = (20 // len(fns) or 1) * len(fns)
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) / 1e3 / ncalls)
-    ts.sort()
-    return ts[len(ts) // 2]
+    return time_replays(g.replay, iters=1, reps=reps) / ncalls
 
 
 def copies(nbytes):

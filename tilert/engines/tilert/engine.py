@@ -13,7 +13,7 @@ became known (``[_mtp_upto, L-1]``), which also yields the first draft; when tho
 the range (a gap after a rewind), the range restarts at them.
 
 On CUDA the main-model step of 1..16 tokens runs as one CUDA graph per ``(n, dense/DSA)``
-(``fast.GraphStep``, captured at first use), and a speculative step (MTP catch-up + draft chain + verify +
+(``fast.CapturedFn``, captured at first use), and a speculative step (MTP catch-up + draft chain + verify +
 the verify's argmax) as one graph per ``(drafts, catch-up rows, dense/DSA)``: one launch and one host read
 per step. Prefill and CPU run eagerly (the same functions).
 """
@@ -29,7 +29,7 @@ import torch
 from tilert.engines.base import Capabilities, DecodeEngine, KVLayout
 
 from . import layouts
-from .fast import CapturedFn, GraphStep
+from .fast import CapturedFn
 from .model import Transformer
 from .weights import load_model
 
@@ -74,7 +74,7 @@ class TileRTEngine(DecodeEngine):
         self._mtp_lo_t = torch.zeros(1, dtype=torch.int64, device=device)  # _mtp_lo on the device (graphs)
         self._mtp_lo = 0  # MTP rows >= _mtp_lo (and < _mtp_upto) are valid
         self.use_graphs = device.type == "cuda"
-        self._graphs: dict[tuple[int, bool], GraphStep | None] = {}
+        self._graphs: dict[tuple[int, bool], CapturedFn | None] = {}
         self._spec_graphs: dict[tuple[int, int, bool], CapturedFn | None] = {}
         # greedy_stream's step: reads and advances these on the device (token at position, position)
         self._stream_tok = torch.zeros(1, dtype=torch.int64, device=device)
@@ -413,7 +413,7 @@ class TileRTEngine(DecodeEngine):
             self._hid_lo = start_pos
         self._len = start_pos + n
 
-    def _step(self, n: int, use_indexer: bool) -> GraphStep | None:
+    def _step(self, n: int, use_indexer: bool) -> CapturedFn | None:
         """The CUDA graph for ``n`` tokens in the dense / DSA regime (``None``: run eagerly)."""
         if not self.use_graphs or n > GRAPH_MAX_TOKENS:
             return None
@@ -425,7 +425,7 @@ class TileRTEngine(DecodeEngine):
                 hidden = model(tokens, positions, use_indexer)
                 return hidden, model.logits(hidden)
 
-            self._graphs[key] = GraphStep(step, n, self.device)
+            self._graphs[key] = CapturedFn(step, self.device)
         return self._graphs[key]
 
     def _forward_main(

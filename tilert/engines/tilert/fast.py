@@ -3,8 +3,7 @@
 ``CapturedFn(fn)`` wraps ``fn(*inputs) -> outputs`` (a forward that only touches static memory: caches,
 weights, engine buffers, its own intermediates) into a CUDA graph captured at the first inputs; each call
 copies the new inputs into the static buffers and replays: one Python-side launch. Optionally
-``torch.compile`` (mode ``"max-autotune-no-cudagraphs"``) the function first. ``GraphStep`` is the main
-model's step of ``n`` tokens (inputs: token ids and positions, int64 ``[n]``).
+``torch.compile`` (mode ``"max-autotune-no-cudagraphs"``) the function first.
 
 :class:`~tilert.engines.tilert.engine.TileRTEngine` uses them on CUDA for every main-model step of up to 16
 tokens (decode, one graph per token count and attention regime) and for the MTP draft chain + verify step;
@@ -58,12 +57,3 @@ class CapturedFn:
         """Replay with whatever is in the static buffers (benchmarks)."""
         self.graph.replay()
         return self.out
-
-
-class GraphStep(CapturedFn):
-    """``fn(tokens int64 [n], positions int64 [n])``: the main model's step of ``n`` tokens."""
-
-    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], Any], n: int, device, *, compile: bool = False,
-                 warmup: int = 2) -> None:
-        super().__init__(fn, device, compile=compile, warmup=warmup)
-        self.n = n
