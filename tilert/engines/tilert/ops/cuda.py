@@ -174,18 +174,24 @@ def _mla_uv_cuda(o_lat, kv_b, nope_dim):
     return mla_uv(o_lat.contiguous(), kv_b.contiguous(), P=nope_dim, V=v)
 
 
+_KERNELS = {
+    "rms_norm": _rms_norm_cuda,
+    "mla_attention": _mla_attention_cuda,
+    "mla_sparse_attention": _mla_sparse_attention_cuda,
+    "indexer_topk": _indexer_topk_cuda,
+    "moe_experts": _moe_experts_cuda,
+    "gemv": _gemv_cuda,
+    "gemv_residual": _gemv_residual_cuda,
+    "moe_residual": _moe_residual_cuda,
+    "moe_block": _moe_block_cuda,
+    "mla_prep": _mla_prep_cuda,
+    "mla_uv": _mla_uv_cuda,
+}
+
+
 def register() -> None:
-    torch.library.register_kernel("tilert::rms_norm", "cuda", _rms_norm_cuda)
-    torch.library.register_kernel("tilert::mla_attention", "cuda", _mla_attention_cuda)
-    torch.library.register_kernel("tilert::mla_sparse_attention", "cuda", _mla_sparse_attention_cuda)
-    torch.library.register_kernel("tilert::indexer_topk", "cuda", _indexer_topk_cuda)
-    torch.library.register_kernel("tilert::moe_experts", "cuda", _moe_experts_cuda)
-    torch.library.register_kernel("tilert::gemv", "cuda", _gemv_cuda)
-    torch.library.register_kernel("tilert::gemv_residual", "cuda", _gemv_residual_cuda)
-    torch.library.register_kernel("tilert::moe_residual", "cuda", _moe_residual_cuda)
-    torch.library.register_kernel("tilert::moe_block", "cuda", _moe_block_cuda)
-    torch.library.register_kernel("tilert::mla_prep", "cuda", _mla_prep_cuda)
-    torch.library.register_kernel("tilert::mla_uv", "cuda", _mla_uv_cuda)
+    for name, fn in _KERNELS.items():
+        torch.library.register_kernel(f"tilert::{name}", "cuda", fn)
 
 
 try:  # Triton missing (CPU-only installs) leaves the reference kernels in place.
