@@ -22,6 +22,8 @@ demo: $(STAMP) $(MODEL)/config.json
 	$(PY) -m tilert.demo --model $(MODEL) --port $(PORT)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check tilert
+	$(VENV)/bin/mypy tilert
 	$(PY) -m pytest -q -ra
 
 clean:

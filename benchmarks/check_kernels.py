@@ -362,7 +362,9 @@ def check_prep(dev, small):
 def check_registered(dev):
     """The tilert::* ops dispatch to the CUDA kernels and agree with the reference."""
     import tilert.engines.tilert.ops as ops
-    from tilert.engines.tilert.ops import cuda as _cuda  # noqa: F401  (registers)
+
+    if not ops.register_device_kernels():
+        raise RuntimeError("the Triton CUDA kernels could not be registered (no CUDA or no Triton)")
 
     q = rnd(1, 16, 576, dev=dev)
     kv = rnd(5000, 576, dev=dev)
@@ -514,9 +516,10 @@ def check_engine_model(dev, small):
 
     from tilert.engines.tilert.engine import TileRTEngine
     from tilert.engines.tilert.model import Transformer
-    from tilert.engines.tilert.ops import cuda as _cuda  # noqa: F401
+    from tilert.engines.tilert.ops import register_device_kernels
     from tilert.engines.tilert.weights import _finish, random_model
 
+    register_device_kernels()
     S = 3000
     from dataclasses import replace
 
@@ -602,9 +605,10 @@ def check_engine_families(dev, small):
     from transformers import AutoModelForCausalLM
 
     from tilert.engines.tilert.engine import TileRTEngine
-    from tilert.engines.tilert.ops import cuda as _cuda  # noqa: F401
+    from tilert.engines.tilert.ops import register_device_kernels
     from tilert.models.tiny import ARCHS, build_tiny_model
 
+    register_device_kernels()  # TileRTEngine.load registers them too
     T = 80
     for arch in ARCHS:
         with tempfile.TemporaryDirectory() as d:
@@ -656,9 +660,10 @@ def check_engine_mtp(dev, small):
     import engine_configs as ec
 
     from tilert.engines.tilert.engine import TileRTEngine, greedy_generate, speculative_generate
-    from tilert.engines.tilert.ops import cuda as _cuda  # noqa: F401
+    from tilert.engines.tilert.ops import register_device_kernels
     from tilert.engines.tilert.weights import random_model
 
+    register_device_kernels()  # a no-op off CUDA (the CPU interpreter run checks the reference ops here)
     S = 512
     args = replace(ec.small(ec.LITE_V32, 2, vocab=4096), num_mtp_layers=1, index_topk=64)
     if small:

@@ -217,10 +217,10 @@ def bench_engine(name, args, contexts, bw, mtp=True, profile=True, topk_compare=
     from dataclasses import replace
 
     from tilert.engines.tilert.engine import TileRTEngine
-    from tilert.engines.tilert.ops import cuda as _cuda  # noqa: F401
-    from tilert.engines.tilert.ops import triton_mla
+    from tilert.engines.tilert.ops import register_device_kernels, triton_mla
     from tilert.engines.tilert.weights import random_model
 
+    register_device_kernels()
     if mtp:
         args = replace(args, num_mtp_layers=1)  # DeepSeek-V3.2's one MTP module (not read by the plain step)
     max_seq = max(contexts) + 16

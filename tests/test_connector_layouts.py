@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tilert import protocol as p
-from tilert.connector.claims import Claim, SaveRequest
+from tilert import contracts as p
+from tilert.connector.claims import SaveRequest
+from tilert.contracts import Claim
 from tilert.connector.sender import BackgroundSender
 from tilert.connector.worker import WorkerSide, gather_rows
 from tilert.decode.slots import SlotTable
@@ -39,7 +40,7 @@ def test_connector_layouts_are_what_the_engine_expects(v32: Path) -> None:
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(v32)
-    sender = BackgroundSender("tcp", {})
+    sender = BackgroundSender("tcp", {}, b"layouts-test-secret-0123456789ab")
     worker = WorkerSide(cfg, sender)
     try:
         worker.register(_vllm_gpu_caches(cfg, num_blocks=4))
@@ -62,14 +63,14 @@ def test_indexer_rows_gathered_through_the_block_table() -> None:
     blocks = layouts.dsa_indexer_rows_to_blocks(rows, head_dim)  # [2, 64*(D+4)], tokens 0..69 in order
     shuffled = torch.zeros(5, blocks.shape[1], dtype=torch.uint8)
     shuffled[3], shuffled[1] = blocks[0], blocks[1]  # the request's block table is [3, 1]
-    slots = torch.tensor(SaveRequest("r", Claim("t", "h", 1), [3, 1], 64, n).slot_ids())
+    slots = torch.tensor(SaveRequest("r", Claim("t", "h", 1, "unsigned"), [3, 1], 64, n).slot_ids())
     got = gather_rows("dsa_indexer", head_dim + 4, shuffled, slots, 64)
     assert torch.equal(got, rows)
 
 
 def test_dense_rows_gathered_through_the_block_table() -> None:
     cache = torch.randn(6, 1, 16, 576)  # vLLM CPU_MLA: [num_blocks, 1, 16, 576]
-    save = SaveRequest("r", Claim("t", "h", 1), [4, 0, 2], 16, 40)
+    save = SaveRequest("r", Claim("t", "h", 1, "unsigned"), [4, 0, 2], 16, 40)
     got = gather_rows("mla_dense", 576 * 4, cache, torch.tensor(save.slot_ids()), 16)
     flat = cache.reshape(-1, 576)
     want = torch.cat([flat[64:80], flat[0:16], flat[32:40]]).view(torch.uint8).reshape(40, -1)
@@ -85,7 +86,7 @@ def test_fp8_ds_mla_prefill_is_accepted_and_wrong_layouts_are_refused_with_a_rea
     caches = _vllm_gpu_caches(cfg, num_blocks=4)
     for i in range(cfg.num_hidden_layers):
         caches[f"model.layers.{i}.self_attn.attn"] = torch.zeros(4, 64, 656, dtype=torch.uint8)
-    sender = BackgroundSender("tcp", {})
+    sender = BackgroundSender("tcp", {}, b"layouts-test-secret-0123456789ab")
     worker = WorkerSide(cfg, sender)
     engine = TileRTEngine.load(v32, device="cpu", dtype=torch.bfloat16, max_seq_len=256)
     receiver = TcpTransport.receiver(host="127.0.0.1", options={})

@@ -441,7 +441,7 @@ def test_decode_loop_speculative_and_stops(cases: dict[str, Case], tmp_path: Pat
     multi-token step ends the stream at that token; sampling with a seed is reproducible."""
     import threading
 
-    from tilert.decode.generate import run_decode
+    from tilert.decode.generate import Finish, run_decode
     from tilert.decode.sampling import DecodeParams
 
     case = cases["deepseek_v3"]
@@ -449,18 +449,18 @@ def test_decode_loop_speculative_and_stops(cases: dict[str, Case], tmp_path: Pat
     first = int(eng.forward(case.prompt, 0)[-1].argmax())
     state, lay = _vllm_state(eng, PROMPT_LEN)
 
-    def run(**kw: Any) -> tuple[list[int], str]:
+    def run(**kw: Any) -> tuple[list[int], Finish]:
         out: list[int] = []
         params = DecodeParams("t", first, PROMPT_LEN, **{"max_tokens": 24, "temperature": 0.0, **kw})
-        finish = run_decode(eng, state, lay, PROMPT_LEN, params, frozenset(), out.extend, threading.Event(), num_draft)
+        finish = run_decode(eng, state, lay, PROMPT_LEN, params, frozenset(), lambda ids, fin: out.extend(ids), threading.Event(), num_draft)
         return out, finish
 
     plain, finish = run()
-    assert finish == "length" and len(plain) == 24
+    assert finish == Finish("length") and len(plain) == 24
     assert plain == case.generated[1:25]
     stop_at = plain[10]
     stopped, finish = run(stop_token_ids=(stop_at,))
-    assert finish == "stop" and stopped == plain[: plain.index(stop_at) + 1]
+    assert finish == Finish("stop", stop_at) and stopped == plain[: plain.index(stop_at) + 1]
     sampled_a, _ = run(temperature=1.0, top_k=5, seed=7)
     sampled_b, _ = run(temperature=1.0, top_k=5, seed=7)
     assert sampled_a == sampled_b and len(sampled_a) == 24

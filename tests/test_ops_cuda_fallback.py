@@ -1,12 +1,17 @@
 """CPU-side checks of the CUDA op registration module (the Triton kernels themselves run on the GPU only,
 through benchmarks/check_kernels.py).
 
-- ``ops/cuda.py`` imports without a GPU and without Triton (CI installs no Triton): nothing registered.
+- Importing the ops (or ``ops/cuda.py``) registers nothing and imports no Triton: the CUDA kernels are
+  registered at start-up by ``ops.register_device_kernels()`` (``TileRTEngine.load`` on CUDA), once.
 - Its wrappers send every input the fast kernels do not cover (float64, odd widths) to the reference
   kernels, so the ``tilert::*`` ops stay total on CUDA.
 """
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
 
 import torch
 
@@ -16,6 +21,38 @@ from tilert.engines.tilert.ops import reference as ref
 
 def test_imports_without_gpu():
     assert isinstance(cuda_ops.AVAILABLE, bool)
+
+
+def _run(code: str) -> None:
+    subprocess.run([sys.executable, "-c", textwrap.dedent(code)], check=True, timeout=300)
+
+
+def test_import_registers_nothing():
+    _run("""
+        import sys
+        import torch
+        import tilert.engines.tilert.engine
+        from tilert.engines.tilert import ops
+        assert "tilert.engines.tilert.ops.cuda" not in sys.modules and "triton" not in sys.modules
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key("tilert::rms_norm", "CUDA")
+        if not torch.cuda.is_available():
+            assert ops.register_device_kernels() is False
+    """)
+
+
+def test_register_is_explicit_and_idempotent():
+    """With Triton present (a stand-in module here), ``register()`` puts every kernel on the CUDA key, once."""
+    _run("""
+        import sys, types
+        import torch
+        from tilert.engines.tilert.ops import cuda
+        sys.modules["triton"] = types.ModuleType("triton")
+        cuda.AVAILABLE = True
+        names = [f"tilert::{n}" for n in cuda._KERNELS]
+        assert not any(torch._C._dispatch_has_kernel_for_dispatch_key(n, "CUDA") for n in names)
+        assert cuda.register() is True and cuda.register() is True
+        assert all(torch._C._dispatch_has_kernel_for_dispatch_key(n, "CUDA") for n in names)
+    """)
 
 
 def test_float64_falls_back_to_reference():

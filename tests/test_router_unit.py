@@ -28,12 +28,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from tilert import auth
+from tilert import contracts as c
 from tilert.router import ConfigError, RouterConfig, build_app, load_config, parse_decode_spec
 from tilert.router.config import DecodeNodeSpec
 
 pytestmark = pytest.mark.timeout(60)
 
 MODEL_TEXT = "Hello there! def foo(bar): return bar * 2  # done"
+SECRET = b"router-unit-test-secret-0123456789"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -119,6 +122,7 @@ class World:
     cancels: list[str] = field(default_factory=list)
     releases: list[str] = field(default_factory=list)
     closed_streams: list[str] = field(default_factory=list)
+    decoding: set[str] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def reset(self) -> None:
@@ -127,7 +131,7 @@ class World:
         self.prefill_delay = 0.0
         self.hold, self.token_delay, self.tokens_per_line, self.slots_total = False, 0.002, 1, 2
         for coll in (self.reservations, self.prefill_bodies, self.prompts, self.transfers, self.decode_calls,
-                     self.decode_bodies, self.cancels, self.releases, self.closed_streams):
+                     self.decode_bodies, self.cancels, self.releases, self.closed_streams, self.decoding):
             coll.clear()
 
     def text(self, ids: list[int]) -> str:
@@ -151,7 +155,8 @@ def prefill_standin(world: World) -> Starlette:
             return JSONResponse({"error": {"message": "engine dead", "code": 500}}, status_code=500)
         assert body["max_tokens"] == 1 and body["stream"] is False and body["return_token_ids"] is True
         assert "max_completion_tokens" not in body and "stream_options" not in body
-        kv_in = body["kv_transfer_params"]
+        claim = c.Claim.from_params(body["kv_transfer_params"])
+        assert claim is not None and claim.verified(SECRET)  # the router signs every claim
         prompt = " ".join(m["content"] for m in body["messages"]) if chat else body["prompt"]
         prompt_ids = world.tokenizer.encode(prompt).ids
         first = world.script[0]
@@ -164,7 +169,7 @@ def prefill_standin(world: World) -> Starlette:
             if s in text:
                 text, finish, stop_reason = text[: text.index(s)], "stop", s
                 break
-        tid = kv_in["tilert_transfer_id"]
+        tid = claim.transfer_id
         world.prompts[tid] = prompt
         world.transfers[tid] = world.script[1:]
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason,
@@ -185,11 +190,7 @@ def prefill_standin(world: World) -> Starlette:
         if chat:
             resp["prompt_token_ids"] = prompt_ids
         if world.prefill_mode != "no_kv":
-            resp["kv_transfer_params"] = {
-                "tilert_first_token_id": first,
-                "tilert_prompt_tokens": len(prompt_ids),
-                "tilert_transfer_id": tid,
-            }
+            resp["kv_transfer_params"] = c.ClaimResult(tid, first, len(prompt_ids)).to_params()
         return JSONResponse(resp)
 
     async def health(request: Request) -> Response:
@@ -203,73 +204,83 @@ def prefill_standin(world: World) -> Starlette:
 
 
 def decode_standin(world: World) -> Starlette:
-    def free(tid: str) -> None:
+    """The decode node's API on the contract types (``tilert.contracts``), as the real node answers it."""
+    token = ("Bearer " + auth.node_api_token(SECRET)).encode()
+
+    def free(tid: str) -> bool:
         with world.lock:
-            world.reservations.pop(tid, None)
+            return world.reservations.pop(tid, None) is not None
+
+    def error(message: str, status: int) -> Response:
+        return Response(c.error_body(message, status), status, media_type="application/json")
+
+    def authorised(request: Request) -> bool:
+        return request.headers.get("authorization", "").encode() == token
 
     async def reserve(request: Request) -> Response:
-        body = await request.json()
+        if not authorised(request):
+            return error("missing or invalid node API token", 401)
+        body = c.parse(c.ReserveRequest, await request.body())
         with world.lock:
             if len(world.reservations) >= world.slots_total:
-                return JSONResponse({"error": {"message": "no free slot"}}, status_code=429)
+                return error("all decode slots are taken", 429)
             slot = len(world.reservations)
-            world.reservations[body["transfer_id"]] = slot
-        return JSONResponse({"transfer_id": body["transfer_id"], "slot": slot})
+            world.reservations[body.transfer_id] = slot
+        return Response(c.dump(c.ReserveResponse(body.transfer_id, slot)), media_type="application/json")
 
     async def release(request: Request) -> Response:
-        tid = (await request.json())["transfer_id"]
+        if not authorised(request):
+            return error("missing or invalid node API token", 401)
+        tid = c.parse(c.ReleaseRequest, await request.body()).transfer_id
         world.releases.append(tid)
-        free(tid)
-        return JSONResponse({"ok": True})
-
-    async def cancel(request: Request) -> Response:
-        tid = (await request.json())["transfer_id"]
-        world.cancels.append(tid)
-        free(tid)
-        return JSONResponse({"ok": True})
+        if tid in world.decoding:
+            world.cancels.append(tid)  # (the real node cancels a running decode on release too)
+        return Response(c.dump(c.ReleaseResponse(free(tid))), media_type="application/json")
 
     async def decode(request: Request) -> Response:
-        body = await request.json()
-        tid = body["transfer_id"]
+        if not authorised(request):
+            return error("missing or invalid node API token", 401)
+        body = c.parse(c.DecodeRequest, await request.body())
+        tid = body.transfer_id
         if tid not in world.reservations:
-            return JSONResponse({"error": {"message": "unknown transfer"}}, status_code=404)
+            return error("unknown transfer: reserve a slot first", 404)
         if world.decode_mode == "refuse":
-            return JSONResponse({"error": {"message": "top_k too large"}}, status_code=400)
+            return error("top_k too large", 400)
         world.decode_calls.append(tid)
-        world.decode_bodies.append(body)
-        script = world.transfers[tid]
-        stop_ids = set(body.get("stop_token_ids") or [])
-        ignore_eos = bool(body.get("ignore_eos"))
+        world.decode_bodies.append(c.msgspec.to_builtins(body))
+        script, stop_ids = world.transfers[tid], set(body.stop_token_ids)
+        limit = len(script) if body.max_tokens is None else body.max_tokens
 
         async def lines() -> Any:
+            world.decoding.add(tid)
             try:
                 while world.hold:
                     await anyio.sleep(0.005)
                 produced: list[int] = []
-                finish = "length"
                 pending: list[int] = []
-                for tok in script:
-                    if len(produced) >= body["max_tokens"]:
-                        break
+                for tok in script[:limit]:
                     if world.decode_mode == "error_after" and len(produced) >= world.error_after:
-                        yield orjson.dumps({"error": {"message": "injected decode failure", "code": 500}}) + b"\n"
+                        yield c.dump_line(c.ErrorLine(500, "injected decode failure"))
                         return
                     if world.decode_mode == "hang" and len(produced) >= world.error_after:
                         await anyio.sleep(3600)
                     produced.append(tok)
                     pending.append(tok)
-                    done = (tok == world.eos_id and not ignore_eos) or tok in stop_ids
-                    if len(pending) >= world.tokens_per_line or done:
+                    eos = tok == world.eos_id and not body.ignore_eos
+                    if eos or tok in stop_ids:
                         await anyio.sleep(world.token_delay)
-                        yield orjson.dumps({"token_ids": pending}) + b"\n"
+                        yield c.dump_line(c.TokenLine(pending, "stop", None if eos else tok))
+                        return
+                    if len(pending) >= world.tokens_per_line:
+                        await anyio.sleep(world.token_delay)
+                        last = len(produced) == limit
+                        yield c.dump_line(c.TokenLine(pending, "length" if last else None))
                         pending = []
-                    if done:
-                        finish = "stop"
-                        break
-                if pending:
-                    yield orjson.dumps({"token_ids": pending}) + b"\n"
-                yield orjson.dumps({"finish_reason": finish}) + b"\n"
+                        if last:
+                            return
+                yield c.dump_line(c.TokenLine(pending, "length"))
             finally:
+                world.decoding.discard(tid)
                 world.closed_streams.append(tid)
                 free(tid)
 
@@ -278,12 +289,14 @@ def decode_standin(world: World) -> Starlette:
     async def health(request: Request) -> Response:
         with world.lock:
             used = len(world.reservations)
-        return JSONResponse({"status": "ok", "slots_total": world.slots_total, "slots_free": world.slots_total - used})
+        caps = c.EngineInfo(True, True, True, False)
+        return Response(c.dump(c.NodeHealth("ok", "standin", "standin", c.PROTOCOL_VERSION, "tcp", 4096,
+                                            world.slots_total, world.slots_total - used, 0, 0, caps)),
+                        media_type="application/json")  # fmt: skip
 
     return Starlette(routes=[
         Route("/v1/reserve", reserve, methods=["POST"]),
         Route("/v1/release", release, methods=["POST"]),
-        Route("/v1/cancel", cancel, methods=["POST"]),
         Route("/v1/decode", decode, methods=["POST"]),
         Route("/health", health),
     ])
@@ -337,6 +350,7 @@ def make_router(standins: tuple[World, _Server, _Server], model_dir: Path) -> It
             model_dir=str(model_dir),
             served_model_name="tiny",
             health_interval_s=0.5,
+            secret=SECRET,
             **overrides,
         )
         server = _Server(build_app(cfg), lifespan="on").start()
@@ -444,7 +458,8 @@ def test_router_side_stop_string_spanning_tokens(router: RouterHandle, world: Wo
     resp = router.client().chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=100, stop=stop,
     )
-    assert not world.reservations and world.cancels  # router-side stop: decode cancelled before the answer ended
+    # router-side stop: the decode stream was closed (the node stops) and the slot freed before the answer ended
+    assert not world.reservations and world.closed_streams and world.releases
     assert resp.choices[0].message.content == expected
     assert (resp.choices[0].model_extra or {}).get("stop_reason") == stop
     assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)
@@ -578,7 +593,7 @@ def test_unsupported_options_400(router: RouterHandle, world: World, extra: dict
 
 
 def test_completions_only_refusals_and_bad_json(router: RouterHandle, world: World) -> None:
-    for extra in ({"echo": True}, {"best_of": 3}, {"suffix": "end"}, {"logprobs": 2}, {"prompt": ["a", "b"]}):
+    for extra in ({"echo": True}, {"best_of": 3}, {"logprobs": 2}, {"prompt": ["a", "b"]}):
         r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x", **extra}, timeout=5)
         assert r.status_code == 400, (extra, r.text)
     r = httpx.post(router.url + "/v1/completions", content=b"{not json", timeout=5,
@@ -663,8 +678,7 @@ def test_client_disconnect_cancels_decode_and_releases(router: RouterHandle, wor
                 if got == 2:  # the prefill token and one decode token
                     break
             tid = world.decode_calls[0]
-    assert _wait_for(lambda: tid in world.cancels, timeout=5)
-    assert _wait_for(lambda: tid in world.closed_streams, timeout=5)
+    assert _wait_for(lambda: tid in world.closed_streams, timeout=5)  # closing the stream stops the decode
     assert _wait_for(lambda: tid in world.releases and not world.reservations, timeout=5)
     assert _wait_for(lambda: _slots_in_use(router) == 0)
     metrics = httpx.get(router.url + "/metrics", timeout=5).text
@@ -694,9 +708,9 @@ def test_models_health_metrics(router: RouterHandle, world: World) -> None:
     router.client().completions.create(model="tiny", prompt="x", max_tokens=3, stream=True).close()
     list(router.client().completions.create(model="tiny", prompt="x", max_tokens=3, stream=True))
     text = httpx.get(router.url + "/metrics", timeout=5).text
-    for name in ("tilert_router_ttft_seconds", "tilert_router_itl_seconds", "tilert_router_queue_depth",
-                 "tilert_router_transfer_wait_seconds", "tilert_router_requests_total"):
-        assert name in text
+    for name in ("tilert:time_to_first_token_seconds", "tilert:inter_token_latency_seconds",
+                 "tilert:num_requests_waiting", "tilert:e2e_request_latency_seconds", "tilert:requests_total"):
+        assert f'{name}' in text and 'model_name="tiny"' in text
 
 
 def test_auth_when_api_key_set(make_router: Callable[..., RouterHandle], world: World) -> None:
@@ -710,7 +724,8 @@ def test_auth_when_api_key_set(make_router: Callable[..., RouterHandle], world: 
     assert resp.choices[0].finish_reason == "length"
 
 
-def test_parse_decode_spec_and_config(tmp_path: Path, model_dir: Path) -> None:
+def test_parse_decode_spec_and_config(tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TILERT_SECRET", SECRET.decode())
     assert parse_decode_spec("10.0.0.2:5556:5557") == DecodeNodeSpec("10.0.0.2", 5556, 5557)
     assert parse_decode_spec("[::1]:5556:5557").host == "::1"
     for bad in ("host:5556", "host:x:5557", ":1:2", "h:0:5557", "h:5556:5556", "::1:5556:5557", ""):
@@ -802,12 +817,13 @@ def test_disconnect_while_queued_or_prefilling_leaks_nothing(
     assert world.decode_calls == [world.decode_calls[0]]  # nothing decoded for the abandoned requests
 
 
-def test_max_model_len_enforced_after_prefill(make_router: Callable[..., RouterHandle], world: World) -> None:
-    router = make_router(max_model_len=8, default_max_tokens=100)
-    prompt_tokens = len(world.tokenizer.encode("a b c").ids)
-    with pytest.raises(openai.BadRequestError, match="maximum context length is 8"):
-        router.client().completions.create(model="tiny", prompt="a b c", max_tokens=50)
-    resp = router.client().completions.create(model="tiny", prompt="a b c")  # defaulted: clamped
-    assert resp.choices[0].finish_reason == "length"
-    assert resp.usage is not None and resp.usage.completion_tokens == 8 - prompt_tokens
+def test_context_limit_is_the_nodes_to_decide(router: RouterHandle, world: World) -> None:
+    """The router asks for no max_tokens of its own when the client set none (the node runs to the end of the
+    context), and relays the node's context-length refusal as the 400 it is, before any byte was sent."""
+    router.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a b"}])
+    assert world.decode_bodies[-1]["max_tokens"] is None
+    world.decode_mode = "refuse"
+    with pytest.raises(openai.BadRequestError, match="top_k too large"):
+        router.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a b"}],
+                                                stream=True)  # fmt: skip
     assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)

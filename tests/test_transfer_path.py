@@ -9,15 +9,21 @@ import anyio
 import pytest
 import torch
 
-from tilert import protocol as p
-from tilert.connector.claims import Claim, SaveRequest
+from tilert import contracts as p
+from tilert.connector.claims import ClaimError, SaveRequest, parse_claim
+from tilert.contracts import Claim
 from tilert.connector.sender import BackgroundSender
 from tilert.decode.control import ControlServer
-from tilert.decode.slots import SlotError, SlotTable, State
+from tilert.decode.slots import SlotError, SlotState, SlotTable
 from tilert.transports.base import TransferError
 from tilert.transports.tcp import TcpTransport
 
 LAYOUT = p.KVLayout("mla_dense", "float32", 576 * 4, 3)
+SECRET = b"transfer-path-test-secret-0123456789"
+
+
+def _claim(tid: str, port: int) -> Claim:
+    return Claim.signed(SECRET, tid, "127.0.0.1", port)
 
 
 def test_protocol_round_trip_and_refusals() -> None:
@@ -36,19 +42,26 @@ def test_protocol_round_trip_and_refusals() -> None:
 
 
 def test_save_request_slot_ids_cross_blocks() -> None:
-    save = SaveRequest("r", Claim("t", "127.0.0.1", 1), [7, 2, 9], 16, 35)
+    save = SaveRequest("r", _claim("t", 1), [7, 2, 9], 16, 35)
     slots = save.slot_ids()
     assert slots[:2] == [112, 113] and slots[16] == 32 and slots[32] == 144 and len(slots) == 35
 
 
 def test_claim_parsing() -> None:
-    assert Claim.parse(None) is None
-    assert Claim.parse({"do_remote_decode": True}) is None
-    claim = Claim.parse({"tilert_host": "::1", "tilert_ctrl_port": 5556, "tilert_transfer_id": "abc-1"})
-    assert claim == Claim("abc-1", "::1", 5556)
-    for bad in ({"tilert_ctrl_port": 0}, {"tilert_ctrl_port": True}, {"tilert_transfer_id": "a/b"}):
-        with pytest.raises(ValueError):
-            Claim.parse({"tilert_host": "h", "tilert_ctrl_port": 1, "tilert_transfer_id": "t"} | bad)
+    """Only a claim signed with the deployment's secret is acted on; other connectors' keys are left alone."""
+    assert parse_claim(None, SECRET) is None
+    assert parse_claim({"do_remote_decode": True}, SECRET) is None
+    claim = _claim("abc-1", 5556)
+    assert parse_claim(claim.to_params() | {"do_remote_decode": True}, SECRET) == claim
+    with pytest.raises(ClaimError, match="not signed"):
+        parse_claim(claim.to_params() | {"tilert_ctrl_port": 5557}, SECRET)  # re-aimed at another port
+    with pytest.raises(ClaimError, match="not signed"):
+        parse_claim(claim.to_params(), b"another deployment's secret, 32 b")
+    unsigned = {"tilert_host": "h", "tilert_ctrl_port": 1, "tilert_transfer_id": "t"}
+    for bad in ({}, {"tilert_ctrl_port": 0, "tilert_auth": "x"}, {"tilert_ctrl_port": True, "tilert_auth": "x"},
+                {"tilert_transfer_id": "a/b", "tilert_auth": "x"}, {"tilert_auth": "x", "tilert_other": 1}):  # fmt: skip
+        with pytest.raises(ClaimError):
+            parse_claim(unsigned | bad, SECRET)
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
@@ -80,7 +93,7 @@ class _Node:
     def __init__(self, slots: int = 1, lease_s: float = 30.0) -> None:
         self.receiver = TcpTransport.receiver(host="127.0.0.1", options={})
         self.table = SlotTable(slots, {"mla": LAYOUT}, 64, self.receiver, lease_s)
-        self.control = ControlServer(self.table, "tcp", "test-node")
+        self.control = ControlServer(self.table, "tcp", "test-node", SECRET)
         self.port = 0
 
 
@@ -100,7 +113,7 @@ async def _with_node(node: _Node, body) -> None:  # type: ignore[no-untyped-def]
 
 def test_sender_to_slot_round_trip_and_slot_states() -> None:
     node = _Node()
-    sender = BackgroundSender("tcp", {})
+    sender = BackgroundSender("tcp", {}, SECRET)
 
     async def body() -> None:
         node.table.reserve("t1")
@@ -108,13 +121,13 @@ def test_sender_to_slot_round_trip_and_slot_states() -> None:
             node.table.reserve("t2")
         assert full.value.status == 429
         data = _staging(10)
-        fut = sender.submit(Claim("t1", "127.0.0.1", node.port), 10, {"mla": LAYOUT}, data)
+        fut = sender.submit(_claim("t1", node.port), 10, {"mla": LAYOUT}, data)
         slot = await node.table.wait_ready("t1", 10)
         await anyio.to_thread.run_sync(fut.result)
         views, layouts, n = slot.tensors()
         assert n == 10 and layouts == {"mla": LAYOUT}
         assert torch.equal(views["mla"].reshape(-1), data)
-        assert node.table.start_decode("t1").state is State.DECODING
+        assert node.table.start_decode("t1").state is SlotState.DECODING
         node.table.release("t1")
         assert node.table.free == 1
         with pytest.raises(SlotError) as gone:
@@ -132,12 +145,12 @@ def test_sender_to_slot_round_trip_and_slot_states() -> None:
 
 def test_bad_offer_and_abort_fail_the_waiting_request_at_once() -> None:
     node = _Node(slots=2)
-    sender = BackgroundSender("tcp", {})
+    sender = BackgroundSender("tcp", {}, SECRET)
 
     async def body() -> None:
         node.table.reserve("wrong-layout")
         other = p.KVLayout("mla_dense", "bfloat16", 576 * 2, 3)
-        sender.submit(Claim("wrong-layout", "127.0.0.1", node.port), 4, {"mla": other}, _staging(4)[: other.nbytes(4)])
+        sender.submit(_claim("wrong-layout", node.port), 4, {"mla": other}, _staging(4)[: other.nbytes(4)])
         t0 = time.monotonic()
         with pytest.raises(SlotError, match="layout mismatch") as exc:
             await node.table.wait_ready("wrong-layout", 10)
@@ -145,14 +158,14 @@ def test_bad_offer_and_abort_fail_the_waiting_request_at_once() -> None:
         node.table.release("wrong-layout")
 
         node.table.reserve("aborted")
-        sender.abort(Claim("aborted", "127.0.0.1", node.port), "extraction failed")
+        sender.abort(_claim("aborted", node.port), "extraction failed")
         t0 = time.monotonic()
         with pytest.raises(SlotError, match="extraction failed"):
             await node.table.wait_ready("aborted", 10)
         assert time.monotonic() - t0 < 2
 
         # An offer for a transfer nobody reserved is refused; nothing is written anywhere.
-        sender.submit(Claim("never-reserved", "127.0.0.1", node.port), 4, {"mla": LAYOUT}, _staging(4))
+        sender.submit(_claim("never-reserved", node.port), 4, {"mla": LAYOUT}, _staging(4))
         await anyio.sleep(0.3)
         assert node.table.free == 1
 
@@ -164,14 +177,14 @@ def test_bad_offer_and_abort_fail_the_waiting_request_at_once() -> None:
 
 def test_leases_expire_and_late_transfers_are_refused() -> None:
     node = _Node(lease_s=0.05)
-    sender = BackgroundSender("tcp", {})
+    sender = BackgroundSender("tcp", {}, SECRET)
 
     async def body() -> None:
         node.table.reserve("late")
         await anyio.sleep(0.1)
         assert node.table.expire() == ["late"]
         assert node.table.free == 1
-        fut = sender.submit(Claim("late", "127.0.0.1", node.port), 4, {"mla": LAYOUT}, _staging(4))
+        fut = sender.submit(_claim("late", node.port), 4, {"mla": LAYOUT}, _staging(4))
         await anyio.to_thread.run_sync(fut.result)
         assert node.table.free == 1 and node.table.transfers_received == 0
 
@@ -201,6 +214,6 @@ def test_held_reservation_outlives_its_lease() -> None:
         node.table.hold("queued-decode")
         await anyio.sleep(0.1)
         assert node.table.expire() == []
-        assert node.table.get("queued-decode").state is State.RESERVED
+        assert node.table.get("queued-decode").state is SlotState.RESERVED
 
     anyio.run(_with_node, node, body)

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 from pathlib import Path
 
+from tilert.decode.config import DecodeConfig, load_decode_config
 from tilert.logs import configure
+from tilert.router.config import (
+    CONFIG_ENV,
+    ConfigError,
+    RouterConfig,
+    add_config_arguments,
+    cli_values,
+    load_router_config,
+)
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
@@ -18,58 +27,30 @@ def _tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _decode(args: argparse.Namespace) -> int:
-    from tilert.decode.server import DecodeConfig, serve
+def decode_config(args: argparse.Namespace) -> DecodeConfig:
+    """``tilert decode``'s config: its flags over ``TILERT_DECODE_*`` over the defaults (raises ConfigError)."""
+    return load_decode_config(cli_values(DecodeConfig, args))
 
-    problems = [
-        f"{what} ({value})"
-        for what, value, ok in (
-            ("--model must hold a config.json", args.model, (Path(args.model) / "config.json").is_file()),
-            ("--slots must be >= 1", args.slots, args.slots >= 1),
-            ("--max-seq-len must be >= 2", args.max_seq_len, args.max_seq_len >= 2),
-            ("--num-speculative-tokens must be in 0..8", args.num_speculative_tokens, 0 <= args.num_speculative_tokens <= 8),
-            ("--lease-s must be > 0", args.lease_s, args.lease_s > 0),
-            ("--transfer-timeout-s must be > 0", args.transfer_timeout_s, args.transfer_timeout_s > 0),
-            ("--ctrl-port and --http-port must differ", args.ctrl_port, args.ctrl_port != args.http_port),
-        )
-        if not ok
-    ]
-    if problems:
-        raise SystemExit("tilert decode: " + "; ".join(problems))
-    try:
-        options = json.loads(args.transport_options) if args.transport_options else {}
-    except json.JSONDecodeError as exc:
-        raise SystemExit(f"--transport-options is not JSON: {exc}") from None
-    serve(
-        DecodeConfig(
-            model=Path(args.model), engine=args.engine, transport=args.transport, transport_options=options,
-            host=args.host, ctrl_port=args.ctrl_port, http_port=args.http_port, device=args.device,
-            dtype=args.dtype, max_seq_len=args.max_seq_len, num_slots=args.slots, lease_s=args.lease_s,
-            transfer_timeout_s=args.transfer_timeout_s, num_speculative_tokens=args.num_speculative_tokens,
-        )
-    )  # fmt: skip
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    """``tilert router``'s config: flags > ``TILERT_ROUTER_*`` > TOML (``--config`` / ``$TILERT_ROUTER_CONFIG``)
+    > defaults (raises ConfigError)."""
+    toml_path = args.config or os.environ.get(CONFIG_ENV) or None
+    return load_router_config(cli_values(RouterConfig, args), toml_path=toml_path)
+
+
+def _decode(args: argparse.Namespace) -> int:
+    config = decode_config(args)
+    from tilert.decode.server import serve
+
+    serve(config)
     return 0
 
 
 def _router(args: argparse.Namespace) -> int:
+    config = router_config(args)
     from tilert.router.app import serve
-    from tilert.router.config import ConfigError, RouterConfig, parse_decode_spec
 
-    try:
-        config = RouterConfig(
-            prefill_url=args.prefill_url,
-            decode_nodes=[parse_decode_spec(spec) for spec in args.decode],
-            model_dir=args.model,
-            served_model_name=args.served_model_name,
-            host=args.host,
-            port=args.port,
-            api_key=args.api_key,
-            max_model_len=args.max_model_len,
-            queue_timeout_s=args.queue_timeout_s,
-            max_queue=args.max_queue,
-        ).validate()
-    except ConfigError as exc:
-        raise SystemExit(f"tilert router: {exc}") from None
     serve(config, log_level="warning")
     return 0
 
@@ -82,8 +63,22 @@ def _up(args: argparse.Namespace) -> int:
             model=Path(args.model), port=args.port, prefill_port=args.prefill_port, ctrl_port=args.ctrl_port,
             decode_http_port=args.decode_http_port, host=args.host, dtype=args.dtype,
             max_model_len=args.max_model_len, engine=args.engine, transport=args.transport,
+            reserve_lease_s=args.reserve_lease_s,
         )
     )  # fmt: skip
+
+
+class _SecretFlag(argparse.Action):
+    """A flag that would put a secret on the command line (``ps`` shows it to every user): refused."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        self.advice = str(kwargs.pop("advice"))
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS)
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: object, values: object, option: str | None = None
+    ) -> None:
+        parser.error(f"{option} is not accepted: secrets never go on a command line; {self.advice}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -96,41 +91,40 @@ def parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_tiny_model)
 
-    dec = sub.add_parser("decode", help="run a decode node")
-    dec.add_argument("--model", required=True)
-    dec.add_argument("--engine", default="tilert")
-    dec.add_argument("--transport", default="tcp")
-    dec.add_argument("--transport-options", default="", help="JSON object passed to the transport")
-    dec.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
-    dec.add_argument("--ctrl-port", type=int, default=5556)
-    dec.add_argument("--http-port", type=int, default=5557)
-    dec.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
-    dec.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16")
-    dec.add_argument("--max-seq-len", type=int, default=4096)
-    dec.add_argument("--slots", type=int, default=2, help="receive buffers: transfers overlap the running decode")
-    dec.add_argument("--lease-s", type=float, default=30.0)
-    dec.add_argument("--transfer-timeout-s", type=float, default=15.0)
-    dec.add_argument(
-        "--num-speculative-tokens", type=int, default=1,
-        help="MTP drafts per step for greedy requests when the checkpoint has an MTP layer (0: off; on the "
-        "H200 one draft pays once more than ~0.9 tokens per step are accepted, see benchmarks/results)",
+    dec = sub.add_parser(
+        "decode", help="run a decode node", allow_abbrev=False,
+        description="Run a decode node. Every option also reads TILERT_DECODE_<OPTION> from the environment "
+        "(the flag wins); the shared secret comes from --secret-file, $TILERT_SECRET_FILE or $TILERT_SECRET.",
     )  # fmt: skip
+    add_config_arguments(dec, DecodeConfig)
     dec.set_defaults(func=_decode)
 
-    rt = sub.add_parser("router", help="run the OpenAI-compatible router")
-    rt.add_argument("--prefill-url", required=True)
-    rt.add_argument("--decode", action="append", required=True, metavar="HOST:CTRL:HTTP")
-    rt.add_argument("--model", required=True)
-    rt.add_argument("--served-model-name", default=None)
-    rt.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
-    rt.add_argument("--port", type=int, default=23333)
-    rt.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    rt.add_argument("--max-model-len", type=int, default=None, help="refuse prompt + max_tokens beyond this")
-    rt.add_argument("--queue-timeout-s", type=float, default=30.0, help="FIFO wait for a slot before 429")
-    rt.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond this get 429 at once")
+    rt = sub.add_parser(
+        "router", help="run the OpenAI-compatible router", allow_abbrev=False,
+        description="Run the router. Precedence: flag > TILERT_ROUTER_<OPTION> environment variable > TOML "
+        "file (--config) > default. The client API key comes from --api-key-file, $TILERT_ROUTER_API_KEY_FILE "
+        "or $TILERT_ROUTER_API_KEY; the shared secret from --secret-file, $TILERT_SECRET_FILE or $TILERT_SECRET.",
+    )  # fmt: skip
+    rt.add_argument(
+        "--config", default=None, metavar="TOML",
+        help="router TOML file (see config/router.example.toml) [env TILERT_ROUTER_CONFIG]",
+    )  # fmt: skip
+    add_config_arguments(rt, RouterConfig)
+    rt.add_argument(
+        "--api-key",
+        action=_SecretFlag,
+        advice="use --api-key-file PATH, $TILERT_ROUTER_API_KEY_FILE or $TILERT_ROUTER_API_KEY",
+    )
+    rt.add_argument("--prefill-api-key", action=_SecretFlag,
+                    advice="use --prefill-api-key-file PATH, $TILERT_ROUTER_PREFILL_API_KEY_FILE or "
+                    "$TILERT_ROUTER_PREFILL_API_KEY")  # fmt: skip
+    for p in (rt, dec):
+        p.add_argument(
+            "--secret", action=_SecretFlag, advice="use --secret-file PATH, $TILERT_SECRET_FILE or $TILERT_SECRET"
+        )
     rt.set_defaults(func=_router)
 
-    up = sub.add_parser("up", help="prefill (stock vLLM) + decode + router on this machine")
+    up = sub.add_parser("up", help="prefill (stock vLLM) + decode + router on this machine", allow_abbrev=False)
     up.add_argument("--model", required=True)
     up.add_argument("--port", type=int, default=8000, help="router port")
     up.add_argument("--prefill-port", type=int, default=8100)
@@ -141,6 +135,11 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--max-model-len", type=int, default=2048)
     up.add_argument("--engine", default="tilert")
     up.add_argument("--transport", default="tcp")
+    up.add_argument(
+        "--reserve-lease-s", type=float, default=None,
+        help="the router's decode slot lease (default: its prefill + transfer timeouts + 30 s); the decode "
+        "node's --max-lease-s follows it",
+    )  # fmt: skip
     up.set_defaults(func=_up)
     return ap
 
@@ -148,7 +147,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     configure()
     args = parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:  # a setting the command cannot start with: say which, exit 2 like argparse
+        print(f"tilert {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,14 +1,30 @@
 """``make demo``: start ``tilert up``, stream one chat answer through the router, then keep serving.
 
 Ctrl-C reaches ``tilert up`` (same foreground process group), which stops all three processes.
+``tilert up`` makes the deployment's shared secret itself; when the router's client API key is configured
+(``$TILERT_ROUTER_API_KEY`` or ``$TILERT_ROUTER_API_KEY_FILE``, which the router inherits), the demo sends it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tilert.router.config import API_KEY_ENV, API_KEY_FILE_ENV, ConfigError, read_key_file
+
+
+def _client_api_key() -> str:
+    """The key the router will ask for (the same variables it reads), or a placeholder when it asks none."""
+    path = os.environ.get(API_KEY_FILE_ENV, "").strip()
+    if path:
+        try:
+            return read_key_file(path, "the API key file")
+        except ConfigError:
+            return "unused"  # the router refuses to start with the same reason; `tilert up` reports it
+    return os.environ.get(API_KEY_ENV, "").strip() or "unused"
 
 
 def main() -> int:
@@ -37,7 +53,7 @@ def main() -> int:
 
         from openai import OpenAI
 
-        client = OpenAI(base_url=urls["router"] + "/v1", api_key="unused")
+        client = OpenAI(base_url=urls["router"] + "/v1", api_key=_client_api_key())
         print("\nuser: Write a Python function that adds two numbers.\nassistant: ", end="", flush=True)
         stream = client.chat.completions.create(
             model=str(args.model),

@@ -28,9 +28,9 @@ def _load(group: str, name: str) -> type:
     return matches[0].load()
 
 
-def load_transport(name: str) -> type["Transport"]:
+def load_transport(name: str) -> type[Transport]:
     return _load(TRANSPORTS_GROUP, name)
 
 
-def load_engine(name: str) -> type["DecodeEngine"]:
+def load_engine(name: str) -> type[DecodeEngine]:
     return _load(ENGINES_GROUP, name)

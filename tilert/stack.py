@@ -2,6 +2,11 @@
 
 stock vLLM (prefill, with ``TileRTConnector``)  +  the decode node  +  the router.
 
+One shared secret binds the three (:mod:`tilert.auth`): ``tilert up`` generates it, writes it to a
+file only this user can read (0600, in a private temporary directory removed at exit) and hands the
+children ``TILERT_SECRET_FILE`` in their environment, never on a command line (``ps`` shows those to
+everyone). The router's slot lease and the decode node's longest lease are set together.
+
 Each child runs in its own process group, so stopping it reaches every process it spawned (vLLM
 starts an engine-core process of its own). Start-up waits until each answers ``/health``; a child
 that dies, SIGINT or SIGTERM stops all three and leaves no process behind.
@@ -9,11 +14,14 @@ that dies, SIGINT or SIGTERM stops all three and leaves no process behind.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +29,10 @@ from pathlib import Path
 
 import httpx
 import structlog
+
+from tilert.auth import SECRET_ENV, SECRET_FILE_ENV, generate_secret
+from tilert.decode.config import DEFAULT_MAX_LEASE_S
+from tilert.router.config import default_reserve_lease_s
 
 log = structlog.get_logger("tilert.stack")
 
@@ -39,6 +51,7 @@ class StackConfig:
     engine: str = "tilert"
     transport: str = "tcp"
     startup_timeout_s: float = 600.0
+    reserve_lease_s: float | None = None  # None: the router's default (prefill + transfer timeouts + 30 s)
 
 
 def _url(host: str, port: int) -> str:
@@ -79,12 +92,19 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def leases(cfg: StackConfig) -> tuple[float, float]:
+    """(the router's reserve_lease_s, the decode node's max_lease_s): the node always grants the router's."""
+    lease = cfg.reserve_lease_s if cfg.reserve_lease_s is not None else default_reserve_lease_s()
+    return lease, max(DEFAULT_MAX_LEASE_S, lease)
+
+
 def decode_command(cfg: StackConfig) -> list[str]:
     return [
         sys.executable, "-m", "tilert.cli", "decode",
         "--model", str(cfg.model), "--engine", cfg.engine, "--transport", cfg.transport,
         "--host", cfg.host, "--ctrl-port", str(cfg.ctrl_port), "--http-port", str(cfg.decode_http_port),
         "--dtype", cfg.dtype, "--max-seq-len", str(cfg.max_model_len),
+        "--max-lease-s", str(leases(cfg)[1]),
     ]  # fmt: skip
 
 
@@ -94,34 +114,72 @@ def router_command(cfg: StackConfig) -> list[str]:
         "--prefill-url", _url(cfg.host, cfg.prefill_port),
         "--decode", f"{'[' + cfg.host + ']' if ':' in cfg.host else cfg.host}:{cfg.ctrl_port}:{cfg.decode_http_port}",
         "--model", str(cfg.model), "--host", cfg.host, "--port", str(cfg.port),
-        "--max-model-len", str(cfg.max_model_len),
+        "--reserve-lease-s", str(leases(cfg)[0]),
     ]  # fmt: skip
+
+
+def write_secret_file() -> Path:
+    """A fresh secret in ``<private temp dir>/secret`` (dir 0700, file 0600); the caller removes the dir."""
+    directory = Path(tempfile.mkdtemp(prefix="tilert-up-"))  # mkdtemp makes it 0700
+    path = directory / "secret"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, (generate_secret() + "\n").encode())
+    finally:
+        os.close(fd)
+    return path
+
+
+def child_env(secret_file: Path, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The children's environment: ours, offline, and the secret's file (an inherited secret is dropped)."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}
+    return {
+        **env,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        SECRET_FILE_ENV: str(secret_file),
+    }
 
 
 class Stack:
     def __init__(self, cfg: StackConfig) -> None:
         self.cfg = cfg
         self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self.secret_file: Path | None = None
         self.urls = {
             "prefill": _url(cfg.host, cfg.prefill_port),
             "decode": _url(cfg.host, cfg.decode_http_port),
             "router": _url(cfg.host, cfg.port),
         }
 
-    def start(self) -> None:
-        env = {
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
-        }
-        commands = {
+    def commands(self) -> dict[str, list[str]]:
+        return {
             "prefill": prefill_command(self.cfg),
             "decode": decode_command(self.cfg),
             "router": router_command(self.cfg),
         }
-        for name, cmd in commands.items():
+
+    def prepare_secret(self) -> Path:
+        """Write this stack's secret file (once); :meth:`cleanup` (also run at exit) removes it."""
+        if self.secret_file is None:
+            self.secret_file = write_secret_file()
+            atexit.register(self.cleanup)
+        return self.secret_file
+
+    def child_env(self) -> dict[str, str]:
+        return child_env(self.prepare_secret())
+
+    def cleanup(self) -> None:
+        if self.secret_file is not None:
+            shutil.rmtree(self.secret_file.parent, ignore_errors=True)
+            self.secret_file = None
+
+    def start(self) -> None:
+        env = self.child_env()
+        for name, cmd in self.commands().items():
             log.info("starting", process=name, command=" ".join(cmd))
             # Children log to stderr: stdout carries only the three URL lines, for people and scripts.
             self.children[name] = subprocess.Popen(cmd, env=env, stdout=sys.stderr, start_new_session=True)
@@ -207,5 +265,6 @@ def run(cfg: StackConfig) -> int:
         return 0
     finally:
         stack.stop()
+        stack.cleanup()
         for sig, handler in old.items():
             signal.signal(sig, handler)

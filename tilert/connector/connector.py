@@ -7,8 +7,10 @@ Load it with::
                            "kv_role": "kv_producer",
                            "kv_connector_extra_config": {"tilert_transport": "tcp"}}'
 
-It claims only requests whose ``kv_transfer_params`` carry ``tilert_host`` and is a strict no-op for
-every other request; it never changes scheduling or sampling. vLLM builds one instance per role;
+It claims only requests whose ``kv_transfer_params`` carry a ``tilert_*`` claim signed with the
+deployment's shared secret (read from ``$TILERT_SECRET_FILE`` / ``$TILERT_SECRET``, or the file named by
+``tilert_secret_file`` in ``kv_connector_extra_config``; without one it refuses to start) and is a strict
+no-op for every other request; it never changes scheduling or sampling. vLLM builds one instance per role;
 this class only dispatches to the half for its role (``scheduler.py`` / ``worker.py``).
 """
 
@@ -20,6 +22,7 @@ import structlog
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
+from tilert.auth import load_secret
 from tilert.connector.claims import TileRTConnectorMetadata
 from tilert.connector.scheduler import SchedulerSide
 from tilert.connector.sender import BackgroundSender
@@ -37,21 +40,23 @@ if TYPE_CHECKING:
 
 class TileRTConnector(KVConnectorBase_V1):
     def __init__(
-        self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]  # None from older callers
         cfg = self._kv_transfer_config
         if not cfg.is_kv_producer or cfg.is_kv_consumer:
             raise ValueError('TileRTConnector is a pure producer: set "kv_role": "kv_producer"')
         extra = dict(cfg.kv_connector_extra_config or {})
+        secret = load_secret(extra.get("tilert_secret_file"))  # refuses start-up when none is configured
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(_block_size(vllm_config, kv_cache_config))
+            self._scheduler = SchedulerSide(_block_size(vllm_config, kv_cache_config), secret)
         else:
             sender = BackgroundSender(
                 str(extra.get("tilert_transport", "tcp")),
                 dict(extra.get("tilert_transport_options", {})),
+                secret,
                 timeout_s=float(extra.get("tilert_timeout_s", 10.0)),
             )
             self._worker = WorkerSide(vllm_config.model_config.hf_config, sender)
@@ -84,22 +89,22 @@ class TileRTConnector(KVConnectorBase_V1):
 
     # ---- scheduler side ----------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return 0, False
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         return
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> TileRTConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TileRTConnectorMetadata:
         assert self._scheduler is not None
         return self._scheduler.build_meta(scheduler_output)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return False, self._scheduler.request_finished(request)
 
 
-def _warn_cpu_rope(vllm_config: "VllmConfig") -> None:
+def _warn_cpu_rope(vllm_config: VllmConfig) -> None:
     """vLLM 0.32's CPU rotary kernel mis-rotates MLA's strided q_pe/k_pe (keys come out unrotated), so the
     handed-off KV would not be the model's; its PyTorch-native RoPE is exact. Say so at start-up."""
     device = getattr(vllm_config.device_config, "device_type", None)
@@ -111,7 +116,7 @@ def _warn_cpu_rope(vllm_config: "VllmConfig") -> None:
         )
 
 
-def _block_size(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> int:
+def _block_size(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> int:
     if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
         return int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
     return int(vllm_config.cache_config.block_size)

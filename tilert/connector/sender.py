@@ -17,7 +17,7 @@ from typing import Any
 import structlog
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from tilert import protocol as p
+from tilert import contracts as p
 from tilert.connector.claims import Claim
 from tilert.plugins import load_transport
 from tilert.transports.base import TransferError
@@ -26,8 +26,11 @@ log = structlog.get_logger("tilert.connector.sender")
 
 
 class BackgroundSender:
-    def __init__(self, transport: str, options: dict[str, Any], timeout_s: float = 10.0, workers: int = 4) -> None:
+    def __init__(
+        self, transport: str, options: dict[str, Any], secret: bytes, timeout_s: float = 10.0, workers: int = 4
+    ) -> None:
         self.transport_name = transport
+        self._secret = secret
         self._transport = load_transport(transport).sender(options=options)
         self._timeout_s = timeout_s
         self._sender_id = f"prefill-{uuid.uuid4().hex[:8]}"
@@ -60,7 +63,7 @@ class BackgroundSender:
     def _connect(self, claim: Claim) -> socket.socket:
         sock = socket.create_connection((claim.host, claim.ctrl_port), timeout=self._timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        p.send_msg(sock, p.Hello(p.PROTOCOL_VERSION, self.transport_name, self._sender_id))
+        p.send_msg(sock, p.Hello.signed(self._secret, self.transport_name, self._sender_id))
         ack = p.expect(p.recv_msg(sock), p.HelloAck)
         if ack.version != p.PROTOCOL_VERSION:
             sock.close()

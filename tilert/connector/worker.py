@@ -15,12 +15,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import structlog
 import torch
 
 from tilert.connector.claims import SaveRequest, TileRTConnectorMetadata
 from tilert.connector.sender import BackgroundSender
-from tilert.protocol import KVLayout
+from tilert.contracts import KVLayout
 
 log = structlog.get_logger("tilert.connector.worker")
 
@@ -122,7 +123,7 @@ class WorkerSide:
                 self._layers[name] = _Layer(group, position, cache)
             base = kinds[group]
             self._layouts[group] = KVLayout(base.kind, base.dtype, base.row_bytes, len(members), base.rope_interleaved)
-        log.info("kv_caches_registered", layouts={g: vars(lay) for g, lay in self._layouts.items()})
+        log.info("kv_caches_registered", layouts={g: msgspec.to_builtins(lay) for g, lay in self._layouts.items()})
 
     def save_layer(self, meta: TileRTConnectorMetadata, layer_name: str) -> None:
         layer = self._layers.get(layer_name)

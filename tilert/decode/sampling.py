@@ -11,18 +11,25 @@ from typing import Any
 
 import torch
 
+from tilert.contracts import DecodeRequest
 from tilert.engines.base import Capabilities
+
+# vLLM's _SAMPLING_EPS: a temperature below it is greedy (1e-300 would divide the logits into inf).
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
 class DecodeParams:
+    """A validated decode request with the model's defaults applied; ``max_tokens`` None: to the end of
+    the context."""
+
     transfer_id: str
     first_token_id: int
     prompt_tokens: int
-    max_tokens: int
+    max_tokens: int | None
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: off
+    top_k: int = 0  # 0: off
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
@@ -32,58 +39,22 @@ class DecodeParams:
         return self.temperature == 0.0
 
     @staticmethod
-    def parse(body: Any, vocab_size: int, defaults: dict[str, Any] | None = None) -> "DecodeParams":
-        """Validate a ``/v1/decode`` body; ``ValueError`` names the first bad field.
-
-        Sampling fields left null take ``defaults`` (the model's ``generation_config.json``), as vLLM does.
-        """
-        if not isinstance(body, dict):
-            raise ValueError("body must be a JSON object")
-
+    def from_request(req: DecodeRequest, vocab_size: int, defaults: dict[str, Any] | None = None) -> DecodeParams:
+        """Apply ``defaults`` (the model's ``generation_config.json``) to fields left null, as vLLM does;
+        ``ValueError`` names what the request gets wrong for this model."""
         defaults = defaults or {}
-
-        def integer(name: str, default: int | None = None, lo: int | None = None) -> int | None:
-            value = body.get(name)
-            value = defaults.get(name, default) if value is None else value
-            if value is None:
-                return None
-            if isinstance(value, bool) or not isinstance(value, int) or (lo is not None and value < lo):
-                raise ValueError(f"{name} must be an integer{'' if lo is None else f' >= {lo}'}")
-            return value
-
-        def number(name: str, default: float) -> float:
-            value = body.get(name)
-            if value is None:
-                return float(defaults.get(name, default))
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{name} must be a number")
-            return float(value)
-
-        tid = body.get("transfer_id")
-        if not isinstance(tid, str) or not tid:
-            raise ValueError("transfer_id must be a non-empty string")
-        first = integer("first_token_id", lo=0)
-        if first is None or first >= vocab_size:
+        if req.first_token_id >= vocab_size:
             raise ValueError(f"first_token_id must be a token id below {vocab_size}")
-        prompt = integer("prompt_tokens", lo=1)
-        max_tokens = integer("max_tokens", lo=0)
-        if prompt is None or max_tokens is None:
-            raise ValueError("prompt_tokens and max_tokens are required")
-        temperature, top_p = number("temperature", 1.0), number("top_p", 1.0)
-        if temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        top_k = integer("top_k", 0, lo=-1) or 0
-        stop = body.get("stop_token_ids") or []
-        if not isinstance(stop, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop):
-            raise ValueError("stop_token_ids must be a list of integers")
-        ignore_eos = body.get("ignore_eos") or False
-        if not isinstance(ignore_eos, bool):
-            raise ValueError("ignore_eos must be a boolean")
+        if any(t >= vocab_size for t in req.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids below {vocab_size}")
+        temperature = float(defaults.get("temperature", 1.0) if req.temperature is None else req.temperature)
+        top_p = float(defaults.get("top_p", 1.0) if req.top_p is None else req.top_p)
+        top_k = int(defaults.get("top_k", 0) if req.top_k is None else req.top_k)
         return DecodeParams(
-            tid, first, prompt, max_tokens, temperature, top_p, max(top_k, 0), integer("seed"), tuple(stop), ignore_eos
-        )
+            req.transfer_id, req.first_token_id, req.prompt_tokens, req.max_tokens,
+            0.0 if temperature < GREEDY_BELOW else temperature, min(max(top_p, 0.0), 1.0) or 1.0,
+            max(top_k, 0), req.seed, tuple(req.stop_token_ids), req.ignore_eos,
+        )  # fmt: skip
 
     def unsupported(self, caps: Capabilities) -> str | None:
         """The first sampling option this engine cannot honour (the server answers 501), if any."""
@@ -101,7 +72,7 @@ class Sampler:
         self.params = params
         self.generator = torch.Generator()
         if params.seed is not None:
-            self.generator.manual_seed(params.seed)
+            self.generator.manual_seed(params.seed & 0xFFFF_FFFF_FFFF_FFFF)
         else:
             self.generator.seed()
 
@@ -118,6 +89,7 @@ class Sampler:
         if p.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_probs, 0) - sorted_probs < p.top_p
+            keep[0] = True  # however small top_p is, the most likely token stays
             sorted_probs = sorted_probs * keep
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=self.generator))

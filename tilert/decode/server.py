@@ -1,41 +1,48 @@
 """The decode node: a control port for the prefill-side senders and an HTTP port for the router.
 
-HTTP API (JSON bodies; errors are ``{"error": {"message", "code"}}`` with a 4xx/5xx status):
+HTTP API (bodies and replies are the types of ``tilert.contracts``; every 4xx/5xx is an ``ErrorBody``):
 
-- ``POST /v1/reserve {"transfer_id", "lease_s"?}`` -> ``{"transfer_id", "slot"}``; 429 when full.
-- ``POST /v1/release {"transfer_id"}`` -> ``{"released": bool}`` (idempotent).
-- ``POST /v1/decode {"transfer_id", "first_token_id", "prompt_tokens", "max_tokens", "temperature",
-  "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos"}`` -> 200 ``application/x-ndjson``: one
-  ``{"token_ids": [...]}`` line per step as it is produced, then ``{"finish_reason": ...}`` or
-  ``{"error": {...}}``. Waits for the transfer first (an abort from prefill fails it at once).
-  Closing the stream cancels the decode.
-- ``POST /v1/cancel {"transfer_id"}``; ``GET /health``.
+- ``POST /v1/reserve`` ``ReserveRequest`` -> ``ReserveResponse``; 429 when every slot is taken.
+- ``POST /v1/release`` ``ReleaseRequest`` -> ``ReleaseResponse``: frees the slot whatever its state and
+  cancels a running decode; idempotent.
+- ``POST /v1/decode`` ``DecodeRequest`` -> 200 ``application/x-ndjson``: one ``TokenLine`` per step as it
+  is produced, the last one with its ``finish_reason`` (this node alone decides when decoding ends: EOS,
+  stop ids, ``max_tokens``, the end of the context), or an ``ErrorLine``. It waits for the transfer first (an abort
+  from prefill fails it at once). Parameters are checked before the stream starts (4xx/501). Closing the
+  stream cancels the decode.
+- ``GET /health`` ``NodeHealth``; ``GET /metrics`` Prometheus text.
 
-Decodes run one at a time on the engine; with several slots, the next request's transfer lands while
-the current one decodes.
+``/v1/*`` needs ``Authorization: Bearer <tilert.auth.node_api_token(secret)>``: only a router holding the
+deployment's secret can reserve, decode or release. Decodes run one at a time on the engine; with
+several slots, the next request's transfer lands while the current one decodes.
 """
 
 from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+from typing import TypeVar
 
 import anyio
-import orjson
+import anyio.from_thread
+import anyio.to_thread
 import structlog
-import torch
 import uvicorn
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
+from tilert import auth
+from tilert import contracts as c
+from tilert.decode.config import DecodeConfig, resolve_device, resolve_dtype
 from tilert.decode.control import ControlServer
-from tilert.decode.generate import run_decode
+from tilert.decode.generate import Finish, run_decode
+from tilert.decode.metrics import DecodeMetrics
 from tilert.decode.sampling import DecodeParams
 from tilert.decode.slots import SlotError, SlotTable
 from tilert.engines.base import DecodeEngine
@@ -44,61 +51,41 @@ from tilert.plugins import load_engine, load_transport
 
 log = structlog.get_logger("tilert.decode.server")
 
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    model: Path
-    engine: str = "tilert"
-    transport: str = "tcp"
-    transport_options: dict[str, Any] | None = None
-    host: str = "127.0.0.1"
-    ctrl_port: int = 5556
-    http_port: int = 5557
-    device: str = "auto"
-    dtype: str = "auto"
-    max_seq_len: int = 4096
-    num_slots: int = 2
-    lease_s: float = 30.0
-    transfer_timeout_s: float = 15.0
-    num_speculative_tokens: int = 1
+B = TypeVar("B")
 
 
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"--device {device} asked for, but no CUDA device is available")
-    return device
+def _error(message: str, status: int, headers: dict[str, str] | None = None) -> Response:
+    return Response(c.error_body(message, status), status, headers, media_type="application/json")
 
 
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+def _ok(body: c.ReserveResponse | c.ReleaseResponse | c.NodeHealth) -> Response:
+    return Response(c.dump(body), media_type="application/json")
+
+
+async def _read(request: Request, cls: type[B]) -> B:
+    """The body as ``cls``; over ``MAX_API_BODY_BYTES`` is 413, anything malformed 400."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > c.MAX_API_BODY_BYTES:
+            raise SlotError(f"request body exceeds {c.MAX_API_BODY_BYTES} bytes", 413)
+        chunks.append(chunk)
     try:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    except KeyError:
-        raise SystemExit(f"--dtype must be auto, float32, bfloat16 or float16, not {dtype!r}") from None
+        return c.parse(cls, b"".join(chunks))
+    except c.ContractError as exc:
+        raise SlotError(str(exc), 400) from None
 
 
-def _error(message: str, status: int) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+def _handler(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """``SlotError`` becomes its status with an ``ErrorBody``."""
 
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await fn(request)
+        except SlotError as exc:
+            return _error(str(exc), exc.status, {"Retry-After": "1"} if exc.status == 429 else None)
 
-async def _json(request: Request) -> dict[str, Any]:
-    try:
-        body = orjson.loads(await request.body())
-    except orjson.JSONDecodeError as exc:
-        raise SlotError(f"invalid JSON: {exc}", 400) from exc
-    if not isinstance(body, dict):
-        raise SlotError("body must be a JSON object", 400)
-    return body
-
-
-def _transfer_id(body: dict[str, Any]) -> str:
-    tid = body.get("transfer_id")
-    if not isinstance(tid, str) or not tid:
-        raise SlotError("transfer_id must be a non-empty string", 400)
-    return tid
+    return wrapped
 
 
 class DecodeNode:
@@ -108,6 +95,7 @@ class DecodeNode:
         self.config = config
         self.engine = engine
         self.node_id = f"decode-{uuid.uuid4().hex[:8]}"
+        self._api_token = ("Bearer " + auth.node_api_token(config.secret)).encode()
         self.receiver = load_transport(config.transport).receiver(
             host=config.host, options=dict(config.transport_options or {})
         )
@@ -115,146 +103,180 @@ class DecodeNode:
             config.num_slots, engine.expected_layouts(), config.max_seq_len, self.receiver, config.lease_s,
             engine.check_layouts,
         )  # fmt: skip
-        self.control = ControlServer(self.table, config.transport, self.node_id)
+        self.control = ControlServer(self.table, config.transport, self.node_id, config.secret)
         self.eos = eos_token_ids(config.model)
         self.sampling_defaults = sampling_defaults(config.model)
+        self.metrics = DecodeMetrics(str(config.model))
         self.engine_lock = anyio.Lock()
-        self.decodes_completed = 0
+        self.running = 0
+        self.waiting = 0
         self.app = Starlette(
             routes=[
-                Route("/v1/reserve", self.reserve, methods=["POST"]),
-                Route("/v1/release", self.release, methods=["POST"]),
-                Route("/v1/cancel", self.cancel, methods=["POST"]),
-                Route("/v1/decode", self.decode, methods=["POST"]),
+                Route("/v1/reserve", _handler(self.reserve), methods=["POST"]),
+                Route("/v1/release", _handler(self.release), methods=["POST"]),
+                Route("/v1/decode", _handler(self.decode), methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
-            ]
+                Route("/metrics", self.render_metrics, methods=["GET"]),
+            ],
+            exception_handlers={HTTPException: self._http_error},  # type: ignore[dict-item]
         )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ASGI entry: ``/v1/*`` only with this deployment's bearer token."""
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope.get("headers", [])).get(b"authorization", b"")
+            if not auth.verify(given.decode("latin-1"), self._api_token.decode()):
+                await _error("missing or invalid node API token", 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    async def _http_error(request: Request, exc: HTTPException) -> Response:
+        return _error(str(exc.detail), exc.status_code)
 
     # ---- HTTP handlers ----------------------------------------------------------------------
 
     async def reserve(self, request: Request) -> Response:
-        try:
-            body = await _json(request)
-            tid = _transfer_id(body)
-            lease = body.get("lease_s")
-            if lease is not None and (not isinstance(lease, (int, float)) or not 0 < lease <= 600):
-                raise SlotError("lease_s must be a number in (0, 600]", 400)
-            slot = self.table.reserve(tid, lease)
-        except SlotError as exc:
-            resp = _error(str(exc), exc.status)
-            if exc.status == 429:
-                resp.headers["Retry-After"] = "1"
-            return resp
-        return JSONResponse({"transfer_id": tid, "slot": slot.index})
+        body = await _read(request, c.ReserveRequest)
+        if body.lease_s is not None and body.lease_s > self.config.max_lease_s:
+            raise SlotError(f"lease_s must be at most {self.config.max_lease_s:g} on this node", 400)
+        slot = self.table.reserve(body.transfer_id, body.lease_s)
+        self.metrics.slots(len(self.table.slots), self.table.free)
+        return _ok(c.ReserveResponse(body.transfer_id, slot.index))
 
     async def release(self, request: Request) -> Response:
-        try:
-            tid = _transfer_id(await _json(request))
-        except SlotError as exc:
-            return _error(str(exc), exc.status)
-        return JSONResponse({"released": self.table.release(tid, "released by router")})
-
-    async def cancel(self, request: Request) -> Response:
-        try:
-            tid = _transfer_id(await _json(request))
-        except SlotError as exc:
-            return _error(str(exc), exc.status)
-        return JSONResponse({"cancelled": self.table.release(tid, "cancelled")})
+        body = await _read(request, c.ReleaseRequest)
+        released = self.table.release(body.transfer_id, "released by router")
+        self.metrics.slots(len(self.table.slots), self.table.free)
+        return _ok(c.ReleaseResponse(released))
 
     async def health(self, request: Request) -> Response:
         caps = self.engine.capabilities()
-        return JSONResponse(
-            {
-                "status": "ok",
-                "node_id": self.node_id,
-                "engine": self.engine.name,
-                "model": str(self.config.model),
-                "transport": self.config.transport,
-                "ctrl_port": self.config.ctrl_port,
-                "slots_total": len(self.table.slots),
-                "slots_free": self.table.free,
-                "transfers_received": self.table.transfers_received,
-                "decodes_completed": self.decodes_completed,
-                "capabilities": {k: v for k, v in vars(caps).items() if k != "notes"},
-            }
-        )
+        return _ok(
+            c.NodeHealth(
+                status="ok", node_id=self.node_id, engine=self.engine.name, protocol_version=c.PROTOCOL_VERSION,
+                transport=self.config.transport, max_seq_len=self.config.max_seq_len,
+                slots_total=len(self.table.slots), slots_free=self.table.free, decodes_running=self.running,
+                decodes_waiting=self.waiting,
+                capabilities=c.EngineInfo(caps.temperature, caps.top_p, caps.top_k, caps.mtp, caps.pipelined_greedy),
+            )
+        )  # fmt: skip
+
+    async def render_metrics(self, request: Request) -> Response:
+        self.metrics.slots(len(self.table.slots), self.table.free)
+        return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
     async def decode(self, request: Request) -> Response:
+        req = await _read(request, c.DecodeRequest)
+        self.table.hold(req.transfer_id)  # queued behind a running decode, it must not expire
         try:
-            params = DecodeParams.parse(await _json(request), self.engine.vocab_size, self.sampling_defaults)
-            self.table.hold(params.transfer_id)  # queued behind a running decode, it must not expire
-        except SlotError as exc:
-            return _error(str(exc), exc.status)
+            params = self._params(req)
+        except SlotError:
+            self.table.release(req.transfer_id, "refused")
+            raise
+        return StreamingResponse(self._stream(params), media_type="application/x-ndjson")
+
+    def _params(self, req: c.DecodeRequest) -> DecodeParams:
+        """The request checked against this model and node; the node alone owns the context limit."""
+        try:
+            params = DecodeParams.from_request(req, self.engine.vocab_size, self.sampling_defaults)
         except ValueError as exc:
-            return _error(str(exc), 400)
+            raise SlotError(str(exc), 400) from None
         unsupported = params.unsupported(self.engine.capabilities())
         if unsupported:
-            self.table.release(params.transfer_id, "refused")
-            return _error(f"the {self.engine.name} engine cannot honour {unsupported}", 501)
-        if params.prompt_tokens + 1 + params.max_tokens > self.config.max_seq_len:
-            self.table.release(params.transfer_id, "refused")
-            return _error(
-                f"prompt ({params.prompt_tokens}) + max_tokens exceeds the decode node's max_seq_len "
-                f"{self.config.max_seq_len}",
+            raise SlotError(f"the {self.engine.name} engine cannot honour {unsupported}", 501)
+        room = self.config.max_seq_len - params.prompt_tokens - 1
+        if params.max_tokens is None:
+            return replace(params, max_tokens=max(room, 0))
+        if params.max_tokens > room:
+            limit, asked = self.config.max_seq_len, params.prompt_tokens + 1 + params.max_tokens
+            raise SlotError(
+                f"This model's maximum context length is {limit} tokens. However, you requested {asked} tokens "
+                f"({params.prompt_tokens} in the messages, {params.max_tokens + 1} in the completion). "
+                "Please reduce the length of the messages or completion.",
                 400,
             )
-        return StreamingResponse(self._stream(params), media_type="application/x-ndjson")
+        return params
 
     # ---- the decode stream ------------------------------------------------------------------
 
     async def _stream(self, params: DecodeParams) -> AsyncIterator[bytes]:
         tid = params.transfer_id
         bound = log.bind(transfer_id=tid)
+        started = anyio.current_time()
         try:
-            slot = await self.table.wait_ready(tid, self.config.transfer_timeout_s)
-            async with self.engine_lock:
-                slot = self.table.start_decode(tid)
-                state, layouts, num_tokens = slot.tensors()
-                if num_tokens != params.prompt_tokens:
-                    raise SlotError(
-                        f"prefill sent {num_tokens} prompt tokens, the router says {params.prompt_tokens}", 409
-                    )
-                send, receive = anyio.create_memory_object_stream[list[int]](math.inf)
-                result: dict[str, str] = {}
-                cancel = slot.cancel
-
-                def emit(ids: list[int]) -> None:
-                    anyio.from_thread.run_sync(send.send_nowait, ids)
-
-                def work() -> None:
-                    try:
-                        result["finish"] = run_decode(
-                            self.engine, state, layouts, num_tokens, params, self.eos, emit, cancel,
-                            self.config.num_speculative_tokens,
-                        )  # fmt: skip
-                    except Exception as exc:
-                        if cancel.is_set():  # the reader left: emitting into a closed stream fails
-                            result["finish"] = "cancelled"
-                        else:  # the engine failed: end this request visibly
-                            bound.exception("decode_failed")
-                            result["error"] = f"decode engine failed: {exc}"
-                    finally:
-                        anyio.from_thread.run_sync(send.close)
-
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(anyio.to_thread.run_sync, work)
-                    try:
-                        async with receive:
-                            async for ids in receive:
-                                yield orjson.dumps({"token_ids": ids}) + b"\n"
-                    finally:
-                        cancel.set()
-                if "error" in result:
-                    yield orjson.dumps({"error": {"message": result["error"], "code": 500}}) + b"\n"
-                else:
-                    self.decodes_completed += 1
-                    yield orjson.dumps({"finish_reason": result.get("finish", "cancelled")}) + b"\n"
-                    bound.info("decode_finished", finish_reason=result.get("finish"))
+            await self.table.wait_ready(tid, self.config.transfer_timeout_s)
+            self.waiting += 1
+            try:
+                await self.engine_lock.acquire()
+            finally:
+                self.waiting -= 1
+            try:
+                self.running += 1
+                async for line in self._run(params, bound):
+                    yield line
+            finally:
+                self.running -= 1
+                self.engine_lock.release()
         except SlotError as exc:
             bound.warning("decode_refused", reason=str(exc))
-            yield orjson.dumps({"error": {"message": str(exc), "code": exc.status}}) + b"\n"
+            yield c.dump_line(c.ErrorLine(exc.status, str(exc)))
         finally:
             self.table.release(tid, "decode ended")
+            self.metrics.slots(len(self.table.slots), self.table.free)
+            self.metrics.request_done(anyio.current_time() - started)
+
+    async def _run(self, params: DecodeParams, bound: structlog.typing.FilteringBoundLogger) -> AsyncIterator[bytes]:
+        """Decode on a worker thread; relay each step's tokens as a line the moment they exist."""
+        slot = self.table.start_decode(params.transfer_id)
+        state, layouts, num_tokens = slot.tensors()
+        if num_tokens != params.prompt_tokens:
+            raise SlotError(f"prefill sent {num_tokens} prompt tokens, the router says {params.prompt_tokens}", 409)
+        send, receive = anyio.create_memory_object_stream[c.TokenLine](math.inf)
+        result: dict[str, Finish | str] = {}
+        cancel = slot.cancel
+
+        def emit(ids: list[int], finish: Finish | None) -> None:
+            line = c.TokenLine(ids) if finish is None else c.TokenLine(ids, finish.reason, finish.stop_token_id)  # type: ignore[arg-type]
+            anyio.from_thread.run_sync(send.send_nowait, line)
+
+        def work() -> None:
+            try:
+                result["finish"] = run_decode(
+                    self.engine, state, layouts, num_tokens, params, self.eos, emit, cancel,
+                    self.config.num_speculative_tokens,
+                )  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - the request ends visibly, the node serves on
+                if not cancel.is_set():  # (emitting into a closed stream fails once the reader left)
+                    bound.exception("decode_failed")
+                    result["error"] = f"decode engine failed: {type(exc).__name__}"
+            finally:
+                anyio.from_thread.run_sync(send.close)
+
+        last, finished = anyio.current_time(), False
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, work)
+            try:
+                async with receive:
+                    async for line in receive:
+                        now = anyio.current_time()
+                        self.metrics.tokens(len(line.token_ids), now - last)
+                        last, finished = now, line.finish_reason is not None
+                        yield c.dump_line(line)
+            finally:
+                cancel.set()
+        if not finished:
+            yield self._last_line(result, bound)
+        bound.info("decode_finished", result=str(result.get("finish") or result.get("error")))
+
+    @staticmethod
+    def _last_line(result: dict[str, Finish | str], bound: structlog.typing.FilteringBoundLogger) -> bytes:
+        """The closing line when the decode ended without emitting its finish (nothing left to emit)."""
+        finish = result.get("finish")
+        if isinstance(finish, Finish) and finish.reason in ("stop", "length"):
+            return c.dump_line(c.TokenLine([], finish.reason, finish.stop_token_id))
+        message = result.get("error")
+        return c.dump_line(c.ErrorLine(500, message if isinstance(message, str) else "decode cancelled"))
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -267,8 +289,11 @@ class DecodeNode:
     async def serve(self) -> None:
         cfg = self.config
         server = uvicorn.Server(
-            uvicorn.Config(self.app, host=cfg.host, port=cfg.http_port, log_level="warning", lifespan="off")
-        )
+            uvicorn.Config(
+                self, host=cfg.host, port=cfg.http_port, log_level="warning", lifespan="off",
+                limit_concurrency=cfg.max_http_connections, timeout_keep_alive=30,
+            )
+        )  # fmt: skip
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(self.control.serve, cfg.host, cfg.ctrl_port)
@@ -276,7 +301,7 @@ class DecodeNode:
                 log.info(
                     "decode_node_ready", ctrl=f"{cfg.host}:{cfg.ctrl_port}", http=f"{cfg.host}:{cfg.http_port}",
                     engine=self.engine.name, transport=cfg.transport, slots=len(self.table.slots),
-                )
+                )  # fmt: skip
                 await server.serve()
                 tg.cancel_scope.cancel()
         finally:

@@ -20,14 +20,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import anyio
 import structlog
 import torch
 
+from tilert.contracts import KVLayout, Offer
 from tilert.engines.base import require_exact_layouts
-from tilert.protocol import KVLayout, Offer
 from tilert.transports.base import Receiver
 
 log = structlog.get_logger("tilert.decode.slots")
@@ -35,7 +34,7 @@ log = structlog.get_logger("tilert.decode.slots")
 TOMBSTONES = 1024
 
 
-class State(enum.Enum):
+class SlotState(enum.Enum):
     FREE = "free"
     RESERVED = "reserved"
     RECEIVING = "receiving"
@@ -57,11 +56,11 @@ class Slot:
     index: int
     buffer: torch.Tensor
     region: int
-    state: State = State.FREE
+    state: SlotState = SlotState.FREE
     transfer_id: str | None = None
     deadline: float = 0.0
     offer: Offer | None = None
-    grant: dict[str, Any] | None = None
+    grant: dict[str, str | int] | None = None
     error: str | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
     changed: anyio.Event = field(default_factory=anyio.Event)
@@ -114,7 +113,7 @@ class SlotTable:
 
     @property
     def free(self) -> int:
-        return sum(s.state is State.FREE for s in self.slots)
+        return sum(s.state is SlotState.FREE for s in self.slots)
 
     def get(self, tid: str) -> Slot:
         slot = self._by_tid.get(tid)
@@ -122,18 +121,18 @@ class SlotTable:
             return slot
         reason = self._tombstones.get(tid)
         if reason is not None:
-            raise SlotError(f"transfer {tid} is no longer held here: {reason}", 410)
-        raise SlotError(f"unknown transfer {tid}: reserve a slot first", 404)
+            raise SlotError(f"the transfer is no longer held here: {reason}", 410)
+        raise SlotError("unknown transfer: reserve a slot first", 404)
 
     # ---- transitions ----------------------------------------------------------------------
 
     def reserve(self, tid: str, lease_s: float | None = None) -> Slot:
         if tid in self._by_tid or tid in self._tombstones:
-            raise SlotError(f"transfer id {tid} was already used", 409)
-        slot = next((s for s in self.slots if s.state is State.FREE), None)
+            raise SlotError("transfer id already used", 409)
+        slot = next((s for s in self.slots if s.state is SlotState.FREE), None)
         if slot is None:
             raise SlotError("all decode slots are taken", 429)
-        slot.state, slot.transfer_id, slot.error, slot.offer = State.RESERVED, tid, None, None
+        slot.state, slot.transfer_id, slot.error, slot.offer = SlotState.RESERVED, tid, None, None
         slot.deadline = time.monotonic() + (lease_s or self.default_lease_s)
         slot.cancel = threading.Event()
         self._by_tid[tid] = slot
@@ -141,18 +140,18 @@ class SlotTable:
         log.info("slot_reserved", transfer_id=tid, slot=slot.index)
         return slot
 
-    def accept(self, offer: Offer) -> dict[str, Any]:
+    def accept(self, offer: Offer) -> dict[str, str | int]:
         """Check an offer against the reservation and the engine; returns the write target."""
         slot = self.get(offer.transfer_id)
-        if slot.state is not State.RESERVED:
-            raise SlotError(f"transfer {offer.transfer_id} is {slot.state.value}, not awaiting data", 409)
+        if slot.state is not SlotState.RESERVED:
+            raise SlotError(f"the transfer is {slot.state.value}, not awaiting data", 409)
         problem = self._check(offer)
         if problem:
             self.fail(offer.transfer_id, problem)
             raise SlotError(problem, 400)
         slot.offer = offer
         slot.grant = self._receiver.grant(slot.region, 0, offer.nbytes)
-        slot.state = State.RECEIVING
+        slot.state = SlotState.RECEIVING
         slot.notify()
         return slot.grant
 
@@ -169,20 +168,20 @@ class SlotTable:
 
     def complete(self, tid: str, nbytes: int) -> None:
         slot = self.get(tid)
-        if slot.state is not State.RECEIVING or slot.offer is None or nbytes != slot.offer.nbytes:
-            raise SlotError(f"done for transfer {tid} in state {slot.state.value} ({nbytes} bytes)", 409)
+        if slot.state is not SlotState.RECEIVING or slot.offer is None or nbytes != slot.offer.nbytes:
+            raise SlotError(f"done for a transfer in state {slot.state.value} ({nbytes} bytes)", 409)
         self._revoke(slot)
-        slot.state = State.READY
+        slot.state = SlotState.READY
         self.transfers_received += 1
         slot.notify()
         log.info("transfer_received", transfer_id=tid, nbytes=nbytes, tokens=slot.offer.num_tokens)
 
     def fail(self, tid: str, reason: str) -> None:
         slot = self._by_tid.get(tid)
-        if slot is None or slot.state in (State.DECODING, State.FAILED):
+        if slot is None or slot.state in (SlotState.DECODING, SlotState.FAILED):
             return
         self._revoke(slot)
-        slot.state, slot.error = State.FAILED, reason
+        slot.state, slot.error = SlotState.FAILED, reason
         slot.notify()
         log.warning("transfer_failed", transfer_id=tid, reason=reason)
 
@@ -197,35 +196,36 @@ class SlotTable:
         """Wait until the transfer has landed; ``SlotError`` (502/504) if it failed or timed out."""
         slot = self.get(tid)
         with anyio.move_on_after(timeout_s):
-            while slot.state in (State.RESERVED, State.RECEIVING):
+            while slot.state in (SlotState.RESERVED, SlotState.RECEIVING):
                 await slot.changed.wait()
-        if slot.state is State.READY:
+        if slot.state is SlotState.READY:
             return slot
-        if slot.state is State.FAILED:
+        if slot.state is SlotState.FAILED:
             raise SlotError(f"KV transfer failed: {slot.error}", 502)
         if slot.transfer_id != tid:
-            raise SlotError(f"transfer {tid} was released while waiting", 410)
+            raise SlotError("the transfer was released while waiting", 410)
         raise SlotError(f"KV transfer did not arrive within {timeout_s:.1f}s", 504)
 
     def start_decode(self, tid: str) -> Slot:
         slot = self.get(tid)
-        if slot.state is not State.READY:
-            raise SlotError(f"transfer {tid} is {slot.state.value}, not ready", 409)
-        slot.state = State.DECODING
+        if slot.state is not SlotState.READY:
+            raise SlotError(f"the transfer is {slot.state.value}, not ready", 409)
+        slot.state = SlotState.DECODING
         slot.notify()
         return slot
 
     def release(self, tid: str, reason: str = "released") -> bool:
-        """Free the slot of ``tid`` whatever its state (idempotent); a decode in flight is cancelled."""
+        """Free the slot of ``tid`` whatever its state (idempotent); a decode in flight is cancelled.
+
+        An id never seen is tombstoned too: a reserve that arrives after its own release (a router that
+        gave up on a paused node) is then refused instead of holding a slot nobody will use."""
         slot = self._by_tid.pop(tid, None)
+        self._tombstone(tid, reason)
         if slot is None:
             return False
         slot.cancel.set()
         self._revoke(slot)
-        slot.state, slot.transfer_id, slot.offer, slot.error = State.FREE, None, None, None
-        self._tombstones[tid] = reason
-        while len(self._tombstones) > TOMBSTONES:
-            self._tombstones.popitem(last=False)
+        slot.state, slot.transfer_id, slot.offer, slot.error = SlotState.FREE, None, None, None
         slot.notify()
         log.info("slot_released", transfer_id=tid, slot=slot.index, reason=reason)
         return True
@@ -236,11 +236,17 @@ class SlotTable:
         expired: list[str] = [
             s.transfer_id
             for s in self.slots
-            if s.transfer_id and s.state not in (State.FREE, State.DECODING) and s.deadline < now
+            if s.transfer_id and s.state not in (SlotState.FREE, SlotState.DECODING) and s.deadline < now
         ]
         for tid in expired:
             self.release(tid, "lease expired before decode started")
         return expired
+
+    def _tombstone(self, tid: str, reason: str) -> None:
+        self._tombstones[tid] = reason
+        self._tombstones.move_to_end(tid)
+        while len(self._tombstones) > TOMBSTONES:
+            self._tombstones.popitem(last=False)
 
     def _revoke(self, slot: Slot) -> None:
         if slot.grant is not None:

@@ -116,7 +116,7 @@ def build_tiny_model(arch: str, out_dir: Path | str, seed: int = 0, **config_ove
     }[arch]
     config = config_cls(**values)
     torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32).eval()
+    model = model_cls(config).float().eval()
     # The router's correction bias is zero-initialised; give it values so routing is exercised.
     with torch.no_grad():
         for name, param in model.named_parameters():

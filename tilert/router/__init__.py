@@ -1,12 +1,55 @@
 """OpenAI-compatible router in front of vLLM prefill and the TileRT decode pool.
 
-``uvicorn tilert.router:app`` reads its TOML config from ``$TILERT_ROUTER_CONFIG`` at start-up;
+``uvicorn tilert.router:app`` reads its config at start-up from the ``TILERT_ROUTER_*`` environment
+variables over the TOML file named by ``$TILERT_ROUTER_CONFIG`` (see :mod:`tilert.router.config`);
 ``build_app(RouterConfig(...))`` builds one from arguments (the ``tilert router`` CLI does that).
+
+``app`` and ``build_app`` are resolved on first access, so importing the config (the CLI, the decode
+node, ``tilert up``) neither builds the Starlette app nor imports its dependencies. ``tilert.router.app``
+always names the ASGI app, even once the submodule of the same name is loaded (the import system's
+binding of the submodule to the package is ignored; the submodule stays in ``sys.modules``).
 """
 
-from tilert.router.app import build_app
+from __future__ import annotations
+
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
 from tilert.router.config import ConfigError, DecodeNodeSpec, RouterConfig, load_config, parse_decode_spec
 
-app = build_app()
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
+    from tilert.router.app import build_app
+
+    app: Starlette
+
+
+class _RouterPackage(types.ModuleType):
+    @property
+    def app(self) -> Any:
+        built = self.__dict__.get("_asgi_app")
+        if built is None:
+            from tilert.router.app import build_app
+
+            built = self.__dict__["_asgi_app"] = build_app()
+        return built
+
+    @app.setter
+    def app(self, value: Any) -> None:
+        if not isinstance(value, types.ModuleType):  # the import system binding the submodule: keep the app
+            self.__dict__["_asgi_app"] = value
+
+
+def __getattr__(name: str) -> Any:
+    if name == "build_app":
+        from tilert.router.app import build_app
+
+        return build_app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+sys.modules[__name__].__class__ = _RouterPackage
 
 __all__ = ["ConfigError", "DecodeNodeSpec", "RouterConfig", "app", "build_app", "load_config", "parse_decode_spec"]

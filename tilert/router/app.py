@@ -10,6 +10,7 @@ import anyio
 import orjson
 import structlog
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
@@ -18,13 +19,13 @@ from starlette.types import Receive, Scope, Send
 
 from tilert.router.config import RouterConfig, load_config_from_env
 from tilert.router.context import RouterContext
-from tilert.router.errors import RouterError
+from tilert.router.errors import RouterError, error_payload
 from tilert.router.flow import RequestFlow
 from tilert.router.metrics import RouterMetrics
 from tilert.router.middleware import REQUEST_ID_SCOPE_KEY, BearerAuthMiddleware, RequestIdMiddleware
 from tilert.router.openai_format import models_list
 from tilert.router.validation import Route as ApiRoute
-from tilert.router.validation import build_plan, parse_body
+from tilert.router.validation import build_plan
 
 log = structlog.get_logger("tilert.router")
 
@@ -35,7 +36,7 @@ class _Holder:
     def __init__(self, config: RouterConfig | None) -> None:
         self.config = config
         self.ctx: RouterContext | None = None
-        self.metrics = RouterMetrics()
+        self.metrics: RouterMetrics | None = None
 
     def api_key(self) -> str | None:
         return self.ctx.config.api_key if self.ctx else (self.config.api_key if self.config else None)
@@ -85,16 +86,28 @@ class FlowResponse(Response):
                 tg.cancel_scope.cancel()
 
 
+async def _body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 past ``limit`` bytes (read no further than that)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RouterError(413, f"request body exceeds {limit} bytes", outcome="bad_request")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _completion(request: Request, route: ApiRoute) -> Response:
     arrived = anyio.current_time()
     ctx = _ctx(request)
     rid: str = request.scope.get(REQUEST_ID_SCOPE_KEY, "")
-    raw = await request.body()
     try:
-        plan = build_plan(route, parse_body(raw), ctx.config.default_max_tokens)
+        raw = await _body(request, ctx.config.max_body_bytes)
+        plan = build_plan(route, raw, default_max_tokens=ctx.config.default_max_tokens,
+                          max_body_bytes=ctx.config.max_body_bytes)  # fmt: skip
     except RouterError as exc:
-        ctx.metrics.requests.labels(route, exc.outcome).inc()
-        log.info("request_refused", route=route, status=exc.status, reason=exc.message)
+        ctx.metrics.request_finished(route, exc.outcome, None, 0, 0, anyio.current_time() - arrived, None, None)
+        log.info("request_refused", route=route, status=exc.status, reason=exc.log_reason())
         return _error(exc)
     return FlowResponse(RequestFlow(ctx, plan, rid, arrived))
 
@@ -139,9 +152,18 @@ async def health(request: Request) -> Response:
     return _json(body, status=200 if ok else 503)
 
 
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """404, 405 and the like in OpenAI's error shape, as every other error of the router."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    detail = exc.detail if isinstance(exc, HTTPException) else "internal router error"
+    headers = dict(exc.headers or {}) if isinstance(exc, HTTPException) else None
+    return Response(orjson.dumps(error_payload(status, str(detail))), status_code=status,
+                    media_type="application/json", headers=headers)  # fmt: skip
+
+
 async def metrics(request: Request) -> Response:
-    holder: _Holder = request.app.state.holder
-    return Response(holder.metrics.render(), media_type=holder.metrics.content_type)
+    metrics = _ctx(request).metrics
+    return Response(metrics.render(), media_type=metrics.content_type)
 
 
 def build_app(config: RouterConfig | None = None) -> Starlette:
@@ -157,6 +179,7 @@ def build_app(config: RouterConfig | None = None) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         try:
             cfg = holder.config if holder.config is not None else load_config_from_env()
+            holder.metrics = RouterMetrics(cfg.model_name)
             holder.ctx = await RouterContext.start(cfg, holder.metrics)
         except Exception as exc:
             log.error("router_startup_refused", reason=str(exc))
@@ -185,6 +208,7 @@ def build_app(config: RouterConfig | None = None) -> Starlette:
             Middleware(BearerAuthMiddleware, api_key=holder.api_key),
         ],
         lifespan=lifespan,
+        exception_handlers={HTTPException: _http_error, Exception: _http_error},
     )
     app.state.holder = holder
     return app

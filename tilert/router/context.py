@@ -11,10 +11,10 @@ import httpx
 import structlog
 
 from tilert.router.config import RouterConfig
-from tilert.router.decode_node import DecodeNodeClient
 from tilert.router.detokenize import TokenizerBundle, load_tokenizer
 from tilert.router.metrics import RouterMetrics
-from tilert.router.pool import DecodeNode, DecodePool
+from tilert.router.node_client import NodeClient
+from tilert.router.pool import DecodePool, PooledNode
 
 log = structlog.get_logger("tilert.router")
 
@@ -31,7 +31,7 @@ class RouterContext:
     metrics: RouterMetrics
     pool: DecodePool
     prefill: httpx.AsyncClient
-    nodes: dict[str, DecodeNodeClient]
+    nodes: dict[str, NodeClient]
     tokenizer: TokenizerBundle
     started_at: int = field(default_factory=lambda: int(time.time()))
 
@@ -48,7 +48,7 @@ class RouterContext:
             limits=_limits(),
         )
         nodes = {
-            spec.name: DecodeNodeClient(
+            spec.name: NodeClient(
                 spec,
                 httpx.AsyncClient(
                     base_url=spec.base_url,
@@ -57,6 +57,7 @@ class RouterContext:
                     limits=_limits(),
                 ),
                 config.control_timeout_s,
+                config.secret,
             )
             for spec in config.decode_nodes
         }
@@ -80,14 +81,14 @@ class RouterContext:
             for client in self.nodes.values():
                 await client.aclose()
 
-    def node_client(self, node: DecodeNode) -> DecodeNodeClient:
+    def node_client(self, node: PooledNode) -> NodeClient:
         return self.nodes[node.name]
 
     async def check_nodes(self) -> list[dict[str, Any]]:
         """Probe every decode node's /health at once and feed the results to the pool."""
         results: dict[str, dict[str, Any]] = {}
 
-        async def probe(node: DecodeNode) -> None:
+        async def probe(node: PooledNode) -> None:
             health = await self.node_client(node).health(self.config.health_timeout_s)
             self.pool.update_health(
                 node, health.ok, slots_total=health.slots_total, slots_free=health.slots_free, error=health.error

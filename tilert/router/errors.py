@@ -10,6 +10,7 @@ _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
     408: "TimeoutError",
     413: "RequestTooLargeError",
     429: "RateLimitError",
@@ -24,6 +25,8 @@ class RouterError(Exception):
     """A failure with the HTTP status the client should see and a human-readable reason.
 
     ``body`` (raw bytes) lets an upstream 4xx reach the client verbatim, with its own message.
+    ``upstream`` marks a message written by vLLM, which may quote the prompt: it goes to the client,
+    never into a log line (:meth:`log_reason`).
     """
 
     def __init__(
@@ -35,6 +38,7 @@ class RouterError(Exception):
         param: str | None = None,
         headers: dict[str, str] | None = None,
         body: bytes | None = None,
+        upstream: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -43,6 +47,11 @@ class RouterError(Exception):
         self.param = param
         self.headers = headers or {}
         self.body = body
+        self.upstream = upstream
+
+    def log_reason(self) -> str:
+        """The reason as it may appear in a log: upstream text (possibly quoting the prompt) withheld."""
+        return f"(upstream message of {len(self.message)} chars withheld)" if self.upstream else self.message
 
     def payload(self) -> dict[str, Any]:
         return error_payload(self.status, self.message, self.param)

@@ -1,58 +1,199 @@
-"""Prometheus metrics of one router instance (own registry, so several apps can live in one process)."""
+"""Prometheus metrics of one router instance, named after vLLM's (own registry: several apps per process).
+
+Callers use the typed methods below; nothing outside this module touches a prometheus object. Every
+series carries ``model_name`` (the served model name), as vLLM's do. A dashboard built for vLLM reads the
+router by swapping the ``vllm:`` prefix for ``tilert:``:
+
+==============================================  ==========================================  ==================
+tilert (router)                                 vLLM                                        fed by
+==============================================  ==========================================  ==================
+tilert:time_to_first_token_seconds{route}       vllm:time_to_first_token_seconds            first_token
+tilert:e2e_request_latency_seconds{route}       vllm:e2e_request_latency_seconds            request_finished
+tilert:request_time_per_output_token_seconds    vllm:request_time_per_output_token_seconds  request_finished
+tilert:inter_token_latency_seconds              vllm:inter_token_latency_seconds            token_gap
+tilert:num_requests_running                     vllm:num_requests_running                   running
+tilert:num_requests_waiting                     vllm:num_requests_waiting                   waiting
+tilert:request_success_total{finished_reason}   vllm:request_success_total                  request_finished
+tilert:prompt_tokens_total                      vllm:prompt_tokens_total                    request_finished
+tilert:generation_tokens_total                  vllm:generation_tokens_total                request_finished
+tilert:request_prompt_tokens                    vllm:request_prompt_tokens                  request_finished
+tilert:request_generation_tokens                vllm:request_generation_tokens              request_finished
+tilert:request_queue_time_seconds               vllm:request_queue_time_seconds             queue_wait
+tilert:request_prefill_time_seconds             vllm:request_prefill_time_seconds           prefill
+==============================================  ==========================================  ==================
+
+Differences in meaning, where the router sees a request differently from vLLM's engine:
+
+- running: admitted by the router and not finished (queued for a slot, prefilling or decoding); waiting:
+  queued for a decode slot (vLLM: waiting for its scheduler);
+- queue time: the wait for a decode slot; prefill time: the whole ``max_tokens=1`` round trip to vLLM;
+- request_success counts every finished request by ``finished_reason`` (stop, length, abort, error), as
+  vLLM's does; prompt/generation token totals are added once, when the request finishes;
+- time per output token is vLLM's definition: (e2e - ttft) / (generation tokens - 1), requests with more
+  than one token only.
+
+The router's own, with no vLLM counterpart:
+
+- ``tilert:requests_total{route,outcome}``: every request, failures included (``ok``, ``bad_request``,
+  ``queue_timeout``, ``decode_error``, ``client_disconnected``, ...);
+- ``tilert:kv_transfer_wait_seconds``: decode request sent to its first line (KV transfer + first step);
+- ``tilert:decode_slots_in_use{node}``: slots this router holds per decode node;
+- ``tilert:decode_node_healthy{node}``: 1 while the node passes its health probe.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-_ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0)
+PREFIX = "tilert:"
+
+# vLLM's bucket families (vllm/v1/metrics/buckets.py); inter-token latency gets a finer low end, since a
+# decode node steps in a few milliseconds.
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                               7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+INTER_TOKEN_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04,
+                               0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                               20.0, 40.0, 80.0)  # fmt: skip
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0,
+                60.0, 120.0, 300.0, 600.0)  # fmt: skip
+TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000,
+                       200000, 500000, 1000000)  # fmt: skip
 
 
 class RouterMetrics:
-    """TTFT, ITL, queue depth and wait, transfer wait, and requests by outcome."""
+    """The router's ``/metrics``; one instance per app, labelled with the served model name."""
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.requests = Counter(
-            "tilert_router_requests", "Requests finished, by route and outcome", ["route", "outcome"], registry=r
-        )
-        self.ttft = Histogram(
-            "tilert_router_ttft_seconds",
-            "Router arrival to first token sent to the client",
-            ["route"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "tilert_router_itl_seconds",
-            "Time between successive decode token arrivals at the router (per token)",
-            buckets=_ITL_BUCKETS,
-            registry=r,
-        )
-        self.queue_depth = Gauge("tilert_router_queue_depth", "Requests waiting for a decode slot", registry=r)
-        self.queue_wait = Histogram(
-            "tilert_router_queue_wait_seconds", "Time spent waiting for a decode slot", buckets=_LATENCY_BUCKETS, registry=r
-        )
-        self.prefill = Histogram(
-            "tilert_router_prefill_seconds", "Prefill round trip (max_tokens=1)", buckets=_LATENCY_BUCKETS, registry=r
-        )
-        self.transfer_wait = Histogram(
-            "tilert_router_transfer_wait_seconds",
-            "Decode request sent to first decode token received (KV transfer wait + first step)",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.slots_in_use = Gauge(
-            "tilert_router_slots_in_use", "Decode slots this router holds, per node", ["node"], registry=r
-        )
-        self.node_healthy = Gauge("tilert_router_node_healthy", "1 when the decode node passes health", ["node"], registry=r)
-        self.generated_tokens = Counter(
-            "tilert_router_generated_tokens", "Completion tokens relayed to clients", registry=r
-        )
+        r, m = self.registry, ["model_name"]
+        self._ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+                               "Arrival at the router to the first token sent to the client.",
+                               m + ["route"], buckets=TIME_TO_FIRST_TOKEN_BUCKETS, registry=r)  # fmt: skip
+        self._e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+                              "Arrival at the router to the request's end, failures included.",
+                              m + ["route"], buckets=REQUEST_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self._tpot = Histogram(PREFIX + "request_time_per_output_token_seconds",
+                               "Per request: (e2e - ttft) / (generation tokens - 1), as vLLM defines it.",
+                               m, buckets=INTER_TOKEN_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self._itl = Histogram(PREFIX + "inter_token_latency_seconds",
+                              "Time between decode tokens arriving at the router (a batch's gap split evenly).",
+                              m, buckets=INTER_TOKEN_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self._running = Gauge(PREFIX + "num_requests_running",
+                              "Requests admitted and not finished (queued for a slot, prefilling or decoding).",
+                              m, registry=r)  # fmt: skip
+        self._waiting = Gauge(PREFIX + "num_requests_waiting", "Requests queued for a decode slot.", m, registry=r)
+        self._success = Counter(PREFIX + "request_success",
+                                "Finished requests by finished_reason (stop, length, abort, error).",
+                                m + ["finished_reason"], registry=r)  # fmt: skip
+        self._requests = Counter(PREFIX + "requests", "Every request by route and outcome (failures included).",
+                                 m + ["route", "outcome"], registry=r)  # fmt: skip
+        self._prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", m, registry=r)
+        self._generation_tokens = Counter(PREFIX + "generation_tokens", "Completion tokens sent to clients.", m,
+                                          registry=r)  # fmt: skip
+        self._prompt_hist = Histogram(PREFIX + "request_prompt_tokens", "Prompt tokens per finished request.", m,
+                                      buckets=TOKEN_COUNT_BUCKETS, registry=r)  # fmt: skip
+        self._generation_hist = Histogram(PREFIX + "request_generation_tokens",
+                                          "Completion tokens per finished request.", m,
+                                          buckets=TOKEN_COUNT_BUCKETS, registry=r)  # fmt: skip
+        self._queue = Histogram(PREFIX + "request_queue_time_seconds", "Wait for a decode slot.", m,
+                                buckets=WAIT_BUCKETS, registry=r)  # fmt: skip
+        self._prefill = Histogram(PREFIX + "request_prefill_time_seconds",
+                                  "Prefill round trip to vLLM (max_tokens=1).", m,
+                                  buckets=TIME_TO_FIRST_TOKEN_BUCKETS, registry=r)  # fmt: skip
+        self._transfer = Histogram(PREFIX + "kv_transfer_wait_seconds",
+                                   "Decode request sent to its first line (KV transfer wait + first step).", m,
+                                   buckets=WAIT_BUCKETS, registry=r)  # fmt: skip
+        self._slots = Gauge(PREFIX + "decode_slots_in_use", "Decode slots this router holds, per node.",
+                            m + ["node"], registry=r)  # fmt: skip
+        self._healthy = Gauge(PREFIX + "decode_node_healthy", "1 while the decode node passes its health probe.",
+                              m + ["node"], registry=r)  # fmt: skip
+        # Series that exist from the start (a dashboard sees 0, not "no data").
+        for metric in (self._running, self._waiting, self._prompt_tokens, self._generation_tokens):
+            metric.labels(model_name)
+
+    # -- per request -------------------------------------------------------------------------------
+    def first_token(self, route: str, seconds: float) -> None:
+        """The first token reached the client ``seconds`` after the request arrived (once per request)."""
+        self._ttft.labels(self.model_name, route).observe(seconds)
+
+    def token_gap(self, seconds: float, n: int = 1) -> None:
+        """``n`` decode tokens arrived ``seconds`` after the previous ones: ``n`` gaps of ``seconds / n``."""
+        if n <= 0:
+            return
+        child, gap = self._itl.labels(self.model_name), seconds / n
+        for _ in range(n):
+            child.observe(gap)
+
+    def request_finished(
+        self,
+        route: str,
+        outcome: str,
+        finished_reason: str | None = None,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+        e2e_s: float | None = None,
+        ttft_s: float | None = None,
+        tpot_s: float | None = None,
+    ) -> None:
+        """A request ended (answered, refused or failed): counts, token totals, latency.
+
+        ``finished_reason`` is the OpenAI finish reason when it finished (None when it was refused before
+        being served); ``tpot_s`` defaults to vLLM's (e2e - ttft) / (completion_tokens - 1). TTFT itself is
+        recorded by :meth:`first_token`, not here.
+        """
+        m = self.model_name
+        self._requests.labels(m, route, outcome).inc()
+        if finished_reason is not None:
+            self._success.labels(m, finished_reason).inc()
+        if e2e_s is not None:
+            self._e2e.labels(m, route).observe(e2e_s)
+        if prompt_tokens > 0:
+            self._prompt_tokens.labels(m).inc(prompt_tokens)
+            self._prompt_hist.labels(m).observe(prompt_tokens)
+        if completion_tokens > 0:
+            self._generation_tokens.labels(m).inc(completion_tokens)
+            self._generation_hist.labels(m).observe(completion_tokens)
+        if tpot_s is None and e2e_s is not None and ttft_s is not None and completion_tokens > 1:
+            tpot_s = (e2e_s - ttft_s) / (completion_tokens - 1)
+        if tpot_s is not None:
+            self._tpot.labels(m).observe(tpot_s)
+
+    def queue_wait(self, seconds: float) -> None:
+        """A request waited ``seconds`` for a decode slot."""
+        self._queue.labels(self.model_name).observe(seconds)
+
+    def prefill(self, seconds: float) -> None:
+        """A prefill round trip to vLLM took ``seconds``."""
+        self._prefill.labels(self.model_name).observe(seconds)
+
+    def transfer_wait(self, seconds: float) -> None:
+        """The first decode line arrived ``seconds`` after the decode request was sent."""
+        self._transfer.labels(self.model_name).observe(seconds)
+
+    # -- state -------------------------------------------------------------------------------------
+    def running(self, delta: int) -> None:
+        """A request started (+1) or ended (-1)."""
+        self._running.labels(self.model_name).inc(delta)
+
+    def waiting(self, n: int) -> None:
+        """``n`` requests are queued for a decode slot now."""
+        self._waiting.labels(self.model_name).set(n)
+
+    def slots_in_use(self, node: str, n: int) -> None:
+        """This router holds ``n`` slots on ``node`` now."""
+        self._slots.labels(self.model_name, node).set(n)
+
+    def node_healthy(self, node: str, ok: bool) -> None:
+        self._healthy.labels(self.model_name, node).set(1 if ok else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+__all__ = ["RouterMetrics"]

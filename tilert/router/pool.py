@@ -1,5 +1,8 @@
 """Decode node pool: health view, least-loaded choice, and fair (FIFO) bounded admission.
 
+``Retry-After`` on a 429 is computed from the queue: how long the requests ahead would take to clear the
+slots at the average time a request has held one (an exponential moving average of recent holds).
+
 The pool only counts slots this router holds; the node's own ``/v1/reserve`` is the authority. When a
 node answers 429 although the local count said it had room, it is marked saturated until one of our
 slots on it is given back or its health report shows a free slot.
@@ -22,7 +25,7 @@ log = structlog.get_logger("tilert.router.pool")
 
 
 @dataclass(eq=False)
-class DecodeNode:
+class PooledNode:
     spec: DecodeNodeSpec
     healthy: bool = True
     slots_total: int = 1
@@ -42,7 +45,7 @@ class DecodeNode:
 @dataclass(eq=False)
 class _Waiter:
     event: anyio.Event = field(default_factory=anyio.Event)
-    node: DecodeNode | None = None
+    node: PooledNode | None = None
     error: RouterError | None = None
 
 
@@ -57,15 +60,16 @@ class DecodePool:
         retry_after_s: int,
         metrics: RouterMetrics,
     ) -> None:
-        self.nodes = [DecodeNode(spec) for spec in specs]
+        self.nodes = [PooledNode(spec) for spec in specs]
         self.max_queue = max_queue
         self.retry_after_s = retry_after_s
         self._metrics = metrics
         self._waiters: deque[_Waiter] = deque()
         self._rr = 0
+        self._hold_s = float(max(1, retry_after_s))  # moving average of how long a request holds a slot
         for node in self.nodes:
-            metrics.node_healthy.labels(node.name).set(1)
-            metrics.slots_in_use.labels(node.name).set(0)
+            metrics.node_healthy(node.name, True)
+            metrics.slots_in_use(node.name, 0)
 
     # -- views -------------------------------------------------------------------------------------
     @property
@@ -75,7 +79,7 @@ class DecodePool:
     def any_healthy(self) -> bool:
         return any(n.healthy for n in self.nodes)
 
-    def _pick(self) -> DecodeNode | None:
+    def _pick(self) -> PooledNode | None:
         candidates = [n for n in self.nodes if n.has_room()]
         if not candidates:
             return None
@@ -84,9 +88,9 @@ class DecodePool:
         order = {id(n): (i - self._rr) % len(self.nodes) for i, n in enumerate(self.nodes)}
         return min(candidates, key=lambda n: (n.in_use / max(n.slots_total, 1), n.in_use, order[id(n)]))
 
-    def _take(self, node: DecodeNode) -> DecodeNode:
+    def _take(self, node: PooledNode) -> PooledNode:
         node.in_use += 1
-        self._metrics.slots_in_use.labels(node.name).set(node.in_use)
+        self._metrics.slots_in_use(node.name, node.in_use)
         return node
 
     def _dispatch(self) -> None:
@@ -97,20 +101,25 @@ class DecodePool:
             waiter = self._waiters.popleft()
             waiter.node = self._take(node)
             waiter.event.set()
-        self._metrics.queue_depth.set(len(self._waiters))
+        self._metrics.waiting(len(self._waiters))
 
     def _fail_waiters(self, error: RouterError) -> None:
         while self._waiters:
             waiter = self._waiters.popleft()
             waiter.error = error
             waiter.event.set()
-        self._metrics.queue_depth.set(0)
+        self._metrics.waiting(0)
 
     # -- admission ---------------------------------------------------------------------------------
-    def _retry_after(self) -> dict[str, str]:
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+    def retry_after_s_now(self) -> int:
+        """Seconds until a slot is likely free for a request joining the queue now (1 to 600)."""
+        slots = sum(n.slots_total for n in self.nodes if n.healthy) or 1
+        return min(600, max(1, math.ceil(self._hold_s * (len(self._waiters) + 1) / slots)))
 
-    async def acquire(self, deadline: float, *, front: bool = False) -> DecodeNode:
+    def _retry_after(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s_now())}
+
+    async def acquire(self, deadline: float, *, front: bool = False) -> PooledNode:
         """Wait (FIFO, until the ``anyio.current_time()`` ``deadline``) for a node with a free slot.
 
         ``front`` puts a request that already waited (and lost its slot to a stale view) back at the head.
@@ -134,7 +143,7 @@ class DecodePool:
             self._waiters.appendleft(waiter)
         else:
             self._waiters.append(waiter)
-        self._metrics.queue_depth.set(len(self._waiters))
+        self._metrics.waiting(len(self._waiters))
         try:
             with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
                 await waiter.event.wait()
@@ -161,26 +170,30 @@ class DecodePool:
             self._waiters.remove(waiter)
         except ValueError:
             pass
-        self._metrics.queue_depth.set(len(self._waiters))
+        self._metrics.waiting(len(self._waiters))
 
-    def give_back(self, node: DecodeNode, *, saturated: bool = False) -> None:
-        """Return a slot taken by :meth:`acquire`; wakes the next waiter."""
+    def give_back(self, node: PooledNode, *, saturated: bool = False, held_s: float | None = None) -> None:
+        """Return a slot taken by :meth:`acquire` (held for ``held_s``); wakes the next waiter."""
+        if held_s is not None:
+            self._hold_s += 0.2 * (held_s - self._hold_s)
         node.in_use = max(0, node.in_use - 1)
         node.saturated = saturated
-        self._metrics.slots_in_use.labels(node.name).set(node.in_use)
+        self._metrics.slots_in_use(node.name, node.in_use)
         self._dispatch()
 
     # -- health ------------------------------------------------------------------------------------
-    def mark_unhealthy(self, node: DecodeNode, reason: str) -> None:
+    def mark_unhealthy(self, node: PooledNode, reason: str) -> None:
         if node.healthy:
             log.warning("decode_node_unhealthy", node=node.name, reason=reason)
         node.healthy = False
         node.last_error = reason
-        self._metrics.node_healthy.labels(node.name).set(0)
+        self._metrics.node_healthy(node.name, False)
         if not self.any_healthy():
             self._fail_waiters(RouterError(503, "no healthy decode node", outcome="no_healthy_node"))
 
-    def update_health(self, node: DecodeNode, ok: bool, *, slots_total: int | None, slots_free: int | None, error: str | None) -> None:
+    def update_health(
+        self, node: PooledNode, ok: bool, *, slots_total: int | None, slots_free: int | None, error: str | None
+    ) -> None:
         if not ok:
             self.mark_unhealthy(node, error or "health check failed")
             return
@@ -193,5 +206,5 @@ class DecodePool:
         node.slots_free = slots_free
         if slots_free is not None and slots_free > 0:
             node.saturated = False
-        self._metrics.node_healthy.labels(node.name).set(1)
+        self._metrics.node_healthy(node.name, True)
         self._dispatch()

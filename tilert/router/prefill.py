@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 import orjson
 
+from tilert.contracts import Claim, ClaimResult, ContractError
 from tilert.router.errors import RouterError, upstream_message
 from tilert.router.validation import RequestPlan
 
@@ -33,43 +34,32 @@ def _fail(message: str) -> RouterError:
 
 
 async def run_prefill(
-    client: httpx.AsyncClient,
-    plan: RequestPlan,
-    *,
-    transfer_id: str,
-    node_host: str,
-    node_ctrl_port: int,
-    request_id: str,
-    api_key: str | None,
+    client: httpx.AsyncClient, plan: RequestPlan, claim: Claim, *, request_id: str, api_key: str | None
 ) -> PrefillResult:
-    """POST the prefill; map vLLM 4xx to the same 4xx, 5xx and transport errors to 502."""
-    kv = {"tilert_host": node_host, "tilert_ctrl_port": node_ctrl_port, "tilert_transfer_id": transfer_id}
+    """POST the prefill; vLLM's 4xx reach the client as they are, 5xx and transport errors are 502/504."""
     headers = {"content-type": "application/json", "x-request-id": request_id}
     if api_key:
         headers["authorization"] = f"Bearer {api_key}"
     try:
-        resp = await client.post(plan.path, content=orjson.dumps(plan.prefill_body(kv)), headers=headers)
+        resp = await client.post(plan.path, content=orjson.dumps(plan.prefill_body(claim.to_params())), headers=headers)
     except httpx.TimeoutException as exc:
         raise RouterError(504, f"prefill timed out: {type(exc).__name__}", outcome="prefill_timeout") from None
     except httpx.HTTPError as exc:
-        raise _fail(f"prefill server unreachable: {type(exc).__name__}: {exc}") from None
+        raise _fail(f"prefill server unreachable: {type(exc).__name__}") from None
     body = resp.content
     if 400 <= resp.status_code < 500:
         message = upstream_message(body, f"prefill rejected the request with HTTP {resp.status_code}")
         raise RouterError(
-            resp.status_code,
-            message,
-            outcome="prefill_rejected",
-            body=body if _is_json_object(body) else None,
-        )
+            resp.status_code, message, outcome="prefill_rejected",
+            body=body if _is_json_object(body) else None, upstream=True,
+        )  # fmt: skip
     if resp.status_code != 200:
-        message = upstream_message(body, "")
-        raise _fail(f"prefill failed with HTTP {resp.status_code}" + (f": {message}" if message else ""))
+        raise _fail(f"prefill failed with HTTP {resp.status_code}")
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
         raise _fail("prefill returned a body that is not JSON") from None
-    return parse_prefill_response(data, plan, transfer_id)
+    return parse_prefill_response(data, plan, claim.transfer_id)
 
 
 def _is_json_object(body: bytes) -> bool:
@@ -82,19 +72,20 @@ def _is_json_object(body: bytes) -> bool:
 def parse_prefill_response(data: Any, plan: RequestPlan, transfer_id: str) -> PrefillResult:
     if not isinstance(data, dict):
         raise _fail("prefill returned a JSON value that is not an object")
-    kv = data.get("kv_transfer_params")
-    if isinstance(kv, dict) and kv.get("tilert_error"):
-        raise _fail(f"the TileRT connector refused the claim: {kv['tilert_error']}")
-    if not isinstance(kv, dict) or "tilert_first_token_id" not in kv:
+    try:
+        kv = ClaimResult.from_params(data.get("kv_transfer_params"))
+    except ContractError as exc:
+        raise _fail(f"prefill answered kv_transfer_params outside the contract: {exc}") from None
+    if kv is not None and kv.error:
+        raise _fail(f"the TileRT connector refused the claim: {kv.error}")
+    if kv is None or kv.first_token_id is None:
         raise _fail(
-            "prefill response has no TileRT kv_transfer_params: the TileRT connector is not loaded in vLLM "
-            "or did not claim the request (check --kv-transfer-config)"
+            "prefill response has no TileRT kv_transfer_params: the TileRT connector is not loaded in vLLM, "
+            "does not share this router's secret, or did not claim the request (check --kv-transfer-config)"
         )
-    if kv.get("tilert_transfer_id") not in (None, transfer_id):
-        raise _fail(f"prefill answered for transfer {kv.get('tilert_transfer_id')!r}, expected {transfer_id!r}")
-    first = kv.get("tilert_first_token_id")
-    if isinstance(first, bool) or not isinstance(first, int):
-        raise _fail(f"prefill kv_transfer_params.tilert_first_token_id is not an int: {first!r}")
+    if kv.transfer_id not in (None, transfer_id):
+        raise _fail("prefill answered for another transfer")
+    first = kv.first_token_id
     choices = data.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise _fail("prefill response has no choices")
@@ -106,9 +97,7 @@ def parse_prefill_response(data: Any, plan: RequestPlan, transfer_id: str) -> Pr
         text = choice.get("text")
     usage_raw = data.get("usage")
     usage: dict[str, Any] = usage_raw if isinstance(usage_raw, dict) else {}
-    prompt_tokens = kv.get("tilert_prompt_tokens")
-    if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int):
-        prompt_tokens = usage.get("prompt_tokens")
+    prompt_tokens = kv.prompt_tokens if kv.prompt_tokens is not None else usage.get("prompt_tokens")
     if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int):
         raise _fail("prefill response carries no prompt token count")
     token_ids = choice.get("token_ids")

@@ -1,5 +1,8 @@
 """The embedded default transport: plain TCP sockets, loopback unless configured otherwise.
 
+The receiver serves at most ``max_connections`` connections at once (more are closed on arrival) and
+closes one idle for ``idle_timeout_s``.
+
 Each write is one frame on a pooled connection: a fixed header (grant key, offset, length), then the
 payload, which the receiver reads straight into the registered buffer (``recv_into``, no extra copy);
 the receiver answers one status byte once the bytes are in place. A write outside its grant, or to a
@@ -33,7 +36,10 @@ class _Grant:
 
 
 class TcpReceiver(Receiver):
-    def __init__(self, host: str, port: int = 0, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, host: str, port: int = 0, timeout_s: float = 30.0, idle_timeout_s: float = 300.0,
+        max_connections: int = 64,
+    ) -> None:  # fmt: skip
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -41,6 +47,8 @@ class TcpReceiver(Receiver):
         self._sock.listen(16)
         self.host, self.port = host, self._sock.getsockname()[1]
         self._timeout_s = timeout_s
+        self._idle_timeout_s = idle_timeout_s
+        self._slots = threading.BoundedSemaphore(max_connections)
         self._regions: list[torch.Tensor] = []
         self._grants: dict[bytes, _Grant] = {}
         self._lock = threading.Lock()
@@ -60,7 +68,7 @@ class TcpReceiver(Receiver):
         if offset < 0 or nbytes < 0 or offset + nbytes > buf.numel():
             raise ValueError(f"grant [{offset}, {offset + nbytes}) outside region of {buf.numel()} bytes")
         key = secrets.token_bytes(16)
-        view = memoryview(buf.numpy()).cast("B")[offset : offset + nbytes]
+        view = buf.numpy().data.cast("B")[offset : offset + nbytes]
         with self._lock:
             self._grants[key] = _Grant(view)
         return {"transport": "tcp", "host": self.host, "port": self.port, "key": key.hex(), "nbytes": nbytes}
@@ -82,13 +90,28 @@ class TcpReceiver(Receiver):
                 conn, _ = self._sock.accept()
             except OSError:
                 return
+            if not self._slots.acquire(blocking=False):
+                log.warning("tcp_connection_refused", reason="too many connections")
+                conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn,), name="tilert-tcp-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        """One connection: frames until the peer leaves, a refused write, or ``idle_timeout_s`` of silence
+        (the sender then reconnects). Any fault ends this connection only."""
+        try:
+            self._frames(conn)
+        except Exception:  # noqa: BLE001 - nothing a peer sends may stop the receiver
+            log.exception("tcp_connection_failed")
+        finally:
+            conn.close()
+            self._slots.release()
+
+    def _frames(self, conn: socket.socket) -> None:
         with conn:
             while not self._closed.is_set():
                 try:
-                    conn.settimeout(None)  # a pooled connection may idle between transfers
+                    conn.settimeout(self._idle_timeout_s)  # a pooled connection may idle between transfers
                     key, offset, nbytes = _HEADER.unpack(recv_exact(conn, _HEADER.size))
                     conn.settimeout(self._timeout_s)
                 except (ConnectionError, OSError):
@@ -116,7 +139,7 @@ class TcpSender(Sender):
     def write(self, target: dict[str, Any], data: torch.Tensor) -> None:
         if data.device.type != "cpu" or not data.is_contiguous():
             data = data.contiguous().cpu()
-        payload = memoryview(data.view(torch.uint8).numpy()).cast("B")
+        payload = data.view(torch.uint8).numpy().data.cast("B")
         if len(payload) > int(target["nbytes"]):
             raise TransferError(f"write of {len(payload)} bytes exceeds the {target['nbytes']}-byte grant")
         endpoint = (str(target["host"]), int(target["port"]))
@@ -163,7 +186,10 @@ class TcpTransport(Transport):
 
     @classmethod
     def receiver(cls, *, host: str, options: dict[str, Any]) -> TcpReceiver:
-        return TcpReceiver(host, int(options.get("port", 0)), float(options.get("timeout_s", 30.0)))
+        return TcpReceiver(
+            host, int(options.get("port", 0)), float(options.get("timeout_s", 30.0)),
+            float(options.get("idle_timeout_s", 300.0)), int(options.get("max_connections", 64)),
+        )  # fmt: skip
 
     @classmethod
     def sender(cls, *, options: dict[str, Any]) -> TcpSender:

@@ -21,36 +21,21 @@ per step. Prefill and CPU run eagerly (the same functions).
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from tilert.engines.base import Capabilities, DecodeEngine, KVLayout
+from tilert.engines.base import Capabilities, DecodeEngine, KVLayout, SpecStepResult
 
 from . import layouts
 from .fast import CapturedFn
 from .model import Transformer
+from .ops import register_device_kernels
 from .weights import load_model
 
 GRAPH_MAX_TOKENS = 16  # main-model steps of up to this many tokens are replayed as CUDA graphs
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-@dataclass(frozen=True)
-class SpecStepResult:
-    """Outcome of one :meth:`TileRTEngine.speculative_greedy_step`.
-
-    ``tokens``: the newly decided tokens, in order: the accepted drafts followed by one bonus token
-    (``num_accepted + 1`` tokens). The next step is called with ``next_token=tokens[-1]`` and
-    ``start_pos = start_pos + len(tokens)``. ``num_drafted``: drafts proposed (0 when the MTP module
-    could not run, e.g. right after an injection with no hidden state yet).
-    """
-
-    tokens: list[int]
-    num_drafted: int
-    num_accepted: int
 
 
 class TileRTEngine(DecodeEngine):
@@ -90,9 +75,11 @@ class TileRTEngine(DecodeEngine):
     @classmethod
     def load(
         cls, model_dir: Path, *, device: str = "cpu", dtype: torch.dtype = torch.bfloat16, max_seq_len: int = 4096
-    ) -> "TileRTEngine":
+    ) -> TileRTEngine:
         """Read the HF checkpoint in ``model_dir`` (bf16/fp16/fp32 safetensors) and allocate the caches."""
         dev = torch.device(device)
+        if dev.type == "cuda":
+            register_device_kernels()  # Triton kernels over the reference ops (a no-op without Triton)
         model = load_model(Path(model_dir), device=dev, dtype=dtype, max_seq_len=max_seq_len)
         return cls(model, dev, dtype, max_seq_len)
 
@@ -118,7 +105,9 @@ class TileRTEngine(DecodeEngine):
                 "from the second step after an injection (the handoff carries KV, not the prompt's last hidden "
                 "state)"
             )
-        return Capabilities(mtp=self.supports_mtp, max_seq_len=self.max_seq_len, notes=tuple(notes))
+        return Capabilities(
+            mtp=self.supports_mtp, pipelined_greedy=True, max_seq_len=self.max_seq_len, notes=tuple(notes)
+        )
 
     def expected_layouts(self) -> dict[str, KVLayout]:
         """``"mla"``: vLLM's dense latent rows in the model dtype (rope interleaved) for every main layer;
@@ -167,10 +156,9 @@ class TileRTEngine(DecodeEngine):
                 )
             if ilay.num_layers != len(a.index_layers):
                 raise ValueError(f"indexer layout has {ilay.num_layers} layers, model has {len(a.index_layers)}")
-            if ilay.row_bytes != layouts.dsa_indexer_row_bytes(a.index_head_dim):
-                raise ValueError(
-                    f"indexer rows of {ilay.row_bytes} bytes, expected {layouts.dsa_indexer_row_bytes(a.index_head_dim)}"
-                )
+            want_row = layouts.dsa_indexer_row_bytes(a.index_head_dim)
+            if ilay.row_bytes != want_row:
+                raise ValueError(f"indexer rows of {ilay.row_bytes} bytes, expected {want_row}")
 
     @torch.no_grad()
     def inject(self, state: dict[str, torch.Tensor], layouts_: dict[str, KVLayout], num_tokens: int) -> None:
@@ -287,11 +275,11 @@ class TileRTEngine(DecodeEngine):
 
             torch.cuda.synchronize(self.device)  # the step in flight has advanced the buffers
             saved = self._stream_tok.clone(), self._stream_pos.clone()
-            step = CapturedFn(fn, self.device)
-            step.capture(pool=self._pool)  # warm-up and capture advance the buffers: put them back
+            captured = CapturedFn(fn, self.device)
+            captured.capture(pool=self._pool)  # warm-up and capture advance the buffers: put them back
             self._stream_tok.copy_(saved[0])
             self._stream_pos.copy_(saved[1])
-            self._stream_graphs[use_indexer] = step
+            self._stream_graphs[use_indexer] = captured
         step = self._stream_graphs[use_indexer]
         assert step is not None
         return step
@@ -399,12 +387,12 @@ class TileRTEngine(DecodeEngine):
                 return self._draft_verify(catch_tokens, catch_rows, verify_pos, num_draft=num_draft,
                                           use_indexer=use_indexer)
 
-            step: CapturedFn | None = CapturedFn(fn, self.device)
+            step = CapturedFn(fn, self.device)
             try:  # its warm-up runs write the rows the replay below rewrites
                 step.capture(*inputs, pool=self._pool)
+                self._spec_graphs[key] = step
             except RuntimeError:  # an op fell back to a non-capturable kernel: stay eager for this shape
-                step = None
-            self._spec_graphs[key] = step
+                self._spec_graphs[key] = None
         return self._spec_graphs[key]
 
     def _note_written(self, start_pos: int, n: int) -> None:
@@ -474,7 +462,9 @@ def greedy_generate(engine: DecodeEngine, first_token: int, start_pos: int, n: i
     return out
 
 
-def speculative_generate(engine: TileRTEngine, first_token: int, start_pos: int, n: int, num_draft: int) -> tuple[list[int], int, int]:
+def speculative_generate(
+    engine: TileRTEngine, first_token: int, start_pos: int, n: int, num_draft: int
+) -> tuple[list[int], int, int]:
     """Greedy decoding through :meth:`TileRTEngine.speculative_greedy_step`: the next ``n`` tokens after
     ``first_token`` (at ``start_pos``), plus ``(drafted, accepted)`` totals."""
     out: list[int] = []

@@ -16,7 +16,8 @@ the step's own inputs), never inside a live prompt.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -55,5 +56,6 @@ class CapturedFn:
 
     def replay(self) -> Any:
         """Replay with whatever is in the static buffers (benchmarks)."""
+        assert self.graph is not None, "capture() first"
         self.graph.replay()
         return self.out

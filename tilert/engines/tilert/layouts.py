@@ -76,7 +76,9 @@ def decode_mla_dense(
     return vals
 
 
-def encode_mla_dense(latent: torch.Tensor, dtype: str, kv_lora_rank: int, rope_interleaved: bool = True) -> torch.Tensor:
+def encode_mla_dense(
+    latent: torch.Tensor, dtype: str, kv_lora_rank: int, rope_interleaved: bool = True
+) -> torch.Tensor:
     """Engine-layout latent rows ``[..., L+R]`` -> ``mla_dense`` uint8 rows as vLLM holds them."""
     tdt = _FLOAT_DTYPES[dtype]
     rope_dim = latent.shape[-1] - kv_lora_rank
@@ -148,7 +150,9 @@ def dsa_indexer_row_bytes(head_dim: int) -> int:
     return head_dim + 4
 
 
-def decode_dsa_indexer(rows: torch.Tensor, head_dim: int, rope_dim: int = 0, rope_interleaved: bool = False) -> torch.Tensor:
+def decode_dsa_indexer(
+    rows: torch.Tensor, head_dim: int, rope_dim: int = 0, rope_interleaved: bool = False
+) -> torch.Tensor:
     """Per-token indexer rows ``uint8 [..., D+4]`` -> float32 keys ``[..., D]`` (``[rope | nope]``).
 
     ``k[j] = e4m3(byte[j]) * scale``. With ``rope_interleaved`` the first ``rope_dim`` values are

@@ -4,8 +4,8 @@ One sequence, a static latent cache sized at load, positions as device tensors. 
 transformers 5.19's modeling files (``deepseek_v3``, ``deepseek_v32``, ``glm_moe_dsa``) so that logits
 agree with them to rounding; attention is computed in the *absorbed* MLA form over the latent cache.
 Every heavy step is one ``tilert::*`` op (``ops/__init__.py``): plain PyTorch on CPU (exact), fused
-Triton kernels on CUDA (``ops/cuda.py``), so one model serves both; on CUDA the engine replays the
-whole decode step as one CUDA graph (``fast.py``).
+Triton kernels on CUDA (``ops/cuda.py``, registered at start-up by ``ops.register_device_kernels()``), so
+one model serves both; on CUDA the engine replays the whole decode step as one CUDA graph (``fast.py``).
 
 Notation (per layer): hidden ``D``, heads ``H``, nope ``P``, rope ``R``, value ``V``, latent ``L``
 (``kv_lora_rank``), q latent ``Q`` (``q_lora_rank``), indexer heads/dim ``Hi``/``Di``, capacity ``S``.
@@ -59,6 +59,7 @@ not handed over, are skipped); its indexer keys, if any, are still written.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -341,20 +342,17 @@ class Transformer(nn.Module):
         """Allocate the static caches (model dtype) and the RoPE tables for ``max_seq_len`` positions."""
         a = self.args
         self.max_seq_len = max_seq_len
-        mk = dict(device=device, dtype=dtype)
-        self.register_buffer("kv_cache", torch.zeros(a.num_layers, max_seq_len, a.latent_dim, **mk), persistent=False)
+
+        def zeros(*shape: int) -> Tensor:
+            return torch.zeros(shape, device=device, dtype=dtype)
+
+        self.register_buffer("kv_cache", zeros(a.num_layers, max_seq_len, a.latent_dim), persistent=False)
         self.register_buffer(
-            "index_cache",
-            torch.zeros(len(a.index_layers), max_seq_len, a.index_head_dim, **mk),
-            persistent=False,
+            "index_cache", zeros(len(a.index_layers), max_seq_len, a.index_head_dim), persistent=False
         )
-        self.register_buffer(
-            "mtp_kv_cache", torch.zeros(a.num_mtp_layers, max_seq_len, a.latent_dim, **mk), persistent=False
-        )
+        self.register_buffer("mtp_kv_cache", zeros(a.num_mtp_layers, max_seq_len, a.latent_dim), persistent=False)
         n_mtp_idx = a.num_mtp_layers if a.mtp_indexer else 0
-        self.register_buffer(
-            "mtp_index_cache", torch.zeros(n_mtp_idx, max_seq_len, a.index_head_dim, **mk), persistent=False
-        )
+        self.register_buffer("mtp_index_cache", zeros(n_mtp_idx, max_seq_len, a.index_head_dim), persistent=False)
         # transformers: freqs = pos * inv_freq in fp32, cos/sin times the attention factor, cast to x.dtype.
         inv_freq = torch.tensor(a.rope_inv_freq, dtype=torch.float32, device=device)
         freqs = torch.arange(max_seq_len, device=device).float()[:, None] * inv_freq[None, :]
@@ -392,7 +390,7 @@ class Transformer(nn.Module):
         ``(h' [n, D] before shared_head.norm, logits fp32 [n, V])``.
         """
         a = self.args
-        m = self.mtp[0]
+        m = cast(MTPLayer, self.mtp[0])  # nn.ModuleList items are typed as plain Modules
         eps = a.rms_norm_eps
         embed = m.embed if m.embed is not None else self.embed
         e = ops.rms_norm(F.embedding(tokens, embed), m.enorm, eps)

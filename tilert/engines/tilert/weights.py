@@ -233,7 +233,9 @@ def _deinterleave_rows(w: torch.Tensor, start: int, rope: int, stride: int = 0, 
     return w
 
 
-def _fuse_layer(sd: dict[str, torch.Tensor], src: str, args: ModelArgs, moe: bool, has_indexer: bool) -> dict[str, torch.Tensor]:
+def _fuse_layer(
+    sd: dict[str, torch.Tensor], src: str, args: ModelArgs, moe: bool, has_indexer: bool
+) -> dict[str, torch.Tensor]:
     """One decoder layer's HF-named tensors (prefix ``src``) -> the fused layout (same prefix)."""
     a = args
     h, p, r, lat = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank

@@ -4,8 +4,8 @@ and RMSNorm.
 Each op is a ``torch.library.custom_op`` whose default kernel (every device) is the plain-PyTorch
 reference in :mod:`.reference`, plus a ``register_fake`` so ``torch.compile`` can trace it. A device
 kernel registered later (``torch.library.register_kernel("tilert::mla_attention", "cuda", fn)``, e.g.
-from a sibling module imported at the bottom of this file) replaces the reference for that device with
-no change to the model.
+the Triton kernels of :mod:`.cuda`, registered at start-up by :func:`register_device_kernels`) replaces the
+reference for that device with no change to the model. Importing this package registers nothing.
 
 CUDA-graph friendliness: no op takes a Python int that changes from one decode step to the next;
 positions and indices are device tensors, shapes depend only on the batch of new tokens and the
@@ -20,6 +20,7 @@ from torch import Tensor
 from . import reference
 
 __all__ = [
+    "register_device_kernels",
     "rms_norm",
     "mla_attention",
     "mla_sparse_attention",
@@ -223,4 +224,16 @@ def _(o_lat, kv_b, nope_dim):
     return o_lat.new_empty((n, kv_b.shape[0] - h * nope_dim))
 
 
-if torch.cuda.is_available(): from . import cuda  # noqa: E701,F401  Triton kernels for CUDA (ops/cuda.py)
+
+def register_device_kernels() -> bool:
+    """Register the Triton CUDA kernels (:mod:`.cuda`) over the reference kernels of every ``tilert::*`` op.
+
+    Called at start-up (``TileRTEngine.load`` on a CUDA device, the GPU benchmarks), never at import.
+    Idempotent. Returns whether the CUDA kernels are in place: False, with the reference kernels kept,
+    when CUDA or Triton is missing.
+    """
+    if not torch.cuda.is_available():
+        return False
+    from . import cuda
+
+    return cuda.register()

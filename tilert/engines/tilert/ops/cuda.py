@@ -1,4 +1,5 @@
-"""CUDA kernels (Triton) for the ``tilert::*`` ops; imported by ``ops/__init__.py`` when CUDA is available.
+"""CUDA kernels (Triton) for the ``tilert::*`` ops, registered by :func:`register` (at start-up, through
+``ops.register_device_kernels()``); importing this module registers nothing and imports no Triton.
 
 Each registration replaces the reference kernel for the CUDA device only. Inputs the fast kernels do not
 cover (float64, odd widths, CPU tensors never reach here) fall back to :mod:`.reference`, so the ops stay
@@ -6,6 +7,10 @@ total. All kernels are CUDA-graph capturable: no host syncs, grids depend only o
 """
 
 from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -174,7 +179,7 @@ def _mla_uv_cuda(o_lat, kv_b, nope_dim):
     return mla_uv(o_lat.contiguous(), kv_b.contiguous(), P=nope_dim, V=v)
 
 
-_KERNELS = {
+_KERNELS: dict[str, Callable[..., Any]] = {
     "rms_norm": _rms_norm_cuda,
     "mla_attention": _mla_attention_cuda,
     "mla_sparse_attention": _mla_sparse_attention_cuda,
@@ -189,15 +194,25 @@ _KERNELS = {
 }
 
 
-def register() -> None:
+# Whether Triton is installed (CPU-only installs have none); looked up without importing it.
+AVAILABLE = importlib.util.find_spec("triton") is not None
+_registered = False
+
+
+def register() -> bool:
+    """Register every kernel of ``_KERNELS`` for the CUDA device, once; returns whether they are registered
+    (False when Triton is missing: the reference kernels stay). Through
+    :func:`tilert.engines.tilert.ops.register_device_kernels`, which also checks CUDA."""
+    global _registered
+    if _registered:
+        return True
+    if not AVAILABLE:
+        return False
+    try:
+        import triton  # noqa: F401  (the kernels import it when they first run; a broken install shows here)
+    except ImportError:
+        return False
     for name, fn in _KERNELS.items():
         torch.library.register_kernel(f"tilert::{name}", "cuda", fn)
-
-
-try:  # Triton missing (CPU-only installs) leaves the reference kernels in place.
-    import triton  # noqa: F401
-
-    register()
-    AVAILABLE = True
-except ImportError:  # pragma: no cover - depends on the install
-    AVAILABLE = False
+    _registered = True
+    return True

@@ -345,6 +345,7 @@ def mla_prep(
 
     if index_cache is None:
         return q_full, a.new_empty(n, 0, 0), a.new_empty(n, 0, dtype=torch.float32)
+    assert index_norm_weight is not None and index_norm_bias is not None, "an indexer cache needs its norm"
     di, hi = index_cache.shape[-1], index_heads
     o = kv_offset + lat + r
     k = F.layer_norm(a[:, o : o + di], (di,), index_norm_weight.to(a.dtype), index_norm_bias.to(a.dtype), eps)

@@ -119,7 +119,8 @@ DENSE_MIN_TOKENS_PER_SPLIT = 32  # 64 was 0.05 ms slower per lite-v32 step at 1K
 def _pick_splits(hblocks: int, sparse: bool, n_idx: int, max_tokens: int) -> int:
     """Splits per query, independent of the number of queries: each query's result is the same whether it
     runs alone or in a verify batch (batch invariance, so MTP verify reproduces plain decoding exactly)."""
-    sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count if torch.cuda.is_available() else 132)
+    sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+           if torch.cuda.is_available() else 132)
     want = max(1, (2 * sms) // hblocks)
     cap = triton.cdiv(max(n_idx if sparse else max_tokens, 1), 64)
     return max(1, min(want, 128, cap))
@@ -156,16 +157,17 @@ def mla_decode(
     sparse = indices is not None
     BLOCK_H = 16 if H <= 16 else (32 if H <= 32 else 64)
     hblocks = triton.cdiv(H, BLOCK_H)
-    n_idx = indices.shape[-1] if sparse else 0
+    n_idx = indices.shape[-1] if indices is not None else 0
     S = num_splits or _pick_splits(hblocks, sparse, n_idx, kv.shape[0])
     BLOCK_T = 32
     min_tps = BLOCK_T if sparse else DENSE_MIN_TOKENS_PER_SPLIT
     o_part = _workspace(("mla_o", q.device, n, H, S, L), (n, H, S, L), torch.float32, q.device)
     lse = _workspace(("mla_lse", q.device, n, H, S), (n, H, S), torch.float32, q.device)
-    if sparse:
+    if indices is not None:
         idx = indices if indices.stride(-1) == 1 else indices.contiguous()
         pos = idx  # unused
     else:
+        assert positions is not None, "dense MLA needs positions"
         idx = positions
         pos = positions
     _mla_split_kernel[(S, n, hblocks)](
@@ -228,8 +230,9 @@ def indexer_scores(q, weights, k_cache, positions, out=None, topk_ws: triton_top
     BT = 128
     BH = 16 if Hi <= 16 else 32
     hist = topk_ws is not None
+    fine, coarse = (topk_ws.fine, topk_ws.coarse) if topk_ws is not None else (res, res)
     _indexer_score_kernel[(triton.cdiv(S, BT), n)](
-        q, weights, k, positions, res, topk_ws.fine if hist else res, topk_ws.coarse if hist else res, S, Hi,
+        q, weights, k, positions, res, fine, coarse, S, Hi,
         q.stride(0), q.stride(1), weights.stride(0), k.stride(0), res.stride(0), DI=Di, BH=BH, BT=BT, HIST=hist,
         num_warps=4, num_stages=2, **triton_pdl.kw())
     return res

@@ -4,7 +4,8 @@ With PDL each kernel is launched with ``launch_pdl=True`` and starts while its p
 read *static* data (weights) at once, then ``gdc_wait()`` blocks until the predecessor grid has completed and
 its writes are visible, before any activation is read or anything is written; ``gdc_launch_dependents()`` then
 lets the next kernel start (both: :func:`pdl_begin`). Every kernel of the chain waits before its first
-dependent access, so the ordering stays transitive. ``TILERT_PDL=0`` turns it off (kernels then run with plain stream order).
+dependent access, so the ordering stays transitive. ``TILERT_PDL=0`` turns it off (kernels then run with plain
+stream order).
 """
 
 from __future__ import annotations

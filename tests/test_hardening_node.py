@@ -1,0 +1,292 @@
+"""Nothing a client sends can kill, block or steer a decode node: fuzzing its HTTP API and its control
+port with random, truncated, oversized and type-confused input, against a real ``tilert decode``
+process on loopback (real engine, real TCP transport).
+
+After every batch of inputs the node must still answer ``/health``, hold no slot, and its memory must
+stay bounded. The specific frames and requests that killed or blocked a node before are replayed by
+name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from conftest import free_port
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tilert import auth
+from tilert import contracts as c
+
+pytestmark = pytest.mark.timeout(300)
+
+SECRET = "fuzz-secret-" + "0123456789abcdef" * 2
+FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+
+
+@dataclass
+class Node:
+    proc: subprocess.Popen[bytes]
+    http: str
+    ctrl_port: int
+    headers: dict[str, str]
+
+    def health(self) -> dict[str, object]:
+        assert self.proc.poll() is None, f"decode node exited with {self.proc.returncode}"
+        resp = httpx.get(self.http + "/health", timeout=10)
+        assert resp.status_code == 200
+        return resp.json()  # type: ignore[no-any-return]
+
+    def assert_intact(self) -> None:
+        health = self.health()
+        assert health["slots_free"] == health["slots_total"], health
+
+    def rss(self) -> int:
+        return int(psutil.Process(self.proc.pid).memory_info().rss)
+
+
+@pytest.fixture(scope="module")
+def node(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    ctrl, http = free_port(), free_port()
+    log = tmp_path_factory.mktemp("fuzz") / "decode.log"
+    env = {**os.environ, auth.SECRET_ENV: SECRET}
+    env.pop(auth.SECRET_FILE_ENV, None)
+    cmd = [sys.executable, "-m", "tilert.cli", "decode", "--model", str(tiny_model), "--ctrl-port", str(ctrl),
+           "--http-port", str(http), "--slots", "2", "--max-seq-len", "256"]  # fmt: skip
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=err, stderr=err)
+    url = f"http://127.0.0.1:{http}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.2)
+    token = auth.node_api_token(SECRET.encode())
+    handle = Node(proc, url, ctrl, {"authorization": f"Bearer {token}", "content-type": "application/json"})
+    yield handle
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def _control(node: Node, data: bytes, read_s: float = 0.3) -> bytes:
+    """Send raw bytes to the control port and read what comes back within ``read_s``."""
+    with socket.create_connection(("127.0.0.1", node.ctrl_port), timeout=5) as sock:
+        try:
+            sock.sendall(data)
+        except OSError:
+            return b""
+        sock.settimeout(read_s)
+        got = b""
+        try:
+            while chunk := sock.recv(65536):
+                got += chunk
+        except (TimeoutError, OSError):
+            pass
+        return got
+
+
+def _frame(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+def _hello() -> bytes:
+    return c.encode(c.Hello.signed(SECRET.encode(), "tcp", "fuzzer"))
+
+
+# ---- the inputs that killed a node before -----------------------------------------------------------------
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\x00\x00\x00\x011",  # a 1-byte frame holding the JSON number 1
+        _frame(b'{"type":"hello","version":2,"transport":"tcp","sender_id":"x","auth":["a"]}'),
+        _frame(b"[]"),
+        _frame(b'{"type": 7}'),
+        b"\xff\xff\xff\xff" + b"x" * 100,  # a length far past the frame cap
+        b"\x00\x00\x10",  # a truncated header
+    ],
+)
+def test_malformed_frames_before_hello_do_not_stop_the_node(node: Node, data: bytes) -> None:
+    reply = _control(node, data)
+    if len(reply) > 4:
+        assert isinstance(c.decode(reply[4:]), c.Reject)
+    node.assert_intact()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"type":"offer","transfer_id":"t1","num_tokens":3,"layouts":[]}',
+        b'{"type":"abort","transfer_id":["a","b"],"reason":"x"}',
+        b'{"type":"done","transfer_id":"t1","nbytes":"12"}',
+        b'{"type":"offer","transfer_id":"t1","num_tokens":3,"layouts":{"mla":{"kind":"mla_dense"}}}',
+        b'{"type":"accept","transfer_id":"t1","target":{}}',
+        b"not json at all",
+    ],
+)
+def test_type_confused_frames_after_hello_are_rejected(node: Node, body: bytes) -> None:
+    reply = _control(node, _hello() + _frame(body))
+    assert isinstance(c.decode(reply[4 : 4 + struct.unpack(">I", reply[:4])[0]]), c.HelloAck)
+    node.assert_intact()
+
+
+def test_unsigned_hello_is_refused(node: Node) -> None:
+    hello = c.Hello(c.PROTOCOL_VERSION, "tcp", "intruder", auth.hello_token(b"another secret of 32 bytes!!!!!!", "x"))
+    reply = _control(node, c.encode(hello))
+    msg = c.decode(reply[4:])
+    assert isinstance(msg, c.Reject) and "secret" in msg.reason
+
+
+def test_silent_and_idle_connections_are_bounded(node: Node) -> None:
+    """Connections that say nothing are closed after the hello timeout; a flood of them is refused at
+    the cap, and the node keeps serving meanwhile."""
+    socks = [socket.create_connection(("127.0.0.1", node.ctrl_port), timeout=5) for _ in range(80)]
+    try:
+        node.assert_intact()
+        reply = _control(node, _hello(), read_s=0.5)  # past the cap: closed at once, or served
+        assert reply == b"" or isinstance(c.decode(reply[4:]), c.HelloAck)
+    finally:
+        for s in socks:
+            s.close()
+    node.assert_intact()
+
+
+# ---- the HTTP API --------------------------------------------------------------------------------
+def test_api_refuses_a_client_without_the_secret(node: Node) -> None:
+    """Nobody without the deployment's secret can reserve, decode or release a slot."""
+    for path, body in (("/v1/reserve", {"transfer_id": "a"}), ("/v1/release", {"transfer_id": "a"}),
+                       ("/v1/decode", {"transfer_id": "a", "first_token_id": 1, "prompt_tokens": 3})):  # fmt: skip
+        for headers in ({}, {"authorization": "Bearer " + auth.node_api_token(b"not the secret, but 32 bytes!!")}):
+            resp = httpx.post(node.http + path, json=body, headers=headers, timeout=5)
+            assert resp.status_code == 401 and "token" in resp.json()["error"]["message"]
+    node.assert_intact()
+
+
+def test_release_before_reserve_refuses_the_late_reserve(node: Node) -> None:
+    """A router that gave up on a reserve releases the id; the reserve arriving later must not take a slot."""
+    rel = httpx.post(node.http + "/v1/release", json={"transfer_id": "late-1"}, headers=node.headers, timeout=5)
+    assert rel.status_code == 200 and rel.json() == {"released": False}
+    res = httpx.post(node.http + "/v1/reserve", json={"transfer_id": "late-1"}, headers=node.headers, timeout=5)
+    assert res.status_code == 409
+    node.assert_intact()
+
+
+def test_errors_name_no_internal_ids_and_bound_leases(node: Node) -> None:
+    tid = "secret-transfer-id-123"
+    resp = httpx.post(node.http + "/v1/decode", headers=node.headers, timeout=5,
+                      json={"transfer_id": tid, "first_token_id": 1, "prompt_tokens": 3})  # fmt: skip
+    assert resp.status_code == 404 and tid not in resp.text
+    resp = httpx.post(node.http + "/v1/reserve", json={"transfer_id": "x", "lease_s": 1e9}, headers=node.headers)
+    assert resp.status_code == 400
+    for path in ("/nope", "/v1/cancel"):
+        resp = httpx.post(node.http + path, headers=node.headers, timeout=5)
+        assert resp.status_code == 404 and resp.json()["error"]["code"] == 404
+    node.assert_intact()
+
+
+def test_oversized_body_is_413(node: Node) -> None:
+    big = b'{"transfer_id": "' + b"a" * (c.MAX_API_BODY_BYTES + 10) + b'"}'
+    resp = httpx.post(node.http + "/v1/reserve", content=big, headers=node.headers, timeout=10)
+    assert resp.status_code == 413
+    node.assert_intact()
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=12,
+)
+field_names = st.sampled_from([
+    "transfer_id", "lease_s", "first_token_id", "prompt_tokens", "max_tokens", "temperature", "top_p", "top_k",
+    "seed", "stop_token_ids", "ignore_eos", "x",
+])  # fmt: skip
+bodies = st.dictionaries(field_names, json_values, max_size=8)
+
+
+@FUZZ
+@given(path=st.sampled_from(["/v1/reserve", "/v1/release", "/v1/decode"]), body=bodies,
+       raw=st.one_of(st.none(), st.binary(max_size=64)))  # fmt: skip
+def test_fuzz_http_api(node: Node, path: str, body: dict[str, object], raw: bytes | None) -> None:
+    content = raw if raw is not None else json.dumps(body).encode()  # (stdlib: also ints past 64 bits)
+    with httpx.Client(timeout=10) as client:
+        resp = client.post(node.http + path, content=content, headers=node.headers)
+        assert resp.status_code < 500, resp.text
+        if resp.status_code >= 400:
+            assert c.parse(c.ErrorBody, resp.content).error.code == resp.status_code
+        if path == "/v1/reserve" and resp.status_code == 200:
+            tid = resp.json()["transfer_id"]
+            client.post(node.http + "/v1/release", json={"transfer_id": tid}, headers=node.headers)
+        if path == "/v1/decode" and resp.status_code == 200:
+            assert b'"type":"error"' in resp.content  # nothing was ever transferred for it
+
+
+frame_types = st.sampled_from(["hello", "hello_ack", "offer", "accept", "done", "abort", "ack", "reject", "zzz"])
+frame_fields = st.sampled_from(["transfer_id", "num_tokens", "layouts", "nbytes", "reason", "target", "version",
+                                "transport", "sender_id", "auth", "x"])  # fmt: skip
+
+
+@FUZZ
+@given(
+    kind=frame_types, fields=st.dictionaries(frame_fields, json_values, max_size=6),
+    after_hello=st.booleans(), cut=st.integers(0, 64), mode=st.sampled_from(["whole", "truncated", "raw"]),
+    raw=st.binary(max_size=96),
+)  # fmt: skip
+def test_fuzz_control_port(
+    node: Node, kind: str, fields: dict[str, object], after_hello: bool, cut: int, mode: str, raw: bytes
+) -> None:
+    frame = _frame(json.dumps({"type": kind, **fields}).encode())
+    data = {"whole": frame, "truncated": frame[: max(0, len(frame) - 1 - cut)], "raw": raw}[mode]
+    reply = _control(node, (_hello() if after_hello else b"") + data, read_s=0.05)
+    assert len(reply) <= 4 * c.MAX_FRAME_BYTES
+    assert node.proc.poll() is None
+
+
+def _data_port(node: Node) -> int:
+    """The TCP transport's listening port (the one that is neither the control nor the HTTP port)."""
+    http_port = int(node.http.rsplit(":", 1)[1])
+    ports = {conn.laddr.port for conn in psutil.Process(node.proc.pid).net_connections(kind="tcp")
+             if conn.status == psutil.CONN_LISTEN} - {node.ctrl_port, http_port}  # fmt: skip
+    assert len(ports) == 1, ports
+    return ports.pop()
+
+
+@FUZZ
+@given(key=st.binary(min_size=16, max_size=16), offset=st.integers(0, 2**64 - 1), nbytes=st.integers(0, 2**64 - 1),
+       tail=st.binary(max_size=64), raw=st.one_of(st.none(), st.binary(max_size=64)))  # fmt: skip
+def test_fuzz_data_port(node: Node, key: bytes, offset: int, nbytes: int, tail: bytes, raw: bytes | None) -> None:
+    """Writes without a live grant (random keys, offsets, lengths, garbage) are refused; the node serves on."""
+    data = raw if raw is not None else struct.pack(">16sQQ", key, offset, nbytes) + tail
+    with socket.create_connection(("127.0.0.1", _data_port(node)), timeout=5) as sock:
+        sock.sendall(data)
+        sock.settimeout(0.05)
+        try:
+            reply = sock.recv(16)
+        except (TimeoutError, OSError):
+            reply = b""
+    assert reply in (b"", b"\x00")  # refused, or still waiting for a header: never "written"
+    assert node.proc.poll() is None
+
+
+def test_after_fuzzing_the_node_is_whole_and_memory_is_bounded(node: Node) -> None:
+    """Runs after the fuzzers (file order): still serving, no slot held, memory within bounds."""
+    before = node.rss()
+    for _ in range(200):
+        _control(node, _hello() + _frame(b'{"type":"offer","transfer_id":"m","num_tokens":1,"layouts":[]}'), 0.0)
+        httpx.post(node.http + "/v1/reserve", content=b"[" * 5000, headers=node.headers, timeout=5)
+    node.assert_intact()
+    assert node.rss() - before < 64 << 20, "memory grew by more than 64 MiB over 400 malformed inputs"

@@ -1,0 +1,409 @@
+"""Every message that crosses a process boundary in tilert: one module, one version, strict types.
+
+Three conversations, all covered by :data:`PROTOCOL_VERSION`:
+
+1. **Claim** (router -> vLLM -> connector, and back): the ``tilert_*`` keys of vLLM's pass-through
+   ``kv_transfer_params``. :class:`Claim` goes in with the request (signed with the shared secret, see
+   :mod:`tilert.auth`); :class:`ClaimResult` comes back in vLLM's non-streaming response.
+2. **Control port** (connector's sender <-> decode node), length-prefixed JSON frames, a tagged union::
+
+       sender                               decode node
+       Hello(version, transport, auth) ->
+                                        <-  HelloAck(version, node_id, transports) | Reject
+       Offer(transfer_id, layouts)     ->             (checks reservation, layout, size)
+                                        <-  Accept(transfer_id, target) | Reject(reason)
+       ... the transport writes the bytes into the decode node's registered buffer at ``target`` ...
+       Done(transfer_id, nbytes)       ->   (or Abort(transfer_id, reason) on any sender-side fault)
+                                        <-  Ack(transfer_id) | Reject(reason)
+
+3. **Decode node HTTP API** (router -> decode node): :class:`ReserveRequest`, :class:`ReleaseRequest`
+   (one idempotent release that also cancels a running decode), :class:`DecodeRequest` answered by an
+   NDJSON stream of :data:`DecodeLine` (token lines (:class:`TokenLine`), the last one with its
+   ``finish_reason``, or an :class:`ErrorLine`), :class:`NodeHealth`, and :class:`ErrorBody` for every 4xx/5xx.
+
+Each type has one parse (``parse_*`` / ``msgspec`` decoders below, raising :class:`ContractError`) and
+one dump (:func:`dump`). Unknown fields, wrong types (``true`` for an int, ``"1"`` for a number), values
+out of range and oversized inputs are refused, never coerced. No field is ``Any``, so nothing a peer
+sends can nest deeper than the schema.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+
+import msgspec
+
+from tilert import auth
+from tilert.netio import recv_exact
+
+if TYPE_CHECKING:
+    from anyio.streams.buffered import BufferedByteReceiveStream
+
+PROTOCOL_VERSION = 2
+MAX_FRAME_BYTES = 64 << 10  # a control frame; offers are a few hundred bytes
+MAX_API_BODY_BYTES = 64 << 10  # a decode-node HTTP request body
+MAX_STOP_TOKEN_IDS = 1024
+MAX_REASON_CHARS = 2000
+
+TransferId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON_CHARS)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+Token = Annotated[str, msgspec.Meta(max_length=256)]
+
+
+class ContractError(ValueError):
+    """A peer sent something that is not a valid message of this contract; the text says what."""
+
+
+ProtocolError = ContractError  # the control channel's name for it
+
+
+class _Strict(msgspec.Struct, forbid_unknown_fields=True):
+    pass
+
+
+# ---- 1. the claim in kv_transfer_params ------------------------------------------------------
+
+CLAIM_PREFIX = "tilert_"
+
+
+class Claim(_Strict, rename={"transfer_id": "tilert_transfer_id", "host": "tilert_host",
+                             "ctrl_port": "tilert_ctrl_port", "auth": "tilert_auth"}):  # fmt: skip
+    """What the router asks of the connector: ship ``transfer_id``'s KV to ``host:ctrl_port``."""
+
+    transfer_id: TransferId
+    host: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+    ctrl_port: Port
+    auth: Token
+
+    @classmethod
+    def signed(cls, secret: bytes, transfer_id: str, host: str, ctrl_port: int) -> Claim:
+        return cls(transfer_id, host, ctrl_port, auth.claim_token(secret, transfer_id, host, ctrl_port))
+
+    def verified(self, secret: bytes) -> bool:
+        return auth.verify(self.auth, auth.claim_token(secret, self.transfer_id, self.host, self.ctrl_port))
+
+    def to_params(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any] | None) -> Claim | None:
+        """``None`` for a request with no ``tilert_*`` key (not ours); ``ContractError`` for a bad claim.
+
+        Other keys (another connector's, under vLLM's ``MultiConnector``) are left alone."""
+        ours = {k: v for k, v in (params or {}).items() if k.startswith(CLAIM_PREFIX)}
+        if not ours:
+            return None
+        return _convert(ours, cls, "claim")
+
+
+class ClaimResult(_Strict, rename=lambda name: CLAIM_PREFIX + name):
+    """What the connector's ``request_finished`` hands back through vLLM's response."""
+
+    transfer_id: TransferId | None = None
+    first_token_id: TokenId | None = None
+    prompt_tokens: Count | None = None
+    error: Reason | None = None
+
+    def to_params(self) -> dict[str, Any]:
+        return {k: v for k, v in msgspec.to_builtins(self).items() if v is not None}
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any] | None) -> ClaimResult | None:
+        ours = {k: v for k, v in (params or {}).items() if k.startswith(CLAIM_PREFIX)}
+        return _convert(ours, cls, "kv_transfer_params") if ours else None
+
+
+# ---- 2. the control port -------------------------------------------------------------------------
+
+
+class KVLayout(_Strict):
+    """How one handed-off KV tensor is laid out: ``num_layers x num_tokens`` rows of ``row_bytes``
+    each, exactly as vLLM held it.
+
+    ``kind`` names the vLLM layout: ``"mla_dense"`` (rows of ``[kv_lora | rope]`` in ``dtype``, rope
+    pairs interleaved as vLLM keeps them), ``"fp8_ds_mla"`` (656-byte rows), ``"dsa_indexer"``
+    (fp8 keys + fp32 scale per token).
+    """
+
+    kind: Name
+    dtype: Name
+    row_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+    num_layers: Annotated[int, msgspec.Meta(ge=1, le=4096)]
+    rope_interleaved: bool = True
+
+    def nbytes(self, num_tokens: int) -> int:
+        return self.num_layers * num_tokens * self.row_bytes
+
+
+class _Frame(_Strict, tag_field="type"):
+    pass
+
+
+class Hello(_Frame, tag="hello"):
+    version: int
+    transport: Name
+    sender_id: Name
+    auth: Token  # auth.hello_token(secret, sender_id)
+
+    @classmethod
+    def signed(cls, secret: bytes, transport: str, sender_id: str) -> Hello:
+        return cls(PROTOCOL_VERSION, transport, sender_id, auth.hello_token(secret, sender_id))
+
+    def verified(self, secret: bytes) -> bool:
+        return auth.verify(self.auth, auth.hello_token(secret, self.sender_id))
+
+
+class HelloAck(_Frame, tag="hello_ack"):
+    version: int
+    node_id: Name
+    transports: Annotated[list[Name], msgspec.Meta(max_length=16)] = []
+
+
+class Offer(_Frame, tag="offer"):
+    """The sender has the request's KV staged and asks where to write it."""
+
+    transfer_id: TransferId
+    num_tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)]
+    layouts: Annotated[dict[Name, KVLayout], msgspec.Meta(min_length=1, max_length=8)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layout.nbytes(self.num_tokens) for layout in self.layouts.values())
+
+
+class Accept(_Frame, tag="accept"):
+    """Where to write: ``target`` is transport-specific (endpoint + registered region + offset)."""
+
+    transfer_id: TransferId
+    target: Annotated[dict[Name, str | int], msgspec.Meta(max_length=32)]
+
+
+class Done(_Frame, tag="done"):
+    transfer_id: TransferId
+    nbytes: Count
+
+
+class Abort(_Frame, tag="abort"):
+    """The sender gives up on a transfer: the decode node fails the waiting request at once."""
+
+    transfer_id: TransferId
+    reason: Reason
+
+
+class Ack(_Frame, tag="ack"):
+    transfer_id: TransferId
+
+
+class Reject(_Frame, tag="reject"):
+    reason: Reason
+    transfer_id: Annotated[str, msgspec.Meta(max_length=128)] = ""
+
+
+Message = Hello | HelloAck | Offer | Accept | Done | Abort | Ack | Reject
+_LEN = struct.Struct(">I")
+_frame_decoder = msgspec.json.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    """One control frame: 4-byte big-endian length, then the JSON message."""
+    body = msgspec.json.encode(msg)
+    return _LEN.pack(len(body)) + body
+
+
+def decode(body: bytes) -> Message:
+    """Parse one frame body into its typed message; anything malformed is a ``ContractError``."""
+    try:
+        return _frame_decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise ContractError(f"invalid control frame: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ContractError(f"malformed control frame: {exc}") from None
+
+
+def frame_length(header: bytes) -> int:
+    (length,) = _LEN.unpack(header)
+    if length > MAX_FRAME_BYTES:
+        raise ContractError(f"control frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
+    return int(length)
+
+
+def send_msg(sock: socket.socket, msg: Message) -> None:
+    sock.sendall(encode(msg))
+
+
+def recv_msg(sock: socket.socket) -> Message:
+    return decode(recv_exact(sock, frame_length(recv_exact(sock, _LEN.size))))
+
+
+async def arecv_msg(stream: BufferedByteReceiveStream) -> Message:
+    """Async twin of ``recv_msg`` for the decode node's control server (anyio streams)."""
+    length = frame_length(await stream.receive_exactly(_LEN.size))
+    return decode(await stream.receive_exactly(length))
+
+
+M = TypeVar("M")
+
+
+def expect(msg: Message, cls: type[M]) -> M:
+    """Return ``msg`` if it is a ``cls``; a ``Reject`` or anything else becomes a ``ContractError``."""
+    if isinstance(msg, cls):
+        return msg
+    if isinstance(msg, Reject):
+        raise ContractError(f"peer rejected: {msg.reason}")
+    raise ContractError(f"expected {cls.__name__}, got {type(msg).__name__}")
+
+
+# ---- 3. the decode node's HTTP API ---------------------------------------------------------------
+
+NODE_AUTH_HEADER = "authorization"  # "Bearer " + auth.node_api_token(secret)
+
+
+class ReserveRequest(_Strict):
+    transfer_id: TransferId
+    lease_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] | None = None
+
+
+class ReserveResponse(_Strict):
+    transfer_id: TransferId
+    slot: Count
+
+
+class ReleaseRequest(_Strict):
+    """Frees the slot of ``transfer_id`` whatever its state, cancelling a running decode. Idempotent."""
+
+    transfer_id: TransferId
+
+
+class ReleaseResponse(_Strict):
+    released: bool
+
+
+class DecodeRequest(_Strict):
+    """Decode after prefill's first token. Sampling fields left null take the checkpoint's
+    ``generation_config.json`` defaults (as vLLM does); ``max_tokens`` null runs to the end of the context.
+
+    ``max_tokens`` counts the tokens this node generates (the first token came from prefill)."""
+
+    transfer_id: TransferId
+    first_token_id: TokenId
+    prompt_tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)]
+    max_tokens: Count | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=1e6)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=1 << 31)] | None = None
+    seed: Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)] | None = None
+    stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
+    ignore_eos: bool = False
+
+
+class _Line(_Strict, tag_field="type"):
+    pass
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class TokenLine(_Line, tag="tokens"):
+    """Tokens of one decode step, sent as soon as they exist. The last line of a decode carries
+    ``finish_reason``: this node alone decides when decoding is over. ``stop``: the line's last token is
+    EOS or one of the request's stop ids (``stop_token_id`` names a stop id; null for EOS); ``length``:
+    ``max_tokens`` or the end of the context was reached."""
+
+    token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=1024)]
+    finish_reason: FinishReason | None = None
+    stop_token_id: TokenId | None = None
+
+
+class ErrorLine(_Line, tag="error"):
+    """The decode failed after the stream began; ``status`` is the HTTP status it stands for."""
+
+    status: Annotated[int, msgspec.Meta(ge=400, le=599)]
+    message: Reason
+
+
+DecodeLine = TokenLine | ErrorLine
+
+
+class EngineInfo(_Strict):
+    temperature: bool
+    top_p: bool
+    top_k: bool
+    mtp: bool
+    pipelined_greedy: bool = False
+
+
+class NodeHealth(_Strict):
+    status: Literal["ok"]
+    node_id: Name
+    engine: Name
+    protocol_version: int
+    transport: Name
+    max_seq_len: Count
+    slots_total: Count
+    slots_free: Count
+    decodes_running: Count
+    decodes_waiting: Count
+    capabilities: EngineInfo
+
+
+class ErrorDetail(_Strict):
+    message: Reason
+    code: int
+
+
+class ErrorBody(_Strict):
+    error: ErrorDetail
+
+
+# ---- one parse, one dump ------------------------------------------------------------------------
+
+T = TypeVar("T")
+_json_decoders: dict[object, msgspec.json.Decoder[Any]] = {}
+
+
+def _decoder(cls: Any) -> msgspec.json.Decoder[Any]:
+    dec = _json_decoders.get(cls)
+    if dec is None:
+        dec = _json_decoders[cls] = msgspec.json.Decoder(cls)
+    return dec
+
+
+def _convert(data: object, cls: type[T], what: str) -> T:
+    try:
+        return msgspec.convert(data, cls, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ContractError(f"invalid {what}: {exc}") from None
+
+
+def parse(cls: type[T], raw: bytes | str, *, limit: int = MAX_API_BODY_BYTES) -> T:
+    """Decode JSON ``raw`` as ``cls`` (a struct, or a union such as :data:`DecodeLine`)."""
+    if len(raw) > limit:
+        raise ContractError(f"body of {len(raw)} bytes exceeds {limit}")
+    try:
+        return _decoder(cls).decode(raw)
+    except msgspec.ValidationError as exc:
+        raise ContractError(f"invalid {getattr(cls, '__name__', 'message')}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ContractError(f"malformed JSON: {exc}") from None
+
+
+def parse_line(raw: bytes | str) -> TokenLine | ErrorLine:
+    return parse(DecodeLine, raw)  # type: ignore[arg-type]
+
+
+def dump(msg: msgspec.Struct) -> bytes:
+    return msgspec.json.encode(msg)
+
+
+def dump_line(msg: TokenLine | ErrorLine) -> bytes:
+    return msgspec.json.encode(msg) + b"\n"
+
+
+def error_body(message: str, code: int) -> bytes:
+    return dump(ErrorBody(ErrorDetail(message[:MAX_REASON_CHARS], code)))

@@ -1,0 +1,169 @@
+"""Decode node configuration: one dataclass field per setting.
+
+Each field of :class:`DecodeConfig` with :func:`~tilert.router.config.setting` metadata has a flag
+``--field-name`` on ``tilert decode`` (``num_slots`` keeps its historical ``--slots``) and an environment
+variable ``TILERT_DECODE_FIELD_NAME``; the flag wins over the variable, the variable over the default.
+An empty variable counts as unset. :func:`load_decode_config` is the one loader.
+
+The deployment's shared secret (:mod:`tilert.auth`) comes from ``--secret-file`` / ``$TILERT_SECRET_FILE`` /
+``$TILERT_SECRET`` into ``DecodeConfig.secret``; the node refuses to start without one.
+
+``resolve_device`` / ``resolve_dtype`` turn ``device`` / ``dtype`` into what the engine loads with
+(torch is imported only there, so reading a config stays cheap).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from tilert.auth import SECRET_ENV, SECRET_FILE_ENV
+from tilert.router.config import (
+    ConfigError,
+    _port,
+    build_config,
+    describe,
+    env_values,
+    merge_values,
+    secret_problem,
+    setting,
+    try_load_secret,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+ENV_PREFIX = "TILERT_DECODE_"
+DEFAULT_MAX_LEASE_S = 3600.0
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    ENV_PREFIX: ClassVar[str] = ENV_PREFIX
+
+    model: Path = setting(help="checkpoint directory (config.json, weights, tokenizer)", metavar="DIR")
+    engine: str = setting("tilert", help="decode engine plugin")
+    transport: str = setting("tcp", help="KV transfer transport plugin")
+    transport_options: dict[str, Any] = setting(
+        default_factory=dict, help="JSON object passed to the transport", metavar="JSON"
+    )
+    host: str = setting("127.0.0.1", help="bind address of the control and HTTP ports (loopback by default)")
+    ctrl_port: int = setting(5556, help="control port: transfer handshakes from the prefill side")
+    http_port: int = setting(5557, help="HTTP port: the router's reserve / decode / release API")
+    device: str = setting("auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
+    dtype: str = setting("auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
+    max_seq_len: int = setting(4096, help="longest prompt + completion a slot holds")
+    num_slots: int = setting(
+        2, flag="--slots", aliases=("--num-slots",), help="receive buffers: transfers overlap the running decode"
+    )
+    lease_s: float = setting(30.0, help="slot lease when a reserve names none")
+    max_lease_s: float = setting(
+        DEFAULT_MAX_LEASE_S, help="longest lease a reserve may ask for (the router's reserve_lease_s must fit)"
+    )
+    transfer_timeout_s: float = setting(15.0, help="a decode request waits this long for its KV transfer")
+    num_speculative_tokens: int = setting(
+        1,
+        help="MTP drafts per step for greedy requests when the checkpoint has an MTP layer (0: off; on the "
+        "H200 one draft pays once more than ~0.9 tokens per step are accepted, see benchmarks/results)",
+    )
+    max_http_connections: int = setting(
+        1024, help="concurrent HTTP connections the node serves (uvicorn's limit_concurrency; 503 beyond)"
+    )
+    secret_file: str | None = setting(
+        None, env=SECRET_FILE_ENV, metavar="PATH",
+        help=f"file holding the deployment's shared secret (else ${SECRET_ENV})",
+    )  # fmt: skip
+    # Filled at load time from secret_file / $TILERT_SECRET_FILE / $TILERT_SECRET (tilert.auth.load_secret).
+    secret: bytes = field(default=b"", repr=False)
+
+    def validate(self) -> DecodeConfig:
+        """Raise :class:`ConfigError` naming every setting the node cannot start with; returns ``self``."""
+        d = lambda name: describe(DecodeConfig, name)  # noqa: E731
+        problems: list[str] = []
+
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                problems.append(message)
+
+        need((Path(self.model) / "config.json").is_file(), f"{d('model')} must hold a config.json ({self.model})")
+        need(_int(self.num_slots) and self.num_slots >= 1, f"{d('num_slots')} must be >= 1 ({self.num_slots})")
+        need(_int(self.max_seq_len) and self.max_seq_len >= 2, f"{d('max_seq_len')} must be >= 2 ({self.max_seq_len})")
+        need(
+            _int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= 8,
+            f"{d('num_speculative_tokens')} must be in 0..8 ({self.num_speculative_tokens})",
+        )
+        for name in ("lease_s", "max_lease_s", "transfer_timeout_s"):
+            value = getattr(self, name)
+            need(_num(value) and value > 0, f"{d(name)} must be > 0 ({value})")
+        if _num(self.lease_s) and _num(self.max_lease_s):
+            need(self.lease_s <= self.max_lease_s, f"{d('lease_s')} must not exceed max_lease_s ({self.max_lease_s})")
+        need(_int(self.max_http_connections) and self.max_http_connections >= 1,
+             f"{d('max_http_connections')} must be >= 1 ({self.max_http_connections})")  # fmt: skip
+        for name in ("ctrl_port", "http_port"):
+            try:
+                _port(getattr(self, name), d(name))
+            except ConfigError as exc:
+                problems.append(str(exc))
+        need(self.ctrl_port != self.http_port, f"ctrl_port and http_port must differ ({self.ctrl_port})")
+        need(isinstance(self.transport_options, dict), f"{d('transport_options')} must be a JSON object")
+        need(isinstance(self.device, str) and bool(_DEVICE_RE.match(self.device)),
+             f"{d('device')} must be auto, cpu, cuda or cuda:N ({self.device!r})")  # fmt: skip
+        need(self.dtype in DTYPES, f"{d('dtype')} must be one of {', '.join(DTYPES)} ({self.dtype!r})")
+        problem = secret_problem(self.secret, self.secret_file)
+        if problem:
+            problems.append(problem)
+        if problems:
+            raise ConfigError("; ".join(problems))
+        return self
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _num(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def load_decode_config(cli: Mapping[str, Any] | None = None) -> DecodeConfig:
+    """The node's config: flags (``cli``, from :func:`tilert.router.config.cli_values`) > environment >
+    defaults, with the shared secret loaded; validated."""
+    values = merge_values(DecodeConfig, [env_values(DecodeConfig), cli or {}])
+    secret = try_load_secret(values.get("secret_file"))
+    return build_config(DecodeConfig, values, secret=secret).validate()
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device} asked for, but no CUDA device is available")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    import torch
+
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    except KeyError:
+        raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, not {dtype!r}") from None
+
+
+__all__ = [
+    "DEFAULT_MAX_LEASE_S",
+    "ConfigError",
+    "DecodeConfig",
+    "load_decode_config",
+    "resolve_device",
+    "resolve_dtype",
+]

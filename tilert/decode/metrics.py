@@ -1,0 +1,130 @@
+"""Prometheus metrics of one decode node (its ``GET /metrics``), named after vLLM's (own registry).
+
+Callers use the typed methods below; nothing outside this module touches a prometheus object. Every
+series carries ``model_name``; the names follow vLLM's with a ``tilert:`` prefix, like the router's
+(:mod:`tilert.router.metrics`), so one dashboard reads both (tell them apart by the scrape job):
+
+==============================================  ==========================================  =================
+tilert (decode node)                            vLLM                                        fed by
+==============================================  ==========================================  =================
+tilert:num_requests_running                     vllm:num_requests_running                   requests
+tilert:num_requests_waiting                     vllm:num_requests_waiting                   requests
+tilert:generation_tokens_total                  vllm:generation_tokens_total                tokens
+tilert:inter_token_latency_seconds              vllm:inter_token_latency_seconds            tokens
+tilert:request_time_per_output_token_seconds    vllm:request_time_per_output_token_seconds  request_done
+tilert:e2e_request_latency_seconds              vllm:e2e_request_latency_seconds            request_done
+tilert:request_success_total{finished_reason}   vllm:request_success_total                  request_done
+==============================================  ==========================================  =================
+
+Differences in meaning: running is decodes on the engine (one at a time today), waiting is decodes whose KV
+has landed and which wait for the engine; e2e is a decode request's life on the node (``/v1/decode``
+arrival to its last line: transfer wait, engine wait and decode); generation tokens count the tokens the node
+produced (the router's count adds prefill's first token). vLLM 0.10 renamed
+``vllm:time_per_output_token_seconds`` to ``vllm:inter_token_latency_seconds``; this follows the new name.
+
+The node's own, with no vLLM counterpart:
+
+- ``tilert:decode_slots_total`` / ``tilert:decode_slots_free``: receive slots (KV buffers);
+- ``tilert:kv_transfers_received_total`` / ``tilert:kv_transfers_failed_total{reason}``: KV transfers;
+- ``tilert:kv_transfer_wait_seconds``: ``/v1/decode`` arrival to its KV being ready;
+- ``tilert:decode_leases_expired_total``: reservations dropped because their lease ran out.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from tilert.router.metrics import INTER_TOKEN_LATENCY_BUCKETS, PREFIX, REQUEST_LATENCY_BUCKETS, WAIT_BUCKETS
+
+
+class DecodeMetrics:
+    """The decode node's ``/metrics``, labelled with the model it serves."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, m = self.registry, ["model_name"]
+        self._running = Gauge(PREFIX + "num_requests_running", "Decodes running on the engine.", m, registry=r)
+        self._waiting = Gauge(PREFIX + "num_requests_waiting", "Decodes whose KV landed, waiting for the engine.",
+                              m, registry=r)  # fmt: skip
+        self._slots_total = Gauge(PREFIX + "decode_slots_total", "Receive slots (KV buffers) of the node.", m,
+                                  registry=r)  # fmt: skip
+        self._slots_free = Gauge(PREFIX + "decode_slots_free", "Receive slots free to reserve.", m, registry=r)
+        self._received = Counter(PREFIX + "kv_transfers_received", "KV transfers received whole.", m, registry=r)
+        self._failed = Counter(PREFIX + "kv_transfers_failed", "KV transfers that failed, by reason.",
+                               m + ["reason"], registry=r)  # fmt: skip
+        self._transfer_wait = Histogram(PREFIX + "kv_transfer_wait_seconds",
+                                        "/v1/decode arrival to its KV being ready.", m, buckets=WAIT_BUCKETS,
+                                        registry=r)  # fmt: skip
+        self._generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens the node generated.", m, registry=r)
+        self._itl = Histogram(PREFIX + "inter_token_latency_seconds",
+                              "Time between generated tokens (a step's gap split over its tokens).", m,
+                              buckets=INTER_TOKEN_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self._tpot = Histogram(PREFIX + "request_time_per_output_token_seconds",
+                               "Per decode: mean time per generated token.", m,
+                               buckets=INTER_TOKEN_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self._e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+                              "A decode request on the node: arrival to its last line.", m,
+                              buckets=REQUEST_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self._success = Counter(PREFIX + "request_success", "Finished decodes by finished_reason.",
+                                m + ["finished_reason"], registry=r)  # fmt: skip
+        self._expired = Counter(PREFIX + "decode_leases_expired", "Reservations whose lease ran out.", m,
+                                registry=r)  # fmt: skip
+        for metric in (self._running, self._waiting, self._slots_total, self._slots_free, self._received,
+                       self._generation_tokens, self._expired):  # fmt: skip
+            metric.labels(model_name)
+
+    def requests(self, running: int, waiting: int) -> None:
+        """Decodes on the engine and decodes waiting for it, now."""
+        self._running.labels(self.model_name).set(running)
+        self._waiting.labels(self.model_name).set(waiting)
+
+    def slots(self, total: int, free: int) -> None:
+        """The node has ``total`` receive slots, ``free`` of them reservable now."""
+        self._slots_total.labels(self.model_name).set(total)
+        self._slots_free.labels(self.model_name).set(free)
+
+    def transfer_received(self) -> None:
+        self._received.labels(self.model_name).inc()
+
+    def transfer_failed(self, reason: str = "error") -> None:
+        self._failed.labels(self.model_name, reason).inc()
+
+    def transfer_wait(self, seconds: float) -> None:
+        """A decode request waited ``seconds`` for its KV."""
+        self._transfer_wait.labels(self.model_name).observe(seconds)
+
+    def tokens(self, n: int, seconds: float | None = None) -> None:
+        """``n`` tokens were generated ``seconds`` after the previous ones (None: the first of a decode,
+        counted without a latency); each of the ``n`` gets ``seconds / n`` of inter-token latency."""
+        if n <= 0:
+            return
+        m = self.model_name
+        self._generation_tokens.labels(m).inc(n)
+        if seconds is not None:
+            child, gap = self._itl.labels(m), seconds / n
+            for _ in range(n):
+                child.observe(gap)
+
+    def request_done(self, seconds: float, finished_reason: str | None = None, tpot_s: float | None = None) -> None:
+        """A decode request ended ``seconds`` after it arrived; ``finished_reason`` when it finished
+        (stop, length, abort, error), ``tpot_s`` its mean time per generated token when known."""
+        m = self.model_name
+        self._e2e.labels(m).observe(seconds)
+        if finished_reason is not None:
+            self._success.labels(m, finished_reason).inc()
+        if tpot_s is not None:
+            self._tpot.labels(m).observe(tpot_s)
+
+    def lease_expired(self, n: int = 1) -> None:
+        if n > 0:
+            self._expired.labels(self.model_name).inc(n)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+__all__ = ["DecodeMetrics"]

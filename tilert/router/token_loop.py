@@ -1,0 +1,80 @@
+"""The router's part of decoding, without I/O: decode-node lines in, client deltas out.
+
+The decode node alone decides token-level stops (EOS, stop ids, ``max_tokens``, the end of the context)
+and says so in its last line's ``finish_reason``. The router keeps what needs text: detokenising as
+vLLM does, stop *strings* (truncating the text and ending the request early: the caller then releases
+the node, which cancels the decode), and the held-back tail of a possible stop string while streaming.
+As in vLLM, the text of the token that stopped decoding is left out unless
+``include_stop_str_in_output``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+from tilert.contracts import TokenLine
+from tilert.router.detokenize import IncrementalDecoder, OutputText
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one node line adds to the client's answer."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class TokenLoop:
+    tokenizer: Tokenizer
+    prompt_token_ids: list[int] | None
+    first_token_id: int
+    first_text: str  # vLLM's text of the first token (stop strings already applied to it)
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.token_ids = [self.first_token_id]
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self._out = OutputText(self.stop, self.include_stop_str_in_output)
+        self._out.text = self.first_text
+        self._decoder = IncrementalDecoder(self.tokenizer, self.prompt_token_ids, self.skip_special_tokens)
+        self._decoder.step(self.first_token_id)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        return self._out.text
+
+    def first_delta(self) -> str:
+        """The first token's text as it may be streamed now (the tail of a possible stop string held)."""
+        return self._out.delta(False)
+
+    def feed(self, line: TokenLine) -> Delta:
+        """Take one node line; after the delta that finishes, the loop is :attr:`done`."""
+        if self.done:
+            raise RuntimeError("the token loop already finished")
+        ids = line.token_ids
+        stop_token = line.finish_reason == "stop" and bool(ids)
+        accepted: list[int] = []
+        for i, tid in enumerate(ids):
+            accepted.append(tid)
+            if stop_token and i == len(ids) - 1 and not self.include_stop_str_in_output:
+                break  # the stopping token counts, its text does not
+            hit = self._out.add(self._decoder.step(tid))
+            if hit is not None:
+                self.finish_reason, self.stop_reason = "stop", hit
+                break
+        self.token_ids.extend(accepted)
+        if self.finish_reason is None and line.finish_reason is not None:
+            self.finish_reason, self.stop_reason = line.finish_reason, line.stop_token_id
+        return Delta(self._out.delta(self.done), accepted, self.finish_reason, self.stop_reason)
