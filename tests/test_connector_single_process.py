@@ -6,6 +6,7 @@ The handed-off prompt KV, injected into our engine, must continue exactly as vLL
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from tilert.decode.slots import SlotTable
 from tilert.engines.tilert.engine import TileRTEngine
 from tilert.transports.tcp import TcpTransport
 
+SECRET = "single-process-test-secret-0123456789"
 PROMPT = "import os\nclass Alpha(object):\n    def run(self, value, other=None):\n        return sorted(value)"
 
 
@@ -27,7 +29,7 @@ def test_single_process_vllm_handoff_continues_like_vllm(tiny_model: Path) -> No
     engine = TileRTEngine.load(tiny_model, device="cpu", dtype=torch.float32, max_seq_len=512)
     receiver = TcpTransport.receiver(host="127.0.0.1", options={})
     table = SlotTable(1, engine.expected_layouts(), 512, receiver)
-    control = ControlServer(table, "tcp", "test-node")
+    control = ControlServer(table, "tcp", "test-node", SECRET.encode())
     result: dict[str, Any] = {}
 
     async def main() -> None:
@@ -36,8 +38,9 @@ def test_single_process_vllm_handoff_continues_like_vllm(tiny_model: Path) -> No
             table.reserve("single-process")
             script = Path(__file__).parent / "support" / "offline_prefill.py"
             proc = await anyio.run_process(
-                [sys.executable, str(script), str(tiny_model), str(port), "single-process", PROMPT], check=False
-            )
+                [sys.executable, str(script), str(tiny_model), str(port), "single-process", PROMPT], check=False,
+                env={**os.environ, "TILERT_SECRET": SECRET, "TILERT_SECRET_FILE": ""},
+            )  # fmt: skip
             out = proc.stdout.decode()
             line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
             assert proc.returncode == 0 and line, proc.stderr.decode()[-3000:]

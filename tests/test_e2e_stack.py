@@ -127,7 +127,8 @@ def test_marked_request_with_bad_fields_is_not_claimed(stack: Any) -> None:
         "kv_transfer_params": {"tilert_host": "127.0.0.1", "tilert_ctrl_port": "not-a-port", "tilert_transfer_id": "t"},
     }
     data = httpx.post(stack.prefill + "/v1/completions", json=body, timeout=60).json()
-    assert "tilert_ctrl_port" in data["kv_transfer_params"]["tilert_error"]
+    kv = data["kv_transfer_params"]
+    assert "tilert_first_token_id" not in kv and "tilert_ctrl_port" in kv["tilert_error"]
 
 
 @pytest.mark.stack
@@ -222,6 +223,8 @@ def test_uvicorn_app_configured_by_file(stack: Any, tmp_path: Path) -> None:
     import time
     from urllib.parse import urlparse
 
+    import psutil
+
     from conftest import free_port
 
     decode = urlparse(stack.decode)
@@ -233,7 +236,10 @@ def test_uvicorn_app_configured_by_file(stack: Any, tmp_path: Path) -> None:
         f'decode = ["{decode.hostname}:{ctrl}:{decode.port}"]\n'
     )
     port = free_port()
-    env = {**os.environ, "TILERT_ROUTER_CONFIG": str(config)}
+    router_proc = next(p for p in psutil.Process(stack.proc.pid).children(recursive=True)
+                       if "router" in p.cmdline())  # fmt: skip
+    secret_file = router_proc.environ()["TILERT_SECRET_FILE"]  # the secret `tilert up` made for its stack
+    env = {**os.environ, "TILERT_ROUTER_CONFIG": str(config), "TILERT_SECRET_FILE": secret_file}
     cmd = [sys.executable, "-m", "uvicorn", "tilert.router:app", "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env)
     try:

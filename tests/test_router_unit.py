@@ -290,8 +290,8 @@ def decode_standin(world: World) -> Starlette:
         with world.lock:
             used = len(world.reservations)
         caps = c.EngineInfo(True, True, True, False)
-        return Response(c.dump(c.NodeHealth("ok", "standin", "standin", c.PROTOCOL_VERSION, "tcp", 4096,
-                                            world.slots_total, world.slots_total - used, 0, 0, caps)),
+        return Response(c.dump(c.NodeHealth("ok", "standin", "standin", c.PROTOCOL_VERSION, "tcp", 1, 4096,
+                                            world.slots_total, world.slots_total - used, 0, 0, 0, 0, caps)),
                         media_type="application/json")  # fmt: skip
 
     return Starlette(routes=[

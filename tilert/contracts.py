@@ -344,11 +344,14 @@ class NodeHealth(_Strict):
     engine: Name
     protocol_version: int
     transport: Name
+    ctrl_port: Port
     max_seq_len: Count
     slots_total: Count
     slots_free: Count
     decodes_running: Count
     decodes_waiting: Count
+    transfers_received: Count
+    decodes_completed: Count
     capabilities: EngineInfo
 
 

@@ -31,17 +31,11 @@ def main() -> None:
             "kv_role": "kv_producer",
         },
     )
-    marked = SamplingParams(
-        max_tokens=1,
-        temperature=0,
-        extra_args={
-            "kv_transfer_params": {
-                "tilert_host": "127.0.0.1",
-                "tilert_ctrl_port": ctrl_port,
-                "tilert_transfer_id": transfer_id,
-            }
-        },
-    )
+    from tilert.auth import load_secret
+    from tilert.contracts import Claim
+
+    claim = Claim.signed(load_secret(), transfer_id, "127.0.0.1", ctrl_port)  # as the router signs it
+    marked = SamplingParams(max_tokens=1, temperature=0, extra_args={"kv_transfer_params": claim.to_params()})
     first = llm.generate(prompt, marked)[0]
     alone = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0))[0]
     print(

@@ -104,12 +104,14 @@ class DecodeNode:
             engine.check_layouts,
         )  # fmt: skip
         self.control = ControlServer(self.table, config.transport, self.node_id, config.secret)
+        self.table.on_transfer = self._on_transfer
         self.eos = eos_token_ids(config.model)
         self.sampling_defaults = sampling_defaults(config.model)
         self.metrics = DecodeMetrics(str(config.model))
         self.engine_lock = anyio.Lock()
         self.running = 0
         self.waiting = 0
+        self.decodes_completed = 0
         self.app = Starlette(
             routes=[
                 Route("/v1/reserve", _handler(self.reserve), methods=["POST"]),
@@ -134,6 +136,12 @@ class DecodeNode:
     async def _http_error(request: Request, exc: HTTPException) -> Response:
         return _error(str(exc.detail), exc.status_code)
 
+    def _on_transfer(self, ok: bool, reason: str) -> None:
+        if ok:
+            self.metrics.transfer_received()
+        else:
+            self.metrics.transfer_failed(reason)
+
     # ---- HTTP handlers ----------------------------------------------------------------------
 
     async def reserve(self, request: Request) -> Response:
@@ -155,9 +163,10 @@ class DecodeNode:
         return _ok(
             c.NodeHealth(
                 status="ok", node_id=self.node_id, engine=self.engine.name, protocol_version=c.PROTOCOL_VERSION,
-                transport=self.config.transport, max_seq_len=self.config.max_seq_len,
+                transport=self.config.transport, ctrl_port=self.config.ctrl_port, max_seq_len=self.config.max_seq_len,
                 slots_total=len(self.table.slots), slots_free=self.table.free, decodes_running=self.running,
-                decodes_waiting=self.waiting,
+                decodes_waiting=self.waiting, transfers_received=self.table.transfers_received,
+                decodes_completed=self.decodes_completed,
                 capabilities=c.EngineInfo(caps.temperature, caps.top_p, caps.top_k, caps.mtp, caps.pipelined_greedy),
             )
         )  # fmt: skip
@@ -203,20 +212,22 @@ class DecodeNode:
     async def _stream(self, params: DecodeParams) -> AsyncIterator[bytes]:
         tid = params.transfer_id
         bound = log.bind(transfer_id=tid)
-        started = anyio.current_time()
+        started, outcome = anyio.current_time(), "error"
         try:
             await self.table.wait_ready(tid, self.config.transfer_timeout_s)
-            self.waiting += 1
+            self.metrics.transfer_wait(anyio.current_time() - started)
+            self._count(waiting=1)
             try:
                 await self.engine_lock.acquire()
             finally:
-                self.waiting -= 1
+                self._count(waiting=-1)
             try:
-                self.running += 1
+                self._count(running=1)
                 async for line in self._run(params, bound):
+                    outcome = _outcome(line, outcome)
                     yield line
             finally:
-                self.running -= 1
+                self._count(running=-1)
                 self.engine_lock.release()
         except SlotError as exc:
             bound.warning("decode_refused", reason=str(exc))
@@ -224,7 +235,12 @@ class DecodeNode:
         finally:
             self.table.release(tid, "decode ended")
             self.metrics.slots(len(self.table.slots), self.table.free)
-            self.metrics.request_done(anyio.current_time() - started)
+            self.metrics.request_done(anyio.current_time() - started, outcome)
+
+    def _count(self, running: int = 0, waiting: int = 0) -> None:
+        self.running += running
+        self.waiting += waiting
+        self.metrics.requests(self.running, self.waiting)
 
     async def _run(self, params: DecodeParams, bound: structlog.typing.FilteringBoundLogger) -> AsyncIterator[bytes]:
         """Decode on a worker thread; relay each step's tokens as a line the moment they exist."""
@@ -262,6 +278,7 @@ class DecodeNode:
                         now = anyio.current_time()
                         self.metrics.tokens(len(line.token_ids), now - last)
                         last, finished = now, line.finish_reason is not None
+                        self.decodes_completed += finished
                         yield c.dump_line(line)
             finally:
                 cancel.set()
@@ -269,11 +286,11 @@ class DecodeNode:
             yield self._last_line(result, bound)
         bound.info("decode_finished", result=str(result.get("finish") or result.get("error")))
 
-    @staticmethod
-    def _last_line(result: dict[str, Finish | str], bound: structlog.typing.FilteringBoundLogger) -> bytes:
+    def _last_line(self, result: dict[str, Finish | str], bound: structlog.typing.FilteringBoundLogger) -> bytes:
         """The closing line when the decode ended without emitting its finish (nothing left to emit)."""
         finish = result.get("finish")
         if isinstance(finish, Finish) and finish.reason in ("stop", "length"):
+            self.decodes_completed += 1
             return c.dump_line(c.TokenLine([], finish.reason, finish.stop_token_id))
         message = result.get("error")
         return c.dump_line(c.ErrorLine(500, message if isinstance(message, str) else "decode cancelled"))
@@ -283,8 +300,10 @@ class DecodeNode:
     async def _sweep_leases(self) -> None:
         while True:
             await anyio.sleep(0.5)
-            for tid in self.table.expire():
+            expired = self.table.expire()
+            for tid in expired:
                 log.warning("lease_expired", transfer_id=tid)
+            self.metrics.lease_expired(len(expired))
 
     async def serve(self) -> None:
         cfg = self.config
@@ -306,6 +325,14 @@ class DecodeNode:
                 tg.cancel_scope.cancel()
         finally:
             self.receiver.close()
+
+
+def _outcome(line: bytes, previous: str) -> str:
+    """The finish reason a stream line announces (its last line names it), else ``previous``."""
+    for reason in ("stop", "length"):
+        if b'"finish_reason":"' + reason.encode() in line:
+            return reason
+    return previous
 
 
 def build_node(config: DecodeConfig) -> DecodeNode:

@@ -106,6 +106,8 @@ class SlotTable:
             buf = torch.empty(self.capacity, dtype=torch.uint8)
             self.slots.append(Slot(i, buf, receiver.register(buf)))
         self._by_tid: dict[str, Slot] = {}
+        # Told of every transfer that lands (True) or fails (False, and why): the node's metrics.
+        self.on_transfer: Callable[[bool, str], None] = lambda ok, reason: None
         self._tombstones: OrderedDict[str, str] = OrderedDict()
         self.transfers_received = 0
 
@@ -173,6 +175,7 @@ class SlotTable:
         self._revoke(slot)
         slot.state = SlotState.READY
         self.transfers_received += 1
+        self.on_transfer(True, "")
         slot.notify()
         log.info("transfer_received", transfer_id=tid, nbytes=nbytes, tokens=slot.offer.num_tokens)
 
@@ -182,6 +185,7 @@ class SlotTable:
             return
         self._revoke(slot)
         slot.state, slot.error = SlotState.FAILED, reason
+        self.on_transfer(False, "failed")
         slot.notify()
         log.warning("transfer_failed", transfer_id=tid, reason=reason)
 

@@ -160,51 +160,55 @@ def _convert(spec: _Spec, value: Any, source: str) -> Any:
             return None
         raise ConfigError(f"{source}: a value is required")
     typ = spec.type
-    text = value.strip() if isinstance(value, str) else None
     try:
-        if typ is bool:
-            if isinstance(value, bool):
-                return value
-            if text is not None and text.lower() in _TRUE | _FALSE:
-                return text.lower() in _TRUE
-            raise ValueError("expected true or false")
-        if typ is int:
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-            if text is not None:
-                return int(text, 0) if text.lower().startswith(("0x", "0o", "0b")) else int(text)
-            raise ValueError("expected an integer")
-        if typ is float:
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
-            if text is not None:
-                return float(text)
-            raise ValueError("expected a number")
-        if typ is str:
-            if isinstance(value, str):
-                return value
-            raise ValueError("expected a string")
-        if typ is Path:
-            if isinstance(value, (str, os.PathLike)):
-                return Path(value)
-            raise ValueError("expected a path")
-        if typing.get_origin(typ) is dict or typ is dict:
-            if isinstance(value, dict):
-                return value
-            if text is not None:
-                try:
-                    parsed = json.loads(text) if text else {}
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"not JSON ({exc})") from None
-                if isinstance(parsed, dict):
-                    return parsed
-            raise ValueError("expected a JSON object")
+        return _as_type(typ, value, value.strip() if isinstance(value, str) else None)
     except ValueError as exc:
         reason = str(exc)
         if reason.startswith(("invalid literal", "could not convert")):
             reason = "expected an integer" if typ is int else "expected a number"
         raise ConfigError(f"{source}: {reason}, got {value!r}") from None
-    raise ConfigError(f"{source}: unsupported setting type {typ!r}")  # pragma: no cover - a programming error
+
+
+def _as_type(typ: Any, value: Any, text: str | None) -> Any:
+    """``value`` as ``typ``; ``ValueError`` saying what was expected."""
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if text is not None and text.lower() in _TRUE | _FALSE:
+            return text.lower() in _TRUE
+        raise ValueError("expected true or false")
+    if typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if text is not None:
+            return int(text, 0) if text.lower().startswith(("0x", "0o", "0b")) else int(text)
+        raise ValueError("expected an integer")
+    if typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if text is not None:
+            return float(text)
+        raise ValueError("expected a number")
+    if typ is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError("expected a string")
+    if typ is Path:
+        if isinstance(value, (str, os.PathLike)):
+            return Path(value)
+        raise ValueError("expected a path")
+    if typing.get_origin(typ) is dict or typ is dict:
+        if isinstance(value, dict):
+            return value
+        if text is not None:
+            try:
+                parsed = json.loads(text) if text else {}
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not JSON ({exc})") from None
+            if isinstance(parsed, dict):
+                return parsed
+        raise ValueError("expected a JSON object")
+    raise ValueError(f"unsupported setting type {typ!r}")  # a programming error
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -546,6 +550,12 @@ class RouterConfig:
 
     def validate(self) -> RouterConfig:
         """Raise :class:`ConfigError` naming every setting the router cannot start with; returns ``self``."""
+        problems = self._address_problems() + self._number_problems() + self._key_problems()
+        if problems:
+            raise ConfigError("; ".join(problems))
+        return self
+
+    def _address_problems(self) -> list[str]:
         d = lambda name: describe(RouterConfig, name)  # noqa: E731
         problems: list[str] = []
         url = urlparse(self.prefill_url or "") if isinstance(self.prefill_url, str) else urlparse("")
@@ -567,6 +577,11 @@ class RouterConfig:
             problems.append(f"{d('model_dir')} is required (the directory holding the tokenizer and config.json)")
         elif not Path(self.model_dir).is_dir():
             problems.append(f"{d('model_dir')}: {self.model_dir!r} is not a directory")
+        return problems
+
+    def _number_problems(self) -> list[str]:
+        d = lambda name: describe(RouterConfig, name)  # noqa: E731
+        problems: list[str] = []
         try:
             _port(self.port, d("port"))
         except ConfigError as exc:
@@ -598,6 +613,11 @@ class RouterConfig:
                     f"transfer_timeout_s = {floor:g}: a slow prefill would lose its decode slot; leave it unset "
                     f"(default {floor + LEASE_MARGIN_S:g}) or raise it"
                 )
+        return problems
+
+    def _key_problems(self) -> list[str]:
+        d = lambda name: describe(RouterConfig, name)  # noqa: E731
+        problems: list[str] = []
         for name in ("api_key", "prefill_api_key"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or value != value.strip() or not value):
@@ -609,9 +629,7 @@ class RouterConfig:
         problem = secret_problem(self.secret, self.secret_file)
         if problem:
             problems.append(problem)
-        if problems:
-            raise ConfigError("; ".join(problems))
-        return self
+        return problems
 
 
 def default_reserve_lease_s(prefill_timeout_s: float | None = None, transfer_timeout_s: float | None = None) -> float:

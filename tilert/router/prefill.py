@@ -69,9 +69,8 @@ def _is_json_object(body: bytes) -> bool:
         return False
 
 
-def parse_prefill_response(data: Any, plan: RequestPlan, transfer_id: str) -> PrefillResult:
-    if not isinstance(data, dict):
-        raise _fail("prefill returned a JSON value that is not an object")
+def _claim_result(data: dict[str, Any], transfer_id: str) -> ClaimResult:
+    """The connector's answer inside vLLM's response, checked against the contract and this request."""
     try:
         kv = ClaimResult.from_params(data.get("kv_transfer_params"))
     except ContractError as exc:
@@ -85,16 +84,26 @@ def parse_prefill_response(data: Any, plan: RequestPlan, transfer_id: str) -> Pr
         )
     if kv.transfer_id not in (None, transfer_id):
         raise _fail("prefill answered for another transfer")
-    first = kv.first_token_id
+    return kv
+
+
+def _choice(data: dict[str, Any], route: str) -> tuple[dict[str, Any], str]:
     choices = data.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise _fail("prefill response has no choices")
     choice = choices[0]
-    if plan.route == "chat":
-        message = choice.get("message") or {}
-        text = message.get("content") if isinstance(message, dict) else None
-    else:
-        text = choice.get("text")
+    message = choice.get("message") if route == "chat" else None
+    text = message.get("content") if isinstance(message, dict) else choice.get("text")
+    return choice, text if isinstance(text, str) else ""
+
+
+def parse_prefill_response(data: Any, plan: RequestPlan, transfer_id: str) -> PrefillResult:
+    if not isinstance(data, dict):
+        raise _fail("prefill returned a JSON value that is not an object")
+    kv = _claim_result(data, transfer_id)
+    first = kv.first_token_id
+    assert first is not None
+    choice, text = _choice(data, plan.route)
     usage_raw = data.get("usage")
     usage: dict[str, Any] = usage_raw if isinstance(usage_raw, dict) else {}
     prompt_tokens = kv.prompt_tokens if kv.prompt_tokens is not None else usage.get("prompt_tokens")
@@ -108,14 +117,8 @@ def parse_prefill_response(data: Any, plan: RequestPlan, transfer_id: str) -> Pr
     if finish not in ("stop", "length", None):
         raise _fail(f"prefill ended with finish_reason={finish!r}")
     return PrefillResult(
-        raw=data,
-        response_id=str(data.get("id") or ""),
-        created=int(data.get("created") or 0),
-        model=str(data.get("model") or ""),
-        text=text if isinstance(text, str) else "",
-        finish_reason=finish,
-        stop_reason=choice.get("stop_reason"),
-        first_token_id=first,
-        prompt_tokens=prompt_tokens,
+        raw=data, response_id=str(data.get("id") or ""), created=int(data.get("created") or 0),
+        model=str(data.get("model") or ""), text=text, finish_reason=finish, stop_reason=choice.get("stop_reason"),
+        first_token_id=first, prompt_tokens=prompt_tokens,
         prompt_token_ids=prompt_ids if isinstance(prompt_ids, list) else None,
-    )
+    )  # fmt: skip

@@ -1,0 +1,94 @@
+"""The router's token loop without any I/O, from a table of cases: node lines in, client deltas out.
+
+The node decides token-level stops (its last line's ``finish_reason``); the loop detokenises, applies stop
+strings (truncating and finishing early), holds back a possible stop string's tail while streaming, and
+leaves the stopping token's text out unless ``include_stop_str_in_output``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from tokenizers import Tokenizer
+
+from tilert.contracts import TokenLine
+from tilert.models.tiny import train_tokenizer
+from tilert.router.token_loop import TokenLoop
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return train_tokenizer()
+
+
+@dataclass
+class Case:
+    name: str
+    text: str  # what the model "generates" after the first token (split into one token per line)
+    finish: str  # the node's finish_reason on the last line
+    stop_at_end: str | None = None  # a token appended as the stopping token ("<|eos|>" or a stop id's text)
+    stop: list[str] = field(default_factory=list)
+    include: bool = False
+    want_text: str = ""
+    want_finish: str = ""
+    want_stop_reason: object = None
+    want_tokens: int | None = None  # completion tokens counted (first token included); None: all
+
+
+CASES = [
+    Case("length", " return x * 2", "length", want_text="def return x * 2", want_finish="length"),
+    Case("eos text left out", " return x", "stop", "<|eos|>", want_text="def return x", want_finish="stop"),
+    Case("stop id text left out", " return x", "stop", " y", want_text="def return x", want_finish="stop",
+         want_stop_reason="stop-id"),
+    Case("stop id text kept on request", " return x", "stop", " y", include=True, want_text="def return x y",
+         want_finish="stop", want_stop_reason="stop-id"),
+    Case("stop string truncates and ends early", " return x * 2 + 1", "length", stop=["* 2"],
+         want_text="def return x ", want_finish="stop", want_stop_reason="* 2", want_tokens=-1),
+    Case("stop string kept on request", " return x * 2 + 1", "length", stop=["* 2"], include=True,
+         want_text="def return x * 2", want_finish="stop", want_stop_reason="* 2", want_tokens=-1),
+    Case("no stop string hit", " return x", "length", stop=["zzz"], want_text="def return x", want_finish="length"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_token_loop(tok: Tokenizer, case: Case) -> None:
+    first = tok.encode("def").ids
+    assert len(first) == 1
+    body = tok.encode(case.text).ids
+    stop_id = tok.encode(case.stop_at_end).ids[-1] if case.stop_at_end else None
+    if case.stop_at_end == "<|eos|>":
+        stop_id = tok.token_to_id("<|eos|>")
+    ids = body + ([stop_id] if stop_id is not None else [])
+    lines = [TokenLine([t]) for t in ids[:-1]] + [TokenLine([ids[-1]], case.finish, None)]  # type: ignore[arg-type]
+    if case.want_stop_reason == "stop-id":
+        lines[-1] = TokenLine([ids[-1]], "stop", stop_id)
+    loop = TokenLoop(tok, None, first[0], "def", case.stop, case.include)
+    streamed = loop.first_delta()
+    for line in lines:
+        delta = loop.feed(line)
+        streamed += delta.text
+        if loop.done:
+            break
+    assert loop.done and loop.finish_reason == case.want_finish
+    want_reason = stop_id if case.want_stop_reason == "stop-id" else case.want_stop_reason
+    assert loop.stop_reason == want_reason
+    assert loop.text == case.want_text == streamed  # the stream and the whole answer agree
+    if case.want_tokens is None:
+        assert loop.token_ids == first + ids  # every token the node sent counts, the stopping one too
+    else:
+        assert len(loop.token_ids) < len(first + ids)  # a stop string ends the request before the node did
+    with pytest.raises(RuntimeError):
+        loop.feed(TokenLine([1]))
+
+
+def test_held_back_tail_is_released_only_when_it_is_no_stop(tok: Tokenizer) -> None:
+    """While a stop string could still be forming, its first characters are not streamed."""
+    first = tok.encode("def").ids[0]
+    loop = TokenLoop(tok, None, first, "def", ["xyz"])
+    assert loop.first_delta() == "d"  # "ef" could begin... no: it holds len("xyz") - 1 = 2 characters
+    ids = tok.encode(" a b").ids
+    out = [loop.feed(TokenLine([t])).text for t in ids]
+    assert "".join(out) == "ef a"
+    assert loop.feed(TokenLine([], "length")).text == " b"  # finishing releases the rest
+
