@@ -104,6 +104,13 @@ def check_mla(dev, small):
         out = poison(torch.empty(n, H, L, device=dev, dtype=DTYPE))
         triton_mla.mla_decode(q, kv, pos, None, scale, L, out=out, row_start=start)
         report(f"mla dense rows {p0 // 2}..pos n={n} H={H} S={S}", out, ref.mla_attention(q, kv, pos, scale, L, start))
+        # several sequences in one cache (rows b*S/4 ..): each query over its own rows start[i]..pos[i]
+        starts = torch.tensor([(i % 4) * (S // 4) for i in range(n)], device=dev)
+        pos = starts + torch.randint(0, S // 4, (n,), device=dev)
+        out = poison(torch.empty(n, H, L, device=dev, dtype=DTYPE))
+        triton_mla.mla_decode(q, kv, pos, None, scale, L, out=out, row_start=starts)
+        report(f"mla dense per-query rows start[i]..pos[i] n={n} H={H} S={S}", out,
+               ref.mla_attention(q, kv, pos, scale, L, starts))
         topk = 2048 if not small else 64
         idx = torch.stack([torch.randperm(S, device=dev)[:topk] for _ in range(n)]).to(torch.int32)
         idx[:, -topk // 3:] = -1
@@ -151,6 +158,21 @@ def check_indexer(dev, small):
         RESULTS.append((f"indexer topk overlap n={n} S={S}", 1 - worst, 0.0, ok))
         print(f"{'PASS' if ok else 'FAIL'}  indexer topk n={n} Hi={Hi} S={S} topk={topk}: overlap={worst:.4f} "
               f"mass {float(mass_got):.4f} vs {float(mass_ref):.4f}", flush=True)
+        # several sequences in one cache: query i selects among its own rows start[i]..pos[i] only
+        seg = S // 2
+        starts = torch.tensor([(i % 2) * seg for i in range(n)], device=dev)
+        spos = starts + torch.tensor([seg - 1 - i for i in range(n)], device=dev)
+        got = triton_mla.indexer_topk(q, w, k, spos, topk, row_start=starts)
+        want = ref.indexer_topk(q, w, k, spos, topk, starts)
+        rs2 = torch.einsum("nh,nht->nt", w, logits)
+        inside = all(set(got[i].tolist()) - {-1} <= set(range(int(starts[i]), int(spos[i]) + 1)) for i in range(n))
+        mass_got = torch.where(got >= 0, rs2.gather(1, got.clamp(min=0).long()), 0.0).sum()
+        mass_ref = torch.where(want >= 0, rs2.gather(1, want.clamp(min=0).long()), 0.0).sum()
+        ok = inside and abs(float(mass_got - mass_ref)) <= 1e-3 * abs(float(mass_ref)) + 1e-6
+        ok = ok and int((got >= 0).sum()) == int((want >= 0).sum())
+        RESULTS.append((f"indexer topk per-query rows n={n} S={S}", 0.0, 0.0, ok))
+        print(f"{'PASS' if ok else 'FAIL'}  indexer topk over per-query rows start[i]..pos[i] n={n} S={S}: "
+              f"inside={inside} mass {float(mass_got):.4f} vs {float(mass_ref):.4f}", flush=True)
 
 
 def bitwise(name, batched, alone):
@@ -196,6 +218,17 @@ def check_batch_invariance(dev, small):
     topk = S // 2
     bitwise("batch invariance: indexer top-k n=4", triton_mla.indexer_topk(qi, wi, k, pos, topk),
             [triton_mla.indexer_topk(qi[i:i + 1], wi[i:i + 1], k, pos[i:i + 1], topk)[0] for i in range(4)])
+    # rows of different sequences (one cache, per-query first rows): each as alone
+    starts = torch.tensor([0, S // 4, S // 2, 3 * S // 4], device=dev)
+    spos = starts + torch.tensor([S // 4 - 1, 10, S // 8, S // 5], device=dev)
+    bitwise("batch invariance: mla dense, 4 sequences",
+            triton_mla.mla_decode(q, kv, spos, None, 0.07, L, row_start=starts),
+            [triton_mla.mla_decode(q[i:i + 1], kv, spos[i:i + 1], None, 0.07, L, row_start=starts[i:i + 1])[0]
+             for i in range(4)])
+    bitwise("batch invariance: indexer top-k, 4 sequences",
+            triton_mla.indexer_topk(qi, wi, k, spos, S // 8, row_start=starts),
+            [triton_mla.indexer_topk(qi[i:i + 1], wi[i:i + 1], k, spos[i:i + 1], S // 8, row_start=starts[i:i + 1])[0]
+             for i in range(4)])
 
 
 def topk_exact(sc, pos, k, got):
@@ -649,17 +682,84 @@ def check_engine_families(dev, small):
         torch.cuda.empty_cache()
 
 
-def check_engine_mtp(dev, small):
-    """MTP speculative greedy on the GPU (catch-up + draft chain + verify in one CUDA graph per shape) emits
-    exactly the engine's plain greedy tokens, K = 1, 2, 3, in the dense and the DSA regime (index_topk
-    lowered to 64 so the DSA path runs at short contexts); the graph equals the same function run eagerly.
-    The pipelined greedy_stream (argmax and next position inside its graph) emits them too."""
+def check_engine_multiseq(dev, small, flat=None):
+    """Several sequences in one engine (4 slots, one cache): ``decode_step`` over any subset and order of them,
+    dense and DSA rows in one call, equals ``forward()`` of each row alone, bit for bit (the graphs of n = 1..4
+    rows: the GEMV / MoE kernels treat rows independently, the MLA and indexer kernels read each row's own
+    sequence rows); ``decode_step_greedy`` is its argmax; and each sequence equals a one-sequence engine holding
+    the same rows (same weights; a tolerance, since the MLA split count follows the cache size)."""
     sys.path.insert(0, os.path.dirname(__file__))
     from dataclasses import replace
 
     import engine_configs as ec
 
-    from tilert.engines.tilert.engine import TileRTEngine, greedy_generate, speculative_generate
+    from tilert.engines.tilert.engine import TileRTEngine
+    from tilert.engines.tilert.ops import register_device_kernels
+    from tilert.engines.tilert.weights import random_model
+
+    register_device_kernels()
+    B = 4
+    if small:
+        args = replace(ec.small(ec.LITE_V32, 2, vocab=4096), index_topk=64, hidden_size=256, n_routed_experts=8,
+                       moe_intermediate_size=128, intermediate_size=256)
+        S = 200
+    else:
+        args, S = ec.small(ec.LITE_V32, 3), 3000
+    topk = args.index_topk
+    pos = [topk // 2, topk + 100, 10, S - 5]  # sequences 0, 2 decode dense, 1, 3 DSA
+    mb = random_model(args, device=dev, dtype=DTYPE, max_seq_len=S, seed=4, max_sequences=B)
+    g = torch.Generator(device=dev).manual_seed(5)
+    mb.kv_cache.normal_(generator=g)
+    mb.index_cache.normal_(generator=g)
+    eng = TileRTEngine(mb, dev, DTYPE, S)
+    if flat is not None:  # (the CPU interpreter harness: Triton kernels on CPU tensors through the flat path)
+        eng.flat = flat
+    toks = torch.randint(0, args.vocab_size, (B,)).tolist()
+    rows = {}
+    with torch.no_grad():
+        for seqs in ([0, 1, 2, 3], [3, 1, 0, 2], [2, 0], [1], [3, 2, 1]):
+            tk, ps = [toks[s] for s in seqs], [pos[s] for s in seqs]
+            batch = eng.decode_step(tk, ps, seqs).clone()
+            greedy = eng.decode_step_greedy(tk, ps, seqs)
+            alone = [eng.forward(torch.tensor([tk[i]], device=dev), ps[i], s)[0].clone() for i, s in enumerate(seqs)]
+            bitwise(f"engine decode_step, sequences {seqs} at {ps} == forward() of each alone", batch, alone)
+            ok = greedy == batch.argmax(-1).tolist()
+            RESULTS.append((f"decode_step_greedy {seqs}", 0.0, 0.0, ok))
+            print(f"{'PASS' if ok else 'FAIL'}  decode_step_greedy == argmax of decode_step, sequences {seqs}",
+                  flush=True)
+            rows.update({s: batch[i] for i, s in enumerate(seqs)})
+        print(f"      graphs captured: {sorted(k for k, v in eng._graphs.items() if v)}", flush=True)
+        m1 = random_model(args, device=dev, dtype=DTYPE, max_seq_len=S, seed=4)
+        e1 = TileRTEngine(m1, dev, DTYPE, S)
+        for b in range(B):
+            m1.kv_cache.copy_(mb.kv_cache[:, b * S:(b + 1) * S])
+            m1.index_cache.copy_(mb.index_cache[:, b * S:(b + 1) * S])
+            one = e1.forward(torch.tensor([toks[b]], device=dev), pos[b])[0]
+            report(f"engine sequence {b} of 4 at pos {pos[b]} vs a one-sequence engine, same rows", rows[b], one,
+                   tol=1e-2)
+    del mb, m1, eng, e1
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def check_engine_mtp(dev, small):
+    """MTP speculative greedy on the GPU (catch-up + draft chain + verify in one CUDA graph per shape) emits
+    exactly the engine's plain greedy tokens, K = 1, 2, 3, in the dense and the DSA regime (index_topk
+    lowered to 64 so the DSA path runs at short contexts); the graph equals the same function run eagerly.
+    The pipelined greedy_stream (argmax and next position inside its graph) emits them too. Twice: an engine
+    of one sequence, and sequence 2 of an engine holding 3 (flat rows, each token's first row as a graph input)
+    while sequences 0 and 1 hold other prompts."""
+    for n_seq, seq in ((1, 0), (3, 2)):
+        _check_engine_mtp(dev, small, n_seq, seq)
+
+
+def _check_engine_mtp(dev, small, n_seq, seq):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from dataclasses import replace
+
+    import engine_configs as ec
+
+    from tilert.engines.tilert.engine import TileRTEngine, speculative_generate
     from tilert.engines.tilert.ops import register_device_kernels
     from tilert.engines.tilert.weights import random_model
 
@@ -668,45 +768,71 @@ def check_engine_mtp(dev, small):
     args = replace(ec.small(ec.LITE_V32, 2, vocab=4096), num_mtp_layers=1, index_topk=64)
     if small:
         args = replace(args, hidden_size=256, n_routed_experts=8, moe_intermediate_size=128, intermediate_size=256)
-    model = random_model(args, device=dev, dtype=DTYPE, max_seq_len=S, seed=3)
+    model = random_model(args, device=dev, dtype=DTYPE, max_seq_len=S, seed=3, max_sequences=n_seq)
     eng = TileRTEngine(model, dev, DTYPE, S)
+    tag = "" if n_seq == 1 else f" (sequence {seq} of {n_seq})"
     prompt = torch.randint(0, args.vocab_size, (40,), device=dev)
+    for other in range(n_seq):  # the other sequences hold other prompts
+        if other != seq:
+            eng.forward(torch.randint(0, args.vocab_size, (100,), device=dev), 0, seq=other)
+
+    def greedy(first, start, n):
+        out, tok = [], first
+        for i in range(n):
+            tok = int(eng.forward(torch.tensor([tok], device=dev), start + i, seq=seq)[-1].argmax())
+            out.append(tok)
+        return out
+
+    def spec(first, start, n, k):
+        if n_seq == 1:
+            return speculative_generate(eng, first, start, n, num_draft=k)
+        out, drafted, accepted, tok, pos = [], 0, 0, first, start
+        while len(out) < n:
+            res = eng.speculative_greedy_step(tok, pos, k, seq=seq)
+            out += res.tokens
+            drafted, accepted = drafted + res.num_drafted, accepted + res.num_accepted
+            tok, pos = res.tokens[-1], pos + len(res.tokens)
+        return out[:n], drafted, accepted
+
     gen = 48
     with torch.no_grad():
         for start in (40, 200):  # dense (positions < 64 at the first steps) and DSA regimes
-            first = int(eng.forward(torch.cat([prompt, prompt.repeat(4)])[:start], 0)[-1].argmax())
-            plain = greedy_generate(eng, first, start, gen)
-            for k in (1, 2, 3):
-                eng.forward(torch.cat([prompt, prompt.repeat(4)])[:start], 0)
-                spec, drafted, accepted = speculative_generate(eng, first, start, gen, num_draft=k)
-                ok = spec == plain
-                if not ok:
-                    j = next(i for i, (a, b) in enumerate(zip(spec, plain)) if a != b)
-                    print(f"      first difference at token {j}: spec {spec[j]} vs plain {plain[j]}", flush=True)
-                RESULTS.append((f"mtp K={k} start={start}", 0.0, 0.0, ok))
-                print(f"{'PASS' if ok else 'FAIL'}  MTP speculative greedy == plain greedy, K={k}, from pos {start}, "
-                      f"{gen} tokens (drafted {drafted}, accepted {accepted}); spec graphs "
-                      f"{sorted(k_ for k_, v in eng._spec_graphs.items() if v)}", flush=True)
             ids = torch.cat([prompt, prompt.repeat(4)])[:start]
-            first = int(eng.forward(ids, 0)[-1].argmax())
-            stream = list(eng.greedy_stream(first, start, gen))
-            eng.forward(ids, 0)
-            part = eng.greedy_stream(first, start, gen)
+            first = int(eng.forward(ids, 0, seq=seq)[-1].argmax())
+            plain = greedy(first, start, gen)
+            for k in (1, 2, 3):
+                eng.forward(ids, 0, seq=seq)
+                got, drafted, accepted = spec(first, start, gen, k)
+                ok = got == plain
+                if not ok:
+                    j = next(i for i, (a, b) in enumerate(zip(got, plain)) if a != b)
+                    print(f"      first difference at token {j}: spec {got[j]} vs plain {plain[j]}", flush=True)
+                RESULTS.append((f"mtp K={k} start={start}{tag}", 0.0, 0.0, ok))
+                print(f"{'PASS' if ok else 'FAIL'}  MTP speculative greedy == plain greedy, K={k}, from pos {start}, "
+                      f"{gen} tokens (drafted {drafted}, accepted {accepted}){tag}; spec graphs "
+                      f"{sorted(k_ for k_, v in eng._spec_graphs.items() if v)}", flush=True)
+            first = int(eng.forward(ids, 0, seq=seq)[-1].argmax())
+            stream = list(eng.greedy_stream(first, start, gen, seq=seq))
+            eng.forward(ids, 0, seq=seq)
+            part = eng.greedy_stream(first, start, gen, seq=seq)
             head = [next(part) for _ in range(gen // 2)]
             part.close()
-            resumed = head + greedy_generate(eng, head[-1], start + gen // 2, gen - gen // 2)
+            resumed = head + greedy(head[-1], start + gen // 2, gen - gen // 2)
             ok = stream == plain and resumed == plain
-            RESULTS.append((f"greedy_stream start={start}", 0.0, 0.0, ok))
+            RESULTS.append((f"greedy_stream start={start}{tag}", 0.0, 0.0, ok))
             print(f"{'PASS' if ok else 'FAIL'}  pipelined greedy_stream == plain greedy from pos {start}, {gen} tokens; "
-                  f"stopped half-way and continued with forward(): same", flush=True)
+                  f"stopped half-way and continued with forward(): same{tag}", flush=True)
         if eng.use_graphs:  # the captured step vs the same function eagerly, same inputs and state
             key, step = next((k_, v) for k_, v in eng._spec_graphs.items() if v)
             d1, g1 = (t.clone() for t in step.replay())
             d2, g2 = eng._draft_verify(*step.inputs, num_draft=key[0], use_indexer=key[2])
             ok = torch.equal(d1, d2) and torch.equal(g1, g2)
-            RESULTS.append(("mtp graph == eager", 0.0, 0.0, ok))
+            RESULTS.append((f"mtp graph == eager{tag}", 0.0, 0.0, ok))
             print(f"{'PASS' if ok else 'FAIL'}  MTP draft+verify graph {key} == eager: drafts {d1.tolist()} "
-                  f"greedy {g1.tolist()}", flush=True)
+                  f"greedy {g1.tolist()}{tag}", flush=True)
+    del eng, model
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def main():
@@ -718,6 +844,9 @@ def main():
     args = ap.parse_args()
     global DTYPE
     DTYPE = getattr(torch, args.dtype)
+    # The CPU engines here are fp32 references whose routing / top-k choices the checks pin by patching the
+    # dispatched ops (decisions_pinned): keep them on the dispatched reference ops, not ops.cpu.
+    os.environ["TILERT_CPU_FAST"] = "0"
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
     dev = torch.device(args.device)
     checks = {"gemv": check_gemv, "mla": check_mla, "indexer": check_indexer, "topk": check_topk,
@@ -725,6 +854,7 @@ def main():
     if dev.type == "cuda":
         checks["model"] = check_engine_model
         checks["families"] = check_engine_families
+        checks["multiseq"] = check_engine_multiseq
     checks["mtp"] = check_engine_mtp
     for name, fn in checks.items():
         if args.only and name not in args.only.split(","):

@@ -283,6 +283,53 @@ def bench_engine(name, args, contexts, bw, mtp=True, profile=True, topk_compare=
     return rows, verify
 
 
+def bench_sequences(name, args, ctx, ns, capacity):
+    """Several sequences decoded together (``TileRTEngine.decode_step``): one engine holding ``max(ns)`` sequences
+    of ``capacity`` positions (random cache rows), every sequence at context ``ctx``; for each n the step's CUDA
+    graph (n rows, one per sequence) replayed back to back, and the wall time of a whole ``decode_step_greedy``
+    call (inputs to the GPU, replay, argmax, one host read). Per-user tok/s = 1 / step time; total = n / step."""
+    from tilert.engines.tilert.engine import TileRTEngine
+    from tilert.engines.tilert.ops import register_device_kernels
+    from tilert.engines.tilert.weights import random_model
+
+    register_device_kernels()
+    B = max(ns)
+    t0 = time.time()
+    model = random_model(args, device=DEV, dtype=torch.bfloat16, max_seq_len=capacity, seed=0, max_sequences=B)
+    model.kv_cache.normal_()
+    model.index_cache.normal_()
+    eng = TileRTEngine(model, DEV, torch.bfloat16, capacity)
+    torch.cuda.synchronize()
+    log(f"[{name} x{B} sequences] built in {time.time() - t0:.1f}s, "
+        f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
+    sparse = ctx + 1 > args.index_topk
+    out = []
+    for n in ns:
+        seqs = list(range(n))
+        toks, pos = [77 + s for s in seqs], [ctx + s for s in seqs]  # a context of ~ctx each, not all equal
+        eng.decode_step(toks, pos, seqs)  # captures the (n, regime) graph through the engine's own path
+        step = eng._graphs[(n, sparse)]
+        assert step is not None, "the engine fell back to eager"
+        t = time_graph(step)
+        assert all((p + 1 > args.index_topk) == sparse for p in pos), "keep every row in one attention regime"
+        wall = wall_per_call(lambda e=eng, toks=toks, pos=pos, seqs=seqs: e.decode_step_greedy(toks, pos, seqs))
+        r = dict(config=name, ctx=ctx, sparse=sparse, sequences=n, capacity=capacity, graph_ms=t * 1e3,
+                 per_user_tok_s=1 / t, total_tok_s=n / t, wall_ms=wall * 1e3, wall_per_user_tok_s=1 / wall,
+                 wall_total_tok_s=n / wall)
+        out.append(r)
+        log(f"[{name}] ctx={ctx} {'DSA' if sparse else 'dense'} n={n}: graph {t * 1e3:.3f} ms = {1 / t:.1f} tok/s per "
+            f"user, {n / t:.1f} total; decode_step_greedy call {wall * 1e3:.3f} ms = {1 / wall:.1f} per user, "
+            f"{n / wall:.1f} total")
+    base = out[0]["per_user_tok_s"] if out and out[0]["sequences"] == 1 else None
+    for r in out:
+        if base:
+            r["per_user_vs_one"] = r["per_user_tok_s"] / base
+    del eng, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
 def kernel_profile(fn, steps=3):
     """Per-kernel GPU time of one eager step (torch.profiler; durations only, launch gaps excluded)."""
     from torch.profiler import ProfilerActivity, profile
@@ -386,6 +433,10 @@ def main():
     ap.add_argument("--tf-json", default="", help="reuse transformers numbers from an earlier decode_speed.json")
     ap.add_argument("--transformers", default="", metavar="CTXS",
                     help="also time transformers eager at these contexts (comma list), in this run")
+    ap.add_argument("--sequences", default="", metavar="NS",
+                    help="only the multi-sequence table: decode_step over n = NS sequences (comma list) at each "
+                         "--contexts, lite-v32 unless --configs says otherwise")
+    ap.add_argument("--capacity", type=int, default=32768 + 16, help="positions per sequence (--sequences)")
     args = ap.parse_args()
     import triton
     import transformers
@@ -408,6 +459,25 @@ def main():
     def save():
         with open(os.path.join(args.out, "decode_speed.json"), "w") as f:
             json.dump(RESULT, f, indent=1, default=str)
+
+    if args.sequences:
+        ns = [int(x) for x in args.sequences.split(",")]
+        names = args.configs.split(",") if args.configs != "lite-v32,layer-v32" else ["lite-v32"]
+        RESULT["sequences"] = []
+        for name in names:
+            for ctx in contexts:
+                RESULT["sequences"] += bench_sequences(name, CONFIGS[name], ctx, ns, args.capacity)
+                save()
+        log(f"\n=== several sequences per step (decode_step), {RESULT['gpu']}: graph replay per step; "
+            "per-user tok/s = 1 / step ===")
+        log(f"{'config':<10} {'ctx':>6} {'n':>3} {'ms/step':>8} {'tok/s/user':>11} {'total tok/s':>12} "
+            f"{'vs n=1':>7} {'call ms':>8} {'call tok/s/user':>16}")
+        for r in RESULT["sequences"]:
+            log(f"{r['config']:<10} {r['ctx']:>6} {r['sequences']:>3} {r['graph_ms']:>8.3f} "
+                f"{r['per_user_tok_s']:>11.1f} {r['total_tok_s']:>12.1f} {r.get('per_user_vs_one', float('nan')):>7.2f} {r['wall_ms']:>8.3f} "
+                f"{r['wall_per_user_tok_s']:>16.1f}")
+        save()
+        return
 
     for name in args.configs.split(","):
         try:

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,19 +42,19 @@ class Stack:
     decode: str
     router: str
     log: Path
+    transport: str = "tcp"
 
 
-@pytest.fixture(scope="session")
-def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Stack:
-    log = tmp_path_factory.mktemp("logs") / "stack.log"
+def start_stack(model: Path, log: Path, *extra: str, env: dict[str, str] | None = None) -> Stack:
+    """``tilert up`` on free ports, as a user starts it; returns once it printed its three URLs."""
     ports = [free_port() for _ in range(4)]
     cmd = [
-        sys.executable, "-m", "tilert.cli", "up", "--model", str(tiny_model),
+        sys.executable, "-m", "tilert.cli", "up", "--model", str(model),
         "--port", str(ports[0]), "--prefill-port", str(ports[1]),
-        "--ctrl-port", str(ports[2]), "--decode-http-port", str(ports[3]),
+        "--ctrl-port", str(ports[2]), "--decode-http-port", str(ports[3]), *extra,
     ]  # fmt: skip
     with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
     urls: dict[str, str] = {}
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     assert proc.stdout is not None
@@ -67,14 +68,23 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Stack:
     if len(urls) < 3:
         proc.kill()
         pytest.fail(f"tilert up did not come up; log tail:\n{log.read_text()[-4000:]}")
-    handle = Stack(proc, tiny_model, urls["prefill"], urls["decode"], urls["router"], log)
-    yield handle
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
+    return Stack(proc, model, urls["prefill"], urls["decode"], urls["router"], log)
+
+
+def stop_stack(stack: Stack) -> None:
+    if stack.proc.poll() is None:
+        stack.proc.send_signal(signal.SIGINT)
         try:
-            proc.wait(timeout=60)
+            stack.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            stack.proc.kill()
+
+
+@pytest.fixture(scope="session")
+def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    handle = start_stack(tiny_model, tmp_path_factory.mktemp("logs") / "stack.log")
+    yield handle
+    stop_stack(handle)
 
 
 @pytest.fixture(scope="session", autouse=True)

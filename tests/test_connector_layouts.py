@@ -10,9 +10,9 @@ import torch
 
 from tilert import contracts as p
 from tilert.connector.claims import SaveRequest
-from tilert.contracts import Claim
 from tilert.connector.sender import BackgroundSender
 from tilert.connector.worker import WorkerSide, gather_rows
+from tilert.contracts import Claim
 from tilert.decode.slots import SlotTable
 from tilert.engines.tilert import layouts
 from tilert.engines.tilert.engine import TileRTEngine
@@ -41,7 +41,7 @@ def test_connector_layouts_are_what_the_engine_expects(v32: Path) -> None:
 
     cfg = AutoConfig.from_pretrained(v32)
     sender = BackgroundSender("tcp", {}, b"layouts-test-secret-0123456789ab")
-    worker = WorkerSide(cfg, sender)
+    worker = WorkerSide(cfg, sender, staging_bytes=1 << 20)
     try:
         worker.register(_vllm_gpu_caches(cfg, num_blocks=4))
         engine = TileRTEngine.load(v32, device="cpu", dtype=torch.bfloat16, max_seq_len=256)
@@ -87,7 +87,7 @@ def test_fp8_ds_mla_prefill_is_accepted_and_wrong_layouts_are_refused_with_a_rea
     for i in range(cfg.num_hidden_layers):
         caches[f"model.layers.{i}.self_attn.attn"] = torch.zeros(4, 64, 656, dtype=torch.uint8)
     sender = BackgroundSender("tcp", {}, b"layouts-test-secret-0123456789ab")
-    worker = WorkerSide(cfg, sender)
+    worker = WorkerSide(cfg, sender, staging_bytes=1 << 20)
     engine = TileRTEngine.load(v32, device="cpu", dtype=torch.bfloat16, max_seq_len=256)
     receiver = TcpTransport.receiver(host="127.0.0.1", options={})
     try:

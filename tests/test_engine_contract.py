@@ -155,7 +155,9 @@ def test_optional_paths_follow_the_declared_capabilities(tiny: Tiny) -> None:
         name = "bare"
 
         @classmethod
-        def load(cls, model_dir: Path, *, device: str, dtype: torch.dtype, max_seq_len: int) -> Bare:
+        def load(
+            cls, model_dir: Path, *, device: str, dtype: torch.dtype, max_seq_len: int, max_sequences: int = 1
+        ) -> Bare:
             return cls()
 
         @property
@@ -168,15 +170,22 @@ def test_optional_paths_follow_the_declared_capabilities(tiny: Tiny) -> None:
         def expected_layouts(self) -> dict[str, KVLayout]:
             return {}
 
-        def inject(self, state: dict[str, torch.Tensor], layouts: dict[str, KVLayout], num_tokens: int) -> None:
+        def inject(
+            self, state: dict[str, torch.Tensor], layouts: dict[str, KVLayout], num_tokens: int, seq: int = 0
+        ) -> None:
             pass
 
-        def forward(self, token_ids: torch.Tensor, start_pos: int) -> torch.Tensor:
+        def forward(self, token_ids: torch.Tensor, start_pos: int, seq: int = 0) -> torch.Tensor:
             return torch.nn.functional.one_hot(token_ids + 1, 4).float()  # counts up: 1, 2, 3
 
     bare = Bare()
     caps = bare.capabilities()
-    assert not caps.pipelined_greedy and not caps.mtp
+    assert not caps.pipelined_greedy and not caps.mtp and caps.max_sequences == 1
+    # The contract's default decode_step: forward() once per sequence.
+    assert torch.equal(bare.decode_step([0, 2], [5, 1], [0, 1]), torch.eye(4)[[1, 3]])
+    assert bare.decode_step_greedy([2, 0, 1], [0, 0, 0], [2, 0, 1]) == [3, 1, 2]
+    with pytest.raises(ValueError, match="at most once"):
+        bare.decode_step([0, 0], [1, 2], [1, 1])
     with pytest.raises(NotImplementedError, match="pipelined_greedy"):
         bare.greedy_stream(0, 0, 1)
     with pytest.raises(NotImplementedError, match="mtp"):

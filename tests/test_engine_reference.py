@@ -164,6 +164,26 @@ def test_greedy_matches_transformers_generate(cases: dict[str, Case], arch: str)
     assert ours == case.generated
 
 
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_cpu_fast_path_is_the_tested_path(cases: dict[str, Case], arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engines above compute with the CPU kernels (``ops.cpu``, what the decode node runs on CPU); with
+    ``TILERT_CPU_FAST=0`` they keep the dispatched reference ops, and both agree (logits to float32 rounding,
+    the same greedy tokens)."""
+    from tilert.engines.tilert import ops
+    from tilert.engines.tilert.ops import cpu
+
+    case = cases[arch]
+    fast = case.engine()
+    assert fast.cpu_kernels and fast.model.layers[0].attn.k is cpu and fast.model.k is cpu
+    monkeypatch.setenv("TILERT_CPU_FAST", "0")
+    ref = case.engine()
+    assert not ref.cpu_kernels and ref.model.layers[0].attn.k is ops and ref.model.layers[-1].mlp.k is ops
+    got, want = fast.forward(case.prompt, 0), ref.forward(case.prompt, 0)
+    assert _rel_err(got, want) <= 1e-5
+    first = int(want[-1].argmax())
+    assert list(fast.greedy_stream(first, PROMPT_LEN, 24)) == list(ref.greedy_stream(first, PROMPT_LEN, 24))
+
+
 @pytest.mark.parametrize(
     "variant",
     [{"q_lora_rank": None}, {"rope_parameters": YARN}, {"rope_interleave": False}],
@@ -410,10 +430,11 @@ def test_mtp_speculative_equals_plain_greedy(cases: dict[str, Case], arch: str, 
         plain = greedy_generate(eng, first, PROMPT_LEN, 32)
     dst = case.engine(path)
     dst.inject(state, lay, PROMPT_LEN)
-    assert dst._mtp_upto <= dst._mtp_lo == PROMPT_LEN  # no valid MTP row: the range starts after the prompt
-    assert int(dst._mtp_lo_t) == dst._mtp_lo  # the copy the MTP graphs read follows every change
+    st = dst._seqs[0]
+    assert st.mtp_upto <= st.mtp_lo == PROMPT_LEN  # no valid MTP row: the range starts after the prompt
     spec, _, _ = speculative_generate(dst, first, PROMPT_LEN, 32, num_draft=2)
     assert spec == plain[:32]
+    assert int(dst._mtp_from) == dst._seqs[0].mtp_lo  # the device copy the MTP graphs read follows the range
 
 
 @pytest.mark.parametrize("main_scale", [1e-3, 0.3], ids=["near_bigram", "partial"])

@@ -232,3 +232,90 @@ def test_router_shared_slots_and_moe_residual() -> None:
     down = torch.cat([w2[e + j] for j in range(s)], dim=1)
     want = want + (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------- CPU kernels (ops.cpu)
+
+
+def _close32(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_cpu_kernels_agree_with_the_reference() -> None:
+    """Every ``ops.cpu`` kernel equals the reference op up to float32 rounding: decode (n=1, over the rows up to
+    its position only) and batches (n=3, causal), with and without ``row_start``, with and without an indexer,
+    dense MLP and routed experts; float64 inputs go to the reference math (over the rows up to the last position
+    for attention and the indexer: equal to 1e-12)."""
+    from tilert.engines.tilert.ops import cpu
+
+    g = _gen(11)
+    f32 = torch.float32
+    for dt in (f32, D64):
+
+        def rnd(*shape: int, dt: torch.dtype = dt) -> torch.Tensor:
+            return torch.randn(*shape, generator=g, dtype=dt)
+
+        close = _close32 if dt == f32 else (lambda a, b: torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12))
+        d, h, p, r, v, lat, hi, di, ql, S = 16, 3, 8, 4, 8, 8, 2, 8, 6, 24
+        x = rnd(3, d)
+        w, nw = rnd(5, d), rnd(d).abs() + 0.5
+        close(cpu.rms_norm(x, nw, 1e-6), reference.rms_norm(x, nw, 1e-6))
+        close(cpu.gemv(x, w, nw, 1e-6), reference.gemv(x, w, nw, 1e-6))
+        bias = rnd(5)
+        close(cpu.gemv(x, w, None, 1e-6, bias, True), reference.gemv(x, w, None, 1e-6, bias, True))
+        for n, pos in ((1, torch.tensor([13])), (3, torch.tensor([5, 6, 7]))):
+            a = rnd(n, ql + lat + r + di + hi)
+            b = rnd(n, h * (p + r) + hi * di)
+            kvb = rnd(h * (p + v), lat)
+            cos, sin = rnd(S, r // 2), rnd(S, r // 2)
+            kvn, inw, inb = rnd(lat).abs() + 0.5, rnd(di).abs() + 0.5, rnd(di)
+            for with_index in (True, False):
+                c1, c2 = rnd(S, lat + r), None
+                c2 = c1.clone()
+                i1 = rnd(S, di) if with_index else None
+                i2 = i1.clone() if i1 is not None else None
+                aa = a if with_index else a[:, : ql + lat + r]
+                bb = b if with_index else b[:, : h * (p + r)]
+                args = (kvb, cos, sin, kvn)
+                idx1 = (inw, inb, i1) if with_index else (None, None, None)
+                idx2 = (inw, inb, i2) if with_index else (None, None, None)
+                got = cpu.mla_prep(aa, bb, pos, *args, c1, *idx1, h, p, ql, hi, 1e-6, 0.25)
+                want = reference.mla_prep(aa, bb, pos, *args, c2, *idx2, h, p, ql, hi, 1e-6, 0.25)
+                for x1, x2 in zip(got, want, strict=True):
+                    close(x1, x2)
+                close(c1, c2)
+                if i1 is not None and i2 is not None:
+                    close(i1, i2)
+            q = rnd(n, h, lat + r)
+            cache = rnd(S, lat + r)
+            for start in (None, torch.tensor([2]), torch.tensor([1, 3, 0][:n])):
+                close(cpu.mla_attention(q, cache, pos, 0.3, lat, start),
+                      reference.mla_attention(q, cache, pos, 0.3, lat, start))
+            iq, iw, kc = rnd(n, hi, di), rnd(n, hi).float(), rnd(S, di)
+            score = torch.einsum("nh,nht->nt", iw.to(dt), torch.einsum("nhd,td->nht", iq, kc).relu())
+            for start in (None, torch.tensor([2])):
+                got_i = cpu.indexer_topk(iq, iw, kc, pos, 4, start)
+                want_i = reference.indexer_topk(iq, iw, kc, pos, 4, start)
+                for i in range(n):  # the same top scores (ties, e.g. zeros, may pick different rows)
+                    lo = 0 if start is None else int(start)
+                    assert all(lo <= t <= int(pos[i]) for t in got_i[i].tolist())
+                    close(score[i, got_i[i].long()].sort().values, score[i, want_i[i].long()].sort().values)
+        # experts: a dense MLP (one expert) and routed experts, one token and several
+        w13, w2 = rnd(6, 2 * 5, d), rnd(6, d, 5)
+        for n in (1, 3):
+            hh = rnd(n, d)
+            h1, h2 = hh.clone(), hh.clone()
+            gate, gbias = rnd(4, d), torch.rand(4, generator=g).to(dt)
+            ids, wts = reference.router(hh, nw, 1e-6, gate, gbias, 2, 2, 1, 2.5, True, 2)
+            got_r = cpu.moe_block(h1, nw, 1e-6, gate, gbias, 2, 2, 1, 2.5, True, 2, w13, w2)
+            want_r = reference.moe_block(h2, nw, 1e-6, gate, gbias, 2, 2, 1, 2.5, True, 2, w13, w2)
+            assert torch.equal(got_r[0], want_r[0])
+            close(got_r[1], want_r[1].to(got_r[1].dtype))
+            close(h1, h2)
+            close(cpu.moe_experts(hh, ids, wts, w13, w2), reference.moe_experts(hh, ids, wts, w13, w2))
+            h1, h2 = hh.clone(), hh.clone()
+            ones = torch.ones(n, 1)
+            zeros = torch.zeros(n, 1, dtype=torch.int32)
+            cpu.moe_residual(h1, nw, 1e-6, zeros, ones, w13[:1], w2[:1])
+            reference.moe_residual(h2, nw, 1e-6, zeros, ones, w13[:1], w2[:1])
+            close(h1, h2)

@@ -11,8 +11,8 @@ import torch
 
 from tilert import contracts as p
 from tilert.connector.claims import ClaimError, SaveRequest, parse_claim
+from tilert.connector.sender import BackgroundSender, Staged
 from tilert.contracts import Claim
-from tilert.connector.sender import BackgroundSender
 from tilert.decode.control import ControlServer
 from tilert.decode.slots import SlotError, SlotState, SlotTable
 from tilert.transports.base import TransferError
@@ -121,7 +121,7 @@ def test_sender_to_slot_round_trip_and_slot_states() -> None:
             node.table.reserve("t2")
         assert full.value.status == 429
         data = _staging(10)
-        fut = sender.submit(_claim("t1", node.port), 10, {"mla": LAYOUT}, data)
+        fut = sender.submit(Staged.whole(_claim("t1", node.port), 10, {"mla": LAYOUT}, data))
         slot = await node.table.wait_ready("t1", 10)
         await anyio.to_thread.run_sync(fut.result)
         views, layouts, n = slot.tensors()
@@ -150,7 +150,8 @@ def test_bad_offer_and_abort_fail_the_waiting_request_at_once() -> None:
     async def body() -> None:
         node.table.reserve("wrong-layout")
         other = p.KVLayout("mla_dense", "bfloat16", 576 * 2, 3)
-        sender.submit(_claim("wrong-layout", node.port), 4, {"mla": other}, _staging(4)[: other.nbytes(4)])
+        wrong = Staged.whole(_claim("wrong-layout", node.port), 4, {"mla": other}, _staging(4)[: other.nbytes(4)])
+        sender.submit(wrong)
         t0 = time.monotonic()
         with pytest.raises(SlotError, match="layout mismatch") as exc:
             await node.table.wait_ready("wrong-layout", 10)
@@ -165,7 +166,7 @@ def test_bad_offer_and_abort_fail_the_waiting_request_at_once() -> None:
         assert time.monotonic() - t0 < 2
 
         # An offer for a transfer nobody reserved is refused; nothing is written anywhere.
-        sender.submit(_claim("never-reserved", node.port), 4, {"mla": LAYOUT}, _staging(4))
+        sender.submit(Staged.whole(_claim("never-reserved", node.port), 4, {"mla": LAYOUT}, _staging(4)))
         await anyio.sleep(0.3)
         assert node.table.free == 1
 
@@ -184,7 +185,7 @@ def test_leases_expire_and_late_transfers_are_refused() -> None:
         await anyio.sleep(0.1)
         assert node.table.expire() == ["late"]
         assert node.table.free == 1
-        fut = sender.submit(_claim("late", node.port), 4, {"mla": LAYOUT}, _staging(4))
+        fut = sender.submit(Staged.whole(_claim("late", node.port), 4, {"mla": LAYOUT}, _staging(4)))
         await anyio.to_thread.run_sync(fut.result)
         assert node.table.free == 1 and node.table.transfers_received == 0
 

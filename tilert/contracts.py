@@ -103,12 +103,18 @@ class Claim(_Strict, rename={"transfer_id": "tilert_transfer_id", "host": "tiler
 
 
 class ClaimResult(_Strict, rename=lambda name: CLAIM_PREFIX + name):
-    """What the connector's ``request_finished`` hands back through vLLM's response."""
+    """What the connector's ``request_finished`` hands back through vLLM's response.
+
+    ``error`` says why the claim was not acted on (no KV will be shipped). ``busy`` marks a transient
+    refusal: the connector had no staging room for the prompt at that moment, a later retry may succeed (the
+    router answers 503 with ``Retry-After: retry_after_s``); any other ``error`` is not worth retrying."""
 
     transfer_id: TransferId | None = None
     first_token_id: TokenId | None = None
     prompt_tokens: Count | None = None
     error: Reason | None = None
+    busy: bool | None = None
+    retry_after_s: Annotated[int, msgspec.Meta(ge=0, le=3600)] | None = None
 
     def to_params(self) -> dict[str, Any]:
         return {k: v for k, v in msgspec.to_builtins(self).items() if v is not None}

@@ -1,4 +1,5 @@
-"""Which requests the connector claims, and what the scheduler tells the worker about them.
+"""Which requests the connector claims, what the scheduler tells the worker about them, and what the
+worker tells the scheduler back (staging extents it is done with).
 
 A request is claimed only when its ``kv_transfer_params`` carry a ``tilert_*`` claim signed with the
 deployment's secret; every other request is left strictly alone. This module is pure data: no vLLM
@@ -10,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from tilert.contracts import Claim, ContractError
 
-__all__ = ["Claim", "ClaimError", "SaveRequest", "TileRTConnectorMetadata", "parse_claim"]
+__all__ = ["Claim", "ClaimError", "SaveRequest", "TileRTConnectorMetadata", "TileRTWorkerMeta", "parse_claim"]
 
 
 class ClaimError(ValueError):
@@ -37,13 +38,15 @@ def parse_claim(params: dict[str, Any] | None, secret: bytes) -> Claim | None:
 
 @dataclass(frozen=True)
 class SaveRequest:
-    """Worker instruction: stage the prompt KV of ``req_id`` during this step's forward and ship it."""
+    """Worker instruction: stage the prompt KV of ``req_id`` during this step's forward, into the staging
+    pool's extent at byte ``offset`` (placed by the scheduler), and ship it."""
 
     req_id: str
     claim: Claim
     block_ids: list[int]
     block_size: int
     num_tokens: int
+    offset: int = 0
 
     def slot_ids(self) -> list[int]:
         """Cache slot of every prompt position: ``block_id * block_size + offset``."""
@@ -54,3 +57,17 @@ class SaveRequest:
 @dataclass
 class TileRTConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveRequest] = field(default_factory=list)
+
+
+@dataclass
+class TileRTWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, once per step that has news: the staging extents (``(req_id, offset)``) whose
+    transfer is over, whatever its outcome, so the scheduler may place new extents there. vLLM aggregates
+    the workers' metadata of a step (one per rank) with :meth:`aggregate` before the scheduler sees it."""
+
+    freed: list[tuple[str, int]] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, TileRTWorkerMeta):
+            return TileRTWorkerMeta(self.freed + other.freed)
+        return self

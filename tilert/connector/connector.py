@@ -7,6 +7,14 @@ Load it with::
                            "kv_role": "kv_producer",
                            "kv_connector_extra_config": {"tilert_transport": "tcp"}}'
 
+Settings in ``kv_connector_extra_config``: ``tilert_transport`` (``tcp`` | ``mooncake`` | ``nixl``),
+``tilert_transport_options``, ``tilert_timeout_s`` (control channel, and the longest wait for the next
+staged layer), ``tilert_staging_bytes`` (the staging pool; default: 4 prompts of ``max_model_len``, capped
+at 4 GiB but never below one), ``tilert_staging_device`` (``cpu``: host memory, pinned on GPU machines;
+``cache``: the caches' device, for a transport that reads device memory), ``tilert_sender_threads``
+(transfers shipped at once), ``tilert_busy_retry_after_s`` (the ``Retry-After`` the router gives a client
+whose claim found the pool full), ``tilert_secret_file``.
+
 It claims only requests whose ``kv_transfer_params`` carry a ``tilert_*`` claim signed with the
 deployment's shared secret (read from ``$TILERT_SECRET_FILE`` / ``$TILERT_SECRET``, or the file named by
 ``tilert_secret_file`` in ``kv_connector_extra_config``; without one it refuses to start) and is a strict
@@ -23,9 +31,10 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from tilert.auth import load_secret
-from tilert.connector.claims import TileRTConnectorMetadata
+from tilert.connector.claims import TileRTConnectorMetadata, TileRTWorkerMeta
 from tilert.connector.scheduler import SchedulerSide
 from tilert.connector.sender import BackgroundSender
+from tilert.connector.staging import bytes_per_token, pool_bytes
 from tilert.connector.worker import WorkerSide
 
 log = structlog.get_logger("tilert.connector")
@@ -35,6 +44,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
@@ -50,21 +60,38 @@ class TileRTConnector(KVConnectorBase_V1):
         secret = load_secret(extra.get("tilert_secret_file"))  # refuses start-up when none is configured
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        max_model_len = int(vllm_config.model_config.max_model_len)
+        staging_bytes = extra.get("tilert_staging_bytes")
+        # One figure on both sides, from the same config: the worker checks its cache tensors against it.
+        per_token = bytes_per_token(kv_cache_config) if kv_cache_config is not None else None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(_block_size(vllm_config, kv_cache_config), secret)
+            if per_token is None:
+                raise ValueError("TileRTConnector needs vLLM's kv_cache_config to account its staging pool")
+            self._scheduler = SchedulerSide(
+                _block_size(vllm_config, kv_cache_config), secret,
+                bytes_per_token=per_token, pool_bytes=pool_bytes(staging_bytes, per_token, max_model_len),
+                workers=int(vllm_config.parallel_config.world_size),
+                retry_after_s=int(extra.get("tilert_busy_retry_after_s", 1)),
+            )  # fmt: skip
         else:
             sender = BackgroundSender(
                 str(extra.get("tilert_transport", "tcp")),
                 dict(extra.get("tilert_transport_options", {})),
                 secret,
                 timeout_s=float(extra.get("tilert_timeout_s", 10.0)),
+                workers=int(extra.get("tilert_sender_threads", 4)),
             )
-            self._worker = WorkerSide(vllm_config.model_config.hf_config, sender)
+            self._worker = WorkerSide(
+                vllm_config.model_config.hf_config, sender, staging_bytes=staging_bytes,
+                max_model_len=max_model_len, expected_bytes_per_token=per_token,
+                staging_device=str(extra.get("tilert_staging_device", "cpu")),
+            )  # fmt: skip
             _warn_cpu_rope(vllm_config)
 
     # ---- worker side -------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Layouts detected, staging pool allocated and registered: any failure here stops vLLM's start."""
         assert self._worker is not None
         self._worker.register(kv_caches)
 
@@ -81,7 +108,13 @@ class TileRTConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         if self._worker is not None:
-            self._worker.flush()
+            meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+            self._worker.flush(meta if isinstance(meta, TileRTConnectorMetadata) else None)
+
+    def build_connector_worker_meta(self) -> TileRTWorkerMeta | None:
+        """Staging extents the sender is done with, for the scheduler (vLLM calls this after every step,
+        empty ones included, and hands the result to ``update_connector_output`` in the EngineCore)."""
+        return self._worker.take_report() if self._worker is not None else None
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -102,6 +135,15 @@ class TileRTConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return False, self._scheduler.request_finished(request)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        """True while staging extents are out: vLLM keeps stepping (empty steps) so that the workers'
+        reports of freed extents come back even when no new request arrives."""
+        return self._scheduler is not None and self._scheduler.has_pending_work()
 
 
 def _warn_cpu_rope(vllm_config: VllmConfig) -> None:

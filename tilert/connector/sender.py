@@ -1,20 +1,33 @@
-"""The connector's background sender: control-channel handshake plus a transport write per request.
+"""The connector's background sender: control-channel handshake plus layer-pipelined transport writes.
 
-Runs off vLLM's forward path on a small thread pool, so a claimed request never blocks the next
-prefill step. Any fault (refused connection, rejected offer, failed write) is reported to the decode
-node with an explicit ``Abort`` when the control channel is up, so the waiting request fails within
-about a second instead of timing out.
+Runs off vLLM's forward path on a small thread pool, so a claimed request never blocks the next prefill
+step. A transfer is handed over as soon as its first layer is about to be staged (:class:`Staged`): the
+sender connects, says ``Hello``, ``Offer``s the request's layouts and gets the decode node's ``Accept``
+while the forward still computes, then writes each layer's chunk of the staging extent at its offset in
+the grant as soon as the worker marks it staged (consecutive staged chunks go in one write), and sends
+``Done`` after the last one. On GPU a chunk is "staged" once the CUDA event recorded after its copy has
+completed; on CPU the copy is synchronous.
+
+Fail fast: a refused handshake, a staging (extraction) failure, a transport error, a peer gone, or no new
+layer within ``timeout_s`` ends the transfer at once; the decode node is told with an explicit ``Abort``
+whenever the control channel is up (its waiting request fails at once instead of timing out), and on every
+exit path the staging extent goes back to the pool (:meth:`Staged.release`, exactly once).
 """
 
 from __future__ import annotations
 
+import queue
 import socket
+import threading
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
+import torch
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from tilert import contracts as p
@@ -25,6 +38,111 @@ from tilert.transports.base import TransferError
 log = structlog.get_logger("tilert.connector.sender")
 
 
+class StagingError(RuntimeError):
+    """The worker could not stage the request's KV (extraction failed, layers missing, no layer in time)."""
+
+
+@dataclass(frozen=True)
+class WriteRecord:
+    """One transport write of a transfer: bytes ``[offset, offset + nbytes)`` of the extent, landed at ``done``
+    (``time.monotonic()``)."""
+
+    offset: int
+    nbytes: int
+    done: float
+
+
+class Staged:
+    """One claimed request's extent of the staging pool: filled layer by layer by the worker inside the
+    forward, shipped chunk by chunk by the sender as the layers complete.
+
+    ``buffer`` is the extent (contiguous uint8); ``chunks`` are ``(offset, nbytes)`` within it, in byte
+    order, back to back (one per cache layer). ``on_release`` returns the extent to the pool."""
+
+    def __init__(
+        self,
+        claim: Claim,
+        num_tokens: int,
+        layouts: dict[str, p.KVLayout],
+        buffer: torch.Tensor,
+        chunks: list[tuple[int, int]],
+        on_release: Callable[[], None],
+    ) -> None:
+        self.claim, self.num_tokens, self.layouts = claim, num_tokens, layouts
+        self.buffer, self.chunks = buffer, chunks
+        self._on_release = on_release
+        self._ready: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self.failure: str | None = None
+        self.released = threading.Event()
+        self._staged: set[int] = set()
+        self.staged_at: float | None = None  # when the worker staged the last chunk (time.monotonic())
+        self.writes: list[WriteRecord] = []
+        self.outcome: str | None = None  # "done", or why the transfer failed
+
+    @classmethod
+    def whole(
+        cls, claim: Claim, num_tokens: int, layouts: dict[str, p.KVLayout], buffer: torch.Tensor,
+        on_release: Callable[[], None] = lambda: None,
+    ) -> Staged:  # fmt: skip
+        """An already complete staging (one chunk, staged): shipped in one write, without pipelining."""
+        staged = cls(claim, num_tokens, layouts, buffer, [(0, buffer.numel())], on_release)
+        staged.ready(0)
+        return staged
+
+    # ---- the worker's side ----------------------------------------------------------------------
+
+    def ready(self, index: int, event: Any = None) -> None:
+        """Chunk ``index`` is staged (on GPU: once ``event``, recorded after its copy, completes)."""
+        with self._lock:
+            self._staged.add(index)
+            if len(self._staged) == len(self.chunks) and self.staged_at is None:
+                self.staged_at = time.monotonic()
+        self._ready.put((index, event))
+
+    def fail(self, reason: str) -> None:
+        """Staging failed: the sender aborts the transfer (the first reason wins)."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = reason
+        self._ready.put(None)
+
+    @property
+    def closed(self) -> bool:
+        """The sender is done with the extent: staging into it is pointless (and it may be reused)."""
+        return self.released.is_set()
+
+    # ---- the sender's side ----------------------------------------------------------------------
+
+    def next_ready(self, timeout_s: float) -> list[tuple[int, Any]]:
+        """Block until at least one more chunk is staged; every chunk staged by then. ``StagingError`` when
+        the worker failed, or none came within ``timeout_s``."""
+        try:
+            first = self._ready.get(timeout=timeout_s)
+        except queue.Empty:
+            raise StagingError(f"no layer was staged within {timeout_s:g}s") from None
+        items = [first]
+        while True:
+            try:
+                items.append(self._ready.get_nowait())
+            except queue.Empty:
+                break
+        if any(item is None for item in items) or self.failure is not None:
+            raise StagingError(self.failure or "staging failed")
+        return [item for item in items if item is not None]
+
+    def release(self) -> None:
+        with self._lock:
+            if self.released.is_set():
+                return
+            self.released.set()
+        self._on_release()
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+
 class BackgroundSender:
     def __init__(
         self, transport: str, options: dict[str, Any], secret: bytes, timeout_s: float = 10.0, workers: int = 4
@@ -32,20 +150,17 @@ class BackgroundSender:
         self.transport_name = transport
         self._secret = secret
         self._transport = load_transport(transport).sender(options=options)
-        self._timeout_s = timeout_s
+        self.timeout_s = timeout_s
         self._sender_id = f"prefill-{uuid.uuid4().hex[:8]}"
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tilert-send")
 
-    def submit(
-        self,
-        claim: Claim,
-        num_tokens: int,
-        layouts: dict[str, p.KVLayout],
-        staging: Any,
-        wait_ready: Callable[[], None] | None = None,
-    ) -> Future[None]:
-        """Ship ``staging`` (uint8, the layouts' tensors back to back in ``layouts`` order)."""
-        return self._pool.submit(self._send, claim, num_tokens, layouts, staging, wait_ready)
+    def register_source(self, buffer: torch.Tensor) -> None:
+        """Register the staging pool with the transport (once, at start-up); ``TransferError`` if it cannot."""
+        self._transport.register_source(buffer)
+
+    def submit(self, staged: Staged) -> Future[None]:
+        """Start shipping ``staged``: the handshake now, each chunk as soon as it is staged."""
+        return self._pool.submit(self._send, staged)
 
     def abort(self, claim: Claim, reason: str) -> Future[None]:
         return self._pool.submit(self._abort, claim, reason)
@@ -61,51 +176,82 @@ class BackgroundSender:
         reraise=True,
     )
     def _connect(self, claim: Claim) -> socket.socket:
-        sock = socket.create_connection((claim.host, claim.ctrl_port), timeout=self._timeout_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        p.send_msg(sock, p.Hello.signed(self._secret, self.transport_name, self._sender_id))
-        ack = p.expect(p.recv_msg(sock), p.HelloAck)
-        if ack.version != p.PROTOCOL_VERSION:
+        sock = socket.create_connection((claim.host, claim.ctrl_port), timeout=self.timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            p.send_msg(sock, p.Hello.signed(self._secret, self.transport_name, self._sender_id))
+            ack = p.expect(p.recv_msg(sock), p.HelloAck)
+            if ack.version != p.PROTOCOL_VERSION:
+                raise p.ProtocolError(
+                    f"decode node speaks protocol v{ack.version}, this sender v{p.PROTOCOL_VERSION}"
+                )
+        except BaseException:
             sock.close()
-            raise p.ProtocolError(f"decode node speaks protocol v{ack.version}, this sender v{p.PROTOCOL_VERSION}")
+            raise
         return sock
 
-    def _send(
-        self,
-        claim: Claim,
-        num_tokens: int,
-        layouts: dict[str, p.KVLayout],
-        staging: Any,
-        wait_ready: Callable[[], None] | None,
-    ) -> None:
-        tid = claim.transfer_id
-        bound = log.bind(transfer_id=tid, host=claim.host, ctrl_port=claim.ctrl_port)
+    def _send(self, staged: Staged) -> None:
+        tid = staged.claim.transfer_id
+        bound = log.bind(transfer_id=tid, host=staged.claim.host, ctrl_port=staged.claim.ctrl_port)
+        sock: socket.socket | None = None
         try:
-            sock = self._connect(claim)
-        except (OSError, p.ProtocolError) as exc:
-            bound.error("transfer_connect_failed", error=str(exc))
-            return
-        with sock:
-            try:
-                offer = p.Offer(tid, num_tokens, layouts)
-                p.send_msg(sock, offer)
-                accept = p.expect(p.recv_msg(sock), p.Accept)
-                if wait_ready is not None:
-                    wait_ready()
-                self._transport.write(accept.target, staging)
-                p.send_msg(sock, p.Done(tid, offer.nbytes))
-                p.expect(p.recv_msg(sock), p.Ack)
-                bound.info("transfer_done", nbytes=offer.nbytes, tokens=num_tokens)
-            except (OSError, p.ProtocolError, TransferError) as exc:
-                bound.error("transfer_failed", error=str(exc))
+            sock = self._connect(staged.claim)
+            offer = p.Offer(tid, staged.num_tokens, staged.layouts)
+            if offer.nbytes != staged.nbytes:
+                raise StagingError(f"the offer's {offer.nbytes} bytes differ from the {staged.nbytes} staged")
+            p.send_msg(sock, offer)
+            accept = p.expect(p.recv_msg(sock), p.Accept)
+            self._stream(staged, accept.target)
+            p.send_msg(sock, p.Done(tid, offer.nbytes))
+            p.expect(p.recv_msg(sock), p.Ack)
+            staged.outcome = "done"
+            bound.info("transfer_done", nbytes=offer.nbytes, tokens=staged.num_tokens, writes=len(staged.writes))
+        except Exception as exc:  # noqa: BLE001 - every failure ends the same way: Abort, extent back
+            staged.outcome = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, (OSError, p.ProtocolError, TransferError, StagingError)):
+                bound.error("transfer_failed", error=staged.outcome, control_up=sock is not None)
+            else:
+                bound.exception("transfer_failed_unexpectedly")
+            if sock is not None:
                 try:
-                    p.send_msg(sock, p.Abort(tid, f"prefill side: {exc}"))
+                    p.send_msg(sock, p.Abort(tid, f"prefill side: {exc}"[: p.MAX_REASON_CHARS]))
                 except OSError:
                     pass
+        finally:
+            if sock is not None:
+                sock.close()
+            staged.release()
+
+    def _stream(self, staged: Staged, target: dict[str, Any]) -> None:
+        """Write each chunk as soon as it is staged; runs of consecutive staged chunks in one write."""
+        remaining = set(range(len(staged.chunks)))
+        while remaining:
+            batch = staged.next_ready(self.timeout_s)
+            for _, event in batch:
+                if event is not None:
+                    event.synchronize()  # the chunk's device-to-staging copy has completed
+            for start, end in _runs(sorted({i for i, _ in batch} & remaining), staged.chunks):
+                self._transport.write(target, staged.buffer[start:end], offset=start)
+                staged.writes.append(WriteRecord(start, end - start, time.monotonic()))
+            remaining -= {i for i, _ in batch}
 
     def _abort(self, claim: Claim, reason: str) -> None:
         try:
             with self._connect(claim) as sock:
-                p.send_msg(sock, p.Abort(claim.transfer_id, reason))
+                p.send_msg(sock, p.Abort(claim.transfer_id, reason[: p.MAX_REASON_CHARS]))
         except (OSError, p.ProtocolError) as exc:
             log.error("abort_not_delivered", transfer_id=claim.transfer_id, error=str(exc))
+
+
+def _runs(indices: list[int], chunks: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Byte ranges ``[start, end)`` covering sorted chunk ``indices``, consecutive chunks merged."""
+    runs: list[tuple[int, int]] = []
+    prev = -2
+    for i in indices:
+        offset, n = chunks[i]
+        if i == prev + 1 and runs and runs[-1][1] == offset:
+            runs[-1] = (runs[-1][0], offset + n)
+        else:
+            runs.append((offset, offset + n))
+        prev = i
+    return runs

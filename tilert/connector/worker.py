@@ -1,17 +1,23 @@
 """Worker half of the connector (lives in vLLM's worker process, one per TP rank).
 
-Inside the forward window, as each attention layer finishes, the rows of every claimed request whose
-prompt completes in this step are gathered out of the paged cache into that request's own staging
-buffer (a per-request slot: two claimed requests never share one). After the forward the complete
-stagings go to the background sender; the paged blocks can be recycled at once.
+At start-up (``register``) it detects the cache layouts (anything unknown is refused there, never guessed
+at), allocates the bounded staging pool once and registers it with the transport's sender: a pool that
+cannot be allocated or registered stops vLLM from starting, with the reason.
 
-Cache layouts are detected from shape and dtype at registration and anything unknown is refused
-there, at start-up, never guessed at.
+Inside the forward window, as each attention layer finishes, the rows of every claimed request whose
+prompt completes in this step are gathered out of the paged cache into that request's extent of the pool
+(placed by the scheduler half; two requests never share one), and the layer's chunk is marked staged
+(on GPU by a CUDA event recorded after the copy). The request goes to the background sender before its
+first layer is staged, so the handshake and the first layers' writes overlap the rest of the forward; the
+paged blocks can be recycled as soon as the forward ends. An extraction error never escapes into vLLM's
+forward: the transfer is aborted instead. Extents the sender is done with are reported to the scheduler
+(``take_report``, through vLLM's ``build_connector_worker_meta``).
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,9 +25,11 @@ import msgspec
 import structlog
 import torch
 
-from tilert.connector.claims import SaveRequest, TileRTConnectorMetadata
-from tilert.connector.sender import BackgroundSender
+from tilert.connector.claims import SaveRequest, TileRTConnectorMetadata, TileRTWorkerMeta
+from tilert.connector.sender import BackgroundSender, Staged
+from tilert.connector.staging import ExtentAllocator, pool_bytes
 from tilert.contracts import KVLayout
+from tilert.transports.base import TransferError
 
 log = structlog.get_logger("tilert.connector.worker")
 
@@ -81,27 +89,69 @@ def gather_rows(kind: str, row_bytes: int, cache: torch.Tensor, slots: torch.Ten
 
 
 @dataclass
-class _Staging:
+class _Open:
+    """A request being staged in this step."""
+
     save: SaveRequest
-    buffer: torch.Tensor
-    views: dict[str, torch.Tensor]
+    staged: Staged
+    views: dict[str, torch.Tensor]  # group -> uint8 [num_layers, num_tokens, row_bytes] within the extent
+    chunk_base: dict[str, int]  # group -> index of its first layer's chunk
     slots: torch.Tensor
     layers_done: set[str] = field(default_factory=set)
 
 
+def layouts_bytes_per_token(layouts: dict[str, KVLayout]) -> int:
+    """What the detected layouts stage per token: must equal the scheduler's ``staging.bytes_per_token``."""
+    return sum(lay.num_layers * lay.row_bytes for lay in layouts.values())
+
+
 class WorkerSide:
-    def __init__(self, hf_config: Any, sender: BackgroundSender) -> None:
+    def __init__(
+        self,
+        hf_config: Any,
+        sender: BackgroundSender,
+        *,
+        staging_bytes: int | None = None,
+        max_model_len: int = 0,
+        expected_bytes_per_token: int | None = None,
+        staging_device: str = "cpu",
+    ) -> None:
+        """``staging_bytes`` (``tilert_staging_bytes``) / ``max_model_len`` size the pool (see
+        ``staging.pool_bytes``); ``expected_bytes_per_token`` is the scheduler's figure (from vLLM's KV cache
+        config), checked against the cache tensors at registration; ``staging_device``: ``"cpu"`` (host
+        memory, pinned when the caches are on a GPU) or ``"cache"`` (the caches' own device, for a transport
+        that reads device memory)."""
         lora, rope = getattr(hf_config, "kv_lora_rank", None), getattr(hf_config, "qk_rope_head_dim", None)
         if not lora or not rope:
             raise ValueError("TileRTConnector needs an MLA model (config without kv_lora_rank/qk_rope_head_dim)")
+        if staging_device not in ("cpu", "cache"):
+            raise ValueError(f'tilert_staging_device must be "cpu" or "cache", not {staging_device!r}')
         self._mla_width = int(lora) + int(rope)
         self._num_main_layers = int(hf_config.num_hidden_layers)
         self._index_head_dim = int(getattr(hf_config, "index_head_dim", 0) or 0)
         self._indexer_rope_interleaved = bool(getattr(hf_config, "indexer_rope_interleave", False))
         self._sender = sender
+        self._staging_bytes = staging_bytes
+        self._max_model_len = max_model_len
+        self._expected_bpt = expected_bytes_per_token
+        self._staging_device = staging_device
         self._layers: dict[str, _Layer] = {}
         self._layouts: dict[str, KVLayout] = {}
-        self._staging: dict[str, _Staging] = {}
+        self._open: dict[str, _Open] = {}  # this step's requests, by req_id
+        self._seen: set[str] = set()  # this step's saves acted on (staged, or refused and reported)
+        self.pool: torch.Tensor | None = None
+        self._extents: ExtentAllocator | None = None
+        self._lock = threading.Lock()  # extents + freed list: the sender's threads release into them
+        self._freed: list[tuple[str, int]] = []
+        self.transfers: list[Staged] = []  # the most recent ones (tests, benchmarks)
+
+    @property
+    def layouts(self) -> dict[str, KVLayout]:
+        return dict(self._layouts)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return layouts_bytes_per_token(self._layouts)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         groups: dict[str, list[tuple[int, str, torch.Tensor]]] = {}
@@ -124,6 +174,39 @@ class WorkerSide:
             base = kinds[group]
             self._layouts[group] = KVLayout(base.kind, base.dtype, base.row_bytes, len(members), base.rope_interleaved)
         log.info("kv_caches_registered", layouts={g: msgspec.to_builtins(lay) for g, lay in self._layouts.items()})
+        device = next(iter(kv_caches.values())).device if kv_caches else torch.device("cpu")
+        self._allocate_pool(device)
+
+    def _allocate_pool(self, cache_device: torch.device) -> None:
+        """The staging pool, once: allocated, registered with the sender, or a start-up error saying why."""
+        bpt = self.bytes_per_token
+        if self._expected_bpt is not None and self._expected_bpt != bpt:
+            raise ValueError(
+                f"TileRTConnector: the KV cache tensors stage {bpt} bytes per token but vLLM's KV cache config "
+                f"says {self._expected_bpt}: refusing to account the staging pool on a wrong figure"
+            )
+        size = pool_bytes(self._staging_bytes, bpt, self._max_model_len)
+        device = cache_device if self._staging_device == "cache" else torch.device("cpu")
+        pin = device.type == "cpu" and cache_device.type == "cuda"
+        try:
+            pool = torch.empty(size, dtype=torch.uint8, device=device, pin_memory=pin)
+        except (RuntimeError, MemoryError) as exc:
+            raise RuntimeError(
+                f"TileRTConnector: cannot allocate the {size}-byte KV staging pool on {device}"
+                f"{' (pinned)' if pin else ''}: {exc}; lower tilert_staging_bytes"
+            ) from exc
+        try:
+            self._sender.register_source(pool)
+        except (TransferError, RuntimeError, ValueError) as exc:
+            raise RuntimeError(
+                f"TileRTConnector: the {self._sender.transport_name} transport cannot register the {size}-byte "
+                f"KV staging pool on {device}: {exc}"
+            ) from exc
+        self.pool, self._extents = pool, ExtentAllocator(size)
+        log.info("staging_pool_ready", nbytes=size, device=str(device), pinned=pin, bytes_per_token=bpt,
+                 transport=self._sender.transport_name)  # fmt: skip
+
+    # ---- inside the forward -------------------------------------------------------------------
 
     def save_layer(self, meta: TileRTConnectorMetadata, layer_name: str) -> None:
         layer = self._layers.get(layer_name)
@@ -131,40 +214,106 @@ class WorkerSide:
             return
         layout = self._layouts[layer.group]
         for save in meta.saves:
-            staging = self._staging.get(save.req_id) or self._open(save, layer.cache.device)
-            rows = gather_rows(layout.kind, layout.row_bytes, layer.cache, staging.slots, save.block_size)
-            staging.views[layer.group][layer.position].copy_(rows, non_blocking=True)
-            staging.layers_done.add(layer_name)
+            if save.req_id in self._open:
+                req = self._open[save.req_id]
+            elif save.req_id in self._seen:
+                continue  # refused at its first layer
+            else:
+                self._seen.add(save.req_id)
+                opened = self._start(save, layer.cache.device)
+                if opened is None:
+                    continue
+                req = opened
+            if req.staged.closed or layer_name in req.layers_done:
+                continue  # the transfer already ended (refused, aborted): nothing to stage for
+            try:
+                rows = gather_rows(layout.kind, layout.row_bytes, layer.cache, req.slots, save.block_size)
+                req.views[layer.group][layer.position].copy_(rows, non_blocking=True)
+                event = None
+                if rows.device.type == "cuda":
+                    event = torch.cuda.Event()
+                    event.record()  # after this layer's copy on the current stream
+                req.layers_done.add(layer_name)
+                req.staged.ready(req.chunk_base[layer.group] + layer.position, event)
+            except Exception as exc:  # noqa: BLE001 - never break vLLM's forward: abort this transfer instead
+                log.exception("staging_failed", transfer_id=save.claim.transfer_id, layer=layer_name)
+                req.staged.fail(f"KV extraction failed at {layer_name}: {type(exc).__name__}: {exc}")
 
-    def _open(self, save: SaveRequest, device: torch.device) -> _Staging:
-        total = sum(lay.nbytes(save.num_tokens) for lay in self._layouts.values())
-        buffer = torch.empty(total, dtype=torch.uint8, device=device)
-        views, offset = {}, 0
+    def _start(self, save: SaveRequest, device: torch.device) -> _Open | None:
+        """Take the request's extent (as the scheduler placed it) and hand the transfer to the sender now."""
+        tid = save.claim.transfer_id
+        total = save.num_tokens * self.bytes_per_token
+        assert self.pool is not None and self._extents is not None, "register_kv_caches was not called"
+        try:
+            with self._lock:
+                self._extents.take(save.offset, total)
+        except ValueError as exc:  # the scheduler's view disagrees with this pool: never stage over another
+            log.error("staging_extent_refused", transfer_id=tid, offset=save.offset, nbytes=total, error=str(exc))
+            self._sender.abort(save.claim, f"prefill side: {exc}")
+            with self._lock:
+                self._freed.append((save.req_id, save.offset))  # the scheduler's record of it must go
+            return None
+        buffer = self.pool[save.offset : save.offset + total]
+        views: dict[str, torch.Tensor] = {}
+        bases: dict[str, int] = {}
+        chunks: list[tuple[int, int]] = []
+        offset = 0
         for group, lay in self._layouts.items():
             n = lay.nbytes(save.num_tokens)
             views[group] = buffer[offset : offset + n].view(lay.num_layers, save.num_tokens, lay.row_bytes)
+            bases[group] = len(chunks)
+            per_layer = save.num_tokens * lay.row_bytes
+            chunks += [(offset + i * per_layer, per_layer) for i in range(lay.num_layers)]
             offset += n
+        staged = Staged(save.claim, save.num_tokens, dict(self._layouts), buffer, chunks,
+                        lambda: self._release(save.req_id, save.offset))  # fmt: skip
         slots = torch.tensor(save.slot_ids(), dtype=torch.long, device=device)
-        staging = _Staging(save, buffer, views, slots)
-        self._staging[save.req_id] = staging
-        return staging
+        req = _Open(save, staged, views, bases, slots)
+        self._open[save.req_id] = req
+        self.transfers = [*self.transfers[-15:], staged]
+        try:
+            self._sender.submit(staged)
+        except RuntimeError as exc:  # the sender is shut down (vLLM stopping): nothing will ship it
+            log.error("transfer_not_submitted", transfer_id=tid, error=str(exc))
+            staged.release()
+        return req
 
-    def flush(self) -> None:
-        """After the forward: hand every staged request to the sender (or abort an incomplete one)."""
-        for req_id, staging in list(self._staging.items()):
-            del self._staging[req_id]
-            claim = staging.save.claim
-            if len(staging.layers_done) != len(self._layers):
-                missing = len(self._layers) - len(staging.layers_done)
-                log.error("staging_incomplete", transfer_id=claim.transfer_id, missing_layers=missing)
-                self._sender.abort(claim, f"prefill staged {len(staging.layers_done)}/{len(self._layers)} layers")
-                continue
-            wait_ready = None
-            if staging.buffer.device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record()
-                wait_ready = event.synchronize
-            self._sender.submit(claim, staging.save.num_tokens, dict(self._layouts), staging.buffer, wait_ready)
+    def _release(self, req_id: str, offset: int) -> None:
+        """The sender is done with an extent (any outcome): free it here, report it to the scheduler."""
+        with self._lock:
+            assert self._extents is not None
+            self._extents.free(offset)
+            self._freed.append((req_id, offset))
+
+    def flush(self, meta: TileRTConnectorMetadata | None = None) -> None:
+        """After the forward: a request missing layers is aborted (the rest were fully staged); a save of
+        ``meta`` that no layer ever reached is aborted too, and its extent reported back."""
+        for save in meta.saves if meta is not None else ():
+            if save.req_id not in self._seen:
+                log.error("staging_never_started", transfer_id=save.claim.transfer_id)
+                self._sender.abort(save.claim, "prefill side: no KV cache layer of this step was staged")
+                with self._lock:
+                    self._freed.append((save.req_id, save.offset))
+        self._seen.clear()
+        for req_id, req in list(self._open.items()):
+            del self._open[req_id]
+            if req.staged.closed:
+                continue  # the transfer already ended (and said why)
+            if len(req.layers_done) != len(self._layers):
+                missing = len(self._layers) - len(req.layers_done)
+                log.error("staging_incomplete", transfer_id=req.save.claim.transfer_id, missing_layers=missing)
+                req.staged.fail(f"prefill staged {len(req.layers_done)}/{len(self._layers)} layers")
+
+    def take_report(self) -> TileRTWorkerMeta | None:
+        """Extents freed since the last report, for the scheduler (``None`` when there is no news)."""
+        with self._lock:
+            freed, self._freed = self._freed, []
+        return TileRTWorkerMeta(freed) if freed else None
+
+    @property
+    def extents_in_use(self) -> int:
+        with self._lock:
+            return self._extents.live if self._extents is not None else 0
 
     def close(self) -> None:
         self._sender.close()

@@ -58,9 +58,15 @@ class DecodeConfig:
     device: str = setting("auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     dtype: str = setting("auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
     max_seq_len: int = setting(4096, help="longest prompt + completion a slot holds")
-    num_slots: int = setting(
-        2, flag="--slots", aliases=("--num-slots",), help="receive buffers: transfers overlap the running decode"
+    max_sequences: int = setting(
+        1, help="sequences decoded together in one engine step (each at its own position, bit-identical to "
+        "decoding it alone); more requests wait for a free one in arrival order",
     )
+    num_slots: int | None = setting(
+        None, flag="--slots", aliases=("--num-slots",),
+        help="receive buffers, each held by one request from reserve to the end of its decode (default: "
+        "max_sequences + 1, so the next transfer lands while the others decode); the router admits this many",
+    )  # fmt: skip
     lease_s: float = setting(30.0, help="slot lease when a reserve names none")
     max_lease_s: float = setting(
         DEFAULT_MAX_LEASE_S, help="longest lease a reserve may ask for (the router's reserve_lease_s must fit)"
@@ -81,6 +87,11 @@ class DecodeConfig:
     # Filled at load time from secret_file / $TILERT_SECRET_FILE / $TILERT_SECRET (tilert.auth.load_secret).
     secret: bytes = field(default=b"", repr=False)
 
+    @property
+    def slots(self) -> int:
+        """Receive slots: ``num_slots``, or one more than ``max_sequences``."""
+        return self.num_slots if self.num_slots is not None else self.max_sequences + 1
+
     def validate(self) -> DecodeConfig:
         """Raise :class:`ConfigError` naming every setting the node cannot start with; returns ``self``."""
         d = lambda name: describe(DecodeConfig, name)  # noqa: E731
@@ -91,7 +102,10 @@ class DecodeConfig:
                 problems.append(message)
 
         need((Path(self.model) / "config.json").is_file(), f"{d('model')} must hold a config.json ({self.model})")
-        need(_int(self.num_slots) and self.num_slots >= 1, f"{d('num_slots')} must be >= 1 ({self.num_slots})")
+        need(_int(self.max_sequences) and 1 <= self.max_sequences <= 64,
+             f"{d('max_sequences')} must be in 1..64 ({self.max_sequences})")  # fmt: skip
+        need(self.num_slots is None or (_int(self.num_slots) and self.num_slots >= 1),
+             f"{d('num_slots')} must be >= 1 ({self.num_slots})")  # fmt: skip
         need(_int(self.max_seq_len) and self.max_seq_len >= 2, f"{d('max_seq_len')} must be >= 2 ({self.max_seq_len})")
         need(
             _int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= 8,

@@ -9,8 +9,9 @@ which yields exactly the plain greedy tokens, several per step; other greedy req
 ``greedy_stream`` when the engine declares ``pipelined_greedy``. Sampled requests (temperature > 0) decode
 one token per step from the logits: MTP is switched off for them.
 
-:func:`run_decode` owns token-level stopping (EOS, ``stop_token_ids``, ``max_tokens``, the end of the
-engine's cache, cancellation) and says why it stopped (:class:`Finish`).
+:class:`SequenceRun` owns token-level stopping for one sequence (EOS, ``stop_token_ids``, ``max_tokens``,
+the end of the engine's cache, cancellation) and says why it stopped (:class:`Finish`); :func:`run_decode`
+drives one sequence alone, :mod:`tilert.decode.batch` several at once.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ FinishReason = Literal["stop", "length", "cancelled"]
 
 @dataclass(frozen=True)
 class Finish:
-    """Why :func:`run_decode` stopped.
+    """Why decoding stopped.
 
     ``reason``: ``"stop"`` (an EOS token or one of ``stop_token_ids`` was emitted, as the last token),
     ``"length"`` (``max_tokens`` emitted, or the engine's cache is full) or ``"cancelled"``.
@@ -42,6 +43,66 @@ class Finish:
     stop_token_id: int | None = None
 
 
+Emit = Callable[[list[int], Finish | None], None]
+
+
+class SequenceRun:
+    """One sequence's decode after its prompt of ``num_tokens`` tokens was injected into engine sequence
+    ``seq``: the next input (``token`` at ``pos``), its sampler and its stop rules.
+
+    ``emit`` gets every new token, the stop token included, as ``emit(ids, None)``, the last batch as
+    ``emit(ids, finish)`` (so the stream's last line says which token ended it); a finish with nothing left
+    to emit (cancelled) is only returned.
+    """
+
+    def __init__(
+        self, engine: DecodeEngine, params: DecodeParams, eos_token_ids: frozenset[int], num_tokens: int,
+        emit: Emit, cancel: threading.Event, seq: int = 0,
+    ) -> None:  # fmt: skip
+        caps = engine.capabilities()
+        room = caps.max_seq_len - num_tokens if caps.max_seq_len > 0 else None  # steps the cache has left
+        limits = [n for n in (params.max_tokens, room) if n is not None]
+        if not limits:
+            raise ValueError(f"the {engine.name} engine declares no max_seq_len: max_tokens is required")
+        self.limit: int = min(limits)
+        self.params, self.emit, self.cancel, self.seq = params, emit, cancel, seq
+        self.eos: frozenset[int] = frozenset() if params.ignore_eos else eos_token_ids
+        self.stop_ids = frozenset(params.stop_token_ids)
+        self.sampler = Sampler(params)
+        self.token, self.pos, self.produced = params.first_token_id, num_tokens, 0
+        self.finish: Finish | None = None if self.limit > 0 else Finish("length")
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    def check_cancel(self) -> bool:
+        if self.finish is None and self.cancel.is_set():
+            self.finish = Finish("cancelled")
+        return self.done
+
+    def sample(self, logits: torch.Tensor) -> int:
+        return self.sampler(logits)
+
+    def accept(self, new: list[int]) -> Finish | None:
+        """Take a step's tokens: emit them (cut at the limit or at a stop token); the finish, if any."""
+        new = new[: self.limit - self.produced]
+        for i, t in enumerate(new):
+            if t in self.eos or t in self.stop_ids:
+                self.finish = Finish("stop", None if t in self.eos else t)
+                self.emit(new[: i + 1], self.finish)
+                return self.finish
+        self.produced += len(new)
+        if self.produced >= self.limit:
+            self.finish = Finish("length")
+            self.emit(new, self.finish)
+            return self.finish
+        self.emit(new, None)
+        self.pos += len(new)
+        self.token = new[-1]
+        return None
+
+
 def run_decode(
     engine: DecodeEngine,
     state: dict[str, torch.Tensor],
@@ -49,63 +110,42 @@ def run_decode(
     num_tokens: int,
     params: DecodeParams,
     eos_token_ids: frozenset[int],
-    emit: Callable[[list[int], Finish | None], None],
+    emit: Emit,
     cancel: threading.Event,
     num_draft: int = 0,
 ) -> Finish:
-    """Decode after a prompt of ``num_tokens`` tokens (KV ``state``), starting from ``params.first_token_id``
-    (already emitted by prefill, fed at position ``num_tokens``); ``emit`` every new token, the stop token
-    included, as ``emit(ids, None)``, the last batch as ``emit(ids, finish)`` (so the stream's last line
-    says which token ended it). A finish with nothing left to emit (cancelled, an engine whose stream
-    ended early) is only returned.
+    """Decode one sequence alone (engine sequence 0) on the engine's fastest path for it.
 
     ``params.max_tokens`` bounds the new tokens; None: until the engine's cache is full (its
-    ``Capabilities.max_seq_len``; the last step runs at position ``max_seq_len - 1``). Either way the end of
-    the cache finishes with ``"length"``.
+    ``Capabilities.max_seq_len``). Either way the end of the cache finishes with ``"length"``.
     """
-    caps = engine.capabilities()
-    room = caps.max_seq_len - num_tokens if caps.max_seq_len > 0 else None  # steps the cache has left
-    if params.max_tokens is None:
-        if room is None:
-            raise ValueError(f"the {engine.name} engine declares no max_seq_len: max_tokens is required")
-        limit = room
-    else:
-        limit = params.max_tokens if room is None else min(params.max_tokens, room)
+    run = SequenceRun(engine, params, eos_token_ids, num_tokens, emit, cancel)
     engine.inject(state, layouts, num_tokens)
-    eos: frozenset[int] = frozenset() if params.ignore_eos else eos_token_ids
-    stop_ids = frozenset(params.stop_token_ids)
-    speculate = params.greedy and num_draft > 0 and caps.mtp
-    sampler = Sampler(params)
-    token, pos = params.first_token_id, num_tokens
-    # Plain greedy on an engine that pipelines it (the next step runs while this token is emitted).
-    stream: Iterator[int] | None = None
-    if params.greedy and not speculate and caps.pipelined_greedy and limit > 0:
-        stream = engine.greedy_stream(token, pos, limit)
-    produced = 0
-    while produced < limit:
-        if cancel.is_set():
-            return Finish("cancelled")
-        if stream is not None:
-            nxt = next(stream, None)
-            if nxt is None:  # the engine ended the stream early: its cache is full
-                return Finish("length")
-            new = [nxt]
-        elif speculate:
-            new = engine.speculative_greedy_step(token, pos, num_draft).tokens
-        else:
-            logits = engine.forward(torch.tensor([token], dtype=torch.long), pos)
-            new = [sampler(logits[-1])]
-        new = new[: limit - produced]
-        for i, t in enumerate(new):
-            if t in eos or t in stop_ids:
-                finish = Finish("stop", None if t in eos else t)
-                emit(new[: i + 1], finish)
-                return finish
-        produced += len(new)
-        if produced >= limit:
-            emit(new, Finish("length"))
-            return Finish("length")
-        emit(new, None)
-        pos += len(new)
-        token = new[-1]
-    return Finish("length")
+    steps = fast_steps(engine, run, num_draft)
+    while not run.check_cancel():
+        new = next(steps, None)
+        if new is None:  # the engine ended its stream early: its cache is full
+            run.finish = Finish("length")
+            break
+        run.accept(new)
+    assert run.finish is not None
+    return run.finish
+
+
+def fast_steps(engine: DecodeEngine, run: SequenceRun, num_draft: int) -> Iterator[list[int]]:
+    """The new tokens of each step of ``run`` decoded alone, on the fastest path the engine declares.
+
+    Abandoning the iterator between steps is safe: the caller continues from ``run.token`` at ``run.pos``."""
+    caps, p = engine.capabilities(), run.params
+    on = {"seq": run.seq} if run.seq else {}  # (engines of one sequence take no seq argument)
+    if p.greedy and num_draft > 0 and caps.mtp:
+        while True:
+            yield engine.speculative_greedy_step(run.token, run.pos, num_draft, **on).tokens
+    elif p.greedy and caps.pipelined_greedy:
+        # The next step runs while this token is emitted (the engine pipelines them).
+        for token in engine.greedy_stream(run.token, run.pos, run.limit - run.produced, **on):
+            yield [token]
+    else:
+        while True:
+            logits = engine.forward(torch.tensor([run.token], dtype=torch.long), run.pos, **on)
+            yield [run.sample(logits[-1])]

@@ -13,12 +13,14 @@ HTTP API (bodies and replies are the types of ``tilert.contracts``; every 4xx/5x
 - ``GET /health`` ``NodeHealth``; ``GET /metrics`` Prometheus text.
 
 ``/v1/*`` needs ``Authorization: Bearer <tilert.auth.node_api_token(secret)>``: only a router holding the
-deployment's secret can reserve, decode or release. Decodes run one at a time on the engine; with
-several slots, the next request's transfer lands while the current one decodes.
+deployment's secret can reserve, decode or release. Up to the engine's ``max_sequences`` decode together
+(:mod:`tilert.decode.batch`), each at its own position; with more receive slots than that, the next
+requests' transfers land while the others decode.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -26,8 +28,6 @@ from dataclasses import replace
 from typing import TypeVar
 
 import anyio
-import anyio.from_thread
-import anyio.to_thread
 import structlog
 import uvicorn
 from starlette.applications import Starlette
@@ -39,9 +39,10 @@ from starlette.types import Receive, Scope, Send
 
 from tilert import auth
 from tilert import contracts as c
+from tilert.decode.batch import DecodeBatch, Job
 from tilert.decode.config import DecodeConfig, resolve_device, resolve_dtype
 from tilert.decode.control import ControlServer
-from tilert.decode.generate import Finish, run_decode
+from tilert.decode.generate import Finish
 from tilert.decode.metrics import DecodeMetrics
 from tilert.decode.sampling import DecodeParams
 from tilert.decode.slots import SlotError, SlotTable
@@ -100,7 +101,7 @@ class DecodeNode:
             host=config.host, options=dict(config.transport_options or {})
         )
         self.table = SlotTable(
-            config.num_slots, engine.expected_layouts(), config.max_seq_len, self.receiver, config.lease_s,
+            config.slots, engine.expected_layouts(), config.max_seq_len, self.receiver, config.lease_s,
             engine.check_layouts,
         )  # fmt: skip
         self.control = ControlServer(self.table, config.transport, self.node_id, config.secret)
@@ -108,9 +109,7 @@ class DecodeNode:
         self.eos = eos_token_ids(config.model)
         self.sampling_defaults = sampling_defaults(config.model)
         self.metrics = DecodeMetrics(str(config.model))
-        self.engine_lock = anyio.Lock()
-        self.running = 0
-        self.waiting = 0
+        self.batch = DecodeBatch(engine, self.eos, config.num_speculative_tokens)
         self.decodes_completed = 0
         self.app = Starlette(
             routes=[
@@ -164,8 +163,8 @@ class DecodeNode:
             c.NodeHealth(
                 status="ok", node_id=self.node_id, engine=self.engine.name, protocol_version=c.PROTOCOL_VERSION,
                 transport=self.config.transport, ctrl_port=self.config.ctrl_port, max_seq_len=self.config.max_seq_len,
-                slots_total=len(self.table.slots), slots_free=self.table.free, decodes_running=self.running,
-                decodes_waiting=self.waiting, transfers_received=self.table.transfers_received,
+                slots_total=len(self.table.slots), slots_free=self.table.free, decodes_running=self.batch.running,
+                decodes_waiting=self.batch.waiting, transfers_received=self.table.transfers_received,
                 decodes_completed=self.decodes_completed,
                 capabilities=c.EngineInfo(caps.temperature, caps.top_p, caps.top_k, caps.mtp, caps.pipelined_greedy),
             )
@@ -216,84 +215,62 @@ class DecodeNode:
         try:
             await self.table.wait_ready(tid, self.config.transfer_timeout_s)
             self.metrics.transfer_wait(anyio.current_time() - started)
-            self._count(waiting=1)
-            try:
-                await self.engine_lock.acquire()
-            finally:
-                self._count(waiting=-1)
-            try:
-                self._count(running=1)
-                async for line in self._run(params, bound):
-                    outcome = _outcome(line, outcome)
-                    yield line
-            finally:
-                self._count(running=-1)
-                self.engine_lock.release()
+            async for line in self._run(params, bound):
+                outcome = _outcome(line, outcome)
+                yield line
         except SlotError as exc:
             bound.warning("decode_refused", reason=str(exc))
             yield c.dump_line(c.ErrorLine(exc.status, str(exc)))
         finally:
             self.table.release(tid, "decode ended")
             self.metrics.slots(len(self.table.slots), self.table.free)
+            self.metrics.requests(self.batch.running, self.batch.waiting)
             self.metrics.request_done(anyio.current_time() - started, outcome)
 
-    def _count(self, running: int = 0, waiting: int = 0) -> None:
-        self.running += running
-        self.waiting += waiting
-        self.metrics.requests(self.running, self.waiting)
-
     async def _run(self, params: DecodeParams, bound: structlog.typing.FilteringBoundLogger) -> AsyncIterator[bytes]:
-        """Decode on a worker thread; relay each step's tokens as a line the moment they exist."""
+        """Hand the request to the batch (it decodes on its worker thread, with whatever other sequences
+        run); relay each step's tokens as a line the moment they exist."""
         slot = self.table.start_decode(params.transfer_id)
         state, layouts, num_tokens = slot.tensors()
         if num_tokens != params.prompt_tokens:
             raise SlotError(f"prefill sent {num_tokens} prompt tokens, the router says {params.prompt_tokens}", 409)
-        send, receive = anyio.create_memory_object_stream[c.TokenLine](math.inf)
-        result: dict[str, Finish | str] = {}
-        cancel = slot.cancel
+        loop = asyncio.get_running_loop()
+        send, receive = anyio.create_memory_object_stream[c.TokenLine | Finish | BaseException](math.inf)
 
         def emit(ids: list[int], finish: Finish | None) -> None:
             line = c.TokenLine(ids) if finish is None else c.TokenLine(ids, finish.reason, finish.stop_token_id)  # type: ignore[arg-type]
-            anyio.from_thread.run_sync(send.send_nowait, line)
+            loop.call_soon_threadsafe(send.send_nowait, line)
 
-        def work() -> None:
-            try:
-                result["finish"] = run_decode(
-                    self.engine, state, layouts, num_tokens, params, self.eos, emit, cancel,
-                    self.config.num_speculative_tokens,
-                )  # fmt: skip
-            except Exception as exc:  # noqa: BLE001 - the request ends visibly, the node serves on
-                if not cancel.is_set():  # (emitting into a closed stream fails once the reader left)
-                    bound.exception("decode_failed")
-                    result["error"] = f"decode engine failed: {type(exc).__name__}"
-            finally:
-                anyio.from_thread.run_sync(send.close)
+        def done(result: Finish | BaseException) -> None:
+            loop.call_soon_threadsafe(send.send_nowait, result)
 
+        self.batch.submit(Job(state, layouts, num_tokens, params, emit, done, slot.cancel))
+        self.metrics.requests(self.batch.running, self.batch.waiting)
         last, finished = anyio.current_time(), False
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(anyio.to_thread.run_sync, work)
-            try:
-                async with receive:
-                    async for line in receive:
-                        now = anyio.current_time()
-                        self.metrics.tokens(len(line.token_ids), now - last)
-                        last, finished = now, line.finish_reason is not None
-                        self.decodes_completed += finished
-                        yield c.dump_line(line)
-            finally:
-                cancel.set()
-        if not finished:
-            yield self._last_line(result, bound)
-        bound.info("decode_finished", result=str(result.get("finish") or result.get("error")))
+        try:
+            async with receive:
+                async for item in receive:
+                    if not isinstance(item, c.TokenLine):
+                        if not finished:
+                            yield self._last_line(item, bound)
+                        return
+                    now = anyio.current_time()
+                    self.metrics.tokens(len(item.token_ids), now - last)
+                    last, finished = now, item.finish_reason is not None
+                    self.decodes_completed += finished
+                    yield c.dump_line(item)
+        finally:
+            slot.cancel.set()  # the reader left (or the decode ended): the batch drops the sequence
 
-    def _last_line(self, result: dict[str, Finish | str], bound: structlog.typing.FilteringBoundLogger) -> bytes:
+    def _last_line(self, result: Finish | BaseException, bound: structlog.typing.FilteringBoundLogger) -> bytes:
         """The closing line when the decode ended without emitting its finish (nothing left to emit)."""
-        finish = result.get("finish")
-        if isinstance(finish, Finish) and finish.reason in ("stop", "length"):
+        if isinstance(result, Finish) and result.reason in ("stop", "length"):
             self.decodes_completed += 1
-            return c.dump_line(c.TokenLine([], finish.reason, finish.stop_token_id))
-        message = result.get("error")
-        return c.dump_line(c.ErrorLine(500, message if isinstance(message, str) else "decode cancelled"))
+            return c.dump_line(c.TokenLine([], result.reason, result.stop_token_id))
+        if isinstance(result, BaseException):
+            bound.error("decode_failed", error=f"{type(result).__name__}: {result}")
+            return c.dump_line(c.ErrorLine(500, f"decode engine failed: {type(result).__name__}"))
+        return c.dump_line(c.ErrorLine(500, "decode cancelled"))
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -324,6 +301,7 @@ class DecodeNode:
                 await server.serve()
                 tg.cancel_scope.cancel()
         finally:
+            self.batch.close()
             self.receiver.close()
 
 
@@ -339,7 +317,8 @@ def build_node(config: DecodeConfig) -> DecodeNode:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     engine_cls = load_engine(config.engine)
-    engine = engine_cls.load(config.model, device=device, dtype=dtype, max_seq_len=config.max_seq_len)
+    extra = {"max_sequences": config.max_sequences} if config.max_sequences > 1 else {}
+    engine = engine_cls.load(config.model, device=device, dtype=dtype, max_seq_len=config.max_seq_len, **extra)
     return DecodeNode(config, engine)
 
 

@@ -27,7 +27,7 @@ import torch
 
 from tilert.contracts import KVLayout, Offer
 from tilert.engines.base import require_exact_layouts
-from tilert.transports.base import Receiver
+from tilert.transports.base import Receiver, TransferError
 
 log = structlog.get_logger("tilert.decode.slots")
 
@@ -172,6 +172,12 @@ class SlotTable:
         slot = self.get(tid)
         if slot.state is not SlotState.RECEIVING or slot.offer is None or nbytes != slot.offer.nbytes:
             raise SlotError(f"done for a transfer in state {slot.state.value} ({nbytes} bytes)", 409)
+        try:
+            if slot.grant is not None:
+                self._receiver.verify(slot.grant)  # the transport vouches for the bytes (or a late writer hit)
+        except TransferError as exc:
+            self.fail(tid, f"the transport cannot vouch for the received bytes: {exc}")
+            raise SlotError(str(exc), 502) from None
         self._revoke(slot)
         slot.state = SlotState.READY
         self.transfers_received += 1

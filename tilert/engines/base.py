@@ -1,8 +1,10 @@
 """The contract every decode engine meets.
 
 Engines only compute: the decode server owns slots, transfers, sampling and streaming. An engine
-holds one sequence's state (a static cache sized at load), accepts the prompt's KV as vLLM laid it
-out (converting it to its own layout), and runs forward steps that return logits.
+holds the state of up to ``Capabilities.max_sequences`` independent sequences (static caches sized at
+load, one slot per sequence, ``seq in range(max_sequences)``), accepts a prompt's KV as vLLM laid it out
+(converting it to its own layout) into one slot, and runs forward steps that return logits: for one
+sequence (``forward``) or one new token for each of several sequences at once (``decode_step``).
 
 Engines are plugins: registered under the ``tilert.engines`` entry-point group and looked up there
 (see ``tilert.plugins``).
@@ -49,7 +51,9 @@ class Capabilities:
     - ``mtp``: :meth:`DecodeEngine.speculative_greedy_step` drafts with a multi-token-prediction module
       (greedy requests decode several tokens per step).
 
-    ``max_seq_len``: positions the engine's static cache holds (0: not declared).
+    ``max_seq_len``: positions the engine's static cache holds per sequence (0: not declared).
+    ``max_sequences``: sequences the engine holds at once (slots ``0..max_sequences-1`` of every method's
+    ``seq``; :meth:`DecodeEngine.decode_step` takes up to this many).
     """
 
     temperature: bool = True
@@ -58,6 +62,7 @@ class Capabilities:
     mtp: bool = False
     pipelined_greedy: bool = False
     max_seq_len: int = 0
+    max_sequences: int = 1
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -77,16 +82,21 @@ class SpecStepResult:
 
 
 class DecodeEngine(ABC):
-    """One model, one sequence at a time, a static cache sized at load."""
+    """One model, up to ``max_sequences`` sequences, static caches sized at load.
+
+    Every per-sequence method takes ``seq`` (the slot, default 0, so single-sequence callers pass nothing);
+    sequences are independent: what one method does to slot ``seq`` never changes another slot's results.
+    """
 
     name: ClassVar[str]
 
     @classmethod
     @abstractmethod
     def load(
-        cls, model_dir: Path, *, device: str, dtype: torch.dtype, max_seq_len: int
+        cls, model_dir: Path, *, device: str, dtype: torch.dtype, max_seq_len: int, max_sequences: int = 1
     ) -> DecodeEngine:
-        """Read the HF checkpoint in ``model_dir`` and allocate the static cache."""
+        """Read the HF checkpoint in ``model_dir`` and allocate the static caches: ``max_sequences`` slots of
+        ``max_seq_len`` positions (an engine may hold fewer; ``Capabilities.max_sequences`` says how many)."""
 
     @property
     @abstractmethod
@@ -108,26 +118,57 @@ class DecodeEngine(ABC):
         require_exact_layouts(self.expected_layouts(), layouts)
 
     @abstractmethod
-    def inject(self, state: dict[str, torch.Tensor], layouts: dict[str, KVLayout], num_tokens: int) -> None:
-        """Replace the sequence with a prompt of ``num_tokens`` tokens whose KV is ``state``.
+    def inject(
+        self, state: dict[str, torch.Tensor], layouts: dict[str, KVLayout], num_tokens: int, seq: int = 0
+    ) -> None:
+        """Replace sequence ``seq`` with a prompt of ``num_tokens`` tokens whose KV is ``state`` (a slot in
+        use is simply overwritten; the other sequences are untouched).
 
         Each tensor is ``uint8 [num_layers, num_tokens, row_bytes]`` exactly as vLLM held it (on any
         device); the engine converts it to its own layout. Raises ``ValueError`` on a layout it
-        cannot take.
+        cannot take, or a ``seq`` outside ``0..max_sequences-1``.
         """
 
     @abstractmethod
-    def forward(self, token_ids: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """Run ``token_ids`` (int64 ``[n]``) at positions ``start_pos..start_pos+n-1``.
+    def forward(self, token_ids: torch.Tensor, start_pos: int, seq: int = 0) -> torch.Tensor:
+        """Run ``token_ids`` (int64 ``[n]``) at positions ``start_pos..start_pos+n-1`` of sequence ``seq``.
 
-        Writes their KV into the cache and returns float32 logits ``[n, vocab]``.
+        Writes their KV into that sequence's cache and returns float32 logits ``[n, vocab]``.
         """
+
+    def decode_step(self, tokens: list[int], positions: list[int], seqs: list[int]) -> torch.Tensor:
+        """One new token for each of ``n`` distinct sequences (``n <= Capabilities.max_sequences``):
+        ``tokens[i]`` at position ``positions[i]`` of sequence ``seqs[i]``; returns float32 logits ``[n, vocab]``.
+
+        Batch-invariant: row ``i`` is bit for bit what ``forward(torch.tensor([tokens[i]]), positions[i],
+        seqs[i])`` gives alone, so sequences may join and leave between steps without changing anyone's
+        tokens. Raises ``ValueError`` on repeated or out-of-range sequences, positions outside the cache, or
+        lists of different lengths. This default runs :meth:`forward` once per sequence (correct for any
+        engine); engines override it to run the sequences together.
+        """
+        n = len(tokens)
+        if n == 0 or len(positions) != n or len(seqs) != n:
+            raise ValueError(
+                f"decode_step needs one token, position and sequence per row (got {n}, {len(positions)}, {len(seqs)})"
+            )
+        if len(set(seqs)) != n:
+            raise ValueError(f"decode_step takes each sequence at most once (seqs={list(seqs)})")
+        rows = [
+            self.forward(torch.tensor([t], dtype=torch.int64), p, s)[-1:].float()
+            for t, p, s in zip(tokens, positions, seqs, strict=True)
+        ]
+        return torch.cat(rows)
+
+    def decode_step_greedy(self, tokens: list[int], positions: list[int], seqs: list[int]) -> list[int]:
+        """:meth:`decode_step` followed by the argmax of every row (engines take it on the device, with one
+        host read): the next greedy token of each sequence."""
+        return self.decode_step(tokens, positions, seqs).argmax(-1).tolist()
 
     # ------------------------------------------------------------------ optional fast paths
     # Called only when ``capabilities()`` sets the flag named in each docstring.
 
-    def greedy_stream(self, first_token: int, start_pos: int, max_new: int) -> Iterator[int]:
-        """Plain greedy decoding, pipelined (``Capabilities.pipelined_greedy``).
+    def greedy_stream(self, first_token: int, start_pos: int, max_new: int, seq: int = 0) -> Iterator[int]:
+        """Plain greedy decoding of sequence ``seq``, pipelined (``Capabilities.pipelined_greedy``).
 
         Feed ``first_token`` at ``start_pos`` and yield up to ``max_new`` next tokens one by one, exactly
         the argmax tokens of successive :meth:`forward` steps. Ends early when the cache is full (the last
@@ -136,8 +177,10 @@ class DecodeEngine(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not declare Capabilities.pipelined_greedy")
 
-    def speculative_greedy_step(self, next_token: int, start_pos: int, num_draft: int) -> SpecStepResult:
-        """One greedy speculative step (``Capabilities.mtp``).
+    def speculative_greedy_step(
+        self, next_token: int, start_pos: int, num_draft: int, seq: int = 0
+    ) -> SpecStepResult:
+        """One greedy speculative step of sequence ``seq`` (``Capabilities.mtp``).
 
         Precondition: positions ``0..start_pos-1`` are in the cache and ``next_token`` is the greedy token
         at ``start_pos``, not yet run. Drafts up to ``num_draft`` tokens, verifies them with the main model

@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import anyio
-import httpx
 import structlog
 
 from tilert.router.config import RouterConfig
@@ -15,14 +15,9 @@ from tilert.router.detokenize import TokenizerBundle, load_tokenizer
 from tilert.router.metrics import RouterMetrics
 from tilert.router.node_client import NodeClient
 from tilert.router.pool import DecodePool, PooledNode
+from tilert.router.prefill import prefill_session
 
 log = structlog.get_logger("tilert.router")
-
-
-def _limits() -> httpx.Limits:
-    # No cap on concurrent connections: the pool gate bounds decode streams, and prefill concurrency is
-    # vLLM's to schedule. A capped pool is how Python PD proxies starve under load.
-    return httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=30.0)
 
 
 @dataclass
@@ -30,7 +25,7 @@ class RouterContext:
     config: RouterConfig
     metrics: RouterMetrics
     pool: DecodePool
-    prefill: httpx.AsyncClient
+    prefill: aiohttp.ClientSession
     nodes: dict[str, NodeClient]
     tokenizer: TokenizerBundle
     started_at: int = field(default_factory=lambda: int(time.time()))
@@ -42,23 +37,9 @@ class RouterContext:
             tokenizer = await anyio.to_thread.run_sync(load_tokenizer, config.model_dir)
         except Exception as exc:  # noqa: BLE001 - refuse start-up with the reason
             raise RuntimeError(f"router cannot load the tokenizer from model_dir {config.model_dir!r}: {exc}") from exc
-        prefill = httpx.AsyncClient(
-            base_url=config.prefill_url,
-            timeout=httpx.Timeout(config.prefill_timeout_s, connect=config.connect_timeout_s),
-            limits=_limits(),
-        )
+        prefill = prefill_session(config.prefill_url, config.prefill_timeout_s, config.connect_timeout_s)
         nodes = {
-            spec.name: NodeClient(
-                spec,
-                httpx.AsyncClient(
-                    base_url=spec.base_url,
-                    # The decode stream's read waits are bounded by the flow (transfer and idle timeouts).
-                    timeout=httpx.Timeout(None, connect=config.connect_timeout_s),
-                    limits=_limits(),
-                ),
-                config.control_timeout_s,
-                config.secret,
-            )
+            spec.name: NodeClient(spec, config.connect_timeout_s, config.control_timeout_s, config.secret)
             for spec in config.decode_nodes
         }
         pool = DecodePool(
@@ -77,7 +58,7 @@ class RouterContext:
 
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):
-            await self.prefill.aclose()
+            await self.prefill.close()
             for client in self.nodes.values():
                 await client.aclose()
 
@@ -108,12 +89,14 @@ class RouterContext:
         return [results[n.name] for n in self.pool.nodes]
 
     async def check_prefill(self) -> dict[str, Any]:
+        url = self.config.prefill_url
         try:
-            resp = await self.prefill.get("/health", timeout=httpx.Timeout(self.config.health_timeout_s))
-        except httpx.HTTPError as exc:
-            return {"url": self.config.prefill_url, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        ok = resp.status_code == 200
-        return {"url": self.config.prefill_url, "ok": ok, "error": None if ok else f"HTTP {resp.status_code}"}
+            timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+            async with self.prefill.get("/health", timeout=timeout) as resp:
+                status = resp.status
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            return {"url": url, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        return {"url": url, "ok": status == 200, "error": None if status == 200 else f"HTTP {status}"}
 
     async def health_loop(self) -> None:
         while True:

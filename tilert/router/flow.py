@@ -97,7 +97,9 @@ class RequestFlow:
         return self.out is not None and self.out.done
 
     def _to(self, state: FlowState, **fields: Any) -> None:
-        self.log.info("request_state", state=state.value, previous=self.state.value, **fields)
+        final = state in (FlowState.FINISHED, FlowState.FAILED, FlowState.CANCELLED)
+        (self.log.info if final else self.log.debug)("request_state", state=state.value,
+                                                      previous=self.state.value, **fields)  # fmt: skip
         self.state = state
 
     def _elapsed(self) -> float:
@@ -225,6 +227,7 @@ class RequestFlow:
             await out.body(sse(shape.chunk(loop.first_delta(), [pre.first_token_id], usage_now=now)))
         self._first_token()
         sent_at, first = anyio.current_time(), True
+        line: c.TokenLine | None = None
         while not loop.done:
             line = await self._next_line(lines, first)
             if first:
@@ -237,6 +240,8 @@ class RequestFlow:
                 now = usage(pre.prompt_tokens, len(loop.token_ids)) if plan.continuous_usage else None
                 await out.body(sse(shape.chunk(delta.text, delta.token_ids, delta.finish_reason,
                                                delta.stop_reason, now)))  # fmt: skip
+        if line is not None and line.finish_reason is not None:
+            await _drain(lines)  # the node's last line came: reading to EOF keeps the connection for reuse
         await self._finish(out, lease, shape, pre, loop)
 
     async def _finish(
@@ -269,3 +274,9 @@ class RequestFlow:
             status = line.status if 400 <= line.status < 500 or line.status in (501, 504) else 502
             raise RouterError(status, f"decode failed: {line.message}", outcome="decode_error")
         return line
+
+
+async def _drain(lines: AsyncIterator[c.TokenLine | c.ErrorLine]) -> None:
+    with anyio.move_on_after(0.5):
+        async for _ in lines:
+            pass

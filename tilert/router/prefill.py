@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 import orjson
 
 from tilert.contracts import Claim, ClaimResult, ContractError
@@ -29,32 +29,42 @@ class PrefillResult:
     prompt_token_ids: list[int] | None
 
 
+DEFAULT_BUSY_RETRY_AFTER_S = 1
+
+
 def _fail(message: str) -> RouterError:
     return RouterError(502, message, outcome="prefill_error")
 
 
+def prefill_session(base_url: str, timeout_s: float, connect_timeout_s: float) -> aiohttp.ClientSession:
+    """The router's client of vLLM (aiohttp, as for the decode nodes: it is on every request's path).
+    No cap on connections: prefill concurrency is vLLM's to schedule."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
+    return aiohttp.ClientSession(base_url, connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
+
+
 async def run_prefill(
-    client: httpx.AsyncClient, plan: RequestPlan, claim: Claim, *, request_id: str, api_key: str | None
+    client: aiohttp.ClientSession, plan: RequestPlan, claim: Claim, *, request_id: str, api_key: str | None
 ) -> PrefillResult:
     """POST the prefill; vLLM's 4xx reach the client as they are, 5xx and transport errors are 502/504."""
     headers = {"content-type": "application/json", "x-request-id": request_id}
     if api_key:
         headers["authorization"] = f"Bearer {api_key}"
     try:
-        resp = await client.post(plan.path, content=orjson.dumps(plan.prefill_body(claim.to_params())), headers=headers)
-    except httpx.TimeoutException as exc:
-        raise RouterError(504, f"prefill timed out: {type(exc).__name__}", outcome="prefill_timeout") from None
-    except httpx.HTTPError as exc:
+        async with client.post(plan.path, data=orjson.dumps(plan.prefill_body(claim.to_params())),
+                               headers=headers) as resp:  # fmt: skip
+            status, body = resp.status, await resp.read()
+    except TimeoutError:
+        raise RouterError(504, "prefill timed out", outcome="prefill_timeout") from None
+    except aiohttp.ClientError as exc:
         raise _fail(f"prefill server unreachable: {type(exc).__name__}") from None
-    body = resp.content
-    if 400 <= resp.status_code < 500:
-        message = upstream_message(body, f"prefill rejected the request with HTTP {resp.status_code}")
+    if 400 <= status < 500:
+        message = upstream_message(body, f"prefill rejected the request with HTTP {status}")
         raise RouterError(
-            resp.status_code, message, outcome="prefill_rejected",
-            body=body if _is_json_object(body) else None, upstream=True,
+            status, message, outcome="prefill_rejected", body=body if _is_json_object(body) else None, upstream=True,
         )  # fmt: skip
-    if resp.status_code != 200:
-        raise _fail(f"prefill failed with HTTP {resp.status_code}")
+    if status != 200:
+        raise _fail(f"prefill failed with HTTP {status}")
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -75,6 +85,14 @@ def _claim_result(data: dict[str, Any], transfer_id: str) -> ClaimResult:
         kv = ClaimResult.from_params(data.get("kv_transfer_params"))
     except ContractError as exc:
         raise _fail(f"prefill answered kv_transfer_params outside the contract: {exc}") from None
+    if kv is not None and kv.busy:
+        # Transient: the prefill node had no staging room. Nothing has been sent to the client yet, and the
+        # lease (the decode slot) is released on the way out, so the client may simply retry.
+        retry_after = kv.retry_after_s if kv.retry_after_s is not None else DEFAULT_BUSY_RETRY_AFTER_S
+        raise RouterError(
+            503, "the prefill node is busy handing off other requests' KV; retry shortly", outcome="prefill_busy",
+            headers={"Retry-After": str(max(1, retry_after))},
+        )  # fmt: skip
     if kv is not None and kv.error:
         raise _fail(f"the TileRT connector refused the claim: {kv.error}")
     if kv is None or kv.first_token_id is None:

@@ -3,10 +3,11 @@
 The receiver serves at most ``max_connections`` connections at once (more are closed on arrival) and
 closes one idle for ``idle_timeout_s``.
 
-Each write is one frame on a pooled connection: a fixed header (grant key, offset, length), then the
-payload, which the receiver reads straight into the registered buffer (``recv_into``, no extra copy);
-the receiver answers one status byte once the bytes are in place. A write outside its grant, or to a
-revoked grant, is refused and the connection closed.
+Each write is one frame on a pooled connection: a fixed header (grant key, offset within the grant,
+length), then the payload, which the receiver reads straight into the registered buffer (``recv_into``,
+no extra copy); the receiver answers one status byte once the bytes are in place. A write outside its
+grant, or to a revoked grant, is refused and the connection closed. The sender needs no source
+registration (it copies from any memory; a device tensor is copied to the host first).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import structlog
 import torch
 
 from tilert.netio import recv_exact, recv_into
-from tilert.transports.base import Receiver, Sender, TransferError, Transport
+from tilert.transports.base import Receiver, Sender, TransferError, Transport, check_bounds
 
 log = structlog.get_logger("tilert.transports.tcp")
 
@@ -136,14 +137,13 @@ class TcpSender(Sender):
         self._pool: dict[tuple[str, int], socket.socket] = {}
         self._lock = threading.Lock()
 
-    def write(self, target: dict[str, Any], data: torch.Tensor) -> None:
+    def write(self, target: dict[str, Any], data: torch.Tensor, offset: int = 0) -> None:
         if data.device.type != "cpu" or not data.is_contiguous():
             data = data.contiguous().cpu()
         payload = data.view(torch.uint8).numpy().data.cast("B")
-        if len(payload) > int(target["nbytes"]):
-            raise TransferError(f"write of {len(payload)} bytes exceeds the {target['nbytes']}-byte grant")
+        check_bounds(int(target["nbytes"]), offset, len(payload))
         endpoint = (str(target["host"]), int(target["port"]))
-        header = _HEADER.pack(bytes.fromhex(target["key"]), 0, len(payload))
+        header = _HEADER.pack(bytes.fromhex(target["key"]), offset, len(payload))
         with self._lock:  # one write at a time per sender keeps pooled streams framed
             pooled = self._pool.pop(endpoint, None)
             if pooled is not None:

@@ -1,26 +1,41 @@
 """``TileRTEngine``: the TileRT decode engine (thin wrapper; the math lives in ``model.py``).
 
-State per sequence (static, allocated at load): the latent cache ``[layers, S, L+R]``, the DSA indexer
-key cache ``[index layers, S, Di]``, and, when the checkpoint has an MTP module, its own latent (and
-indexer) cache plus per-position buffers of main-model hidden states and tokens that the MTP module
-needs to (re)compute its rows.
+Sequences: the engine holds ``max_sequences`` independent sequences (slots ``0..max_sequences-1``), each with
+``max_seq_len`` positions. Every method takes ``seq`` (default 0) and :meth:`TileRTEngine.decode_step` advances
+several sequences by one token each in one step.
 
-MTP row bookkeeping: MTP row ``r`` holds the module's KV for input ``(h_r, t_{r+1})``. Rows are only
-valid once computed from the main model's real hidden ``h_r``; the valid rows are kept as one range
-``[_mtp_lo, _mtp_upto)`` (rows of an injected prompt without MTP KV lie below it) and the MTP attention
-runs dense over ``_mtp_lo..row``. ``speculative_greedy_step`` first catches up the MTP rows whose inputs
-became known (``[_mtp_upto, L-1]``), which also yields the first draft; when those rows do not continue
+State per sequence slot (static, allocated at load): the latent cache rows ``[layers, S, L+R]``, the DSA
+indexer key rows ``[index layers, S, Di]``, and, when the checkpoint has an MTP module, its own latent (and
+indexer) rows plus per-position buffers of main-model hidden states and tokens that the MTP module needs to
+(re)compute its rows, and the bookkeeping below (:class:`_Seq`). The caches hold the slots one after the other
+(slot ``b`` in rows ``b*S..b*S+S-1``; see ``model.py``).
+
+MTP row bookkeeping (per sequence): MTP row ``r`` holds the module's KV for input ``(h_r, t_{r+1})``. Rows are
+only valid once computed from the main model's real hidden ``h_r``; the valid rows are kept as one range
+``[mtp_lo, mtp_upto)`` (rows of an injected prompt without MTP KV lie below it) and the MTP attention
+runs dense over ``mtp_lo..row``. ``speculative_greedy_step`` first catches up the MTP rows whose inputs
+became known (``[mtp_upto, L-1]``), which also yields the first draft; when those rows do not continue
 the range (a gap after a rewind), the range restarts at them.
 
 On CUDA the main-model step of 1..16 tokens runs as one CUDA graph per ``(n, dense/DSA)``
-(``fast.CapturedFn``, captured at first use), and a speculative step (MTP catch-up + draft chain + verify +
-the verify's argmax) as one graph per ``(drafts, catch-up rows, dense/DSA)``: one launch and one host read
-per step. Prefill and CPU run eagerly (the same functions).
+(``fast.CapturedFn``, captured at first use); its inputs are the tokens, their cache rows and (several
+sequences) each token's first row, all device tensors, so the same graph serves a verify batch of one sequence
+and a :meth:`~TileRTEngine.decode_step` over ``n`` sequences. A speculative step (MTP catch-up + draft chain +
+verify + the verify's argmax) is one graph per ``(drafts, catch-up rows, dense/DSA)``: one launch and one host
+read per step. Prefill runs eagerly (the same functions).
+
+On CPU the model computes with :mod:`.ops.cpu` (the reference math called directly, over only the cache rows a
+step reads; ``TILERT_CPU_FAST=0`` or ``cpu_kernels=False`` keeps the dispatched reference ops) and reads each
+sequence through a view of its own rows; ``decode_step`` runs the sequences one after the other (CPU BLAS
+rounds a row differently in batches of different sizes, and each row must be bit for bit what it is alone).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import logging
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,12 +45,41 @@ from tilert.engines.base import Capabilities, DecodeEngine, KVLayout, SpecStepRe
 from . import layouts
 from .fast import CapturedFn
 from .model import Transformer
+from .ops import cpu as cpu_ops
 from .ops import register_device_kernels
 from .weights import load_model
 
 GRAPH_MAX_TOKENS = 16  # main-model steps of up to this many tokens are replayed as CUDA graphs
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_OP_NAMES = ("rms_norm", "gemv", "gemv_residual", "mla_prep", "mla_attention", "mla_sparse_attention",
+             "indexer_topk", "mla_uv", "moe_experts", "moe_residual", "moe_block")
+
+log = logging.getLogger(__name__)
+
+
+def cpu_kernels_wanted(flag: bool | None = None) -> bool:
+    """Whether a CPU engine computes with :mod:`.ops.cpu`: ``flag`` when given, else ``$TILERT_CPU_FAST``
+    (default on; ``0``/``false``/``off`` turn it off). Off as well when some ``tilert::*`` op has a CPU kernel
+    registered through ``torch.library`` (the direct calls would bypass it)."""
+    if flag is None:
+        flag = os.environ.get("TILERT_CPU_FAST", "1").strip().lower() not in ("0", "false", "no", "off")
+    if flag:
+        overridden = [n for n in _OP_NAMES if torch._C._dispatch_has_kernel_for_dispatch_key(f"tilert::{n}", "CPU")]
+        if overridden:
+            log.warning("tilert: CPU kernels registered for %s; the CPU fast path is off", overridden)
+            return False
+    return flag
+
+
+@dataclass
+class _Seq:
+    """Bookkeeping of one sequence slot (positions are the sequence's own, ``0..max_seq_len-1``)."""
+
+    len: int = 0  # positions [0, len) hold the sequence in the main cache
+    hid_lo: int = 0  # positions [hid_lo, len) of the hidden-state buffer are valid
+    mtp_upto: int = 0  # MTP rows < mtp_upto are computed (or permanently invalid)
+    mtp_lo: int = 0  # MTP rows >= mtp_lo (and < mtp_upto) are valid
 
 
 class TileRTEngine(DecodeEngine):
@@ -43,27 +87,41 @@ class TileRTEngine(DecodeEngine):
 
     name = "tilert"
 
-    def __init__(self, model: Transformer, device: torch.device, dtype: torch.dtype, max_seq_len: int) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_seq_len: int,
+        *,
+        cpu_kernels: bool | None = None,
+    ) -> None:
+        if model.max_seq_len != max_seq_len:
+            raise ValueError(f"the model's caches hold {model.max_seq_len} positions, not {max_seq_len}")
         self.model = model
         self.device = device
         self.dtype = dtype
         self.max_seq_len = max_seq_len
+        self.max_sequences = model.max_sequences
         a = model.args
-        # Per-position buffers for the MTP module: main final-norm hidden h_r and token t_r.
-        n_buf = max_seq_len if a.num_mtp_layers else 0
+        # Per-position buffers for the MTP module (flat rows, as the caches): main final-norm hidden h_r, token t_r.
+        n_buf = self.max_sequences * max_seq_len if a.num_mtp_layers else 0
         self._hidden = torch.zeros(n_buf, a.hidden_size, dtype=dtype, device=device)
         self._tokens = torch.zeros(n_buf + 1, dtype=torch.int64, device=device)
-        self._len = 0  # positions [0, _len) hold the current sequence in the main cache
-        self._hid_lo = 0  # rows [_hid_lo, _len) of _hidden are valid
-        self._mtp_upto = 0  # MTP rows < _mtp_upto are computed (or permanently invalid)
-        self._mtp_lo_t = torch.zeros(1, dtype=torch.int64, device=device)  # _mtp_lo on the device (graphs)
-        self._mtp_lo = 0  # MTP rows >= _mtp_lo (and < _mtp_upto) are valid
+        self._seqs = [_Seq() for _ in range(self.max_sequences)]
+        self._mtp_from = torch.zeros(1, dtype=torch.int64, device=device)  # the MTP attention's first row (graphs)
+        # CUDA: flat cache rows, graphs. Elsewhere: each sequence through a view of its own rows.
+        self.flat = device.type == "cuda"
         self.use_graphs = device.type == "cuda"
+        self.cpu_kernels = device.type == "cpu" and cpu_kernels_wanted(cpu_kernels)
+        if self.cpu_kernels:
+            model.use_kernels(cpu_ops)
         self._graphs: dict[tuple[int, bool], CapturedFn | None] = {}
         self._spec_graphs: dict[tuple[int, int, bool], CapturedFn | None] = {}
-        # greedy_stream's step: reads and advances these on the device (token at position, position)
+        # greedy_stream's step: reads and advances these on the device (token, its cache row, its first row)
         self._stream_tok = torch.zeros(1, dtype=torch.int64, device=device)
         self._stream_pos = torch.zeros(1, dtype=torch.int64, device=device)
+        self._stream_base = torch.zeros(1, dtype=torch.int64, device=device)
         self._stream_graphs: dict[bool, CapturedFn | None] = {}
         if self.use_graphs:  # where the host reads the streamed tokens (pinned: asynchronous copies)
             self._stream_host = torch.empty(2, dtype=torch.int64, pin_memory=True)
@@ -74,13 +132,24 @@ class TileRTEngine(DecodeEngine):
 
     @classmethod
     def load(
-        cls, model_dir: Path, *, device: str = "cpu", dtype: torch.dtype = torch.bfloat16, max_seq_len: int = 4096
+        cls,
+        model_dir: Path,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.bfloat16,
+        max_seq_len: int = 4096,
+        max_sequences: int = 1,
     ) -> TileRTEngine:
-        """Read the HF checkpoint in ``model_dir`` (bf16/fp16/fp32 safetensors) and allocate the caches."""
+        """Read the HF checkpoint in ``model_dir`` (bf16/fp16/fp32 safetensors) and allocate the caches of
+        ``max_sequences`` sequences of ``max_seq_len`` positions."""
+        if max_sequences < 1:
+            raise ValueError(f"max_sequences must be >= 1 ({max_sequences})")
         dev = torch.device(device)
         if dev.type == "cuda":
             register_device_kernels()  # Triton kernels over the reference ops (a no-op without Triton)
-        model = load_model(Path(model_dir), device=dev, dtype=dtype, max_seq_len=max_seq_len)
+        model = load_model(
+            Path(model_dir), device=dev, dtype=dtype, max_seq_len=max_seq_len, max_sequences=max_sequences
+        )
         return cls(model, dev, dtype, max_seq_len)
 
     @property
@@ -94,9 +163,12 @@ class TileRTEngine(DecodeEngine):
 
     def capabilities(self) -> Capabilities:
         a = self.model.args
-        notes = [f"arch={a.arch}", "reference PyTorch kernels unless device kernels are registered"]
         if self.use_graphs:
-            notes.append(f"CUDA-graph decode steps (1..{GRAPH_MAX_TOKENS} tokens)")
+            notes = [f"arch={a.arch}", f"CUDA-graph decode steps (1..{GRAPH_MAX_TOKENS} tokens)"]
+        elif self.cpu_kernels:
+            notes = [f"arch={a.arch}", "CPU kernels (ops.cpu), sequences of a decode_step run one after the other"]
+        else:
+            notes = [f"arch={a.arch}", "reference PyTorch kernels"]
         if a.dsa:
             notes.append(f"DSA sparse attention, index_topk={a.index_topk}")
         if self.supports_mtp:
@@ -106,7 +178,11 @@ class TileRTEngine(DecodeEngine):
                 "state)"
             )
         return Capabilities(
-            mtp=self.supports_mtp, pipelined_greedy=True, max_seq_len=self.max_seq_len, notes=tuple(notes)
+            mtp=self.supports_mtp,
+            pipelined_greedy=True,
+            max_seq_len=self.max_seq_len,
+            max_sequences=self.max_sequences,
+            notes=tuple(notes),
         )
 
     def expected_layouts(self) -> dict[str, KVLayout]:
@@ -161,15 +237,19 @@ class TileRTEngine(DecodeEngine):
                 raise ValueError(f"indexer rows of {ilay.row_bytes} bytes, expected {want_row}")
 
     @torch.no_grad()
-    def inject(self, state: dict[str, torch.Tensor], layouts_: dict[str, KVLayout], num_tokens: int) -> None:
-        """Replace the sequence with a prompt of ``num_tokens`` tokens whose KV is ``state``.
+    def inject(
+        self, state: dict[str, torch.Tensor], layouts_: dict[str, KVLayout], num_tokens: int, seq: int = 0
+    ) -> None:
+        """Replace sequence ``seq`` with a prompt of ``num_tokens`` tokens whose KV is ``state`` (the other
+        sequences are untouched).
 
         ``state["mla"]``: ``uint8 [N or N+1, num_tokens, row_bytes]`` of kind ``mla_dense`` (float32 /
         bfloat16 / float16) or ``fp8_ds_mla``; an extra last layer is taken as the MTP layer's KV (rows
         then valid). ``state["indexer"]`` (DSA only): kind ``dsa_indexer`` per-token rows. Raises
-        ``ValueError`` on unknown names, kinds, shapes or rope conventions.
+        ``ValueError`` on unknown names, kinds, shapes or rope conventions, and on a ``seq`` out of range.
         """
         a = self.model.args
+        self._check_seq(seq)
         if not 0 < num_tokens <= self.max_seq_len:
             raise ValueError(f"num_tokens={num_tokens} outside 1..{self.max_seq_len}")
         self.check_layouts(layouts_)
@@ -183,14 +263,7 @@ class TileRTEngine(DecodeEngine):
                 f"mla state shape {tuple(rows.shape)} != [layers, tokens, row bytes] "
                 f"{(lay.num_layers, num_tokens, lay.row_bytes)}"
             )
-        latent = layouts.decode_mla_rows(
-            rows.to(self.device), lay.kind, lay.dtype, a.kv_lora_rank, a.qk_rope_head_dim, lay.rope_interleaved
-        )
-        m = self.model
-        m.kv_cache[:, :num_tokens] = latent[: a.num_layers].to(self.dtype)
-        if mtp_given:
-            m.mtp_kv_cache[0, :num_tokens] = latent[a.num_layers].to(self.dtype)
-
+        ikeys = None
         if a.dsa:
             ilay = layouts_["indexer"]
             irows = state["indexer"]
@@ -199,35 +272,67 @@ class TileRTEngine(DecodeEngine):
                     f"indexer state shape {tuple(irows.shape)} != [layers, tokens, row bytes] "
                     f"{(ilay.num_layers, num_tokens, ilay.row_bytes)}"
                 )
-            keys = layouts.decode_dsa_indexer(
+            ikeys = layouts.decode_dsa_indexer(
                 irows.to(self.device), a.index_head_dim, a.qk_rope_head_dim, ilay.rope_interleaved
             )
-            m.index_cache[:, :num_tokens] = keys.to(self.dtype)
-
-        self._len = num_tokens
-        self._hid_lo = num_tokens  # no hidden states for the prompt
-        self._mtp_upto = num_tokens if mtp_given else 0
-        self._mtp_lo = 0 if mtp_given else num_tokens
+        latent = layouts.decode_mla_rows(
+            rows.to(self.device), lay.kind, lay.dtype, a.kv_lora_rank, a.qk_rope_head_dim, lay.rope_interleaved
+        )
+        m = self.model
+        lo = seq * self.max_seq_len
+        m.kv_cache[:, lo : lo + num_tokens] = latent[: a.num_layers].to(self.dtype)
+        if mtp_given:
+            m.mtp_kv_cache[0, lo : lo + num_tokens] = latent[a.num_layers].to(self.dtype)
+        if ikeys is not None:
+            m.index_cache[:, lo : lo + num_tokens] = ikeys.to(self.dtype)
+        self._seqs[seq] = _Seq(
+            len=num_tokens,
+            hid_lo=num_tokens,  # no hidden states for the prompt
+            mtp_upto=num_tokens if mtp_given else 0,
+            mtp_lo=0 if mtp_given else num_tokens,
+        )
 
     @torch.no_grad()
-    def forward(self, token_ids: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """Run ``token_ids`` (int64 ``[n]``) at positions ``start_pos..start_pos+n-1``; float32 logits ``[n, V]``.
+    def forward(self, token_ids: torch.Tensor, start_pos: int, seq: int = 0) -> torch.Tensor:
+        """Run ``token_ids`` (int64 ``[n]``) at positions ``start_pos..start_pos+n-1`` of sequence ``seq``;
+        float32 logits ``[n, V]``.
 
         Positions ``>= start_pos`` of earlier calls are overwritten (a rewind is just a smaller start_pos).
         """
-        _, logits = self._forward_main(token_ids, start_pos, invalidate_mtp=True)
+        self._check_seq(seq)
+        _, logits = self._forward_main(token_ids, start_pos, seq, invalidate_mtp=True)
         return logits
 
+    def decode_step(self, tokens: list[int], positions: list[int], seqs: list[int]) -> torch.Tensor:
+        """One new token for each of ``n`` distinct sequences: ``tokens[i]`` at ``positions[i]`` of sequence
+        ``seqs[i]``; float32 logits ``[n, V]``, row ``i`` bit for bit what :meth:`forward` of that token alone
+        gives (batch-invariant).
+
+        CUDA: the rows run as one graph replay per attention regime (dense / DSA) and up to
+        ``GRAPH_MAX_TOKENS`` rows. CPU: the rows run one after the other.
+        """
+        out = self._decode(tokens, positions, seqs, greedy=False)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def decode_step_greedy(self, tokens: list[int], positions: list[int], seqs: list[int]) -> list[int]:
+        """:meth:`decode_step`, then the argmax of each row, on the device with one host read."""
+        out = self._decode(tokens, positions, seqs, greedy=True)
+        assert isinstance(out, list)
+        return out
+
     @torch.no_grad()
-    def greedy_stream(self, first_token: int, start_pos: int, max_new: int) -> Iterator[int]:
-        """Plain greedy decoding, pipelined: feed ``first_token`` at ``start_pos`` and yield up to ``max_new``
-        next tokens one by one (the same tokens as :func:`greedy_generate`).
+    def greedy_stream(self, first_token: int, start_pos: int, max_new: int, seq: int = 0) -> Iterator[int]:
+        """Plain greedy decoding of sequence ``seq``, pipelined: feed ``first_token`` at ``start_pos`` and yield
+        up to ``max_new`` next tokens one by one (the same tokens as :func:`greedy_generate`).
 
         On CUDA each step is one graph replay that also takes the argmax and advances its own token and
         position on the device, so step ``t+1`` is launched before token ``t`` is read: the GPU never
-        waits for Python. Stop iterating at any time; at most one step beyond the last token read has run
-        (its cache row lies beyond the sequence and is overwritten later).
+        waits for Python. On CPU each step is the CPU fast step (:mod:`.ops.cpu`). Stop iterating at any
+        time; at most one step beyond the last token read has run (its cache row lies beyond the sequence and
+        is overwritten later).
         """
+        self._check_seq(seq)
         if not 0 <= start_pos <= self.max_seq_len:
             raise ValueError(f"start_pos={start_pos} outside the cache (max {self.max_seq_len})")
         max_new = min(max_new, self.max_seq_len - start_pos)  # ends early when the cache is full
@@ -236,12 +341,16 @@ class TileRTEngine(DecodeEngine):
         if not self.use_graphs:
             tok = first_token
             for pos in range(start_pos, start_pos + max_new):
-                tok = int(self.forward(torch.tensor([tok]), pos)[-1].argmax())
+                _, logits = self._forward_main(torch.tensor([tok]), pos, seq, invalidate_mtp=True)
+                tok = int(logits[-1].argmax())
                 yield tok
             return
-        self._mtp_upto = min(self._mtp_upto, max(start_pos - 1, 0))  # as forward(): t_start may be new
+        st = self._seqs[seq]
+        st.mtp_upto = min(st.mtp_upto, max(start_pos - 1, 0))  # as forward(): t_start may be new
+        base = seq * self.max_seq_len
         self._stream_tok.fill_(first_token)
-        self._stream_pos.fill_(start_pos)
+        self._stream_pos.fill_(base + start_pos)
+        self._stream_base.fill_(base)
         host, done = self._stream_host, self._stream_done
 
         def launch(pos: int, slot: int) -> None:
@@ -255,17 +364,18 @@ class TileRTEngine(DecodeEngine):
             if i + 1 < max_new:
                 launch(pos + 1, (i + 1) % 2)  # runs while token i is read
             done[i % 2].synchronize()
-            self._note_written(pos, 1)
+            self._note_written(st, pos, 1)
             yield int(host[i % 2])
 
     def _stream_step(self, use_indexer: bool) -> CapturedFn:
-        """greedy_stream's graph for the dense / DSA regime: one step at ``_stream_pos`` from ``_stream_tok``,
-        which it then replaces by the argmax, and the position by the next one."""
+        """greedy_stream's graph for the dense / DSA regime: one step at row ``_stream_pos`` from ``_stream_tok``,
+        which it then replaces by the argmax, and the row by the next one."""
         if use_indexer not in self._stream_graphs:
             m = self.model
+            row_start = self._stream_base if self.max_sequences > 1 else None
 
             def fn() -> None:
-                hidden = m(self._stream_tok, self._stream_pos, use_indexer)
+                hidden = m(self._stream_tok, self._stream_pos, use_indexer, row_start)
                 nxt = m.logits(hidden).argmax(-1)
                 if self.supports_mtp:
                     self._hidden.index_copy_(0, self._stream_pos, hidden)
@@ -287,8 +397,8 @@ class TileRTEngine(DecodeEngine):
     # ---------------------------------------------------------------------------------- MTP
 
     @torch.no_grad()
-    def speculative_greedy_step(self, next_token: int, start_pos: int, num_draft: int) -> SpecStepResult:
-        """One greedy speculative step with the MTP module.
+    def speculative_greedy_step(self, next_token: int, start_pos: int, num_draft: int, seq: int = 0) -> SpecStepResult:
+        """One greedy speculative step of sequence ``seq`` with the MTP module.
 
         Precondition: positions ``0..start_pos-1`` are in the cache and ``next_token`` is the (greedy)
         token at ``start_pos``, not yet run. The MTP module drafts ``d_1..d_K`` (``K = num_draft``,
@@ -300,6 +410,7 @@ class TileRTEngine(DecodeEngine):
         Without an MTP module, or without the main hidden state for ``start_pos-1`` (right after an
         injection), no drafts are made and this is one plain greedy step.
         """
+        self._check_seq(seq)
         if num_draft < 0:
             raise ValueError("num_draft must be >= 0")
         L = start_pos
@@ -311,67 +422,87 @@ class TileRTEngine(DecodeEngine):
             # Keep the verify batch in one attention regime, the one plain steps use at these positions
             # (dense below index_topk, DSA from it): then it computes them bit for bit as plain decoding.
             k_max = a.index_topk - 1 - L
-        if not (self.supports_mtp and k_max > 0 and L > 0 and self._hid_lo <= L - 1 < self._len and self._mtp_upto < L):
-            _, logits = self._forward_main(torch.tensor([next_token]), L, invalidate_mtp=False)
-            self._mtp_upto = min(self._mtp_upto, L)
+        st = self._seqs[seq]
+        if not (self.supports_mtp and k_max > 0 and L > 0 and st.hid_lo <= L - 1 < st.len and st.mtp_upto < L):
+            _, logits = self._forward_main(torch.tensor([next_token]), L, seq, invalidate_mtp=False)
+            st.mtp_upto = min(st.mtp_upto, L)
             return SpecStepResult(tokens=[int(logits[-1].argmax())], num_drafted=0, num_accepted=0)
 
         # Catch up MTP rows [lo, L-1] from real hidden states (row r <- (h_r, t_{r+1})), then draft.
-        lo = max(self._mtp_upto, self._hid_lo)
-        if lo > self._mtp_upto or self._mtp_upto <= self._mtp_lo:  # gap or empty: restart the range
-            self._mtp_lo = lo
-        self._tokens[L] = next_token
-        rows = torch.arange(lo, L, device=self.device)
-        verify_pos = torch.arange(L, L + k_max + 1, device=self.device)
+        lo = max(st.mtp_upto, st.hid_lo)
+        if lo > st.mtp_upto or st.mtp_upto <= st.mtp_lo:  # gap or empty: restart the range
+            st.mtp_lo = lo
+        base = seq * self.max_seq_len
+        off = base if self.flat else 0  # model rows = positions + off; buffer rows = model rows + buf_off
+        buf_off = base - off
+        self._tokens[base + L] = next_token
+        self._mtp_from.fill_(st.mtp_lo + off)
+        rows = torch.arange(off + lo, off + L, device=self.device)
+        verify_pos = torch.arange(off + L, off + L + k_max + 1, device=self.device)
         use_indexer = a.dsa and L + k_max + 1 > a.index_topk
-        inputs = (self._tokens[rows + 1], rows, verify_pos)
+        inputs: tuple[torch.Tensor, ...] = (self._tokens[rows + buf_off + 1], rows, verify_pos)
+        if self.flat and self.max_sequences > 1:
+            inputs += (torch.full((k_max + 1,), base, dtype=torch.int64, device=self.device),)
         step = self._spec_step(k_max, L - lo, use_indexer, inputs)
         if step is not None:
             drafts_t, greedy_t = step(*inputs)
         else:
-            drafts_t, greedy_t = self._draft_verify(*inputs, num_draft=k_max, use_indexer=use_indexer)
+            with torch.inference_mode(not self.flat):  # as _forward_main
+                drafts_t, greedy_t = self._draft_verify(
+                    *inputs, num_draft=k_max, use_indexer=use_indexer, buf_off=buf_off, seq=self._view(seq)
+                )
         out = torch.cat([drafts_t, greedy_t]).tolist()  # the step's one host sync
         drafts, greedy = out[:k_max], out[k_max:]
-        self._mtp_upto = L  # rows >= L hold draft data only
-        self._note_written(L, k_max + 1)
+        st.mtp_upto = L  # rows >= L hold draft data only
+        self._note_written(st, L, k_max + 1)
         n_acc = 0
         while n_acc < k_max and drafts[n_acc] == greedy[n_acc]:
             n_acc += 1
-        self._len = L + n_acc + 1  # rejected positions are rewound
+        st.len = L + n_acc + 1  # rejected positions are rewound
         return SpecStepResult(tokens=greedy[: n_acc + 1], num_drafted=len(drafts), num_accepted=n_acc)
 
     # ----------------------------------------------------------------------------- internals
 
-    @property
-    def _mtp_lo(self) -> int:
-        return self._mtp_lo_host
+    def _check_seq(self, seq: int) -> None:
+        if not 0 <= seq < self.max_sequences:
+            raise ValueError(f"seq={seq} outside 0..{self.max_sequences - 1}")
 
-    @_mtp_lo.setter
-    def _mtp_lo(self, row: int) -> None:
-        """One source for the host value and the device copy the MTP graphs read."""
-        self._mtp_lo_host = row
-        self._mtp_lo_t.fill_(row)
+    def _view(self, seq: int) -> int | None:
+        """The model's ``seq`` argument: sequence ``seq``'s own rows on the view path (CPU), ``None`` for flat
+        rows (CUDA) or when the engine holds one sequence (the whole cache is its own)."""
+        return seq if self.max_sequences > 1 and not self.flat else None
 
     def _draft_verify(
-        self, catch_tokens: torch.Tensor, catch_rows: torch.Tensor, verify_pos: torch.Tensor, *, num_draft: int,
+        self,
+        catch_tokens: torch.Tensor,
+        catch_rows: torch.Tensor,
+        verify_pos: torch.Tensor,
+        verify_start: torch.Tensor | None = None,
+        *,
+        num_draft: int,
         use_indexer: bool,
+        buf_off: int = 0,
+        seq: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One speculative step on the device, no host sync (graph-capturable): MTP rows ``catch_rows`` from
         the recorded hidden states (tokens ``catch_tokens``), ``num_draft`` chained drafts, then the main
         model over ``[t_L, drafts]`` at ``verify_pos`` (hidden states and tokens recorded for the MTP).
+        Rows are the model's (flat; or sequence ``seq``'s own, the buffers then at ``+ buf_off``);
+        ``verify_start``: the verify tokens' first row (flat rows of several sequences).
         Returns the drafts ``[K]`` and the verify's greedy tokens ``[K+1]`` (int64)."""
         m = self.model
-        g, logits = m.mtp_forward(catch_tokens, self._hidden[catch_rows], catch_rows, self._mtp_lo_t)
+        g, logits = m.mtp_forward(catch_tokens, self._hidden[catch_rows + buf_off], catch_rows, self._mtp_from, seq)
         drafts = [logits[-1:].argmax(-1)]
         h_prev = g[-1:]
         for j in range(1, num_draft):  # chained drafts at rows L, L+1, ...
-            h_prev, logits = m.mtp_forward(drafts[-1], h_prev, verify_pos[j - 1 : j], self._mtp_lo_t)
+            h_prev, logits = m.mtp_forward(drafts[-1], h_prev, verify_pos[j - 1 : j], self._mtp_from, seq)
             drafts.append(logits[-1:].argmax(-1))
-        tokens = torch.cat([self._tokens[verify_pos[:1]], *drafts])
-        hidden = m(tokens, verify_pos, use_indexer)
+        buf_rows = verify_pos + buf_off
+        tokens = torch.cat([self._tokens[buf_rows[:1]], *drafts])
+        hidden = m(tokens, verify_pos, use_indexer, verify_start, seq)
         greedy = m.logits(hidden).argmax(-1)
-        self._hidden.index_copy_(0, verify_pos, hidden)
-        self._tokens.index_copy_(0, verify_pos, tokens)
+        self._hidden.index_copy_(0, buf_rows, hidden)
+        self._tokens.index_copy_(0, buf_rows, tokens)
         return tokens[1:], greedy
 
     def _spec_step(
@@ -383,9 +514,8 @@ class TileRTEngine(DecodeEngine):
         key = (num_draft, n_catch, use_indexer)
         if key not in self._spec_graphs:
 
-            def fn(catch_tokens: torch.Tensor, catch_rows: torch.Tensor, verify_pos: torch.Tensor):
-                return self._draft_verify(catch_tokens, catch_rows, verify_pos, num_draft=num_draft,
-                                          use_indexer=use_indexer)
+            def fn(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return self._draft_verify(*args, num_draft=num_draft, use_indexer=use_indexer)
 
             step = CapturedFn(fn, self.device)
             try:  # its warm-up runs write the rows the replay below rewrites
@@ -395,59 +525,139 @@ class TileRTEngine(DecodeEngine):
                 self._spec_graphs[key] = None
         return self._spec_graphs[key]
 
-    def _note_written(self, start_pos: int, n: int) -> None:
+    def _note_written(self, st: _Seq, start_pos: int, n: int) -> None:
         """Bookkeeping after the main model wrote positions ``start_pos..start_pos+n-1`` (hidden recorded)."""
-        if self.supports_mtp and (start_pos < self._hid_lo or start_pos > self._len):
-            self._hid_lo = start_pos
-        self._len = start_pos + n
+        if self.supports_mtp and (start_pos < st.hid_lo or start_pos > st.len):
+            st.hid_lo = start_pos
+        st.len = start_pos + n
 
     def _step(self, n: int, use_indexer: bool) -> CapturedFn | None:
-        """The CUDA graph for ``n`` tokens in the dense / DSA regime (``None``: run eagerly)."""
+        """The CUDA graph for ``n`` tokens in the dense / DSA regime (``None``: run eagerly). Inputs: tokens,
+        their cache rows and (several sequences) each token's first row."""
         if not self.use_graphs or n > GRAPH_MAX_TOKENS:
             return None
         key = (n, use_indexer)
         if key not in self._graphs:  # a size that failed to capture stays None (eager)
             model = self.model
 
-            def step(tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                hidden = model(tokens, positions, use_indexer)
+            def step(
+                tokens: torch.Tensor, rows: torch.Tensor, row_start: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+                hidden = model(tokens, rows, use_indexer, row_start)
                 return hidden, model.logits(hidden)
 
             self._graphs[key] = CapturedFn(step, self.device)
         return self._graphs[key]
 
-    def _forward_main(
-        self, token_ids: torch.Tensor, start_pos: int, invalidate_mtp: bool
+    def _run_flat(
+        self, tokens: torch.Tensor, rows: torch.Tensor, row_start: torch.Tensor | None, use_indexer: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Main model over ``token_ids`` at ``start_pos..``; returns final-norm hidden ``[n, D]`` and float32
-        logits ``[n, V]``, and records hidden states / tokens for the MTP module."""
+        """The main model over flat cache ``rows`` (graph when there is one): hidden ``[n, D]``, logits ``[n, V]``
+        (the logits are the caller's; the hidden is valid until the next step)."""
+        n = tokens.shape[0]
+        inputs = (tokens, rows) if row_start is None else (tokens, rows, row_start)
+        step = self._step(n, use_indexer)
+        if step is not None and step.graph is None:
+            try:  # its warm-up runs write rows that the replay below rewrites
+                step.capture(*inputs, pool=self._pool)
+            except RuntimeError:  # an op fell back to a non-capturable kernel: stay eager for this size
+                self._graphs[(n, use_indexer)] = step = None
+        if step is not None:
+            hidden, logits = step(*inputs)
+            return hidden, logits.clone()  # the graph's static buffer is rewritten by the next step
+        hidden = self.model(tokens, rows, use_indexer, row_start)
+        return hidden, self.model.logits(hidden)
+
+    def _forward_main(
+        self, token_ids: torch.Tensor, start_pos: int, seq: int, invalidate_mtp: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Main model over ``token_ids`` at ``start_pos..`` of sequence ``seq``; returns final-norm hidden
+        ``[n, D]`` and float32 logits ``[n, V]``, and records hidden states / tokens for the MTP module."""
         token_ids = token_ids.to(device=self.device, dtype=torch.int64).reshape(-1)
         n = token_ids.shape[0]
         if start_pos < 0 or n == 0 or start_pos + n > self.max_seq_len:
             raise ValueError(f"positions {start_pos}..{start_pos + n - 1} outside the cache (max {self.max_seq_len})")
-        positions = torch.arange(start_pos, start_pos + n, device=self.device)
         # Every query position < index_topk: the DSA top-k is every row, so dense MLA gives the same result.
         use_indexer = self.model.args.dsa and start_pos + n > self.model.args.index_topk
-        step = self._step(n, use_indexer)
-        if step is not None and step.graph is None:
-            try:  # its warm-up runs write rows that the replay below rewrites
-                step.capture(token_ids, positions, pool=self._pool)
-            except RuntimeError:  # an op fell back to a non-capturable kernel: stay eager for this size
-                self._graphs[(n, use_indexer)] = step = None
-        if step is not None:
-            hidden, logits = step(token_ids, positions)
-            logits = logits.clone()  # the graph's static buffer is rewritten by the next step
+        base = seq * self.max_seq_len
+        if self.flat:
+            rows = torch.arange(base + start_pos, base + start_pos + n, device=self.device)
+            starts = None
+            if self.max_sequences > 1:
+                starts = torch.full((n,), base, dtype=torch.int64, device=self.device)
+            hidden, logits = self._run_flat(token_ids, rows, starts, use_indexer)
         else:
-            hidden = self.model(token_ids, positions, use_indexer)
-            logits = self.model.logits(hidden)
+            positions = torch.arange(start_pos, start_pos + n, device=self.device)
+            with torch.inference_mode():  # ~20% of a small CPU step is autograd's bookkeeping, even under no_grad
+                hidden = self.model(token_ids, positions, use_indexer, None, self._view(seq))
+                logits = self.model.logits(hidden)
+            logits = logits.clone()  # a normal tensor: the caller may modify it in place
+        st = self._seqs[seq]
         if self.supports_mtp:
-            self._hidden[start_pos : start_pos + n] = hidden
-            self._tokens[start_pos : start_pos + n] = token_ids
+            self._hidden[base + start_pos : base + start_pos + n] = hidden
+            self._tokens[base + start_pos : base + start_pos + n] = token_ids
             if invalidate_mtp:
                 # t_{start_pos} may differ from what MTP row start_pos-1 used.
-                self._mtp_upto = min(self._mtp_upto, max(start_pos - 1, 0))
-        self._note_written(start_pos, n)
+                st.mtp_upto = min(st.mtp_upto, max(start_pos - 1, 0))
+        self._note_written(st, start_pos, n)
         return hidden, logits
+
+    def _check_batch(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int]) -> None:
+        n = len(tokens)
+        if n == 0 or len(positions) != n or len(seqs) != n:
+            raise ValueError(
+                f"decode_step needs one token, position and sequence per row (got {n}, {len(positions)}, {len(seqs)})"
+            )
+        if len(set(seqs)) != n:
+            raise ValueError(f"decode_step takes each sequence at most once (seqs={list(seqs)})")
+        for s, p in zip(seqs, positions, strict=True):
+            self._check_seq(s)
+            if not 0 <= p < self.max_seq_len:
+                raise ValueError(f"position {p} of sequence {s} outside the cache (max {self.max_seq_len})")
+
+    @torch.no_grad()
+    def _decode(
+        self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int], greedy: bool
+    ) -> torch.Tensor | list[int]:
+        """:meth:`decode_step` (logits) or :meth:`decode_step_greedy` (argmax tokens)."""
+        self._check_batch(tokens, positions, seqs)
+        if not self.flat:  # one sequence at a time: each row is exactly forward() of that token alone
+            rows = [
+                self._forward_main(torch.tensor([t]), p, s, invalidate_mtp=True)[1]
+                for t, p, s in zip(tokens, positions, seqs, strict=True)
+            ]
+            logits = torch.cat(rows)
+            return logits.argmax(-1).tolist() if greedy else logits
+        a = self.model.args
+        S = self.max_seq_len
+        groups: dict[bool, list[int]] = {}  # rows by attention regime: each row runs in the one it runs alone
+        for i, p in enumerate(positions):
+            groups.setdefault(a.dsa and p + 1 > a.index_topk, []).append(i)
+        parts: list[tuple[list[int], torch.Tensor]] = []
+        for use_indexer, idx in groups.items():
+            for c in range(0, len(idx), GRAPH_MAX_TOKENS):
+                part = idx[c : c + GRAPH_MAX_TOKENS]
+                cols = [(tokens[i], seqs[i] * S + positions[i], seqs[i] * S) for i in part]
+                host = torch.tensor(cols, dtype=torch.int64).t()
+                tok_t, rows_t, start_t = host.to(self.device)
+                hidden, logits = self._run_flat(tok_t, rows_t, start_t if self.max_sequences > 1 else None, use_indexer)
+                if self.supports_mtp:
+                    self._hidden.index_copy_(0, rows_t, hidden)
+                    self._tokens.index_copy_(0, rows_t, tok_t)
+                parts.append((part, logits.argmax(-1) if greedy else logits))
+        if len(parts) == 1:
+            out = parts[0][1]
+        else:
+            order = torch.tensor([i for part, _ in parts for i in part], device=self.device)
+            joined = torch.cat([t for _, t in parts])
+            out = torch.empty_like(joined)
+            out[order] = joined
+        for p, s in zip(positions, seqs, strict=True):
+            st = self._seqs[s]
+            if self.supports_mtp:
+                st.mtp_upto = min(st.mtp_upto, max(p - 1, 0))
+            self._note_written(st, p, 1)
+        return out.tolist() if greedy else out
 
 
 def greedy_generate(engine: DecodeEngine, first_token: int, start_pos: int, n: int) -> list[int]:

@@ -1,11 +1,19 @@
-"""A gpt-fast-style decoder for DeepSeek-V3, DeepSeek-V3.2 and GLM-5 (``glm_moe_dsa``), batch 1.
+"""A gpt-fast-style decoder for DeepSeek-V3, DeepSeek-V3.2 and GLM-5 (``glm_moe_dsa``).
 
-One sequence, a static latent cache sized at load, positions as device tensors. The math follows
+Static latent caches sized at load for ``max_sequences`` sequences of ``max_seq_len`` positions each, held one
+after the other (sequence ``b`` in cache rows ``b*S .. b*S+S-1``); positions as device tensors. The math follows
 transformers 5.19's modeling files (``deepseek_v3``, ``deepseek_v32``, ``glm_moe_dsa``) so that logits
 agree with them to rounding; attention is computed in the *absorbed* MLA form over the latent cache.
 Every heavy step is one ``tilert::*`` op (``ops/__init__.py``): plain PyTorch on CPU (exact), fused
 Triton kernels on CUDA (``ops/cuda.py``, registered at start-up by ``ops.register_device_kernels()``), so
-one model serves both; on CUDA the engine replays the whole decode step as one CUDA graph (``fast.py``).
+one model serves both; on CUDA the engine replays the whole decode step as one CUDA graph (``fast.py``). On
+CPU the engine points the model at :mod:`.ops.cpu` (:meth:`Transformer.use_kernels`): the same math called
+directly, without the dispatcher, over only the cache rows a step reads.
+
+Addressing several sequences: either *flat rows* (CUDA: ``positions`` are cache rows ``b*S + p``, the RoPE
+tables repeat every ``S`` rows so row ``b*S + p`` rotates as position ``p``, and ``row_start`` gives each
+token's first row ``b*S``: one CUDA graph serves tokens of any sequences), or *one sequence's view*
+(``seq=b``: the caches are sliced to its rows and ``positions`` are its own; the CPU path).
 
 Notation (per layer): hidden ``D``, heads ``H``, nope ``P``, rope ``R``, value ``V``, latent ``L``
 (``kv_lora_rank``), q latent ``Q`` (``q_lora_rank``), indexer heads/dim ``Hi``/``Di``, capacity ``S``.
@@ -59,7 +67,7 @@ not handed over, are skipped); its indexer keys, if any, are still written.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -155,6 +163,8 @@ class MLAttention(nn.Module):
     The layer's ``input_layernorm`` weight lives here as ``attn_norm`` (it is fused into ``W_a``).
     """
 
+    k: Any = ops  # the kernel table: the dispatched ``tilert::*`` ops, or ``ops.cpu`` (Transformer.use_kernels)
+
     def __init__(self, args: ModelArgs, has_indexer: bool) -> None:
         super().__init__()
         self.args = args
@@ -183,51 +193,48 @@ class MLAttention(nn.Module):
         index_cache: Tensor | None,
         topk: Tensor | None,
         use_indexer: bool,
-        valid_from: Tensor | None = None,
+        row_start: Tensor | None = None,
     ) -> Tensor | None:
-        """``h += attn(rms(h))`` in place, for ``h [n, D]`` at ``positions [n]``.
+        """``h += attn(rms(h))`` in place, for ``h [n, D]`` at cache rows ``positions [n]``.
 
         ``kv_cache [S, L+R]`` / ``index_cache [S, Di]`` are this layer's slices (rows written here).
         ``use_indexer``: run the DSA top-k (else dense MLA; the caller guarantees every query position is
         ``< index_topk``, where the top-k is every row). ``topk``: a GLM-5 "shared" layer's rows from the
-        previous full layer. ``valid_from`` (int64 ``[1]``): first usable cache row (MTP layer; forces dense
-        attention; a device tensor, so one CUDA graph serves every value).
-        Returns the top-k rows this layer attended to (``None`` when dense).
+        previous full layer. ``row_start`` (int64 ``[1]`` or ``[n]``): each token's first usable cache row
+        (its sequence's first row, or the MTP layer's first valid row; a device tensor, so one CUDA graph
+        serves every value). Returns the top-k rows this layer attended to (``None`` when dense).
         """
         a = self.args
+        k = self.k
         qa = a.q_lora_rank if a.q_lora_rank is not None else a.q_width
         # a = [q_a | c_kv | k_pe | idx_k | idx_w] = W_a rms(h);  b = [q | idx_q] = W_b rms(q_a).
-        wa = ops.gemv(h, self.wa, self.attn_norm, a.rms_norm_eps, self.wa_bias)
+        wa = k.gemv(h, self.wa, self.attn_norm, a.rms_norm_eps, self.wa_bias)
         if a.q_lora_rank is not None:
-            b = ops.gemv(wa[:, :qa], self.wb, self.q_norm, 1e-6)
+            b = k.gemv(wa[:, :qa], self.wb, self.q_norm, 1e-6)
         else:
             b = wa
         index_scale = (a.index_n_heads**-0.5 * a.index_head_dim**-0.5) if self.has_indexer else 1.0
-        q, index_q, index_w = ops.mla_prep(
+        q, index_q, index_w = k.mla_prep(
             wa, b, positions, self.wkv_b, rope[0], rope[1], self.kv_norm, kv_cache,
             self.index_k_norm if self.has_indexer else None, self.index_k_bias if self.has_indexer else None,
             index_cache, a.num_heads, a.qk_nope_head_dim, qa, a.index_n_heads, 1e-6, index_scale,
         )  # fmt: skip
 
         lat = a.kv_lora_rank
-        if valid_from is not None:  # rows valid_from..pos: dense attention over the valid tail of the cache
-            o_lat = ops.mla_attention(q, kv_cache, positions, a.softmax_scale, lat, valid_from)
+        if self.has_indexer and use_indexer:
+            topk = k.indexer_topk(index_q, index_w, index_cache, positions, a.index_topk, row_start)
+        if topk is None or not use_indexer:
             topk = None
+            o_lat = k.mla_attention(q, kv_cache, positions, a.softmax_scale, lat, row_start)
         else:
-            if self.has_indexer and use_indexer:
-                topk = ops.indexer_topk(index_q, index_w, index_cache, positions, a.index_topk)
-            if topk is None or not use_indexer:
-                topk = None
-                o_lat = ops.mla_attention(q, kv_cache, positions, a.softmax_scale, lat)
-            else:
-                o_lat = ops.mla_sparse_attention(q, kv_cache, topk, a.softmax_scale, lat)
+            o_lat = k.mla_sparse_attention(q, kv_cache, topk, a.softmax_scale, lat)
 
         # o = [W_UV_h o~_h]_h, then h += W_o o.
-        o = ops.mla_uv(o_lat, self.wkv_b, a.qk_nope_head_dim)
+        o = k.mla_uv(o_lat, self.wkv_b, a.qk_nope_head_dim)
         if self.wo_bias is not None:
-            h.add_(ops.gemv(o, self.wo, None, 0.0, self.wo_bias))
+            h.add_(k.gemv(o, self.wo, None, 0.0, self.wo_bias))
         else:
-            ops.gemv_residual(h, o, self.wo)
+            k.gemv_residual(h, o, self.wo)
         return topk
 
 
@@ -237,6 +244,8 @@ class MoE(nn.Module):
     ``routed=False`` builds the dense MLP as a one-slot MoE (no router, the single slot has weight 1).
     The layer's ``post_attention_layernorm`` weight lives here as ``ffn_norm``.
     """
+
+    k: Any = ops  # the kernel table (see MLAttention.k)
 
     def __init__(self, args: ModelArgs, routed: bool) -> None:
         super().__init__()
@@ -260,14 +269,14 @@ class MoE(nn.Module):
         a = self.args
         n = h.shape[0]
         if self.routed:
-            ops.moe_block(
+            self.k.moe_block(
                 h, self.ffn_norm, a.rms_norm_eps, self.gate, self.gate_bias, a.num_experts_per_tok, a.n_group,
                 a.topk_group, a.routed_scaling_factor, a.norm_topk_prob, a.n_shared_experts, self.w13, self.w2,
             )  # fmt: skip
         else:
             ids = torch.zeros(n, 1, dtype=torch.int32, device=h.device)
             weights = torch.ones(n, 1, dtype=torch.float32, device=h.device)
-            ops.moe_residual(h, self.ffn_norm, a.rms_norm_eps, ids, weights, self.w13, self.w2)
+            self.k.moe_residual(h, self.ffn_norm, a.rms_norm_eps, ids, weights, self.w13, self.w2)
 
 
 class DecoderLayer(nn.Module):
@@ -287,9 +296,9 @@ class DecoderLayer(nn.Module):
         index_cache: Tensor | None,
         topk: Tensor | None,
         use_indexer: bool,
-        valid_from: Tensor | None = None,
+        row_start: Tensor | None = None,
     ) -> Tensor | None:
-        topk = self.attn(h, positions, rope, kv_cache, index_cache, topk, use_indexer, valid_from)
+        topk = self.attn(h, positions, rope, kv_cache, index_cache, topk, use_indexer, row_start)
         self.mlp(h)
         return topk
 
@@ -312,6 +321,8 @@ class MTPLayer(nn.Module):
 class Transformer(nn.Module):
     """The decoder plus its static caches (allocated by :meth:`setup_caches`)."""
 
+    k: Any = ops  # the kernel table of the final norm and lm_head (see use_kernels)
+
     kv_cache: Tensor
     index_cache: Tensor
     mtp_kv_cache: Tensor
@@ -333,71 +344,106 @@ class Transformer(nn.Module):
         self.mtp = nn.ModuleList(MTPLayer(args) for _ in range(args.num_mtp_layers))
         # layer -> slot in index_cache (only layers that run their own indexer)
         self.index_slot = {layer: slot for slot, layer in enumerate(args.index_layers)}
-        self.max_seq_len = 0
+        self.max_seq_len = 0  # positions per sequence (S)
+        self.max_sequences = 1  # sequences the caches hold (B)
+
+    def use_kernels(self, kernels: Any) -> None:
+        """Compute with ``kernels`` (a namespace with every ``tilert::*`` op's signature): :mod:`.ops` (the
+        dispatched custom ops, the default) or :mod:`.ops.cpu` (the CPU kernels called directly)."""
+        for mod in self.modules():
+            if isinstance(mod, (MLAttention, MoE, Transformer)):
+                mod.k = kernels
 
     # ------------------------------------------------------------------------------------ setup
 
     @torch.no_grad()
-    def setup_caches(self, max_seq_len: int, device: torch.device | str, dtype: torch.dtype) -> None:
-        """Allocate the static caches (model dtype) and the RoPE tables for ``max_seq_len`` positions."""
+    def setup_caches(
+        self, max_seq_len: int, device: torch.device | str, dtype: torch.dtype, max_sequences: int = 1
+    ) -> None:
+        """Allocate the static caches (model dtype) for ``max_sequences`` sequences of ``max_seq_len`` positions,
+        one after the other (``[layers, max_sequences * max_seq_len, width]``), and the RoPE tables (one row
+        per cache row: row ``b*S + p`` holds position ``p``'s rotation)."""
         a = self.args
+        if max_sequences < 1:
+            raise ValueError(f"max_sequences must be >= 1 ({max_sequences})")
         self.max_seq_len = max_seq_len
+        self.max_sequences = max_sequences
+        rows = max_sequences * max_seq_len
 
         def zeros(*shape: int) -> Tensor:
             return torch.zeros(shape, device=device, dtype=dtype)
 
-        self.register_buffer("kv_cache", zeros(a.num_layers, max_seq_len, a.latent_dim), persistent=False)
-        self.register_buffer(
-            "index_cache", zeros(len(a.index_layers), max_seq_len, a.index_head_dim), persistent=False
-        )
-        self.register_buffer("mtp_kv_cache", zeros(a.num_mtp_layers, max_seq_len, a.latent_dim), persistent=False)
+        self.register_buffer("kv_cache", zeros(a.num_layers, rows, a.latent_dim), persistent=False)
+        self.register_buffer("index_cache", zeros(len(a.index_layers), rows, a.index_head_dim), persistent=False)
+        self.register_buffer("mtp_kv_cache", zeros(a.num_mtp_layers, rows, a.latent_dim), persistent=False)
         n_mtp_idx = a.num_mtp_layers if a.mtp_indexer else 0
-        self.register_buffer("mtp_index_cache", zeros(n_mtp_idx, max_seq_len, a.index_head_dim), persistent=False)
+        self.register_buffer("mtp_index_cache", zeros(n_mtp_idx, rows, a.index_head_dim), persistent=False)
         # transformers: freqs = pos * inv_freq in fp32, cos/sin times the attention factor, cast to x.dtype.
         inv_freq = torch.tensor(a.rope_inv_freq, dtype=torch.float32, device=device)
-        freqs = torch.arange(max_seq_len, device=device).float()[:, None] * inv_freq[None, :]
+        pos = torch.arange(rows, device=device) % max_seq_len
+        freqs = pos.float()[:, None] * inv_freq[None, :]
         self.register_buffer("rope_cos", (freqs.cos() * a.rope_attention_scaling).to(dtype), persistent=False)
         self.register_buffer("rope_sin", (freqs.sin() * a.rope_attention_scaling).to(dtype), persistent=False)
 
     # ---------------------------------------------------------------------------------- forward
 
-    def forward(self, tokens: Tensor, positions: Tensor, use_indexer: bool = True) -> Tensor:
+    def _rows(self, cache: Tensor, seq: int | None) -> Tensor:
+        """``cache [layers, B*S, W]``, or only sequence ``seq``'s rows ``[layers, S, W]`` (a view)."""
+        if seq is None:
+            return cache
+        lo = seq * self.max_seq_len
+        return cache[:, lo : lo + self.max_seq_len]
+
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        use_indexer: bool = True,
+        row_start: Tensor | None = None,
+        seq: int | None = None,
+    ) -> Tensor:
         """Main model: ``tokens int64 [n]`` at ``positions int64 [n]`` -> final-norm hidden ``[n, D]``.
 
         Writes the new tokens' latent (and indexer) rows into the caches. ``use_indexer=False`` runs dense
         MLA in every layer; only valid while every position is ``< index_topk`` (then identical).
+        Flat rows (``seq=None``): ``positions`` are cache rows and ``row_start`` (int64 ``[n]``) each token's
+        first row (its sequence's; ``None``: row 0). ``seq=b``: the caches are sequence ``b``'s rows only and
+        ``positions`` its own positions (module docstring).
         """
         use_indexer = use_indexer and self.args.dsa
+        kv, idx = self._rows(self.kv_cache, seq), self._rows(self.index_cache, seq)
         h = F.embedding(tokens, self.embed)
         rope = (self.rope_cos, self.rope_sin)
         topk: Tensor | None = None
         for i, layer in enumerate(self.layers):
             slot = self.index_slot.get(i)
-            index_cache = self.index_cache[slot] if slot is not None else None
-            topk = layer(h, positions, rope, self.kv_cache[i], index_cache, topk, use_indexer)
-        return ops.rms_norm(h, self.norm, self.args.rms_norm_eps)
+            index_cache = idx[slot] if slot is not None else None
+            topk = layer(h, positions, rope, kv[i], index_cache, topk, use_indexer, row_start)
+        return self.k.rms_norm(h, self.norm, self.args.rms_norm_eps)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """``lm_head`` -> float32 logits ``[n, V]``."""
-        return ops.gemv(hidden, self.lm_head, fp32_out=True)
+        return self.k.gemv(hidden, self.lm_head, fp32_out=True)
 
     def mtp_forward(
-        self, tokens: Tensor, prev_hidden: Tensor, positions: Tensor, valid_from: Tensor
+        self, tokens: Tensor, prev_hidden: Tensor, positions: Tensor, valid_from: Tensor, seq: int | None = None
     ) -> tuple[Tensor, Tensor]:
         """MTP rows at ``positions``: ``tokens`` are ``t_{i+1}``, ``prev_hidden`` is ``h_i`` (main final-norm
         output, or the previous draft's MTP output). Writes the MTP cache rows and attends over rows
         ``valid_from..i`` (``valid_from``: int64 ``[1]`` on the model's device); returns
-        ``(h' [n, D] before shared_head.norm, logits fp32 [n, V])``.
+        ``(h' [n, D] before shared_head.norm, logits fp32 [n, V])``. Rows are addressed as in :meth:`forward`
+        (flat, or sequence ``seq``'s own).
         """
         a = self.args
+        k = self.k
         m = cast(MTPLayer, self.mtp[0])  # nn.ModuleList items are typed as plain Modules
         eps = a.rms_norm_eps
         embed = m.embed if m.embed is not None else self.embed
-        e = ops.rms_norm(F.embedding(tokens, embed), m.enorm, eps)
-        x = torch.cat([e, ops.rms_norm(prev_hidden.to(e.dtype), m.hnorm, eps)], dim=-1)
-        h = ops.gemv(x, m.eh_proj)
-        index_cache = self.mtp_index_cache[0] if a.mtp_indexer else None
+        e = k.rms_norm(F.embedding(tokens, embed), m.enorm, eps)
+        x = torch.cat([e, k.rms_norm(prev_hidden.to(e.dtype), m.hnorm, eps)], dim=-1)
+        h = k.gemv(x, m.eh_proj)
+        index_cache = self._rows(self.mtp_index_cache, seq)[0] if a.mtp_indexer else None
         rope = (self.rope_cos, self.rope_sin)
-        m.block(h, positions, rope, self.mtp_kv_cache[0], index_cache, None, False, valid_from)
+        m.block(h, positions, rope, self._rows(self.mtp_kv_cache, seq)[0], index_cache, None, False, valid_from)
         head = m.head if m.head is not None else self.lm_head
-        return h, ops.gemv(h, head, m.head_norm, eps, fp32_out=True)
+        return h, k.gemv(h, head, m.head_norm, eps, fp32_out=True)

@@ -333,7 +333,7 @@ def fuse_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, t
 
 
 def _finish(model: Transformer, sd: dict[str, torch.Tensor], device: torch.device | str, dtype: torch.dtype,
-            max_seq_len: int) -> Transformer:
+            max_seq_len: int, max_sequences: int = 1) -> Transformer:
     for k, t in sd.items():
         keep_fp32 = k.endswith(_FP32_SUFFIXES)
         sd[k] = t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype).contiguous()
@@ -341,12 +341,15 @@ def _finish(model: Transformer, sd: dict[str, torch.Tensor], device: torch.devic
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the model: missing={missing} unexpected={unexpected}")
     model.eval()
-    model.setup_caches(max_seq_len, device, dtype)
+    model.setup_caches(max_seq_len, device, dtype, max_sequences)
     return model
 
 
-def load_model(model_dir: Path, *, device: str | torch.device, dtype: torch.dtype, max_seq_len: int) -> Transformer:
-    """Read ``model_dir`` and return a ready :class:`Transformer` (weights in ``dtype``, caches allocated)."""
+def load_model(
+    model_dir: Path, *, device: str | torch.device, dtype: torch.dtype, max_seq_len: int, max_sequences: int = 1
+) -> Transformer:
+    """Read ``model_dir`` and return a ready :class:`Transformer` (weights in ``dtype``, caches allocated for
+    ``max_sequences`` sequences of ``max_seq_len`` positions)."""
     model_dir = Path(model_dir)
     cfg = load_hf_config(model_dir)
     keys = checkpoint_keys(model_dir)
@@ -360,12 +363,18 @@ def load_model(model_dir: Path, *, device: str | torch.device, dtype: torch.dtyp
     sd = fuse_state_dict(convert_state_dict(tensors, args), args)
     with torch.device("meta"):
         model = Transformer(args)
-    return _finish(model, sd, device, dtype, max_seq_len)
+    return _finish(model, sd, device, dtype, max_seq_len, max_sequences)
 
 
 @torch.no_grad()
 def random_model(
-    args: ModelArgs, *, device: str | torch.device, dtype: torch.dtype, max_seq_len: int, seed: int = 0
+    args: ModelArgs,
+    *,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    max_seq_len: int,
+    seed: int = 0,
+    max_sequences: int = 1,
 ) -> Transformer:
     """A :class:`Transformer` with random weights, created directly on ``device`` in the fused layout.
 
@@ -391,4 +400,4 @@ def random_model(
         else:
             t.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
         sd[name] = t
-    return _finish(model, sd, device, dtype, max_seq_len)
+    return _finish(model, sd, device, dtype, max_seq_len, max_sequences)

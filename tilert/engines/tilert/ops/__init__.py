@@ -7,6 +7,10 @@ kernel registered later (``torch.library.register_kernel("tilert::mla_attention"
 the Triton kernels of :mod:`.cuda`, registered at start-up by :func:`register_device_kernels`) replaces the
 reference for that device with no change to the model. Importing this package registers nothing.
 
+:mod:`.cpu` holds CPU kernels with the same signatures (the reference math in fewer ATen calls, over only the
+cache rows a step reads); the CPU engine calls them directly, not through the dispatcher
+(``Transformer.use_kernels``), which on a small model costs more than the arithmetic.
+
 CUDA-graph friendliness: no op takes a Python int that changes from one decode step to the next;
 positions and indices are device tensors, shapes depend only on the batch of new tokens and the
 static cache size.
@@ -50,8 +54,9 @@ def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def mla_attention(
     q: Tensor, kv_cache: Tensor, positions: Tensor, scale: float, kv_lora_rank: int, row_start: Tensor | None = None
 ) -> Tensor:
-    """Absorbed causal MLA: ``q [n,H,L+R]`` over ``kv_cache [S_max,L+R]`` rows ``row_start..positions[i]``
-    (``row_start`` int64 ``[1]``, default 0) -> latent output ``[n,H,L]``; see :func:`reference.mla_attention`."""
+    """Absorbed causal MLA: ``q [n,H,L+R]`` over ``kv_cache [S_max,L+R]`` rows ``row_start[i]..positions[i]``
+    (``row_start`` int64 ``[1]`` or ``[n]``, default 0) -> latent output ``[n,H,L]``; see
+    :func:`reference.mla_attention`."""
     return reference.mla_attention(q, kv_cache, positions, scale, kv_lora_rank, row_start)
 
 
@@ -74,14 +79,18 @@ def _(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_rank: 
 
 
 @torch.library.custom_op("tilert::indexer_topk", mutates_args=())
-def indexer_topk(q: Tensor, weights: Tensor, k_cache: Tensor, positions: Tensor, topk: int) -> Tensor:
-    """DSA indexer: ``score[i,t] = sum_h weights[i,h] * relu(q[i,h] . k_cache[t])`` over ``t <= positions[i]``,
-    top-``topk`` indices (int32, -1 padded, unordered); see :func:`reference.indexer_topk`."""
-    return reference.indexer_topk(q, weights, k_cache, positions, topk)
+def indexer_topk(
+    q: Tensor, weights: Tensor, k_cache: Tensor, positions: Tensor, topk: int, row_start: Tensor | None = None
+) -> Tensor:
+    """DSA indexer: ``score[i,t] = sum_h weights[i,h] * relu(q[i,h] . k_cache[t])`` over
+    ``row_start[i] <= t <= positions[i]`` (``row_start`` int64 ``[1]`` or ``[n]``, default 0), top-``topk``
+    indices (int32, -1 padded, unordered); see :func:`reference.indexer_topk`."""
+    return reference.indexer_topk(q, weights, k_cache, positions, topk, row_start)
 
 
 @indexer_topk.register_fake
-def _(q: Tensor, weights: Tensor, k_cache: Tensor, positions: Tensor, topk: int) -> Tensor:
+def _(q: Tensor, weights: Tensor, k_cache: Tensor, positions: Tensor, topk: int,
+      row_start: Tensor | None = None) -> Tensor:
     return q.new_empty((q.shape[0], topk), dtype=torch.int32)
 
 

@@ -60,12 +60,13 @@ def _mla_sparse_attention_cuda(q, kv_cache, indices, scale, kv_lora_rank):
     return mla_decode(q.contiguous(), kv_cache, None, indices.to(torch.int32).contiguous(), scale, kv_lora_rank)
 
 
-def _indexer_topk_cuda(q, weights, k_cache, positions, topk):
+def _indexer_topk_cuda(q, weights, k_cache, positions, topk, row_start=None):
     if q.dtype not in _FAST_DTYPES or k_cache.dtype != q.dtype or not _pow2(q.shape[-1]) or q.shape[-1] < 16:
-        return reference.indexer_topk(q, weights, k_cache, positions, topk)
+        return reference.indexer_topk(q, weights, k_cache, positions, topk, row_start)
     from .triton_mla import indexer_topk
 
-    return indexer_topk(q.contiguous(), weights.float().contiguous(), k_cache, positions.contiguous(), topk)
+    return indexer_topk(q.contiguous(), weights.float().contiguous(), k_cache, positions.contiguous(), topk,
+                        row_start=row_start)
 
 
 def _moe_experts_cuda(x, topk_ids, topk_weights, w13, w2):

@@ -66,7 +66,9 @@ def mla_attention(
     ``q = [W_UK^T q_nope | q_pe]`` and ``kv_cache[t] = [c_kv | k_pe]``, so ``q . kv`` equals the naive
     ``q_nope . k_nope + q_pe . k_pe``; the returned latent output still needs ``W_UV`` (per head).
 
-    ``row_start`` (int64 ``[1]``, optional): rows below it are skipped too (the MTP layer's valid range).
+    ``row_start`` (int64 ``[1]`` or ``[n]``, optional): rows below it (below ``row_start[i]`` for query ``i``)
+    are skipped too: the MTP layer's valid range, or each query's own sequence in a cache that holds several
+    sequences one after the other.
 
     Shapes: ``q [n, H, L+R]``, ``kv_cache [S_max, L+R]``, ``positions int64 [n]`` -> ``[n, H, L]``.
     """
@@ -76,7 +78,7 @@ def mla_attention(
     t = torch.arange(kv_cache.shape[0], device=q.device)
     valid = t[None, :] <= positions[:, None]
     if row_start is not None:
-        valid = valid & (t[None, :] >= row_start.reshape(-1)[:1])
+        valid = valid & (t[None, :] >= row_start.reshape(-1, 1))
     return _softmax_latent(scores, valid, kv[:, :kv_lora_rank]).to(q.dtype)
 
 
@@ -99,7 +101,12 @@ def mla_sparse_attention(
 
 
 def indexer_topk(
-    q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, positions: torch.Tensor, topk: int
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    positions: torch.Tensor,
+    topk: int,
+    row_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """DSA lightning-indexer selection.
 
@@ -112,6 +119,9 @@ def indexer_topk(
     Tie-breaking among equal scores is unspecified (torch.topk's), and the order of the returned
     indices is unspecified: consumers must treat the result as a set.
 
+    ``row_start`` (int64 ``[1]`` or ``[n]``, optional): rows below ``row_start[i]`` are not candidates for
+    query ``i`` (its sequence starts there in a cache holding several sequences).
+
     Shapes: ``q [n, Hi, Di]``, ``weights fp32 [n, Hi]``, ``k_cache [S_max, Di]``, ``positions int64 [n]``
     -> ``int32 [n, topk]``.
     """
@@ -121,6 +131,8 @@ def indexer_topk(
     s_max = k_cache.shape[0]
     t = torch.arange(s_max, device=q.device)
     valid = t[None, :] <= positions[:, None]
+    if row_start is not None:
+        valid = valid & (t[None, :] >= row_start.reshape(-1, 1))
     scores = scores.masked_fill(~valid, float("-inf"))
     k = min(topk, s_max)
     vals, idx = scores.topk(k, dim=-1)

@@ -1,7 +1,9 @@
 """Absorbed MLA decode over the 576-wide latent cache (flash-decoding / split-K), dense and sparse,
 plus the DSA indexer scores (and their exact top-k through :mod:`.triton_topk`), in Triton.
 
-Dense: query i attends to cache rows ``0..positions[i]``. The number of splits is fixed per launch (a
+Dense: query i attends to cache rows ``row_start[i]..positions[i]`` (``row_start`` optional: one row for every
+query, or one per query, e.g. each query's own sequence in a cache holding several). The number of splits is fixed
+per launch (a
 CUDA graph captures one grid); each program derives its token range from ``positions[i]`` on the device,
 so the same graph serves every context length. Sparse: query i attends to ``indices[i, :]`` (``-1`` skipped).
 Partials (fp32 ``o`` and a base-2 log-sum-exp per split) are merged by a second kernel that writes the
@@ -26,7 +28,7 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _mla_split_kernel(
     q_ptr, kv_ptr, pos_ptr, idx_ptr, start_ptr, o_ptr, lse_ptr,
-    H, n_idx, stride_qn, stride_qh, stride_kv, stride_idx,
+    H, n_idx, stride_qn, stride_qh, stride_kv, stride_idx, stride_start,
     stride_on, stride_oh, stride_os, qk_scale,
     NUM_SPLITS: tl.constexpr, MIN_TPS: tl.constexpr,
     L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, SPARSE: tl.constexpr,
@@ -41,7 +43,7 @@ def _mla_split_kernel(
     else:
         total = tl.load(pos_ptr + i).to(tl.int32) + 1
         if HAS_START:
-            first = tl.minimum(tl.load(start_ptr).to(tl.int32), total)
+            first = tl.minimum(tl.load(start_ptr + i * stride_start).to(tl.int32), total)
     tps = tl.maximum(tl.cdiv(tl.cdiv(total - first, NUM_SPLITS), BLOCK_T) * BLOCK_T, MIN_TPS)
     start = first + pid_s * tps
     end = tl.minimum(start + tps, total)
@@ -148,7 +150,8 @@ def mla_decode(
     num_splits: int | None = None,
     row_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dense (``indices is None``, rows ``row_start..positions[i]``) or sparse absorbed MLA; ``[n, H, L]``."""
+    """Dense (``indices is None``, rows ``row_start[i]..positions[i]``; ``row_start`` int64 ``[1]`` or ``[n]``) or
+    sparse absorbed MLA; ``[n, H, L]``."""
     n, H, D = q.shape
     L = kv_lora_rank
     R = D - L
@@ -170,9 +173,13 @@ def mla_decode(
         assert positions is not None, "dense MLA needs positions"
         idx = positions
         pos = positions
+    if row_start is not None:
+        row_start = row_start.reshape(-1)
+        assert row_start.shape[0] in (1, n), "row_start: one row, or one per query"
     _mla_split_kernel[(S, n, hblocks)](
         q, kv, pos, idx, row_start if row_start is not None else pos, o_part, lse,
         H, n_idx, q.stride(0), q.stride(1), kv.stride(0), idx.stride(0) if sparse else 0,
+        row_start.stride(0) if row_start is not None and row_start.shape[0] > 1 else 0,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), scale * _LOG2E,
         NUM_SPLITS=S, MIN_TPS=min_tps, L=L, R=R, BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, SPARSE=sparse,
         HAS_START=row_start is not None and not sparse, num_warps=8 if BLOCK_H >= 64 else 4, num_stages=2,
@@ -188,19 +195,24 @@ def mla_decode(
 
 @triton.jit
 def _indexer_score_kernel(
-    q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, fine_ptr, coarse_ptr, S, Hi, stride_qn, stride_qh, stride_wn, stride_k,
-    stride_on, DI: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, HIST: tl.constexpr, PDL: tl.constexpr):
+    q_ptr, w_ptr, k_ptr, pos_ptr, start_ptr, out_ptr, fine_ptr, coarse_ptr, S, Hi, stride_qn, stride_qh, stride_wn,
+    stride_k, stride_on, stride_start, DI: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, HIST: tl.constexpr,
+    HAS_START: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     pid_t = tl.program_id(0)
     i = tl.program_id(1)
     pos = tl.load(pos_ptr + i)
+    first = pos * 0
+    if HAS_START:  # column t scores cache row first + t (the query's own sequence starts at row first)
+        first = tl.load(start_ptr + i * stride_start)
+        pos = pos - first
     offs_t = pid_t * BT + tl.arange(0, BT)
     tmask = offs_t < S
     valid = offs_t <= pos
     res = tl.full([BT], float("-inf"), dtype=tl.float32)
     if pid_t * BT <= pos:
         offs_d = tl.arange(0, DI)
-        k = tl.load(k_ptr + offs_t.to(tl.int64)[:, None] * stride_k + offs_d[None, :],
+        k = tl.load(k_ptr + (first + offs_t.to(tl.int64))[:, None] * stride_k + offs_d[None, :],
                     mask=(valid & tmask)[:, None], other=0.0)
         acc = tl.zeros([BT], dtype=tl.float32)
         for h0 in range(0, Hi, BH):
@@ -220,9 +232,12 @@ def _indexer_score_kernel(
     tl.store(out_ptr + i * stride_on + offs_t, res, mask=tmask)
 
 
-def indexer_scores(q, weights, k_cache, positions, out=None, topk_ws: triton_topk.TopkWorkspace | None = None):
+def indexer_scores(q, weights, k_cache, positions, out=None, topk_ws: triton_topk.TopkWorkspace | None = None,
+                   row_start=None):
     """fp32 ``[n, S_max]``: sum_h w[h] relu(q[h].k[t]) for t <= pos, -inf elsewhere. With ``topk_ws`` the
-    radix top-k's pass-1 histogram is accumulated on the way (``triton_topk.select_from_hist`` finishes it)."""
+    radix top-k's pass-1 histogram is accumulated on the way (``triton_topk.select_from_hist`` finishes it).
+    With ``row_start`` (int64 ``[n]``) column ``t`` of row ``i`` scores cache row ``row_start[i] + t``, valid for
+    ``t <= positions[i] - row_start[i]``."""
     n, Hi, Di = q.shape
     S = k_cache.shape[0]
     k = k_cache.reshape(S, -1)
@@ -232,9 +247,10 @@ def indexer_scores(q, weights, k_cache, positions, out=None, topk_ws: triton_top
     hist = topk_ws is not None
     fine, coarse = (topk_ws.fine, topk_ws.coarse) if topk_ws is not None else (res, res)
     _indexer_score_kernel[(triton.cdiv(S, BT), n)](
-        q, weights, k, positions, res, fine, coarse, S, Hi,
-        q.stride(0), q.stride(1), weights.stride(0), k.stride(0), res.stride(0), DI=Di, BH=BH, BT=BT, HIST=hist,
-        num_warps=4, num_stages=2, **triton_pdl.kw())
+        q, weights, k, positions, row_start if row_start is not None else positions, res, fine, coarse, S, Hi,
+        q.stride(0), q.stride(1), weights.stride(0), k.stride(0), res.stride(0),
+        row_start.stride(0) if row_start is not None else 0, DI=Di, BH=BH, BT=BT, HIST=hist,
+        HAS_START=row_start is not None, num_warps=4, num_stages=2, **triton_pdl.kw())
     return res
 
 
@@ -243,19 +259,28 @@ def indexer_scores(q, weights, k_cache, positions, out=None, topk_ws: triton_top
 TOPK_IMPL = "radix"
 
 
-def indexer_topk(q, weights, k_cache, positions, topk: int, scores_out=None):
-    """Indexer scores + exact top-``topk`` index set per query (int32 ``[n, topk]``, -1 padded)."""
+def indexer_topk(q, weights, k_cache, positions, topk: int, scores_out=None, row_start=None):
+    """Indexer scores + exact top-``topk`` index set per query (int32 ``[n, topk]``, -1 padded) over cache rows
+    ``row_start[i]..positions[i]`` (``row_start`` int64 ``[1]`` or ``[n]``, default 0): scored and selected in
+    the query's own row window (columns relative to ``row_start[i]``), then offset back to cache rows."""
     n, S = q.shape[0], k_cache.shape[0]
+    local = positions
+    if row_start is not None:
+        row_start = row_start.reshape(-1).expand(n).contiguous()
+        local = positions - row_start
     if TOPK_IMPL == "radix":
         ws = triton_topk.workspace(n, S, topk, q.device)
-        scores = indexer_scores(q, weights, k_cache, positions, out=scores_out, topk_ws=ws)
-        return triton_topk.select_from_hist(scores, positions, ws)
-    scores = indexer_scores(q, weights, k_cache, positions, out=scores_out)
-    kk = min(topk, S)
-    vals, idx = torch.topk(scores, kk, dim=-1, sorted=False)
-    idx = torch.where(vals == float("-inf"), -1, idx).to(torch.int32)
-    if kk < topk:
-        idx = torch.nn.functional.pad(idx, (0, topk - kk), value=-1)
+        scores = indexer_scores(q, weights, k_cache, positions, out=scores_out, topk_ws=ws, row_start=row_start)
+        idx = triton_topk.select_from_hist(scores, local, ws)
+    else:
+        scores = indexer_scores(q, weights, k_cache, positions, out=scores_out, row_start=row_start)
+        kk = min(topk, S)
+        vals, idx = torch.topk(scores, kk, dim=-1, sorted=False)
+        idx = torch.where(vals == float("-inf"), -1, idx).to(torch.int32)
+        if kk < topk:
+            idx = torch.nn.functional.pad(idx, (0, topk - kk), value=-1)
+    if row_start is not None:
+        idx = torch.where(idx >= 0, idx + row_start[:, None].to(torch.int32), idx)
     return idx
 
 

@@ -2,11 +2,16 @@
 
 Two kernels per MoE block:
 
-1. ``moe_up``: grid (I / BI, n * k). Each program streams BI rows of the gate half and the same BI rows
+1. ``moe_up``: grid (n * k, I / BI). Each program streams BI rows of the gate half and the same BI rows
    of the up half of ``w13[e]`` (e = this slot's expert), optionally RMS-normalising x on the fly, and
    writes ``act = silu(gate) * up`` (bf16) for its slice.
-2. ``moe_down``: grid (D / BD, n). Each program streams ``w2[e_j][BD rows, :]`` for every slot j and
+2. ``moe_down``: grid (n, D / BD). Each program streams ``w2[e_j][BD rows, :]`` for every slot j and
    accumulates ``sum_j w_j * w2[e_j] @ act_j`` in fp32; optionally adds into the residual in place.
+
+The token (and slot) index is the grid's fastest axis: the programs of all tokens for one weight block run
+side by side, so an expert that several tokens of a step use (the shared experts always, routed ones when
+routes meet: several sequences decoded together, an MTP verify batch) is read from HBM once and from L2
+by the others. Each program computes exactly what it computes alone (batch invariance).
 
 Shared experts fold in as extra slots: stack them after the routed experts (``w13[E + s]``) and append
 ids ``E + s`` with weight 1.0 (an MLP with intermediate 2*I equals two MLPs of I on its halves). A dense
@@ -34,8 +39,8 @@ def _moe_up_kernel(
     stride_an, stride_ak, eps,
     BI: tl.constexpr, BK: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
-    ib = tl.program_id(0)
-    r = tl.program_id(1)
+    r = tl.program_id(0)
+    ib = tl.program_id(1)
     i = r // KK
     j = r % KK
     e = tl.load(ids_ptr + i * stride_ids + j)
@@ -83,8 +88,8 @@ def _moe_down_kernel(
     stride_we, stride_wd, stride_yn,
     BD: tl.constexpr, BI: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
-    db = tl.program_id(0)
-    i = tl.program_id(1)
+    i = tl.program_id(0)
+    db = tl.program_id(1)
     offs_d = db * BD + tl.arange(0, BD)
     dmask = offs_d < D
     n_ch = tl.cdiv(I, BI)
@@ -125,7 +130,7 @@ def moe_up(x, ids, w13, *, norm_w=None, eps=1e-6, out=None, cfg=None):
     assert w13.shape[2] == D and w13.stride(-1) == 1 and x.stride(-1) == 1
     act = out if out is not None else torch.empty(n, KK, I, device=x.device, dtype=x.dtype)
     BI, BK, nw, ns = cfg or UP_CFG
-    _moe_up_kernel[(triton.cdiv(I, BI), n * KK)](
+    _moe_up_kernel[(n * KK, triton.cdiv(I, BI))](
         x, norm_w if norm_w is not None else x, ids, w13, act, D, I, KK, x.stride(0), ids.stride(0),
         w13.stride(0), w13.stride(1), act.stride(0), act.stride(1), eps,
         BI=BI, BK=BK, HAS_NORM=norm_w is not None, num_warps=nw, num_stages=ns, **triton_pdl.kw())
@@ -141,7 +146,7 @@ def moe_down(act, ids, wts, w2, *, residual=None, out=None, cfg=None):
     else:
         y = out if out is not None else torch.empty(n, D, device=act.device, dtype=act.dtype)
     BD, BI, nw, ns = cfg or DOWN_CFG
-    _moe_down_kernel[(triton.cdiv(D, BD), n)](
+    _moe_down_kernel[(n, triton.cdiv(D, BD))](
         act, ids, wts, w2, y, D, I, KK, act.stride(0), act.stride(1), ids.stride(0), wts.stride(0),
         w2.stride(0), w2.stride(1), y.stride(0),
         BD=BD, BI=BI, HAS_RES=residual is not None, num_warps=nw, num_stages=ns,

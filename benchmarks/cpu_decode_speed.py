@@ -1,0 +1,245 @@
+"""CPU decode speed of the TileRT engine: one table per model (run on the CPU machine, not the GPU).
+
+For each configuration (the tiny ``deepseek_v3`` checkpoint the stack serves, and a larger random DeepSeek-V3.2
+shaped model) and thread count it prints:
+
+- the decode step (one token, ``max_seq_len`` static cache, decoding after a ``--context``-token prompt):
+  eager with the dispatched reference ops (the engine before ``ops.cpu``), eager with ``ops.cpu`` (the engine's
+  CPU path now), each under ``torch.no_grad`` and ``torch.inference_mode``; the engine's own ``forward()`` step
+  and ``greedy_stream`` tokens/s;
+- ``torch.compile`` of the same step (default inductor, static shapes; ``--compile`` off skips it): with the
+  dispatched custom ops (opaque to inductor), with the reference kernels inlined (inductor sees every op), and
+  with ``ops.cpu`` inlined; compile time (first call) and step time;
+- a per-op breakdown: the time spent in each ``tilert::*`` op per step (reference vs ``ops.cpu``) and the rest
+  (the model's own Python, embedding, slicing).
+
+Usage: ``python benchmarks/cpu_decode_speed.py [--configs tiny,small-v32] [--threads 1,2] [--json FILE]``.
+Timings are medians over ``--steps`` steps, repeated ``--repeats`` times (the minimum of the medians is shown:
+a shared 2-core machine is noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import types
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+
+from tilert.engines.tilert import ops  # noqa: E402
+from tilert.engines.tilert.engine import TileRTEngine  # noqa: E402
+from tilert.engines.tilert.model import ModelArgs, Transformer  # noqa: E402
+from tilert.engines.tilert.ops import cpu as cpu_ops  # noqa: E402
+from tilert.engines.tilert.ops import reference  # noqa: E402
+from tilert.engines.tilert.weights import load_model, random_model  # noqa: E402
+
+OP_NAMES = ("gemv", "gemv_residual", "mla_prep", "mla_attention", "mla_sparse_attention", "indexer_topk", "mla_uv",
+            "moe_block", "moe_residual", "rms_norm")
+
+
+def small_v32() -> ModelArgs:
+    """A larger random model: DeepSeek-V3.2-shaped (DSA), hidden 1024, 4 layers (1 dense), 32 experts top-4 +
+    1 shared, 8 heads, vocab 16K (~130M parameters, 0.5 GB in float32); DSA top-k 256."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    import engine_configs as ec
+
+    return ec.v32_args(hidden=1024, layers=4, heads=8, experts=32, top_k=4, n_shared=1, moe_inter=256,
+                       dense_inter=2816, vocab=16384, idx_heads=8, idx_dim=64, idx_topk=256, q_lora=384,
+                       kv_lora=512, rope=64, nope=64, v=64, n_group=4, topk_group=2, route_scale=2.5)
+
+
+def build_model(config: str, max_seq_len: int, tiny_dir: Path) -> Transformer:
+    if config == "tiny":
+        if not (tiny_dir / "config.json").exists():
+            from tilert.models.tiny import build_tiny_model
+
+            build_tiny_model("deepseek_v3", tiny_dir, seed=0)
+        return load_model(tiny_dir, device="cpu", dtype=torch.float32, max_seq_len=max_seq_len)
+    if config == "small-v32":
+        return random_model(small_v32(), device="cpu", dtype=torch.float32, max_seq_len=max_seq_len, seed=0)
+    raise SystemExit(f"unknown config {config!r} (tiny, small-v32)")
+
+
+def median_ms(fn: Callable[[int], None], steps: int, repeats: int) -> float:
+    """``fn(i)`` for i in range(steps), timed one by one; the minimum over repeats of the median (ms)."""
+    meds = []
+    for _ in range(repeats):
+        ts = []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            fn(i)
+            ts.append(time.perf_counter() - t0)
+        meds.append(statistics.median(ts) * 1e3)
+    return min(meds)
+
+
+class OpTimer:
+    """A kernel table that times every op of another one (per-op breakdown)."""
+
+    def __init__(self, kernels: Any) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+        self.ns = types.SimpleNamespace()
+        for name in OP_NAMES:
+            setattr(self.ns, name, self._wrap(name, getattr(kernels, name)))
+
+    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            self.total[name] += time.perf_counter() - t0
+            return out
+
+        return timed
+
+
+def model_step(model: Transformer, use_indexer: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def step(tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return model.logits(model(tok, pos, use_indexer))
+
+    return step
+
+
+def run_config(config: str, threads: int, a: argparse.Namespace, tiny_dir: Path) -> dict[str, Any]:
+    torch.set_num_threads(threads)
+    model = build_model(config, a.max_seq_len, tiny_dir)
+    args = model.args
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, args.vocab_size, (a.context,), generator=gen)
+    res: dict[str, Any] = {"config": config, "threads": threads, "arch": args.arch, "layers": args.num_layers,
+                           "hidden": args.hidden_size, "max_seq_len": a.max_seq_len, "context": a.context}
+    ctx = a.context
+    use_indexer = args.dsa and ctx + 1 > args.index_topk
+    steps, reps = a.steps, a.repeats
+
+    # -------- the engine, as the decode node runs it (forward() per step, greedy_stream), before / after
+    for label, fast in (("reference ops (before)", False), ("ops.cpu (now)", True)):
+        eng = TileRTEngine(model, torch.device("cpu"), torch.float32, a.max_seq_len, cpu_kernels=fast)
+        if not fast:
+            model.use_kernels(ops)
+        first = int(eng.forward(prompt, 0)[-1].argmax())
+        tok = torch.tensor([first])
+        fwd = median_ms(lambda i: eng.forward(tok, ctx + i % 8), steps, reps)  # noqa: B023
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            n = sum(1 for _ in eng.greedy_stream(first, ctx, steps))
+            best = min(best, (time.perf_counter() - t0) / n * 1e3)
+        res[f"engine forward ms [{label}]"] = fwd
+        res[f"greedy_stream tok/s [{label}]"] = 1e3 / best
+        toks = list(eng.greedy_stream(first, ctx, 16))
+        res.setdefault("greedy tokens", {})[label] = toks
+    res["same greedy tokens"] = len({tuple(v) for v in res["greedy tokens"].values()}) == 1
+
+    # -------- the model step alone: eager, no_grad vs inference_mode, reference vs ops.cpu
+    pos = lambda i: torch.tensor([ctx + i % 8])  # noqa: E731
+    tok = torch.tensor([int(prompt[-1])])
+    for kname, kernels in (("reference ops (dispatched)", ops), ("ops.cpu", cpu_ops)):
+        model.use_kernels(kernels)
+        step = model_step(model, use_indexer)
+        for mode, cm in (("no_grad", torch.no_grad), ("inference_mode", torch.inference_mode)):
+            with cm():
+                res[f"eager step ms [{kname}, {mode}]"] = median_ms(lambda i: step(tok, pos(i)), steps, reps)  # noqa: B023
+
+    # -------- per-op breakdown (inference_mode)
+    for kname, kernels in (("reference ops (dispatched)", ops), ("ops.cpu", cpu_ops)):
+        timer = OpTimer(kernels)
+        model.use_kernels(timer.ns)
+        step = model_step(model, use_indexer)
+        n = steps
+        with torch.inference_mode():
+            for i in range(8):
+                step(tok, pos(i))
+            timer.total.clear()
+            t0 = time.perf_counter()
+            for i in range(n):
+                step(tok, pos(i))
+            wall = (time.perf_counter() - t0) / n * 1e3
+        per = {k: v / n * 1e3 for k, v in sorted(timer.total.items(), key=lambda kv: -kv[1])}
+        per["(rest: model glue)"] = wall - sum(per.values())
+        res[f"per-op ms [{kname}]"] = per
+
+    # -------- torch.compile of the step
+    if a.compile:
+        for kname, kernels in (("dispatched custom ops", ops), ("reference inlined", reference),
+                               ("ops.cpu inlined", cpu_ops)):
+            model.use_kernels(kernels)
+            torch._dynamo.reset()
+            step = torch.compile(model_step(model, use_indexer), dynamic=False)
+            try:
+                with torch.inference_mode():
+                    t0 = time.perf_counter()
+                    step(tok, pos(0))
+                    first_s = time.perf_counter() - t0
+                    for i in range(1, 16):  # later recompiles (graph breaks, specialised ints) count as compile too
+                        t1 = time.perf_counter()
+                        step(tok, pos(i))
+                        if time.perf_counter() - t1 > 0.5:
+                            first_s += time.perf_counter() - t1
+                    ms = median_ms(lambda i: step(tok, pos(i)), steps, reps)  # noqa: B023
+                res[f"compiled step ms [{kname}]"] = ms
+                res[f"compile s [{kname}]"] = first_s
+            except Exception as exc:  # noqa: BLE001 - a benchmark reports, it does not stop
+                res[f"compiled step ms [{kname}]"] = f"failed: {type(exc).__name__}: {str(exc)[:120]}"
+        torch._dynamo.reset()
+    model.use_kernels(cpu_ops)
+    return res
+
+
+def print_table(r: dict[str, Any]) -> None:
+    print(f"\n## {r['config']} ({r['arch']}, {r['layers']} layers, hidden {r['hidden']}), threads={r['threads']}, "
+          f"max_seq_len={r['max_seq_len']}, decoding after {r['context']} tokens")
+    print("| measurement | value |\n|---|---|")
+    for k, v in r.items():
+        if k.startswith(("engine", "greedy_stream", "eager", "compiled", "compile s")):
+            unit = "" if isinstance(v, str) else (f"{v:.1f}" if "tok/s" in k or "compile s" in k else f"{v:.3f}")
+            print(f"| {k} | {unit or v} |")
+    print(f"| same greedy tokens before/after | {r['same greedy tokens']} |")
+    for kname in ("reference ops (dispatched)", "ops.cpu"):
+        per = r[f"per-op ms [{kname}]"]
+        print(f"\nper-op ms per step [{kname}, inference_mode]: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in per.items()))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="tiny,small-v32")
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--max-seq-len", type=int, default=4096)
+    p.add_argument("--context", type=int, default=0, help="prompt tokens before decoding (0: 128 tiny, 512 small-v32)")
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--tiny-dir", default="")
+    p.add_argument("--json", default="")
+    a = p.parse_args()
+    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+          f"python {platform.python_version()}")
+    results = []
+    with contextlib.ExitStack() as stack:
+        tiny_dir = Path(a.tiny_dir) if a.tiny_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        for config in a.configs.split(","):
+            for th in (int(t) for t in a.threads.split(",")):
+                ctx_default = {"tiny": 128, "small-v32": 512}.get(config, 128)
+                run = argparse.Namespace(**{**vars(a), "context": a.context or ctx_default})
+                r = run_config(config, th, run, tiny_dir)
+                print_table(r)
+                results.append(r)
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""CPU decode kernels for the ``tilert::*`` ops: the reference math (:mod:`.reference`) in fewer, larger ATen
+calls, called *directly* by the model on CPU (``Transformer.use_kernels(cpu)``, set by the engine), not through
+the ``torch.library`` dispatcher.
+
+Why (measured on a 2-core CPU with the tiny DeepSeek-V3 checkpoint, ``benchmarks/cpu_decode_speed.py``): a
+decode step's real arithmetic is ~0.3 ms; the rest was overhead. The dispatcher costs ~25-30 us per custom-op
+call (23 calls per step); the reference kernels spend ~300 small ATen calls per step (five for each RMSNorm, two
+RoPE rotations of seven ops per layer, the MoE weights gathered by copy, ...); and the reference attention and
+indexer read the whole static cache (``max_seq_len`` rows, masked) because they must keep static shapes for CUDA
+graphs, which at 4096 rows was over half the step. The CPU takes no graphs, so these kernels read the host
+position (a CPU tensor, no device sync) and touch only the cache rows up to the last position.
+
+Each function has the signature of the op of the same name and agrees with the reference up to float32
+rounding (the engine's tests compare the fast path with transformers at 1e-4 and greedy tokens exactly;
+``tests/test_ops_reference.py`` compares each kernel with the reference). Inputs the fast code does not cover
+(dtypes other than float32, shapes of no decode step) go to the reference.
+
+Every kernel treats rows independently *given the same row count*; CPU BLAS is not batch-invariant across row
+counts (MKL's sgemm of 1 row and of 3 rows round differently), so the engine decodes the rows of different
+sequences one by one on the CPU (``TileRTEngine.decode_step``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import reference
+
+__all__ = [
+    "rms_norm",
+    "gemv",
+    "gemv_residual",
+    "mla_prep",
+    "mla_attention",
+    "mla_sparse_attention",
+    "indexer_topk",
+    "mla_uv",
+    "moe_experts",
+    "moe_residual",
+    "moe_block",
+]
+
+_F32 = torch.float32
+
+
+def _fast(*ts: Tensor | None) -> bool:
+    return all(t is None or t.dtype == _F32 for t in ts)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """One ATen call (``F.rms_norm``) in float32; the same formula and rounding as the reference there."""
+    if not _fast(x, weight):
+        return reference.rms_norm(x, weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def gemv(
+    x: Tensor,
+    weight: Tensor,
+    norm_weight: Tensor | None = None,
+    eps: float = 1e-6,
+    bias: Tensor | None = None,
+    fp32_out: bool = False,
+) -> Tensor:
+    if not _fast(x, weight, norm_weight, bias):
+        return reference.gemv(x, weight, norm_weight, eps, bias, fp32_out)
+    if norm_weight is not None:
+        x = F.rms_norm(x, (x.shape[-1],), norm_weight, eps)
+    return F.linear(x, weight, bias)
+
+
+def gemv_residual(h: Tensor, x: Tensor, weight: Tensor) -> None:
+    reference.gemv_residual(h, x, weight)
+
+
+def mla_prep(
+    a: Tensor,
+    b: Tensor,
+    positions: Tensor,
+    kv_b: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    kv_norm_weight: Tensor,
+    kv_cache: Tensor,
+    index_norm_weight: Tensor | None,
+    index_norm_bias: Tensor | None,
+    index_cache: Tensor | None,
+    num_heads: int,
+    nope_dim: int,
+    kv_offset: int,
+    index_heads: int,
+    eps: float,
+    index_weight_scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`reference.mla_prep` with every RoPE'd slice (query heads, key, indexer query heads and key)
+    rotated in one pass, and the norm as one call."""
+    if not _fast(a, b, kv_b, cos, kv_norm_weight, kv_cache, index_norm_weight, index_cache):
+        return reference.mla_prep(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, index_norm_weight,
+                                  index_norm_bias, index_cache, num_heads, nope_dim, kv_offset, index_heads, eps,
+                                  index_weight_scale)
+    n = a.shape[0]
+    h, p = num_heads, nope_dim
+    lat = kv_norm_weight.shape[0]
+    r = kv_cache.shape[-1] - lat
+    half = r // 2
+    qw = h * (p + r)
+    q = b[:, :qw].view(n, h, p + r)
+    ko = kv_offset + lat
+    parts = [q[..., p:], a[:, ko : ko + r].unsqueeze(1)]  # [n, H, R], [n, 1, R]
+    hi = di = 0
+    k_idx = iq = None
+    if index_cache is not None:
+        assert index_norm_weight is not None and index_norm_bias is not None, "an indexer cache needs its norm"
+        di, hi = index_cache.shape[-1], index_heads
+        o = ko + r
+        k_idx = F.layer_norm(a[:, o : o + di], (di,), index_norm_weight, index_norm_bias, eps)
+        iq = b[:, qw : qw + hi * di].view(n, hi, di)
+        parts += [iq[..., :r], k_idx[:, None, :r]]
+    x = torch.cat(parts, dim=1)  # [n, H + 1 (+ Hi + 1), R]: everything RoPE'd at these positions
+    cs, sn = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    x1, x2 = x[..., :half], x[..., half:]
+    rot = torch.cat([x1 * cs - x2 * sn, x2 * cs + x1 * sn], dim=-1)
+
+    w_uk = kv_b.view(h, -1, lat)[:, :p]  # [H, P, L]
+    q_abs = torch.bmm(q[..., :p].transpose(0, 1), w_uk).transpose(0, 1)  # [n, H, L]
+    q_full = torch.cat([q_abs, rot[:, :h]], dim=-1)
+    c_kv = F.rms_norm(a[:, kv_offset:ko], (lat,), kv_norm_weight, eps)
+    kv_cache.index_copy_(0, positions, torch.cat([c_kv, rot[:, h]], dim=-1))
+    if index_cache is None:
+        return q_full, a.new_empty(n, 0, 0), a.new_empty(n, 0, dtype=torch.float32)
+    assert k_idx is not None and iq is not None
+    index_cache.index_copy_(0, positions, torch.cat([rot[:, -1], k_idx[:, r:]], dim=-1))
+    o = ko + r
+    iw = a[:, o + di : o + di + hi] * index_weight_scale
+    iq_full = torch.cat([rot[:, h + 1 : h + 1 + hi], iq[..., r:]], dim=-1)
+    return q_full, iq_full, iw
+
+
+def _rows_upto(positions: Tensor) -> int:
+    """Cache rows a step reads: up to its last position (a host read of a CPU tensor, no sync)."""
+    return int(positions.max()) + 1
+
+
+def mla_attention(
+    q: Tensor, kv_cache: Tensor, positions: Tensor, scale: float, kv_lora_rank: int, row_start: Tensor | None = None
+) -> Tensor:
+    """Over rows ``row_start..positions[i]`` only (the reference masks the whole static cache). One query
+    (a decode step): a plain softmax over exactly its rows, three ATen calls."""
+    end = _rows_upto(positions)
+    if q.shape[0] == 1 and _fast(q, kv_cache):
+        lo = 0 if row_start is None else min(int(row_start.reshape(-1)[0]), end)
+        if row_start is None or lo < end:
+            kv = kv_cache[lo:end]
+            s = torch.mm(q[0], kv.t()).mul_(scale)  # [H, T]
+            return torch.mm(torch.softmax(s, dim=-1), kv[:, :kv_lora_rank]).unsqueeze(0)
+    return reference.mla_attention(q, kv_cache[:end], positions, scale, kv_lora_rank, row_start)
+
+
+def mla_sparse_attention(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_rank: int) -> Tensor:
+    return reference.mla_sparse_attention(q, kv_cache, indices, scale, kv_lora_rank)
+
+
+def indexer_topk(
+    q: Tensor, weights: Tensor, k_cache: Tensor, positions: Tensor, topk: int, row_start: Tensor | None = None
+) -> Tensor:
+    """Scores over rows ``..positions[i]`` only (the reference scores the whole static cache)."""
+    return reference.indexer_topk(q, weights, k_cache[: _rows_upto(positions)], positions, topk, row_start)
+
+
+def mla_uv(o_lat: Tensor, kv_b: Tensor, nope_dim: int) -> Tensor:
+    return reference.mla_uv(o_lat, kv_b, nope_dim)
+
+
+def _expert_sum(x: Tensor, ids: list[int], weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """``sum_j weights[j] * expert_{ids[j]}(x)`` for one token ``x [1, D]``: each expert's weights read in place
+    (the reference gathers them by copy), the sum in float32 in slot order."""
+    inter = w13.shape[1] // 2
+    out: Tensor | None = None
+    for j, e in enumerate(ids):
+        gu = F.linear(x, w13[e])
+        y = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], w2[e]).mul_(weights[:, j : j + 1])
+        out = y if out is None else out.add_(y)
+    assert out is not None
+    return out
+
+
+def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    if x.shape[0] != 1 or not _fast(x, w13, w2, topk_weights):
+        return reference.moe_experts(x, topk_ids, topk_weights, w13, w2)
+    return _expert_sum(x, topk_ids[0].tolist(), topk_weights, w13, w2)
+
+
+def _experts_residual(h: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor) -> None:
+    """``h += moe_experts(x, ...)`` with ``x = rms_norm(h)`` already computed."""
+    if not _fast(x, w13, w2, topk_weights):
+        h.add_(reference.moe_experts(x, topk_ids, topk_weights, w13, w2))
+    elif w13.shape[0] == 1 and topk_ids.shape[1] == 1:  # a dense MLP (one expert, id 0): every row at once
+        inter = w13.shape[1] // 2
+        gu = F.linear(x, w13[0])
+        h.add_(F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], w2[0]).mul_(topk_weights))
+    elif x.shape[0] == 1:
+        h.add_(_expert_sum(x, topk_ids[0].tolist(), topk_weights, w13, w2))
+    else:
+        h.add_(reference.moe_experts(x, topk_ids, topk_weights, w13, w2))
+
+
+def moe_residual(
+    h: Tensor, norm_weight: Tensor, eps: float, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor
+) -> None:
+    _experts_residual(h, rms_norm(h, norm_weight, eps), topk_ids, topk_weights, w13, w2)
+
+
+def _router(
+    x: Tensor,
+    gate_weight: Tensor,
+    bias: Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    route_scale: float,
+    norm_topk: bool,
+    n_shared: int,
+) -> tuple[Tensor, Tensor]:
+    """:func:`reference.router` on ``x = rms_norm(h)`` (computed once for the router and the experts); the group
+    mask is skipped when every group is kept (it is then all ones)."""
+    n = x.shape[0]
+    e, g = gate_weight.shape[0], n_group
+    scores = F.linear(x, gate_weight).sigmoid()
+    choice = scores + bias
+    if topk_group < g:
+        group_scores = choice.view(n, g, e // g).topk(2, dim=-1).values.sum(dim=-1)
+        group_idx = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+        keep = torch.zeros(n, g, dtype=torch.bool).scatter_(1, group_idx, True)
+        choice = choice.view(n, g, e // g).masked_fill(~keep[:, :, None], float("-inf")).view(n, e)
+    ids = choice.topk(top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if norm_topk:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    weights = weights * route_scale
+    if n_shared:
+        ids = torch.cat([ids, torch.arange(e, e + n_shared).expand(n, n_shared)], dim=1)
+        weights = torch.cat([weights, torch.ones(n, n_shared)], dim=1)
+    return ids.to(torch.int32), weights
+
+
+def moe_block(
+    h: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+    gate_weight: Tensor,
+    bias: Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    route_scale: float,
+    norm_topk: bool,
+    n_shared: int,
+    w13: Tensor,
+    w2: Tensor,
+) -> tuple[Tensor, Tensor]:
+    if not _fast(h, norm_weight, gate_weight, bias, w13, w2):
+        return reference.moe_block(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
+                                   norm_topk, n_shared, w13, w2)
+    x = F.rms_norm(h, (h.shape[-1],), norm_weight, eps)
+    ids, weights = _router(x, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared)
+    _experts_residual(h, x, ids, weights, w13, w2)
+    return ids, weights
