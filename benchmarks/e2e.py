@@ -1158,7 +1158,7 @@ def markdown(result: dict[str, Any], note: str | None) -> str:
             + "`, decode node CPUs `"
             + (s["decode_cpus"] or "unpinned")
             + "`; decode node "
-            "max-sequences " + str(s["decode_max_sequences"] or "default (1)"),
+            "max-sequences " + str(s["decode_max_sequences"] or "default (the node's --max-sequences)"),
             "- startup (s): " + ", ".join(f"{k} {val:.0f}" for k, val in result["startup_s"].items()),
             "- agreement (one greedy 32-token completion, vs "
             + result["agreement"]["reference"]

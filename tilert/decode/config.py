@@ -59,8 +59,10 @@ class DecodeConfig:
     dtype: str = setting("auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
     max_seq_len: int = setting(4096, help="longest prompt + completion a slot holds")
     max_sequences: int = setting(
-        1, help="sequences decoded together in one engine step (each at its own position, bit-identical to "
-        "decoding it alone); more requests wait for a free one in arrival order",
+        4, help="sequences decoded together in one engine step (each at its own position, bit-identical to "
+        "decoding it alone); more requests wait for a free one in arrival order. Default 4: on the CPU demo no "
+        "request waits for another's whole decode; on a MoE GPU model several sequences buy total, not "
+        "per-user, speed (benchmarks/results/h200-2026-11-30-multiseq.md)",
     )
     num_slots: int | None = setting(
         None, flag="--slots", aliases=("--num-slots",),
