@@ -93,6 +93,18 @@ def check_bounds(grant_nbytes: int, offset: int, n: int) -> None:
         raise TransferError(f"{what} exceeds the {grant_nbytes}-byte grant")
 
 
+def check_receive_buffer(buffer: torch.Tensor, transport: str) -> None:
+    """What a receiver registers: one contiguous uint8 host buffer."""
+    if buffer.device.type != "cpu" or buffer.dtype != torch.uint8 or not buffer.is_contiguous():
+        raise ValueError(f"{transport} transport registers contiguous uint8 CPU buffers only")
+
+
+def check_window(buffer: torch.Tensor, offset: int, nbytes: int) -> None:
+    """A grant's window must lie inside its registered region."""
+    if offset < 0 or nbytes < 0 or offset + nbytes > buffer.numel():
+        raise ValueError(f"grant [{offset}, {offset + nbytes}) outside region of {buffer.numel()} bytes")
+
+
 class Coverage:
     """Which bytes of a grant completed writes have covered: a union of ``[start, end)`` ranges, for
     receivers that vouch for a grant only once every byte of it was reported written (``verify``)."""

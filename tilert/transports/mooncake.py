@@ -63,7 +63,16 @@ from typing import Any, ClassVar
 import structlog
 import torch
 
-from tilert.transports.base import Coverage, Receiver, Sender, TransferError, Transport, check_bounds
+from tilert.transports.base import (
+    Coverage,
+    Receiver,
+    Sender,
+    TransferError,
+    Transport,
+    check_bounds,
+    check_receive_buffer,
+    check_window,
+)
 
 log = structlog.get_logger("tilert.transports.mooncake")
 
@@ -169,8 +178,7 @@ class MooncakeReceiver(Receiver):
         log.info("mooncake_receiver_ready", session=self.session, protocol=protocol, registration=registration)
 
     def register(self, buffer: torch.Tensor) -> int:
-        if buffer.device.type != "cpu" or buffer.dtype != torch.uint8 or not buffer.is_contiguous():
-            raise ValueError("mooncake transport registers contiguous uint8 CPU buffers only")
+        check_receive_buffer(buffer, "mooncake")
         with self._lock:
             if self.registration == "region":
                 rc = self._engine.register_memory(buffer.data_ptr(), buffer.numel())
@@ -181,8 +189,7 @@ class MooncakeReceiver(Receiver):
 
     def grant(self, region: int, offset: int, nbytes: int) -> dict[str, Any]:
         buf = self._regions[region]
-        if offset < 0 or nbytes < 0 or offset + nbytes > buf.numel():
-            raise ValueError(f"grant [{offset}, {offset + nbytes}) outside region of {buf.numel()} bytes")
+        check_window(buf, offset, nbytes)
         key = secrets.token_hex(16)
         start = buf.data_ptr() + offset
         with self._lock:

@@ -54,7 +54,16 @@ from typing import Any, ClassVar
 import structlog
 import torch
 
-from tilert.transports.base import Coverage, Receiver, Sender, TransferError, Transport, check_bounds
+from tilert.transports.base import (
+    Coverage,
+    Receiver,
+    Sender,
+    TransferError,
+    Transport,
+    check_bounds,
+    check_receive_buffer,
+    check_window,
+)
 
 log = structlog.get_logger("tilert.transports.nixl")
 
@@ -154,8 +163,7 @@ class NixlReceiver(Receiver):
         log.info("nixl_receiver_ready", agent=self.name)
 
     def register(self, buffer: torch.Tensor) -> int:
-        if buffer.device.type != "cpu" or buffer.dtype != torch.uint8 or not buffer.is_contiguous():
-            raise ValueError("nixl transport registers contiguous uint8 CPU buffers only")
+        check_receive_buffer(buffer, "nixl")
         desc = [(buffer.data_ptr(), buffer.numel(), 0, "")]
         with self._lock:
             try:
@@ -170,8 +178,7 @@ class NixlReceiver(Receiver):
 
     def grant(self, region: int, offset: int, nbytes: int) -> dict[str, Any]:
         buf, _, md = self._regions[region]
-        if offset < 0 or nbytes < 0 or offset + nbytes > buf.numel():
-            raise ValueError(f"grant [{offset}, {offset + nbytes}) outside region of {buf.numel()} bytes")
+        check_window(buf, offset, nbytes)
         key = secrets.token_bytes(_KEY_BYTES)
         start = buf.data_ptr() + offset
         with self._lock:

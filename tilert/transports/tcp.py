@@ -23,7 +23,15 @@ import structlog
 import torch
 
 from tilert.netio import recv_exact, recv_into
-from tilert.transports.base import Receiver, Sender, TransferError, Transport, check_bounds
+from tilert.transports.base import (
+    Receiver,
+    Sender,
+    TransferError,
+    Transport,
+    check_bounds,
+    check_receive_buffer,
+    check_window,
+)
 
 log = structlog.get_logger("tilert.transports.tcp")
 
@@ -58,16 +66,14 @@ class TcpReceiver(Receiver):
         self._thread.start()
 
     def register(self, buffer: torch.Tensor) -> int:
-        if buffer.device.type != "cpu" or buffer.dtype != torch.uint8 or not buffer.is_contiguous():
-            raise ValueError("tcp transport registers contiguous uint8 CPU buffers only")
+        check_receive_buffer(buffer, "tcp")
         with self._lock:
             self._regions.append(buffer)
             return len(self._regions) - 1
 
     def grant(self, region: int, offset: int, nbytes: int) -> dict[str, Any]:
         buf = self._regions[region]
-        if offset < 0 or nbytes < 0 or offset + nbytes > buf.numel():
-            raise ValueError(f"grant [{offset}, {offset + nbytes}) outside region of {buf.numel()} bytes")
+        check_window(buf, offset, nbytes)
         key = secrets.token_bytes(16)
         view = buf.numpy().data.cast("B")[offset : offset + nbytes]
         with self._lock:
