@@ -13,7 +13,7 @@ Engines are plugins: registered under the ``tilert.engines`` entry-point group a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -22,7 +22,7 @@ import torch
 
 from tilert.contracts import KVLayout
 
-__all__ = ["Capabilities", "DecodeEngine", "KVLayout", "SpecStepResult", "require_exact_layouts"]
+__all__ = ["Capabilities", "DecodeEngine", "KVLayout", "SpecStepResult", "check_decode_batch", "require_exact_layouts"]
 
 
 def require_exact_layouts(expected: Mapping[str, KVLayout], offered: Mapping[str, KVLayout]) -> None:
@@ -36,6 +36,17 @@ def require_exact_layouts(expected: Mapping[str, KVLayout], offered: Mapping[str
         got = (lay.kind, lay.dtype, lay.row_bytes, lay.num_layers)
         if got != (want.kind, want.dtype, want.row_bytes, want.num_layers):
             raise ValueError(f"'{name}' layout mismatch: prefill sends {lay}, engine expects {want}")
+
+
+def check_decode_batch(tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int]) -> None:
+    """``ValueError`` unless ``decode_step``'s rows are one token, position and distinct sequence each."""
+    n = len(tokens)
+    if n == 0 or len(positions) != n or len(seqs) != n:
+        raise ValueError(
+            f"decode_step needs one token, position and sequence per row (got {n}, {len(positions)}, {len(seqs)})"
+        )
+    if len(set(seqs)) != n:
+        raise ValueError(f"decode_step takes each sequence at most once (seqs={list(seqs)})")
 
 
 @dataclass(frozen=True)
@@ -146,13 +157,7 @@ class DecodeEngine(ABC):
         lists of different lengths. This default runs :meth:`forward` once per sequence (correct for any
         engine); engines override it to run the sequences together.
         """
-        n = len(tokens)
-        if n == 0 or len(positions) != n or len(seqs) != n:
-            raise ValueError(
-                f"decode_step needs one token, position and sequence per row (got {n}, {len(positions)}, {len(seqs)})"
-            )
-        if len(set(seqs)) != n:
-            raise ValueError(f"decode_step takes each sequence at most once (seqs={list(seqs)})")
+        check_decode_batch(tokens, positions, seqs)
         rows = [
             self.forward(torch.tensor([t], dtype=torch.int64), p, s)[-1:].float()
             for t, p, s in zip(tokens, positions, seqs, strict=True)

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from tilert.engines.base import Capabilities, DecodeEngine, KVLayout, SpecStepResult
+from tilert.engines.base import Capabilities, DecodeEngine, KVLayout, SpecStepResult, check_decode_batch
 
 from . import layouts
 from .fast import CapturedFn
@@ -603,13 +603,7 @@ class TileRTEngine(DecodeEngine):
         return hidden, logits
 
     def _check_batch(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int]) -> None:
-        n = len(tokens)
-        if n == 0 or len(positions) != n or len(seqs) != n:
-            raise ValueError(
-                f"decode_step needs one token, position and sequence per row (got {n}, {len(positions)}, {len(seqs)})"
-            )
-        if len(set(seqs)) != n:
-            raise ValueError(f"decode_step takes each sequence at most once (seqs={list(seqs)})")
+        check_decode_batch(tokens, positions, seqs)
         for s, p in zip(seqs, positions, strict=True):
             self._check_seq(s)
             if not 0 <= p < self.max_seq_len:
