@@ -5,7 +5,7 @@ between steps; up to ``Capabilities.max_sequences`` decode at once, each at its 
 engine sequence (cache rows), the rest wait their turn in arrival order.
 
 - **Alone**, a sequence runs on the engine's fastest path for it (MTP speculation, the pipelined greedy
-  stream: :func:`~tilert.decode.generate.fast_steps`), checking between steps whether another joined.
+  stream: :func:`~tilert.decode.generate.decode_alone`), checking between steps whether another joined.
 - **With company**, every active sequence advances by one token per engine step
   (``engine.decode_step``, or ``decode_step_greedy`` when all of them are greedy). The engine's kernels are
   batch-invariant, so each sequence's tokens are exactly those it would get alone.
@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 import torch
 
-from tilert.decode.generate import Emit, Finish, SequenceRun, fast_steps
+from tilert.decode.generate import Emit, Finish, SequenceRun, decode_alone
 from tilert.decode.sampling import DecodeParams
 from tilert.engines.base import DecodeEngine, KVLayout
 
@@ -95,7 +95,8 @@ class DecodeBatch:
                 self._admit()
                 self._reap()
                 if len(self._active) == 1 and not self._waiting_for_room():
-                    self._alone(*next(iter(self._active.values())))
+                    _, run = next(iter(self._active.values()))
+                    decode_alone(self.engine, run, self.num_draft, self._waiting_for_room)
                 elif self._active:
                     self._step_all()
             except Exception as exc:  # noqa: BLE001 - the sequences of this step end with it; serve on
@@ -116,19 +117,13 @@ class DecodeBatch:
             seq = self._free.pop(0)
             try:
                 run = SequenceRun(self.engine, job.params, self.eos, job.num_tokens, job.emit, job.cancel, seq)
-                self._inject(job, seq)
+                self.engine.inject(job.state, job.layouts, job.num_tokens, seq=seq)
             except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
                 log.exception("decode_admit_failed", transfer_id=job.params.transfer_id)
                 self._free.append(seq)
                 job.done(exc)
                 continue
             self._active[seq] = (job, run)
-
-    def _inject(self, job: Job, seq: int) -> None:
-        if self.max_sequences == 1:
-            self.engine.inject(job.state, job.layouts, job.num_tokens)
-        else:
-            self.engine.inject(job.state, job.layouts, job.num_tokens, seq=seq)
 
     def _reap(self) -> None:
         for seq, (job, run) in list(self._active.items()):
@@ -143,21 +138,6 @@ class DecodeBatch:
             del self._active[seq]
             self._free.append(seq)
             job.done(exc)
-
-    def _alone(self, job: Job, run: SequenceRun) -> None:
-        """Decode the only active sequence on its fast path until it ends or another can join."""
-        steps: Iterator[list[int]] = fast_steps(self.engine, run, self.num_draft)
-        try:
-            while not run.check_cancel() and not self._waiting_for_room():
-                new = next(steps, None)
-                if new is None:  # the engine ended its stream early: its cache is full
-                    run.finish = Finish("length")
-                    break
-                run.accept(new)
-        finally:
-            close = getattr(steps, "close", None)
-            if close is not None:
-                close()
 
     def _step_all(self) -> None:
         """One token for every active sequence in one engine step."""

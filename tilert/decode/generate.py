@@ -17,7 +17,7 @@ drives one sequence alone, :mod:`tilert.decode.batch` several at once.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -121,31 +121,39 @@ def run_decode(
     """
     run = SequenceRun(engine, params, eos_token_ids, num_tokens, emit, cancel)
     engine.inject(state, layouts, num_tokens)
-    steps = fast_steps(engine, run, num_draft)
-    while not run.check_cancel():
-        new = next(steps, None)
-        if new is None:  # the engine ended its stream early: its cache is full
-            run.finish = Finish("length")
-            break
-        run.accept(new)
+    decode_alone(engine, run, num_draft)
     assert run.finish is not None
     return run.finish
 
 
-def fast_steps(engine: DecodeEngine, run: SequenceRun, num_draft: int) -> Iterator[list[int]]:
-    """The new tokens of each step of ``run`` decoded alone, on the fastest path the engine declares.
+def decode_alone(
+    engine: DecodeEngine, run: SequenceRun, num_draft: int, yield_to: Callable[[], bool] = lambda: False
+) -> None:
+    """Step ``run`` alone on its fast path until it finishes, or ``yield_to()`` says another sequence should
+    join (the run then continues later from ``run.token`` at ``run.pos``)."""
+    steps = _fast_steps(engine, run, num_draft)
+    try:
+        while not run.check_cancel() and not yield_to():
+            new = next(steps, None)
+            if new is None:  # the engine ended its stream early: its cache is full
+                run.finish = Finish("length")
+                return
+            run.accept(new)
+    finally:
+        steps.close()
 
-    Abandoning the iterator between steps is safe: the caller continues from ``run.token`` at ``run.pos``."""
+
+def _fast_steps(engine: DecodeEngine, run: SequenceRun, num_draft: int) -> Generator[list[int], None, None]:
+    """The new tokens of each step of ``run`` decoded alone, on the fastest path the engine declares."""
     caps, p = engine.capabilities(), run.params
-    on = {"seq": run.seq} if run.seq else {}  # (engines of one sequence take no seq argument)
     if p.greedy and num_draft > 0 and caps.mtp:
         while True:
-            yield engine.speculative_greedy_step(run.token, run.pos, num_draft, **on).tokens
+            yield engine.speculative_greedy_step(run.token, run.pos, num_draft, seq=run.seq).tokens
     elif p.greedy and caps.pipelined_greedy:
         # The next step runs while this token is emitted (the engine pipelines them).
-        for token in engine.greedy_stream(run.token, run.pos, run.limit - run.produced, **on):
+        for token in engine.greedy_stream(run.token, run.pos, run.limit - run.produced, seq=run.seq):
             yield [token]
     else:
         while True:
-            logits = engine.forward(torch.tensor([run.token], dtype=torch.long), run.pos, **on)
+            logits = engine.forward(torch.tensor([run.token], dtype=torch.long), run.pos, seq=run.seq)
             yield [run.sample(logits[-1])]

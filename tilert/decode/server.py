@@ -317,8 +317,9 @@ def build_node(config: DecodeConfig) -> DecodeNode:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     engine_cls = load_engine(config.engine)
-    extra = {"max_sequences": config.max_sequences} if config.max_sequences > 1 else {}
-    engine = engine_cls.load(config.model, device=device, dtype=dtype, max_seq_len=config.max_seq_len, **extra)
+    engine = engine_cls.load(
+        config.model, device=device, dtype=dtype, max_seq_len=config.max_seq_len, max_sequences=config.max_sequences
+    )
     return DecodeNode(config, engine)
 
 
