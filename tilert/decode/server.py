@@ -216,8 +216,10 @@ class DecodeNode:
             await self.table.wait_ready(tid, self.config.transfer_timeout_s)
             self.metrics.transfer_wait(anyio.current_time() - started)
             async for line in self._run(params, bound):
-                outcome = _outcome(line, outcome)
-                yield line
+                if isinstance(line, c.TokenLine) and line.finish_reason is not None:
+                    outcome = line.finish_reason
+                    self.decodes_completed += 1
+                yield c.dump_line(line)
         except SlotError as exc:
             bound.warning("decode_refused", reason=str(exc))
             yield c.dump_line(c.ErrorLine(exc.status, str(exc)))
@@ -227,7 +229,9 @@ class DecodeNode:
             self.metrics.requests(self.batch.running, self.batch.waiting)
             self.metrics.request_done(anyio.current_time() - started, outcome)
 
-    async def _run(self, params: DecodeParams, bound: structlog.typing.FilteringBoundLogger) -> AsyncIterator[bytes]:
+    async def _run(
+        self, params: DecodeParams, bound: structlog.typing.FilteringBoundLogger
+    ) -> AsyncIterator[c.TokenLine | c.ErrorLine]:
         """Hand the request to the batch (it decodes on its worker thread, with whatever other sequences
         run); relay each step's tokens as a line the moment they exist."""
         slot = self.table.start_decode(params.transfer_id)
@@ -257,20 +261,21 @@ class DecodeNode:
                     now = anyio.current_time()
                     self.metrics.tokens(len(item.token_ids), now - last)
                     last, finished = now, item.finish_reason is not None
-                    self.decodes_completed += finished
-                    yield c.dump_line(item)
+                    yield item
         finally:
             slot.cancel.set()  # the reader left (or the decode ended): the batch drops the sequence
 
-    def _last_line(self, result: Finish | BaseException, bound: structlog.typing.FilteringBoundLogger) -> bytes:
+    @staticmethod
+    def _last_line(
+        result: Finish | BaseException, bound: structlog.typing.FilteringBoundLogger
+    ) -> c.TokenLine | c.ErrorLine:
         """The closing line when the decode ended without emitting its finish (nothing left to emit)."""
         if isinstance(result, Finish) and result.reason in ("stop", "length"):
-            self.decodes_completed += 1
-            return c.dump_line(c.TokenLine([], result.reason, result.stop_token_id))
+            return c.TokenLine([], result.reason, result.stop_token_id)
         if isinstance(result, BaseException):
             bound.error("decode_failed", error=f"{type(result).__name__}: {result}")
-            return c.dump_line(c.ErrorLine(500, f"decode engine failed: {type(result).__name__}"))
-        return c.dump_line(c.ErrorLine(500, "decode cancelled"))
+            return c.ErrorLine(500, f"decode engine failed: {type(result).__name__}")
+        return c.ErrorLine(500, "decode cancelled")
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -303,14 +308,6 @@ class DecodeNode:
         finally:
             self.batch.close()
             self.receiver.close()
-
-
-def _outcome(line: bytes, previous: str) -> str:
-    """The finish reason a stream line announces (its last line names it), else ``previous``."""
-    for reason in ("stop", "length"):
-        if b'"finish_reason":"' + reason.encode() in line:
-            return reason
-    return previous
 
 
 def build_node(config: DecodeConfig) -> DecodeNode:
