@@ -409,6 +409,7 @@ def test_chat_streaming_text_token_ids_usage(router: RouterHandle, world: World)
     assert kv["tilert_host"] == "127.0.0.1" and kv["tilert_ctrl_port"] == 1 and len(kv["tilert_transfer_id"]) == 32
     assert _wait_for(lambda: _slots_in_use(router) == 0)
     assert not world.reservations
+    assert world.releases == []  # the node freed the slot as its stream ended: no release call was needed
 
 
 def test_chat_non_streaming(router: RouterHandle, world: World) -> None:

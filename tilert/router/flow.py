@@ -240,15 +240,17 @@ class RequestFlow:
                 now = usage(pre.prompt_tokens, len(loop.token_ids)) if plan.continuous_usage else None
                 await out.body(sse(shape.chunk(delta.text, delta.token_ids, delta.finish_reason,
                                                delta.stop_reason, now)))  # fmt: skip
-        if line is not None and line.finish_reason is not None:
-            await _drain(lines)  # the node's last line came: reading to EOF keeps the connection for reuse
-        await self._finish(out, lease, shape, pre, loop)
+        # The node's last line came: reading to EOF keeps the connection for reuse, and at EOF the node has
+        # already freed the slot (it does so before its stream ends), so no release call is needed.
+        node_freed = line is not None and line.finish_reason is not None and await _drain(lines)
+        await self._finish(out, lease, shape, pre, loop, node_freed)
 
     async def _finish(
-        self, out: ClientOutput, lease: NodeLease, shape: ResponseShape, pre: PrefillResult, loop: TokenLoop
-    ) -> None:
+        self, out: ClientOutput, lease: NodeLease, shape: ResponseShape, pre: PrefillResult, loop: TokenLoop,
+        node_freed: bool,
+    ) -> None:  # fmt: skip
         use = usage(pre.prompt_tokens, len(loop.token_ids))
-        await lease.release()  # before the last byte: a client that has its answer sees the slot free
+        await lease.release(node_freed)  # before the last byte: a client that has its answer sees the slot free
         if self.plan.stream:
             await out.body((sse(shape.usage_chunk(use)) if self.plan.include_usage else b"") + DONE, more=False)
         else:
@@ -276,7 +278,10 @@ class RequestFlow:
         return line
 
 
-async def _drain(lines: AsyncIterator[c.TokenLine | c.ErrorLine]) -> None:
+async def _drain(lines: AsyncIterator[c.TokenLine | c.ErrorLine]) -> bool:
+    """Read the stream to its end (within 0.5 s); whether it ended cleanly."""
     with anyio.move_on_after(0.5):
         async for _ in lines:
-            pass
+            return False  # nothing may follow the last line
+        return True
+    return False

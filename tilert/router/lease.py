@@ -76,12 +76,16 @@ class NodeLease:
     ) -> None:
         await self.release()
 
-    async def release(self) -> None:
-        """Free the slot on the node (cancelling its decode) and return it to the pool; once only."""
+    async def release(self, node_freed: bool = False) -> None:
+        """Free the slot on the node (cancelling its decode) and return it to the pool; once only.
+        ``node_freed``: the node already freed it (its decode stream ended cleanly), no call is needed."""
         if self._released or self.node is None:
             return
         self._released = True
         node = self.node
+        if node_freed:
+            self._pool.give_back(node, held_s=anyio.current_time() - self._since)
+            return
         with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_BUDGET_S) as scope:
             try:
                 await self._clients[node.name].release(self.transfer_id)
