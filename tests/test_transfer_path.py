@@ -31,13 +31,13 @@ def test_protocol_round_trip_and_refusals() -> None:
     frame = p.encode(offer)
     assert p.decode(frame[4:]) == offer
     assert offer.nbytes == 3 * 7 * 576 * 4
-    with pytest.raises(p.ProtocolError):
+    with pytest.raises(p.ContractError):
         p.decode(b'{"type": "offer", "transfer_id": "x"}')
-    with pytest.raises(p.ProtocolError):
+    with pytest.raises(p.ContractError):
         p.decode(b'{"type": "nonsense"}')
-    with pytest.raises(p.ProtocolError):
+    with pytest.raises(p.ContractError):
         p.decode(b'{"type": "done", "transfer_id": "x", "nbytes": 1, "extra": 2}')
-    with pytest.raises(p.ProtocolError, match="rejected"):
+    with pytest.raises(p.ContractError, match="rejected"):
         p.expect(p.Reject("no"), p.Accept)
 
 

@@ -60,9 +60,6 @@ class ContractError(ValueError):
     """A peer sent something that is not a valid message of this contract; the text says what."""
 
 
-ProtocolError = ContractError  # the control channel's name for it
-
-
 class _Strict(msgspec.Struct, forbid_unknown_fields=True):
     pass
 

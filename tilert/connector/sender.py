@@ -182,7 +182,7 @@ class BackgroundSender:
             p.send_msg(sock, p.Hello.signed(self._secret, self.transport_name, self._sender_id))
             ack = p.expect(p.recv_msg(sock), p.HelloAck)
             if ack.version != p.PROTOCOL_VERSION:
-                raise p.ProtocolError(
+                raise p.ContractError(
                     f"decode node speaks protocol v{ack.version}, this sender v{p.PROTOCOL_VERSION}"
                 )
         except BaseException:
@@ -208,7 +208,7 @@ class BackgroundSender:
             bound.info("transfer_done", nbytes=offer.nbytes, tokens=staged.num_tokens, writes=len(staged.writes))
         except Exception as exc:  # noqa: BLE001 - every failure ends the same way: Abort, extent back
             staged.outcome = f"{type(exc).__name__}: {exc}"
-            if isinstance(exc, (OSError, p.ProtocolError, TransferError, StagingError)):
+            if isinstance(exc, (OSError, p.ContractError, TransferError, StagingError)):
                 bound.error("transfer_failed", error=staged.outcome, control_up=sock is not None)
             else:
                 bound.exception("transfer_failed_unexpectedly")
@@ -239,7 +239,7 @@ class BackgroundSender:
         try:
             with self._connect(claim) as sock:
                 p.send_msg(sock, p.Abort(claim.transfer_id, reason[: p.MAX_REASON_CHARS]))
-        except (OSError, p.ProtocolError) as exc:
+        except (OSError, p.ContractError) as exc:
             log.error("abort_not_delivered", transfer_id=claim.transfer_id, error=str(exc))
 
 

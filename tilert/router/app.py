@@ -36,7 +36,6 @@ class _Holder:
     def __init__(self, config: RouterConfig | None) -> None:
         self.config = config
         self.ctx: RouterContext | None = None
-        self.metrics: RouterMetrics | None = None
 
     def api_key(self) -> str | None:
         return self.ctx.config.api_key if self.ctx else (self.config.api_key if self.config else None)
@@ -179,8 +178,7 @@ def build_app(config: RouterConfig | None = None) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         try:
             cfg = holder.config if holder.config is not None else load_config_from_env()
-            holder.metrics = RouterMetrics(cfg.model_name)
-            holder.ctx = await RouterContext.start(cfg, holder.metrics)
+            holder.ctx = await RouterContext.start(cfg, RouterMetrics(cfg.model_name))
         except Exception as exc:
             log.error("router_startup_refused", reason=str(exc))
             raise RuntimeError(f"tilert router refused to start: {exc}") from exc
