@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,6 +26,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[Any], timeout_s: float, log: Path | None = None) -> None:
+    """Until ``url``/health answers 200; fails at once if ``proc`` exits, or after ``timeout_s``."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:] if log else f"exited with {proc.returncode}"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"{url} not healthy within {timeout_s:g} s")
 
 
 @pytest.fixture(scope="session")

@@ -220,12 +220,10 @@ def test_uvicorn_app_configured_by_file(stack: Any, tmp_path: Path) -> None:
     import os
     import subprocess
     import sys
-    import time
     from urllib.parse import urlparse
 
     import psutil
-
-    from conftest import free_port
+    from conftest import free_port, wait_healthy
 
     decode = urlparse(stack.decode)
     health = httpx.get(stack.decode + "/health", timeout=10).json()
@@ -244,13 +242,7 @@ def test_uvicorn_app_configured_by_file(stack: Any, tmp_path: Path) -> None:
     proc = subprocess.Popen(cmd, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
+        wait_healthy(url, proc, 60)
         prompt = [{"role": "user", "content": "Write a function that reverses a list."}]
         want_ids, want_text, _ = _vllm_alone(stack, "chat", prompt)
         got_ids, got_text, _ = _router_call(url, stack.model, "chat", prompt, True)

@@ -15,7 +15,6 @@ import socket
 import struct
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from conftest import free_port
+from conftest import free_port, wait_healthy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -68,15 +67,7 @@ def node(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     with open(log, "wb") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=err, stderr=err)
     url = f"http://127.0.0.1:{http}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, log.read_text()[-3000:]
-        time.sleep(0.2)
+    wait_healthy(url, proc, 120, log)
     token = auth.node_api_token(SECRET.encode())
     handle = Node(proc, url, ctrl, {"authorization": f"Bearer {token}", "content-type": "application/json"})
     yield handle
