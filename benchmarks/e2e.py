@@ -22,7 +22,8 @@ reserve, prefill leg, KV transfer + first decode step) and its CPU time per requ
 Before the rounds, one greedy request to every target checks that they compute the same tokens.
 
 The two vLLM instances are pinned apart (``VLLM_CPU_OMP_THREADS_BIND``), each with 128 MiB of KV cache; the
-decode node gets its own CPU set (``--decode-cpus``). All servers run in their own process groups and are
+decode node's engine thread gets its own CPU set (``--decode-cpus``: the node's ``--engine-cpus``, the way vLLM pins
+its OMP threads; the HTTP loops of every server are not pinned). All servers run in their own process groups and are
 stopped at the end, on an error and on Ctrl-C / SIGTERM.
 
 **Router overhead** (``--router-overhead``): stand-in prefill and decode servers on loopback (real HTTP, this
@@ -399,7 +400,7 @@ def start_servers(
         if args.router_log_level:
             envs["router"]["TILERT_LOG_LEVEL"] = args.router_log_level
         for name in names:
-            cpus = {"decode": parse_cpus(args.decode_cpus), "router": parse_cpus(args.router_cpus)}.get(name)
+            cpus = {"router": parse_cpus(args.router_cpus)}.get(name)  # the decode node pins its engine thread
             procs.start(name, commands[name], envs[name], cpus=cpus)
             started[name] = {"command": commands[name], "cpus": sorted(cpus) if cpus else None,
                              "env": {k: v for k, v in envs[name].items() if k.startswith(("VLLM_CPU", "OMP_",
@@ -425,9 +426,8 @@ def start_servers(
 
 def _decode_env(args: argparse.Namespace) -> dict[str, str]:
     env: dict[str, str] = {}
-    cpus = parse_cpus(args.decode_cpus)
-    if cpus:
-        env["OMP_NUM_THREADS"] = str(len(cpus))
+    if parse_cpus(args.decode_cpus):  # the engine's worker thread and its torch threads, as vLLM pins its OMP threads
+        env["TILERT_DECODE_ENGINE_CPUS"] = args.decode_cpus
     if args.decode_max_sequences:
         env["TILERT_DECODE_MAX_SEQUENCES"] = str(args.decode_max_sequences)
     return env
@@ -1248,7 +1248,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="bench's dataset seed (the same prompts for every target)")
     ap.add_argument("--prefill-cpus", default="0", help="VLLM_CPU_OMP_THREADS_BIND of the stack's prefill vLLM")
     ap.add_argument("--vllm-cpus", default="1", help="VLLM_CPU_OMP_THREADS_BIND of vLLM alone")
-    ap.add_argument("--decode-cpus", default="1", help="CPU set of the decode node ('' leaves it unpinned)")
+    ap.add_argument("--decode-cpus", default="1",
+                    help="CPUs of the decode node's engine thread (--engine-cpus; '' leaves it unpinned)")
     ap.add_argument(
         "--decode-max-sequences",
         type=int,

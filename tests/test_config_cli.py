@@ -234,6 +234,17 @@ def test_bad_values_are_all_named_at_once(model: Path, capsys: pytest.CaptureFix
     assert "--slots" in err and "--max-seq-len" in err and "--dtype" in err
 
 
+def test_engine_cpus_parsed_and_refused_with_a_reason(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    usable = sorted(os.sched_getaffinity(0))
+    cfg = decode_from_cli(["decode", "--model", str(model), "--engine-cpus", f"{usable[0]}-{usable[-1]}"])
+    assert cfg.engine_cpu_set == frozenset(range(usable[0], usable[-1] + 1))
+    assert decode_from_cli(["decode", "--model", str(model)]).engine_cpu_set == frozenset()
+    for bad, why in [("1-0", "empty CPU range"), ("x", "not a CPU number"), ("4096", "may not use")]:
+        assert cli.main(["decode", "--model", str(model), "--engine-cpus", bad]) == 2
+        err = capsys.readouterr().err
+        assert "--engine-cpus" in err and why in err, err
+
+
 # -- leases ------------------------------------------------------------------------------------------------
 
 

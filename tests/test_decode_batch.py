@@ -4,6 +4,7 @@ mid-stream, and a cancelled sequence frees its engine sequence at once for the n
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -119,3 +120,22 @@ def test_a_cancelled_sequence_frees_its_place_at_once(model: Path, prompts: list
         assert long_b.result == Finish("length")  # ran to the end of its context
     finally:
         batch.close()
+
+
+def test_engine_thread_pinned_to_its_cpus(model: Path, prompts: list[Prompt]) -> None:
+    """``--engine-cpus``: the worker thread (and so the engine's compute) runs on those CPUs only; the rest of
+    the process (the node's event loop) keeps every CPU."""
+    cpu = min(os.sched_getaffinity(0))
+    engine = TileRTEngine.load(model, device="cpu", dtype=torch.float32, max_seq_len=MAX_SEQ)
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    batch = DecodeBatch(engine, frozenset(), cpus=frozenset({cpu}))
+    try:
+        sink = Sink()
+        batch.submit(_job(engine, prompts[0], sink, 4))
+        assert sink.ended.wait(60) and sink.ids == prompts[0].alone[:4]
+        assert batch._thread.native_id is not None
+        assert os.sched_getaffinity(batch._thread.native_id) == {cpu}
+        assert os.sched_getaffinity(0) == before  # this thread is not pinned
+    finally:
+        batch.close()
+        torch.set_num_threads(threads)

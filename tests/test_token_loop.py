@@ -92,3 +92,30 @@ def test_held_back_tail_is_released_only_when_it_is_no_stop(tok: Tokenizer) -> N
     assert "".join(out) == "ef a"
     assert loop.feed(TokenLine([], "length")).text == " b"  # finishing releases the rest
 
+
+
+# -- lines that queued up are joined (the node's stream and the router's reader) ----------------------------
+
+
+def test_join_lines_keeps_order_and_the_last_finish() -> None:
+    from tilert.contracts import MAX_LINE_TOKENS, join_lines
+
+    joined = join_lines([TokenLine([1, 2]), TokenLine([3]), TokenLine([4], "stop", 4)])
+    assert joined == TokenLine([1, 2, 3, 4], "stop", 4)
+    with pytest.raises(ValueError, match="only the last"):
+        join_lines([TokenLine([1], "length"), TokenLine([2])])
+    with pytest.raises(ValueError, match="more than one line holds"):
+        join_lines([TokenLine([1] * MAX_LINE_TOKENS), TokenLine([2])])
+
+
+def test_reader_joins_runs_of_token_lines_but_never_past_a_finish_or_an_error() -> None:
+    from tilert.contracts import MAX_LINE_TOKENS, ErrorLine
+    from tilert.router.node_client import _join_tokens
+
+    big = TokenLine([7] * (MAX_LINE_TOKENS - 1))
+    lines = [TokenLine([1]), TokenLine([2]), ErrorLine(500, "x"), TokenLine([3]), big, TokenLine([4], "length"),
+             TokenLine([5])]  # fmt: skip
+    assert _join_tokens(lines) == [
+        TokenLine([1, 2]), ErrorLine(500, "x"), TokenLine([3, *big.token_ids]),  # full: [4] starts a new line
+        TokenLine([4], "length"), TokenLine([5]),  # after the finish: left alone for the relay to refuse
+    ]  # fmt: skip

@@ -39,6 +39,8 @@ from tilert import auth
 from tilert.netio import recv_exact
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from anyio.streams.buffered import BufferedByteReceiveStream
 
 PROTOCOL_VERSION = 2
@@ -312,13 +314,17 @@ class _Line(_Strict, tag_field="type"):
 FinishReason = Literal["stop", "length"]
 
 
+MAX_LINE_TOKENS = 1024  # tokens in one NDJSON line of the decode stream
+MAX_LINE_BYTES = 64 << 10  # one such line, encoded
+
+
 class TokenLine(_Line, tag="tokens"):
     """Tokens of one decode step, sent as soon as they exist. The last line of a decode carries
     ``finish_reason``: this node alone decides when decoding is over. ``stop``: the line's last token is
     EOS or one of the request's stop ids (``stop_token_id`` names a stop id; null for EOS); ``length``:
     ``max_tokens`` or the end of the context was reached."""
 
-    token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=1024)]
+    token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_LINE_TOKENS)]
     finish_reason: FinishReason | None = None
     stop_token_id: TokenId | None = None
 
@@ -331,6 +337,20 @@ class ErrorLine(_Line, tag="error"):
 
 
 DecodeLine = TokenLine | ErrorLine
+
+def join_lines(lines: Sequence[TokenLine]) -> TokenLine:
+    """Consecutive token lines of one stream as one line: their tokens in order, the last line's finish (only
+    the last line of a stream has one). A side that fell behind sends or relays what queued up at once;
+    at most :data:`MAX_LINE_TOKENS` tokens in all."""
+    if len(lines) == 1:
+        return lines[0]
+    if any(line.finish_reason is not None for line in lines[:-1]):
+        raise ValueError("only the last of the joined lines may carry the finish")
+    ids = [t for line in lines for t in line.token_ids]
+    if len(ids) > MAX_LINE_TOKENS:
+        raise ValueError(f"{len(ids)} tokens is more than one line holds ({MAX_LINE_TOKENS})")
+    last = lines[-1]
+    return TokenLine(ids, last.finish_reason, last.stop_token_id)
 
 
 class EngineInfo(_Strict):

@@ -17,6 +17,7 @@ failed: every sequence of that step ends with it, and the thread serves on).
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -46,8 +47,12 @@ class Job:
 
 
 class DecodeBatch:
-    def __init__(self, engine: DecodeEngine, eos_token_ids: frozenset[int], num_draft: int = 0) -> None:
+    def __init__(
+        self, engine: DecodeEngine, eos_token_ids: frozenset[int], num_draft: int = 0,
+        cpus: frozenset[int] = frozenset(),
+    ) -> None:  # fmt: skip
         self.engine = engine
+        self.cpus = cpus  # the worker thread's CPUs (empty: not pinned)
         self.eos = eos_token_ids
         self.num_draft = num_draft
         self.max_sequences = max(1, engine.capabilities().max_sequences)
@@ -85,6 +90,9 @@ class DecodeBatch:
     # ---- the worker thread ----------------------------------------------------------------------
 
     def _loop(self) -> None:
+        if self.cpus:  # on Linux this pins the calling thread only; torch's threads start from it
+            os.sched_setaffinity(0, self.cpus)
+            torch.set_num_threads(len(self.cpus))
         while True:
             with self._cv:
                 while not (self._waiting or self._active or self._closed):

@@ -79,6 +79,12 @@ class DecodeConfig:
         help="MTP drafts per step for greedy requests when the checkpoint has an MTP layer (0: off; on the "
         "H200 one draft pays once more than ~0.9 tokens per step are accepted, see benchmarks/results)",
     )
+    engine_cpus: str | None = setting(
+        None, metavar="LIST",
+        help="CPUs the engine's worker thread (and its torch threads) run on, e.g. '1' or '2-3' (Linux; like "
+        "vLLM's VLLM_CPU_OMP_THREADS_BIND: the node's HTTP and control loop stay free to run elsewhere). "
+        "Default: no pinning",
+    )  # fmt: skip
     max_http_connections: int = setting(
         1024, help="concurrent HTTP connections the node serves (uvicorn's limit_concurrency; 503 beyond)"
     )
@@ -88,6 +94,11 @@ class DecodeConfig:
     )  # fmt: skip
     # Filled at load time from secret_file / $TILERT_SECRET_FILE / $TILERT_SECRET (tilert.auth.load_secret).
     secret: bytes = field(default=b"", repr=False)
+
+    @property
+    def engine_cpu_set(self) -> frozenset[int]:
+        """``engine_cpus`` as a set of CPU numbers (empty: no pinning)."""
+        return parse_cpu_list(self.engine_cpus or "")
 
     @property
     def slots(self) -> int:
@@ -130,6 +141,13 @@ class DecodeConfig:
         need(isinstance(self.device, str) and bool(_DEVICE_RE.match(self.device)),
              f"{d('device')} must be auto, cpu, cuda or cuda:N ({self.device!r})")  # fmt: skip
         need(self.dtype in DTYPES, f"{d('dtype')} must be one of {', '.join(DTYPES)} ({self.dtype!r})")
+        try:
+            cpus = self.engine_cpu_set
+            usable = _usable_cpus()
+            need(cpus <= usable, f"{d('engine_cpus')} names CPUs this process may not use: "
+                                 f"{sorted(cpus - usable)} (usable: {sorted(usable)})")  # fmt: skip
+        except ValueError as exc:
+            problems.append(f"{d('engine_cpus')}: {exc}")
         problem = secret_problem(self.secret, self.secret_file)
         if problem:
             problems.append(problem)
@@ -144,6 +162,27 @@ def _int(value: Any) -> bool:
 
 def _num(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """A Linux CPU list (``"1"``, ``"0,2-3"``) as a set; ``ValueError`` naming what is wrong."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if m is None:
+            raise ValueError(f"{part!r} is not a CPU number or range (e.g. '1' or '2-3')")
+        lo, hi = int(m[1]), int(m[2] or m[1])
+        if hi < lo:
+            raise ValueError(f"empty CPU range {part!r}")
+        cpus.update(range(lo, hi + 1))
+    return frozenset(cpus)
+
+
+def _usable_cpus() -> frozenset[int]:
+    import os
+
+    getter = getattr(os, "sched_getaffinity", None)
+    return frozenset(getter(0)) if getter else frozenset(range(os.cpu_count() or 1))
 
 
 def load_decode_config(cli: Mapping[str, Any] | None = None) -> DecodeConfig:
@@ -180,6 +219,7 @@ __all__ = [
     "ConfigError",
     "DecodeConfig",
     "load_decode_config",
+    "parse_cpu_list",
     "resolve_device",
     "resolve_dtype",
 ]

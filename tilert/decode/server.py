@@ -30,6 +30,7 @@ from typing import TypeVar
 import anyio
 import structlog
 import uvicorn
+from anyio.streams.memory import MemoryObjectReceiveStream
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -109,7 +110,7 @@ class DecodeNode:
         self.eos = eos_token_ids(config.model)
         self.sampling_defaults = sampling_defaults(config.model)
         self.metrics = DecodeMetrics(str(config.model))
-        self.batch = DecodeBatch(engine, self.eos, config.num_speculative_tokens)
+        self.batch = DecodeBatch(engine, self.eos, config.num_speculative_tokens, config.engine_cpu_set)
         self.decodes_completed = 0
         self.app = Starlette(
             routes=[
@@ -239,7 +240,7 @@ class DecodeNode:
         if num_tokens != params.prompt_tokens:
             raise SlotError(f"prefill sent {num_tokens} prompt tokens, the router says {params.prompt_tokens}", 409)
         loop = asyncio.get_running_loop()
-        send, receive = anyio.create_memory_object_stream[c.TokenLine | Finish | BaseException](math.inf)
+        send, receive = anyio.create_memory_object_stream[_Item](math.inf)
 
         def emit(ids: list[int], finish: Finish | None) -> None:
             line = c.TokenLine(ids) if finish is None else c.TokenLine(ids, finish.reason, finish.stop_token_id)  # type: ignore[arg-type]
@@ -253,7 +254,7 @@ class DecodeNode:
         last, finished = anyio.current_time(), False
         try:
             async with receive:
-                async for item in receive:
+                async for item in _joined(receive):
                     if not isinstance(item, c.TokenLine):
                         if not finished:
                             yield self._last_line(item, bound)
@@ -323,3 +324,37 @@ def build_node(config: DecodeConfig) -> DecodeNode:
 def serve(config: DecodeConfig) -> None:
     node = build_node(config)
     anyio.run(node.serve)
+
+
+_Item = c.TokenLine | Finish | BaseException  # what the batch's worker thread hands a decode stream
+
+
+async def _joined(receive: MemoryObjectReceiveStream[_Item]) -> AsyncIterator[_Item]:
+    """The worker's items, with the token lines that queued up while the stream was busy joined into one
+    (``contracts.join_lines``): a stream that fell behind catches up in one write instead of one per step."""
+    held: _Item | None = None
+    while True:
+        item = held if held is not None else await _receive(receive)
+        held = None
+        if item is None:
+            return
+        lines = [item] if isinstance(item, c.TokenLine) else []
+        count = len(item.token_ids) if isinstance(item, c.TokenLine) else 0
+        while lines and lines[-1].finish_reason is None:
+            try:
+                nxt = receive.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream):
+                break
+            if not isinstance(nxt, c.TokenLine) or count + len(nxt.token_ids) > c.MAX_LINE_TOKENS:
+                held = nxt
+                break
+            lines.append(nxt)
+            count += len(nxt.token_ids)
+        yield c.join_lines(lines) if lines else item
+
+
+async def _receive(receive: MemoryObjectReceiveStream[_Item]) -> _Item | None:
+    try:
+        return await receive.receive()
+    except anyio.EndOfStream:
+        return None

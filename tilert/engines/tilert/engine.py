@@ -308,8 +308,9 @@ class TileRTEngine(DecodeEngine):
         ``seqs[i]``; float32 logits ``[n, V]``, row ``i`` bit for bit what :meth:`forward` of that token alone
         gives (batch-invariant).
 
-        CUDA: the rows run as one graph replay per attention regime (dense / DSA) and up to
-        ``GRAPH_MAX_TOKENS`` rows. CPU: the rows run one after the other.
+        The rows run as one model call (CUDA: one graph replay) per attention regime (dense / DSA) and up to
+        ``GRAPH_MAX_TOKENS`` rows, addressed as flat cache rows. On the CPU the kernels are row-invariant
+        (:mod:`.ops.cpu`); with the reference kernels (``cpu_kernels=False``) the rows run one after the other.
         """
         out = self._decode(tokens, positions, seqs, greedy=False)
         assert isinstance(out, torch.Tensor)
@@ -565,8 +566,10 @@ class TileRTEngine(DecodeEngine):
         if step is not None:
             hidden, logits = step(*inputs)
             return hidden, logits.clone()  # the graph's static buffer is rewritten by the next step
-        hidden = self.model(tokens, rows, use_indexer, row_start)
-        return hidden, self.model.logits(hidden)
+        with torch.inference_mode():  # eager (CPU): ~20% of a small step is autograd's bookkeeping otherwise
+            hidden = self.model(tokens, rows, use_indexer, row_start)
+            logits = self.model.logits(hidden)
+        return hidden, logits.clone()  # a normal tensor: the caller may modify it in place
 
     def _forward_main(
         self, token_ids: torch.Tensor, start_pos: int, seq: int, invalidate_mtp: bool
@@ -615,7 +618,7 @@ class TileRTEngine(DecodeEngine):
     ) -> torch.Tensor | list[int]:
         """:meth:`decode_step` (logits) or :meth:`decode_step_greedy` (argmax tokens)."""
         self._check_batch(tokens, positions, seqs)
-        if not self.flat:  # one sequence at a time: each row is exactly forward() of that token alone
+        if not (self.flat or self.cpu_kernels):  # reference kernels round by row count: one sequence at a time
             rows = [
                 self._forward_main(torch.tensor([t]), p, s, invalidate_mtp=True)[1]
                 for t, p, s in zip(tokens, positions, seqs, strict=True)

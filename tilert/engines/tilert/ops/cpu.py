@@ -15,12 +15,19 @@ rounding (the engine's tests compare the fast path with transformers at 1e-4 and
 ``tests/test_ops_reference.py`` compares each kernel with the reference). Inputs the fast code does not cover
 (dtypes other than float32, shapes of no decode step) go to the reference.
 
-Every kernel treats rows independently *given the same row count*; CPU BLAS is not batch-invariant across row
-counts (MKL's sgemm of 1 row and of 3 rows round differently), so the engine decodes the rows of different
-sequences one by one on the CPU (``TileRTEngine.decode_step``).
+**Row-invariant**: every kernel gives each row exactly what it gives that row alone, whatever the row count, so a
+decode step over the rows of several sequences (``TileRTEngine.decode_step``: one model call, flat cache rows)
+is bit for bit each sequence's step alone. CPU BLAS is not batch-invariant across row counts (MKL's sgemm of
+1 row, of 2-3 rows and of 4+ rows round differently), so products with several rows run as a batch of one-row
+products (:func:`_linear`: ``bmm`` of ``[n, 1, K]`` rows against the weight broadcast, which MKL computes as
+``n`` one-row products, the same rounding as ``F.linear`` of one row), and what reads a row's own cache rows
+(attention, the indexer) or its own experts loops over the rows. Only a step of one sequence's several tokens
+(a prompt, an MTP verification) needs no such match; over ``ROWWISE_MAX`` rows (a prompt) the kernels batch.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +51,10 @@ __all__ = [
 
 _F32 = torch.float32
 
+ROWWISE_MAX = 64
+"""Steps of up to this many rows compute row by row (a decode step of several sequences, an MTP verification);
+longer ones (prompts: the engine's own prefill) take the batched, faster products."""
+
 
 def _fast(*ts: Tensor | None) -> bool:
     return all(t is None or t.dtype == _F32 for t in ts)
@@ -54,6 +65,24 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if not _fast(x, weight):
         return reference.rms_norm(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x @ weight^T (+ bias)`` with each row rounded exactly as that row alone (module docstring)."""
+    n = x.shape[0]
+    if n == 1 or n > ROWWISE_MAX:
+        y = F.linear(x, weight)
+    else:
+        y = torch.bmm(x.unsqueeze(1), weight.t().expand(n, -1, -1)).squeeze(1)
+    return y if bias is None else y.add_(bias)
+
+
+def _each_row(n: int, row: Callable[[int], Tensor], batched: Callable[[], Tensor]) -> Tensor:
+    """``row(i)`` (a one-row result) for ``i < n``, stacked: a kernel applied to every row on its own; over
+    ``ROWWISE_MAX`` rows ``batched()`` instead."""
+    if n > ROWWISE_MAX:
+        return batched()
+    return row(0) if n == 1 else torch.cat([row(i) for i in range(n)])
 
 
 def gemv(
@@ -68,11 +97,13 @@ def gemv(
         return reference.gemv(x, weight, norm_weight, eps, bias, fp32_out)
     if norm_weight is not None:
         x = F.rms_norm(x, (x.shape[-1],), norm_weight, eps)
-    return F.linear(x, weight, bias)
+    return _linear(x, weight, bias)
 
 
 def gemv_residual(h: Tensor, x: Tensor, weight: Tensor) -> None:
-    reference.gemv_residual(h, x, weight)
+    if not _fast(h, x, weight):
+        return reference.gemv_residual(h, x, weight)
+    h.add_(_linear(x, weight))
 
 
 def mla_prep(
@@ -124,7 +155,11 @@ def mla_prep(
     rot = torch.cat([x1 * cs - x2 * sn, x2 * cs + x1 * sn], dim=-1)
 
     w_uk = kv_b.view(h, -1, lat)[:, :p]  # [H, P, L]
-    q_abs = torch.bmm(q[..., :p].transpose(0, 1), w_uk).transpose(0, 1)  # [n, H, L]
+    q_abs = _each_row(  # [n, H, L]
+        n,
+        lambda i: torch.bmm(q[i, :, None, :p], w_uk).transpose(0, 1),
+        lambda: torch.bmm(q[..., :p].transpose(0, 1), w_uk).transpose(0, 1),
+    )
     q_full = torch.cat([q_abs, rot[:, :h]], dim=-1)
     c_kv = F.rms_norm(a[:, kv_offset:ko], (lat,), kv_norm_weight, eps)
     kv_cache.index_copy_(0, positions, torch.cat([c_kv, rot[:, h]], dim=-1))
@@ -143,67 +178,109 @@ def _rows_upto(positions: Tensor) -> int:
     return int(positions.max()) + 1
 
 
+def _row_bounds(positions: Tensor, row_start: Tensor | None, i: int) -> tuple[int, int]:
+    """Row ``i``'s cache rows ``lo..end-1``: from its sequence's first row to its own position."""
+    end = int(positions[i]) + 1
+    if row_start is None:
+        return 0, end
+    starts = row_start.reshape(-1)
+    return min(int(starts[i if starts.numel() > 1 else 0]), end), end
+
+
+def _attend(q: Tensor, kv: Tensor, scale: float, kv_lora_rank: int) -> Tensor:
+    """One query ``q [H, L+R]`` over exactly the rows ``kv [T, L+R]``: a plain softmax, three ATen calls."""
+    s = torch.mm(q, kv.t()).mul_(scale)  # [H, T]
+    return torch.mm(torch.softmax(s, dim=-1), kv[:, :kv_lora_rank]).unsqueeze(0)
+
+
 def mla_attention(
     q: Tensor, kv_cache: Tensor, positions: Tensor, scale: float, kv_lora_rank: int, row_start: Tensor | None = None
 ) -> Tensor:
-    """Over rows ``row_start..positions[i]`` only (the reference masks the whole static cache). One query
-    (a decode step): a plain softmax over exactly its rows, three ATen calls."""
-    end = _rows_upto(positions)
-    if q.shape[0] == 1 and _fast(q, kv_cache):
-        lo = 0 if row_start is None else min(int(row_start.reshape(-1)[0]), end)
-        if row_start is None or lo < end:
-            kv = kv_cache[lo:end]
-            s = torch.mm(q[0], kv.t()).mul_(scale)  # [H, T]
-            return torch.mm(torch.softmax(s, dim=-1), kv[:, :kv_lora_rank]).unsqueeze(0)
-    return reference.mla_attention(q, kv_cache[:end], positions, scale, kv_lora_rank, row_start)
+    """Over rows ``row_start..positions[i]`` only (the reference masks the whole static cache). One query, or
+    one query per sequence (``row_start`` given): each row on its own. Several tokens of one sequence (a
+    prompt, an MTP verification): the reference over the rows up to the last position."""
+    n = q.shape[0]
+    if (n == 1 or row_start is not None) and _fast(q, kv_cache):
+        bounds = [_row_bounds(positions, row_start, i) for i in range(n)]
+        if all(lo < end for lo, end in bounds):
+            return torch.cat([_attend(q[i], kv_cache[lo:end], scale, kv_lora_rank) for i, (lo, end) in
+                              enumerate(bounds)])  # fmt: skip
+    return reference.mla_attention(q, kv_cache[: _rows_upto(positions)], positions, scale, kv_lora_rank, row_start)
 
 
 def mla_sparse_attention(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_rank: int) -> Tensor:
-    return reference.mla_sparse_attention(q, kv_cache, indices, scale, kv_lora_rank)
+    """The reference, row by row (its batched product rounds each row by the row count)."""
+    return _each_row(
+        q.shape[0],
+        lambda i: reference.mla_sparse_attention(q[i : i + 1], kv_cache, indices[i : i + 1], scale, kv_lora_rank),
+        lambda: reference.mla_sparse_attention(q, kv_cache, indices, scale, kv_lora_rank),
+    )
 
 
 def indexer_topk(
     q: Tensor, weights: Tensor, k_cache: Tensor, positions: Tensor, topk: int, row_start: Tensor | None = None
 ) -> Tensor:
-    """Scores over rows ``..positions[i]`` only (the reference scores the whole static cache)."""
-    return reference.indexer_topk(q, weights, k_cache[: _rows_upto(positions)], positions, topk, row_start)
+    """Scores over rows ``..positions[i]`` only (the reference scores the whole static cache). One query per
+    sequence (``row_start`` given): each row over its own sequence's rows, its indices shifted back to cache
+    rows, so a row picks exactly what it picks alone."""
+    n = q.shape[0]
+    if row_start is None:
+        return reference.indexer_topk(q, weights, k_cache[: _rows_upto(positions)], positions, topk)
+
+    def row(i: int) -> Tensor:
+        lo, end = _row_bounds(positions, row_start, i)
+        idx = reference.indexer_topk(q[i : i + 1], weights[i : i + 1], k_cache[lo:end], positions[i : i + 1] - lo, topk)
+        return torch.where(idx >= 0, idx + lo, idx)
+
+    return torch.cat([row(i) for i in range(n)])
 
 
 def mla_uv(o_lat: Tensor, kv_b: Tensor, nope_dim: int) -> Tensor:
-    return reference.mla_uv(o_lat, kv_b, nope_dim)
+    return _each_row(
+        o_lat.shape[0],
+        lambda i: reference.mla_uv(o_lat[i : i + 1], kv_b, nope_dim),
+        lambda: reference.mla_uv(o_lat, kv_b, nope_dim),
+    )
 
 
 def _expert_sum(x: Tensor, ids: list[int], weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
     """``sum_j weights[j] * expert_{ids[j]}(x)`` for one token ``x [1, D]``: each expert's weights read in place
     (the reference gathers them by copy), the sum in float32 in slot order."""
-    inter = w13.shape[1] // 2
     out: Tensor | None = None
     for j, e in enumerate(ids):
-        gu = F.linear(x, w13[e])
-        y = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], w2[e]).mul_(weights[:, j : j + 1])
+        y = _mlp(x, w13[e], w2[e]).mul_(weights[:, j : j + 1])
         out = y if out is None else out.add_(y)
     assert out is not None
     return out
 
 
-def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
-    if x.shape[0] != 1 or not _fast(x, w13, w2, topk_weights):
+def _mlp(x: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """One SwiGLU expert over the rows of ``x`` (gate rows first in ``w13``), each row as alone."""
+    inter = w13.shape[0] // 2
+    gu = _linear(x, w13)
+    return _linear(F.silu(gu[:, :inter]) * gu[:, inter:], w2)
+
+
+def _experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """The experts of every row (float32): a dense MLP (one expert, id 0) over all rows at once, routed experts
+    token by token (each token reads its own experts in place)."""
+    if w13.shape[0] == 1 and topk_ids.shape[1] == 1:
+        return _mlp(x, w13[0], w2[0]).mul_(topk_weights)
+    if x.shape[0] > ROWWISE_MAX:
         return reference.moe_experts(x, topk_ids, topk_weights, w13, w2)
-    return _expert_sum(x, topk_ids[0].tolist(), topk_weights, w13, w2)
+    ids = topk_ids.tolist()
+    return torch.cat([_expert_sum(x[i : i + 1], ids[i], topk_weights[i : i + 1], w13, w2) for i in range(len(ids))])
+
+
+def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    if not _fast(x, w13, w2, topk_weights):
+        return reference.moe_experts(x, topk_ids, topk_weights, w13, w2)
+    return _experts(x, topk_ids, topk_weights, w13, w2)
 
 
 def _experts_residual(h: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor) -> None:
     """``h += moe_experts(x, ...)`` with ``x = rms_norm(h)`` already computed."""
-    if not _fast(x, w13, w2, topk_weights):
-        h.add_(reference.moe_experts(x, topk_ids, topk_weights, w13, w2))
-    elif w13.shape[0] == 1 and topk_ids.shape[1] == 1:  # a dense MLP (one expert, id 0): every row at once
-        inter = w13.shape[1] // 2
-        gu = F.linear(x, w13[0])
-        h.add_(F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], w2[0]).mul_(topk_weights))
-    elif x.shape[0] == 1:
-        h.add_(_expert_sum(x, topk_ids[0].tolist(), topk_weights, w13, w2))
-    else:
-        h.add_(reference.moe_experts(x, topk_ids, topk_weights, w13, w2))
+    h.add_(moe_experts(x, topk_ids, topk_weights, w13, w2))
 
 
 def moe_residual(
@@ -227,7 +304,7 @@ def _router(
     mask is skipped when every group is kept (it is then all ones)."""
     n = x.shape[0]
     e, g = gate_weight.shape[0], n_group
-    scores = F.linear(x, gate_weight).sigmoid()
+    scores = _linear(x, gate_weight).sigmoid()
     choice = scores + bias
     if topk_group < g:
         group_scores = choice.view(n, g, e // g).topk(2, dim=-1).values.sum(dim=-1)
