@@ -14,6 +14,9 @@ shaped model) and thread count it prints:
   (the model's own Python, embedding, slicing).
 
 Usage: ``python benchmarks/cpu_decode_speed.py [--configs tiny,small-v32] [--threads 1,2] [--json FILE]``.
+``--sequences 1,2,4,8`` prints only the several-sequences table instead: one decode step over the rows of ``n``
+sequences (``decode_step_greedy``) against the same rows one after the other, ms per step, per-user and total
+tokens/s, and whether both gave the same tokens.
 Timings are medians over ``--steps`` steps, repeated ``--repeats`` times (the minimum of the medians is shown:
 a shared 2-core machine is noisy).
 """
@@ -61,15 +64,17 @@ def small_v32() -> ModelArgs:
                        kv_lora=512, rope=64, nope=64, v=64, n_group=4, topk_group=2, route_scale=2.5)
 
 
-def build_model(config: str, max_seq_len: int, tiny_dir: Path) -> Transformer:
+def build_model(config: str, max_seq_len: int, tiny_dir: Path, max_sequences: int = 1) -> Transformer:
     if config == "tiny":
         if not (tiny_dir / "config.json").exists():
             from tilert.models.tiny import build_tiny_model
 
             build_tiny_model("deepseek_v3", tiny_dir, seed=0)
-        return load_model(tiny_dir, device="cpu", dtype=torch.float32, max_seq_len=max_seq_len)
+        return load_model(tiny_dir, device="cpu", dtype=torch.float32, max_seq_len=max_seq_len,
+                          max_sequences=max_sequences)  # fmt: skip
     if config == "small-v32":
-        return random_model(small_v32(), device="cpu", dtype=torch.float32, max_seq_len=max_seq_len, seed=0)
+        return random_model(small_v32(), device="cpu", dtype=torch.float32, max_seq_len=max_seq_len, seed=0,
+                            max_sequences=max_sequences)  # fmt: skip
     raise SystemExit(f"unknown config {config!r} (tiny, small-v32)")
 
 
@@ -198,6 +203,66 @@ def run_config(config: str, threads: int, a: argparse.Namespace, tiny_dir: Path)
     return res
 
 
+def run_sequences(config: str, threads: int, a: argparse.Namespace, tiny_dir: Path) -> dict[str, Any]:
+    """Several sequences per decode step (``decode_step_greedy``, one model call over the rows of ``n``
+    sequences, each at its own position) against the rows one after the other (``n`` single-row steps: the
+    engine before its CPU kernels were row-invariant); both must give the same tokens."""
+    torch.set_num_threads(threads)
+    ns = [int(x) for x in a.sequences.split(",")]
+    model = build_model(config, a.max_seq_len, tiny_dir, max_sequences=max(ns))
+    eng = TileRTEngine(model, torch.device("cpu"), torch.float32, a.max_seq_len)
+    gen = torch.Generator().manual_seed(0)
+    ctx = a.context
+    firsts = []
+    for s in range(max(ns)):  # each sequence its own prompt, its own position
+        prompt = torch.randint(0, model.args.vocab_size, (ctx + s,), generator=gen)
+        firsts.append(int(eng.forward(prompt, 0, seq=s)[-1].argmax()))
+    rows = []
+    for n in ns:
+        seqs = list(range(n))
+        out: dict[str, Any] = {"config": config, "threads": threads, "sequences": n}
+        for label, batched in (("one call", True), ("row by row", False)):
+            toks, best = list(firsts[:n]), float("inf")
+            got: list[list[int]] = [[] for _ in seqs]
+            for rep in range(a.repeats):
+                toks = list(firsts[:n])
+                t0 = time.perf_counter()
+                for i in range(a.steps):
+                    pos = [ctx + s + i for s in seqs]
+                    if batched:
+                        toks = eng.decode_step_greedy(toks, pos, seqs)
+                    else:
+                        toks = [eng.decode_step_greedy([t], [p], [s])[0]
+                                for t, p, s in zip(toks, pos, seqs, strict=True)]  # fmt: skip
+                    if rep == 0:
+                        for s in seqs:
+                            got[s].append(toks[s])
+                best = min(best, (time.perf_counter() - t0) / a.steps * 1e3)
+            out[f"step ms [{label}]"] = best
+            out[f"tokens [{label}]"] = got
+        out["same tokens"] = out["tokens [one call]"] == out["tokens [row by row]"]
+        rows.append(out)
+    base = rows[0]["step ms [one call]"] if rows and rows[0]["sequences"] == 1 else None
+    for r in rows:
+        ms = r["step ms [one call]"]
+        r["per-user tok/s"], r["total tok/s"] = 1e3 / ms, 1e3 * r["sequences"] / ms
+        r["step vs 1 sequence"] = ms / base if base else None
+    return {"config": config, "threads": threads, "context": ctx, "rows": rows}
+
+
+def print_sequences(r: dict[str, Any]) -> None:
+    print(f"\n## {r['config']}: several sequences per step, threads={r['threads']}, decoding after ~{r['context']} "
+          "tokens")
+    print("| sequences | step ms (one call) | per-user tok/s | total tok/s | step vs 1 sequence | "
+          "step ms (row by row) | one call / row by row | same tokens |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|")
+    for x in r["rows"]:
+        one, serial = x["step ms [one call]"], x["step ms [row by row]"]
+        rel = f"{x['step vs 1 sequence']:.2f}x" if x["step vs 1 sequence"] else ""
+        print(f"| {x['sequences']} | {one:.2f} | {x['per-user tok/s']:.0f} | {x['total tok/s']:.0f} | {rel} | "
+              f"{serial:.2f} | {one / serial:.2f}x | {x['same tokens']} |")
+
+
 def print_table(r: dict[str, Any]) -> None:
     print(f"\n## {r['config']} ({r['arch']}, {r['layers']} layers, hidden {r['hidden']}), threads={r['threads']}, "
           f"max_seq_len={r['max_seq_len']}, decoding after {r['context']} tokens")
@@ -224,6 +289,8 @@ def main() -> None:
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--tiny-dir", default="")
     p.add_argument("--json", default="")
+    p.add_argument("--sequences", default="", metavar="NS",
+                   help="only the several-sequences table: decode steps over n = NS sequences (comma list)")
     a = p.parse_args()
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"python {platform.python_version()}")
@@ -234,8 +301,12 @@ def main() -> None:
             for th in (int(t) for t in a.threads.split(",")):
                 ctx_default = {"tiny": 128, "small-v32": 512}.get(config, 128)
                 run = argparse.Namespace(**{**vars(a), "context": a.context or ctx_default})
-                r = run_config(config, th, run, tiny_dir)
-                print_table(r)
+                if a.sequences:
+                    r = run_sequences(config, th, run, tiny_dir)
+                    print_sequences(r)
+                else:
+                    r = run_config(config, th, run, tiny_dir)
+                    print_table(r)
                 results.append(r)
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1, default=str))
