@@ -218,3 +218,52 @@ def test_held_reservation_outlives_its_lease() -> None:
         assert node.table.get("queued-decode").state is SlotState.RESERVED
 
     anyio.run(_with_node, node, body)
+
+
+def test_an_offer_ahead_of_its_reservation_waits_for_it() -> None:
+    """The router reserves while vLLM prefills, so an offer may reach the node first: it waits (bounded) for
+    its reservation and lands; an offer whose reserve is refused ends at once; one never reserved is refused
+    once the wait is over."""
+    node = _Node(slots=1)
+    node.control.early_offer_wait_s = 0.6
+    sender = BackgroundSender("tcp", {}, SECRET)
+
+    def staged(tid: str, tokens: int, data: torch.Tensor | None = None) -> Staged:
+        return Staged.whole(_claim(tid, node.port), tokens, {"mla": LAYOUT}, _staging(tokens) if data is None else data)
+
+    async def finished(fut: object, within_s: float) -> float:
+        t0 = time.monotonic()
+        await anyio.to_thread.run_sync(fut.result)  # type: ignore[attr-defined]
+        took = time.monotonic() - t0
+        assert took < within_s, took
+        return took
+
+    async def body() -> None:
+        data = _staging(6)
+        early = staged("early", 6, data)
+        fut = sender.submit(early)
+        await anyio.sleep(0.2)
+        assert not fut.done() and node.table.free == 1  # the offer waits at the node, nothing reserved
+        node.table.reserve("early")
+        slot = await node.table.wait_ready("early", 10)
+        await finished(fut, 5)
+        assert early.outcome == "done" and torch.equal(slot.tensors()[0]["mla"].reshape(-1), data)
+
+        refused = staged("refused", 4)
+        fut = sender.submit(refused)
+        await anyio.sleep(0.1)
+        with pytest.raises(SlotError):
+            node.table.reserve("refused")  # the only slot is taken
+        await finished(fut, 0.3)  # not the whole wait
+        assert "reserve was refused" in refused.outcome
+
+        never = staged("never", 4)
+        t0 = time.monotonic()
+        await finished(sender.submit(never), 5)
+        assert time.monotonic() - t0 >= 0.6 and "unknown transfer" in never.outcome
+        assert node.table.free == 0 and node.table.transfers_received == 1
+
+    try:
+        anyio.run(_with_node, node, body)
+    finally:
+        sender.close()

@@ -9,7 +9,8 @@ A connection that drops while a transfer is in flight fails that transfer at onc
 Nothing a peer sends can stop this server: a connection must say a signed ``Hello`` within
 ``hello_timeout_s``, frames are size-capped, an idle connection is closed after ``idle_timeout_s``, at
 most ``max_connections`` are served at once (more are closed on arrival), and any fault in one
-connection ends that connection only.
+connection ends that connection only. An offer that arrives before its reservation (the router reserves while
+vLLM prefills) waits up to ``early_offer_wait_s`` for it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class ControlServer:
         max_connections: int = 64,
         hello_timeout_s: float = 5.0,
         idle_timeout_s: float = 60.0,
+        early_offer_wait_s: float = 2.0,
     ) -> None:
         self.table = table
         self.transport = transport
@@ -45,6 +47,7 @@ class ControlServer:
         self.max_connections = max_connections
         self.hello_timeout_s = hello_timeout_s
         self.idle_timeout_s = idle_timeout_s
+        self.early_offer_wait_s = early_offer_wait_s  # an offer ahead of its reservation waits this long for it
         self.connections = 0
 
     async def serve(
@@ -110,6 +113,7 @@ class ControlServer:
 
     async def _dispatch(self, stream: SocketStream, msg: c.Message, in_flight: set[str]) -> None:
         if isinstance(msg, c.Offer):
+            await self.table.wait_reserved(msg.transfer_id, self.early_offer_wait_s)
             try:
                 target = self.table.accept(msg)
             except SlotError as exc:

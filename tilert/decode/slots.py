@@ -6,6 +6,8 @@ Every slot moves through explicit states; every path ends in ``FREE``:
                          |                    |                  |
                          +--------------------+------------------+--- lease expiry / release / abort --> FREE
 
+The router reserves while vLLM prefills, so an offer may come before its reservation: the control port then
+waits for it (:meth:`SlotTable.wait_reserved`, bounded; a refused or released id ends the wait at once).
 A failed transfer (abort, disconnect, bad offer) keeps the slot in ``FAILED`` with its reason until
 the waiting decode request reads it or the lease runs out, so the client learns *why* at once.
 Freed transfer ids leave a short-lived tombstone, so a late writer or a late decode call gets a clear
@@ -32,6 +34,7 @@ from tilert.transports.base import Receiver, TransferError
 log = structlog.get_logger("tilert.decode.slots")
 
 TOMBSTONES = 1024
+EARLY_OFFERS = 64  # offers waiting for their reservation at once (the control port serves 64 connections)
 
 
 class SlotState(enum.Enum):
@@ -109,6 +112,7 @@ class SlotTable:
         # Told of every transfer that lands (True) or fails (False, and why): the node's metrics.
         self.on_transfer: Callable[[bool, str], None] = lambda ok, reason: None
         self._tombstones: OrderedDict[str, str] = OrderedDict()
+        self._awaited: dict[str, anyio.Event] = {}  # ids an early offer waits to see reserved
         self.transfers_received = 0
 
     # ---- queries --------------------------------------------------------------------------
@@ -133,14 +137,36 @@ class SlotTable:
             raise SlotError("transfer id already used", 409)
         slot = next((s for s in self.slots if s.state is SlotState.FREE), None)
         if slot is None:
+            self._tombstone(tid, "its reserve was refused: all decode slots were taken")  # an early offer stops
             raise SlotError("all decode slots are taken", 429)
         slot.state, slot.transfer_id, slot.error, slot.offer = SlotState.RESERVED, tid, None, None
         slot.deadline = time.monotonic() + (lease_s or self.default_lease_s)
         slot.cancel = threading.Event()
         self._by_tid[tid] = slot
         slot.notify()
+        self._settled(tid)
         log.info("slot_reserved", transfer_id=tid, slot=slot.index)
         return slot
+
+    async def wait_reserved(self, tid: str, timeout_s: float) -> None:
+        """Return once ``tid`` is reserved, released or refused here, or after ``timeout_s``: an offer that
+        came before its reservation (the router reserves while the prefill runs) then meets a settled id."""
+        if tid in self._by_tid or tid in self._tombstones:
+            return
+        if tid not in self._awaited and len(self._awaited) >= EARLY_OFFERS:
+            return  # too many early offers at once: this one is answered as it stands
+        event = self._awaited.setdefault(tid, anyio.Event())
+        try:
+            with anyio.move_on_after(timeout_s):
+                await event.wait()
+        finally:
+            if self._awaited.get(tid) is event and not event.is_set():
+                del self._awaited[tid]
+
+    def _settled(self, tid: str) -> None:
+        event = self._awaited.pop(tid, None)
+        if event is not None:
+            event.set()
 
     def accept(self, offer: Offer) -> dict[str, str | int]:
         """Check an offer against the reservation and the engine; returns the write target."""
@@ -253,6 +279,7 @@ class SlotTable:
         return expired
 
     def _tombstone(self, tid: str, reason: str) -> None:
+        self._settled(tid)
         self._tombstones[tid] = reason
         self._tombstones.move_to_end(tid)
         while len(self._tombstones) > TOMBSTONES:

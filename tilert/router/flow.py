@@ -29,6 +29,7 @@ from tilert.router.context import RouterContext
 from tilert.router.errors import RouterError
 from tilert.router.lease import NodeLease
 from tilert.router.openai_format import DONE, ResponseShape, sse, usage
+from tilert.router.pool import PooledNode
 from tilert.router.prefill import PrefillResult, run_prefill
 from tilert.router.token_loop import TokenLoop
 from tilert.router.validation import RequestPlan
@@ -152,24 +153,27 @@ class RequestFlow:
         lease = NodeLease(self.ctx.pool, self.ctx.nodes, self.transfer_id, queue_timeout_s=cfg.queue_timeout_s,
                           lease_s=cfg.lease_s, log=self.log)  # fmt: skip
         async with lease:
-            assert lease.node is not None
-            self.node_name = lease.node.name
             self.ctx.metrics.queue_wait(lease.queued_s)
-            self._to(FlowState.PREFILLING, node=self.node_name, slot=lease.slot)
-            pre = await self._prefill(lease)
+            self._to(FlowState.PREFILLING)
+            pre = await lease.reserve_while(self._prefill)  # the node's reserve runs during the prefill
+            assert lease.node is not None
+            if lease.transfer_id != self.transfer_id:  # a node refused the reserve: the retry's id
+                self.transfer_id, self.log = lease.transfer_id, self.log.bind(transfer_id=lease.transfer_id)
+            self.node_name = lease.node.name
             shape = self._shape(pre)
             finish = "stop" if pre.finish_reason == "stop" else ("length" if self.plan.max_tokens == 1 else None)
             if finish is not None:
                 await self._answer_from_prefill(out, lease, shape, pre, finish)
                 return
-            self._to(FlowState.DECODING, first_token_id=pre.first_token_id, prompt_tokens=pre.prompt_tokens)
+            self._to(FlowState.DECODING, node=self.node_name, slot=lease.slot, first_token_id=pre.first_token_id,
+                     prompt_tokens=pre.prompt_tokens)  # fmt: skip
             async with lease.client.decode(self._decode_request(pre)) as lines:
                 await self._relay(out, lease, shape, pre, lines)
 
-    async def _prefill(self, lease: NodeLease) -> PrefillResult:
-        assert lease.node is not None
-        spec = lease.node.spec
-        claim = c.Claim.signed(self.ctx.config.secret, self.transfer_id, spec.host, spec.ctrl_port)
+    async def _prefill(self, node: PooledNode, transfer_id: str) -> PrefillResult:
+        """vLLM's prefill (``max_tokens=1``) with a claim that sends its KV to ``node`` as ``transfer_id``."""
+        spec = node.spec
+        claim = c.Claim.signed(self.ctx.config.secret, transfer_id, spec.host, spec.ctrl_port)
         t0 = anyio.current_time()
         pre = await run_prefill(self.ctx.prefill, self.plan, claim, request_id=self.request_id,
                                 api_key=self.ctx.config.prefill_api_key)  # fmt: skip

@@ -1,15 +1,22 @@
 """A decode slot held for one request: the pool's grant plus the node's reservation.
 
-``async with NodeLease(...) as lease`` waits (FIFO, bounded) for a node with room and reserves a slot on
-it; leaving the block releases it exactly once, whatever happened inside (answer, error, timeout, client
-gone). The node's one release call also cancels a decode still running there, so there is no separate
-cancel to forget. :meth:`NodeLease.release` may be called earlier (before the response's last byte,
-so a client that has its answer also sees the slot free); later calls do nothing.
+``async with NodeLease(...) as lease`` waits (FIFO, bounded) for a node with room in the pool;
+``await lease.reserve_while(work)`` reserves the slot on that node *while* ``work`` (the prefill, whose claim
+names the node) runs, so the reserve's round trip is off the request's critical path: a prefill takes longer
+than a reserve, and a sender whose offer reaches the node first waits there for the reservation
+(``decode.slots``). Should the node refuse (full, unreachable), the work is cancelled and both run again on
+another node under a new transfer id. Leaving the block releases the slot exactly once, whatever happened
+inside (answer, error, timeout, client gone); the node's one release call also cancels a decode still running
+there, so there is no separate cancel to forget. :meth:`NodeLease.release` may be called earlier (before the
+response's last byte, so a client that has its answer also sees the slot free); later calls do nothing.
 """
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Awaitable, Callable
 from types import TracebackType
+from typing import TypeVar
 
 import anyio
 import structlog
@@ -18,6 +25,8 @@ from tilert.router.node_client import NodeClient, NodeFull, NodeUnreachable
 from tilert.router.pool import DecodePool, PooledNode
 
 RELEASE_BUDGET_S = 1.0
+
+T = TypeVar("T")
 
 
 class NodeLease:
@@ -41,6 +50,7 @@ class NodeLease:
         self.slot: int | None = None
         self.queued_s = 0.0
         self._since = 0.0
+        self._deadline = 0.0
         self._released = False
 
     @property
@@ -50,26 +60,64 @@ class NodeLease:
 
     async def __aenter__(self) -> NodeLease:
         start = anyio.current_time()
-        deadline, front = start + self._queue_timeout_s, False
+        self._deadline = start + self._queue_timeout_s
+        self.node = await self._pool.acquire(self._deadline)
+        self._since = anyio.current_time()
+        self.queued_s = self._since - start
+        return self
+
+    async def reserve_while(self, work: Callable[[PooledNode, str], Awaitable[T]]) -> T:
+        """Reserve the slot on the leased node while ``work(node, transfer_id)`` runs; its result once both
+        are done. A node that refuses the reserve is given back (saturated) or marked unhealthy, the work is
+        cancelled, and both run again on the next node the pool grants, under a new transfer id."""
         while True:
-            node = await self._pool.acquire(deadline, front=front)
+            node = self.node
+            assert node is not None, "reserve_while inside the lease's block only"
+            done = await self._attempt(node, work)
+            if done is not None:
+                self._since = anyio.current_time()
+                return done[0]
+            self.transfer_id = uuid.uuid4().hex
+            self.node = await self._pool.acquire(self._deadline, front=True)
+
+    async def _attempt(self, node: PooledNode, work: Callable[[PooledNode, str], Awaitable[T]]) -> tuple[T] | None:
+        """Reserve on ``node`` while the work runs: ``(its result,)``, or None when the node refused (the work
+        is then cancelled). The work's failure cancels the reserve and is raised as it is (anyio's task group
+        would wrap it in an exception group)."""
+        result: list[T] = []
+        failed: list[Exception] = []
+
+        async def run_work() -> None:
             try:
-                self.slot = await self._clients[node.name].reserve(self.transfer_id, self._lease_s)
-            except NodeFull as exc:
-                self._log.info("reserve_full", node=node.name, reason=str(exc))
-                self._pool.give_back(node, saturated=True)
-            except NodeUnreachable as exc:
-                self._pool.mark_unhealthy(node, str(exc))
-                self._pool.give_back(node)
-                await self._forget(node)
-            except BaseException:
-                self._pool.give_back(node)
-                raise
-            else:
-                self.node, self._since = node, anyio.current_time()
-                self.queued_s = self._since - start
-                return self
-            front = True
+                result.append(await work(node, self.transfer_id))
+            except Exception as exc:  # noqa: BLE001 - raised below, outside the task group
+                failed.append(exc)
+                tg.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_work)
+            refused = await self._reserve(node)
+            if refused:
+                tg.cancel_scope.cancel()
+        if failed:
+            raise failed[0]
+        return None if refused else (result[0],)
+
+    async def _reserve(self, node: PooledNode) -> bool:
+        """The node's reservation; True when it refused (the node is given back, ``self.node`` is unset).
+        Cancelled (the work failed first): the lease's release tombstones the id on the node."""
+        try:
+            self.slot = await self._clients[node.name].reserve(self.transfer_id, self._lease_s)
+            return False
+        except NodeFull as exc:
+            self._log.info("reserve_full", node=node.name, reason=str(exc))
+            self._pool.give_back(node, saturated=True)
+        except NodeUnreachable as exc:
+            self._pool.mark_unhealthy(node, str(exc))
+            self._pool.give_back(node)
+            await self._forget(node)
+        self.node = None
+        return True
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
