@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tilert.engines.base import DecodeEngine
+    from tilert.engines.vllm import VllmNativePool
     from tilert.transports.base import Transport
 
 TRANSPORTS_GROUP = "tilert.transports"
@@ -33,4 +34,37 @@ def load_transport(name: str) -> type[Transport]:
 
 
 def load_engine(name: str) -> type[DecodeEngine]:
-    return _load(ENGINES_GROUP, name)
+    """A decode engine our decode node runs; a native pool (plugin ``vllm``) is refused with the reason."""
+    from tilert.engines.base import DecodeEngine
+
+    cls = _load(ENGINES_GROUP, name)
+    if not (isinstance(cls, type) and issubclass(cls, DecodeEngine)):
+        raise LookupError(
+            f"engine {name!r} is a native decode pool (stock vLLM decode instances), not an engine the decode "
+            f"node runs: start it with `tilert up --native`; decode-node engines: {', '.join(_engine_names())}"
+        )
+    return cls
+
+
+def load_native_pool(name: str) -> type[VllmNativePool]:
+    """A native decode pool plugin (``vllm``): what the stack starts and the router's native leg speaks."""
+    from tilert.engines.vllm import VllmNativePool
+
+    cls = _load(ENGINES_GROUP, name)
+    if not (isinstance(cls, type) and issubclass(cls, VllmNativePool)):
+        raise LookupError(f"engine {name!r} is not a native decode pool plugin (such as 'vllm')")
+    return cls
+
+
+def _engine_names() -> list[str]:
+    from tilert.engines.base import DecodeEngine
+
+    names = []
+    for ep in entry_points(group=ENGINES_GROUP):
+        try:
+            cls = ep.load()
+        except Exception:  # noqa: BLE001 - a broken plugin is not listed
+            continue
+        if isinstance(cls, type) and issubclass(cls, DecodeEngine):
+            names.append(ep.name)
+    return sorted(names)
