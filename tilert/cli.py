@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tilert.decode.config import DecodeConfig, load_decode_config
 from tilert.logs import configure
+from tilert.plugins import PluginError
 from tilert.router.config import (
     CONFIG_ENV,
     ConfigError,
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except ConfigError as exc:  # a setting the command cannot start with: say which, exit 2 like argparse
+    except (ConfigError, PluginError) as exc:  # a setting (or plugin) it cannot start with: say which, exit 2
         print(f"tilert {args.command}: {exc}", file=sys.stderr)
         return 2
 

@@ -14,6 +14,10 @@ if TYPE_CHECKING:
     from tilert.engines.vllm import VllmNativePool
     from tilert.transports.base import Transport
 
+class PluginError(LookupError):
+    """No plugin of that name in the group, or one of another kind; the message says what is there."""
+
+
 TRANSPORTS_GROUP = "tilert.transports"
 ENGINES_GROUP = "tilert.engines"
 
@@ -25,7 +29,7 @@ def available(group: str) -> list[str]:
 def _load(group: str, name: str) -> type:
     matches = [ep for ep in entry_points(group=group) if ep.name == name]
     if not matches:
-        raise LookupError(f"no plugin {name!r} in {group}; installed: {', '.join(available(group)) or 'none'}")
+        raise PluginError(f"no plugin {name!r} in {group}; installed: {', '.join(available(group)) or 'none'}")
     return matches[0].load()
 
 
@@ -39,7 +43,7 @@ def load_engine(name: str) -> type[DecodeEngine]:
 
     cls = _load(ENGINES_GROUP, name)
     if not (isinstance(cls, type) and issubclass(cls, DecodeEngine)):
-        raise LookupError(
+        raise PluginError(
             f"engine {name!r} is a native decode pool (stock vLLM decode instances), not an engine the decode "
             f"node runs: start it with `tilert up --native`; decode-node engines: {', '.join(_engine_names())}"
         )
@@ -52,7 +56,7 @@ def load_native_pool(name: str) -> type[VllmNativePool]:
 
     cls = _load(ENGINES_GROUP, name)
     if not (isinstance(cls, type) and issubclass(cls, VllmNativePool)):
-        raise LookupError(f"engine {name!r} is not a native decode pool plugin (such as 'vllm')")
+        raise PluginError(f"engine {name!r} is not a native decode pool plugin (such as 'vllm')")
     return cls
 
 

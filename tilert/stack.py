@@ -38,7 +38,7 @@ import structlog
 from tilert.auth import SECRET_ENV, SECRET_FILE_ENV, generate_secret
 from tilert.decode.config import DEFAULT_MAX_LEASE_S
 from tilert.engines.vllm import NativeInstance
-from tilert.plugins import load_native_pool
+from tilert.plugins import PluginError, load_native_pool
 from tilert.router.config import default_reserve_lease_s
 
 log = structlog.get_logger("tilert.stack")
@@ -310,7 +310,7 @@ def run(cfg: StackConfig) -> int:
     if cfg.native:
         try:
             load_native_pool(cfg.native_engine)
-        except LookupError as exc:
+        except PluginError as exc:
             print(f"tilert up: --native-engine: {exc}", file=sys.stderr)
             return 2
     stack = Stack(cfg)

@@ -54,11 +54,11 @@ class RouterContext:
         )
         ctx = cls(config=config, metrics=metrics, pool=pool, prefill=prefill, nodes=nodes, tokenizer=tokenizer)
         if config.native_url:
-            from tilert.plugins import load_native_pool
+            from tilert.plugins import PluginError, load_native_pool
 
             try:
                 ctx.native_plugin = load_native_pool(config.native_engine)
-            except LookupError as exc:
+            except PluginError as exc:
                 await ctx.aclose()
                 raise RuntimeError(f"native_engine: {exc}") from exc
             # No total timeout: a native decode streams as long as it needs; reads are bounded per event.

@@ -42,6 +42,10 @@ async def run_native(flow: RequestFlow, out: ClientOutput) -> None:
     plugin, session = ctx.native_plugin, ctx.native
     if plugin is None or session is None:
         raise RouterError(503, "this router has no native decode pool", outcome="no_native_pool")
+    if not ctx.native_healthy and not (await ctx.check_native() or {}).get("ok"):
+        # Refused before the prefill: blocks kept for a decode that cannot come would wait out vLLM's lease.
+        raise RouterError(503, "the native decode pool is unavailable", outcome="native_unreachable",
+                          headers={"Retry-After": str(max(1, ctx.config.retry_after_s))})  # fmt: skip
     flow._to(FlowState.PREFILLING, pool=flow.pool)
     t0 = anyio.current_time()
     data = await post_prefill(ctx.prefill, plan, plugin.prefill_params(), request_id=flow.request_id,
