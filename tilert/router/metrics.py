@@ -96,9 +96,6 @@ class RouterMetrics:
                                 m + ["finished_reason"], registry=r)  # fmt: skip
         self._requests = Counter(PREFIX + "requests", "Every request by route and outcome (failures included).",
                                  m + ["route", "outcome", "pool"], registry=r)  # fmt: skip
-        self._overflows = Counter(PREFIX + "pool_overflows",
-                                  "TileRT-pool requests sent to the native pool for want of a decode slot.", m,
-                                  registry=r)  # fmt: skip
         self._prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", m, registry=r)
         self._generation_tokens = Counter(PREFIX + "generation_tokens", "Completion tokens sent to clients.", m,
                                           registry=r)  # fmt: skip
@@ -119,9 +116,14 @@ class RouterMetrics:
                             m + ["node"], registry=r)  # fmt: skip
         self._healthy = Gauge(PREFIX + "decode_node_healthy", "1 while the decode node passes its health probe.",
                               m + ["node"], registry=r)  # fmt: skip
+        self._overflows = self._overflow_counter()
         # Series that exist from the start (a dashboard sees 0, not "no data").
         for metric in (self._running, self._waiting, self._prompt_tokens, self._generation_tokens, self._overflows):
             metric.labels(model_name)
+
+    def _overflow_counter(self) -> Counter:
+        return Counter(PREFIX + "pool_overflows", "TileRT-pool requests sent to the native pool for want of a "
+                       "decode slot.", ["model_name"], registry=self.registry)  # fmt: skip
 
     # -- per request -------------------------------------------------------------------------------
     def first_token(self, route: str, seconds: float, pool: str = "tilert") -> None:

@@ -39,13 +39,7 @@ async def run_native(flow: RequestFlow, out: ClientOutput) -> None:
     from tilert.router.flow import SSE_HEADERS, FlowState
 
     ctx, plan = flow.ctx, flow.plan
-    plugin, session = ctx.native_plugin, ctx.native
-    if plugin is None or session is None:
-        raise RouterError(503, "this router has no native decode pool", outcome="no_native_pool")
-    if not ctx.native_healthy and not (await ctx.check_native() or {}).get("ok"):
-        # Refused before the prefill: blocks kept for a decode that cannot come would wait out vLLM's lease.
-        raise RouterError(503, "the native decode pool is unavailable", outcome="native_unreachable",
-                          headers={"Retry-After": str(max(1, ctx.config.retry_after_s))})  # fmt: skip
+    plugin = await _available(flow)
     flow._to(FlowState.PREFILLING, pool=flow.pool)
     t0 = anyio.current_time()
     data = await post_prefill(ctx.prefill, plan, plugin.prefill_params(), request_id=flow.request_id,
@@ -63,11 +57,38 @@ async def run_native(flow: RequestFlow, out: ClientOutput) -> None:
         await flow.answer_from_prefill(out, None, flow.shape(pre), pre, "stop")
         return
     flow._to(FlowState.DECODING, pool=flow.pool, remote_engine_id=handoff.remote_engine_id)
-    body = _decode_body(flow, plugin, handoff)
+    resp = await _post_decode(flow, _decode_body(flow, plugin, handoff))
+    async with resp:
+        if not plan.stream:
+            raw = await _read(resp, ctx.config.prefill_timeout_s)
+            _account_json(flow, raw)
+            flow.first_token()
+            await out.json(200, raw)
+        else:
+            await out.start(200, list(SSE_HEADERS))
+            await _relay(flow, out, resp)
+    flow._to(FlowState.FINISHED, finish_reason=flow.finish_reason, completion_tokens=flow.completion_tokens)
+
+
+async def _available(flow: RequestFlow) -> type[VllmNativePool]:
+    """The native pool's plugin, or 503 before any prefill when the pool is missing or down."""
+    ctx = flow.ctx
+    if ctx.native_plugin is None or ctx.native is None:
+        raise RouterError(503, "this router has no native decode pool", outcome="no_native_pool")
+    if not ctx.native_healthy and not (await ctx.check_native() or {}).get("ok"):
+        # Refused before the prefill: blocks kept for a decode that cannot come would wait out vLLM's lease.
+        raise RouterError(503, "the native decode pool is unavailable", outcome="native_unreachable",
+                          headers={"Retry-After": str(max(1, ctx.config.retry_after_s))})  # fmt: skip
+    return ctx.native_plugin
+
+
+async def _post_decode(flow: RequestFlow, body: dict[str, Any]) -> aiohttp.ClientResponse:
+    """The decode request to the native instance; its 200 response (not read yet), else a RouterError."""
+    cfg, plan, session = flow.ctx.config, flow.plan, flow.ctx.native
+    assert session is not None
     headers = {"content-type": "application/json", "x-request-id": flow.request_id}
-    if ctx.config.prefill_api_key:
-        headers["authorization"] = f"Bearer {ctx.config.prefill_api_key}"
-    cfg = ctx.config
+    if cfg.prefill_api_key:
+        headers["authorization"] = f"Bearer {cfg.prefill_api_key}"
     try:
         with anyio.fail_after(cfg.transfer_timeout_s if plan.stream else cfg.prefill_timeout_s):
             resp = await session.post(plan.path, data=orjson.dumps(body), headers=headers)
@@ -78,23 +99,14 @@ async def run_native(flow: RequestFlow, out: ClientOutput) -> None:
                           outcome="native_unreachable", headers={"Retry-After": "1"}) from None  # fmt: skip
     except aiohttp.ClientError as exc:
         raise RouterError(502, f"native decode instance failed: {type(exc).__name__}", outcome="decode_error") from None
+    if resp.status == 200:
+        return resp
     async with resp:
-        if resp.status != 200:
-            raw = await _read(resp, cfg.decode_idle_timeout_s)
-            if 400 <= resp.status < 500:
-                raise RouterError(resp.status, upstream_message(raw, f"native decode refused with {resp.status}"),
-                                  outcome="decode_rejected", upstream=True)  # fmt: skip
-            raise RouterError(502, f"native decode failed with HTTP {resp.status}", outcome="decode_error")
-        if not plan.stream:
-            raw = await _read(resp, cfg.prefill_timeout_s)
-            _account_json(flow, raw)
-            flow.first_token()
-            await out.json(200, raw)
-            flow._to(FlowState.FINISHED, finish_reason=flow.finish_reason, completion_tokens=flow.completion_tokens)
-            return
-        await out.start(200, list(SSE_HEADERS))
-        await _relay(flow, out, resp)
-    flow._to(FlowState.FINISHED, finish_reason=flow.finish_reason, completion_tokens=flow.completion_tokens)
+        raw = await _read(resp, cfg.decode_idle_timeout_s)
+    if 400 <= resp.status < 500:
+        raise RouterError(resp.status, upstream_message(raw, f"native decode refused with {resp.status}"),
+                          outcome="decode_rejected", upstream=True)  # fmt: skip
+    raise RouterError(502, f"native decode failed with HTTP {resp.status}", outcome="decode_error")
 
 
 def _handoff(plugin: type[VllmNativePool], data: dict[str, Any]) -> NativeHandoff | None:
