@@ -230,6 +230,30 @@ def test_routing_by_model_and_overflow_to_native(pools: Stack) -> None:
         assert 'outcome="queue_timeout",pool="tilert"' in _metrics(b)
 
 
+def _vllm_running(url: str) -> float:
+    lines = httpx.get(url + "/metrics", timeout=10).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:num_requests_running"))
+
+
+@pytest.mark.stack
+def test_client_leaving_a_native_stream_aborts_the_native_decode(pools: Stack) -> None:
+    """The router closes its connection to the native instance when the client leaves; vLLM aborts the request."""
+    assert pools.native is not None
+    body = {"model": str(pools.model), "prompt": "def main():", "max_tokens": 1500, "temperature": 0, "stream": True}
+    with httpx.stream("POST", pools.router + "/v1/completions", json=body, headers={POOL: "vllm"}, timeout=60) as r:
+        events = 0
+        for line in r.iter_lines():
+            events += line.startswith("data: ")
+            if events == 3:
+                assert _vllm_running(pools.native) >= 1
+                break
+    deadline = time.monotonic() + 10
+    while _vllm_running(pools.native) > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _vllm_running(pools.native) == 0
+    assert 'outcome="client_disconnected",pool="vllm"' in _metrics(pools.router)
+
+
 def _native_process(stack: Stack) -> psutil.Process:
     port = str(urlparse(str(stack.native)).port)
     return next(p for p in psutil.Process(stack.proc.pid).children()
