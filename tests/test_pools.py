@@ -230,15 +230,24 @@ def test_routing_by_model_and_overflow_to_native(pools: Stack) -> None:
         assert 'outcome="queue_timeout",pool="tilert"' in _metrics(b)
 
 
-def _vllm_running(url: str) -> float:
+def _vllm_series(url: str, prefix: str, label: str = "") -> float:
     lines = httpx.get(url + "/metrics", timeout=10).text.splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:num_requests_running"))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(prefix) and label in line)
+
+
+def _vllm_running(url: str) -> float:
+    return _vllm_series(url, "vllm:num_requests_running")
+
+
+def _vllm_generated(url: str) -> float:
+    return _vllm_series(url, "vllm:generation_tokens_total")
 
 
 @pytest.mark.stack
 def test_client_leaving_a_native_stream_aborts_the_native_decode(pools: Stack) -> None:
     """The router closes its connection to the native instance when the client leaves; vLLM aborts the request."""
     assert pools.native is not None
+    generated = _vllm_generated(pools.native)
     body = {"model": str(pools.model), "prompt": "def main():", "max_tokens": 1500, "temperature": 0, "stream": True}
     with httpx.stream("POST", pools.router + "/v1/completions", json=body, headers={POOL: "vllm"}, timeout=60) as r:
         events = 0
@@ -251,6 +260,7 @@ def test_client_leaving_a_native_stream_aborts_the_native_decode(pools: Stack) -
     while _vllm_running(pools.native) > 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _vllm_running(pools.native) == 0
+    assert _vllm_generated(pools.native) - generated < 1000, "the native decode ran on after the client left"
     assert 'outcome="client_disconnected",pool="vllm"' in _metrics(pools.router)
 
 
