@@ -206,7 +206,7 @@ def test_routing_by_model_and_overflow_to_native(pools: Stack) -> None:
     kind, prompt = _prompts(pools.model)[0]
     want = _alone(pools, kind, prompt)
     models = json.dumps({str(pools.model): "vllm"})
-    with _router(pools, "--pool-models", models, "--overflow-wait-s", "0.5") as a, \
+    with _router(pools, "--pool-models", models, "--overflow-wait-s", "0.5", "--queue-timeout-s", "120") as a, \
             _router(pools, "--queue-timeout-s", "0.5") as b:  # fmt: skip
         ids, text, _, served = _call(a, pools.model, kind, prompt, True, None)
         assert (ids, text, served) == (*want, "vllm")
@@ -217,7 +217,7 @@ def test_routing_by_model_and_overflow_to_native(pools: Stack) -> None:
                 t0 = time.monotonic()
                 ids, text, _, served = _call(a, pools.model, kind, prompt, stream, "tilert")
                 assert (ids, text, served) == (*want, "vllm")
-                assert time.monotonic() - t0 < 20
+                assert time.monotonic() - t0 < 60  # it did not wait out the 120 s queue timeout
             body = {"model": str(pools.model), "prompt": prompt, "max_tokens": 8}
             t0 = time.monotonic()
             r = httpx.post(b + "/v1/completions", json=body, timeout=30)
