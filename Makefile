@@ -16,10 +16,11 @@ $(STAMP): pyproject.toml scripts/bootstrap.sh
 $(MODEL)/config.json: | $(STAMP)
 	$(VENV)/bin/tilert tiny-model --arch deepseek_v3 --out $(MODEL) --seed 0
 
-# The whole stack on this machine (stock vLLM prefill, decode node, router), one streamed chat answer
-# through the router with the OpenAI client, then serving on until Ctrl-C.
+# The whole stack on this machine with both decode pools (stock vLLM prefill under MultiConnector, the TileRT
+# decode node, a native vLLM decode instance, router), one streamed chat answer through each pool with the
+# OpenAI client, then serving on until Ctrl-C.
 demo: $(STAMP) $(MODEL)/config.json
-	$(PY) -m tilert.demo --model $(MODEL) --port $(PORT)
+	$(PY) -m tilert.demo --model $(MODEL) --port $(PORT) --native
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check tilert

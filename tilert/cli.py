@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tilert.decode.config import DecodeConfig, load_decode_config
 from tilert.logs import configure
+from tilert.plugins import PluginError
 from tilert.router.config import (
     CONFIG_ENV,
     ConfigError,
@@ -63,7 +64,9 @@ def _up(args: argparse.Namespace) -> int:
             model=Path(args.model), port=args.port, prefill_port=args.prefill_port, ctrl_port=args.ctrl_port,
             decode_http_port=args.decode_http_port, host=args.host, dtype=args.dtype,
             max_model_len=args.max_model_len, engine=args.engine, transport=args.transport,
-            reserve_lease_s=args.reserve_lease_s,
+            reserve_lease_s=args.reserve_lease_s, native=args.native, native_engine=args.native_engine,
+            native_port=args.native_port, prefill_side_port=args.prefill_side_port,
+            native_side_port=args.native_side_port, overflow_wait_s=args.overflow_wait_s,
         )
     )  # fmt: skip
 
@@ -140,6 +143,20 @@ def parser() -> argparse.ArgumentParser:
         help="the router's decode slot lease (default: its prefill + transfer timeouts + 30 s); the decode "
         "node's --max-lease-s follows it",
     )  # fmt: skip
+    up.add_argument(
+        "--native", action="store_true",
+        help="also the native decode pool: the prefill runs MultiConnector (TileRTConnector beside vLLM's "
+        "NixlConnector) and a stock vLLM decode instance serves requests the router sends the native way",
+    )  # fmt: skip
+    up.add_argument("--native-engine", default="vllm", help="the native pool's engine plugin (native mode)")
+    up.add_argument("--native-port", type=int, default=8200, help="the native vLLM decode instance's port")
+    up.add_argument("--prefill-side-port", type=int, default=5600, help="the prefill's NIXL side channel (native)")
+    up.add_argument("--native-side-port", type=int, default=5601, help="the native decode's NIXL side channel")
+    up.add_argument(
+        "--overflow-wait-s", type=float, default=None,
+        help="native mode: a TileRT-pool request with no free slot after this wait goes to the native pool "
+        "(unset: it waits up to the router's queue timeout, then 429)",
+    )  # fmt: skip
     up.set_defaults(func=_up)
     return ap
 
@@ -149,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except ConfigError as exc:  # a setting the command cannot start with: say which, exit 2 like argparse
+    except (ConfigError, PluginError) as exc:  # a setting (or plugin) it cannot start with: say which, exit 2
         print(f"tilert {args.command}: {exc}", file=sys.stderr)
         return 2
 

@@ -16,6 +16,12 @@ Three conversations, all covered by :data:`PROTOCOL_VERSION`:
        Done(transfer_id, nbytes)       ->   (or Abort(transfer_id, reason) on any sender-side fault)
                                         <-  Ack(transfer_id) | Reject(reason)
 
+4. **Native handoff** (router -> vLLM prefill -> router -> native vLLM decode), vLLM's own P/D protocol:
+   :class:`NativePrefillParams` asks the prefill's built-in P/D connector (under ``MultiConnector``, beside
+   the TileRT connector) to keep the prompt's KV for a remote decode; :class:`NativeHandoff` is what that
+   connector answers, passed on verbatim to the native decode instance (vLLM owns its fields; the router
+   checks the ones it relies on and passes the rest through).
+
 3. **Decode node HTTP API** (router -> decode node): :class:`ReserveRequest`, :class:`ReleaseRequest`
    (one idempotent release that also cancels a running decode), :class:`DecodeRequest` answered by an
    NDJSON stream of :data:`DecodeLine` (token lines (:class:`TokenLine`), the last one with its
@@ -122,6 +128,47 @@ class ClaimResult(_Strict, rename=lambda name: CLAIM_PREFIX + name):
     def from_params(cls, params: dict[str, Any] | None) -> ClaimResult | None:
         ours = {k: v for k, v in (params or {}).items() if k.startswith(CLAIM_PREFIX)}
         return _convert(ours, cls, "kv_transfer_params") if ours else None
+
+
+# ---- 4. the native handoff (vLLM's own P/D connector) --------------------------------------------
+
+
+class NativePrefillParams(_Strict):
+    """``kv_transfer_params`` of a prefill whose decode runs on a native vLLM instance (vLLM's documented
+    request for NixlConnector: keep the blocks for a remote decode, which pulls them)."""
+
+    do_remote_decode: bool = True
+    do_remote_prefill: bool = False
+    remote_engine_id: None = None
+    remote_block_ids: None = None
+    remote_host: None = None
+    remote_port: None = None
+
+    def to_params(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+
+class NativeHandoff(msgspec.Struct):
+    """The prefill's answer for a native decode (only when it finished by length): the fields the router
+    relies on, checked; vLLM's other fields (``tp_size``, ``remote_request_id``, ...) ride along in ``raw``."""
+
+    do_remote_prefill: Literal[True]
+    remote_engine_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    remote_host: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+    remote_port: Port
+    remote_block_ids: list[list[Annotated[int, msgspec.Meta(ge=0)]]]  # per KV-cache group
+    raw: dict[str, Any] = {}
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any] | None) -> NativeHandoff | None:
+        """``None`` when the prefill returned no handoff (it ended before its one token was due: EOS, stop)."""
+        if not params or "remote_engine_id" not in params:
+            return None
+        fields = {k: params.get(k) for k in ("do_remote_prefill", "remote_engine_id", "remote_host",
+                                             "remote_port", "remote_block_ids")}  # fmt: skip
+        handoff = _convert(fields, cls, "native kv_transfer_params")
+        handoff.raw = {k: v for k, v in params.items() if not k.startswith(CLAIM_PREFIX)}
+        return handoff
 
 
 # ---- 2. the control port -------------------------------------------------------------------------

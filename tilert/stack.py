@@ -1,6 +1,11 @@
-"""``tilert up``: the whole stack on one machine, as three supervised child processes.
+"""``tilert up``: the whole stack on one machine, as three (four) supervised child processes.
 
 stock vLLM (prefill, with ``TileRTConnector``)  +  the decode node  +  the router.
+
+``tilert up --native`` adds the native decode pool (engine plugin ``vllm``): the prefill then runs vLLM's
+``MultiConnector`` holding ``TileRTConnector`` beside vLLM's own ``NixlConnector``, and a second stock vLLM
+instance decodes what the router sends the native way. The native instance is not essential: when it dies,
+the stack keeps serving the TileRT pool (the router answers 503 for the native pool until it is back).
 
 One shared secret binds the three (:mod:`tilert.auth`): ``tilert up`` generates it, writes it to a
 file only this user can read (0600, in a private temporary directory removed at exit) and hands the
@@ -32,6 +37,8 @@ import structlog
 
 from tilert.auth import SECRET_ENV, SECRET_FILE_ENV, generate_secret
 from tilert.decode.config import DEFAULT_MAX_LEASE_S
+from tilert.engines.vllm import NativeInstance
+from tilert.plugins import PluginError, load_native_pool
 from tilert.router.config import default_reserve_lease_s
 
 log = structlog.get_logger("tilert.stack")
@@ -52,6 +59,12 @@ class StackConfig:
     transport: str = "tcp"
     startup_timeout_s: float = 600.0
     reserve_lease_s: float | None = None  # None: the router's default (prefill + transfer timeouts + 30 s)
+    native: bool = False  # also the native decode pool (MultiConnector in the prefill + a vLLM decode instance)
+    native_engine: str = "vllm"
+    native_port: int = 8200
+    prefill_side_port: int = 5600  # the prefill's NIXL side channel (native mode)
+    native_side_port: int = 5601  # the native decode's NIXL side channel
+    overflow_wait_s: float | None = None  # the router's overflow from the TileRT pool to the native pool
 
 
 def _url(host: str, port: int) -> str:
@@ -63,14 +76,44 @@ def _url(host: str, port: int) -> str:
 CPU_PREFILL_COMPILATION_CONFIG = {"custom_ops": ["-rotary_embedding"]}
 
 
-def prefill_command(cfg: StackConfig) -> list[str]:
-    """Stock vLLM's OpenAI server with the connector configured (no patch, no wrapper)."""
-    kv_config = {
+def tilert_connector(cfg: StackConfig) -> dict[str, object]:
+    return {
         "kv_connector": "TileRTConnector",
         "kv_connector_module_path": "tilert.connector",
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"tilert_transport": cfg.transport},
     }
+
+
+def kv_transfer_config(cfg: StackConfig) -> dict[str, object]:
+    """The prefill's connector: ours alone, or (native mode) ours beside the native pool's under MultiConnector."""
+    if not cfg.native:
+        return tilert_connector(cfg)
+    native = load_native_pool(cfg.native_engine)
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"connectors": [tilert_connector(cfg), native.prefill_connector()]},
+    }
+
+
+def native_instances(cfg: StackConfig) -> tuple[NativeInstance, NativeInstance]:
+    """(the prefill, the native decode) as the native pool plugin sees them; pinned to different cores."""
+    def instance(port: int, side_port: int, cpu_bind: str) -> NativeInstance:
+        return NativeInstance(model=cfg.model, host=cfg.host, port=port, side_channel_port=side_port,
+                              dtype=cfg.dtype, max_model_len=cfg.max_model_len, kv_cache_bytes=cfg.kv_cache_bytes,
+                              cpu_bind=cpu_bind)  # fmt: skip
+
+    return instance(cfg.prefill_port, cfg.prefill_side_port, "0"), instance(cfg.native_port, cfg.native_side_port, "1")
+
+
+def native_command(cfg: StackConfig) -> list[str]:
+    return load_native_pool(cfg.native_engine).decode_command(native_instances(cfg)[1], cpu=not _has_cuda())
+
+
+def prefill_command(cfg: StackConfig) -> list[str]:
+    """Stock vLLM's OpenAI server with the connector configured (no patch, no wrapper)."""
+    kv_config = kv_transfer_config(cfg)
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(cfg.model),
@@ -109,13 +152,18 @@ def decode_command(cfg: StackConfig) -> list[str]:
 
 
 def router_command(cfg: StackConfig) -> list[str]:
-    return [
+    cmd = [
         sys.executable, "-m", "tilert.cli", "router",
         "--prefill-url", _url(cfg.host, cfg.prefill_port),
         "--decode", f"{'[' + cfg.host + ']' if ':' in cfg.host else cfg.host}:{cfg.ctrl_port}:{cfg.decode_http_port}",
         "--model", str(cfg.model), "--host", cfg.host, "--port", str(cfg.port),
         "--reserve-lease-s", str(leases(cfg)[0]),
     ]  # fmt: skip
+    if cfg.native:
+        cmd += ["--native-url", _url(cfg.host, cfg.native_port)]
+        if cfg.overflow_wait_s is not None:
+            cmd += ["--overflow-wait-s", str(cfg.overflow_wait_s)]
+    return cmd
 
 
 def write_secret_file() -> Path:
@@ -144,6 +192,9 @@ def child_env(secret_file: Path, base: dict[str, str] | None = None) -> dict[str
     }
 
 
+ESSENTIAL = ("prefill", "decode", "router")  # the death of one of these stops the stack; "native" may die alone
+
+
 class Stack:
     def __init__(self, cfg: StackConfig) -> None:
         self.cfg = cfg
@@ -154,13 +205,24 @@ class Stack:
             "decode": _url(cfg.host, cfg.decode_http_port),
             "router": _url(cfg.host, cfg.port),
         }
+        if cfg.native:
+            self.urls = {"prefill": self.urls["prefill"], "native": _url(cfg.host, cfg.native_port),
+                         "decode": self.urls["decode"], "router": self.urls["router"]}  # fmt: skip
 
     def commands(self) -> dict[str, list[str]]:
-        return {
-            "prefill": prefill_command(self.cfg),
-            "decode": decode_command(self.cfg),
-            "router": router_command(self.cfg),
-        }
+        out = {"prefill": prefill_command(self.cfg)}
+        if self.cfg.native:
+            out["native"] = native_command(self.cfg)
+        out["decode"] = decode_command(self.cfg)
+        out["router"] = router_command(self.cfg)
+        return out
+
+    def extra_env(self, name: str) -> dict[str, str]:
+        """Per child: in native mode both vLLM instances get the native pool's environment (NIXL side channel)."""
+        if not self.cfg.native or name not in ("prefill", "native"):
+            return {}
+        prefill, native = native_instances(self.cfg)
+        return load_native_pool(self.cfg.native_engine).env(prefill if name == "prefill" else native)
 
     def prepare_secret(self) -> Path:
         """Write this stack's secret file (once); :meth:`cleanup` (also run at exit) removes it."""
@@ -181,8 +243,9 @@ class Stack:
         env = self.child_env()
         for name, cmd in self.commands().items():
             log.info("starting", process=name, command=" ".join(cmd))
-            # Children log to stderr: stdout carries only the three URL lines, for people and scripts.
-            self.children[name] = subprocess.Popen(cmd, env=env, stdout=sys.stderr, start_new_session=True)
+            # Children log to stderr: stdout carries only the URL lines, for people and scripts.
+            self.children[name] = subprocess.Popen(cmd, env={**env, **self.extra_env(name)}, stdout=sys.stderr,
+                                                   start_new_session=True)  # fmt: skip
 
     def wait_healthy(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
@@ -206,8 +269,10 @@ class Stack:
                 if pending:
                     time.sleep(0.5)
 
-    def first_exit(self) -> tuple[str, int] | None:
+    def first_exit(self, essential_only: bool = False) -> tuple[str, int] | None:
         for name, proc in self.children.items():
+            if essential_only and name not in ESSENTIAL:
+                continue
             code = proc.poll()
             if code is not None:
                 return name, code
@@ -239,6 +304,15 @@ def run(cfg: StackConfig) -> int:
     if not (cfg.model / "config.json").exists():
         print(f"tilert up: {cfg.model} holds no config.json (build one with `tilert tiny-model`)", file=sys.stderr)
         return 2
+    if cfg.overflow_wait_s is not None and not cfg.native:
+        print("tilert up: --overflow-wait-s overflows to the native pool: add --native", file=sys.stderr)
+        return 2
+    if cfg.native:
+        try:
+            load_native_pool(cfg.native_engine)
+        except PluginError as exc:
+            print(f"tilert up: --native-engine: {exc}", file=sys.stderr)
+            return 2
     stack = Stack(cfg)
     stopping = False
 
@@ -256,11 +330,17 @@ def run(cfg: StackConfig) -> int:
             return 1
         for name, url in stack.urls.items():
             print(f"{name}: {url}", flush=True)
+        native_reported = False
         while not stopping:
-            dead = stack.first_exit()
+            dead = stack.first_exit(essential_only=True)
             if dead:
                 print(f"tilert up: {dead[0]} exited with status {dead[1]}; stopping the stack", file=sys.stderr)
                 return 1
+            native = stack.children.get("native")
+            if native is not None and native.poll() is not None and not native_reported:
+                native_reported = True
+                log.warning("native_decode_exited", status=native.returncode,
+                            effect="the TileRT pool keeps serving; the router answers 503 for the native pool")
             time.sleep(0.2)
         return 0
     finally:

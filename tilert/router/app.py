@@ -24,6 +24,7 @@ from tilert.router.flow import RequestFlow
 from tilert.router.metrics import RouterMetrics
 from tilert.router.middleware import REQUEST_ID_SCOPE_KEY, BearerAuthMiddleware, RequestIdMiddleware
 from tilert.router.openai_format import models_list
+from tilert.router.routing import POOL_HEADER, choose_pool
 from tilert.router.validation import Route as ApiRoute
 from tilert.router.validation import build_plan
 
@@ -104,11 +105,13 @@ async def _completion(request: Request, route: ApiRoute) -> Response:
         raw = await _body(request, ctx.config.max_body_bytes)
         plan = build_plan(route, raw, default_max_tokens=ctx.config.default_max_tokens,
                           max_body_bytes=ctx.config.max_body_bytes)  # fmt: skip
+        choice = choose_pool(ctx.config, request.headers.get(POOL_HEADER), plan.body.get("model"))
     except RouterError as exc:
-        ctx.metrics.request_finished(route, exc.outcome, None, 0, 0, anyio.current_time() - arrived, None, None)
+        ctx.metrics.request_finished(route, exc.outcome, None, 0, 0, anyio.current_time() - arrived, None, None,
+                                     pool="none")  # fmt: skip
         log.info("request_refused", route=route, status=exc.status, reason=exc.log_reason())
         return _error(exc)
-    return FlowResponse(RequestFlow(ctx, plan, rid, arrived))
+    return FlowResponse(RequestFlow(ctx, plan, rid, arrived, choice, raw))
 
 
 async def chat_completions(request: Request) -> Response:
@@ -128,6 +131,7 @@ async def health(request: Request) -> Response:
     ctx = _ctx(request)
     prefill: dict[str, object] = {}
     nodes: list[dict[str, object]] = []
+    native: dict[str, object] = {}
 
     async def check_prefill() -> None:
         prefill.update(await ctx.check_prefill())
@@ -135,16 +139,23 @@ async def health(request: Request) -> Response:
     async def check_nodes() -> None:
         nodes.extend(await ctx.check_nodes())
 
+    async def check_native() -> None:
+        native.update(await ctx.check_native() or {})
+
     async with anyio.create_task_group() as tg:
         tg.start_soon(check_prefill)
         tg.start_soon(check_nodes)
+        tg.start_soon(check_native)
     healthy = sum(1 for n in nodes if n["ok"])
     ok = bool(prefill.get("ok")) and healthy > 0
-    status = "ok" if ok and healthy == len(nodes) else ("degraded" if ok else "unavailable")
+    all_ok = ok and healthy == len(nodes) and (not native or bool(native.get("ok")))
+    status = "ok" if all_ok else ("degraded" if ok else "unavailable")
     body = {
         "status": status,
         "prefill": prefill,
         "decode": nodes,
+        "native": native or None,
+        "default_pool": ctx.config.default_pool,
         "queue_depth": ctx.pool.queue_depth,
         "model": ctx.config.model_name,
     }

@@ -47,6 +47,9 @@ PREFILL_API_KEY_FILE_ENV = "TILERT_ROUTER_PREFILL_API_KEY_FILE"
 LEASE_MARGIN_S = 30.0
 DEFAULT_PREFILL_TIMEOUT_S = 600.0
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
+TILERT_POOL = "tilert"  # decode by our decode nodes
+NATIVE_POOL = "vllm"  # decode by a stock vLLM decode instance (engine plugin "vllm"), vLLM's own P/D
+POOLS = (TILERT_POOL, NATIVE_POOL)
 
 
 class ConfigError(ValueError):
@@ -523,6 +526,24 @@ class RouterConfig:
     control_timeout_s: float = setting(5.0, help="reserve / release / cancel calls to a decode node")
     health_interval_s: float = setting(2.0, help="decode node health probe period")
     health_timeout_s: float = setting(2.0, help="decode node / prefill health probe timeout")
+    native_url: str | None = setting(
+        None, metavar="URL",
+        help=f"the native decode pool ('{NATIVE_POOL}'): a stock vLLM decode instance's server root, fed by vLLM's "
+        "own P/D connector beside TileRTConnector in the prefill's MultiConnector (unset: no native pool)",
+    )  # fmt: skip
+    native_engine: str = setting(NATIVE_POOL, help="the native pool's engine plugin (tilert.engines group)")
+    default_pool: str = setting(
+        TILERT_POOL, help=f"pool of a request that names none ({' or '.join(POOLS)}); a request names one with the "
+        "header x-tilert-pool, or by its model (pool_models)",
+    )  # fmt: skip
+    pool_models: dict[str, str] = setting(
+        default_factory=dict, metavar="JSON",
+        help='model name -> pool, e.g. {"my-model-fast": "tilert"} (names vLLM serves, see its --served-model-name)',
+    )  # fmt: skip
+    overflow_wait_s: float | None = setting(
+        None, help="a TileRT-pool request with no decode slot after this wait goes to the native pool instead of "
+        "waiting on to queue_timeout_s and a 429 (needs native_url; unset: no overflow)",
+    )  # fmt: skip
     # Filled at load time from secret_file / $TILERT_SECRET_FILE / $TILERT_SECRET (tilert.auth.load_secret).
     secret: bytes = field(default=b"", repr=False)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -550,7 +571,7 @@ class RouterConfig:
 
     def validate(self) -> RouterConfig:
         """Raise :class:`ConfigError` naming every setting the router cannot start with; returns ``self``."""
-        problems = self._address_problems() + self._number_problems() + self._key_problems()
+        problems = self._address_problems() + self._number_problems() + self._key_problems() + self._pool_problems()
         if problems:
             raise ConfigError("; ".join(problems))
         return self
@@ -613,6 +634,37 @@ class RouterConfig:
                     f"transfer_timeout_s = {floor:g}: a slow prefill would lose its decode slot; leave it unset "
                     f"(default {floor + LEASE_MARGIN_S:g}) or raise it"
                 )
+        return problems
+
+    @property
+    def has_native_pool(self) -> bool:
+        return bool(self.native_url)
+
+    def _pool_problems(self) -> list[str]:
+        d = lambda name: describe(RouterConfig, name)  # noqa: E731
+        problems: list[str] = []
+        if self.native_url is not None:
+            url = urlparse(self.native_url) if isinstance(self.native_url, str) else urlparse("")
+            if url.scheme not in ("http", "https") or not url.netloc or url.path.rstrip("/").endswith("/v1"):
+                problems.append(f"{d('native_url')} must be an http(s) server root such as http://127.0.0.1:8200 "
+                                f"(without /v1), got {self.native_url!r}")  # fmt: skip
+            else:
+                self.native_url = self.native_url.rstrip("/")
+        wanted = {"default_pool": self.default_pool}
+        if not isinstance(self.pool_models, dict):
+            problems.append(f"{d('pool_models')} must be a table of model name -> pool")
+        else:
+            wanted |= {f"pool_models[{k!r}]": v for k, v in self.pool_models.items()}
+        for what, pool in wanted.items():
+            if pool not in POOLS:
+                problems.append(f"{what} must be one of {', '.join(POOLS)}, got {pool!r}")
+            elif pool == NATIVE_POOL and not self.has_native_pool:
+                problems.append(f"{what} is {pool!r} but no native pool is configured: set {d('native_url')}")
+        if self.overflow_wait_s is not None:
+            if not _is_number(self.overflow_wait_s) or self.overflow_wait_s < 0:
+                problems.append(f"{d('overflow_wait_s')} must be a number >= 0, got {self.overflow_wait_s!r}")
+            elif not self.has_native_pool:
+                problems.append(f"{d('overflow_wait_s')} overflows to the native pool: set {d('native_url')} too")
         return problems
 
     def _key_problems(self) -> list[str]:

@@ -1,10 +1,10 @@
-"""Process-wide router state built in the app's lifespan: config, upstream clients, pool, tokenizer."""
+"""Process-wide router state built in the app's lifespan: config, upstream clients, pools, tokenizer."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import anyio
@@ -16,6 +16,9 @@ from tilert.router.metrics import RouterMetrics
 from tilert.router.node_client import NodeClient
 from tilert.router.pool import DecodePool, PooledNode
 from tilert.router.prefill import prefill_session
+
+if TYPE_CHECKING:
+    from tilert.engines.vllm import VllmNativePool
 
 log = structlog.get_logger("tilert.router")
 
@@ -29,6 +32,10 @@ class RouterContext:
     nodes: dict[str, NodeClient]
     tokenizer: TokenizerBundle
     started_at: int = field(default_factory=lambda: int(time.time()))
+    # The native decode pool (config.native_url): a stock vLLM decode instance, and the plugin that speaks to it.
+    native: aiohttp.ClientSession | None = None
+    native_plugin: type[VllmNativePool] | None = None
+    native_healthy: bool = False
 
     @classmethod
     async def start(cls, config: RouterConfig, metrics: RouterMetrics) -> RouterContext:
@@ -46,19 +53,39 @@ class RouterContext:
             config.decode_nodes, max_queue=config.max_queue, retry_after_s=config.retry_after_s, metrics=metrics
         )
         ctx = cls(config=config, metrics=metrics, pool=pool, prefill=prefill, nodes=nodes, tokenizer=tokenizer)
+        if config.native_url:
+            from tilert.plugins import PluginError, load_native_pool
+
+            try:
+                ctx.native_plugin = load_native_pool(config.native_engine)
+            except PluginError as exc:
+                await ctx.aclose()
+                raise RuntimeError(f"native_engine: {exc}") from exc
+            # No total timeout: a native decode streams as long as it needs; reads are bounded per event.
+            ctx.native = aiohttp.ClientSession(
+                config.native_url, connector=aiohttp.TCPConnector(limit=0),
+                timeout=aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s),
+            )  # fmt: skip
         await ctx.check_nodes()
+        await ctx.check_native()
         log.info(
             "router_started",
             prefill_url=config.prefill_url,
             decode=[n.name for n in pool.nodes],
             healthy=[n.name for n in pool.nodes if n.healthy],
             model=config.model_name,
+            native=config.native_url,
+            native_healthy=ctx.native_healthy if config.native_url else None,
+            default_pool=config.default_pool,
+            overflow_wait_s=config.overflow_wait_s,
         )
         return ctx
 
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):
             await self.prefill.close()
+            if self.native is not None:
+                await self.native.close()
             for client in self.nodes.values():
                 await client.aclose()
 
@@ -89,10 +116,22 @@ class RouterContext:
         return [results[n.name] for n in self.pool.nodes]
 
     async def check_prefill(self) -> dict[str, Any]:
-        url = self.config.prefill_url
+        return await self._probe(self.prefill, self.config.prefill_url)
+
+    async def check_native(self) -> dict[str, Any] | None:
+        """Probe the native decode instance (None: no native pool); routing reads ``native_healthy``."""
+        if self.native is None:
+            return None
+        result = await self._probe(self.native, self.config.native_url or "")
+        if result["ok"] != self.native_healthy:
+            (log.info if result["ok"] else log.warning)("native_pool_health", ok=result["ok"], error=result["error"])
+        self.native_healthy = bool(result["ok"])
+        return result
+
+    async def _probe(self, session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
         try:
             timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
-            async with self.prefill.get("/health", timeout=timeout) as resp:
+            async with session.get("/health", timeout=timeout) as resp:
                 status = resp.status
         except (TimeoutError, aiohttp.ClientError) as exc:
             return {"url": url, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
@@ -103,5 +142,6 @@ class RouterContext:
             await anyio.sleep(self.config.health_interval_s)
             try:
                 await self.check_nodes()
+                await self.check_native()
             except Exception:  # noqa: BLE001 - the loop must survive anything
                 log.exception("health_loop_error")

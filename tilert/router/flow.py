@@ -1,8 +1,13 @@
-"""One client request through the TileRT pool, as an explicit state machine::
+"""One client request through a decode pool, as an explicit state machine::
 
     RECEIVED -> QUEUED -> PREFILLING -> DECODING -> FINISHED
-                   \\           \\            \\----> FAILED | CANCELLED
-                    \\           \\-> FINISHED (prefill's single token already ends the request)
+        \\          \\           \\            \\----> FAILED | CANCELLED
+         \\          \\           \\-> FINISHED (prefill's single token already ends the request)
+          \\          \\-> (no TileRT slot within overflow_wait_s) -> the native pool's PREFILLING
+           \\-> PREFILLING (the native pool: no slot to wait for; see :mod:`tilert.router.native`)
+
+The pool is chosen before the flow starts (:mod:`tilert.router.routing`); the one that served is in the
+response's ``x-tilert-pool`` header, in the metrics' ``pool`` label and in the request's log lines.
 
 The decode slot is a :class:`~tilert.router.lease.NodeLease`: every path out (answer, error, timeout,
 client gone) releases it exactly once, and on answered paths before the response's last byte, so a
@@ -17,6 +22,7 @@ import enum
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from typing import Any
 
 import anyio
@@ -25,12 +31,15 @@ import structlog
 from starlette.types import Send
 
 from tilert import contracts as c
+from tilert.router.config import NATIVE_POOL
 from tilert.router.context import RouterContext
 from tilert.router.errors import RouterError
 from tilert.router.lease import NodeLease
+from tilert.router.native import run_native
 from tilert.router.openai_format import DONE, ResponseShape, sse, usage
 from tilert.router.pool import PooledNode
 from tilert.router.prefill import PrefillResult, run_prefill
+from tilert.router.routing import POOL_HEADER, PoolChoice
 from tilert.router.token_loop import TokenLoop
 from tilert.router.validation import RequestPlan
 
@@ -56,13 +65,16 @@ class FlowState(enum.Enum):
 class ClientOutput:
     """The ASGI response of one request, remembering how far it got."""
 
-    def __init__(self, send: Send) -> None:
+    def __init__(self, send: Send, pool: str | None = None) -> None:
         self._send = send
         self.started = False
         self.done = False
+        self.pool = pool  # the x-tilert-pool header of the response (the pool serving the request)
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
+        if self.pool is not None:
+            headers = [*headers, (POOL_HEADER.encode(), self.pool.encode())]
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def body(self, data: bytes, more: bool = True) -> None:
@@ -77,9 +89,15 @@ class ClientOutput:
 
 
 class RequestFlow:
-    def __init__(self, ctx: RouterContext, plan: RequestPlan, request_id: str, arrived: float) -> None:
+    def __init__(
+        self, ctx: RouterContext, plan: RequestPlan, request_id: str, arrived: float, choice: PoolChoice,
+        client_body: bytes = b"",
+    ) -> None:  # fmt: skip
         self.ctx = ctx
         self.plan = plan
+        self.choice = choice
+        self.pool = choice.pool
+        self.client_body = client_body  # as the client sent it (the native decode instance gets it)
         self.request_id = request_id
         self.arrived = arrived
         self.transfer_id = uuid.uuid4().hex
@@ -91,7 +109,8 @@ class RequestFlow:
         self.prompt_tokens = self.completion_tokens = 0
         self.ttft_s: float | None = None
         self.node_name: str | None = None
-        self.log = _log.bind(transfer_id=self.transfer_id, route=plan.route, stream=plan.stream)
+        self.log = _log.bind(transfer_id=self.transfer_id, route=plan.route, stream=plan.stream, pool=self.pool,
+                             pool_reason=choice.reason)  # fmt: skip
 
     @property
     def response_done(self) -> bool:
@@ -108,7 +127,7 @@ class RequestFlow:
 
     # -- entry -------------------------------------------------------------------------------------
     async def run(self, send: Send) -> None:
-        self.out = ClientOutput(send)
+        self.out = ClientOutput(send, self.pool)
         self.ctx.metrics.running(1)
         try:
             await self._run(self.out)
@@ -133,9 +152,9 @@ class RequestFlow:
         self.ctx.metrics.running(-1)
         self.ctx.metrics.request_finished(
             self.plan.route, self.outcome, self.finish_reason, self.prompt_tokens, self.completion_tokens,
-            e2e, self.ttft_s,
+            e2e, self.ttft_s, pool=self.pool,
         )  # fmt: skip
-        self.log.info("request_done", outcome=self.outcome, node=self.node_name,
+        self.log.info("request_done", outcome=self.outcome, node=self.node_name, pool=self.pool,
                       completion_tokens=self.completion_tokens, seconds=round(e2e, 4))  # fmt: skip
 
     async def _report(self, out: ClientOutput, exc: RouterError) -> None:
@@ -148,11 +167,24 @@ class RequestFlow:
 
     # -- states ------------------------------------------------------------------------------------
     async def _run(self, out: ClientOutput) -> None:
+        if self.choice.native:
+            await run_native(self, out)
+            return
         cfg = self.ctx.config
+        overflow = self.choice.overflow and self.ctx.native_healthy and cfg.overflow_wait_s is not None
+        wait = min(cfg.overflow_wait_s, cfg.queue_timeout_s) if overflow and cfg.overflow_wait_s is not None else (
+            cfg.queue_timeout_s)  # fmt: skip
         self._to(FlowState.QUEUED, queue_depth=self.ctx.pool.queue_depth)
-        lease = NodeLease(self.ctx.pool, self.ctx.nodes, self.transfer_id, queue_timeout_s=cfg.queue_timeout_s,
+        lease = NodeLease(self.ctx.pool, self.ctx.nodes, self.transfer_id, queue_timeout_s=wait,
                           lease_s=cfg.lease_s, log=self.log)  # fmt: skip
-        async with lease:
+        async with AsyncExitStack() as held:
+            try:
+                await held.enter_async_context(lease)
+            except RouterError as exc:
+                if not (overflow and exc.status == 429):
+                    raise
+                await self._overflow(out, exc)
+                return
             self.ctx.metrics.queue_wait(lease.queued_s)
             self._to(FlowState.PREFILLING)
             pre = await lease.reserve_while(self._prefill)  # the node's reserve runs during the prefill
@@ -160,15 +192,23 @@ class RequestFlow:
             if lease.transfer_id != self.transfer_id:  # a node refused the reserve: the retry's id
                 self.transfer_id, self.log = lease.transfer_id, self.log.bind(transfer_id=lease.transfer_id)
             self.node_name = lease.node.name
-            shape = self._shape(pre)
+            shape = self.shape(pre)
             finish = "stop" if pre.finish_reason == "stop" else ("length" if self.plan.max_tokens == 1 else None)
             if finish is not None:
-                await self._answer_from_prefill(out, lease, shape, pre, finish)
+                await self.answer_from_prefill(out, lease, shape, pre, finish)
                 return
             self._to(FlowState.DECODING, node=self.node_name, slot=lease.slot, first_token_id=pre.first_token_id,
                      prompt_tokens=pre.prompt_tokens)  # fmt: skip
             async with lease.client.decode(self._decode_request(pre)) as lines:
                 await self._relay(out, lease, shape, pre, lines)
+
+    async def _overflow(self, out: ClientOutput, refused: RouterError) -> None:
+        """No TileRT slot within overflow_wait_s: the native pool serves the request instead of a 429."""
+        self.log.info("pool_overflow", to=NATIVE_POOL, reason=refused.outcome)
+        self.ctx.metrics.overflowed()
+        self.pool = out.pool = NATIVE_POOL
+        self.log = self.log.bind(pool=self.pool, pool_reason="overflow")
+        await run_native(self, out)
 
     async def _prefill(self, node: PooledNode, transfer_id: str) -> PrefillResult:
         """vLLM's prefill (``max_tokens=1``) with a claim that sends its KV to ``node`` as ``transfer_id``."""
@@ -181,7 +221,7 @@ class RequestFlow:
         self.prompt_tokens, self.completion_tokens = pre.prompt_tokens, 1
         return pre
 
-    def _shape(self, pre: PrefillResult) -> ResponseShape:
+    def shape(self, pre: PrefillResult) -> ResponseShape:
         route = self.plan.route
         rid = pre.response_id or f"{'chatcmpl' if route == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         return ResponseShape(route, rid, pre.created or int(time.time()), pre.model or self.ctx.config.model_name,
@@ -196,17 +236,19 @@ class RequestFlow:
             stop_token_ids=list(plan.stop_token_ids), ignore_eos=bool(plan.ignore_eos),
         )  # fmt: skip
 
-    def _first_token(self) -> None:
+    def first_token(self) -> None:
         self.ttft_s = self._elapsed()
-        self.ctx.metrics.first_token(self.plan.route, self.ttft_s)
+        self.ctx.metrics.first_token(self.plan.route, self.ttft_s, self.pool)
 
-    async def _answer_from_prefill(
-        self, out: ClientOutput, lease: NodeLease, shape: ResponseShape, pre: PrefillResult, finish: str
+    async def answer_from_prefill(
+        self, out: ClientOutput, lease: NodeLease | None, shape: ResponseShape, pre: PrefillResult, finish: str
     ) -> None:
+        """The prefill's one token is the whole answer (``lease``: the TileRT slot to free first, if any)."""
         use, ids = usage(pre.prompt_tokens, 1), [pre.first_token_id]
         stop_reason = pre.stop_reason if finish == "stop" else None
-        self._first_token()
-        await lease.release()
+        self.first_token()
+        if lease is not None:
+            await lease.release()
         if self.plan.stream:
             await out.start(200, list(SSE_HEADERS))
             chunk = shape.chunk(pre.text, ids, finish, stop_reason, use if self.plan.continuous_usage else None)
@@ -229,7 +271,7 @@ class RequestFlow:
             await out.start(200, list(SSE_HEADERS))
             now = usage(pre.prompt_tokens, 1) if plan.continuous_usage else None
             await out.body(sse(shape.chunk(loop.first_delta(), [pre.first_token_id], usage_now=now)))
-        self._first_token()
+        self.first_token()
         sent_at, first = anyio.current_time(), True
         line: c.TokenLine | None = None
         while not loop.done:

@@ -7,8 +7,8 @@ router by swapping the ``vllm:`` prefix for ``tilert:``:
 ==============================================  ==========================================  ==================
 tilert (router)                                 vLLM                                        fed by
 ==============================================  ==========================================  ==================
-tilert:time_to_first_token_seconds{route}       vllm:time_to_first_token_seconds            first_token
-tilert:e2e_request_latency_seconds{route}       vllm:e2e_request_latency_seconds            request_finished
+tilert:time_to_first_token_seconds{route,pool}  vllm:time_to_first_token_seconds            first_token
+tilert:e2e_request_latency_seconds{route,pool}  vllm:e2e_request_latency_seconds            request_finished
 tilert:request_time_per_output_token_seconds    vllm:request_time_per_output_token_seconds  request_finished
 tilert:inter_token_latency_seconds              vllm:inter_token_latency_seconds            token_gap
 tilert:num_requests_running                     vllm:num_requests_running                   running
@@ -34,8 +34,11 @@ Differences in meaning, where the router sees a request differently from vLLM's 
 
 The router's own, with no vLLM counterpart:
 
-- ``tilert:requests_total{route,outcome}``: every request, failures included (``ok``, ``bad_request``,
-  ``queue_timeout``, ``decode_error``, ``client_disconnected``, ...);
+- ``tilert:requests_total{route,outcome,pool}``: every request, failures included (``ok``, ``bad_request``,
+  ``queue_timeout``, ``decode_error``, ``client_disconnected``, ...); ``pool`` is the decode pool that served
+  it (``tilert``, ``vllm``; ``none`` for a request refused before a pool was chosen), as the response's
+  ``x-tilert-pool`` header says; a request that overflowed counts under ``vllm``;
+- ``tilert:pool_overflows_total``: TileRT-pool requests sent to the native pool for want of a slot;
 - ``tilert:kv_transfer_wait_seconds``: decode request sent to its first line (KV transfer + first step);
 - ``tilert:decode_slots_in_use{node}``: slots this router holds per decode node;
 - ``tilert:decode_node_healthy{node}``: 1 while the node passes its health probe.
@@ -74,10 +77,10 @@ class RouterMetrics:
         r, m = self.registry, ["model_name"]
         self._ttft = Histogram(PREFIX + "time_to_first_token_seconds",
                                "Arrival at the router to the first token sent to the client.",
-                               m + ["route"], buckets=TIME_TO_FIRST_TOKEN_BUCKETS, registry=r)  # fmt: skip
+                               m + ["route", "pool"], buckets=TIME_TO_FIRST_TOKEN_BUCKETS, registry=r)  # fmt: skip
         self._e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
                               "Arrival at the router to the request's end, failures included.",
-                              m + ["route"], buckets=REQUEST_LATENCY_BUCKETS, registry=r)  # fmt: skip
+                              m + ["route", "pool"], buckets=REQUEST_LATENCY_BUCKETS, registry=r)  # fmt: skip
         self._tpot = Histogram(PREFIX + "request_time_per_output_token_seconds",
                                "Per request: (e2e - ttft) / (generation tokens - 1), as vLLM defines it.",
                                m, buckets=INTER_TOKEN_LATENCY_BUCKETS, registry=r)  # fmt: skip
@@ -92,7 +95,7 @@ class RouterMetrics:
                                 "Finished requests by finished_reason (stop, length, abort, error).",
                                 m + ["finished_reason"], registry=r)  # fmt: skip
         self._requests = Counter(PREFIX + "requests", "Every request by route and outcome (failures included).",
-                                 m + ["route", "outcome"], registry=r)  # fmt: skip
+                                 m + ["route", "outcome", "pool"], registry=r)  # fmt: skip
         self._prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", m, registry=r)
         self._generation_tokens = Counter(PREFIX + "generation_tokens", "Completion tokens sent to clients.", m,
                                           registry=r)  # fmt: skip
@@ -113,14 +116,23 @@ class RouterMetrics:
                             m + ["node"], registry=r)  # fmt: skip
         self._healthy = Gauge(PREFIX + "decode_node_healthy", "1 while the decode node passes its health probe.",
                               m + ["node"], registry=r)  # fmt: skip
+        self._overflows = self._overflow_counter()
         # Series that exist from the start (a dashboard sees 0, not "no data").
-        for metric in (self._running, self._waiting, self._prompt_tokens, self._generation_tokens):
+        for metric in (self._running, self._waiting, self._prompt_tokens, self._generation_tokens, self._overflows):
             metric.labels(model_name)
 
+    def _overflow_counter(self) -> Counter:
+        return Counter(PREFIX + "pool_overflows", "TileRT-pool requests sent to the native pool for want of a "
+                       "decode slot.", ["model_name"], registry=self.registry)  # fmt: skip
+
     # -- per request -------------------------------------------------------------------------------
-    def first_token(self, route: str, seconds: float) -> None:
+    def first_token(self, route: str, seconds: float, pool: str = "tilert") -> None:
         """The first token reached the client ``seconds`` after the request arrived (once per request)."""
-        self._ttft.labels(self.model_name, route).observe(seconds)
+        self._ttft.labels(self.model_name, route, pool).observe(seconds)
+
+    def overflowed(self) -> None:
+        """A TileRT-pool request went to the native pool (no decode slot within overflow_wait_s)."""
+        self._overflows.labels(self.model_name).inc()
 
     def token_gap(self, seconds: float, n: int = 1) -> None:
         """``n`` decode tokens arrived ``seconds`` after the previous ones: ``n`` gaps of ``seconds / n``."""
@@ -140,6 +152,7 @@ class RouterMetrics:
         e2e_s: float | None = None,
         ttft_s: float | None = None,
         tpot_s: float | None = None,
+        pool: str = "tilert",
     ) -> None:
         """A request ended (answered, refused or failed): counts, token totals, latency.
 
@@ -148,11 +161,11 @@ class RouterMetrics:
         recorded by :meth:`first_token`, not here.
         """
         m = self.model_name
-        self._requests.labels(m, route, outcome).inc()
+        self._requests.labels(m, route, outcome, pool).inc()
         if finished_reason is not None:
             self._success.labels(m, finished_reason).inc()
         if e2e_s is not None:
-            self._e2e.labels(m, route).observe(e2e_s)
+            self._e2e.labels(m, route, pool).observe(e2e_s)
         if prompt_tokens > 0:
             self._prompt_tokens.labels(m).inc(prompt_tokens)
             self._prompt_hist.labels(m).observe(prompt_tokens)

@@ -43,15 +43,18 @@ def prefill_session(base_url: str, timeout_s: float, connect_timeout_s: float) -
     return aiohttp.ClientSession(base_url, connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
 
 
-async def run_prefill(
-    client: aiohttp.ClientSession, plan: RequestPlan, claim: Claim, *, request_id: str, api_key: str | None
-) -> PrefillResult:
-    """POST the prefill; vLLM's 4xx reach the client as they are, 5xx and transport errors are 502/504."""
+async def post_prefill(
+    client: aiohttp.ClientSession, plan: RequestPlan, kv_transfer_params: dict[str, Any], *, request_id: str,
+    api_key: str | None,
+) -> dict[str, Any]:  # fmt: skip
+    """POST the ``max_tokens=1`` prefill carrying ``kv_transfer_params``; vLLM's JSON answer.
+
+    vLLM's 4xx reach the client as they are, 5xx and transport errors are 502/504."""
     headers = {"content-type": "application/json", "x-request-id": request_id}
     if api_key:
         headers["authorization"] = f"Bearer {api_key}"
     try:
-        async with client.post(plan.path, data=orjson.dumps(plan.prefill_body(claim.to_params())),
+        async with client.post(plan.path, data=orjson.dumps(plan.prefill_body(kv_transfer_params)),
                                headers=headers) as resp:  # fmt: skip
             status, body = resp.status, await resp.read()
     except TimeoutError:
@@ -69,6 +72,16 @@ async def run_prefill(
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
         raise _fail("prefill returned a body that is not JSON") from None
+    if not isinstance(data, dict):
+        raise _fail("prefill returned a JSON value that is not an object")
+    return data
+
+
+async def run_prefill(
+    client: aiohttp.ClientSession, plan: RequestPlan, claim: Claim, *, request_id: str, api_key: str | None
+) -> PrefillResult:
+    """The TileRT pool's prefill: :func:`post_prefill` with the claim, the connector's answer checked."""
+    data = await post_prefill(client, plan, claim.to_params(), request_id=request_id, api_key=api_key)
     return parse_prefill_response(data, plan, claim.transfer_id)
 
 
@@ -119,15 +132,27 @@ def parse_prefill_response(data: Any, plan: RequestPlan, transfer_id: str) -> Pr
     if not isinstance(data, dict):
         raise _fail("prefill returned a JSON value that is not an object")
     kv = _claim_result(data, transfer_id)
-    first = kv.first_token_id
-    assert first is not None
+    assert kv.first_token_id is not None
+    return prefill_result(data, plan, kv.first_token_id, kv.prompt_tokens)
+
+
+def prefill_result(
+    data: dict[str, Any], plan: RequestPlan, first: int | None, prompt_tokens: int | None = None
+) -> PrefillResult:
+    """vLLM's one-token answer as a :class:`PrefillResult`; ``first`` (the sampled token id, as the connector
+    reported it) defaults to the answer's own ``token_ids[0]`` (the prefill asks for token ids)."""
     choice, text = _choice(data, plan.route)
     usage_raw = data.get("usage")
     usage: dict[str, Any] = usage_raw if isinstance(usage_raw, dict) else {}
-    prompt_tokens = kv.prompt_tokens if kv.prompt_tokens is not None else usage.get("prompt_tokens")
+    if prompt_tokens is None:
+        prompt_tokens = usage.get("prompt_tokens")
     if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int):
         raise _fail("prefill response carries no prompt token count")
     token_ids = choice.get("token_ids")
+    if first is None:
+        if not (isinstance(token_ids, list) and token_ids and isinstance(token_ids[0], int)):
+            raise _fail("prefill response carries no token_ids")
+        first = token_ids[0]
     if isinstance(token_ids, list) and token_ids and token_ids[0] != first:
         raise _fail(f"prefill token_ids[0]={token_ids[0]} disagrees with tilert_first_token_id={first}")
     prompt_ids = data.get("prompt_token_ids") or choice.get("prompt_token_ids")

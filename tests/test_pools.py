@@ -1,0 +1,343 @@
+"""One prefill pool, two decode pools, end to end over real HTTP (``tilert up --native``).
+
+One stock vLLM prefill runs ``MultiConnector`` with ``TileRTConnector`` beside vLLM's own ``NixlConnector``;
+the TileRT pool is our decode node, the native pool a second stock vLLM instance (NIXL over UCX on loopback).
+The oracle: greedy tokens through either pool equal those of the prefill instance alone. Nothing is faked:
+a busy TileRT node is made by reserving its slots through its real API, a dead native decode by SIGKILL.
+
+The stack is started once for this module; the last test kills the native decode instance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+import psutil
+import pytest
+from conftest import Stack, free_port, start_stack, stop_stack, wait_healthy
+from openai import OpenAI
+from transformers import AutoTokenizer
+
+MAX_TOKENS = 32
+POOL = "x-tilert-pool"
+
+
+@pytest.fixture(scope="module")
+def pools(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    ports = [str(free_port()) for _ in range(3)]
+    log = tmp_path_factory.mktemp("logs") / "pools.log"
+    handle = start_stack(tiny_model, log, "--native", "--native-port", ports[0], "--prefill-side-port", ports[1],
+                         "--native-side-port", ports[2])  # fmt: skip
+    assert handle.native is not None
+    yield handle
+    stop_stack(handle)
+
+
+def _source_text(n_tokens: int, model: Path, offset: int) -> str:
+    tok = AutoTokenizer.from_pretrained(model)
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()[offset:]
+    return str(tok.decode(tok(text, add_special_tokens=False)["input_ids"][:n_tokens]))
+
+
+def _prompts(model: Path) -> list[tuple[str, Any]]:
+    return [
+        ("completion", "def add(a, b):"),
+        ("completion", _source_text(300, model, 3000)),
+        (
+            "chat",
+            [
+                {"role": "user", "content": _source_text(120, model, 6000)},
+                {"role": "assistant", "content": "Noted."},
+                {"role": "user", "content": "import os"},
+            ],
+        ),
+    ]
+
+
+def _alone(stack: Stack, kind: str, prompt: Any, max_tokens: int = MAX_TOKENS) -> tuple[list[int], str]:
+    """The prefill instance serving the request itself: the oracle."""
+    key, path = ("messages", "/v1/chat/completions") if kind == "chat" else ("prompt", "/v1/completions")
+    body = {"model": str(stack.model), key: prompt, "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True}  # fmt: skip
+    data = httpx.post(stack.prefill + path, json=body, timeout=120).json()
+    assert data["kv_transfer_params"] is None, "a plain request must be left alone by both connectors"
+    choice = data["choices"][0]
+    return choice["token_ids"], choice["message"]["content"] if kind == "chat" else choice["text"]
+
+
+def _call(
+    url: str, model: Path, kind: str, prompt: Any, stream: bool, pool: str | None, max_tokens: int = MAX_TOKENS
+) -> tuple[list[int], str, dict[str, int], str | None]:
+    """Through the router with the OpenAI client: (token ids, text, usage, the x-tilert-pool header)."""
+    client = OpenAI(base_url=url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    kwargs: dict[str, Any] = {
+        "model": str(model), "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+        "extra_body": {"return_token_ids": True}, "extra_headers": {POOL: pool} if pool else None,
+    }  # fmt: skip
+    if stream:
+        kwargs["stream_options"] = {"include_usage": True}
+    api = client.chat.completions if kind == "chat" else client.completions
+    raw = api.with_raw_response.create(**({"messages": prompt} if kind == "chat" else {"prompt": prompt}), **kwargs)
+    served = raw.headers.get(POOL)
+    resp = raw.parse()
+    if not stream:
+        choice = resp.choices[0]
+        text = choice.message.content if kind == "chat" else choice.text
+        return list(choice.model_extra["token_ids"]), text or "", resp.usage.model_dump(), served
+    ids: list[int] = []
+    parts: list[str] = []
+    usage: dict[str, int] = {}
+    for chunk in resp:
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+        for c in chunk.choices:
+            ids.extend((c.model_extra or {}).get("token_ids") or [])
+            parts.append((c.delta.content if kind == "chat" else c.text) or "")
+    return ids, "".join(parts), usage, served
+
+
+def _metrics(url: str) -> str:
+    return httpx.get(url + "/metrics", timeout=10).text
+
+
+@pytest.mark.stack
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_both_pools_token_identical_to_prefill_alone(pools: Stack, stream: bool) -> None:
+    for kind, prompt in _prompts(pools.model):
+        want_ids, want_text = _alone(pools, kind, prompt)
+        assert len(want_ids) == MAX_TOKENS
+        for pool in ("tilert", "vllm"):
+            ids, text, usage, served = _call(pools.router, pools.model, kind, prompt, stream, pool)
+            assert served == pool
+            assert (ids, text) == (want_ids, want_text), (pool, kind)
+            assert usage["completion_tokens"] == MAX_TOKENS
+            assert usage["total_tokens"] == usage["prompt_tokens"] + MAX_TOKENS
+    metrics = _metrics(pools.router)
+    for pool in ("tilert", "vllm"):
+        assert f'outcome="ok",pool="{pool}"' in metrics
+
+
+@pytest.mark.stack
+def test_marked_native_and_plain_requests_at_once(pools: Stack) -> None:
+    """Marked (TileRT), native-P/D and plain requests share the prefill's batches; each gets vLLM's tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [_prompts(pools.model)[i] for i in (0, 2)]
+    solo = [_alone(pools, kind, p) for kind, p in prompts]
+    with ThreadPoolExecutor(max_workers=9) as ex:
+        jobs = [(ex.submit(_call, pools.router, pools.model, kind, p, stream, pool), i)
+                for i, (kind, p) in enumerate(prompts) for pool, stream in (("tilert", True), ("vllm", False))]
+        jobs += [(ex.submit(_call, pools.router, pools.model, kind, p, True, "vllm"), i)
+                 for i, (kind, p) in enumerate(prompts)]  # fmt: skip
+        plain = [(ex.submit(_alone, pools, kind, p), i) for i, (kind, p) in enumerate(prompts)]
+        for job, i in jobs:
+            assert job.result()[:2] == solo[i]
+        for job, i in plain:
+            assert job.result() == solo[i]
+
+
+@pytest.mark.stack
+def test_bad_pool_header_is_refused(pools: Stack) -> None:
+    body = {"model": str(pools.model), "prompt": "x", "max_tokens": 4}
+    r = httpx.post(pools.router + "/v1/completions", json=body, headers={POOL: "fastest"}, timeout=30)
+    assert r.status_code == 400
+    assert "x-tilert-pool must be one of tilert, vllm" in r.json()["error"]["message"]
+
+
+@contextmanager
+def _router(stack: Stack, *flags: str) -> Iterator[str]:
+    """A second router (``tilert router``, as a user starts it) in front of the same prefill and pools."""
+    decode = urlparse(stack.decode)
+    ctrl = int(httpx.get(stack.decode + "/health", timeout=10).json()["ctrl_port"])
+    router_proc = next(p for p in psutil.Process(stack.proc.pid).children(recursive=True) if "router" in p.cmdline())
+    env = {**os.environ, "TILERT_SECRET_FILE": router_proc.environ()["TILERT_SECRET_FILE"]}
+    port = free_port()
+    cmd = [sys.executable, "-m", "tilert.cli", "router", "--prefill-url", stack.prefill,
+           "--decode", f"{decode.hostname}:{ctrl}:{decode.port}", "--model", str(stack.model),
+           "--port", str(port), "--native-url", str(stack.native), *flags]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, 60)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@contextmanager
+def _tilert_node_full(stack: Stack) -> Iterator[None]:
+    """Every slot of the TileRT decode node reserved through its own API (its secret is the stack's)."""
+    from tilert.auth import load_secret, node_api_token
+
+    router_proc = next(p for p in psutil.Process(stack.proc.pid).children(recursive=True) if "router" in p.cmdline())
+    secret = load_secret(router_proc.environ()["TILERT_SECRET_FILE"])
+    headers = {"authorization": "Bearer " + node_api_token(secret)}
+    total = int(httpx.get(stack.decode + "/health", timeout=10).json()["slots_total"])
+    ids = [f"test-hold-{i}" for i in range(total)]
+    try:
+        for tid in ids:
+            r = httpx.post(stack.decode + "/v1/reserve", json={"transfer_id": tid, "lease_s": 120}, headers=headers)
+            assert r.status_code == 200, r.text
+        assert httpx.get(stack.decode + "/health", timeout=10).json()["slots_free"] == 0
+        yield
+    finally:
+        for tid in ids:
+            httpx.post(stack.decode + "/v1/release", json={"transfer_id": tid}, headers=headers, timeout=10)
+
+
+@pytest.mark.stack
+def test_routing_by_model_and_overflow_to_native(pools: Stack) -> None:
+    """Router A: the model routes to the native pool, a header overrides it, and a TileRT request that finds
+    no slot within 0.5 s completes on the native pool. Router B (no overflow): 429 with Retry-After."""
+    kind, prompt = _prompts(pools.model)[0]
+    want = _alone(pools, kind, prompt)
+    models = json.dumps({str(pools.model): "vllm"})
+    with _router(pools, "--pool-models", models, "--overflow-wait-s", "0.5", "--queue-timeout-s", "120") as a, \
+            _router(pools, "--queue-timeout-s", "0.5") as b:  # fmt: skip
+        ids, text, _, served = _call(a, pools.model, kind, prompt, True, None)
+        assert (ids, text, served) == (*want, "vllm")
+        ids, text, _, served = _call(a, pools.model, kind, prompt, False, "tilert")
+        assert (ids, text, served) == (*want, "tilert")
+        with _tilert_node_full(pools):
+            for stream in (False, True):
+                t0 = time.monotonic()
+                ids, text, _, served = _call(a, pools.model, kind, prompt, stream, "tilert")
+                assert (ids, text, served) == (*want, "vllm")
+                assert time.monotonic() - t0 < 60  # it did not wait out the 120 s queue timeout
+            body = {"model": str(pools.model), "prompt": prompt, "max_tokens": 8}
+            t0 = time.monotonic()
+            r = httpx.post(b + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+            assert r.headers[POOL] == "tilert"
+            assert time.monotonic() - t0 < 5
+        metrics = _metrics(a)
+        assert f'tilert:pool_overflows_total{{model_name="{pools.model}"}} 2.0' in metrics
+        assert 'outcome="ok",pool="vllm"' in metrics
+        assert 'outcome="queue_timeout",pool="tilert"' in _metrics(b)
+
+
+def _vllm_series(url: str, prefix: str, label: str = "") -> float:
+    lines = httpx.get(url + "/metrics", timeout=10).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(prefix) and label in line)
+
+
+def _vllm_running(url: str) -> float:
+    return _vllm_series(url, "vllm:num_requests_running")
+
+
+def _vllm_generated(url: str) -> float:
+    return _vllm_series(url, "vllm:generation_tokens_total")
+
+
+@pytest.mark.stack
+def test_client_leaving_a_native_stream_aborts_the_native_decode(pools: Stack) -> None:
+    """The router closes its connection to the native instance when the client leaves; vLLM aborts the request."""
+    assert pools.native is not None
+    generated = _vllm_generated(pools.native)
+    body = {"model": str(pools.model), "prompt": "def main():", "max_tokens": 1500, "temperature": 0, "stream": True}
+    with httpx.stream("POST", pools.router + "/v1/completions", json=body, headers={POOL: "vllm"}, timeout=60) as r:
+        events = 0
+        for line in r.iter_lines():
+            events += line.startswith("data: ")
+            if events == 3:
+                assert _vllm_running(pools.native) >= 1
+                break
+    deadline = time.monotonic() + 30  # vLLM publishes its gauges with its periodic stats (about 10 s)
+    while _vllm_running(pools.native) > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _vllm_running(pools.native) == 0
+    assert _vllm_generated(pools.native) - generated < 1000, "the native decode ran on after the client left"
+    assert 'outcome="client_disconnected",pool="vllm"' in _metrics(pools.router)
+
+
+def _native_process(stack: Stack) -> psutil.Process:
+    port = str(urlparse(str(stack.native)).port)
+    return next(p for p in psutil.Process(stack.proc.pid).children()
+                if "vllm" in " ".join(p.cmdline()) and port in p.cmdline())  # fmt: skip
+
+
+@pytest.mark.stack
+def test_zz_killing_native_decode_fails_its_stream_fast_and_spares_tilert(pools: Stack) -> None:
+    """Runs last in this module: the native decode instance dies (SIGKILL) with a native stream and a TileRT
+    stream in flight. The native one ends with an error event within 1 s; the TileRT one is untouched (the same
+    tokens as the same request undisturbed, which the tests above tie to vLLM alone)."""
+    n_tilert = 300
+    tilert_body = {"model": str(pools.model), "prompt": "def main():", "max_tokens": n_tilert, "temperature": 0,
+                   "stream": True, "return_token_ids": True}  # fmt: skip
+    native = _native_process(pools)
+
+    def tilert_stream(hold: threading.Event | None, started: threading.Event | None) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        with httpx.stream("POST", pools.router + "/v1/completions", json=tilert_body, headers={POOL: "tilert"},
+                          timeout=120) as r:  # fmt: skip
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+                    if len(events) == 3 and started is not None and hold is not None:
+                        started.set()
+                        hold.wait(60)  # keep the stream open across the kill
+        return events
+
+    def token_ids(events: list[dict[str, Any]]) -> list[int]:
+        return [t for e in events for c in e.get("choices", []) for t in c.get("token_ids") or []]
+
+    undisturbed = token_ids(tilert_stream(None, None))
+    assert len(undisturbed) == n_tilert
+    results: dict[str, list[dict[str, Any]]] = {}
+    started, killed = threading.Event(), threading.Event()
+    worker = threading.Thread(target=lambda: results.setdefault("tilert", tilert_stream(killed, started)))
+    body = {"model": str(pools.model), "prompt": "class Foo:", "max_tokens": 1500, "temperature": 0, "stream": True}
+    lines: list[tuple[float, str]] = []
+    t_kill = 0.0
+    try:
+        with httpx.stream("POST", pools.router + "/v1/completions", json=body, headers={POOL: "vllm"},
+                          timeout=60) as r:  # fmt: skip
+            assert r.headers[POOL] == "vllm"
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                lines.append((time.monotonic(), line))
+                if not t_kill and len(lines) == 3:  # the native decode streams: start the TileRT one beside it
+                    worker.start()
+                    assert started.wait(60)
+                    health = httpx.get(pools.decode + "/health", timeout=10).json()
+                    assert health["slots_free"] < health["slots_total"], "the TileRT decode must be in flight"
+                    t_kill = time.monotonic()
+                    os.killpg(native.pid, signal.SIGKILL)  # the instance and its engine process
+    finally:
+        killed.set()
+        if worker.is_alive() or worker.ident is not None:
+            worker.join(120)
+    assert t_kill, "the native stream ended before the kill"
+    last_data = [line for _, line in lines if line.startswith("data: ")][-2:]
+    assert last_data[-1] == "data: [DONE]"
+    error = json.loads(last_data[0][6:])["error"]
+    assert error["code"] == 502 and "native decode" in error["message"]
+    assert lines[-1][0] - t_kill < 1.0
+    events = results["tilert"]
+    assert not any("error" in e for e in events)
+    assert token_ids(events) == undisturbed
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    # The stack keeps serving the TileRT pool; the native pool answers 503 at once.
+    assert pools.proc.poll() is None
+    kind, prompt = _prompts(pools.model)[0]
+    assert _call(pools.router, pools.model, kind, prompt, True, "tilert")[:2] == _alone(pools, kind, prompt)
+    t0 = time.monotonic()
+    r2 = httpx.post(pools.router + "/v1/completions", json={"model": str(pools.model), "prompt": "x", "max_tokens": 4},
+                    headers={POOL: "vllm"}, timeout=30)  # fmt: skip
+    assert r2.status_code == 503 and time.monotonic() - t0 < 5
+    assert httpx.get(pools.router + "/health", timeout=10).json()["status"] == "degraded"
