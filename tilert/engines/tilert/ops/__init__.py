@@ -34,6 +34,7 @@ __all__ = [
     "gemv_residual",
     "moe_residual",
     "moe_block",
+    "router",
     "mla_prep",
     "mla_uv",
 ]
@@ -179,6 +180,33 @@ def moe_block(
 
 @moe_block.register_fake
 def _(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared, w13, w2):
+    k = top_k + n_shared
+    return h.new_empty((h.shape[0], k), dtype=torch.int32), h.new_empty((h.shape[0], k), dtype=torch.float32)
+
+
+@torch.library.custom_op("tilert::router", mutates_args=())
+def router(
+    h: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+    gate_weight: Tensor,
+    bias: Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    route_scale: float,
+    norm_topk: bool,
+    n_shared: int,
+) -> tuple[Tensor, Tensor]:
+    """The routing of :func:`moe_block` alone (``ids int32 [n, k+S]``, ``weights fp32``); the expert-parallel
+    MoE runs it on every rank, then only the rank's own experts; see :func:`reference.router`."""
+    ids, weights = reference.router(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
+                                    norm_topk, n_shared)
+    return ids, weights
+
+
+@router.register_fake
+def _(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared):
     k = top_k + n_shared
     return h.new_empty((h.shape[0], k), dtype=torch.int32), h.new_empty((h.shape[0], k), dtype=torch.float32)
 

@@ -190,6 +190,7 @@ _KERNELS: dict[str, Callable[..., Any]] = {
     "gemv_residual": _gemv_residual_cuda,
     "moe_residual": _moe_residual_cuda,
     "moe_block": _moe_block_cuda,
+    "router": _router_cuda,
     "mla_prep": _mla_prep_cuda,
     "mla_uv": _mla_uv_cuda,
 }

@@ -155,6 +155,7 @@ def moe_experts(
 
     Shapes: ``x [n, D]``, ``topk_ids int32 [n, k]``, ``topk_weights fp32 [n, k]``, ``w13 [E, 2I, D]``,
     ``w2 [E, D, I]`` -> ``[n, D]``. The expert matmuls run in ``x.dtype``, the weighted sum in float32.
+    An id ``-1`` marks an empty slot (skipped: another rank's expert under expert parallelism).
 
     Two equivalent strategies: when ``n*k <= E`` (decode) gather the selected experts' weights (static
     shapes, reads only the chosen experts); otherwise loop over the experts that were hit (prefill).
@@ -166,14 +167,16 @@ def moe_experts(
     acc = _acc_dtype(x)
     ids = topk_ids.long()
     if n * k <= num_experts:
+        wts = torch.where(ids >= 0, topk_weights.to(acc), 0.0)
+        ids = ids.clamp(min=0)
         gu = torch.matmul(w13[ids].to(x.dtype), x[:, None, :, None])[..., 0]  # [n, k, 2I]
         h = F.silu(gu[..., :inter]) * gu[..., inter:]
         y = torch.matmul(w2[ids].to(x.dtype), h[..., None])[..., 0]  # [n, k, D]
-        out = (y.to(acc) * topk_weights.to(acc)[..., None]).sum(dim=1)
+        out = (y.to(acc) * wts[..., None]).sum(dim=1)
         return out.to(x.dtype)
     out = torch.zeros(n, d, dtype=acc, device=x.device)
     flat = ids.reshape(-1)
-    for e in torch.unique(flat).tolist():
+    for e in torch.unique(flat[flat >= 0]).tolist():
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         gu = F.linear(x[tok], w13[e].to(x.dtype))
         h = F.silu(gu[:, :inter]) * gu[:, inter:]
