@@ -311,24 +311,25 @@ class MoE(nn.Module):
             self.k.moe_residual(h, self.ffn_norm, a.rms_norm_eps, ids, weights, self.w13, self.w2)
 
     def _forward_parallel(self, h: Tensor) -> None:
-        """Several ranks: this rank's experts and its slice of the shared / dense MLP, all-reduced into ``h``."""
-        a, k = self.args, self.k
+        """Several ranks: this rank's experts and its slice of the shared / dense MLP add into ``h`` (rank 0) or a
+        zeroed buffer (the others); one all-reduce sums them into ``h`` (as attention's ``W_o``)."""
+        a, k, eps = self.args, self.k, self.args.rms_norm_eps
         n = h.shape[0]
-        x = k.rms_norm(h, self.ffn_norm, a.rms_norm_eps)
+        out = self.tp.partial(h)
         one_id = torch.zeros(n, 1, dtype=torch.int32, device=h.device)
         one_w = torch.ones(n, 1, dtype=torch.float32, device=h.device)
         if not self.routed:
-            y = k.moe_experts(x, one_id, one_w, self.w13, self.w2)
+            k.moe_partial(out, h, self.ffn_norm, eps, one_id, one_w, self.w13, self.w2)
         else:
             ids, weights = k.router(
-                h, self.ffn_norm, a.rms_norm_eps, self.gate, self.gate_bias, a.num_experts_per_tok, a.n_group,
-                a.topk_group, a.routed_scaling_factor, a.norm_topk_prob, 0,
+                h, self.ffn_norm, eps, self.gate, self.gate_bias, a.num_experts_per_tok, a.n_group, a.topk_group,
+                a.routed_scaling_factor, a.norm_topk_prob, 0,
             )  # fmt: skip
-            ids, weights = self.tp.local_experts(ids, weights, self.w13.shape[0])
-            y = k.moe_experts(x, ids, weights, self.w13, self.w2)
+            x = k.rms_norm(h, self.ffn_norm, eps)  # once for both calls: on rank 0 the first one writes h
+            k.moe_partial(out, x, None, eps, self.tp.local_experts(ids, self.w13.shape[0]), weights, self.w13, self.w2)
             if self.w13s is not None:
-                y = y + k.moe_experts(x, one_id, one_w, self.w13s, self.w2s)
-        h.add_(self.tp.all_reduce(y))
+                k.moe_partial(out, x, None, eps, one_id, one_w, self.w13s, self.w2s)
+        self.tp.reduce_into(h, out)
 
 
 class DecoderLayer(nn.Module):

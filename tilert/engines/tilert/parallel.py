@@ -42,6 +42,9 @@ class OneRank:
     rank = 0
     size = 1
 
+    def __init__(self) -> None:
+        self._tables: dict[tuple[int, torch.device], Tensor] = {}  # local_experts' id maps
+
     def partial(self, h: Tensor) -> Tensor:
         """Where this rank adds its partial of ``h += W x``: ``h`` itself on rank 0, a zeroed buffer elsewhere."""
         return h if self.rank == 0 else torch.zeros_like(h)
@@ -61,12 +64,16 @@ class OneRank:
         """``[n, W]`` per rank -> ``[n, N W]`` (rank ``r``'s columns at ``r W``)."""
         return t
 
-    def local_experts(self, ids: Tensor, weights: Tensor, n_local: int) -> tuple[Tensor, Tensor]:
-        """Global expert ids -> this rank's slots ``0..n_local-1``; other ranks' experts become ``-1``
-        (skipped by the expert ops) with weight 0. Static shapes: graph-capturable."""
-        local = ids - self.rank * n_local
-        keep = (local >= 0) & (local < n_local)
-        return torch.where(keep, local, -1).to(torch.int32), torch.where(keep, weights, 0.0)
+    def local_experts(self, ids: Tensor, n_local: int) -> Tensor:
+        """Global expert ids -> this rank's slots ``0..n_local-1``, other ranks' experts ``-1`` (a slot the expert
+        ops skip): one gather from a table built at the first (eager, warm-up) call; graph-capturable."""
+        key = (n_local, ids.device)
+        table = self._tables.get(key)
+        if table is None:
+            table = torch.full((n_local * self.size,), -1, dtype=torch.int32, device=ids.device)
+            table[self.rank * n_local : (self.rank + 1) * n_local] = torch.arange(n_local, dtype=torch.int32)
+            self._tables[key] = table
+        return table[ids.long()]
 
 
 ONE_RANK = OneRank()
@@ -86,6 +93,7 @@ class Group(OneRank):
     ) -> None:
         import torch.distributed as dist
 
+        super().__init__()
         if allreduce not in ALLREDUCE_KINDS:
             raise ValueError(f"all-reduce {allreduce!r} unknown; choose one of {', '.join(ALLREDUCE_KINDS)}")
         group = pg if pg is not None else dist.group.WORLD

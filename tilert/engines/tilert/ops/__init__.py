@@ -35,6 +35,7 @@ __all__ = [
     "moe_residual",
     "moe_block",
     "router",
+    "moe_partial",
     "mla_prep",
     "mla_uv",
 ]
@@ -209,6 +210,28 @@ def router(
 def _(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared):
     k = top_k + n_shared
     return h.new_empty((h.shape[0], k), dtype=torch.int32), h.new_empty((h.shape[0], k), dtype=torch.float32)
+
+
+@torch.library.custom_op("tilert::moe_partial", mutates_args=("out",))
+def moe_partial(
+    out: Tensor,
+    x: Tensor,
+    norm_weight: Tensor | None,
+    eps: float,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+) -> None:
+    """In place ``out += moe_experts(rms_norm(x) or x, ...)``: :func:`moe_residual` with the residual apart from
+    the input (a tensor-parallel rank adds its experts' share into ``h`` or into a zeroed buffer); see
+    :func:`reference.moe_partial`."""
+    reference.moe_partial(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2)
+
+
+@moe_partial.register_fake
+def _(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2):
+    return None
 
 
 @torch.library.custom_op("tilert::mla_prep", mutates_args=("kv_cache", "index_cache"))

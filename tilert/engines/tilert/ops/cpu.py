@@ -41,6 +41,7 @@ __all__ = [
     "moe_residual",
     "moe_block",
     "router",
+    "moe_partial",
 ]
 
 _F32 = torch.float32
@@ -212,6 +213,19 @@ def moe_residual(
     h: Tensor, norm_weight: Tensor, eps: float, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor
 ) -> None:
     _experts_residual(h, rms_norm(h, norm_weight, eps), topk_ids, topk_weights, w13, w2)
+
+
+def moe_partial(
+    out: Tensor,
+    x: Tensor,
+    norm_weight: Tensor | None,
+    eps: float,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+) -> None:
+    _experts_residual(out, x if norm_weight is None else rms_norm(x, norm_weight, eps), topk_ids, topk_weights, w13, w2)
 
 
 def _router(

@@ -285,6 +285,22 @@ def moe_residual(
     h.add_(moe_experts(x, topk_ids, topk_weights, w13, w2))
 
 
+def moe_partial(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> None:
+    """In place: ``out += moe_experts(rms_norm(x; norm_weight), ...)`` (``x`` as it is without ``norm_weight``);
+    ``out`` may be ``x`` itself (then :func:`moe_residual`)."""
+    xn = x if norm_weight is None else rms_norm(x, norm_weight, eps)
+    out.add_(moe_experts(xn, topk_ids, topk_weights, w13, w2))
+
+
 def moe_block(
     h: torch.Tensor,
     norm_weight: torch.Tensor,
