@@ -112,16 +112,22 @@ class Group(OneRank):
                 raise ValueError("the symmetric-memory all-reduce needs max_numel (its buffer size)")
             import torch.distributed._symmetric_memory as symm_mem
 
-            self._symm = symm_mem.empty(max_numel, dtype=dtype, device=self.device)
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before rendezvous by older torch
+                symm_mem.enable_symm_mem_for_group(self.pg.group_name)
+            # Two halves used in turn: a rank never rewrites the input a slower peer may still be reading.
+            self._symm = symm_mem.empty(2 * max_numel, dtype=dtype, device=self.device)
             symm_mem.rendezvous(self._symm, self.pg.group_name)
+            self._turn = 0
 
     def all_reduce(self, t: Tensor) -> Tensor:
         if self.size == 1:
             return t
-        if self._symm is None or t.dtype != self._symm.dtype or t.numel() > self._symm.numel():
+        half = self._symm.numel() // 2 if self._symm is not None else 0
+        if self._symm is None or t.dtype != self._symm.dtype or t.numel() > half:
             torch.distributed.all_reduce(t, group=self.pg)
             return t
-        buf = self._symm[: t.numel()]
+        self._turn ^= 1
+        buf = self._symm[self._turn * half : self._turn * half + t.numel()]
         buf.copy_(t.reshape(-1))
         if self.kind == "symm_one_shot":
             torch.ops.symm_mem.one_shot_all_reduce_out(buf, "sum", self.pg.group_name, out=t.view(-1))
