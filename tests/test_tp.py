@@ -290,3 +290,46 @@ def _gone(proc: psutil.Process) -> bool:
         return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+@pytest.mark.parametrize("kernels", ["reference", "cpu"])
+def test_expert_parallel_ops(kernels: str) -> None:
+    """The ops the expert-parallel MoE adds: ids ``-1`` are skipped slots; ``moe_partial`` adds into a residual
+    apart from its input; ``router`` is ``moe_block``'s routing; two ranks' shares sum to the whole block."""
+    from tilert.engines.tilert import ops
+    from tilert.engines.tilert.ops import cpu, reference
+
+    k = cpu if kernels == "cpu" else ops
+    g = torch.Generator().manual_seed(0)
+    e, s, i, d = 8, 1, 12, 16
+    h = torch.randn(1, d, generator=g)
+    norm = 1 + 0.1 * torch.randn(d, generator=g)
+    gate, bias = torch.randn(e, d, generator=g) / 4, 0.05 * torch.randn(e, generator=g)
+    w13, w2 = torch.randn(e + s, 2 * i, d, generator=g) / 4, torch.randn(e + s, d, i, generator=g) / 4
+    route = (2, 2, 1, 2.5, True)  # top_k, n_group, topk_group, scale, norm_topk
+    ids, wts = k.router(h, norm, 1e-6, gate, bias, *route, s)
+    whole = h.clone()
+    want_ids, _ = reference.moe_block(whole, norm, 1e-6, gate, bias, *route, s, w13, w2)
+    assert torch.equal(ids, want_ids)
+    x = reference.rms_norm(h, norm, 1e-6)
+    skipped = torch.tensor([[int(ids[0, 0]), -1, int(ids[0, 2])]], dtype=torch.int32)
+    torch.testing.assert_close(
+        k.moe_experts(x, skipped, torch.tensor([[wts[0, 0], 9.0, 1.0]]), w13, w2),
+        k.moe_experts(x, ids[:, [0, 2]], wts[:, [0, 2]], w13, w2),
+    )
+    # Two ranks: routed experts split 4 + 4, the shared expert split along its width; partials sum to the block.
+    total = torch.zeros(1, d)
+    for rank in range(2):
+        group = parallel.OneRank()
+        group.rank, group.size = rank, 2
+        local = group.local_experts(ids[:, :2], 4)
+        mine = {int(x) - 4 * rank for x in ids[0, :2] if 4 * rank <= x < 4 * rank + 4}
+        assert set(local[local >= 0].tolist()) == mine
+        out = h.clone() if rank == 0 else torch.zeros_like(h)
+        k.moe_partial(out, x, None, 1e-6, local, wts[:, :2], w13[4 * rank : 4 * rank + 4], w2[4 * rank : 4 * rank + 4])
+        sh13 = torch.cat([w13[e, :i][rank * 6 : rank * 6 + 6], w13[e, i:][rank * 6 : rank * 6 + 6]])[None]
+        sh2 = w2[e][:, rank * 6 : rank * 6 + 6][None]
+        one = torch.zeros(1, 1, dtype=torch.int32)
+        k.moe_partial(out, h, norm, 1e-6, one, torch.ones(1, 1), sh13, sh2)
+        total += out
+    torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-5)

@@ -316,7 +316,7 @@ class MoE(nn.Module):
         a, k, eps = self.args, self.k, self.args.rms_norm_eps
         n = h.shape[0]
         out = self.tp.partial(h)
-        one_id = torch.zeros(n, 1, dtype=torch.int32, device=h.device)
+        one_id = torch.zeros(n, 1, dtype=torch.int32, device=h.device)  # a one-slot MLP: slot 0, weight 1
         one_w = torch.ones(n, 1, dtype=torch.float32, device=h.device)
         if not self.routed:
             k.moe_partial(out, h, self.ffn_norm, eps, one_id, one_w, self.w13, self.w2)
