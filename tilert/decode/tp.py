@@ -182,11 +182,14 @@ class LeaderEngine(DecodeEngine):
             return self.engine.speculative_greedy_step(next_token, start_pos, num_draft, seq)
 
     def close(self) -> None:
-        """Tell the followers to stop (idempotent)."""
+        """Tell the followers to stop (idempotent; a follower already gone is only logged)."""
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self.channel.send(Op.STOP)
+                try:
+                    self.channel.send(Op.STOP)
+                except RuntimeError as exc:
+                    log.warning("tilert tp: could not tell the followers to stop: %s", exc)
 
 
 def _same_len(*lists: list[int]) -> int:
