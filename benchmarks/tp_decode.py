@@ -76,9 +76,11 @@ def sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def time_replays(replay, dev, iters=30, reps=5) -> float:
-    """Median seconds per ``replay()`` (every rank runs the same count, so collectives pair up)."""
-    dist.barrier()
+def time_replays(replay, dev, iters=30, reps=5, alone=False) -> float:
+    """Median seconds per ``replay()`` (every rank runs the same count, so collectives pair up; ``alone``: only
+    this rank times, no barrier)."""
+    if not alone:
+        dist.barrier()
     for _ in range(3):
         replay()
     sync(dev)
@@ -273,7 +275,7 @@ def check_output(pg, ctrl, dev, args, contexts, n_tokens, num_draft, kind) -> li
                 seq_state(eng1, ctx)
                 ref[(ctx, mtp)] = decode(eng1, ctx, n_tokens, mtp, num_draft)
                 log(f"[output] one GPU ctx={ctx} mtp={mtp}: {ref[(ctx, mtp)][0][:12]} ...")
-            one_gpu_ms[ctx] = step_ms(eng1, ctx, dev) if dev.type == "cuda" else None
+            one_gpu_ms[ctx] = step_ms(eng1, ctx, dev, alone=True)
         del eng1
     dist.barrier()
     local = parallel.shard_model(full, rank, size)
@@ -302,8 +304,37 @@ def check_output(pg, ctrl, dev, args, contexts, n_tokens, num_draft, kind) -> li
                 log(f"[output] TP{size} vs one GPU, ctx={ctx} MTP={'on' if mtp else 'off'}: {len(diff)} of {n_tokens}"
                     f" tokens differ (first at {diff[0] if diff else '-'}), first logits rel err {rel:.2e}")
     RESULT["one_gpu_lite_ms"] = one_gpu_ms
+    RESULT["protocol"] = bench_protocol(eng, leader, channel, min(contexts), dev)
     state_rows = bench_inject(eng, leader, channel, max(contexts), dev)
     return rows, state_rows, eng, local, leader
+
+
+def bench_protocol(eng, leader, channel, ctx, dev, n=50) -> dict:
+    """Wall time of one greedy ``forward()`` step (+ the argmax read) called on every rank directly, and through
+    the decode node's protocol (rank 0's LeaderEngine announces it on the gloo control group first)."""
+    from tilert.decode.tp import Op, follow
+
+    def steps(engine) -> float:
+        sync(dev)
+        t0 = time.perf_counter()
+        for i in range(n):
+            int(engine.forward(torch.tensor([77]), ctx + (i % 2))[-1].argmax())
+        return (time.perf_counter() - t0) / n * 1e3
+
+    seq_state(eng, ctx)
+    steps(eng)  # warm: the graphs exist
+    dist.barrier()
+    direct = steps(eng)
+    dist.barrier()
+    out = dict(ctx=ctx, direct_ms=direct)
+    if leader is not None:
+        out["protocol_ms"] = steps(leader)
+        leader.channel.send(Op.STOP)
+        log(f"[protocol] ctx={ctx} forward()+argmax per token: every rank directly {direct:.3f} ms, through the "
+            f"leader's announcements {out['protocol_ms']:.3f} ms")
+    else:
+        follow(eng, channel)
+    return out
 
 
 def bench_inject(eng, leader, channel, ctx, dev) -> dict:
@@ -364,16 +395,17 @@ def _state_shapes(eng, ctx) -> dict:
 # ------------------------------------------------------------------------------------------------ 4. speed
 
 
-def step_ms(eng, ctx, dev) -> float:
-    """The engine's captured one-token step at ``ctx`` (captured through ``forward``), ms per replay."""
+def step_ms(eng, ctx, dev, alone=False) -> float:
+    """The engine's captured one-token step at ``ctx`` (captured through ``forward``), ms per replay (``alone``:
+    a one-GPU engine timed by one rank while the others wait)."""
     sparse = eng.model.args.dsa and ctx + 1 > eng.model.args.index_topk
     seq_state(eng, ctx)
     eng.forward(torch.tensor([77]), ctx)
     if dev.type != "cuda":
-        return time_replays(lambda: eng.forward(torch.tensor([77]), ctx), dev, iters=5, reps=3) * 1e3
+        return time_replays(lambda: eng.forward(torch.tensor([77]), ctx), dev, iters=5, reps=3, alone=alone) * 1e3
     step = eng._graphs[(1, sparse)]
     assert step is not None, "the step fell back to eager"
-    return time_replays(step.replay, dev) * 1e3
+    return time_replays(step.replay, dev, alone=alone) * 1e3
 
 
 def bytes_per_gpu(a: ModelArgs, ctx: int, sparse: bool, n: int) -> float:
@@ -452,7 +484,7 @@ def bench_real(pg, dev, layers_tp, layers_one, contexts, bw, kinds) -> list:
             m.index_cache.normal_()
             eng = TileRTEngine(m, dev, dtype, cap)
             for ctx in contexts:
-                one_ms[ctx] = step_ms(eng, ctx, dev) if dev.type == "cuda" else None
+                one_ms[ctx] = step_ms(eng, ctx, dev, alone=True)
                 log(f"[real x{layers_one}] one GPU ctx={ctx}: {one_ms[ctx]} ms")
             del eng, m
             gc.collect()
@@ -512,13 +544,16 @@ def rank_main(rank: int, size: int, port: int, opts: argparse.Namespace) -> None
                                                              dense_inter=256, vocab=512, idx_heads=4, idx_topk=64,
                                                              q_lora=64, kv_lora=64, rope=16, nope=16, v=16,
                                                              idx_dim=32)  # fmt: skip
+        save = (lambda: _save(opts.out)) if rank == 0 else (lambda: None)
         RESULT["collectives"] = bench_collectives(pg, dev, (2048, 7168) if dev.type == "cuda" else (128,),
                                                   lite.vocab_size)
         rows, inject, eng, model, _leader = check_output(pg, ctrl, dev, lite, contexts, opts.tokens, opts.num_draft,
                                                          "nccl")
         RESULT["output"], RESULT["inject"] = rows, inject
+        save()
         RESULT["speed"] = bench_speed("lite-v32", eng, model, pg, dev, contexts, bw, kinds,
                                       RESULT.get("one_gpu_lite_ms"))
+        save()
         del eng, model, _leader
         gc.collect()
         if dev.type == "cuda":
@@ -532,9 +567,13 @@ def rank_main(rank: int, size: int, port: int, opts: argparse.Namespace) -> None
     finally:
         if rank == 0:
             table()
-            with open(os.path.join(opts.out, "tp_decode.json"), "w") as f:
-                json.dump(RESULT, f, indent=1, default=str)
+            _save(opts.out)
         dist.destroy_process_group()
+
+
+def _save(out: str) -> None:
+    with open(os.path.join(out, "tp_decode.json"), "w") as f:
+        json.dump(RESULT, f, indent=1, default=str)
 
 
 def table() -> None:
@@ -548,6 +587,10 @@ def table() -> None:
     for r in RESULT.get("output", []):
         log(f"  ctx {r['ctx']:>6} MTP {'on ' if r['mtp'] else 'off'}: {r['differing']:>4} differing tokens "
             f"(first at {r['first_diff']}), first-step logits rel err {r['logits_rel_err']:.2e}")
+    pro = RESULT.get("protocol", {})
+    if pro:
+        log(f"decode loop step (forward()+argmax, ctx {pro['ctx']}): every rank directly {pro['direct_ms']:.3f} ms, "
+            f"through the leader / follower protocol {pro.get('protocol_ms', float('nan')):.3f} ms")
     inj = RESULT.get("inject", {})
     if inj:
         log(f"prompt state {inj.get('ctx')} tokens ({inj.get('bytes', 0) / 1e6:.0f} MB) to every rank: inject "

@@ -298,6 +298,8 @@ def check_tp(config: DecodeConfig, device: str) -> None:
 
     if config.engine != "tilert":
         raise ConfigError(f"--tp {config.tp} needs the tilert engine (got {config.engine!r})")
+    if config.tp_allreduce != "nccl" and not device.startswith("cuda"):
+        raise ConfigError(f"--tp-allreduce {config.tp_allreduce} needs CUDA devices (the node runs on {device})")
     if device.startswith("cuda"):
         if device != "cuda":
             raise ConfigError(f"--tp {config.tp} uses cuda:0..{config.tp - 1}; pass --device cuda (got {device})")
@@ -318,7 +320,6 @@ def serve_tp(config: DecodeConfig) -> None:
     from tilert.decode.server import DecodeNode
 
     device = resolve_device(config.device)
-    device = "cuda" if device.startswith("cuda") else device
     check_tp(config, device)
     dtype = resolve_dtype(config.dtype, device)
     port = free_port()
