@@ -333,3 +333,33 @@ def test_expert_parallel_ops(kernels: str) -> None:
         k.moe_partial(out, h, norm, 1e-6, one, torch.ones(1, 1), sh13, sh2)
         total += out
     torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_symmetric_memory_partials_alternate_halves() -> None:
+    """The symmetric-memory path's bookkeeping (no GPU here: the buffer is a plain tensor and the reduction a
+    stand-in): rank 0 starts from h, the others from zeros, consecutive partials use different halves (a slower
+    peer may still read the previous one), the reduction lands in h, and what does not fit goes to NCCL."""
+    calls: list[tuple[int, int]] = []
+
+    class Fake(parallel.Group):
+        def _reduce_symm(self, buf: torch.Tensor, out: torch.Tensor) -> None:
+            calls.append((buf.data_ptr(), out.data_ptr()))
+            out.copy_(buf * 2)
+
+    for rank in (0, 1):
+        g = object.__new__(Fake)
+        parallel.OneRank.__init__(g)
+        g.rank, g.size, g.kind, g._turn = rank, 2, "symm_one_shot", 0
+        g._symm = torch.zeros(2 * 8)
+        h = torch.arange(1.0, 5.0).view(1, 4)
+        first = g.partial(h)
+        assert first.data_ptr() != h.data_ptr() and first.shape == h.shape
+        assert torch.equal(first, h if rank == 0 else torch.zeros_like(h))
+        first.add_(1.0)
+        g.reduce_into(h, first)
+        assert torch.equal(h, 2 * (torch.arange(1.0, 5.0).view(1, 4) * (rank == 0) + 1))
+        assert calls[-1][1] == h.data_ptr()
+        second = g.partial(h)
+        assert second.data_ptr() != first.data_ptr()  # the other half
+        assert g.partial(h).data_ptr() == first.data_ptr()
+        assert g._symm_buf(torch.zeros(1, 9)) is None  # larger than a half: NCCL reduces it in place

@@ -251,7 +251,7 @@ class MLAttention(nn.Module):
 
         # o = [W_UV_h o~_h]_h, then h += W_o o (several ranks: partial sums into h / zeros, all-reduced into h).
         o = k.mla_uv(o_lat, self.wkv_b, a.qk_nope_head_dim)
-        out = self.tp.partial(h)
+        out = self.tp.partial(h)  # after the last read of h (ranks > 0 may zero it)
         if self.wo_bias is not None:
             out.add_(k.gemv(o, self.wo, None, 0.0, self.wo_bias))
         else:
@@ -311,21 +311,22 @@ class MoE(nn.Module):
             self.k.moe_residual(h, self.ffn_norm, a.rms_norm_eps, ids, weights, self.w13, self.w2)
 
     def _forward_parallel(self, h: Tensor) -> None:
-        """Several ranks: this rank's experts and its slice of the shared / dense MLP add into ``h`` (rank 0) or a
-        zeroed buffer (the others); one all-reduce sums them into ``h`` (as attention's ``W_o``)."""
+        """Several ranks: this rank's experts and its slice of the shared / dense MLP add into ``h`` (rank 0) or
+        zeros (the others); one all-reduce sums them into ``h`` (as attention's ``W_o``)."""
         a, k, eps = self.args, self.k, self.args.rms_norm_eps
         n = h.shape[0]
-        out = self.tp.partial(h)
         one_id = torch.zeros(n, 1, dtype=torch.int32, device=h.device)  # a one-slot MLP: slot 0, weight 1
         one_w = torch.ones(n, 1, dtype=torch.float32, device=h.device)
+        x = k.rms_norm(h, self.ffn_norm, eps)
         if not self.routed:
-            k.moe_partial(out, h, self.ffn_norm, eps, one_id, one_w, self.w13, self.w2)
+            out = self.tp.partial(h)  # after the last read of h (ranks > 0 may zero it)
+            k.moe_partial(out, x, None, eps, one_id, one_w, self.w13, self.w2)
         else:
             ids, weights = k.router(
                 h, self.ffn_norm, eps, self.gate, self.gate_bias, a.num_experts_per_tok, a.n_group, a.topk_group,
                 a.routed_scaling_factor, a.norm_topk_prob, 0,
             )  # fmt: skip
-            x = k.rms_norm(h, self.ffn_norm, eps)  # once for both calls: on rank 0 the first one writes h
+            out = self.tp.partial(h)
             k.moe_partial(out, x, None, eps, self.tp.local_experts(ids, self.w13.shape[0]), weights, self.w13, self.w2)
             if self.w13s is not None:
                 k.moe_partial(out, x, None, eps, one_id, one_w, self.w13s, self.w2s)

@@ -46,15 +46,13 @@ class OneRank:
         self._tables: dict[tuple[int, torch.device], Tensor] = {}  # local_experts' id maps
 
     def partial(self, h: Tensor) -> Tensor:
-        """Where this rank adds its partial of ``h += W x``: ``h`` itself on rank 0, a zeroed buffer elsewhere."""
-        return h if self.rank == 0 else torch.zeros_like(h)
+        """Where this rank adds its share of ``h += f(x)``; call it after the last read of ``h``: a tensor equal to
+        ``h`` on rank 0 and to zeros elsewhere (``h`` itself, zeroed on ranks > 0, with NCCL / gloo; a
+        symmetric-memory buffer with the symmetric-memory all-reduce). A lone rank: ``h``."""
+        return h
 
     def reduce_into(self, h: Tensor, out: Tensor) -> None:
         """``h = sum over ranks of out`` (``out`` from :meth:`partial`)."""
-        if self.size > 1:
-            self.all_reduce(out)
-            if out is not h:
-                h.copy_(out)
 
     def all_reduce(self, t: Tensor) -> Tensor:
         """Sum ``t`` over the ranks, in place; returns ``t``."""
@@ -119,21 +117,44 @@ class Group(OneRank):
             symm_mem.rendezvous(self._symm, self.pg.group_name)
             self._turn = 0
 
+    def _symm_buf(self, t: Tensor) -> Tensor | None:
+        """The next half of the symmetric-memory buffer, shaped as ``t`` (``None``: NCCL takes ``t``)."""
+        if self._symm is None or t.dtype != self._symm.dtype or t.numel() > self._symm.numel() // 2:
+            return None
+        half = self._symm.numel() // 2
+        self._turn ^= 1
+        return self._symm[self._turn * half : self._turn * half + t.numel()].view(t.shape)
+
+    def _reduce_symm(self, buf: Tensor, out: Tensor) -> None:
+        """``out = sum over ranks of buf`` (``buf`` in symmetric memory)."""
+        if self.kind == "symm_one_shot":
+            torch.ops.symm_mem.one_shot_all_reduce_out(buf.view(-1), "sum", self.pg.group_name, out=out.view(-1))
+        else:
+            torch.ops.symm_mem.two_shot_all_reduce_(buf.view(-1), "sum", self.pg.group_name)
+            out.copy_(buf)
+
+    def partial(self, h: Tensor) -> Tensor:
+        buf = self._symm_buf(h) if self.size > 1 else None
+        if buf is None:  # NCCL / gloo reduce h itself in place: ranks > 0 start from zeros
+            return h if self.rank == 0 else h.zero_()
+        return buf.copy_(h) if self.rank == 0 else buf.zero_()
+
+    def reduce_into(self, h: Tensor, out: Tensor) -> None:
+        if self.size == 1:
+            return
+        if out is h:
+            torch.distributed.all_reduce(h, group=self.pg)
+        else:
+            self._reduce_symm(out, h)
+
     def all_reduce(self, t: Tensor) -> Tensor:
         if self.size == 1:
             return t
-        half = self._symm.numel() // 2 if self._symm is not None else 0
-        if self._symm is None or t.dtype != self._symm.dtype or t.numel() > half:
+        buf = self._symm_buf(t)
+        if buf is None:
             torch.distributed.all_reduce(t, group=self.pg)
-            return t
-        self._turn ^= 1
-        buf = self._symm[self._turn * half : self._turn * half + t.numel()]
-        buf.copy_(t.reshape(-1))
-        if self.kind == "symm_one_shot":
-            torch.ops.symm_mem.one_shot_all_reduce_out(buf, "sum", self.pg.group_name, out=t.view(-1))
         else:
-            torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", self.pg.group_name)
-            t.view(-1).copy_(buf)
+            self._reduce_symm(buf.copy_(t), t)
         return t
 
     def all_gather(self, t: Tensor) -> Tensor:
