@@ -4,6 +4,7 @@ communication. One process per GPU (spawned here; no torchrun needed).
     python3 benchmarks/tp_decode.py --tp 2 --out $OUT       (2 H200s: nvidia-h200-x2; ~6 min)
     python3 benchmarks/decode_speed.py --tp 2 --out $OUT    (the same: decode_speed.py hands over to this script)
     python3 benchmarks/tp_decode.py --tp 2 --device cpu     (a dry run of the same code on gloo, tiny dims)
+    --sections collectives,lite,real                        (any subset: split a run that would not fit 10 min)
 
 Never sets NCCL_NVLS_ENABLE, TORCH_SYMM_MEM_DISABLE_MULTICAST or NVSHMEM_DISABLE_NVLS: NVLink multicast is what the
 machine says (the symmetric-memory all-reduces used here are the one-shot / two-shot ones, not multimem).
@@ -549,20 +550,25 @@ def rank_main(rank: int, size: int, port: int, opts: argparse.Namespace) -> None
                                                              q_lora=64, kv_lora=64, rope=16, nope=16, v=16,
                                                              idx_dim=32)  # fmt: skip
         save = (lambda: _save(opts.out)) if rank == 0 else (lambda: None)
-        RESULT["collectives"] = bench_collectives(pg, dev, (2048, 7168) if dev.type == "cuda" else (128,),
-                                                  lite.vocab_size)
-        rows, inject, eng, model, _leader = check_output(pg, ctrl, dev, lite, contexts, opts.tokens, opts.num_draft,
-                                                         "nccl")
-        RESULT["output"], RESULT["inject"] = rows, inject
-        save()
-        RESULT["speed"] = bench_speed("lite-v32", eng, model, pg, dev, contexts, bw, kinds,
-                                      RESULT.get("one_gpu_lite_ms"))
-        save()
-        del eng, model, _leader
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-        if opts.real_layers:
+        sections = set(opts.sections.split(","))
+        RESULT["speed"] = []
+        if "collectives" in sections:
+            RESULT["collectives"] = bench_collectives(pg, dev, (2048, 7168) if dev.type == "cuda" else (128,),
+                                                      lite.vocab_size)
+            save()
+        if "lite" in sections:
+            rows, inject, eng, model, _leader = check_output(pg, ctrl, dev, lite, contexts, opts.tokens,
+                                                             opts.num_draft, "nccl")
+            RESULT["output"], RESULT["inject"] = rows, inject
+            save()
+            RESULT["speed"] += bench_speed("lite-v32", eng, model, pg, dev, contexts, bw, kinds,
+                                           RESULT.get("one_gpu_lite_ms"))
+            save()
+            del eng, model, _leader
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        if "real" in sections and opts.real_layers:
             RESULT["speed"] += bench_real(pg, dev, [int(x) for x in opts.real_layers.split(",")], opts.one_gpu_layers,
                                           contexts, bw, kinds)
     except Exception:
@@ -620,6 +626,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=None, help="greedy tokens compared (default 256; cpu 16)")
     ap.add_argument("--num-draft", type=int, default=1, help="MTP drafts per speculative step")
     ap.add_argument("--allreduce", default=",".join(KINDS), help="all-reduce kinds timed in the step")
+    ap.add_argument("--sections", default="collectives,lite,real",
+                    help="what to run: collectives (section 1), lite (2, 3 and lite-v32's speed), real (real dims)")
     ap.add_argument("--real-layers", default=None, help="real-dims V3.2 layers at TP (default 4,8; cpu 2)")
     ap.add_argument("--one-gpu-layers", type=int, default=None, help="real-dims layers on one GPU (default 4)")
     # decode_speed.py --tp N hands its own flags over; these are accepted and ignored
