@@ -424,6 +424,10 @@ def bench_transformers(name: str, args: ModelArgs, contexts: list[int], steps: i
 
 
 def main():
+    if "--tp" in sys.argv[1:]:  # tensor / expert parallel over several GPUs: benchmarks/tp_decode.py
+        import tp_decode
+
+        return tp_decode.main(sys.argv[1:])
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--configs", default="lite-v32,layer-v32")

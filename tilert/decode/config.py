@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 ENV_PREFIX = "TILERT_DECODE_"
 DEFAULT_MAX_LEASE_S = 3600.0
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+TP_ALLREDUCE = ("nccl", "symm_one_shot", "symm_two_shot")  # tilert.engines.tilert.parallel.ALLREDUCE_KINDS
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
@@ -85,6 +86,14 @@ class DecodeConfig:
         "vLLM's VLLM_CPU_OMP_THREADS_BIND: the node's HTTP and control loop stay free to run elsewhere). "
         "Default: no pinning",
     )  # fmt: skip
+    tp: int = setting(
+        1, help="ranks (one process per GPU: cuda:0..N-1) that share the model, tensor / expert parallel; rank 0 "
+        "serves the ports and the others follow its steps (tilert.decode.tp)",
+    )
+    tp_allreduce: str = setting(
+        "nccl", help="the all-reduce inside the captured steps with --tp > 1: nccl (the process group's own; gloo "
+        "on CPU), symm_one_shot or symm_two_shot (PyTorch symmetric memory, CUDA only)",
+    )
     max_http_connections: int = setting(
         1024, help="concurrent HTTP connections the node serves (uvicorn's limit_concurrency; 503 beyond)"
     )
@@ -140,6 +149,11 @@ class DecodeConfig:
         need(isinstance(self.transport_options, dict), f"{d('transport_options')} must be a JSON object")
         need(isinstance(self.device, str) and bool(_DEVICE_RE.match(self.device)),
              f"{d('device')} must be auto, cpu, cuda or cuda:N ({self.device!r})")  # fmt: skip
+        need(_int(self.tp) and 1 <= self.tp <= 64, f"{d('tp')} must be in 1..64 ({self.tp})")
+        need(self.tp_allreduce in TP_ALLREDUCE,
+             f"{d('tp_allreduce')} must be one of {', '.join(TP_ALLREDUCE)} ({self.tp_allreduce!r})")  # fmt: skip
+        need(self.tp_allreduce == "nccl" or self.device != "cpu",
+             f"{d('tp_allreduce')} {self.tp_allreduce} needs CUDA devices")  # fmt: skip
         need(self.dtype in DTYPES, f"{d('dtype')} must be one of {', '.join(DTYPES)} ({self.dtype!r})")
         try:
             cpus = self.engine_cpu_set

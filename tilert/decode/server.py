@@ -322,6 +322,11 @@ def build_node(config: DecodeConfig) -> DecodeNode:
 
 
 def serve(config: DecodeConfig) -> None:
+    if config.tp > 1:  # one process per rank; this one serves as rank 0
+        from tilert.decode.tp import serve_tp
+
+        serve_tp(config)
+        return
     node = build_node(config)
     anyio.run(node.serve)
 

@@ -62,6 +62,21 @@ final-norm hidden ``h_i`` and the next token ``t_{i+1}``:
 feed the layer output ``h'`` (before ``shared_head.norm``) back in as ``h``. The module's attention is
 dense over its valid rows ``valid_from..i`` (rows before ``valid_from``, e.g. of a prompt whose MTP KV was
 not handed over, are skipped); its indexer keys, if any, are still written.
+
+Tensor / expert parallelism over ``N`` ranks (``parallel.py`` shards the weights and holds the collectives,
+``Transformer.use_group``; every rank runs this same code with rank-local :class:`ModelArgs`):
+
+- attention: each rank holds ``H/N`` heads (its rows of ``q_b`` and ``kv_b``, its columns of ``o_proj``).
+  ``W_a`` (``q_a``, ``kv_a``), the latent cache and the DSA indexer (weights and key cache) are replicated:
+  MLA has one latent KV head that every query head reads, and the indexer's top-k needs every indexer head.
+  ``h += W_o o`` becomes: rank 0 adds its partial into ``h``, the others into a zeroed buffer, then one
+  all-reduce (``o_proj``'s bias lives on rank 0 only).
+- MoE: the router runs on every rank (replicated gate); routed experts are spread over the ranks (expert
+  parallel: rank ``r`` holds experts ``r E/N .. (r+1) E/N - 1``, slots of other ranks' experts are ``-1``,
+  skipped), the shared experts and the dense MLPs are split along their intermediate width; each rank's
+  share of ``mlp(rms(h))`` is all-reduced and added to ``h``.
+- ``lm_head`` (and the MTP head) is vocabulary-parallel: each rank computes ``V/N`` logits, all-gathered.
+  Embeddings, norms and the MTP ``eh_proj`` are replicated.
 """
 
 from __future__ import annotations
@@ -73,7 +88,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import ops
+from . import ops, parallel
 
 
 @dataclass
@@ -120,6 +135,10 @@ class ModelArgs:
     mtp_indexer: bool = False
     mtp_own_embed: bool = False
     mtp_own_head: bool = False
+    # Tensor / expert parallelism (``parallel.py``): this rank of ``tp_size``; the args are then rank-local
+    # (``num_heads`` and ``intermediate_size`` are this rank's share; see the module docstring).
+    tp_rank: int = 0
+    tp_size: int = 1
 
     @property
     def qk_head_dim(self) -> int:
@@ -164,6 +183,7 @@ class MLAttention(nn.Module):
     """
 
     k: Any = ops  # the kernel table: the dispatched ``tilert::*`` ops, or ``ops.cpu`` (Transformer.use_kernels)
+    tp: Any = parallel.ONE_RANK  # the tensor-parallel group's collectives (Transformer.use_group)
 
     def __init__(self, args: ModelArgs, has_indexer: bool) -> None:
         super().__init__()
@@ -229,12 +249,14 @@ class MLAttention(nn.Module):
         else:
             o_lat = k.mla_sparse_attention(q, kv_cache, topk, a.softmax_scale, lat)
 
-        # o = [W_UV_h o~_h]_h, then h += W_o o.
+        # o = [W_UV_h o~_h]_h, then h += W_o o (several ranks: partial sums into h / zeros, all-reduced into h).
         o = k.mla_uv(o_lat, self.wkv_b, a.qk_nope_head_dim)
+        out = self.tp.partial(h)  # after the last read of h (ranks > 0 may zero it)
         if self.wo_bias is not None:
-            h.add_(k.gemv(o, self.wo, None, 0.0, self.wo_bias))
+            out.add_(k.gemv(o, self.wo, None, 0.0, self.wo_bias))
         else:
-            k.gemv_residual(h, o, self.wo)
+            k.gemv_residual(out, o, self.wo)
+        self.tp.reduce_into(h, out)
         return topk
 
 
@@ -246,6 +268,7 @@ class MoE(nn.Module):
     """
 
     k: Any = ops  # the kernel table (see MLAttention.k)
+    tp: Any = parallel.ONE_RANK  # (see MLAttention.tp)
 
     def __init__(self, args: ModelArgs, routed: bool) -> None:
         super().__init__()
@@ -257,8 +280,15 @@ class MoE(nn.Module):
             i, e, s = args.moe_intermediate_size, args.n_routed_experts, args.n_shared_experts
             self.gate = _param(e, d)
             self.gate_bias = _param(e, dtype=torch.float32)  # e_score_correction_bias, kept in fp32
-            self.w13 = _param(e + s, 2 * i, d)
-            self.w2 = _param(e + s, d, i)
+            if args.tp_size == 1:
+                self.w13 = _param(e + s, 2 * i, d)
+                self.w2 = _param(e + s, d, i)
+            else:  # this rank's routed experts; its slice of the shared experts as one MLP ``[1, 2 S I / N, D]``
+                self.w13 = _param(e // args.tp_size, 2 * i, d)
+                self.w2 = _param(e // args.tp_size, d, i)
+                si = s * i // args.tp_size
+                self.w13s = _param(1, 2 * si, d) if s else None
+                self.w2s = _param(1, d, si) if s else None
         else:
             i = args.intermediate_size
             self.w13 = _param(1, 2 * i, d)
@@ -268,7 +298,9 @@ class MoE(nn.Module):
         """``h += mlp(rms(h))`` in place."""
         a = self.args
         n = h.shape[0]
-        if self.routed:
+        if a.tp_size > 1:
+            self._forward_parallel(h)
+        elif self.routed:
             self.k.moe_block(
                 h, self.ffn_norm, a.rms_norm_eps, self.gate, self.gate_bias, a.num_experts_per_tok, a.n_group,
                 a.topk_group, a.routed_scaling_factor, a.norm_topk_prob, a.n_shared_experts, self.w13, self.w2,
@@ -277,6 +309,28 @@ class MoE(nn.Module):
             ids = torch.zeros(n, 1, dtype=torch.int32, device=h.device)
             weights = torch.ones(n, 1, dtype=torch.float32, device=h.device)
             self.k.moe_residual(h, self.ffn_norm, a.rms_norm_eps, ids, weights, self.w13, self.w2)
+
+    def _forward_parallel(self, h: Tensor) -> None:
+        """Several ranks: this rank's experts and its slice of the shared / dense MLP add into ``h`` (rank 0) or
+        zeros (the others); one all-reduce sums them into ``h`` (as attention's ``W_o``)."""
+        a, k, eps = self.args, self.k, self.args.rms_norm_eps
+        n = h.shape[0]
+        one_id = torch.zeros(n, 1, dtype=torch.int32, device=h.device)  # a one-slot MLP: slot 0, weight 1
+        one_w = torch.ones(n, 1, dtype=torch.float32, device=h.device)
+        x = k.rms_norm(h, self.ffn_norm, eps)
+        if not self.routed:
+            out = self.tp.partial(h)  # after the last read of h (ranks > 0 may zero it)
+            k.moe_partial(out, x, None, eps, one_id, one_w, self.w13, self.w2)
+        else:
+            ids, weights = k.router(
+                h, self.ffn_norm, eps, self.gate, self.gate_bias, a.num_experts_per_tok, a.n_group, a.topk_group,
+                a.routed_scaling_factor, a.norm_topk_prob, 0,
+            )  # fmt: skip
+            out = self.tp.partial(h)
+            k.moe_partial(out, x, None, eps, self.tp.local_experts(ids, self.w13.shape[0]), weights, self.w13, self.w2)
+            if self.w13s is not None:
+                k.moe_partial(out, x, None, eps, one_id, one_w, self.w13s, self.w2s)
+        self.tp.reduce_into(h, out)
 
 
 class DecoderLayer(nn.Module):
@@ -314,7 +368,7 @@ class MTPLayer(nn.Module):
         self.hnorm = _param(d)
         self.eh_proj = _param(d, 2 * d)
         self.head_norm = _param(d)  # shared_head.norm
-        self.head = _param(args.vocab_size, d) if args.mtp_own_head else None  # shared_head.head
+        self.head = _param(args.vocab_size // args.tp_size, d) if args.mtp_own_head else None  # shared_head.head
         self.block = DecoderLayer(args, moe=args.mtp_moe, has_indexer=args.mtp_indexer)
 
 
@@ -322,6 +376,7 @@ class Transformer(nn.Module):
     """The decoder plus its static caches (allocated by :meth:`setup_caches`)."""
 
     k: Any = ops  # the kernel table of the final norm and lm_head (see use_kernels)
+    tp: Any = parallel.ONE_RANK  # (see MLAttention.tp)
 
     kv_cache: Tensor
     index_cache: Tensor
@@ -340,7 +395,7 @@ class Transformer(nn.Module):
             for i in range(args.num_layers)
         )
         self.norm = _param(args.hidden_size)
-        self.lm_head = _param(args.vocab_size, args.hidden_size)
+        self.lm_head = _param(args.vocab_size // args.tp_size, args.hidden_size)  # this rank's vocabulary rows
         self.mtp = nn.ModuleList(MTPLayer(args) for _ in range(args.num_mtp_layers))
         # layer -> slot in index_cache (only layers that run their own indexer)
         self.index_slot = {layer: slot for slot, layer in enumerate(args.index_layers)}
@@ -353,6 +408,15 @@ class Transformer(nn.Module):
         for mod in self.modules():
             if isinstance(mod, (MLAttention, MoE, Transformer)):
                 mod.k = kernels
+
+    def use_group(self, group: Any) -> None:
+        """Compute as one rank of ``group`` (a :class:`parallel.Group` whose size is ``args.tp_size``)."""
+        if group.size != self.args.tp_size or group.rank != self.args.tp_rank:
+            raise ValueError(f"rank {group.rank} of {group.size} cannot run a model sharded for rank "
+                             f"{self.args.tp_rank} of {self.args.tp_size}")
+        for mod in self.modules():
+            if isinstance(mod, (MLAttention, MoE, Transformer)):
+                mod.tp = group
 
     # ------------------------------------------------------------------------------------ setup
 
@@ -422,8 +486,8 @@ class Transformer(nn.Module):
         return self.k.rms_norm(h, self.norm, self.args.rms_norm_eps)
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """``lm_head`` -> float32 logits ``[n, V]``."""
-        return self.k.gemv(hidden, self.lm_head, fp32_out=True)
+        """``lm_head`` -> float32 logits ``[n, V]`` (several ranks: each rank's ``V/N`` columns, all-gathered)."""
+        return self.tp.all_gather(self.k.gemv(hidden, self.lm_head, fp32_out=True))
 
     def mtp_forward(
         self, tokens: Tensor, prev_hidden: Tensor, positions: Tensor, valid_from: Tensor, seq: int | None = None
@@ -446,4 +510,4 @@ class Transformer(nn.Module):
         rope = (self.rope_cos, self.rope_sin)
         m.block(h, positions, rope, self._rows(self.mtp_kv_cache, seq)[0], index_cache, None, False, valid_from)
         head = m.head if m.head is not None else self.lm_head
-        return h, k.gemv(h, head, m.head_norm, eps, fp32_out=True)
+        return h, self.tp.all_gather(k.gemv(h, head, m.head_norm, eps, fp32_out=True))

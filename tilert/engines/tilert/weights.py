@@ -346,10 +346,17 @@ def _finish(model: Transformer, sd: dict[str, torch.Tensor], device: torch.devic
 
 
 def load_model(
-    model_dir: Path, *, device: str | torch.device, dtype: torch.dtype, max_seq_len: int, max_sequences: int = 1
+    model_dir: Path,
+    *,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    max_seq_len: int,
+    max_sequences: int = 1,
+    tp: tuple[int, int] = (0, 1),
 ) -> Transformer:
     """Read ``model_dir`` and return a ready :class:`Transformer` (weights in ``dtype``, caches allocated for
-    ``max_sequences`` sequences of ``max_seq_len`` positions)."""
+    ``max_sequences`` sequences of ``max_seq_len`` positions); ``tp = (rank, size)``: that rank's share of the
+    model (``parallel.py``; the whole checkpoint is read, then sharded before it reaches the device)."""
     model_dir = Path(model_dir)
     cfg = load_hf_config(model_dir)
     keys = checkpoint_keys(model_dir)
@@ -361,6 +368,10 @@ def load_model(
                 if _target_name(k, args) is not None:
                     tensors[k] = sf.get_tensor(k)
     sd = fuse_state_dict(convert_state_dict(tensors, args), args)
+    if tp[1] > 1:
+        from . import parallel
+
+        sd, args = parallel.shard_state_dict(sd, args, *tp), parallel.local_args(args, *tp)
     with torch.device("meta"):
         model = Transformer(args)
     return _finish(model, sd, device, dtype, max_seq_len, max_sequences)

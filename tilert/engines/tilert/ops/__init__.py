@@ -34,6 +34,8 @@ __all__ = [
     "gemv_residual",
     "moe_residual",
     "moe_block",
+    "router",
+    "moe_partial",
     "mla_prep",
     "mla_uv",
 ]
@@ -181,6 +183,55 @@ def moe_block(
 def _(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared, w13, w2):
     k = top_k + n_shared
     return h.new_empty((h.shape[0], k), dtype=torch.int32), h.new_empty((h.shape[0], k), dtype=torch.float32)
+
+
+@torch.library.custom_op("tilert::router", mutates_args=())
+def router(
+    h: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+    gate_weight: Tensor,
+    bias: Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    route_scale: float,
+    norm_topk: bool,
+    n_shared: int,
+) -> tuple[Tensor, Tensor]:
+    """The routing of :func:`moe_block` alone (``ids int32 [n, k+S]``, ``weights fp32``); the expert-parallel
+    MoE runs it on every rank, then only the rank's own experts; see :func:`reference.router`."""
+    ids, weights = reference.router(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
+                                    norm_topk, n_shared)
+    return ids, weights
+
+
+@router.register_fake
+def _(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared):
+    k = top_k + n_shared
+    return h.new_empty((h.shape[0], k), dtype=torch.int32), h.new_empty((h.shape[0], k), dtype=torch.float32)
+
+
+@torch.library.custom_op("tilert::moe_partial", mutates_args=("out",))
+def moe_partial(
+    out: Tensor,
+    x: Tensor,
+    norm_weight: Tensor | None,
+    eps: float,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+) -> None:
+    """In place ``out += moe_experts(rms_norm(x) or x, ...)``: :func:`moe_residual` with the residual apart from
+    the input (a tensor-parallel rank adds its experts' share into ``h`` or into a zeroed buffer); see
+    :func:`reference.moe_partial`."""
+    reference.moe_partial(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2)
+
+
+@moe_partial.register_fake
+def _(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2):
+    return None
 
 
 @torch.library.custom_op("tilert::mla_prep", mutates_args=("kv_cache", "index_cache"))

@@ -47,6 +47,8 @@ __all__ = [
     "moe_experts",
     "moe_residual",
     "moe_block",
+    "router",
+    "moe_partial",
 ]
 
 _F32 = torch.float32
@@ -245,13 +247,14 @@ def mla_uv(o_lat: Tensor, kv_b: Tensor, nope_dim: int) -> Tensor:
 
 def _expert_sum(x: Tensor, ids: list[int], weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
     """``sum_j weights[j] * expert_{ids[j]}(x)`` for one token ``x [1, D]``: each expert's weights read in place
-    (the reference gathers them by copy), the sum in float32 in slot order."""
+    (the reference gathers them by copy), the sum in float32 in slot order; ids ``-1`` are skipped."""
     out: Tensor | None = None
     for j, e in enumerate(ids):
+        if e < 0:
+            continue
         y = _mlp(x, w13[e], w2[e]).mul_(weights[:, j : j + 1])
         out = y if out is None else out.add_(y)
-    assert out is not None
-    return out
+    return torch.zeros_like(x) if out is None else out
 
 
 def _mlp(x: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
@@ -287,6 +290,19 @@ def moe_residual(
     h: Tensor, norm_weight: Tensor, eps: float, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor
 ) -> None:
     _experts_residual(h, rms_norm(h, norm_weight, eps), topk_ids, topk_weights, w13, w2)
+
+
+def moe_partial(
+    out: Tensor,
+    x: Tensor,
+    norm_weight: Tensor | None,
+    eps: float,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+) -> None:
+    _experts_residual(out, x if norm_weight is None else rms_norm(x, norm_weight, eps), topk_ids, topk_weights, w13, w2)
 
 
 def _router(
@@ -344,3 +360,23 @@ def moe_block(
     ids, weights = _router(x, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared)
     _experts_residual(h, x, ids, weights, w13, w2)
     return ids, weights
+
+
+def router(
+    h: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+    gate_weight: Tensor,
+    bias: Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    route_scale: float,
+    norm_topk: bool,
+    n_shared: int,
+) -> tuple[Tensor, Tensor]:
+    if not _fast(h, norm_weight, gate_weight, bias):
+        return reference.router(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
+                                norm_topk, n_shared)
+    x = F.rms_norm(h, (h.shape[-1],), norm_weight, eps)
+    return _router(x, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared)

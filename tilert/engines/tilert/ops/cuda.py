@@ -128,6 +128,18 @@ def _moe_residual_cuda(h, norm_weight, eps, topk_ids, topk_weights, w13, w2):
     triton_moe.moe_down(act, ids, topk_weights.float().contiguous(), w2.contiguous(), residual=h)
 
 
+def _moe_partial_cuda(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2):
+    if (x.dtype not in _FAST_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype or out.dtype != x.dtype
+            or x.shape[0] > 16 or not (x.is_contiguous() and out.is_contiguous()) or x.shape[0] == 0):
+        return reference.moe_partial(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2)
+    from . import triton_moe
+
+    ids = topk_ids.to(torch.int32).contiguous()
+    nw = None if norm_weight is None else norm_weight.to(x.dtype).contiguous()
+    act = triton_moe.moe_up(x, ids, w13.contiguous(), norm_w=nw, eps=eps)  # reads x before out is written
+    triton_moe.moe_down(act, ids, topk_weights.float().contiguous(), w2.contiguous(), residual=out)
+
+
 def _moe_block_cuda(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk,
                     n_shared, w13, w2):
     ids, wts = _router_cuda(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
@@ -190,6 +202,8 @@ _KERNELS: dict[str, Callable[..., Any]] = {
     "gemv_residual": _gemv_residual_cuda,
     "moe_residual": _moe_residual_cuda,
     "moe_block": _moe_block_cuda,
+    "router": _router_cuda,
+    "moe_partial": _moe_partial_cuda,
     "mla_prep": _mla_prep_cuda,
     "mla_uv": _mla_uv_cuda,
 }

@@ -155,6 +155,7 @@ def moe_experts(
 
     Shapes: ``x [n, D]``, ``topk_ids int32 [n, k]``, ``topk_weights fp32 [n, k]``, ``w13 [E, 2I, D]``,
     ``w2 [E, D, I]`` -> ``[n, D]``. The expert matmuls run in ``x.dtype``, the weighted sum in float32.
+    An id ``-1`` marks an empty slot (skipped: another rank's expert under expert parallelism).
 
     Two equivalent strategies: when ``n*k <= E`` (decode) gather the selected experts' weights (static
     shapes, reads only the chosen experts); otherwise loop over the experts that were hit (prefill).
@@ -166,14 +167,16 @@ def moe_experts(
     acc = _acc_dtype(x)
     ids = topk_ids.long()
     if n * k <= num_experts:
+        wts = torch.where(ids >= 0, topk_weights.to(acc), 0.0)
+        ids = ids.clamp(min=0)
         gu = torch.matmul(w13[ids].to(x.dtype), x[:, None, :, None])[..., 0]  # [n, k, 2I]
         h = F.silu(gu[..., :inter]) * gu[..., inter:]
         y = torch.matmul(w2[ids].to(x.dtype), h[..., None])[..., 0]  # [n, k, D]
-        out = (y.to(acc) * topk_weights.to(acc)[..., None]).sum(dim=1)
+        out = (y.to(acc) * wts[..., None]).sum(dim=1)
         return out.to(x.dtype)
     out = torch.zeros(n, d, dtype=acc, device=x.device)
     flat = ids.reshape(-1)
-    for e in torch.unique(flat).tolist():
+    for e in torch.unique(flat[flat >= 0]).tolist():
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         gu = F.linear(x[tok], w13[e].to(x.dtype))
         h = F.silu(gu[:, :inter]) * gu[:, inter:]
@@ -280,6 +283,22 @@ def moe_residual(
     shared ones, and the residual add in one op)."""
     x = rms_norm(h, norm_weight, eps)
     h.add_(moe_experts(x, topk_ids, topk_weights, w13, w2))
+
+
+def moe_partial(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> None:
+    """In place: ``out += moe_experts(rms_norm(x; norm_weight), ...)`` (``x`` as it is without ``norm_weight``);
+    ``out`` may be ``x`` itself (then :func:`moe_residual`)."""
+    xn = x if norm_weight is None else rms_norm(x, norm_weight, eps)
+    out.add_(moe_experts(xn, topk_ids, topk_weights, w13, w2))
 
 
 def moe_block(

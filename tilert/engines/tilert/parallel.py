@@ -1,0 +1,308 @@
+"""Tensor / expert parallelism of the decoder over the ranks of one host: rank-local :class:`ModelArgs`, the
+sharding of the fused state dict, and the collectives the model calls (``Transformer.use_group``).
+
+What each rank holds (``N`` ranks, rank ``r``; the model docstring says how it computes with it):
+
+- attention: heads ``r H/N .. (r+1) H/N - 1``: those heads' rows of ``q_b`` (of ``q_proj`` without q_lora) and
+  of ``kv_b``, their columns of ``o_proj`` (``o_proj``'s bias on rank 0, zeros elsewhere). ``W_a`` (``q_a``,
+  ``kv_a``), the norms, the latent cache and the whole DSA indexer (its weights, its key cache) are replicated:
+  MLA has a single latent KV head that every query head reads (so every rank writes and reads the same latent
+  rows; the cache is not split), and the indexer's top-k needs the sum over all indexer heads.
+- MoE: the router (gate, bias) replicated; routed experts ``r E/N .. (r+1) E/N - 1`` (expert parallel); the
+  shared experts, seen as one MLP of width ``S I``, split along that width (``w13s``/``w2s``); dense MLPs split
+  along their intermediate width.
+- ``lm_head`` and the MTP module's own head: vocabulary rows ``r V/N .. (r+1) V/N - 1``. Embeddings, the final
+  norm and the rest of the MTP module (its norms, ``eh_proj``) replicated.
+
+Collectives (:class:`Group`): a sum all-reduce of the residual-stream partials (two per layer) and the
+all-gather of the logits, through ``torch.distributed`` (NCCL on CUDA, gloo on CPU) or, on CUDA, PyTorch's
+symmetric-memory one-shot / two-shot all-reduce (``allreduce="symm_one_shot"`` / ``"symm_two_shot"``). All of
+them are captured inside the engine's CUDA graphs. NVLink multicast is whatever the machine says (this module
+never sets ``NCCL_NVLS_ENABLE``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST`` or ``NVSHMEM_DISABLE_NVLS``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from .model import ModelArgs, Transformer
+
+ALLREDUCE_KINDS = ("nccl", "symm_one_shot", "symm_two_shot")  # "nccl" means the process group's own (gloo on CPU)
+
+
+class OneRank:
+    """The collectives of a lone rank: nothing to communicate (the model's default)."""
+
+    rank = 0
+    size = 1
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple[int, torch.device], Tensor] = {}  # local_experts' id maps
+
+    def partial(self, h: Tensor) -> Tensor:
+        """Where this rank adds its share of ``h += f(x)``; call it after the last read of ``h``: a tensor equal to
+        ``h`` on rank 0 and to zeros elsewhere (``h`` itself, zeroed on ranks > 0, with NCCL / gloo; a
+        symmetric-memory buffer with the symmetric-memory all-reduce). A lone rank: ``h``."""
+        return h
+
+    def reduce_into(self, h: Tensor, out: Tensor) -> None:
+        """``h = sum over ranks of out`` (``out`` from :meth:`partial`)."""
+
+    def all_reduce(self, t: Tensor) -> Tensor:
+        """Sum ``t`` over the ranks, in place; returns ``t``."""
+        return t
+
+    def all_gather(self, t: Tensor) -> Tensor:
+        """``[n, W]`` per rank -> ``[n, N W]`` (rank ``r``'s columns at ``r W``)."""
+        return t
+
+    def local_experts(self, ids: Tensor, n_local: int) -> Tensor:
+        """Global expert ids -> this rank's slots ``0..n_local-1``, other ranks' experts ``-1`` (a slot the expert
+        ops skip): one gather from a table built at the first (eager, warm-up) call; graph-capturable."""
+        key = (n_local, ids.device)
+        table = self._tables.get(key)
+        if table is None:
+            table = torch.full((n_local * self.size,), -1, dtype=torch.int32, device=ids.device)
+            table[self.rank * n_local : (self.rank + 1) * n_local] = torch.arange(n_local, dtype=torch.int32)
+            self._tables[key] = table
+        return table[ids.long()]
+
+
+ONE_RANK = OneRank()
+
+
+class Group(OneRank):
+    """This rank's view of a ``torch.distributed`` process group (already initialised) and its collectives."""
+
+    def __init__(
+        self,
+        pg: torch.distributed.ProcessGroup | None = None,
+        *,
+        allreduce: str = "nccl",
+        device: torch.device | str = "cpu",
+        max_numel: int = 0,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        import torch.distributed as dist
+
+        super().__init__()
+        if allreduce not in ALLREDUCE_KINDS:
+            raise ValueError(f"all-reduce {allreduce!r} unknown; choose one of {', '.join(ALLREDUCE_KINDS)}")
+        group = pg if pg is not None else dist.group.WORLD
+        if group is None:
+            raise RuntimeError("torch.distributed is not initialised (parallel.init_process_group first)")
+        self.pg: dist.ProcessGroup = group
+        self.rank = dist.get_rank(self.pg)
+        self.size = dist.get_world_size(self.pg)
+        self.kind = allreduce
+        self.device = torch.device(device)
+        self._symm: Tensor | None = None
+        if allreduce != "nccl":
+            if self.device.type != "cuda":
+                raise ValueError(f"all-reduce {allreduce!r} needs CUDA devices (got {self.device})")
+            if max_numel <= 0:
+                raise ValueError("the symmetric-memory all-reduce needs max_numel (its buffer size)")
+            import torch.distributed._symmetric_memory as symm_mem
+
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before rendezvous by older torch
+                symm_mem.enable_symm_mem_for_group(self.pg.group_name)
+            # Two halves used in turn: a rank never rewrites the input a slower peer may still be reading.
+            self._symm = symm_mem.empty(2 * max_numel, dtype=dtype, device=self.device)
+            symm_mem.rendezvous(self._symm, self.pg.group_name)
+            self._turn = 0
+
+    def _symm_buf(self, t: Tensor) -> Tensor | None:
+        """The next half of the symmetric-memory buffer, shaped as ``t`` (``None``: NCCL takes ``t``)."""
+        if self._symm is None or t.dtype != self._symm.dtype or t.numel() > self._symm.numel() // 2:
+            return None
+        half = self._symm.numel() // 2
+        self._turn ^= 1
+        return self._symm[self._turn * half : self._turn * half + t.numel()].view(t.shape)
+
+    def _reduce_symm(self, buf: Tensor, out: Tensor) -> None:
+        """``out = sum over ranks of buf`` (``buf`` in symmetric memory)."""
+        if self.kind == "symm_one_shot":
+            torch.ops.symm_mem.one_shot_all_reduce_out(buf.view(-1), "sum", self.pg.group_name, out=out.view(-1))
+        else:
+            torch.ops.symm_mem.two_shot_all_reduce_(buf.view(-1), "sum", self.pg.group_name)
+            out.copy_(buf)
+
+    def partial(self, h: Tensor) -> Tensor:
+        buf = self._symm_buf(h) if self.size > 1 else None
+        if buf is None:  # NCCL / gloo reduce h itself in place: ranks > 0 start from zeros
+            return h if self.rank == 0 else h.zero_()
+        return buf.copy_(h) if self.rank == 0 else buf.zero_()
+
+    def reduce_into(self, h: Tensor, out: Tensor) -> None:
+        if self.size == 1:
+            return
+        if out is h:
+            torch.distributed.all_reduce(h, group=self.pg)
+        else:
+            self._reduce_symm(out, h)
+
+    def all_reduce(self, t: Tensor) -> Tensor:
+        if self.size == 1:
+            return t
+        buf = self._symm_buf(t)
+        if buf is None:
+            torch.distributed.all_reduce(t, group=self.pg)
+        else:
+            self._reduce_symm(buf.copy_(t), t)
+        return t
+
+    def all_gather(self, t: Tensor) -> Tensor:
+        if self.size == 1:
+            return t
+        n, w = t.shape
+        out = t.new_empty(self.size * n, w)
+        _gather(out, t.contiguous(), group=self.pg)
+        return out.view(self.size, n, w).transpose(0, 1).reshape(n, self.size * w)
+
+
+# torch >= 2.13 names it all_gather_single (and deprecates the old name); 2.11 has only all_gather_into_tensor.
+_gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
+
+
+def init_process_group(
+    rank: int, size: int, port: int, device: torch.device | str, *, host: str = "127.0.0.1"
+) -> tuple[torch.distributed.ProcessGroup, torch.distributed.ProcessGroup]:
+    """Join the ``size`` ranks of this host at ``host:port`` (rank 0 hosts the store). Returns the data group
+    (NCCL on CUDA, gloo on CPU; the model's collectives and the prompt-state broadcast) and a gloo control
+    group with no practical timeout (a follower waits there, on the CPU, for as long as the node is idle)."""
+    import torch.distributed as dist
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=size, timeout=timedelta(minutes=10),
+        device_id=dev if dev.type == "cuda" else None,
+    )  # fmt: skip
+    assert dist.group.WORLD is not None
+    ctrl = dist.new_group(backend="gloo", timeout=timedelta(days=365))
+    # One eager collective, so that the NCCL communicator exists before any CUDA graph captures one.
+    x = torch.ones(1, device=dev)
+    dist.all_reduce(x)
+    if int(x.item()) != size:
+        raise RuntimeError(f"rank {rank}: the all-reduce of {size} ones gave {x.item()}")
+    return dist.group.WORLD, ctrl
+
+
+# ------------------------------------------------------------------------------------------------ sharding
+
+
+def check_degree(args: ModelArgs, size: int) -> None:
+    """``ValueError`` naming every dimension that ``size`` ranks cannot split evenly."""
+    if size < 1:
+        raise ValueError(f"tensor-parallel degree must be >= 1 (got {size})")
+    if size == 1:
+        return
+    problems = []
+    if args.num_heads % size:
+        problems.append(f"{args.num_heads} attention heads")
+    routed = "sparse" in args.mlp_layer_types or (args.num_mtp_layers and args.mtp_moe)
+    if routed and args.n_routed_experts % size:
+        problems.append(f"{args.n_routed_experts} routed experts")
+    if routed and (args.n_shared_experts * args.moe_intermediate_size) % size:
+        problems.append(f"the shared experts' width {args.n_shared_experts * args.moe_intermediate_size}")
+    dense = "dense" in args.mlp_layer_types or (args.num_mtp_layers and not args.mtp_moe)
+    if dense and args.intermediate_size % size:
+        problems.append(f"the dense MLP width {args.intermediate_size}")
+    if args.vocab_size % size:
+        problems.append(f"the vocabulary of {args.vocab_size}")
+    if problems:
+        raise ValueError(f"tensor-parallel degree {size} does not divide {', '.join(problems)}")
+
+
+def local_args(args: ModelArgs, rank: int, size: int) -> ModelArgs:
+    """Rank ``rank``'s :class:`ModelArgs`: its heads and dense-MLP width; ``tp_rank``/``tp_size`` set."""
+    check_degree(args, size)
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} outside 0..{size - 1}")
+    if args.tp_size != 1:
+        raise ValueError("the args are already rank-local")
+    return dataclasses.replace(
+        args, num_heads=args.num_heads // size, intermediate_size=args.intermediate_size // size,
+        tp_rank=rank, tp_size=size,
+    )  # fmt: skip
+
+
+def _part(t: Tensor, rank: int, size: int, dim: int = 0) -> Tensor:
+    """Rank ``rank``'s ``1/size`` of ``t`` along ``dim``."""
+    n = t.shape[dim] // size
+    return t.narrow(dim, rank * n, n)
+
+
+def _shard_attn(sd: dict[str, Tensor], pre: str, args: ModelArgs, rank: int, size: int) -> dict[str, Tensor]:
+    h, p, r, v = args.num_heads, args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+    out: dict[str, Tensor] = {}
+    q_in = "wb" if args.q_lora_rank is not None else "wa"  # the block whose first H(P+R) rows are the query
+    for name in (q_in, q_in + "_bias"):
+        if pre + name in sd:
+            t = sd[pre + name]
+            q = t[: h * (p + r)].unflatten(0, (h, p + r))
+            out[pre + name] = torch.cat([_part(q, rank, size).flatten(0, 1), t[h * (p + r) :]])
+    out[pre + "wkv_b"] = _part(sd[pre + "wkv_b"].unflatten(0, (h, p + v)), rank, size).flatten(0, 1)
+    out[pre + "wo"] = _part(sd[pre + "wo"], rank, size, dim=1)
+    if pre + "wo_bias" in sd:
+        out[pre + "wo_bias"] = sd[pre + "wo_bias"] if rank == 0 else torch.zeros_like(sd[pre + "wo_bias"])
+    return out
+
+
+def _shard_mlp(sd: dict[str, Tensor], pre: str, args: ModelArgs, rank: int, size: int) -> dict[str, Tensor]:
+    w13, w2 = sd[pre + "w13"], sd[pre + "w2"]
+    if pre + "gate" not in sd:  # a dense MLP: its intermediate width split
+        inter = w13.shape[1] // 2
+        g, u = w13[:, :inter], w13[:, inter:]
+        return {pre + "w13": torch.cat([_part(g, rank, size, 1), _part(u, rank, size, 1)], 1),
+                pre + "w2": _part(w2, rank, size, 2)}  # fmt: skip
+    e, s, i = args.n_routed_experts, args.n_shared_experts, args.moe_intermediate_size
+    out = {pre + "w13": _part(w13[:e], rank, size), pre + "w2": _part(w2[:e], rank, size)}
+    if s:  # the shared experts as one MLP of width S I (gate rows, then up rows), split along that width
+        g, u = w13[e:, :i].reshape(1, s * i, -1), w13[e:, i:].reshape(1, s * i, -1)
+        out[pre + "w13s"] = torch.cat([_part(g, rank, size, 1), _part(u, rank, size, 1)], 1)
+        out[pre + "w2s"] = _part(w2[e:].permute(1, 0, 2).reshape(1, -1, s * i), rank, size, 2)
+    return out
+
+
+def shard_state_dict(sd: dict[str, Tensor], args: ModelArgs, rank: int, size: int) -> dict[str, Tensor]:
+    """The fused state dict of the whole model (``weights.fuse_state_dict``; ``args`` global) -> rank ``rank``'s
+    (for ``Transformer(local_args(args, rank, size))``). Replicated tensors are shared, not copied."""
+    check_degree(args, size)
+    if size == 1:
+        return dict(sd)
+    out = dict(sd)
+    for key in sd:
+        pre, _, leaf = key.rpartition(".")
+        pre += "."
+        if leaf == "wkv_b":
+            out.update(_shard_attn(sd, pre, args, rank, size))
+        elif leaf == "w13":
+            del out[pre + "w13"], out[pre + "w2"]
+            out.update(_shard_mlp(sd, pre, args, rank, size))
+        elif key in ("lm_head", "mtp.0.head"):
+            out[key] = _part(sd[key], rank, size)
+    return {k: t.contiguous() for k, t in out.items()}
+
+
+def shard_model(model: Transformer, rank: int, size: int) -> Transformer:
+    """Rank ``rank``'s share of a whole ``model`` (weights on the model's device and dtype; caches allocated as the
+    model's). Used with ``weights.random_model`` (benchmarks, tests); checkpoints shard as they load."""
+    from .model import Transformer
+    from .weights import _finish
+
+    sd = {k: t.detach() for k, t in model.state_dict().items()}
+    args = local_args(model.args, rank, size)
+    with torch.device("meta"):
+        local = Transformer(args)
+    device, dtype = model.embed.device, model.embed.dtype
+    return _finish(local, shard_state_dict(sd, model.args, rank, size), device, dtype, model.max_seq_len,
+                        model.max_sequences)
