@@ -244,7 +244,7 @@ def run_tp_protocol(leader_or_none, eng, channel, ctx, n, mtp, num_draft):
 
 
 @torch.no_grad()
-def check_output(pg, ctrl, dev, args, contexts, n_tokens, num_draft, kind) -> list:
+def check_output(pg, ctrl, dev, args, contexts, n_tokens, num_draft, kind, opts_variant="graphs") -> list:
     from tilert.decode.tp import Channel, LeaderEngine
     from tilert.engines.tilert.engine import TileRTEngine
     from tilert.engines.tilert.ops import register_device_kernels
@@ -273,14 +273,15 @@ def check_output(pg, ctrl, dev, args, contexts, n_tokens, num_draft, kind) -> li
     ref: dict = {}
     one_gpu_ms: dict = {}
     if rank == 0:
-        eng1 = TileRTEngine(full, dev, dtype, cap)
+        eng1 = _variant(TileRTEngine(full, dev, dtype, cap), opts_variant)
         for ctx in contexts:
             for mtp in (False, True):
                 restore(full)
                 seq_state(eng1, ctx)
                 ref[(ctx, mtp)] = decode(eng1, ctx, n_tokens, mtp, num_draft)
                 log(f"[output] one GPU ctx={ctx} mtp={mtp}: {ref[(ctx, mtp)][0][:12]} ...")
-            one_gpu_ms[ctx] = step_ms(eng1, ctx, dev, alone=True)
+            if opts_variant == "graphs":  # the step timing replays the captured graph
+                one_gpu_ms[ctx] = step_ms(eng1, ctx, dev, alone=True)
         del eng1
     dist.barrier()
     local = parallel.shard_model(full, rank, size)
@@ -291,7 +292,7 @@ def check_output(pg, ctrl, dev, args, contexts, n_tokens, num_draft, kind) -> li
     restore(local)
     group = make_group(pg, kind, dev, dtype, args.hidden_size)
     local.use_group(group)
-    eng = TileRTEngine(local, dev, dtype, cap)
+    eng = _variant(TileRTEngine(local, dev, dtype, cap), opts_variant)
     channel = Channel(group, ctrl, dev)
     leader = LeaderEngine(eng, channel) if rank == 0 else None
     rows = []
@@ -309,9 +310,22 @@ def check_output(pg, ctrl, dev, args, contexts, n_tokens, num_draft, kind) -> li
                 log(f"[output] TP{size} vs one GPU, ctx={ctx} MTP={'on' if mtp else 'off'}: {len(diff)} of {n_tokens}"
                     f" tokens differ (first at {diff[0] if diff else '-'}), first logits rel err {rel:.2e}")
     RESULT["one_gpu_lite_ms"] = one_gpu_ms
+    if opts_variant != "graphs":  # a diagnosis run: the output check only
+        return rows, [], eng, local, leader
     RESULT["protocol"] = bench_protocol(eng, leader, channel, min(contexts), dev)
     state_rows = bench_inject(eng, leader, channel, max(contexts), dev)
     return rows, state_rows, eng, local, leader
+
+
+def _variant(eng, variant: str):
+    """``--variant``: the engine as served (graphs), without CUDA graphs (eager), or eager on the reference kernels."""
+    if variant in ("eager", "reference"):
+        eng.use_graphs = False
+    if variant == "reference":
+        from tilert.engines.tilert.ops import reference as ref_ops
+
+        eng.model.use_kernels(ref_ops)
+    return eng
 
 
 def bench_protocol(eng, leader, channel, ctx, dev, n=50) -> dict:
@@ -558,11 +572,12 @@ def rank_main(rank: int, size: int, port: int, opts: argparse.Namespace) -> None
             save()
         if "lite" in sections:
             rows, inject, eng, model, _leader = check_output(pg, ctrl, dev, lite, contexts, opts.tokens,
-                                                             opts.num_draft, "nccl")
+                                                             opts.num_draft, "nccl", opts.variant)
             RESULT["output"], RESULT["inject"] = rows, inject
             save()
-            RESULT["speed"] += bench_speed("lite-v32", eng, model, pg, dev, contexts, bw, kinds,
-                                           RESULT.get("one_gpu_lite_ms"))
+            if opts.variant == "graphs":
+                RESULT["speed"] += bench_speed("lite-v32", eng, model, pg, dev, contexts, bw, kinds,
+                                               RESULT.get("one_gpu_lite_ms"))
             save()
             del eng, model, _leader
             gc.collect()
@@ -632,6 +647,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--one-gpu-layers", type=int, default=None, help="real-dims layers on one GPU (default 4)")
     # decode_speed.py --tp N hands its own flags over; these are accepted and ignored
     ap.add_argument("--configs", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--variant", default="graphs", choices=["graphs", "eager", "reference"],
+                    help="the output check's engines (both sides): graphs (as served), eager (no CUDA graphs), "
+                    "reference (no graphs, the plain-PyTorch reference kernels): which part of a TP mismatch is "
+                    "the kernels', the graphs' or the sharding's")
     opts = ap.parse_args(argv)
     cpu = opts.device == "cpu"
     opts.contexts = opts.contexts or ("80,200" if cpu else "1024,32768")
