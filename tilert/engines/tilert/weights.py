@@ -20,7 +20,11 @@ Name mapping (HF -> engine module):
 :func:`random_model` builds a model of the same layout from :class:`ModelArgs` alone (random weights,
 created directly on the target device; benchmarks and kernel checks).
 
-FP8 checkpoints (``weight_scale_inv`` tensors or a ``quantization_config``) are refused.
+Block-FP8 checkpoints (``quantization_config`` quant_method fp8, 128x128 blocks; ``fp8.py``) load as FP8: each
+e4m3 ``X.weight`` is paired with its ``X.weight_scale_inv`` into an :class:`fp8.QTensor` (per-row scales), fused
+exactly like a plain weight (the same concatenations and row permutations apply to both), then stored as the
+engine's e4m3 weight plus its grouped scale (``fp8.scale_groups``). No dequantised copy is made; an FP8 tensor
+the engine keeps in bf16 (e.g. an FP8 ``eh_proj``) is dequantised on its own.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from . import layouts
+from . import fp8, layouts
+from .fp8 import QTensor
 from .model import ModelArgs, Transformer
 
 SUPPORTED_ARCHS = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
@@ -51,8 +56,8 @@ def load_hf_config(model_dir: Path) -> Any:
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     if raw.get("model_type") not in SUPPORTED_ARCHS:
         raise ValueError(f"unsupported model_type {raw.get('model_type')!r}; supported: {SUPPORTED_ARCHS}")
-    if raw.get("quantization_config"):
-        raise ValueError("quantized (FP8) checkpoints are not supported by the tilert reference engine")
+    if raw.get("quantization_config") is not None:
+        fp8.check_quantization_config(raw["quantization_config"])
     return AutoConfig.from_pretrained(str(model_dir))
 
 
@@ -139,6 +144,7 @@ def args_from_hf_config(cfg: Any, keys: set[str] | None = None) -> ModelArgs:
         index_topk=getattr(cfg, "index_topk", 0) if dsa else 0,
         indexer_rope_interleave=arch == "glm_moe_dsa",
         indexer_types=indexer_types,
+        fp8=getattr(cfg, "quantization_config", None) is not None,
     )
     # num_nextn_predict_layers (num_mtp_layers in transformers' V3 config); when the config does not say
     # (transformers' V3.2 / GLM-5 configs drop it), the checkpoint's tensors decide.
@@ -193,13 +199,33 @@ def _target_name(hf_name: str, args: ModelArgs) -> str | None:
     return None  # further MTP modules (unused)
 
 
-def convert_state_dict(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Rename HF tensors and stack experts into ``w13``/``w2``."""
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    for hf_name, t in tensors.items():
-        if hf_name.endswith("weight_scale_inv") or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise ValueError("FP8 checkpoints are not supported by the tilert reference engine")
+def pair_fp8(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, Any]:
+    """Each e4m3 ``X.weight`` with its ``X.weight_scale_inv`` as one :class:`fp8.QTensor` (FP8 checkpoints);
+    refuses FP8 tensors without a quantization_config, an FP8 weight without its scale and a scale without its
+    weight, naming the tensor."""
+    out: dict[str, Any] = {}
+    for name, t in tensors.items():
+        if name.endswith(fp8.CKPT_SCALE_SUFFIX):
+            if name[: -len("_scale_inv")] not in tensors:
+                raise ValueError(f"{name}: a weight_scale_inv without its weight")
+            continue
+        if t.dtype in fp8.FP8_DTYPES:
+            if not args.fp8:
+                raise ValueError(f"{name} is {t.dtype} but config.json has no quantization_config")
+            scale = tensors.get(name + "_scale_inv")
+            if scale is None:
+                raise ValueError(f"{name} is FP8 but {name}_scale_inv is missing")
+            out[name] = QTensor.from_checkpoint(name, t, scale)
+        else:
+            out[name] = t
+    return out
+
+
+def convert_state_dict(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, Any]:
+    """Rename HF tensors and stack experts into ``w13``/``w2`` (FP8 weights as :class:`fp8.QTensor`)."""
+    out: dict[str, Any] = {}
+    experts: dict[str, dict[int, dict[str, Any]]] = {}
+    for hf_name, t in pair_fp8(tensors, args).items():
         name = _target_name(hf_name, args)
         if name is None:
             continue
@@ -213,18 +239,25 @@ def convert_state_dict(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dic
         ids = sorted(per_expert)
         if ids != list(range(len(ids))):
             raise ValueError(f"{mlp}: experts {ids} are not 0..E-1")
-        out[f"{mlp}.w13"] = torch.stack(
-            [torch.cat([per_expert[e]["gate_proj"], per_expert[e]["up_proj"]], dim=0) for e in ids]
+        out[f"{mlp}.w13"] = fp8.stack(
+            [fp8.cat_rows([per_expert[e]["gate_proj"], per_expert[e]["up_proj"]], f"{mlp}.experts.{e}") for e in ids]
         )
-        out[f"{mlp}.w2"] = torch.stack([per_expert[e]["down_proj"] for e in ids])
+        out[f"{mlp}.w2"] = fp8.stack([per_expert[e]["down_proj"] for e in ids])
     if "lm_head.weight" not in out and args.tie_word_embeddings:
         out["lm_head.weight"] = out["embed_tokens.weight"]
     return out
 
 
-def _deinterleave_rows(w: torch.Tensor, start: int, rope: int, stride: int = 0, count: int = 1) -> torch.Tensor:
+def _rows(t: Any, fn: Any) -> Any:
+    """A row operation on a plain tensor, or on an :class:`fp8.QTensor` (its weight and per-row scale alike)."""
+    return t.map_rows(fn) if isinstance(t, QTensor) else fn(t)
+
+
+def _deinterleave_rows(w: Any, start: int, rope: int, stride: int = 0, count: int = 1) -> Any:
     """Permute, in ``count`` blocks of rows ``[start + j*stride, +rope)``, interleaved rope rows
     evens-first (so that half-split RoPE on the output equals interleaved RoPE on the original)."""
+    if isinstance(w, QTensor):
+        return w.map_rows(lambda t: _deinterleave_rows(t, start, rope, stride, count))
     w = w.clone()
     perm = layouts.rope_deinterleave_perm(rope).to(w.device)
     for j in range(count):
@@ -233,16 +266,14 @@ def _deinterleave_rows(w: torch.Tensor, start: int, rope: int, stride: int = 0, 
     return w
 
 
-def _fuse_layer(
-    sd: dict[str, torch.Tensor], src: str, args: ModelArgs, moe: bool, has_indexer: bool
-) -> dict[str, torch.Tensor]:
+def _fuse_layer(sd: dict[str, Any], src: str, args: ModelArgs, moe: bool, has_indexer: bool) -> dict[str, Any]:
     """One decoder layer's HF-named tensors (prefix ``src``) -> the fused layout (same prefix)."""
     a = args
     h, p, r, lat = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank
     at = src + "self_attn."
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {}
 
-    def take(name: str) -> torch.Tensor:
+    def take(name: str) -> Any:
         return sd.pop(at + name)
 
     q_name = "q_a_proj" if a.q_lora_rank is not None else "q_proj"
@@ -265,13 +296,18 @@ def _fuse_layer(
         if a.indexer_rope_interleave:
             wk, kn_w, kn_b = (_deinterleave_rows(t, 0, r) for t in (wk, kn_w, kn_b))
             wq_b = _deinterleave_rows(wq_b, 0, r, stride=di, count=hi)
-        wa += [wk, take("indexer.weights_proj.weight").to(wq.dtype)]
+        wproj = take("indexer.weights_proj.weight")
+        if a.fp8:  # bf16 in FP8 checkpoints: kept apart (fp8.py)
+            out[src + "attn.index_wproj"] = wproj
+            wa += [wk]
+        else:
+            wa += [wk, wproj.to(wq.dtype)]
         if bias:
-            bias += [torch.zeros(di + hi, dtype=bias[0].dtype)]
+            bias += [torch.zeros(di + (0 if a.fp8 else hi), dtype=bias[0].dtype)]
         out[at.replace("self_attn.", "attn.") + "index_k_norm"] = kn_w
         out[at.replace("self_attn.", "attn.") + "index_k_bias"] = kn_b
     pre = src + "attn."
-    out[pre + "wa"] = torch.cat(wa, 0)
+    out[pre + "wa"] = fp8.cat_rows(wa, pre + "wa")
     if bias:
         out[pre + "wa_bias"] = torch.cat(bias, 0)
     if a.q_lora_rank is not None:
@@ -279,7 +315,7 @@ def _fuse_layer(
         if a.rope_interleave:
             wq_b_main = _deinterleave_rows(wq_b_main, p, r, stride=p + r, count=h)
         out[pre + "q_norm"] = take("q_a_layernorm.weight")
-        out[pre + "wb"] = torch.cat([wq_b_main] + ([wq_b] if has_indexer else []), 0)
+        out[pre + "wb"] = fp8.cat_rows([wq_b_main] + ([wq_b] if has_indexer else []), pre + "wb")
     out[pre + "kv_norm"] = take("kv_a_layernorm.weight")
     out[pre + "wkv_b"] = take("kv_b_proj.weight")
     out[pre + "wo"] = take("o_proj.weight")
@@ -295,23 +331,53 @@ def _fuse_layer(
         w13, w2 = sd.pop(mp + "w13"), sd.pop(mp + "w2")
         if a.n_shared_experts:
             i, s = a.moe_intermediate_size, a.n_shared_experts
-            g = sd.pop(mp + "shared_experts.gate_proj.weight").view(s, i, -1)
-            u = sd.pop(mp + "shared_experts.up_proj.weight").view(s, i, -1)
-            d = sd.pop(mp + "shared_experts.down_proj.weight").view(-1, s, i).transpose(0, 1)
-            w13 = torch.cat([w13, torch.cat([g, u], 1).to(w13.dtype)], 0)
-            w2 = torch.cat([w2, d.to(w2.dtype)], 0)
+            g = _rows(sd.pop(mp + "shared_experts.gate_proj.weight"), lambda t: t.view(s, i, -1))
+            u = _rows(sd.pop(mp + "shared_experts.up_proj.weight"), lambda t: t.view(s, i, -1))
+            d = sd.pop(mp + "shared_experts.down_proj.weight")
+            d = d.split_cols(s) if isinstance(d, QTensor) else d.view(-1, s, i).transpose(0, 1)
+            gu = fp8.cat_rows([g, u], mp + "shared_experts")
+            w13 = _cat_experts(w13, gu, mp + "w13")
+            w2 = _cat_experts(w2, d, mp + "w2")
         out[mp + "w13"], out[mp + "w2"] = w13, w2
     else:
         g, u, d = (sd.pop(mp + f"{k}.weight") for k in ("gate_proj", "up_proj", "down_proj"))
-        out[mp + "w13"] = torch.cat([g, u], 0)[None]
-        out[mp + "w2"] = d[None]
+        out[mp + "w13"] = _rows(fp8.cat_rows([g, u], mp + "w13"), lambda t: t[None])
+        out[mp + "w2"] = _rows(d, lambda t: t[None])
     return out
 
 
-def fuse_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+def _cat_experts(routed: Any, shared: Any, name: str) -> Any:
+    """Shared experts stacked after the routed ones (both FP8 or both plain)."""
+    if isinstance(routed, QTensor) and isinstance(shared, QTensor):
+        return QTensor(torch.cat([routed.weight, shared.weight]), torch.cat([routed.scale, shared.scale]))
+    if isinstance(routed, QTensor) or isinstance(shared, QTensor):
+        raise ValueError(f"{name}: routed and shared experts must both be FP8 or both not")
+    return torch.cat([routed, shared.to(routed.dtype)], 0)
+
+
+def _store_fp8(sd: dict[str, Any], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Fused :class:`fp8.QTensor` s -> e4m3 ``X`` + grouped ``X_scale`` (``fp8.scale_groups``); an FP8 tensor the
+    engine keeps in bf16 is dequantised (float32). In an FP8 model every fused weight must be FP8."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in sd.items():
+        leaf = name.rsplit(".", 1)[-1]
+        if args.fp8 and leaf in fp8.FUSED_LEAVES and not isinstance(t, QTensor):
+            raise ValueError(f"{name}: the checkpoint is FP8 but this weight is {t.dtype} (expected e4m3 with "
+                             "weight_scale_inv, as DeepSeek's FP8 checkpoints store it)")
+        if not isinstance(t, QTensor):
+            out[name] = t
+        elif leaf in fp8.FUSED_LEAVES:
+            out[name] = t.weight.contiguous()
+            out[name + fp8.SCALE_SUFFIX] = t.compress(*fp8.scale_groups(leaf, tuple(t.shape)), name)
+        else:
+            out[name] = fp8.dequant(t.weight, t.scale, torch.float32)  # per-row scale: groups (1, gk)
+    return out
+
+
+def fuse_state_dict(sd: dict[str, Any], args: ModelArgs) -> dict[str, torch.Tensor]:
     """HF-named (renamed by :func:`convert_state_dict`) tensors -> :class:`Transformer`'s fused layout."""
     sd = dict(sd)
-    out: dict[str, torch.Tensor] = {
+    out: dict[str, Any] = {
         "embed": sd.pop("embed_tokens.weight"),
         "norm": sd.pop("norm.weight"),
         "lm_head": sd.pop("lm_head.weight"),
@@ -329,14 +395,15 @@ def fuse_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, t
     leftover = [k for k in sd if not k.startswith("mtp.0.")]
     if leftover:
         raise ValueError(f"checkpoint tensors not used by the model: {leftover[:8]}")
-    return out
+    return _store_fp8(out, args)
 
 
 def _finish(model: Transformer, sd: dict[str, torch.Tensor], device: torch.device | str, dtype: torch.dtype,
             max_seq_len: int, max_sequences: int = 1) -> Transformer:
     for k, t in sd.items():
-        keep_fp32 = k.endswith(_FP32_SUFFIXES)
-        sd[k] = t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype).contiguous()
+        keep_fp32 = k.endswith(_FP32_SUFFIXES + (fp8.SCALE_SUFFIX,))
+        keep = t.dtype in fp8.FP8_DTYPES  # block-FP8 weights stay e4m3
+        sd[k] = t.to(device=device, dtype=t.dtype if keep else torch.float32 if keep_fp32 else dtype).contiguous()
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the model: missing={missing} unexpected={unexpected}")
@@ -385,10 +452,18 @@ def random_model(
         model = Transformer(args)
     gen = torch.Generator(device=device).manual_seed(seed)
     sd: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():
-        keep_fp32 = name.endswith(_FP32_SUFFIXES)
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        keep_fp32 = name.endswith(_FP32_SUFFIXES + (fp8.SCALE_SUFFIX,))
         t = torch.empty(p.shape, device=device, dtype=torch.float32 if keep_fp32 else dtype)
         leaf = name.rsplit(".", 1)[-1]
+        if p.dtype == fp8.E4M3:  # FP8 weights: N(0, 1) in e4m3 (their scale carries fan_in^-0.5)
+            sd[name] = t.normal_(0.0, 1.0, generator=gen).to(fp8.E4M3)
+            continue
+        if leaf.endswith(fp8.SCALE_SUFFIX):
+            fan_in = params[name[: -len(fp8.SCALE_SUFFIX)]].shape[-1]
+            sd[name] = t.uniform_(0.5, 1.5, generator=gen).mul_(fan_in**-0.5)
+            continue
         if leaf in ("gate_bias",):
             t.normal_(0.0, 0.01, generator=gen)
         elif leaf in ("index_k_bias", "wa_bias", "wo_bias"):

@@ -18,6 +18,9 @@ rounding (the engine's tests compare the fast path with transformers at 1e-4 and
 Every kernel treats rows independently *given the same row count*; CPU BLAS is not batch-invariant across row
 counts (MKL's sgemm of 1 row and of 3 rows round differently), so the engine decodes the rows of different
 sequences one by one on the CPU (``TileRTEngine.decode_step``).
+
+Block-FP8 weights (``fp8.py``) are dequantised exactly (``fp8.dequant``) right before use, one weight (one
+expert) at a time: the model stays FP8 in memory.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..fp8 import dequant
 from . import reference
 
 __all__ = [
@@ -63,7 +67,10 @@ def gemv(
     eps: float = 1e-6,
     bias: Tensor | None = None,
     fp32_out: bool = False,
+    scale: Tensor | None = None,
 ) -> Tensor:
+    if scale is not None:
+        weight = dequant(weight, scale, x.dtype)
     if not _fast(x, weight, norm_weight, bias):
         return reference.gemv(x, weight, norm_weight, eps, bias, fp32_out)
     if norm_weight is not None:
@@ -71,8 +78,8 @@ def gemv(
     return F.linear(x, weight, bias)
 
 
-def gemv_residual(h: Tensor, x: Tensor, weight: Tensor) -> None:
-    reference.gemv_residual(h, x, weight)
+def gemv_residual(h: Tensor, x: Tensor, weight: Tensor, scale: Tensor | None = None) -> None:
+    reference.gemv_residual(h, x, weight, scale)
 
 
 def mla_prep(
@@ -93,9 +100,12 @@ def mla_prep(
     index_heads: int,
     eps: float,
     index_weight_scale: float,
+    kv_b_scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`reference.mla_prep` with every RoPE'd slice (query heads, key, indexer query heads and key)
     rotated in one pass, and the norm as one call."""
+    if kv_b_scale is not None:
+        kv_b = dequant(kv_b, kv_b_scale, a.dtype)
     if not _fast(a, b, kv_b, cos, kv_norm_weight, kv_cache, index_norm_weight, index_cache):
         return reference.mla_prep(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, index_norm_weight,
                                   index_norm_bias, index_cache, num_heads, nope_dim, kv_offset, index_heads, eps,
@@ -169,47 +179,61 @@ def indexer_topk(
     return reference.indexer_topk(q, weights, k_cache[: _rows_upto(positions)], positions, topk, row_start)
 
 
-def mla_uv(o_lat: Tensor, kv_b: Tensor, nope_dim: int) -> Tensor:
-    return reference.mla_uv(o_lat, kv_b, nope_dim)
+def mla_uv(o_lat: Tensor, kv_b: Tensor, nope_dim: int, kv_b_scale: Tensor | None = None) -> Tensor:
+    return reference.mla_uv(o_lat, kv_b, nope_dim, kv_b_scale)
 
 
-def _expert_sum(x: Tensor, ids: list[int], weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+def _expert(w: Tensor, s: Tensor | None, e: int, dtype: torch.dtype) -> Tensor:
+    """Expert ``e``'s weight, in place (plain) or dequantised (FP8)."""
+    return w[e] if s is None else dequant(w[e], s[e], dtype)
+
+
+def _expert_sum(x: Tensor, ids: list[int], weights: Tensor, w13: Tensor, w2: Tensor,
+                s13: Tensor | None = None, s2: Tensor | None = None) -> Tensor:
     """``sum_j weights[j] * expert_{ids[j]}(x)`` for one token ``x [1, D]``: each expert's weights read in place
     (the reference gathers them by copy), the sum in float32 in slot order."""
     inter = w13.shape[1] // 2
     out: Tensor | None = None
     for j, e in enumerate(ids):
-        gu = F.linear(x, w13[e])
-        y = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], w2[e]).mul_(weights[:, j : j + 1])
+        gu = F.linear(x, _expert(w13, s13, e, x.dtype))
+        y = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], _expert(w2, s2, e, x.dtype)).mul_(weights[:, j : j + 1])
         out = y if out is None else out.add_(y)
     assert out is not None
     return out
 
 
-def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
-    if x.shape[0] != 1 or not _fast(x, w13, w2, topk_weights):
-        return reference.moe_experts(x, topk_ids, topk_weights, w13, w2)
-    return _expert_sum(x, topk_ids[0].tolist(), topk_weights, w13, w2)
+def _weights_fast(x: Tensor, w: Tensor, s: Tensor | None) -> bool:
+    """Float32 weights, or FP8 ones dequantised to float32 (``x`` float32)."""
+    return _fast(w) or (s is not None and _fast(x))
 
 
-def _experts_residual(h: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor) -> None:
+def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+                s13: Tensor | None = None, s2: Tensor | None = None) -> Tensor:
+    if x.shape[0] != 1 or not (_fast(x, topk_weights) and _weights_fast(x, w13, s13) and _weights_fast(x, w2, s2)):
+        return reference.moe_experts(x, topk_ids, topk_weights, w13, w2, s13, s2)
+    return _expert_sum(x, topk_ids[0].tolist(), topk_weights, w13, w2, s13, s2)
+
+
+def _experts_residual(h: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+                      s13: Tensor | None = None, s2: Tensor | None = None) -> None:
     """``h += moe_experts(x, ...)`` with ``x = rms_norm(h)`` already computed."""
-    if not _fast(x, w13, w2, topk_weights):
-        h.add_(reference.moe_experts(x, topk_ids, topk_weights, w13, w2))
+    if not (_fast(x, topk_weights) and _weights_fast(x, w13, s13) and _weights_fast(x, w2, s2)):
+        h.add_(reference.moe_experts(x, topk_ids, topk_weights, w13, w2, s13, s2))
     elif w13.shape[0] == 1 and topk_ids.shape[1] == 1:  # a dense MLP (one expert, id 0): every row at once
         inter = w13.shape[1] // 2
-        gu = F.linear(x, w13[0])
-        h.add_(F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], w2[0]).mul_(topk_weights))
+        gu = F.linear(x, _expert(w13, s13, 0, x.dtype))
+        h.add_(F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], _expert(w2, s2, 0, x.dtype)).mul_(topk_weights))
     elif x.shape[0] == 1:
-        h.add_(_expert_sum(x, topk_ids[0].tolist(), topk_weights, w13, w2))
+        h.add_(_expert_sum(x, topk_ids[0].tolist(), topk_weights, w13, w2, s13, s2))
     else:
-        h.add_(reference.moe_experts(x, topk_ids, topk_weights, w13, w2))
+        h.add_(reference.moe_experts(x, topk_ids, topk_weights, w13, w2, s13, s2))
 
 
 def moe_residual(
-    h: Tensor, norm_weight: Tensor, eps: float, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor
+    h: Tensor, norm_weight: Tensor, eps: float, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+    s13: Tensor | None = None, s2: Tensor | None = None,
 ) -> None:
-    _experts_residual(h, rms_norm(h, norm_weight, eps), topk_ids, topk_weights, w13, w2)
+    _experts_residual(h, rms_norm(h, norm_weight, eps), topk_ids, topk_weights, w13, w2, s13, s2)
 
 
 def _router(
@@ -259,11 +283,13 @@ def moe_block(
     n_shared: int,
     w13: Tensor,
     w2: Tensor,
+    s13: Tensor | None = None,
+    s2: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    if not _fast(h, norm_weight, gate_weight, bias, w13, w2):
+    if not (_fast(h, norm_weight, gate_weight, bias) and _weights_fast(h, w13, s13) and _weights_fast(h, w2, s2)):
         return reference.moe_block(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
-                                   norm_topk, n_shared, w13, w2)
+                                   norm_topk, n_shared, w13, w2, s13, s2)
     x = F.rms_norm(h, (h.shape[-1],), norm_weight, eps)
     ids, weights = _router(x, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared)
-    _experts_residual(h, x, ids, weights, w13, w2)
+    _experts_residual(h, x, ids, weights, w13, w2, s13, s2)
     return ids, weights
