@@ -31,6 +31,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterator, MutableMapping
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +48,6 @@ SUPPORTED_ARCHS = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 # Tensors transformers keeps in float32 whatever the model dtype.
 _FP32_SUFFIXES = ("gate_bias",)  # e_score_correction_bias (fp32 in transformers too)
 _MTP_OWN = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
-_EXPERT_RE = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED_RE = re.compile(r"^(.*\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 
 
@@ -163,7 +165,7 @@ def args_from_hf_config(cfg: Any, keys: set[str] | None = None) -> ModelArgs:
     return args
 
 
-def _checkpoint_files(model_dir: Path) -> list[Path]:
+def checkpoint_files(model_dir: Path) -> list[Path]:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {model_dir}")
@@ -173,7 +175,7 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
 def checkpoint_keys(model_dir: Path) -> set[str]:
     """All tensor names in the checkpoint."""
     keys: set[str] = set()
-    for f in _checkpoint_files(model_dir):
+    for f in checkpoint_files(model_dir):
         with safe_open(str(f), framework="pt") as sf:
             keys.update(sf.keys())
     return keys
@@ -221,31 +223,85 @@ def pair_fp8(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, Any
     return out
 
 
+def engine_name(hf_name: str, args: ModelArgs) -> str | None:
+    """HF tensor name -> the name the fusion reads it under (``None`` = unused): :func:`_target_name`, with
+    transformers' fused expert tensors as stacked ``mlp.w13`` / ``mlp.w2``."""
+    name = _target_name(hf_name, args)
+    if name is not None and (m := _FUSED_RE.match(name)) is not None:
+        return f"{m.group(1)}.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}"
+    return name
+
+
 def convert_state_dict(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, Any]:
-    """Rename HF tensors and stack experts into ``w13``/``w2`` (FP8 weights as :class:`fp8.QTensor`)."""
+    """Rename HF tensors (:func:`engine_name`; FP8 weights paired with their scales as :class:`fp8.QTensor`)."""
     out: dict[str, Any] = {}
-    experts: dict[str, dict[int, dict[str, Any]]] = {}
     for hf_name, t in pair_fp8(tensors, args).items():
-        name = _target_name(hf_name, args)
-        if name is None:
-            continue
-        if (m := _EXPERT_RE.match(name)) is not None:
-            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
-        elif (m := _FUSED_RE.match(name)) is not None:
-            out[f"{m.group(1)}.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}"] = t
-        else:
+        name = engine_name(hf_name, args)
+        if name is not None:
             out[name] = t
-    for mlp, per_expert in experts.items():
-        ids = sorted(per_expert)
-        if ids != list(range(len(ids))):
-            raise ValueError(f"{mlp}: experts {ids} are not 0..E-1")
-        out[f"{mlp}.w13"] = fp8.stack(
-            [fp8.cat_rows([per_expert[e]["gate_proj"], per_expert[e]["up_proj"]], f"{mlp}.experts.{e}") for e in ids]
-        )
-        out[f"{mlp}.w2"] = fp8.stack([per_expert[e]["down_proj"] for e in ids])
     if "lm_head.weight" not in out and args.tie_word_embeddings:
         out["lm_head.weight"] = out["embed_tokens.weight"]
     return out
+
+
+@dataclass
+class ExpertStack:
+    """A stacked expert weight (``w13 [slots, 2I, D]`` or ``w2 [slots, D, I]``) given slot by slot: each slot is
+    read from the checkpoint only when called, so the converter streams a layer's experts one at a time."""
+
+    slots: list[Callable[[], Any]]
+
+    def materialize(self) -> Any:
+        return fp8.stack([slot() for slot in self.slots])
+
+
+def _expert_stacks(sd: MutableMapping[str, Any], mp: str, args: ModelArgs) -> tuple[ExpertStack, ExpertStack]:
+    """``(w13, w2)`` of a routed MoE (prefix ``mp`` = ``...mlp.``): routed experts ``0..E-1`` then the shared MLP
+    split into ``S`` experts of width ``I``."""
+    w13: list[Callable[[], Any]] = []
+    w2: list[Callable[[], Any]] = []
+    if mp + "w13" in sd:  # transformers' fused expert tensors
+        cache: dict[str, Any] = {}
+
+        def stacked(key: str) -> Any:
+            if key not in cache:
+                cache[key] = sd.pop(mp + key)
+            return cache[key]
+
+        def fused_slot(key: str, e: int) -> Any:
+            return _rows(stacked(key), lambda t: t[e])
+
+        w13 += [partial(fused_slot, "w13", e) for e in range(args.n_routed_experts)]
+        w2 += [partial(fused_slot, "w2", e) for e in range(args.n_routed_experts)]
+    else:
+        pat = re.compile(re.escape(mp) + r"experts\.(\d+)\.gate_proj\.weight$")
+        ids = sorted(int(m.group(1)) for k in sd.keys() if (m := pat.match(k)))
+        if ids != list(range(args.n_routed_experts)):
+            raise ValueError(f"{mp}experts: found experts {ids[:8]}{'...' if len(ids) > 8 else ''} "
+                             f"({len(ids)}), expected 0..{args.n_routed_experts - 1}")
+        def gate_up(ex: str) -> Any:
+            return fp8.cat_rows([sd.pop(ex + "gate_proj.weight"), sd.pop(ex + "up_proj.weight")], ex[:-1])
+
+        w13 += [partial(gate_up, f"{mp}experts.{e}.") for e in ids]
+        w2 += [partial(sd.pop, f"{mp}experts.{e}.down_proj.weight") for e in ids]
+    s, i = args.n_shared_experts, args.moe_intermediate_size
+    shared: dict[str, Any] = {}
+
+    def split_shared() -> dict[str, Any]:
+        if not shared:
+            g = _rows(sd.pop(mp + "shared_experts.gate_proj.weight"), lambda t: t.view(s, i, -1))
+            u = _rows(sd.pop(mp + "shared_experts.up_proj.weight"), lambda t: t.view(s, i, -1))
+            d = sd.pop(mp + "shared_experts.down_proj.weight")
+            shared["w13"] = fp8.cat_rows([g, u], mp + "shared_experts")
+            shared["w2"] = d.split_cols(s) if isinstance(d, QTensor) else d.view(-1, s, i).transpose(0, 1)
+        return shared
+
+    def shared_slot(key: str, j: int) -> Any:
+        return _rows(split_shared()[key], lambda t: t[j])
+
+    w13 += [partial(shared_slot, "w13", j) for j in range(s)]
+    w2 += [partial(shared_slot, "w2", j) for j in range(s)]
+    return ExpertStack(w13), ExpertStack(w2)
 
 
 def _rows(t: Any, fn: Any) -> Any:
@@ -266,8 +322,11 @@ def _deinterleave_rows(w: Any, start: int, rope: int, stride: int = 0, count: in
     return w
 
 
-def _fuse_layer(sd: dict[str, Any], src: str, args: ModelArgs, moe: bool, has_indexer: bool) -> dict[str, Any]:
-    """One decoder layer's HF-named tensors (prefix ``src``) -> the fused layout (same prefix)."""
+def _fuse_layer(
+    sd: MutableMapping[str, Any], src: str, args: ModelArgs, moe: bool, has_indexer: bool
+) -> dict[str, Any]:
+    """One decoder layer's HF-named tensors (prefix ``src``) -> the fused layout (same prefix); the experts as
+    :class:`ExpertStack` s."""
     a = args
     h, p, r, lat = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank
     at = src + "self_attn."
@@ -328,34 +387,15 @@ def _fuse_layer(sd: dict[str, Any], src: str, args: ModelArgs, moe: bool, has_in
     if moe:
         out[mp + "gate"] = sd.pop(mp + "gate.weight")
         out[mp + "gate_bias"] = sd.pop(mp + "gate.e_score_correction_bias")
-        w13, w2 = sd.pop(mp + "w13"), sd.pop(mp + "w2")
-        if a.n_shared_experts:
-            i, s = a.moe_intermediate_size, a.n_shared_experts
-            g = _rows(sd.pop(mp + "shared_experts.gate_proj.weight"), lambda t: t.view(s, i, -1))
-            u = _rows(sd.pop(mp + "shared_experts.up_proj.weight"), lambda t: t.view(s, i, -1))
-            d = sd.pop(mp + "shared_experts.down_proj.weight")
-            d = d.split_cols(s) if isinstance(d, QTensor) else d.view(-1, s, i).transpose(0, 1)
-            gu = fp8.cat_rows([g, u], mp + "shared_experts")
-            w13 = _cat_experts(w13, gu, mp + "w13")
-            w2 = _cat_experts(w2, d, mp + "w2")
-        out[mp + "w13"], out[mp + "w2"] = w13, w2
-    else:
-        g, u, d = (sd.pop(mp + f"{k}.weight") for k in ("gate_proj", "up_proj", "down_proj"))
-        out[mp + "w13"] = _rows(fp8.cat_rows([g, u], mp + "w13"), lambda t: t[None])
-        out[mp + "w2"] = _rows(d, lambda t: t[None])
+        out[mp + "w13"], out[mp + "w2"] = _expert_stacks(sd, mp, a)
+    else:  # a dense MLP: one slot
+        names = [mp + f"{k}.weight" for k in ("gate_proj", "up_proj", "down_proj")]
+        out[mp + "w13"] = ExpertStack([lambda: fp8.cat_rows([sd.pop(names[0]), sd.pop(names[1])], mp + "w13")])
+        out[mp + "w2"] = ExpertStack([lambda: sd.pop(names[2])])
     return out
 
 
-def _cat_experts(routed: Any, shared: Any, name: str) -> Any:
-    """Shared experts stacked after the routed ones (both FP8 or both plain)."""
-    if isinstance(routed, QTensor) and isinstance(shared, QTensor):
-        return QTensor(torch.cat([routed.weight, shared.weight]), torch.cat([routed.scale, shared.scale]))
-    if isinstance(routed, QTensor) or isinstance(shared, QTensor):
-        raise ValueError(f"{name}: routed and shared experts must both be FP8 or both not")
-    return torch.cat([routed, shared.to(routed.dtype)], 0)
-
-
-def _store_fp8(sd: dict[str, Any], args: ModelArgs) -> dict[str, torch.Tensor]:
+def store_fp8(sd: dict[str, Any], args: ModelArgs) -> dict[str, torch.Tensor]:
     """Fused :class:`fp8.QTensor` s -> e4m3 ``X`` + grouped ``X_scale`` (``fp8.scale_groups``); an FP8 tensor the
     engine keeps in bf16 is dequantised (float32). In an FP8 model every fused weight must be FP8."""
     out: dict[str, torch.Tensor] = {}
@@ -374,31 +414,46 @@ def _store_fp8(sd: dict[str, Any], args: ModelArgs) -> dict[str, torch.Tensor]:
     return out
 
 
-def fuse_state_dict(sd: dict[str, Any], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """HF-named (renamed by :func:`convert_state_dict`) tensors -> :class:`Transformer`'s fused layout."""
-    sd = dict(sd)
-    out: dict[str, Any] = {
-        "embed": sd.pop("embed_tokens.weight"),
-        "norm": sd.pop("norm.weight"),
-        "lm_head": sd.pop("lm_head.weight"),
-    }
+def fused_groups(sd: MutableMapping[str, Any], args: ModelArgs) -> Iterator[dict[str, Any]]:
+    """Renamed tensors (:func:`convert_state_dict`, or the converter's lazy checkpoint) -> the fused layout of
+    :class:`Transformer`, one group at a time (the top-level tensors, each layer, the MTP module); tensors are
+    popped from ``sd`` as they are used (experts when their :class:`ExpertStack` slot is called), and what is left
+    at the end is refused. The consumer finishes a group before asking for the next."""
+
+    def pop(name: str) -> Any:
+        if name not in sd:
+            raise ValueError(f"checkpoint tensor {name!r} is missing")
+        return sd.pop(name)
+
+    # one group each: the embedding and the head are the largest tensors, never both in memory at once
+    yield {"embed": pop("embed_tokens.weight")}
+    yield {"norm": pop("norm.weight")}
+    yield {"lm_head": pop("lm_head.weight")}
     index_layers = set(args.index_layers)
     for i in range(args.num_layers):
-        out.update(_fuse_layer(sd, f"layers.{i}.", args, args.mlp_layer_types[i] == "sparse", i in index_layers))
+        yield _fuse_layer(sd, f"layers.{i}.", args, args.mlp_layer_types[i] == "sparse", i in index_layers)
     if args.num_mtp_layers:
-        out.update(_fuse_layer(sd, "mtp.0.block.", args, args.mtp_moe, args.mtp_indexer))
+        out = _fuse_layer(sd, "mtp.0.block.", args, args.mtp_moe, args.mtp_indexer)
         for src, dst in (("enorm.weight", "enorm"), ("hnorm.weight", "hnorm"), ("eh_proj.weight", "eh_proj"),
                          ("shared_head.norm.weight", "head_norm"), ("embed_tokens.weight", "embed"),
                          ("shared_head.head.weight", "head")):
             if "mtp.0." + src in sd:
                 out["mtp.0." + dst] = sd.pop("mtp.0." + src)
-    leftover = [k for k in sd if not k.startswith("mtp.0.")]
+        yield out
+    leftover = [k for k in sd.keys() if not k.startswith("mtp.0.")]
     if leftover:
         raise ValueError(f"checkpoint tensors not used by the model: {leftover[:8]}")
-    return _store_fp8(out, args)
 
 
-def _finish(model: Transformer, sd: dict[str, torch.Tensor], device: torch.device | str, dtype: torch.dtype,
+def fuse_state_dict(sd: dict[str, Any], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """HF-named (renamed by :func:`convert_state_dict`) tensors -> :class:`Transformer`'s fused layout."""
+    out: dict[str, Any] = {}
+    for group in fused_groups(dict(sd), args):
+        out.update({k: v.materialize() if isinstance(v, ExpertStack) else v for k, v in group.items()})
+    return store_fp8(out, args)
+
+
+def finish_model(model: Transformer, sd: dict[str, torch.Tensor], device: torch.device | str, dtype: torch.dtype,
             max_seq_len: int, max_sequences: int = 1) -> Transformer:
     for k, t in sd.items():
         keep_fp32 = k.endswith(_FP32_SUFFIXES + (fp8.SCALE_SUFFIX,))
@@ -415,14 +470,20 @@ def _finish(model: Transformer, sd: dict[str, torch.Tensor], device: torch.devic
 def load_model(
     model_dir: Path, *, device: str | torch.device, dtype: torch.dtype, max_seq_len: int, max_sequences: int = 1
 ) -> Transformer:
-    """Read ``model_dir`` and return a ready :class:`Transformer` (weights in ``dtype``, caches allocated for
-    ``max_sequences`` sequences of ``max_seq_len`` positions)."""
+    """Read ``model_dir`` (an HF checkpoint, or a directory written by ``tilert convert``) and return a ready
+    :class:`Transformer` (weights in ``dtype``, FP8 weights kept e4m3; caches allocated for ``max_sequences``
+    sequences of ``max_seq_len`` positions)."""
     model_dir = Path(model_dir)
+    from . import convert  # (imports this module)
+
+    if convert.is_converted(model_dir):
+        return convert.load_converted(model_dir, device=device, dtype=dtype, max_seq_len=max_seq_len,
+                                      max_sequences=max_sequences)
     cfg = load_hf_config(model_dir)
     keys = checkpoint_keys(model_dir)
     args = args_from_hf_config(cfg, keys)
     tensors: dict[str, torch.Tensor] = {}
-    for f in _checkpoint_files(model_dir):
+    for f in checkpoint_files(model_dir):
         with safe_open(str(f), framework="pt") as sf:
             for k in sf.keys():
                 if _target_name(k, args) is not None:
@@ -430,7 +491,7 @@ def load_model(
     sd = fuse_state_dict(convert_state_dict(tensors, args), args)
     with torch.device("meta"):
         model = Transformer(args)
-    return _finish(model, sd, device, dtype, max_seq_len, max_sequences)
+    return finish_model(model, sd, device, dtype, max_seq_len, max_sequences)
 
 
 @torch.no_grad()
@@ -475,4 +536,4 @@ def random_model(
         else:
             t.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
         sd[name] = t
-    return _finish(model, sd, device, dtype, max_seq_len, max_sequences)
+    return finish_model(model, sd, device, dtype, max_seq_len, max_sequences)
