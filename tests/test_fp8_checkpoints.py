@@ -149,3 +149,18 @@ def test_bad_fp8_checkpoints_are_refused(fp8_cases: dict[str, tuple[Path, torch.
     (nocfg / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="float8_e4m3fn but config.json has no quantization_config"):
         load(nocfg)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_converted_fp8_gives_the_hf_directory_logits(fp8_cases: dict[str, tuple[Path, torch.Tensor]], arch: str,
+                                                     tmp_path: Path) -> None:
+    from tilert.engines.tilert.convert import convert
+
+    path, want = fp8_cases[arch]
+    out = convert(path, tmp_path / "converted", progress=False)
+    direct = TileRTEngine.load(path, device="cpu", dtype=torch.float32, max_seq_len=MAX_SEQ)
+    converted = TileRTEngine.load(out, device="cpu", dtype=torch.float32, max_seq_len=MAX_SEQ)
+    assert dict(converted.model.named_parameters())["layers.1.mlp.w13"].dtype == fp8.E4M3
+    got = converted.forward(_prompt(), 0)
+    assert torch.equal(got, direct.forward(_prompt(), 0))
+    assert _rel_err(got, want) <= 1e-4
