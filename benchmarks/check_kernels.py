@@ -22,6 +22,9 @@ import torch.nn.functional as F
 from tilert.engines.tilert.ops import reference as ref  # noqa: E402
 from tilert.engines.tilert.ops import triton_fused, triton_gemv, triton_mla, triton_moe, triton_topk  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
+import check_fp8  # noqa: E402  (block-FP8 checks: --only fp8,fp8engine)
+
 RESULTS: list[tuple[str, float, float, bool]] = []
 TOL = 1e-2
 
@@ -850,11 +853,13 @@ def main():
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
     dev = torch.device(args.device)
     checks = {"gemv": check_gemv, "mla": check_mla, "indexer": check_indexer, "topk": check_topk,
-              "batch": check_batch_invariance, "moe": check_moe, "prep": check_prep}
+              "batch": check_batch_invariance, "moe": check_moe, "prep": check_prep,
+              "fp8": lambda d, small: check_fp8.check_fp8_kernels(d, small, report, rnd, DTYPE)}
     if dev.type == "cuda":
         checks["model"] = check_engine_model
         checks["families"] = check_engine_families
         checks["multiseq"] = check_engine_multiseq
+        checks["fp8engine"] = lambda d, small: check_fp8.check_fp8_engine(d, small, report)
     checks["mtp"] = check_engine_mtp
     for name, fn in checks.items():
         if args.only and name not in args.only.split(","):
