@@ -75,11 +75,15 @@ def test_quantised_like_deepseek(fp8_cases: dict[str, tuple[Path, torch.Tensor]]
             assert f"model.layers.1.{quantised}.weight_scale_inv" in names, quantised
 
 
+@pytest.mark.parametrize("cpu_fast", [True, False], ids=["ops.cpu", "reference-ops"])
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_fp8_engine_matches_dequantised_transformers(fp8_cases: dict[str, tuple[Path, torch.Tensor]],
-                                                     arch: str) -> None:
+def test_fp8_engine_matches_dequantised_transformers(fp8_cases: dict[str, tuple[Path, torch.Tensor]], arch: str,
+                                                     cpu_fast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both CPU kernel tables: the fast CPU kernels and the dispatched ``tilert::*`` reference ops."""
+    monkeypatch.setenv("TILERT_CPU_FAST", "1" if cpu_fast else "0")
     path, want = fp8_cases[arch]
     eng = TileRTEngine.load(path, device="cpu", dtype=torch.float32, max_seq_len=MAX_SEQ)
+    assert eng.cpu_kernels is cpu_fast
     params = dict(eng.model.named_parameters())
     for leaf in fp8.FUSED_LEAVES:  # held as e4m3 (no dequantised copy), each with its scale
         assert params[f"layers.1.{'mlp' if leaf.startswith('w1') or leaf == 'w2' else 'attn'}.{leaf}"].dtype == \
