@@ -31,6 +31,18 @@ def groups(w: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
 
 
 @triton.jit
+def _fp8_tile(x_row, nw_ptr, rstd, w, s, offs_k, kmask, BN: tl.constexpr, NG: tl.constexpr, GK: tl.constexpr,
+              HAS_NORM: tl.constexpr):
+    """One ``[BN, BK]`` e4m3 tile against the activations: per-group sums ``[BN, BK/GK]`` times their scales."""
+    xv = tl.load(x_row + offs_k, mask=kmask, other=0.0)
+    if HAS_NORM:  # rounded to the activation dtype like the unfused reference
+        g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
+        xv = (xv.to(tl.float32) * rstd * g).to(x_row.dtype.element_ty)
+    prod = w.to(tl.float32) * xv.to(tl.float32)[None, :]
+    return tl.sum(tl.reshape(prod, [BN, NG, GK]), 2) * s
+
+
+@triton.jit
 def _gemv_fp8_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, res_ptr,
     N, K, KS, stride_xm, stride_wn, stride_sn, stride_ym, stride_rm, eps,
@@ -45,22 +57,23 @@ def _gemv_fp8_kernel(
     s_rows = s_ptr + (offs_n // GN).to(tl.int64)[:, None] * stride_sn
     offs_g = tl.arange(0, NG)
     x_row = x_ptr + row * stride_xm
+    # the first weight tile and its scales are static: fetch them before waiting on the previous kernel (PDL)
+    offs_k = tl.arange(0, BK)
+    kmask = offs_k < K
+    w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+    s = tl.load(s_rows + offs_g[None, :], mask=nmask[:, None] & (offs_g < KS)[None, :], other=0.0)
     pdl_begin(PDL)
+    rstd = 1.0
     if HAS_NORM:
         rstd = _row_rstd(x_row, K, eps, BK)
-    acc = tl.zeros([BN, NG], dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    acc = _fp8_tile(x_row, nw_ptr, rstd, w, s, offs_k, kmask, BN, NG, GK, HAS_NORM)
+    for k0 in range(BK, K, BK):
         offs_k = k0 + tl.arange(0, BK)
         kmask = offs_k < K
-        xv = tl.load(x_row + offs_k, mask=kmask, other=0.0)
-        if HAS_NORM:  # rounded to the activation dtype like the unfused reference
-            g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
-            xv = (xv.to(tl.float32) * rstd * g).to(x_ptr.dtype.element_ty)
         w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         gcol = k0 // GK + offs_g
         s = tl.load(s_rows + gcol[None, :], mask=nmask[:, None] & (gcol < KS)[None, :], other=0.0)
-        prod = w.to(tl.float32) * xv.to(tl.float32)[None, :]
-        acc += tl.sum(tl.reshape(prod, [BN, NG, GK]), 2) * s
+        acc += _fp8_tile(x_row, nw_ptr, rstd, w, s, offs_k, kmask, BN, NG, GK, HAS_NORM)
     out = tl.sum(acc, 1)
     if OUT_F32:
         tl.store(y_ptr + row * stride_ym + offs_n, out, mask=nmask)
