@@ -1,4 +1,5 @@
-"""Reading HF checkpoints (config.json + *.safetensors, bf16/fp16/fp32) into :class:`model.Transformer`.
+"""Reading HF checkpoints (config.json + *.safetensors: bf16/fp16/fp32, or block-FP8) into :class:`model.Transformer`
+(a directory written by ``tilert convert`` is read by :mod:`.convert` instead, through :func:`load_model`).
 
 Config parsing goes through transformers' own config classes (``AutoConfig``), so the engine reads
 exactly what transformers reads (e.g. ``rope_scaling`` standardised into ``rope_parameters``) and the
@@ -14,8 +15,11 @@ Name mapping (HF -> engine module):
 - experts, either per expert ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (DeepSeek / transformers'
   saved format) or fused ``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj`` -> stacked
   ``mlp.w13 [E, 2I, D]`` (gate rows first) and ``mlp.w2 [E, D, I]``.
-- then :func:`fuse_state_dict` builds the fused decode layout of ``model.py`` (``W_a``, ``W_b``, shared
-  experts stacked after the routed ones, dense MLP as a one-slot MoE, rope rows permuted evens-first).
+- then :func:`fused_groups` builds the fused decode layout of ``model.py`` (``W_a``, ``W_b``, shared
+  experts stacked after the routed ones, dense MLP as a one-slot MoE, rope rows permuted evens-first), one
+  group (top-level tensor, layer, MTP module) at a time, the experts as :class:`ExpertStack` s read slot by
+  slot: the one definition of the layout, used whole here (:func:`fuse_state_dict`) and streamed by the
+  converter.
 
 :func:`random_model` builds a model of the same layout from :class:`ModelArgs` alone (random weights,
 created directly on the target device; benchmarks and kernel checks).
