@@ -198,3 +198,30 @@ def test_tp_shards_split_experts_and_heads(small: tuple[Path, Path], tmp_path: P
         _load(tp_out)
     with pytest.raises(ValueError, match="--tp 3 must divide the attention heads"):
         convert.convert(src, tmp_path / "tp3", tp=3, progress=False)
+
+
+def test_tp_shards_of_an_fp8_checkpoint_carry_their_scales(small: tuple[Path, Path], tmp_path: Path) -> None:
+    """Cutting FP8 weights per rank keeps every element's scale (rows of W_b / W_kv_b, columns of W_o, whole
+    experts); a cut inside a 128-column scale group makes the groups finer, with the same scales."""
+    from tilert.engines.tilert import fp8
+    from tilert.models.quantize import quantize_checkpoint
+
+    src, _ = small
+    q = quantize_checkpoint(src, tmp_path / "fp8")
+    one = convert.convert(q, tmp_path / "tp1", progress=False)
+    two = convert.convert(q, tmp_path / "tp2", tp=2, progress=False)
+    files = json.loads((one / convert.MANIFEST).read_text())["ranks"][0]["tensors"]
+
+    def real(d: Path, name: str) -> torch.Tensor:
+        with safe_open(str(d / files[name]["file"]), framework="pt") as f:
+            return fp8.dequant(f.get_tensor(name), f.get_tensor(name + "_scale"), torch.float32)
+
+    wo, wo1 = real(one, "layers.1.attn.wo"), real(two / "rank1", "layers.1.attn.wo")
+    assert torch.equal(wo1, wo[:, wo.shape[1] // 2 :])
+    w13, w13_1 = real(one, "layers.1.mlp.w13"), real(two / "rank1", "layers.1.mlp.w13")
+    assert torch.equal(w13_1[:4], w13[4:8]) and torch.equal(w13_1[4], w13[8])
+    t = fp8.QTensor.from_checkpoint("w", *fp8.quantize_blocks(torch.randn(8, 256)))
+    cut = convert._take_cols(t, 64, 96)
+    assert cut.col_group() == 32
+    assert torch.equal(fp8.dequant(cut.weight, cut.scale, torch.float32), fp8.dequant(t.weight, t.scale,
+                                                                                       torch.float32)[:, 64:96])

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import shutil
 import sys
 import time
@@ -153,7 +154,7 @@ def split_for_rank(name: str, value: Any, rank: int, tp: int, args: ModelArgs) -
         w = args.qk_nope_head_dim + args.v_head_dim
         return _take_rows(value, [(lo * w, hi * w)])
     if leaf == "wo":
-        return _take_cols(value, lo * args.v_head_dim, hi * args.v_head_dim, name)
+        return _take_cols(value, lo * args.v_head_dim, hi * args.v_head_dim)
     return value
 
 
@@ -172,13 +173,13 @@ def _take_rows(t: Any, ranges: list[tuple[int, int]]) -> Any:
     return t.map_rows(take) if isinstance(t, QTensor) else take(t)
 
 
-def _take_cols(t: Any, lo: int, hi: int, name: str) -> Any:
+def _take_cols(t: Any, lo: int, hi: int) -> Any:
     if not isinstance(t, QTensor):
         return t[:, lo:hi]
     gk = t.col_group()
-    if lo % gk or hi % gk:
-        raise ValueError(f"{name}: columns [{lo}, {hi}) of rank's heads cut FP8 scale groups of {gk} columns")
-    return QTensor(t.weight[:, lo:hi], t.scale[:, lo // gk : hi // gk])
+    g = math.gcd(gk, lo, hi - lo)  # a cut inside a scale group: finer groups carrying the same scales
+    scale = t.scale.repeat_interleave(gk // g, -1)
+    return QTensor(t.weight[:, lo:hi], scale[:, lo // g : hi // g])
 
 
 # ------------------------------------------------------------------------------------------------ progress
