@@ -19,8 +19,12 @@ import triton.language as tl
 
 from . import triton_pdl
 from .triton_gemv import _row_rstd, gemv_config
-from .triton_moe import DOWN_CFG, UP_CFG
 from .triton_pdl import pdl_begin
+
+# Launch configs (rows, K tile, warps, stages). Not tuned on the GPU yet: each tile holds the bytes of the
+# tuned bf16 kernel's tile (twice the e4m3 elements along K, or twice the rows where K is one expert's width).
+FP8_UP_CFG = (8, 1024, 4, 4)  # bf16: triton_moe.UP_CFG (8, 512, 4, 4)
+FP8_DOWN_CFG = (2, 2048, 4, 3)  # bf16: triton_moe.DOWN_CFG (1, 2048, 4, 3)
 
 __all__ = ["gemv_fp8", "moe_up_fp8", "moe_down_fp8", "groups"]
 
@@ -103,7 +107,11 @@ def gemv_fp8(
     N = w.shape[0]
     assert w.shape[1] == K and nt <= 16
     gn, gk = groups(w, scale)
-    bn, bk, nw, ns = cfg or gemv_config(N, K // 2, nt)  # e4m3: the byte size of a bf16 [N, K/2]
+    if cfg is None:  # the bf16 config of this shape, with a K tile of the same bytes (twice the elements)
+        bn, bk, nw, ns = gemv_config(N, K, nt)
+        bk = min(2 * bk, triton.next_power_of_2(K))
+    else:
+        bn, bk, nw, ns = cfg
     bk = max(bk, gk)
     if out_f32:
         y = torch.empty(nt, N, device=x.device, dtype=torch.float32)
@@ -221,7 +229,7 @@ def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None):
     assert w13.shape[2] == D and w13.stride(-1) == 1 and x.stride(-1) == 1 and s13.stride(-1) == 1
     gn, gk = groups(w13, s13)
     act = torch.empty(n, KK, I, device=x.device, dtype=x.dtype)
-    BI, BK, nw, ns = cfg or UP_CFG
+    BI, BK, nw, ns = cfg or FP8_UP_CFG
     BK = max(BK, gk)
     _moe_up_fp8_kernel[(n * KK, triton.cdiv(I, BI))](
         x, norm_w if norm_w is not None else x, ids, w13, s13, act, D, I, KK, s13.shape[-1], x.stride(0),
@@ -238,7 +246,7 @@ def moe_down_fp8(act, ids, wts, w2, s2, *, residual=None, cfg=None):
     assert w2.shape[2] == I and w2.stride(-1) == 1 and s2.stride(-1) == 1
     gn, gk = groups(w2, s2)
     y = residual if residual is not None else torch.empty(n, D, device=act.device, dtype=act.dtype)
-    BD, BI, nw, ns = cfg or DOWN_CFG
+    BD, BI, nw, ns = cfg or FP8_DOWN_CFG
     BI = max(min(BI, triton.next_power_of_2(I)), gk)
     _moe_down_fp8_kernel[(n, triton.cdiv(D, BD))](
         act, ids, wts, w2, s2, y, D, I, KK, s2.shape[-1], act.stride(0), act.stride(1), ids.stride(0),
