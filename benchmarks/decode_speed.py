@@ -463,7 +463,8 @@ def main():
     RESULT.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                   transformers_version=transformers.__version__, cuda=torch.version.cuda,
-                  conditions="batch 1, bf16, random weights built on the GPU, caches filled with random rows, "
+                  conditions="batch 1, bf16 activations, weights bf16 or block-FP8 (--weights; rows named "
+                             "<config>-fp8), random weights built on the GPU, caches filled with random rows, "
                              "the engine's CUDA graph replayed, median of 5x30 replays")
     bw = copy_bandwidth()
     RESULT["copy_bw_tbs"] = bw / 1e12
