@@ -143,6 +143,13 @@ def test_bad_fp8_checkpoints_are_refused(fp8_cases: dict[str, tuple[Path, torch.
                                                             sd.__setitem__(name, torch.zeros(200, 200))))
     with pytest.raises(ValueError, match="layers.1.attn.wo: the checkpoint is FP8 but this weight is"):
         load(bad)
+    bad = _rewrite(path, tmp_path / "missing", lambda sd: sd.pop("model.layers.1.self_attn.kv_a_layernorm.weight"))
+    with pytest.raises(ValueError, match="checkpoint tensor 'layers.1.self_attn.kv_a_layernorm.weight' is missing"):
+        load(bad)
+    up = "model.layers.1.mlp.experts.3.up_proj.weight"
+    bad = _rewrite(path, tmp_path / "expert", lambda sd: (sd.pop(up), sd.pop(up + "_scale_inv")))
+    with pytest.raises(ValueError, match="checkpoint tensor 'layers.1.mlp.experts.3.up_proj.weight' is missing"):
+        load(bad)
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"]["weight_block_size"] = [64, 64]
     (bad / "config.json").write_text(json.dumps(cfg))

@@ -269,7 +269,7 @@ def _expert_stacks(sd: MutableMapping[str, Any], mp: str, args: ModelArgs) -> tu
 
         def stacked(key: str) -> Any:
             if key not in cache:
-                cache[key] = sd.pop(mp + key)
+                cache[key] = _need(sd, mp + key)
             return cache[key]
 
         def fused_slot(key: str, e: int) -> Any:
@@ -284,18 +284,18 @@ def _expert_stacks(sd: MutableMapping[str, Any], mp: str, args: ModelArgs) -> tu
             raise ValueError(f"{mp}experts: found experts {ids[:8]}{'...' if len(ids) > 8 else ''} "
                              f"({len(ids)}), expected 0..{args.n_routed_experts - 1}")
         def gate_up(ex: str) -> Any:
-            return fp8.cat_rows([sd.pop(ex + "gate_proj.weight"), sd.pop(ex + "up_proj.weight")], ex[:-1])
+            return fp8.cat_rows([_need(sd, ex + "gate_proj.weight"), _need(sd, ex + "up_proj.weight")], ex[:-1])
 
         w13 += [partial(gate_up, f"{mp}experts.{e}.") for e in ids]
-        w2 += [partial(sd.pop, f"{mp}experts.{e}.down_proj.weight") for e in ids]
+        w2 += [partial(_need, sd, f"{mp}experts.{e}.down_proj.weight") for e in ids]
     s, i = args.n_shared_experts, args.moe_intermediate_size
     shared: dict[str, Any] = {}
 
     def split_shared() -> dict[str, Any]:
         if not shared:
-            g = _rows(sd.pop(mp + "shared_experts.gate_proj.weight"), lambda t: t.view(s, i, -1))
-            u = _rows(sd.pop(mp + "shared_experts.up_proj.weight"), lambda t: t.view(s, i, -1))
-            d = sd.pop(mp + "shared_experts.down_proj.weight")
+            g = _rows(_need(sd, mp + "shared_experts.gate_proj.weight"), lambda t: t.view(s, i, -1))
+            u = _rows(_need(sd, mp + "shared_experts.up_proj.weight"), lambda t: t.view(s, i, -1))
+            d = _need(sd, mp + "shared_experts.down_proj.weight")
             shared["w13"] = fp8.cat_rows([g, u], mp + "shared_experts")
             shared["w2"] = d.split_cols(s) if isinstance(d, QTensor) else d.view(-1, s, i).transpose(0, 1)
         return shared
@@ -337,7 +337,7 @@ def _fuse_layer(
     out: dict[str, Any] = {}
 
     def take(name: str) -> Any:
-        return sd.pop(at + name)
+        return _need(sd, at + name)
 
     q_name = "q_a_proj" if a.q_lora_rank is not None else "q_proj"
     wq = take(f"{q_name}.weight")
@@ -384,18 +384,18 @@ def _fuse_layer(
     out[pre + "wo"] = take("o_proj.weight")
     if a.attention_bias:
         out[pre + "wo_bias"] = take("o_proj.bias")
-    out[pre + "attn_norm"] = sd.pop(src + "input_layernorm.weight")
+    out[pre + "attn_norm"] = _need(sd, src + "input_layernorm.weight")
 
     mp = src + "mlp."
-    out[mp + "ffn_norm"] = sd.pop(src + "post_attention_layernorm.weight")
+    out[mp + "ffn_norm"] = _need(sd, src + "post_attention_layernorm.weight")
     if moe:
-        out[mp + "gate"] = sd.pop(mp + "gate.weight")
-        out[mp + "gate_bias"] = sd.pop(mp + "gate.e_score_correction_bias")
+        out[mp + "gate"] = _need(sd, mp + "gate.weight")
+        out[mp + "gate_bias"] = _need(sd, mp + "gate.e_score_correction_bias")
         out[mp + "w13"], out[mp + "w2"] = _expert_stacks(sd, mp, a)
     else:  # a dense MLP: one slot
         names = [mp + f"{k}.weight" for k in ("gate_proj", "up_proj", "down_proj")]
-        out[mp + "w13"] = ExpertStack([lambda: fp8.cat_rows([sd.pop(names[0]), sd.pop(names[1])], mp + "w13")])
-        out[mp + "w2"] = ExpertStack([lambda: sd.pop(names[2])])
+        out[mp + "w13"] = ExpertStack([lambda: fp8.cat_rows([_need(sd, n) for n in names[:2]], mp + "w13")])
+        out[mp + "w2"] = ExpertStack([lambda: _need(sd, names[2])])
     return out
 
 
@@ -418,6 +418,13 @@ def store_fp8(sd: dict[str, Any], args: ModelArgs) -> dict[str, torch.Tensor]:
     return out
 
 
+def _need(sd: MutableMapping[str, Any], name: str) -> Any:
+    """``sd.pop(name)``; a tensor the model needs but the checkpoint lacks is refused by name."""
+    if name not in sd:
+        raise ValueError(f"checkpoint tensor {name!r} is missing")
+    return sd.pop(name)
+
+
 def fused_groups(sd: MutableMapping[str, Any], args: ModelArgs) -> Iterator[dict[str, Any]]:
     """Renamed tensors (:func:`convert_state_dict`, or the converter's lazy checkpoint) -> the fused layout of
     :class:`Transformer`, one group at a time (the top-level tensors, each layer, the MTP module); tensors are
@@ -425,9 +432,7 @@ def fused_groups(sd: MutableMapping[str, Any], args: ModelArgs) -> Iterator[dict
     at the end is refused. The consumer finishes a group before asking for the next."""
 
     def pop(name: str) -> Any:
-        if name not in sd:
-            raise ValueError(f"checkpoint tensor {name!r} is missing")
-        return sd.pop(name)
+        return _need(sd, name)
 
     # one group each: the embedding and the head are the largest tensors, never both in memory at once
     yield {"embed": pop("embed_tokens.weight")}
