@@ -509,14 +509,14 @@ class decisions_pinned:
         self.n_route = self.n_route_diff = self.n_rows = self.n_rows_diff = 0
 
         def moe_block(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk,
-                      n_shared, w13, w2):
+                      n_shared, w13, w2, s13=None, s2=None):
             own, _ = ref.router(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
                                 norm_topk, n_shared)
             ids, w = (t.to(h.device) for t in next(routes))
             for r_own, r in zip(own.tolist(), ids.tolist()):
                 self.n_route += 1
                 self.n_route_diff += set(r_own) != set(r)
-            ref.moe_residual(h, norm_weight, eps, ids, w, w13, w2)
+            ref.moe_residual(h, norm_weight, eps, ids, w, w13, w2, s13, s2)
             return ids, w
 
         def topk(*a, **k):
