@@ -3,7 +3,10 @@
 the dequantised checkpoint.
 
     python3 benchmarks/check_kernels.py --only fp8,fp8engine                    (H200)
-    TRITON_INTERPRET=1 python benchmarks/check_kernels.py --only fp8 --small --device cpu --dtype float16
+    TRITON_INTERPRET=1 python benchmarks/check_kernels.py --only fp8,fp8engine --small --device cpu --dtype float16
+
+(On the CPU, ``fp8engine`` is :func:`check_fp8_engine_interpreted`: the FP8 engine through the CUDA op wrappers
+and the interpreted Triton kernels.)
 """
 
 from __future__ import annotations
@@ -148,3 +151,39 @@ def check_fp8_engine(dev, small, report) -> None:
             report(f"{arch}: FP8 engine bf16 CUDA {label} vs FP8 fp32 CPU (CUDA's choices)", got, ref32, tol=5e-2)
         del tf32, eng, cpu
         torch.cuda.empty_cache()
+
+
+def check_fp8_engine_interpreted(dev, small, report) -> None:
+    """Without a GPU (``TRITON_INTERPRET=1 ... --only fp8engine --device cpu --dtype float16``, a few minutes): a
+    tiny FP8 deepseek_v32 model decoding token by token through the CUDA op wrappers (``ops/cuda.py``) and so
+    through the FP8 Triton kernels, interpreted on CPU tensors in float16, against the fp32 CPU engine (the
+    reference ops dequantise exactly). Checks the wiring of scales from the model through the wrappers."""
+    import tempfile
+    import types
+    from pathlib import Path
+
+    from tilert.engines.tilert.ops import cuda
+    from tilert.engines.tilert.weights import load_model
+    from tilert.models.quantize import quantize_checkpoint
+    from tilert.models.tiny import build_tiny_model
+
+    with tempfile.TemporaryDirectory() as d:
+        src = build_tiny_model("deepseek_v32", Path(d) / "src", seed=5, num_hidden_layers=2)
+        q = quantize_checkpoint(src, Path(d) / "fp8")
+        want_model = load_model(q, device="cpu", dtype=torch.float32, max_seq_len=64)
+        model = load_model(q, device="cpu", dtype=torch.float16, max_seq_len=64)
+    calls: dict[str, int] = {}
+    table = types.SimpleNamespace()
+    for name, fn in cuda._KERNELS.items():
+        def counted(*a, _fn=fn, _name=name, **k):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _fn(*a, **k)
+
+        setattr(table, name, counted)
+    model.use_kernels(table)
+    ids = torch.randint(8, model.args.vocab_size, (4,))
+    with torch.no_grad():
+        want = want_model.logits(want_model(ids, torch.arange(4), use_indexer=False))
+        got = torch.cat([model.logits(model(ids[i:i + 1], torch.tensor([i]), use_indexer=False)) for i in range(4)])
+    report(f"deepseek_v32 FP8 engine through the CUDA wrappers (interpreted, fp16) vs fp32 CPU {calls}", got, want,
+           tol=2e-2)

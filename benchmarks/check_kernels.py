@@ -860,6 +860,8 @@ def main():
         checks["families"] = check_engine_families
         checks["multiseq"] = check_engine_multiseq
         checks["fp8engine"] = lambda d, small: check_fp8.check_fp8_engine(d, small, report)
+    else:
+        checks["fp8engine"] = lambda d, small: check_fp8.check_fp8_engine_interpreted(d, small, report)
     checks["mtp"] = check_engine_mtp
     for name, fn in checks.items():
         if args.only and name not in args.only.split(","):
