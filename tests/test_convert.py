@@ -156,6 +156,9 @@ def test_corrupt_or_mismatched_directories_are_refused(small: tuple[Path, Path],
     d = _edit_manifest(_copy(out, tmp_path / "c"), lambda m: m.__setitem__("layout_version", 0))
     with pytest.raises(ValueError, match="layout version 0, this engine reads version 1"):
         _load(d)
+    d = _edit_manifest(_copy(out, tmp_path / "e"), lambda m: m.pop("args"))
+    with pytest.raises(ValueError, match=r"manifest lacks \['args'\]"):
+        _load(d)
     d = _copy(out, tmp_path / "d")
     shard = d / json.loads((d / convert.MANIFEST).read_text())["ranks"][0]["tensors"][wa]["file"]
     with open(shard, "r+b") as f:

@@ -347,6 +347,9 @@ def read_manifest(model_dir: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: unreadable manifest ({exc})") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise ValueError(f"{path}: not a tilert converted-weights manifest (format {m.get('format')!r})")
+    missing = [k for k in ("converter_version", "layout_version", "tp", "args", "ranks") if k not in m]
+    if missing:
+        raise ValueError(f"{path}: manifest lacks {missing}")
     if m.get("layout_version") != LAYOUT_VERSION:
         raise ValueError(f"{path}: layout version {m.get('layout_version')!r}, this engine reads version "
                          f"{LAYOUT_VERSION}: convert the checkpoint again with this tilert")
@@ -371,7 +374,10 @@ def load_converted(model_dir: Path, *, device: str | torch.device, dtype: torch.
     with torch.device("meta"):
         model = Transformer(args)
     want = {k: p for k, p in model.named_parameters()}
-    listed: dict[str, Any] = m["ranks"][0]["tensors"]
+    try:
+        listed: dict[str, Any] = m["ranks"][0]["tensors"]
+    except (IndexError, KeyError, TypeError):
+        raise ValueError(f"{model_dir / MANIFEST}: no tensor list for rank 0") from None
     missing = [k for k in want if k not in listed]
     if missing:
         raise ValueError(f"{model_dir}: missing tensor(s) {missing[:8]} (the manifest does not list them)")
