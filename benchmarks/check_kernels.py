@@ -22,6 +22,9 @@ import torch.nn.functional as F
 from tilert.engines.tilert.ops import reference as ref  # noqa: E402
 from tilert.engines.tilert.ops import triton_fused, triton_gemv, triton_mla, triton_moe, triton_topk  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
+import check_fp8  # noqa: E402  (block-FP8 checks: --only fp8,fp8engine)
+
 RESULTS: list[tuple[str, float, float, bool]] = []
 TOL = 1e-2
 
@@ -506,14 +509,14 @@ class decisions_pinned:
         self.n_route = self.n_route_diff = self.n_rows = self.n_rows_diff = 0
 
         def moe_block(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk,
-                      n_shared, w13, w2):
+                      n_shared, w13, w2, s13=None, s2=None):
             own, _ = ref.router(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
                                 norm_topk, n_shared)
             ids, w = (t.to(h.device) for t in next(routes))
             for r_own, r in zip(own.tolist(), ids.tolist()):
                 self.n_route += 1
                 self.n_route_diff += set(r_own) != set(r)
-            ref.moe_residual(h, norm_weight, eps, ids, w, w13, w2)
+            ref.moe_residual(h, norm_weight, eps, ids, w, w13, w2, s13, s2)
             return ids, w
 
         def topk(*a, **k):
@@ -550,7 +553,7 @@ def check_engine_model(dev, small):
     from tilert.engines.tilert.engine import TileRTEngine
     from tilert.engines.tilert.model import Transformer
     from tilert.engines.tilert.ops import register_device_kernels
-    from tilert.engines.tilert.weights import _finish, random_model
+    from tilert.engines.tilert.weights import finish_model, random_model
 
     register_device_kernels()
     S = 3000
@@ -562,7 +565,7 @@ def check_engine_model(dev, small):
         sd = {k: v.clone() for k, v in cpu.state_dict().items()}
         with torch.device("meta"):
             gm = Transformer(args)
-        gm = _finish(gm, sd, dev, torch.bfloat16, S)
+        gm = finish_model(gm, sd, dev, torch.bfloat16, S)
         g = torch.Generator().manual_seed(2)
         cpu.kv_cache.copy_(torch.randn(cpu.kv_cache.shape, generator=g))
         cpu.index_cache.copy_(torch.randn(cpu.index_cache.shape, generator=g))
@@ -572,7 +575,7 @@ def check_engine_model(dev, small):
         cpu.index_cache.copy_(gm.index_cache.float().cpu())
         with torch.device("meta"):
             c16 = Transformer(args)
-        c16 = _finish(c16, sd, torch.device("cpu"), torch.bfloat16, S)
+        c16 = finish_model(c16, sd, torch.device("cpu"), torch.bfloat16, S)
         c16.kv_cache.copy_(gm.kv_cache.cpu())
         c16.index_cache.copy_(gm.index_cache.cpu())
         e_cpu = TileRTEngine(cpu, torch.device("cpu"), torch.float32, S)
@@ -850,11 +853,15 @@ def main():
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
     dev = torch.device(args.device)
     checks = {"gemv": check_gemv, "mla": check_mla, "indexer": check_indexer, "topk": check_topk,
-              "batch": check_batch_invariance, "moe": check_moe, "prep": check_prep}
+              "batch": check_batch_invariance, "moe": check_moe, "prep": check_prep,
+              "fp8": lambda d, small: check_fp8.check_fp8_kernels(d, small, report, rnd, DTYPE)}
     if dev.type == "cuda":
         checks["model"] = check_engine_model
         checks["families"] = check_engine_families
         checks["multiseq"] = check_engine_multiseq
+        checks["fp8engine"] = lambda d, small: check_fp8.check_fp8_engine(d, small, report)
+    else:
+        checks["fp8engine"] = lambda d, small: check_fp8.check_fp8_engine_interpreted(d, small, report)
     checks["mtp"] = check_engine_mtp
     for name, fn in checks.items():
         if args.only and name not in args.only.split(","):

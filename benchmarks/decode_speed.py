@@ -15,6 +15,10 @@ bytes), the copy bandwidth measured in the same run, % of roofline, a per-kernel
 in place of the radix top-k; for lite-v32 (with its MTP module) the speculative step (MTP catch-up + K drafts +
 verify, one CUDA graph) for K = 1, 2, 3 and the tok/s at mean accepted lengths 1.0-4.0; transformers' eager
 speed on the same shapes in the same run (``--transformers CTXS``).
+
+``--weights bf16,fp8`` runs every config twice in the same process: bf16 weights, then block-FP8 weights
+(``ModelArgs.fp8``: e4m3 with 128x128-block scales, read by ``ops/triton_fp8.py``; rows ``<config>-fp8``), bytes
+per token counting 1 byte per FP8 weight plus its scales.
 """
 
 from __future__ import annotations
@@ -98,15 +102,28 @@ CATEGORIES = (("moe_up", "moe up (norm + w13 + silu*up)"), ("moe_down", "moe dow
               ("sort", "indexer top-k"), ("radix", "indexer top-k"))
 
 
+def _wbytes(a, leaf: str, *shape: int) -> int:
+    """Bytes of one fused weight: bf16, or e4m3 plus its float32 scales (``fp8.scale_shape``)."""
+    import math
+
+    from tilert.engines.tilert import fp8
+
+    if not a.fp8:
+        return 2 * math.prod(shape)
+    return math.prod(shape) + 4 * math.prod(fp8.scale_shape(leaf, shape))
+
+
 def bytes_per_token(args, ctx: int, sparse: bool) -> dict:
     """Bytes one decode step reads (weights actually touched + KV rows), counted from the engine's args."""
     a, el = args, 2
     d, h = a.hidden_size, a.num_heads
-    attn = (a.wa_rows(True) * d + a.wb_rows(True) * a.q_lora_rank
-            + h * (a.qk_nope_head_dim + a.v_head_dim) * a.kv_lora_rank + d * h * a.v_head_dim) * el
-    slot = 3 * d * a.moe_intermediate_size * el
+    attn = (_wbytes(a, "wa", a.wa_rows(True), d) + _wbytes(a, "wb", a.wb_rows(True), a.q_lora_rank)
+            + _wbytes(a, "wkv_b", h * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)
+            + _wbytes(a, "wo", d, h * a.v_head_dim) + (a.index_n_heads * d * el if a.fp8 else 0))
+    i = a.moe_intermediate_size
+    slot = _wbytes(a, "w13", 2 * i, d) + _wbytes(a, "w2", d, i)
     moe = (a.num_experts_per_tok + a.n_shared_experts) * slot + a.n_routed_experts * d * el
-    dense = 3 * d * a.intermediate_size * el
+    dense = _wbytes(a, "w13", 2 * a.intermediate_size, d) + _wbytes(a, "w2", d, a.intermediate_size)
     n_dense = a.mlp_layer_types.count("dense")
     weights = a.num_layers * attn + (a.num_layers - n_dense) * moe + n_dense * dense
     head = d * el + a.vocab_size * d * el
@@ -441,6 +458,7 @@ def main():
                     help="only the multi-sequence table: decode_step over n = NS sequences (comma list) at each "
                          "--contexts, lite-v32 unless --configs says otherwise")
     ap.add_argument("--capacity", type=int, default=32768 + 16, help="positions per sequence (--sequences)")
+    ap.add_argument("--weights", default="bf16", help="bf16, fp8 or bf16,fp8 (each config in each, same run)")
     args = ap.parse_args()
     import triton
     import transformers
@@ -449,7 +467,8 @@ def main():
     RESULT.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                   transformers_version=transformers.__version__, cuda=torch.version.cuda,
-                  conditions="batch 1, bf16, random weights built on the GPU, caches filled with random rows, "
+                  conditions="batch 1, bf16 activations, weights bf16 or block-FP8 (--weights; rows named "
+                             "<config>-fp8), random weights built on the GPU, caches filled with random rows, "
                              "the engine's CUDA graph replayed, median of 5x30 replays")
     bw = copy_bandwidth()
     RESULT["copy_bw_tbs"] = bw / 1e12
@@ -483,15 +502,19 @@ def main():
         save()
         return
 
+    from dataclasses import replace
+
     for name in args.configs.split(","):
-        try:
-            rows, verify = bench_engine(name, CONFIGS[name], contexts, bw, mtp=name == "lite-v32",
-                                        profile=not args.no_breakdown, tune=args.tune)
-            RESULT["runs"] += rows
-            if verify:
-                RESULT["mtp_verify"][name] = verify
-        except Exception:
-            traceback.print_exc()
+        for weights in args.weights.split(","):
+            label = name if weights == "bf16" else f"{name}-{weights}"
+            try:
+                rows, verify = bench_engine(label, replace(CONFIGS[name], fp8=weights == "fp8"), contexts, bw,
+                                            mtp=name == "lite-v32", profile=not args.no_breakdown, tune=args.tune)
+                RESULT["runs"] += rows
+                if verify:
+                    RESULT["mtp_verify"][label] = verify
+            except Exception:
+                traceback.print_exc()
         if args.transformers and name in ("lite-v32",):
             RESULT["transformers"][name] = bench_transformers(
                 name, CONFIGS[name], [int(c) for c in args.transformers.split(",")])

@@ -88,3 +88,22 @@ def test_fast_path_predicates():
     assert cuda_ops._mla_ok(q, kv, 512)
     assert not cuda_ops._mla_ok(q.double(), kv.double(), 512)
     assert not cuda_ops._mla_ok(torch.zeros(1, 16, 600, dtype=bf), torch.zeros(8, 600, dtype=bf), 512)
+
+
+def test_fp8_inputs_the_kernels_do_not_cover_fall_back_to_dequantisation():
+    """Block-FP8 weights with float32 activations (no FP8 Triton path) reach the reference, which dequantises;
+    the FP8 fast-path predicates accept bf16 activations with e4m3 weights and refuse a scale-less weight."""
+    from tilert.engines.tilert import fp8
+
+    g = torch.Generator().manual_seed(0)
+    q, s = fp8.quantize_blocks(torch.randn(200, 136, generator=g))
+    scale = fp8.QTensor.from_checkpoint("w", q, s).compress(8, 8, "w")
+    w = fp8.dequant(q, scale, torch.float32)
+    x = torch.randn(2, 136, generator=g)
+    torch.testing.assert_close(cuda_ops._gemv_cuda(x, q, None, 1e-6, None, False, scale), x @ w.T)
+    h = torch.randn(2, 200, generator=g)
+    want = h + x @ w.T
+    cuda_ops._gemv_residual_cuda(h, x, q, scale)
+    torch.testing.assert_close(h, want)
+    assert cuda_ops._gemv_fp8_ok(x.bfloat16(), q, scale) and not cuda_ops._gemv_fp8_ok(x, q, scale)
+    assert not cuda_ops._moe_fp8_ok(x.bfloat16(), q[None], q[None], None, scale[None])

@@ -1,4 +1,4 @@
-"""The ``tilert`` command: ``tiny-model``, ``decode``, ``router``, ``up``."""
+"""The ``tilert`` command: ``tiny-model``, ``convert``, ``decode``, ``router``, ``up``."""
 
 from __future__ import annotations
 
@@ -24,6 +24,18 @@ def _tiny_model(args: argparse.Namespace) -> int:
     from tilert.models.tiny import build_tiny_model
 
     out = build_tiny_model(args.arch, args.out, seed=args.seed)
+    print(out)
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from tilert.engines.tilert.convert import convert
+
+    try:
+        out = convert(args.model_dir, args.out, tp=args.tp, progress=not args.quiet)
+    except (ValueError, OSError) as exc:  # a checkpoint or destination it cannot convert: say why, exit 2
+        print(f"tilert convert: {exc}", file=sys.stderr)
+        return 2
     print(out)
     return 0
 
@@ -93,6 +105,18 @@ def parser() -> argparse.ArgumentParser:
     tiny.add_argument("--out", required=True, type=Path)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_tiny_model)
+
+    conv = sub.add_parser(
+        "convert", help="convert an HF checkpoint (bf16 or block-FP8) to the decode engine's fused layout",
+        allow_abbrev=False,
+        description="Stream an HF checkpoint tensor by tensor into the engine's fused layout (shards + "
+        "tilert_manifest.json); the decode node loads the result memory-mapped.",
+    )  # fmt: skip
+    conv.add_argument("--model-dir", required=True, type=Path, help="HF checkpoint (config.json + *.safetensors)")
+    conv.add_argument("--out", required=True, type=Path, help="output directory (new or empty)")
+    conv.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: one shard set per rank")
+    conv.add_argument("--quiet", action="store_true", help="no progress bar")
+    conv.set_defaults(func=_convert)
 
     dec = sub.add_parser(
         "decode", help="run a decode node", allow_abbrev=False,

@@ -29,6 +29,10 @@ Weight layout (fused at load by ``weights.py``; names below are this module's pa
 - ``mlp.w13 [E+S, 2I, D]`` (gate rows first), ``mlp.w2 [E+S, D, I]``: routed experts ``0..E-1`` then the
   shared MLP split into ``S`` experts of width ``I`` (``sum_s down_s(silu(gate_s x) up_s x)`` is the
   shared MLP exactly), routed with weight 1. A dense MLP is a one-slot MoE (``w13 [1, 2I', D]``).
+- Block-FP8 models (``ModelArgs.fp8``): ``wa``, ``wb``, ``wkv_b``, ``wo``, ``w13``, ``w2`` are e4m3 with a float32
+  scale each (``wa_scale``, ...; layout and how the scales follow the fusion in ``fp8.py``), passed to the ops
+  beside the weight; ``W_a`` then leaves out the bf16 ``indexer.weights_proj``, kept as ``attn.index_wproj``
+  (its own GEMV, appended to ``W_a``'s output so ``a`` keeps its layout).
 - RoPE: DeepSeek's interleaved rope dims are permuted evens-first in the producing weight rows at load,
   after which the interleaved rotation *is* the half-split one (``reference.apply_rope_half``); the cache
   rows come out in transformers' order either way (see ``layouts.py``).
@@ -88,7 +92,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import ops, parallel
+from . import fp8, ops, parallel
 
 
 @dataclass
@@ -139,6 +143,8 @@ class ModelArgs:
     # (``num_heads`` and ``intermediate_size`` are this rank's share; see the module docstring).
     tp_rank: int = 0
     tp_size: int = 1
+    # Block-FP8 weights (fp8.py): the fused projections and experts are e4m3 with float32 scales.
+    fp8: bool = False
 
     @property
     def qk_head_dim(self) -> int:
@@ -164,7 +170,8 @@ class ModelArgs:
     def wa_rows(self, has_indexer: bool) -> int:
         """Rows of the fused ``W_a``: ``[q_a or q | kv_a | idx_wk | idx_weights_proj]``."""
         q = self.q_lora_rank if self.q_lora_rank is not None else self.q_width
-        idx = self.index_head_dim + self.index_n_heads if has_indexer else 0
+        # FP8: the bf16 weights_proj rows are kept apart (attn.index_wproj), see fp8.py.
+        idx = self.index_head_dim + (0 if self.fp8 else self.index_n_heads) if has_indexer else 0
         return q + self.latent_dim + idx
 
     def wb_rows(self, has_indexer: bool) -> int:
@@ -174,6 +181,13 @@ class ModelArgs:
 
 def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def _linear(args: ModelArgs, leaf: str, *shape: int) -> tuple[nn.Parameter, nn.Parameter | None]:
+    """A fused weight of ``shape``: plain (scale ``None``), or e4m3 with its float32 scale when ``args.fp8``."""
+    if not args.fp8:
+        return _param(*shape), None
+    return _param(*shape, dtype=fp8.E4M3), _param(*fp8.scale_shape(leaf, shape), dtype=torch.float32)
 
 
 class MLAttention(nn.Module):
@@ -191,14 +205,16 @@ class MLAttention(nn.Module):
         self.has_indexer = has_indexer
         d, h, lat = args.hidden_size, args.num_heads, args.kv_lora_rank
         self.attn_norm = _param(d)
-        self.wa = _param(args.wa_rows(has_indexer), d)
+        self.wa, self.wa_scale = _linear(args, "wa", args.wa_rows(has_indexer), d)
         self.wa_bias = _param(args.wa_rows(has_indexer)) if args.attention_bias else None
+        self.index_wproj = _param(args.index_n_heads, d) if args.fp8 and has_indexer else None
+        self.wb_scale: nn.Parameter | None = None
         if args.q_lora_rank is not None:
             self.q_norm = _param(args.q_lora_rank)
-            self.wb = _param(args.wb_rows(has_indexer), args.q_lora_rank)
+            self.wb, self.wb_scale = _linear(args, "wb", args.wb_rows(has_indexer), args.q_lora_rank)
         self.kv_norm = _param(lat)
-        self.wkv_b = _param(h * (args.qk_nope_head_dim + args.v_head_dim), lat)
-        self.wo = _param(d, h * args.v_head_dim)
+        self.wkv_b, self.wkv_b_scale = _linear(args, "wkv_b", h * (args.qk_nope_head_dim + args.v_head_dim), lat)
+        self.wo, self.wo_scale = _linear(args, "wo", d, h * args.v_head_dim)
         self.wo_bias = _param(d) if args.attention_bias else None
         if has_indexer:
             self.index_k_norm = _param(args.index_head_dim)
@@ -228,16 +244,18 @@ class MLAttention(nn.Module):
         k = self.k
         qa = a.q_lora_rank if a.q_lora_rank is not None else a.q_width
         # a = [q_a | c_kv | k_pe | idx_k | idx_w] = W_a rms(h);  b = [q | idx_q] = W_b rms(q_a).
-        wa = k.gemv(h, self.wa, self.attn_norm, a.rms_norm_eps, self.wa_bias)
+        wa = k.gemv(h, self.wa, self.attn_norm, a.rms_norm_eps, self.wa_bias, scale=self.wa_scale)
+        if self.index_wproj is not None:  # FP8: the bf16 indexer head weights, appended (a keeps its layout)
+            wa = torch.cat([wa, k.gemv(h, self.index_wproj, self.attn_norm, a.rms_norm_eps)], dim=-1)
         if a.q_lora_rank is not None:
-            b = k.gemv(wa[:, :qa], self.wb, self.q_norm, 1e-6)
+            b = k.gemv(wa[:, :qa], self.wb, self.q_norm, 1e-6, scale=self.wb_scale)
         else:
             b = wa
         index_scale = (a.index_n_heads**-0.5 * a.index_head_dim**-0.5) if self.has_indexer else 1.0
         q, index_q, index_w = k.mla_prep(
             wa, b, positions, self.wkv_b, rope[0], rope[1], self.kv_norm, kv_cache,
             self.index_k_norm if self.has_indexer else None, self.index_k_bias if self.has_indexer else None,
-            index_cache, a.num_heads, a.qk_nope_head_dim, qa, a.index_n_heads, 1e-6, index_scale,
+            index_cache, a.num_heads, a.qk_nope_head_dim, qa, a.index_n_heads, 1e-6, index_scale, self.wkv_b_scale,
         )  # fmt: skip
 
         lat = a.kv_lora_rank
@@ -250,12 +268,12 @@ class MLAttention(nn.Module):
             o_lat = k.mla_sparse_attention(q, kv_cache, topk, a.softmax_scale, lat)
 
         # o = [W_UV_h o~_h]_h, then h += W_o o (several ranks: partial sums into h / zeros, all-reduced into h).
-        o = k.mla_uv(o_lat, self.wkv_b, a.qk_nope_head_dim)
+        o = k.mla_uv(o_lat, self.wkv_b, a.qk_nope_head_dim, self.wkv_b_scale)
         out = self.tp.partial(h)  # after the last read of h (ranks > 0 may zero it)
         if self.wo_bias is not None:
-            out.add_(k.gemv(o, self.wo, None, 0.0, self.wo_bias))
+            out.add_(k.gemv(o, self.wo, None, 0.0, self.wo_bias, scale=self.wo_scale))
         else:
-            k.gemv_residual(out, o, self.wo)
+            k.gemv_residual(out, o, self.wo, self.wo_scale)
         self.tp.reduce_into(h, out)
         return topk
 
@@ -280,19 +298,16 @@ class MoE(nn.Module):
             i, e, s = args.moe_intermediate_size, args.n_routed_experts, args.n_shared_experts
             self.gate = _param(e, d)
             self.gate_bias = _param(e, dtype=torch.float32)  # e_score_correction_bias, kept in fp32
-            if args.tp_size == 1:
-                self.w13 = _param(e + s, 2 * i, d)
-                self.w2 = _param(e + s, d, i)
-            else:  # this rank's routed experts; its slice of the shared experts as one MLP ``[1, 2 S I / N, D]``
-                self.w13 = _param(e // args.tp_size, 2 * i, d)
-                self.w2 = _param(e // args.tp_size, d, i)
-                si = s * i // args.tp_size
+            slots = e + s
+            if args.tp_size > 1:  # this rank's routed experts; its slice of the shared experts as one MLP
+                slots = e // args.tp_size
+                si = s * i // args.tp_size  # [1, 2 S I / N, D]
                 self.w13s = _param(1, 2 * si, d) if s else None
                 self.w2s = _param(1, d, si) if s else None
         else:
-            i = args.intermediate_size
-            self.w13 = _param(1, 2 * i, d)
-            self.w2 = _param(1, d, i)
+            i, slots = args.intermediate_size, 1
+        self.w13, self.w13_scale = _linear(args, "w13", slots, 2 * i, d)
+        self.w2, self.w2_scale = _linear(args, "w2", slots, d, i)
 
     def forward(self, h: Tensor) -> None:
         """``h += mlp(rms(h))`` in place."""
@@ -304,11 +319,13 @@ class MoE(nn.Module):
             self.k.moe_block(
                 h, self.ffn_norm, a.rms_norm_eps, self.gate, self.gate_bias, a.num_experts_per_tok, a.n_group,
                 a.topk_group, a.routed_scaling_factor, a.norm_topk_prob, a.n_shared_experts, self.w13, self.w2,
+                self.w13_scale, self.w2_scale,
             )  # fmt: skip
         else:
             ids = torch.zeros(n, 1, dtype=torch.int32, device=h.device)
             weights = torch.ones(n, 1, dtype=torch.float32, device=h.device)
-            self.k.moe_residual(h, self.ffn_norm, a.rms_norm_eps, ids, weights, self.w13, self.w2)
+            self.k.moe_residual(h, self.ffn_norm, a.rms_norm_eps, ids, weights, self.w13, self.w2, self.w13_scale,
+                                self.w2_scale)
 
     def _forward_parallel(self, h: Tensor) -> None:
         """Several ranks: this rank's experts and its slice of the shared / dense MLP add into ``h`` (rank 0) or

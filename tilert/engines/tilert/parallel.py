@@ -205,6 +205,9 @@ def check_degree(args: ModelArgs, size: int) -> None:
         raise ValueError(f"tensor-parallel degree must be >= 1 (got {size})")
     if size == 1:
         return
+    if args.fp8:
+        raise ValueError("tensor parallelism over block-FP8 weights is not supported yet (the shards would cut "
+                         "the 128-wide scale blocks): serve a bf16 checkpoint with --tp, or FP8 on one GPU")
     problems = []
     if args.num_heads % size:
         problems.append(f"{args.num_heads} attention heads")
@@ -297,12 +300,12 @@ def shard_model(model: Transformer, rank: int, size: int) -> Transformer:
     """Rank ``rank``'s share of a whole ``model`` (weights on the model's device and dtype; caches allocated as the
     model's). Used with ``weights.random_model`` (benchmarks, tests); checkpoints shard as they load."""
     from .model import Transformer
-    from .weights import _finish
+    from .weights import finish_model
 
     sd = {k: t.detach() for k, t in model.state_dict().items()}
     args = local_args(model.args, rank, size)
     with torch.device("meta"):
         local = Transformer(args)
     device, dtype = model.embed.device, model.embed.dtype
-    return _finish(local, shard_state_dict(sd, model.args, rank, size), device, dtype, model.max_seq_len,
+    return finish_model(local, shard_state_dict(sd, model.args, rank, size), device, dtype, model.max_seq_len,
                         model.max_sequences)

@@ -1,4 +1,5 @@
-"""Reading HF checkpoints (config.json + *.safetensors, bf16/fp16/fp32) into :class:`model.Transformer`.
+"""Reading HF checkpoints (config.json + *.safetensors: bf16/fp16/fp32, or block-FP8) into :class:`model.Transformer`
+(a directory written by ``tilert convert`` is read by :mod:`.convert` instead, through :func:`load_model`).
 
 Config parsing goes through transformers' own config classes (``AutoConfig``), so the engine reads
 exactly what transformers reads (e.g. ``rope_scaling`` standardised into ``rope_parameters``) and the
@@ -14,33 +15,43 @@ Name mapping (HF -> engine module):
 - experts, either per expert ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (DeepSeek / transformers'
   saved format) or fused ``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj`` -> stacked
   ``mlp.w13 [E, 2I, D]`` (gate rows first) and ``mlp.w2 [E, D, I]``.
-- then :func:`fuse_state_dict` builds the fused decode layout of ``model.py`` (``W_a``, ``W_b``, shared
-  experts stacked after the routed ones, dense MLP as a one-slot MoE, rope rows permuted evens-first).
+- then :func:`fused_groups` builds the fused decode layout of ``model.py`` (``W_a``, ``W_b``, shared
+  experts stacked after the routed ones, dense MLP as a one-slot MoE, rope rows permuted evens-first), one
+  group (top-level tensor, layer, MTP module) at a time, the experts as :class:`ExpertStack` s read slot by
+  slot: the one definition of the layout, used whole here (:func:`fuse_state_dict`) and streamed by the
+  converter.
 
 :func:`random_model` builds a model of the same layout from :class:`ModelArgs` alone (random weights,
 created directly on the target device; benchmarks and kernel checks).
 
-FP8 checkpoints (``weight_scale_inv`` tensors or a ``quantization_config``) are refused.
+Block-FP8 checkpoints (``quantization_config`` quant_method fp8, 128x128 blocks; ``fp8.py``) load as FP8: each
+e4m3 ``X.weight`` is paired with its ``X.weight_scale_inv`` into an :class:`fp8.QTensor` (per-row scales), fused
+exactly like a plain weight (the same concatenations and row permutations apply to both), then stored as the
+engine's e4m3 weight plus its grouped scale (``fp8.scale_groups``). No dequantised copy is made; an FP8 tensor
+the engine keeps in bf16 (e.g. an FP8 ``eh_proj``) is dequantised on its own.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterator, MutableMapping
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from . import layouts
+from . import fp8, layouts
+from .fp8 import QTensor
 from .model import ModelArgs, Transformer
 
 SUPPORTED_ARCHS = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 # Tensors transformers keeps in float32 whatever the model dtype.
 _FP32_SUFFIXES = ("gate_bias",)  # e_score_correction_bias (fp32 in transformers too)
 _MTP_OWN = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
-_EXPERT_RE = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED_RE = re.compile(r"^(.*\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 
 
@@ -51,8 +62,8 @@ def load_hf_config(model_dir: Path) -> Any:
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     if raw.get("model_type") not in SUPPORTED_ARCHS:
         raise ValueError(f"unsupported model_type {raw.get('model_type')!r}; supported: {SUPPORTED_ARCHS}")
-    if raw.get("quantization_config"):
-        raise ValueError("quantized (FP8) checkpoints are not supported by the tilert reference engine")
+    if raw.get("quantization_config") is not None:
+        fp8.check_quantization_config(raw["quantization_config"])
     return AutoConfig.from_pretrained(str(model_dir))
 
 
@@ -139,6 +150,7 @@ def args_from_hf_config(cfg: Any, keys: set[str] | None = None) -> ModelArgs:
         index_topk=getattr(cfg, "index_topk", 0) if dsa else 0,
         indexer_rope_interleave=arch == "glm_moe_dsa",
         indexer_types=indexer_types,
+        fp8=getattr(cfg, "quantization_config", None) is not None,
     )
     # num_nextn_predict_layers (num_mtp_layers in transformers' V3 config); when the config does not say
     # (transformers' V3.2 / GLM-5 configs drop it), the checkpoint's tensors decide.
@@ -157,7 +169,7 @@ def args_from_hf_config(cfg: Any, keys: set[str] | None = None) -> ModelArgs:
     return args
 
 
-def _checkpoint_files(model_dir: Path) -> list[Path]:
+def checkpoint_files(model_dir: Path) -> list[Path]:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {model_dir}")
@@ -167,7 +179,7 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
 def checkpoint_keys(model_dir: Path) -> set[str]:
     """All tensor names in the checkpoint."""
     keys: set[str] = set()
-    for f in _checkpoint_files(model_dir):
+    for f in checkpoint_files(model_dir):
         with safe_open(str(f), framework="pt") as sf:
             keys.update(sf.keys())
     return keys
@@ -193,38 +205,119 @@ def _target_name(hf_name: str, args: ModelArgs) -> str | None:
     return None  # further MTP modules (unused)
 
 
-def convert_state_dict(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Rename HF tensors and stack experts into ``w13``/``w2``."""
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    for hf_name, t in tensors.items():
-        if hf_name.endswith("weight_scale_inv") or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise ValueError("FP8 checkpoints are not supported by the tilert reference engine")
-        name = _target_name(hf_name, args)
-        if name is None:
+def pair_fp8(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, Any]:
+    """Each e4m3 ``X.weight`` with its ``X.weight_scale_inv`` as one :class:`fp8.QTensor` (FP8 checkpoints);
+    refuses FP8 tensors without a quantization_config, an FP8 weight without its scale and a scale without its
+    weight, naming the tensor."""
+    out: dict[str, Any] = {}
+    for name, t in tensors.items():
+        if name.endswith(fp8.CKPT_SCALE_SUFFIX):
+            if name[: -len("_scale_inv")] not in tensors:
+                raise ValueError(f"{name}: a weight_scale_inv without its weight")
             continue
-        if (m := _EXPERT_RE.match(name)) is not None:
-            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
-        elif (m := _FUSED_RE.match(name)) is not None:
-            out[f"{m.group(1)}.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}"] = t
+        if t.dtype in fp8.FP8_DTYPES:
+            if not args.fp8:
+                raise ValueError(f"{name} is {t.dtype} but config.json has no quantization_config")
+            scale = tensors.get(name + "_scale_inv")
+            if scale is None:
+                raise ValueError(f"{name} is FP8 but {name}_scale_inv is missing")
+            out[name] = QTensor.from_checkpoint(name, t, scale)
         else:
             out[name] = t
-    for mlp, per_expert in experts.items():
-        ids = sorted(per_expert)
-        if ids != list(range(len(ids))):
-            raise ValueError(f"{mlp}: experts {ids} are not 0..E-1")
-        out[f"{mlp}.w13"] = torch.stack(
-            [torch.cat([per_expert[e]["gate_proj"], per_expert[e]["up_proj"]], dim=0) for e in ids]
-        )
-        out[f"{mlp}.w2"] = torch.stack([per_expert[e]["down_proj"] for e in ids])
+    return out
+
+
+def engine_name(hf_name: str, args: ModelArgs) -> str | None:
+    """HF tensor name -> the name the fusion reads it under (``None`` = unused): :func:`_target_name`, with
+    transformers' fused expert tensors as stacked ``mlp.w13`` / ``mlp.w2``."""
+    name = _target_name(hf_name, args)
+    if name is not None and (m := _FUSED_RE.match(name)) is not None:
+        return f"{m.group(1)}.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}"
+    return name
+
+
+def convert_state_dict(tensors: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, Any]:
+    """Rename HF tensors (:func:`engine_name`; FP8 weights paired with their scales as :class:`fp8.QTensor`)."""
+    out: dict[str, Any] = {}
+    for hf_name, t in pair_fp8(tensors, args).items():
+        name = engine_name(hf_name, args)
+        if name is not None:
+            out[name] = t
     if "lm_head.weight" not in out and args.tie_word_embeddings:
         out["lm_head.weight"] = out["embed_tokens.weight"]
     return out
 
 
-def _deinterleave_rows(w: torch.Tensor, start: int, rope: int, stride: int = 0, count: int = 1) -> torch.Tensor:
+@dataclass
+class ExpertStack:
+    """A stacked expert weight (``w13 [slots, 2I, D]`` or ``w2 [slots, D, I]``) given slot by slot: each slot is
+    read from the checkpoint only when called, so the converter streams a layer's experts one at a time."""
+
+    slots: list[Callable[[], Any]]
+
+    def materialize(self) -> Any:
+        return fp8.stack([slot() for slot in self.slots])
+
+
+def _expert_stacks(sd: MutableMapping[str, Any], mp: str, args: ModelArgs) -> tuple[ExpertStack, ExpertStack]:
+    """``(w13, w2)`` of a routed MoE (prefix ``mp`` = ``...mlp.``): routed experts ``0..E-1`` then the shared MLP
+    split into ``S`` experts of width ``I``."""
+    w13: list[Callable[[], Any]] = []
+    w2: list[Callable[[], Any]] = []
+    if mp + "w13" in sd:  # transformers' fused expert tensors
+        cache: dict[str, Any] = {}
+
+        def stacked(key: str) -> Any:
+            if key not in cache:
+                cache[key] = _need(sd, mp + key)
+            return cache[key]
+
+        def fused_slot(key: str, e: int) -> Any:
+            return _rows(stacked(key), lambda t: t[e])
+
+        w13 += [partial(fused_slot, "w13", e) for e in range(args.n_routed_experts)]
+        w2 += [partial(fused_slot, "w2", e) for e in range(args.n_routed_experts)]
+    else:
+        pat = re.compile(re.escape(mp) + r"experts\.(\d+)\.gate_proj\.weight$")
+        ids = sorted(int(m.group(1)) for k in sd.keys() if (m := pat.match(k)))
+        if ids != list(range(args.n_routed_experts)):
+            raise ValueError(f"{mp}experts: found experts {ids[:8]}{'...' if len(ids) > 8 else ''} "
+                             f"({len(ids)}), expected 0..{args.n_routed_experts - 1}")
+        def gate_up(ex: str) -> Any:
+            return fp8.cat_rows([_need(sd, ex + "gate_proj.weight"), _need(sd, ex + "up_proj.weight")], ex[:-1])
+
+        w13 += [partial(gate_up, f"{mp}experts.{e}.") for e in ids]
+        w2 += [partial(_need, sd, f"{mp}experts.{e}.down_proj.weight") for e in ids]
+    s, i = args.n_shared_experts, args.moe_intermediate_size
+    shared: dict[str, Any] = {}
+
+    def split_shared() -> dict[str, Any]:
+        if not shared:
+            g = _rows(_need(sd, mp + "shared_experts.gate_proj.weight"), lambda t: t.view(s, i, -1))
+            u = _rows(_need(sd, mp + "shared_experts.up_proj.weight"), lambda t: t.view(s, i, -1))
+            d = _need(sd, mp + "shared_experts.down_proj.weight")
+            shared["w13"] = fp8.cat_rows([g, u], mp + "shared_experts")
+            shared["w2"] = d.split_cols(s) if isinstance(d, QTensor) else d.view(-1, s, i).transpose(0, 1)
+        return shared
+
+    def shared_slot(key: str, j: int) -> Any:
+        return _rows(split_shared()[key], lambda t: t[j])
+
+    w13 += [partial(shared_slot, "w13", j) for j in range(s)]
+    w2 += [partial(shared_slot, "w2", j) for j in range(s)]
+    return ExpertStack(w13), ExpertStack(w2)
+
+
+def _rows(t: Any, fn: Any) -> Any:
+    """A row operation on a plain tensor, or on an :class:`fp8.QTensor` (its weight and per-row scale alike)."""
+    return t.map_rows(fn) if isinstance(t, QTensor) else fn(t)
+
+
+def _deinterleave_rows(w: Any, start: int, rope: int, stride: int = 0, count: int = 1) -> Any:
     """Permute, in ``count`` blocks of rows ``[start + j*stride, +rope)``, interleaved rope rows
     evens-first (so that half-split RoPE on the output equals interleaved RoPE on the original)."""
+    if isinstance(w, QTensor):
+        return w.map_rows(lambda t: _deinterleave_rows(t, start, rope, stride, count))
     w = w.clone()
     perm = layouts.rope_deinterleave_perm(rope).to(w.device)
     for j in range(count):
@@ -234,16 +327,17 @@ def _deinterleave_rows(w: torch.Tensor, start: int, rope: int, stride: int = 0, 
 
 
 def _fuse_layer(
-    sd: dict[str, torch.Tensor], src: str, args: ModelArgs, moe: bool, has_indexer: bool
-) -> dict[str, torch.Tensor]:
-    """One decoder layer's HF-named tensors (prefix ``src``) -> the fused layout (same prefix)."""
+    sd: MutableMapping[str, Any], src: str, args: ModelArgs, moe: bool, has_indexer: bool
+) -> dict[str, Any]:
+    """One decoder layer's HF-named tensors (prefix ``src``) -> the fused layout (same prefix); the experts as
+    :class:`ExpertStack` s."""
     a = args
     h, p, r, lat = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank
     at = src + "self_attn."
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {}
 
-    def take(name: str) -> torch.Tensor:
-        return sd.pop(at + name)
+    def take(name: str) -> Any:
+        return _need(sd, at + name)
 
     q_name = "q_a_proj" if a.q_lora_rank is not None else "q_proj"
     wq = take(f"{q_name}.weight")
@@ -265,13 +359,18 @@ def _fuse_layer(
         if a.indexer_rope_interleave:
             wk, kn_w, kn_b = (_deinterleave_rows(t, 0, r) for t in (wk, kn_w, kn_b))
             wq_b = _deinterleave_rows(wq_b, 0, r, stride=di, count=hi)
-        wa += [wk, take("indexer.weights_proj.weight").to(wq.dtype)]
+        wproj = take("indexer.weights_proj.weight")
+        if a.fp8:  # bf16 in FP8 checkpoints: kept apart (fp8.py)
+            out[src + "attn.index_wproj"] = wproj
+            wa += [wk]
+        else:
+            wa += [wk, wproj.to(wq.dtype)]
         if bias:
-            bias += [torch.zeros(di + hi, dtype=bias[0].dtype)]
+            bias += [torch.zeros(di + (0 if a.fp8 else hi), dtype=bias[0].dtype)]
         out[at.replace("self_attn.", "attn.") + "index_k_norm"] = kn_w
         out[at.replace("self_attn.", "attn.") + "index_k_bias"] = kn_b
     pre = src + "attn."
-    out[pre + "wa"] = torch.cat(wa, 0)
+    out[pre + "wa"] = fp8.cat_rows(wa, pre + "wa")
     if bias:
         out[pre + "wa_bias"] = torch.cat(bias, 0)
     if a.q_lora_rank is not None:
@@ -279,64 +378,96 @@ def _fuse_layer(
         if a.rope_interleave:
             wq_b_main = _deinterleave_rows(wq_b_main, p, r, stride=p + r, count=h)
         out[pre + "q_norm"] = take("q_a_layernorm.weight")
-        out[pre + "wb"] = torch.cat([wq_b_main] + ([wq_b] if has_indexer else []), 0)
+        out[pre + "wb"] = fp8.cat_rows([wq_b_main] + ([wq_b] if has_indexer else []), pre + "wb")
     out[pre + "kv_norm"] = take("kv_a_layernorm.weight")
     out[pre + "wkv_b"] = take("kv_b_proj.weight")
     out[pre + "wo"] = take("o_proj.weight")
     if a.attention_bias:
         out[pre + "wo_bias"] = take("o_proj.bias")
-    out[pre + "attn_norm"] = sd.pop(src + "input_layernorm.weight")
+    out[pre + "attn_norm"] = _need(sd, src + "input_layernorm.weight")
 
     mp = src + "mlp."
-    out[mp + "ffn_norm"] = sd.pop(src + "post_attention_layernorm.weight")
+    out[mp + "ffn_norm"] = _need(sd, src + "post_attention_layernorm.weight")
     if moe:
-        out[mp + "gate"] = sd.pop(mp + "gate.weight")
-        out[mp + "gate_bias"] = sd.pop(mp + "gate.e_score_correction_bias")
-        w13, w2 = sd.pop(mp + "w13"), sd.pop(mp + "w2")
-        if a.n_shared_experts:
-            i, s = a.moe_intermediate_size, a.n_shared_experts
-            g = sd.pop(mp + "shared_experts.gate_proj.weight").view(s, i, -1)
-            u = sd.pop(mp + "shared_experts.up_proj.weight").view(s, i, -1)
-            d = sd.pop(mp + "shared_experts.down_proj.weight").view(-1, s, i).transpose(0, 1)
-            w13 = torch.cat([w13, torch.cat([g, u], 1).to(w13.dtype)], 0)
-            w2 = torch.cat([w2, d.to(w2.dtype)], 0)
-        out[mp + "w13"], out[mp + "w2"] = w13, w2
-    else:
-        g, u, d = (sd.pop(mp + f"{k}.weight") for k in ("gate_proj", "up_proj", "down_proj"))
-        out[mp + "w13"] = torch.cat([g, u], 0)[None]
-        out[mp + "w2"] = d[None]
+        out[mp + "gate"] = _need(sd, mp + "gate.weight")
+        out[mp + "gate_bias"] = _need(sd, mp + "gate.e_score_correction_bias")
+        out[mp + "w13"], out[mp + "w2"] = _expert_stacks(sd, mp, a)
+    else:  # a dense MLP: one slot
+        names = [mp + f"{k}.weight" for k in ("gate_proj", "up_proj", "down_proj")]
+        out[mp + "w13"] = ExpertStack([lambda: fp8.cat_rows([_need(sd, n) for n in names[:2]], mp + "w13")])
+        out[mp + "w2"] = ExpertStack([lambda: _need(sd, names[2])])
     return out
 
 
-def fuse_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """HF-named (renamed by :func:`convert_state_dict`) tensors -> :class:`Transformer`'s fused layout."""
-    sd = dict(sd)
-    out: dict[str, torch.Tensor] = {
-        "embed": sd.pop("embed_tokens.weight"),
-        "norm": sd.pop("norm.weight"),
-        "lm_head": sd.pop("lm_head.weight"),
-    }
+def store_fp8(sd: dict[str, Any], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Fused :class:`fp8.QTensor` s -> e4m3 ``X`` + grouped ``X_scale`` (``fp8.scale_groups``); an FP8 tensor the
+    engine keeps in bf16 is dequantised (float32). In an FP8 model every fused weight must be FP8."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in sd.items():
+        leaf = name.rsplit(".", 1)[-1]
+        if args.fp8 and leaf in fp8.FUSED_LEAVES and not isinstance(t, QTensor):
+            raise ValueError(f"{name}: the checkpoint is FP8 but this weight is {t.dtype} (expected e4m3 with "
+                             "weight_scale_inv, as DeepSeek's FP8 checkpoints store it)")
+        if not isinstance(t, QTensor):
+            out[name] = t
+        elif leaf in fp8.FUSED_LEAVES:
+            out[name] = t.weight.contiguous()
+            out[name + fp8.SCALE_SUFFIX] = t.compress(*fp8.scale_groups(leaf, tuple(t.shape)), name)
+        else:
+            out[name] = fp8.dequant(t.weight, t.scale, torch.float32)  # per-row scale: groups (1, gk)
+    return out
+
+
+def _need(sd: MutableMapping[str, Any], name: str) -> Any:
+    """``sd.pop(name)``; a tensor the model needs but the checkpoint lacks is refused by name."""
+    if name not in sd:
+        raise ValueError(f"checkpoint tensor {name!r} is missing")
+    return sd.pop(name)
+
+
+def fused_groups(sd: MutableMapping[str, Any], args: ModelArgs) -> Iterator[dict[str, Any]]:
+    """Renamed tensors (:func:`convert_state_dict`, or the converter's lazy checkpoint) -> the fused layout of
+    :class:`Transformer`, one group at a time (the top-level tensors, each layer, the MTP module); tensors are
+    popped from ``sd`` as they are used (experts when their :class:`ExpertStack` slot is called), and what is left
+    at the end is refused. The consumer finishes a group before asking for the next."""
+
+    def pop(name: str) -> Any:
+        return _need(sd, name)
+
+    # one group each: the embedding and the head are the largest tensors, never both in memory at once
+    yield {"embed": pop("embed_tokens.weight")}
+    yield {"norm": pop("norm.weight")}
+    yield {"lm_head": pop("lm_head.weight")}
     index_layers = set(args.index_layers)
     for i in range(args.num_layers):
-        out.update(_fuse_layer(sd, f"layers.{i}.", args, args.mlp_layer_types[i] == "sparse", i in index_layers))
+        yield _fuse_layer(sd, f"layers.{i}.", args, args.mlp_layer_types[i] == "sparse", i in index_layers)
     if args.num_mtp_layers:
-        out.update(_fuse_layer(sd, "mtp.0.block.", args, args.mtp_moe, args.mtp_indexer))
+        out = _fuse_layer(sd, "mtp.0.block.", args, args.mtp_moe, args.mtp_indexer)
         for src, dst in (("enorm.weight", "enorm"), ("hnorm.weight", "hnorm"), ("eh_proj.weight", "eh_proj"),
                          ("shared_head.norm.weight", "head_norm"), ("embed_tokens.weight", "embed"),
                          ("shared_head.head.weight", "head")):
             if "mtp.0." + src in sd:
                 out["mtp.0." + dst] = sd.pop("mtp.0." + src)
-    leftover = [k for k in sd if not k.startswith("mtp.0.")]
+        yield out
+    leftover = [k for k in sd.keys() if not k.startswith("mtp.0.")]
     if leftover:
         raise ValueError(f"checkpoint tensors not used by the model: {leftover[:8]}")
-    return out
 
 
-def _finish(model: Transformer, sd: dict[str, torch.Tensor], device: torch.device | str, dtype: torch.dtype,
-            max_seq_len: int, max_sequences: int = 1) -> Transformer:
+def fuse_state_dict(sd: dict[str, Any], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """HF-named (renamed by :func:`convert_state_dict`) tensors -> :class:`Transformer`'s fused layout."""
+    out: dict[str, Any] = {}
+    for group in fused_groups(dict(sd), args):
+        out.update({k: v.materialize() if isinstance(v, ExpertStack) else v for k, v in group.items()})
+    return store_fp8(out, args)
+
+
+def finish_model(model: Transformer, sd: dict[str, torch.Tensor], device: torch.device | str, dtype: torch.dtype,
+                 max_seq_len: int, max_sequences: int = 1) -> Transformer:
     for k, t in sd.items():
-        keep_fp32 = k.endswith(_FP32_SUFFIXES)
-        sd[k] = t.to(device=device, dtype=torch.float32 if keep_fp32 else dtype).contiguous()
+        keep_fp32 = k.endswith(_FP32_SUFFIXES + (fp8.SCALE_SUFFIX,))
+        keep = t.dtype in fp8.FP8_DTYPES  # block-FP8 weights stay e4m3
+        sd[k] = t.to(device=device, dtype=t.dtype if keep else torch.float32 if keep_fp32 else dtype).contiguous()
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the model: missing={missing} unexpected={unexpected}")
@@ -354,15 +485,24 @@ def load_model(
     max_sequences: int = 1,
     tp: tuple[int, int] = (0, 1),
 ) -> Transformer:
-    """Read ``model_dir`` and return a ready :class:`Transformer` (weights in ``dtype``, caches allocated for
-    ``max_sequences`` sequences of ``max_seq_len`` positions); ``tp = (rank, size)``: that rank's share of the
-    model (``parallel.py``; the whole checkpoint is read, then sharded before it reaches the device)."""
+    """Read ``model_dir`` (an HF checkpoint, or a directory written by ``tilert convert``) and return a ready
+    :class:`Transformer` (weights in ``dtype``, FP8 weights kept e4m3; caches allocated for ``max_sequences``
+    sequences of ``max_seq_len`` positions); ``tp = (rank, size)``: that rank's share of the model
+    (``parallel.py``; the whole checkpoint is read, then sharded before it reaches the device)."""
     model_dir = Path(model_dir)
+    from . import convert  # (imports this module)
+
+    if convert.is_converted(model_dir):
+        if tp[1] > 1:
+            raise ValueError(f"{model_dir} was written by tilert convert; with --tp load the HF checkpoint it came "
+                             "from (the engine shards it at start-up)")
+        return convert.load_converted(model_dir, device=device, dtype=dtype, max_seq_len=max_seq_len,
+                                      max_sequences=max_sequences)
     cfg = load_hf_config(model_dir)
     keys = checkpoint_keys(model_dir)
     args = args_from_hf_config(cfg, keys)
     tensors: dict[str, torch.Tensor] = {}
-    for f in _checkpoint_files(model_dir):
+    for f in checkpoint_files(model_dir):
         with safe_open(str(f), framework="pt") as sf:
             for k in sf.keys():
                 if _target_name(k, args) is not None:
@@ -374,7 +514,7 @@ def load_model(
         sd, args = parallel.shard_state_dict(sd, args, *tp), parallel.local_args(args, *tp)
     with torch.device("meta"):
         model = Transformer(args)
-    return _finish(model, sd, device, dtype, max_seq_len, max_sequences)
+    return finish_model(model, sd, device, dtype, max_seq_len, max_sequences)
 
 
 @torch.no_grad()
@@ -396,10 +536,18 @@ def random_model(
         model = Transformer(args)
     gen = torch.Generator(device=device).manual_seed(seed)
     sd: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():
-        keep_fp32 = name.endswith(_FP32_SUFFIXES)
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        keep_fp32 = name.endswith(_FP32_SUFFIXES + (fp8.SCALE_SUFFIX,))
         t = torch.empty(p.shape, device=device, dtype=torch.float32 if keep_fp32 else dtype)
         leaf = name.rsplit(".", 1)[-1]
+        if p.dtype == fp8.E4M3:  # FP8 weights: N(0, 1) in e4m3 (their scale carries fan_in^-0.5)
+            sd[name] = t.normal_(0.0, 1.0, generator=gen).to(fp8.E4M3)
+            continue
+        if leaf.endswith(fp8.SCALE_SUFFIX):
+            fan_in = params[name[: -len(fp8.SCALE_SUFFIX)]].shape[-1]
+            sd[name] = t.uniform_(0.5, 1.5, generator=gen).mul_(fan_in**-0.5)
+            continue
         if leaf in ("gate_bias",):
             t.normal_(0.0, 0.01, generator=gen)
         elif leaf in ("index_k_bias", "wa_bias", "wo_bias"):
@@ -411,4 +559,4 @@ def random_model(
         else:
             t.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
         sd[name] = t
-    return _finish(model, sd, device, dtype, max_seq_len, max_sequences)
+    return finish_model(model, sd, device, dtype, max_seq_len, max_sequences)

@@ -11,6 +11,9 @@ reference for that device with no change to the model. Importing this package re
 cache rows a step reads); the CPU engine calls them directly, not through the dispatcher
 (``Transformer.use_kernels``), which on a small model costs more than the arithmetic.
 
+Block-FP8 weights (``fp8.py``): the ops that read weights take the weight's scale as a trailing optional
+argument (``scale``, ``s13``/``s2``, ``kv_b_scale``; ``None`` for bf16/fp32 weights).
+
 CUDA-graph friendliness: no op takes a Python int that changes from one decode step to the next;
 positions and indices are device tensors, shapes depend only on the batch of new tokens and the
 static cache size.
@@ -97,14 +100,16 @@ def _(q: Tensor, weights: Tensor, k_cache: Tensor, positions: Tensor, topk: int,
 
 
 @torch.library.custom_op("tilert::moe_experts", mutates_args=())
-def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+                s13: Tensor | None = None, s2: Tensor | None = None) -> Tensor:
     """Routed SwiGLU experts, ``out = sum_j w_j * w2[e_j] @ (silu(gate) * up)``; see
     :func:`reference.moe_experts`."""
-    return reference.moe_experts(x, topk_ids, topk_weights, w13, w2)
+    return reference.moe_experts(x, topk_ids, topk_weights, w13, w2, s13, s2)
 
 
 @moe_experts.register_fake
-def _(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+def _(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+      s13: Tensor | None = None, s2: Tensor | None = None) -> Tensor:
     return torch.empty_like(x)
 
 
@@ -122,37 +127,39 @@ def gemv(
     eps: float = 1e-6,
     bias: Tensor | None = None,
     fp32_out: bool = False,
+    scale: Tensor | None = None,
 ) -> Tensor:
     """``rms_norm(x; norm_weight) @ weight^T (+ bias)``; see :func:`reference.gemv`."""
-    return reference.gemv(x, weight, norm_weight, eps, bias, fp32_out)
+    return reference.gemv(x, weight, norm_weight, eps, bias, fp32_out, scale)
 
 
 @gemv.register_fake
-def _(x, weight, norm_weight=None, eps=1e-6, bias=None, fp32_out=False):
+def _(x, weight, norm_weight=None, eps=1e-6, bias=None, fp32_out=False, scale=None):
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32 if fp32_out else x.dtype)
 
 
 @torch.library.custom_op("tilert::gemv_residual", mutates_args=("h",))
-def gemv_residual(h: Tensor, x: Tensor, weight: Tensor) -> None:
+def gemv_residual(h: Tensor, x: Tensor, weight: Tensor, scale: Tensor | None = None) -> None:
     """In place ``h += x @ weight^T``; see :func:`reference.gemv_residual`."""
-    reference.gemv_residual(h, x, weight)
+    reference.gemv_residual(h, x, weight, scale)
 
 
 @gemv_residual.register_fake
-def _(h, x, weight):
+def _(h, x, weight, scale=None):
     return None
 
 
 @torch.library.custom_op("tilert::moe_residual", mutates_args=("h",))
 def moe_residual(
-    h: Tensor, norm_weight: Tensor, eps: float, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor
+    h: Tensor, norm_weight: Tensor, eps: float, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+    s13: Tensor | None = None, s2: Tensor | None = None,
 ) -> None:
     """In place ``h += moe_experts(rms_norm(h), ...)``; see :func:`reference.moe_residual`."""
-    reference.moe_residual(h, norm_weight, eps, topk_ids, topk_weights, w13, w2)
+    reference.moe_residual(h, norm_weight, eps, topk_ids, topk_weights, w13, w2, s13, s2)
 
 
 @moe_residual.register_fake
-def _(h, norm_weight, eps, topk_ids, topk_weights, w13, w2):
+def _(h, norm_weight, eps, topk_ids, topk_weights, w13, w2, s13=None, s2=None):
     return None
 
 
@@ -171,16 +178,19 @@ def moe_block(
     n_shared: int,
     w13: Tensor,
     w2: Tensor,
+    s13: Tensor | None = None,
+    s2: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """A routed MoE block in place (``router`` then ``moe_residual``); returns the routing it used (what
     the GPU checks record); see :func:`reference.moe_block`."""
     ids, weights = reference.moe_block(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group,
-                                       route_scale, norm_topk, n_shared, w13, w2)
+                                       route_scale, norm_topk, n_shared, w13, w2, s13, s2)
     return ids, weights
 
 
 @moe_block.register_fake
-def _(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared, w13, w2):
+def _(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared, w13, w2,
+      s13=None, s2=None):
     k = top_k + n_shared
     return h.new_empty((h.shape[0], k), dtype=torch.int32), h.new_empty((h.shape[0], k), dtype=torch.float32)
 
@@ -253,18 +263,19 @@ def mla_prep(
     index_heads: int,
     eps: float,
     index_weight_scale: float,
+    kv_b_scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Query absorption + RoPE, latent / indexer cache rows, indexer queries and weights; see
     :func:`reference.mla_prep`."""
     q, iq, iw = reference.mla_prep(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, index_norm_weight,
                                    index_norm_bias, index_cache, num_heads, nope_dim, kv_offset, index_heads, eps,
-                                   index_weight_scale)
+                                   index_weight_scale, kv_b_scale)
     return q, iq, iw
 
 
 @mla_prep.register_fake
 def _(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, index_norm_weight, index_norm_bias, index_cache,
-      num_heads, nope_dim, kv_offset, index_heads, eps, index_weight_scale):
+      num_heads, nope_dim, kv_offset, index_heads, eps, index_weight_scale, kv_b_scale=None):
     n = a.shape[0]
     q = kv_cache.new_empty((n, num_heads, kv_cache.shape[-1]))
     if index_cache is None:
@@ -273,13 +284,13 @@ def _(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, index_norm_weig
 
 
 @torch.library.custom_op("tilert::mla_uv", mutates_args=())
-def mla_uv(o_lat: Tensor, kv_b: Tensor, nope_dim: int) -> Tensor:
+def mla_uv(o_lat: Tensor, kv_b: Tensor, nope_dim: int, kv_b_scale: Tensor | None = None) -> Tensor:
     """``W_UV`` per head: ``[n, H, L]`` -> ``[n, H*V]``; see :func:`reference.mla_uv`."""
-    return reference.mla_uv(o_lat, kv_b, nope_dim)
+    return reference.mla_uv(o_lat, kv_b, nope_dim, kv_b_scale)
 
 
 @mla_uv.register_fake
-def _(o_lat, kv_b, nope_dim):
+def _(o_lat, kv_b, nope_dim, kv_b_scale=None):
     n, h, _ = o_lat.shape
     return o_lat.new_empty((n, kv_b.shape[0] - h * nope_dim))
 

@@ -23,6 +23,9 @@ products (:func:`_linear`: ``bmm`` of ``[n, 1, K]`` rows against the weight broa
 ``n`` one-row products, the same rounding as ``F.linear`` of one row), and what reads a row's own cache rows
 (attention, the indexer) or its own experts loops over the rows. Only a step of one sequence's several tokens
 (a prompt, an MTP verification) needs no such match; over ``ROWWISE_MAX`` rows (a prompt) the kernels batch.
+
+Block-FP8 weights (``fp8.py``) are dequantised exactly (``fp8.dequant``) right before use, one weight (one
+expert) at a time: the model stays FP8 in memory.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..fp8 import dequant
 from . import reference
 
 __all__ = [
@@ -94,7 +98,10 @@ def gemv(
     eps: float = 1e-6,
     bias: Tensor | None = None,
     fp32_out: bool = False,
+    scale: Tensor | None = None,
 ) -> Tensor:
+    if scale is not None:
+        weight = dequant(weight, scale, x.dtype)
     if not _fast(x, weight, norm_weight, bias):
         return reference.gemv(x, weight, norm_weight, eps, bias, fp32_out)
     if norm_weight is not None:
@@ -102,7 +109,9 @@ def gemv(
     return _linear(x, weight, bias)
 
 
-def gemv_residual(h: Tensor, x: Tensor, weight: Tensor) -> None:
+def gemv_residual(h: Tensor, x: Tensor, weight: Tensor, scale: Tensor | None = None) -> None:
+    if scale is not None:
+        weight = dequant(weight, scale, x.dtype)
     if not _fast(h, x, weight):
         return reference.gemv_residual(h, x, weight)
     h.add_(_linear(x, weight))
@@ -126,9 +135,12 @@ def mla_prep(
     index_heads: int,
     eps: float,
     index_weight_scale: float,
+    kv_b_scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`reference.mla_prep` with every RoPE'd slice (query heads, key, indexer query heads and key)
     rotated in one pass, and the norm as one call."""
+    if kv_b_scale is not None:
+        kv_b = dequant(kv_b, kv_b_scale, a.dtype)
     if not _fast(a, b, kv_b, cos, kv_norm_weight, kv_cache, index_norm_weight, index_cache):
         return reference.mla_prep(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, index_norm_weight,
                                   index_norm_bias, index_cache, num_heads, nope_dim, kv_offset, index_heads, eps,
@@ -237,7 +249,9 @@ def indexer_topk(
     return torch.cat([row(i) for i in range(n)])
 
 
-def mla_uv(o_lat: Tensor, kv_b: Tensor, nope_dim: int) -> Tensor:
+def mla_uv(o_lat: Tensor, kv_b: Tensor, nope_dim: int, kv_b_scale: Tensor | None = None) -> Tensor:
+    if kv_b_scale is not None:
+        kv_b = dequant(kv_b, kv_b_scale, o_lat.dtype)
     return _each_row(
         o_lat.shape[0],
         lambda i: reference.mla_uv(o_lat[i : i + 1], kv_b, nope_dim),
@@ -245,14 +259,20 @@ def mla_uv(o_lat: Tensor, kv_b: Tensor, nope_dim: int) -> Tensor:
     )
 
 
-def _expert_sum(x: Tensor, ids: list[int], weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+def _expert(w: Tensor, s: Tensor | None, e: int, dtype: torch.dtype) -> Tensor:
+    """Expert ``e``'s weight, in place (plain) or dequantised (FP8)."""
+    return w[e] if s is None else dequant(w[e], s[e], dtype)
+
+
+def _expert_sum(x: Tensor, ids: list[int], weights: Tensor, w13: Tensor, w2: Tensor,
+                s13: Tensor | None = None, s2: Tensor | None = None) -> Tensor:
     """``sum_j weights[j] * expert_{ids[j]}(x)`` for one token ``x [1, D]``: each expert's weights read in place
     (the reference gathers them by copy), the sum in float32 in slot order; ids ``-1`` are skipped."""
     out: Tensor | None = None
     for j, e in enumerate(ids):
         if e < 0:
             continue
-        y = _mlp(x, w13[e], w2[e]).mul_(weights[:, j : j + 1])
+        y = _mlp(x, _expert(w13, s13, e, x.dtype), _expert(w2, s2, e, x.dtype)).mul_(weights[:, j : j + 1])
         out = y if out is None else out.add_(y)
     return torch.zeros_like(x) if out is None else out
 
@@ -264,32 +284,42 @@ def _mlp(x: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
     return _linear(F.silu(gu[:, :inter]) * gu[:, inter:], w2)
 
 
-def _experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+def _experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+             s13: Tensor | None = None, s2: Tensor | None = None) -> Tensor:
     """The experts of every row (float32): a dense MLP (one expert, id 0) over all rows at once, routed experts
     token by token (each token reads its own experts in place)."""
     if w13.shape[0] == 1 and topk_ids.shape[1] == 1:
-        return _mlp(x, w13[0], w2[0]).mul_(topk_weights)
+        return _mlp(x, _expert(w13, s13, 0, x.dtype), _expert(w2, s2, 0, x.dtype)).mul_(topk_weights)
     if x.shape[0] > ROWWISE_MAX:
-        return reference.moe_experts(x, topk_ids, topk_weights, w13, w2)
+        return reference.moe_experts(x, topk_ids, topk_weights, w13, w2, s13, s2)
     ids = topk_ids.tolist()
-    return torch.cat([_expert_sum(x[i : i + 1], ids[i], topk_weights[i : i + 1], w13, w2) for i in range(len(ids))])
+    return torch.cat([_expert_sum(x[i : i + 1], ids[i], topk_weights[i : i + 1], w13, w2, s13, s2)
+                      for i in range(len(ids))])  # fmt: skip
 
 
-def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
-    if not _fast(x, w13, w2, topk_weights):
-        return reference.moe_experts(x, topk_ids, topk_weights, w13, w2)
-    return _experts(x, topk_ids, topk_weights, w13, w2)
+def _weights_fast(x: Tensor, w: Tensor, s: Tensor | None) -> bool:
+    """Float32 weights, or FP8 ones dequantised to float32 (``x`` float32)."""
+    return _fast(w) or (s is not None and _fast(x))
 
 
-def _experts_residual(h: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor) -> None:
+def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+                s13: Tensor | None = None, s2: Tensor | None = None) -> Tensor:
+    if not (_fast(x, topk_weights) and _weights_fast(x, w13, s13) and _weights_fast(x, w2, s2)):
+        return reference.moe_experts(x, topk_ids, topk_weights, w13, w2, s13, s2)
+    return _experts(x, topk_ids, topk_weights, w13, w2, s13, s2)
+
+
+def _experts_residual(h: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+                      s13: Tensor | None = None, s2: Tensor | None = None) -> None:
     """``h += moe_experts(x, ...)`` with ``x = rms_norm(h)`` already computed."""
-    h.add_(moe_experts(x, topk_ids, topk_weights, w13, w2))
+    h.add_(moe_experts(x, topk_ids, topk_weights, w13, w2, s13, s2))
 
 
 def moe_residual(
-    h: Tensor, norm_weight: Tensor, eps: float, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor
+    h: Tensor, norm_weight: Tensor, eps: float, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+    s13: Tensor | None = None, s2: Tensor | None = None,
 ) -> None:
-    _experts_residual(h, rms_norm(h, norm_weight, eps), topk_ids, topk_weights, w13, w2)
+    _experts_residual(h, rms_norm(h, norm_weight, eps), topk_ids, topk_weights, w13, w2, s13, s2)
 
 
 def moe_partial(
@@ -352,13 +382,15 @@ def moe_block(
     n_shared: int,
     w13: Tensor,
     w2: Tensor,
+    s13: Tensor | None = None,
+    s2: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    if not _fast(h, norm_weight, gate_weight, bias, w13, w2):
+    if not (_fast(h, norm_weight, gate_weight, bias) and _weights_fast(h, w13, s13) and _weights_fast(h, w2, s2)):
         return reference.moe_block(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
-                                   norm_topk, n_shared, w13, w2)
+                                   norm_topk, n_shared, w13, w2, s13, s2)
     x = F.rms_norm(h, (h.shape[-1],), norm_weight, eps)
     ids, weights = _router(x, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared)
-    _experts_residual(h, x, ids, weights, w13, w2)
+    _experts_residual(h, x, ids, weights, w13, w2, s13, s2)
     return ids, weights
 
 

@@ -4,6 +4,10 @@
 Each registration replaces the reference kernel for the CUDA device only. Inputs the fast kernels do not
 cover (float64, odd widths, CPU tensors never reach here) fall back to :mod:`.reference`, so the ops stay
 total. All kernels are CUDA-graph capturable: no host syncs, grids depend only on shapes.
+
+Block-FP8 weights (an op called with a weight's scale) go to :mod:`.triton_fp8` (GEMV, MoE) and to the FP8
+variants of :mod:`.triton_fused` (``kv_b`` in ``mla_prep`` / ``mla_uv``), which read e4m3 and apply the scales in
+registers; what those do not cover falls back to the reference (which dequantises).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 from . import reference
 
 _FAST_DTYPES = (torch.bfloat16, torch.float16)
+_E4M3 = torch.float8_e4m3fn
 
 
 def _pow2(x: int) -> bool:
@@ -69,7 +74,20 @@ def _indexer_topk_cuda(q, weights, k_cache, positions, topk, row_start=None):
                         row_start=row_start)
 
 
-def _moe_experts_cuda(x, topk_ids, topk_weights, w13, w2):
+def _moe_fp8_ok(x, w13, w2, s13, s2) -> bool:
+    return (s13 is not None and s2 is not None and x.dtype in _FAST_DTYPES and w13.dtype == _E4M3
+            and w2.dtype == _E4M3 and 0 < x.shape[0] <= 16 and x.is_contiguous())
+
+
+def _moe_experts_cuda(x, topk_ids, topk_weights, w13, w2, s13=None, s2=None):
+    if s13 is not None or s2 is not None:
+        if not _moe_fp8_ok(x, w13, w2, s13, s2):
+            return reference.moe_experts(x, topk_ids, topk_weights, w13, w2, s13, s2)
+        from . import triton_fp8
+
+        ids = topk_ids.to(torch.int32).contiguous()
+        act = triton_fp8.moe_up_fp8(x, ids, w13.contiguous(), s13.contiguous())
+        return triton_fp8.moe_down_fp8(act, ids, topk_weights.float().contiguous(), w2.contiguous(), s2.contiguous())
     if x.dtype not in _FAST_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype or x.shape[0] > 16:
         return reference.moe_experts(x, topk_ids, topk_weights, w13, w2)
     from .triton_moe import moe_experts
@@ -85,7 +103,20 @@ def _gemv_ok(x, w) -> bool:
     return x.dtype in _FAST_DTYPES and w.dtype == x.dtype and x.dim() == 2 and x.shape[0] <= 16 and _rows_ok(x, w)
 
 
-def _gemv_cuda(x, weight, norm_weight=None, eps=1e-6, bias=None, fp32_out=False):
+def _gemv_fp8_ok(x, w, scale) -> bool:
+    return (x.dtype in _FAST_DTYPES and w.dtype == _E4M3 and x.dim() == 2 and 0 < x.shape[0] <= 16
+            and _rows_ok(x, w, scale) and scale.dim() == 2)
+
+
+def _gemv_cuda(x, weight, norm_weight=None, eps=1e-6, bias=None, fp32_out=False, scale=None):
+    if scale is not None:
+        if not _gemv_fp8_ok(x, weight, scale):
+            return reference.gemv(x, weight, norm_weight, eps, bias, fp32_out, scale)
+        from . import triton_fp8
+
+        nw = None if norm_weight is None else norm_weight.to(x.dtype).contiguous()
+        y = triton_fp8.gemv_fp8(x, weight, scale, norm_w=nw, eps=eps, out_f32=fp32_out)
+        return y if bias is None else y + bias.to(y.dtype)
     if not _gemv_ok(x, weight) or x.shape[0] == 0:
         return reference.gemv(x, weight, norm_weight, eps, bias, fp32_out)
     from . import triton_gemv
@@ -95,7 +126,14 @@ def _gemv_cuda(x, weight, norm_weight=None, eps=1e-6, bias=None, fp32_out=False)
     return y if bias is None else y + bias.to(y.dtype)
 
 
-def _gemv_residual_cuda(h, x, weight):
+def _gemv_residual_cuda(h, x, weight, scale=None):
+    if scale is not None:
+        if not (_gemv_fp8_ok(x, weight, scale) and h.dtype == x.dtype and h.is_contiguous()):
+            return reference.gemv_residual(h, x, weight, scale)
+        from . import triton_fp8
+
+        triton_fp8.gemv_fp8(x, weight, scale, residual=h)
+        return None
     if not (_gemv_ok(x, weight) and h.dtype == x.dtype and h.is_contiguous()) or x.shape[0] == 0:
         return reference.gemv_residual(h, x, weight)
     from . import triton_gemv
@@ -117,7 +155,18 @@ def _router_cuda(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_gr
                                     n_shared_slots=n_shared)
 
 
-def _moe_residual_cuda(h, norm_weight, eps, topk_ids, topk_weights, w13, w2):
+def _moe_residual_cuda(h, norm_weight, eps, topk_ids, topk_weights, w13, w2, s13=None, s2=None):
+    if s13 is not None or s2 is not None:
+        if not _moe_fp8_ok(h, w13, w2, s13, s2):
+            return reference.moe_residual(h, norm_weight, eps, topk_ids, topk_weights, w13, w2, s13, s2)
+        from . import triton_fp8
+
+        ids = topk_ids.to(torch.int32).contiguous()
+        act = triton_fp8.moe_up_fp8(h, ids, w13.contiguous(), s13.contiguous(),
+                                    norm_w=norm_weight.to(h.dtype).contiguous(), eps=eps)
+        triton_fp8.moe_down_fp8(act, ids, topk_weights.float().contiguous(), w2.contiguous(), s2.contiguous(),
+                                residual=h)
+        return None
     if (h.dtype not in _FAST_DTYPES or w13.dtype != h.dtype or w2.dtype != h.dtype or h.shape[0] > 16
             or not h.is_contiguous() or h.shape[0] == 0):
         return reference.moe_residual(h, norm_weight, eps, topk_ids, topk_weights, w13, w2)
@@ -141,15 +190,16 @@ def _moe_partial_cuda(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2)
 
 
 def _moe_block_cuda(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk,
-                    n_shared, w13, w2):
+                    n_shared, w13, w2, s13=None, s2=None):
     ids, wts = _router_cuda(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
                             norm_topk, n_shared)
-    _moe_residual_cuda(h, norm_weight, eps, ids, wts, w13, w2)
+    _moe_residual_cuda(h, norm_weight, eps, ids, wts, w13, w2, s13, s2)
     return ids, wts
 
 
 def _mla_prep_cuda(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, index_norm_weight, index_norm_bias,
-                   index_cache, num_heads, nope_dim, kv_offset, index_heads, eps, index_weight_scale):
+                   index_cache, num_heads, nope_dim, kv_offset, index_heads, eps, index_weight_scale,
+                   kv_b_scale=None):
     lat = kv_norm_weight.shape[0]
     r = kv_cache.shape[-1] - lat
     h, p = num_heads, nope_dim
@@ -157,7 +207,9 @@ def _mla_prep_cuda(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, in
     has_idx = index_cache is not None
     di = index_cache.shape[-1] if has_idx else 0
     ok = (
-        a.dtype in _FAST_DTYPES and b.dtype == a.dtype and kv_cache.dtype == a.dtype and kv_b.dtype == a.dtype
+        a.dtype in _FAST_DTYPES and b.dtype == a.dtype and kv_cache.dtype == a.dtype
+        and kv_b.dtype == (a.dtype if kv_b_scale is None else _E4M3)
+        and (kv_b_scale is None or (kv_b_scale.dim() == 2 and kv_b_scale.stride(-1) == 1))
         and _pow2(lat) and _pow2(r) and _pow2(p) and v % 16 == 0 and r >= 2
         and (not has_idx or (index_cache.dtype == a.dtype and _pow2(di) and _pow2(di - r)))
         and _rows_ok(a, b, kv_cache, kv_b, cos, sin) and a.shape[0] > 0
@@ -165,7 +217,7 @@ def _mla_prep_cuda(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, in
     if not ok:
         return reference.mla_prep(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, index_norm_weight,
                                   index_norm_bias, index_cache, num_heads, nope_dim, kv_offset, index_heads, eps,
-                                  index_weight_scale)
+                                  index_weight_scale, kv_b_scale)
     from .triton_fused import mla_prep
 
     n = a.shape[0]
@@ -178,18 +230,20 @@ def _mla_prep_cuda(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, in
              index_norm_bias.to(a.dtype).contiguous() if has_idx else None,
              q, kv_cache, index_cache, iq if has_idx else None, iw if has_idx else None,
              H=h, Hi=max(hi, 1), QL=kv_offset, L=lat, R=r, P=p, V=v, DI=di if has_idx else 2 * r, eps=eps,
-             iw_scale=index_weight_scale)
+             iw_scale=index_weight_scale, kv_b_scale=kv_b_scale)
     return q, iq, iw
 
 
-def _mla_uv_cuda(o_lat, kv_b, nope_dim):
+def _mla_uv_cuda(o_lat, kv_b, nope_dim, kv_b_scale=None):
     n, h, lat = o_lat.shape
     v = kv_b.shape[0] // h - nope_dim
-    if o_lat.dtype not in _FAST_DTYPES or kv_b.dtype != o_lat.dtype or not _pow2(lat) or v % 16 or n == 0:
-        return reference.mla_uv(o_lat, kv_b, nope_dim)
+    want = o_lat.dtype if kv_b_scale is None else _E4M3
+    if o_lat.dtype not in _FAST_DTYPES or kv_b.dtype != want or not _pow2(lat) or v % 16 or n == 0:
+        return reference.mla_uv(o_lat, kv_b, nope_dim, kv_b_scale)
     from .triton_fused import mla_uv
 
-    return mla_uv(o_lat.contiguous(), kv_b.contiguous(), P=nope_dim, V=v)
+    return mla_uv(o_lat.contiguous(), kv_b.contiguous(), P=nope_dim, V=v,
+                  kv_b_scale=None if kv_b_scale is None else kv_b_scale.contiguous())
 
 
 _KERNELS: dict[str, Callable[..., Any]] = {

@@ -8,12 +8,17 @@ in a CUDA graph, at the price of touching every cache row: attention over the wh
 
 Accumulation is in float32 (float64 when the inputs are float64, so tests can compare two
 formulations to 1e-12); outputs come back in the input dtype.
+
+Block-FP8 weights (``fp8.py``): every op that reads a weight takes its scale too (``scale``, ``s13``/``s2``,
+``kv_b_scale``; ``None`` for a plain weight) and the reference dequantises it exactly first (``fp8.dequant``).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ..fp8 import dequant
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -149,6 +154,8 @@ def moe_experts(
     topk_weights: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
+    s13: torch.Tensor | None = None,
+    s2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed SwiGLU experts: ``out[i] = sum_j w[i,j] * w2[e_ij] @ (silu(g) * u)`` with
     ``[g; u] = w13[e_ij] @ x[i]`` (the first ``I`` rows of ``w13[e]`` are the gate projection).
@@ -169,18 +176,20 @@ def moe_experts(
     if n * k <= num_experts:
         wts = torch.where(ids >= 0, topk_weights.to(acc), 0.0)
         ids = ids.clamp(min=0)
-        gu = torch.matmul(w13[ids].to(x.dtype), x[:, None, :, None])[..., 0]  # [n, k, 2I]
+        g13 = dequant(w13[ids], None if s13 is None else s13[ids], x.dtype)
+        gu = torch.matmul(g13, x[:, None, :, None])[..., 0]  # [n, k, 2I]
         h = F.silu(gu[..., :inter]) * gu[..., inter:]
-        y = torch.matmul(w2[ids].to(x.dtype), h[..., None])[..., 0]  # [n, k, D]
+        g2 = dequant(w2[ids], None if s2 is None else s2[ids], x.dtype)
+        y = torch.matmul(g2, h[..., None])[..., 0]  # [n, k, D]
         out = (y.to(acc) * wts[..., None]).sum(dim=1)
         return out.to(x.dtype)
     out = torch.zeros(n, d, dtype=acc, device=x.device)
     flat = ids.reshape(-1)
     for e in torch.unique(flat[flat >= 0]).tolist():
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
-        gu = F.linear(x[tok], w13[e].to(x.dtype))
+        gu = F.linear(x[tok], dequant(w13[e], None if s13 is None else s13[e], x.dtype))
         h = F.silu(gu[:, :inter]) * gu[:, inter:]
-        y = F.linear(h, w2[e].to(x.dtype))
+        y = F.linear(h, dequant(w2[e], None if s2 is None else s2[e], x.dtype))
         out.index_add_(0, tok, y.to(acc) * topk_weights[tok, slot].to(acc)[:, None])
     return out.to(x.dtype)
 
@@ -211,18 +220,19 @@ def gemv(
     eps: float = 1e-6,
     bias: torch.Tensor | None = None,
     fp32_out: bool = False,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y = rms_norm(x; norm_weight) @ weight^T (+ bias)`` (the norm only when ``norm_weight`` is given),
     in ``x.dtype``; ``fp32_out`` returns it as float32 (the lm_head's logits)."""
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
-    y = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    y = F.linear(x, dequant(weight, scale, x.dtype), None if bias is None else bias.to(x.dtype))
     return y.float() if fp32_out else y
 
 
-def gemv_residual(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+def gemv_residual(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
     """In place: ``h += x @ weight^T`` (o_proj folded into the residual add)."""
-    h.add_(F.linear(x, weight.to(x.dtype)))
+    h.add_(F.linear(x, dequant(weight, scale, x.dtype)))
 
 
 def router(
@@ -278,11 +288,13 @@ def moe_residual(
     topk_weights: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
+    s13: torch.Tensor | None = None,
+    s2: torch.Tensor | None = None,
 ) -> None:
     """In place: ``h += moe_experts(rms_norm(h), ...)`` (post-attention norm, experts incl. the stacked
     shared ones, and the residual add in one op)."""
     x = rms_norm(h, norm_weight, eps)
-    h.add_(moe_experts(x, topk_ids, topk_weights, w13, w2))
+    h.add_(moe_experts(x, topk_ids, topk_weights, w13, w2, s13, s2))
 
 
 def moe_partial(
@@ -315,12 +327,14 @@ def moe_block(
     n_shared: int,
     w13: torch.Tensor,
     w2: torch.Tensor,
+    s13: torch.Tensor | None = None,
+    s2: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A routed MoE block in place: :func:`router` then :func:`moe_residual`; returns the routing
     (``ids``, ``weights``) it used."""
     ids, weights = router(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
                           norm_topk, n_shared)
-    moe_residual(h, norm_weight, eps, ids, weights, w13, w2)
+    moe_residual(h, norm_weight, eps, ids, weights, w13, w2, s13, s2)
     return ids, weights
 
 
@@ -342,6 +356,7 @@ def mla_prep(
     index_heads: int,
     eps: float,
     index_weight_scale: float,
+    kv_b_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Everything between the two input GEMVs of an MLA(+DSA) layer and attention.
 
@@ -362,6 +377,8 @@ def mla_prep(
     h, p = num_heads, nope_dim
     lat = kv_norm_weight.shape[0]
     r = kv_cache.shape[-1] - lat
+    if kv_b_scale is not None:
+        kv_b = dequant(kv_b, kv_b_scale, a.dtype)
     q = b[:, : h * (p + r)].reshape(n, h, p + r)
     q_nope, q_pe = q[..., :p], q[..., p:]
     w_kvb = kv_b.view(h, -1, lat)
@@ -388,9 +405,13 @@ def mla_prep(
     return q_full, iq.contiguous(), iw
 
 
-def mla_uv(o_lat: torch.Tensor, kv_b: torch.Tensor, nope_dim: int) -> torch.Tensor:
+def mla_uv(
+    o_lat: torch.Tensor, kv_b: torch.Tensor, nope_dim: int, kv_b_scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """``o_h = W_UV_h o~_h`` for every head: ``o_lat [n, H, L]``, ``kv_b [H*(P+V), L]`` -> ``[n, H*V]``."""
     n, h, lat = o_lat.shape
+    if kv_b_scale is not None:
+        kv_b = dequant(kv_b, kv_b_scale, o_lat.dtype)
     w_kvb = kv_b.view(h, -1, lat)
     o = torch.bmm(o_lat.transpose(0, 1), w_kvb[:, nope_dim:].transpose(1, 2).to(o_lat.dtype))  # [H, n, V]
     return o.transpose(0, 1).reshape(n, -1)

@@ -10,6 +10,9 @@ the indexer head weights (scaled, fp32).
 ``mla_uv``: ``o[i, h*V:(h+1)*V] = W_UV_h @ o~[i, h]`` for all heads in one launch.
 
 RoPE here is the half-split (rotate_half) form with fp32 cos/sin tables ``[S, R/2]``.
+
+Block-FP8 ``kv_b`` (``fp8.py``): both kernels take its scale (``kv_b_scale``, groups ``KGN x KGK`` read off the
+shapes) and multiply each e4m3 weight by its group's scale in registers (``HAS_SCALE``).
 """
 
 from __future__ import annotations
@@ -31,12 +34,13 @@ def _rope_pair(x1, x2, c, s):
 
 @triton.jit
 def _mla_prep_kernel(
-    a_ptr, b_ptr, pos_ptr, kvb_ptr, cos_ptr, sin_ptr, kvn_ptr, ikw_ptr, ikb_ptr,
+    a_ptr, b_ptr, pos_ptr, kvb_ptr, kvs_ptr, stride_ks, cos_ptr, sin_ptr, kvn_ptr, ikw_ptr, ikb_ptr,
     q_ptr, kv_ptr, ik_ptr, iq_ptr, iw_ptr,
     H, Hi, stride_a, stride_b, stride_q_n, stride_q_h, stride_kv, stride_ik, stride_iq_n, stride_iq_h,
     stride_iw, stride_cs, eps, iw_scale,
     QL: tl.constexpr, L: tl.constexpr, R: tl.constexpr, P: tl.constexpr, V: tl.constexpr,
-    DI: tl.constexpr, BC: tl.constexpr, HI_P2: tl.constexpr, HAS_INDEXER: tl.constexpr, PDL: tl.constexpr):
+    DI: tl.constexpr, BC: tl.constexpr, HI_P2: tl.constexpr, HAS_INDEXER: tl.constexpr, PDL: tl.constexpr,
+    HAS_SCALE: tl.constexpr = False, KGN: tl.constexpr = 128, KGK: tl.constexpr = 128):
     i = tl.program_id(0)
     p = tl.program_id(1)
     NC: tl.constexpr = L // BC
@@ -53,9 +57,13 @@ def _mla_prep_kernel(
         offs_p = tl.arange(0, P)
         offs_c = c * BC + tl.arange(0, BC)
         w = tl.load(kvb_ptr + (h * (P + V) + offs_p).to(tl.int64)[:, None] * L + offs_c[None, :])  # static
+        wf = w.to(tl.float32)
+        if HAS_SCALE:  # e4m3 * its group's scale
+            wf = wf * tl.load(kvs_ptr + ((h * (P + V) + offs_p) // KGN).to(tl.int64)[:, None] * stride_ks
+                              + (offs_c // KGK)[None, :])
         pdl_begin(PDL)
         qn = tl.load(b_row + h * (P + R) + offs_p).to(tl.float32)
-        qt = tl.sum(w.to(tl.float32) * qn[:, None], 0)
+        qt = tl.sum(wf * qn[:, None], 0)
         qo = q_ptr + i * stride_q_n + h * stride_q_h
         tl.store(qo + offs_c, qt.to(q_ptr.dtype.element_ty))
         if c == 0:
@@ -126,13 +134,16 @@ def _mla_prep_kernel(
 
 
 def mla_prep(a, b, positions, kv_b, cos, sin, kv_norm_w, idx_k_norm_w, idx_k_norm_b,
-             q_out, kv_cache, idx_cache, iq_out, iw_out, *, H, Hi, QL, L, R, P, V, DI, eps, iw_scale):
+             q_out, kv_cache, idx_cache, iq_out, iw_out, *, H, Hi, QL, L, R, P, V, DI, eps, iw_scale,
+             kv_b_scale=None):
     n = a.shape[0]
     BC = min(128, L)
     has_idx = idx_cache is not None
     dummy = kv_cache
+    kgn, kgk = _groups(kv_b, kv_b_scale)
     _mla_prep_kernel[(n, H * (L // BC) + 3)](
-        a, b, positions, kv_b, cos, sin, kv_norm_w,
+        a, b, positions, kv_b, kv_b_scale if kv_b_scale is not None else kv_norm_w,
+        kv_b_scale.stride(0) if kv_b_scale is not None else 0, cos, sin, kv_norm_w,
         idx_k_norm_w if has_idx else kv_norm_w, idx_k_norm_b if has_idx else kv_norm_w,
         q_out, kv_cache, idx_cache if has_idx else dummy, iq_out if has_idx else dummy,
         iw_out if has_idx else dummy,
@@ -140,13 +151,21 @@ def mla_prep(a, b, positions, kv_b, cos, sin, kv_norm_w, idx_k_norm_w, idx_k_nor
         idx_cache.stride(0) if has_idx else 0, iq_out.stride(0) if has_idx else 0,
         iq_out.stride(1) if has_idx else 0, iw_out.stride(0) if has_idx else 0, cos.stride(0), eps, iw_scale,
         QL=QL, L=L, R=R, P=P, V=V, DI=DI, BC=BC, HI_P2=triton.next_power_of_2(max(Hi, 1)),
-        HAS_INDEXER=has_idx, num_warps=4,
+        HAS_INDEXER=has_idx, HAS_SCALE=kv_b_scale is not None, KGN=kgn, KGK=kgk, num_warps=4,
      **triton_pdl.kw())
 
 
+def _groups(w, scale):
+    """(row group, column group) of an FP8 weight's scale (``fp8.groups``); (1, 1) without one."""
+    if scale is None:
+        return 1, 1
+    return w.shape[-2] // scale.shape[-2], w.shape[-1] // scale.shape[-1]
+
+
 @triton.jit
-def _mla_uv_kernel(o_ptr, kvb_ptr, y_ptr, H, stride_on, stride_oh, stride_yn,
-                   L: tl.constexpr, P: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
+def _mla_uv_kernel(o_ptr, kvb_ptr, kvs_ptr, y_ptr, H, stride_on, stride_oh, stride_yn, stride_ks,
+                   L: tl.constexpr, P: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr,
+                   HAS_SCALE: tl.constexpr = False, KGN: tl.constexpr = 128, KGK: tl.constexpr = 128):
     pdl_begin(PDL)
     i = tl.program_id(0)
     h = tl.program_id(1)
@@ -155,15 +174,24 @@ def _mla_uv_kernel(o_ptr, kvb_ptr, y_ptr, H, stride_on, stride_oh, stride_yn,
     offs_v = vb * BV + tl.arange(0, BV)
     ol = tl.load(o_ptr + i * stride_on + h * stride_oh + offs_l).to(tl.float32)
     w = tl.load(kvb_ptr + (h * (P + V) + P + offs_v).to(tl.int64)[:, None] * L + offs_l[None, :])
-    y = tl.sum(w.to(tl.float32) * ol[None, :], 1)
+    wf = w.to(tl.float32)
+    if HAS_SCALE:  # e4m3 * its group's scale
+        wf = wf * tl.load(kvs_ptr + ((h * (P + V) + P + offs_v) // KGN).to(tl.int64)[:, None] * stride_ks
+                          + (offs_l // KGK)[None, :])
+    y = tl.sum(wf * ol[None, :], 1)
     tl.store(y_ptr + i * stride_yn + h * V + offs_v, y.to(y_ptr.dtype.element_ty))
 
 
-def mla_uv(o_lat, kv_b, *, P, V, out=None):
-    """``o_lat [n, H, L]`` -> ``[n, H*V]`` through ``W_UV = kv_b.view(H, P+V, L)[:, P:]``."""
+def mla_uv(o_lat, kv_b, *, P, V, out=None, kv_b_scale=None):
+    """``o_lat [n, H, L]`` -> ``[n, H*V]`` through ``W_UV = kv_b.view(H, P+V, L)[:, P:]`` (FP8 ``kv_b`` with
+    ``kv_b_scale``)."""
     n, H, L = o_lat.shape
     y = out if out is not None else torch.empty(n, H * V, device=o_lat.device, dtype=o_lat.dtype)
     BV = 16
-    _mla_uv_kernel[(n, H, V // BV)](o_lat, kv_b, y, H, o_lat.stride(0), o_lat.stride(1), y.stride(0),
-                                    L=L, P=P, V=V, BV=BV, num_warps=4, **triton_pdl.kw())
+    kgn, kgk = _groups(kv_b, kv_b_scale)
+    _mla_uv_kernel[(n, H, V // BV)](o_lat, kv_b, kv_b_scale if kv_b_scale is not None else kv_b, y, H,
+                                    o_lat.stride(0), o_lat.stride(1), y.stride(0),
+                                    kv_b_scale.stride(0) if kv_b_scale is not None else 0,
+                                    L=L, P=P, V=V, BV=BV, HAS_SCALE=kv_b_scale is not None, KGN=kgn, KGK=kgk,
+                                    num_warps=4, **triton_pdl.kw())
     return y

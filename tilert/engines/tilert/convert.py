@@ -1,0 +1,410 @@
+"""``tilert convert``: an HF checkpoint -> the engine's fused layout on disk, streamed tensor by tensor.
+
+The source is read one tensor at a time (:class:`LazyCheckpoint`, :mod:`.st_io`): the fusion of ``weights.py``
+(:func:`weights.fused_groups`, the one definition of the layout) pops tensors from it as it needs them, one group
+at a time (the embedding, the final norm, the head, each layer, the MTP module), and every group is written to its
+own shard before the next is read. A layer's experts are streamed one expert at a time (``ExpertStack``), so peak
+memory is a layer's attention weights plus a few of the largest tensors, whatever the model size.
+
+Output directory::
+
+    tilert_manifest.json        provenance + every tensor's file, shape and dtype (per rank)
+    config.json, tokenizer...   copied from the source (the decode node and router read them)
+    [rank{r}/]NNN-group.safetensors
+
+The manifest records the converter version, :data:`LAYOUT_VERSION` (bumped whenever ``weights.py`` changes the
+fused layout), the SHA-256 of the source's ``config.json`` + safetensors index (or headers), the weights' dtypes
+and the :class:`ModelArgs`. :func:`load_converted` (the decode node, through ``weights.load_model``) memory-maps
+the shards and refuses a directory whose manifest, layout version, files, tensor names or shapes do not match,
+naming what is wrong.
+
+Tensor parallelism (``--tp N``): :func:`split_for_rank` is the one place that decides what rank ``r`` holds
+(a simple rule for now, to be replaced by the TP engine's): routed experts split in contiguous ranges of ``E/N``
+(expert parallel; shared experts on every rank), attention heads split in ranges of ``H/N`` (``wb``'s query rows,
+``wkv_b``'s rows, ``wo``'s columns; the indexer's rows of ``wb`` stay whole), everything else replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import shutil
+import sys
+import time
+from collections.abc import Iterator, MutableMapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import fp8, st_io, weights
+from .fp8 import QTensor
+from .model import ModelArgs, Transformer
+
+CONVERTER_VERSION = "1.0"
+LAYOUT_VERSION = 1
+MANIFEST = "tilert_manifest.json"
+FORMAT = "tilert-converted"
+
+
+# ------------------------------------------------------------------------------------------- the source side
+
+
+class LazyCheckpoint(MutableMapping[str, Any]):
+    """An HF checkpoint directory as the mapping the fusion reads (engine names, see ``weights.engine_name``):
+    a tensor is read from disk when it is popped (FP8 weights with their ``weight_scale_inv``, as
+    :class:`fp8.QTensor`). ``on_read(nbytes)`` is called for every tensor read (the progress bar)."""
+
+    def __init__(self, model_dir: Path, args: ModelArgs, on_read: Any = None) -> None:
+        self.args = args
+        self.on_read = on_read
+        entries: dict[str, st_io.Entry] = {}
+        for f in weights.checkpoint_files(model_dir):
+            for name, e in st_io.read_header(f).items():
+                if name in entries:
+                    raise ValueError(f"tensor {name} is in both {entries[name].file.name} and {f.name}")
+                entries[name] = e
+        self.entries = entries
+        self.total_bytes = sum(e.nbytes for e in entries.values())
+        self._names: dict[str, str] = {}  # engine name -> HF name (still unread)
+        for hf, e in entries.items():
+            if hf.endswith(fp8.CKPT_SCALE_SUFFIX):
+                if hf[: -len("_scale_inv")] not in entries:
+                    raise ValueError(f"{hf}: a weight_scale_inv without its weight")
+                continue
+            if e.dtype in fp8.FP8_DTYPES and not args.fp8:
+                raise ValueError(f"{hf} is {e.dtype} but config.json has no quantization_config")
+            target = weights.engine_name(hf, args)
+            if target is not None:
+                self._names[target] = hf
+        if "lm_head.weight" not in self._names and args.tie_word_embeddings:
+            self._names["lm_head.weight"] = self._names["embed_tokens.weight"]
+
+    def _read(self, hf: str) -> torch.Tensor:
+        e = self.entries[hf]
+        t = st_io.read_tensor(e)
+        if self.on_read is not None:
+            self.on_read(e.nbytes)
+        return t
+
+    def __getitem__(self, name: str) -> Any:
+        hf = self._names[name]
+        t = self._read(hf)
+        if t.dtype not in fp8.FP8_DTYPES:
+            return t
+        if hf + "_scale_inv" not in self.entries:
+            raise ValueError(f"{hf} is FP8 but {hf}_scale_inv is missing")
+        return QTensor.from_checkpoint(hf, t, self._read(hf + "_scale_inv"))
+
+    def __delitem__(self, name: str) -> None:
+        del self._names[name]
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        raise TypeError("a LazyCheckpoint is read-only")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._names))
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+
+def source_hash(model_dir: Path) -> str:
+    """SHA-256 of the source's ``config.json`` and its safetensors index (the files' headers without one)."""
+    h = hashlib.sha256()
+    h.update((model_dir / "config.json").read_bytes())
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        h.update(index.read_bytes())
+    else:
+        for f in weights.checkpoint_files(model_dir):
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                h.update(f.name.encode() + fh.read(n))
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------- tensor parallelism
+
+
+def split_for_rank(name: str, value: Any, rank: int, tp: int, args: ModelArgs) -> Any:
+    """What rank ``rank`` of ``tp`` holds of fused tensor ``name`` (a tensor, an :class:`fp8.QTensor` or a
+    ``weights.ExpertStack``); the rule is in the module docstring. The one function to replace for another
+    split."""
+    if tp == 1:
+        return value
+    leaf = name.rsplit(".", 1)[-1]
+    if isinstance(value, weights.ExpertStack):
+        if leaf in ("w13", "w2") and len(value.slots) > 1:  # routed + shared experts (a dense MLP is replicated)
+            e = args.n_routed_experts
+            per = e // tp
+            return weights.ExpertStack(value.slots[rank * per : (rank + 1) * per] + value.slots[e:])
+        return value
+    h = args.num_heads
+    lo, hi = rank * h // tp, (rank + 1) * h // tp
+    if leaf == "wb":  # [q (H(P+R)) | indexer]: this rank's heads' query rows, the indexer rows whole
+        w = args.qk_head_dim
+        return _take_rows(value, [(lo * w, hi * w), (h * w, value.shape[0])])
+    if leaf == "wkv_b":
+        w = args.qk_nope_head_dim + args.v_head_dim
+        return _take_rows(value, [(lo * w, hi * w)])
+    if leaf == "wo":
+        return _take_cols(value, lo * args.v_head_dim, hi * args.v_head_dim)
+    return value
+
+
+def check_tp(tp: int, args: ModelArgs) -> None:
+    if tp < 1:
+        raise ValueError(f"--tp must be >= 1 ({tp})")
+    if args.num_heads % tp or args.n_routed_experts % tp:
+        raise ValueError(f"--tp {tp} must divide the attention heads ({args.num_heads}) and the routed experts "
+                         f"({args.n_routed_experts})")
+
+
+def _take_rows(t: Any, ranges: list[tuple[int, int]]) -> Any:
+    def take(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x[a:b] for a, b in ranges if b > a])
+
+    return t.map_rows(take) if isinstance(t, QTensor) else take(t)
+
+
+def _take_cols(t: Any, lo: int, hi: int) -> Any:
+    if not isinstance(t, QTensor):
+        return t[:, lo:hi]
+    gk = t.col_group()
+    g = math.gcd(gk, lo, hi - lo)  # a cut inside a scale group: finer groups carrying the same scales
+    scale = t.scale.repeat_interleave(gk // g, -1)
+    return QTensor(t.weight[:, lo:hi], scale[:, lo // g : hi // g])
+
+
+# ------------------------------------------------------------------------------------------------ progress
+
+
+class Progress:
+    """Tensors and bytes read: tqdm when installed, else one line rewritten on stderr."""
+
+    def __init__(self, total_bytes: int, total_tensors: int, enabled: bool = True) -> None:
+        self.total, self.done, self.tensors, self.total_tensors = total_bytes, 0, 0, total_tensors
+        self.enabled = enabled
+        self._bar: Any = None
+        self._last = 0.0
+        if enabled:
+            try:
+                from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]
+
+                self._bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="convert", file=sys.stderr)
+            except ImportError:
+                self._bar = None
+
+    def __call__(self, nbytes: int) -> None:
+        self.done += nbytes
+        self.tensors += 1
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(nbytes)
+            self._bar.set_postfix_str(f"{self.tensors}/{self.total_tensors} tensors", refresh=False)
+        elif time.monotonic() - self._last > 0.5 or self.done >= self.total:
+            self._last = time.monotonic()
+            print(f"\rconvert: {self.tensors}/{self.total_tensors} tensors, {self.done / 2**30:.2f}/"
+                  f"{self.total / 2**30:.2f} GiB", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        elif self.enabled:
+            print(file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------------ converting
+
+
+def _first(stack: weights.ExpertStack, name: str, args: ModelArgs) -> tuple[dict[str, torch.Tensor], int]:
+    """Slot 0 of a stack, stored (``fp8.store_fp8``), and the slot count: the shapes of the stacked tensors."""
+    return weights.store_fp8({name: stack.slots[0]()}, args), len(stack.slots)
+
+
+def _write_group(path: Path, group: dict[str, Any], args: ModelArgs) -> dict[str, dict[str, Any]]:
+    """Write one fused group (experts streamed slot by slot) to shard ``path``; returns its manifest entries."""
+    plain = weights.store_fp8({k: v for k, v in group.items() if not isinstance(v, weights.ExpertStack)}, args)
+    stacks = {k: v for k, v in group.items() if isinstance(v, weights.ExpertStack)}
+    first = {k: _first(v, k, args) for k, v in stacks.items()}
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
+        k: (t.dtype, tuple(t.shape)) for k, t in plain.items()
+    }
+    for (stored, n) in first.values():
+        for k, t in stored.items():
+            specs[k] = (t.dtype, (n, *t.shape))
+    w = st_io.ShardWriter(path, specs, {"format": "pt", "tilert_layout_version": str(LAYOUT_VERSION)})
+    try:
+        for k, t in plain.items():
+            w.write(k, t)
+        for name, stack in stacks.items():
+            stored, n = first[name]
+            for j in range(n):
+                slot = stored if j == 0 else weights.store_fp8({name: stack.slots[j]()}, args)
+                for k, t in slot.items():
+                    dtype, shape = specs[k]
+                    if t.dtype != dtype or tuple(t.shape) != shape[1:]:
+                        raise ValueError(f"{k}: expert slot {j} is {t.dtype} {tuple(t.shape)}, slot 0 is "
+                                         f"{dtype} {shape[1:]}")
+                    w.write(k, t, offset=j * t.numel() * t.element_size())
+    finally:
+        w.close()
+    return {k: {"file": path.name, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
+            for k, (dtype, shape) in specs.items()}
+
+
+def convert(model_dir: Path | str, out: Path | str, tp: int = 1, progress: bool = True) -> Path:
+    """Convert HF checkpoint ``model_dir`` into ``out`` (see the module docstring); returns ``out``."""
+    model_dir, out = Path(model_dir), Path(out)
+    cfg = weights.load_hf_config(model_dir)
+    args = weights.args_from_hf_config(cfg, weights.checkpoint_keys(model_dir))
+    check_tp(tp, args)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} exists and is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():  # config, tokenizer, generation config: the decode node and router read them
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, out / f.name)
+    rank_dirs = [out] if tp == 1 else [out / f"rank{r}" for r in range(tp)]
+    for d in rank_dirs:
+        d.mkdir(exist_ok=True)
+    src_hash = source_hash(model_dir)
+    lazy = LazyCheckpoint(model_dir, args)
+    bar = Progress(lazy.total_bytes, len(lazy.entries), enabled=progress)
+    lazy.on_read = bar
+    tensors: list[dict[str, dict[str, Any]]] = [{} for _ in range(tp)]
+    try:
+        for g, group in enumerate(weights.fused_groups(lazy, args)):
+            label = next(iter(group)).split(".")[:2]
+            fname = f"{g:04d}-{'.'.join(label)}.safetensors"
+            if tp == 1:
+                tensors[0].update(_write_group(rank_dirs[0] / fname, group, args))
+                continue
+            # Per rank: the same group, split. Routed experts go to one rank each (read once); the slots every
+            # rank holds (shared experts, a dense MLP) are read once and kept until the group is written.
+            group = {k: _share_slots(v, args) for k, v in group.items()}
+            for r in range(tp):
+                part = {k: split_for_rank(k, v, r, tp, args) for k, v in group.items()}
+                tensors[r].update(_write_group(rank_dirs[r] / fname, part, args))
+    finally:
+        bar.close()
+    dtypes = sorted({t["dtype"] for rank in tensors for t in rank.values()})
+    manifest = {
+        "format": FORMAT,
+        "converter_version": CONVERTER_VERSION,
+        "layout_version": LAYOUT_VERSION,
+        "source": {"model_dir": str(model_dir.resolve()), "config_index_sha256": src_hash},
+        "fp8": args.fp8,
+        "dtypes": dtypes,
+        "tp": tp,
+        "tp_rule": "experts: contiguous E/tp per rank + shared; heads: H/tp per rank; rest replicated",
+        "args": dataclasses.asdict(args),
+        "ranks": [{"dir": d.relative_to(out).as_posix() or ".", "tensors": t}
+                  for d, t in zip(rank_dirs, tensors, strict=True)],
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return out
+
+
+def _share_slots(v: Any, args: ModelArgs) -> Any:
+    """An expert stack whose slots beyond the routed experts (or whose only slot) are read once and kept."""
+    if not isinstance(v, weights.ExpertStack):
+        return v
+    first_shared = 0 if len(v.slots) == 1 else args.n_routed_experts
+
+    def once(fn: Any) -> Any:
+        kept: list[Any] = []
+
+        def call() -> Any:
+            if not kept:
+                kept.append(fn())
+            return kept[0]
+
+        return call
+
+    return weights.ExpertStack(v.slots[:first_shared] + [once(f) for f in v.slots[first_shared:]])
+
+
+# ------------------------------------------------------------------------------------------------- loading
+
+
+def is_converted(model_dir: Path) -> bool:
+    return (Path(model_dir) / MANIFEST).exists()
+
+
+def read_manifest(model_dir: Path) -> dict[str, Any]:
+    path = Path(model_dir) / MANIFEST
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: unreadable manifest ({exc})") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a tilert converted-weights manifest (format {m.get('format')!r})")
+    missing = [k for k in ("converter_version", "layout_version", "tp", "args", "ranks") if k not in m]
+    if missing:
+        raise ValueError(f"{path}: manifest lacks {missing}")
+    if m.get("layout_version") != LAYOUT_VERSION:
+        raise ValueError(f"{path}: layout version {m.get('layout_version')!r}, this engine reads version "
+                         f"{LAYOUT_VERSION}: convert the checkpoint again with this tilert")
+    return m
+
+
+def load_converted(model_dir: Path, *, device: str | torch.device, dtype: torch.dtype, max_seq_len: int,
+                   max_sequences: int = 1) -> Transformer:
+    """A ready :class:`Transformer` from a converted directory (shards memory-mapped), after checking the manifest
+    against the model it describes and every shard against the manifest."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    m = read_manifest(model_dir)
+    if m.get("tp", 1) != 1:
+        raise ValueError(f"{model_dir} was converted with --tp {m['tp']}: its per-rank shards are for the "
+                         "tensor-parallel engine; convert without --tp to serve on one device")
+    try:
+        args = ModelArgs(**m["args"])
+    except TypeError as exc:
+        raise ValueError(f"{model_dir / MANIFEST}: model arguments do not match this engine ({exc})") from None
+    with torch.device("meta"):
+        model = Transformer(args)
+    want = {k: p for k, p in model.named_parameters()}
+    try:
+        listed: dict[str, Any] = m["ranks"][0]["tensors"]
+    except (IndexError, KeyError, TypeError):
+        raise ValueError(f"{model_dir / MANIFEST}: no tensor list for rank 0") from None
+    missing = [k for k in want if k not in listed]
+    if missing:
+        raise ValueError(f"{model_dir}: missing tensor(s) {missing[:8]} (the manifest does not list them)")
+    extra = [k for k in listed if k not in want]
+    if extra:
+        raise ValueError(f"{model_dir}: unexpected tensor(s) {extra[:8]} for this model")
+    for k, p in want.items():
+        if tuple(listed[k]["shape"]) != tuple(p.shape):
+            raise ValueError(f"{model_dir}: tensor {k} has shape {listed[k]['shape']}, the model needs "
+                             f"{list(p.shape)}")
+    sd: dict[str, torch.Tensor] = {}
+    by_file: dict[str, list[str]] = {}
+    for k, info in listed.items():
+        by_file.setdefault(info["file"], []).append(k)
+    for fname, names in by_file.items():
+        path = model_dir / fname
+        if not path.exists():
+            raise ValueError(f"{model_dir}: shard {fname} is missing (holds {names[:4]}...)")
+        st_io.read_header(path)  # a truncated or corrupt shard is refused here, naming it
+        with safe_open(str(path), framework="pt") as f:
+            have = set(f.keys())
+            for k in names:
+                if k not in have:
+                    raise ValueError(f"{path}: missing tensor {k}")
+                t = f.get_tensor(k)
+                if tuple(t.shape) != tuple(listed[k]["shape"]):
+                    raise ValueError(f"{path}: tensor {k} has shape {list(t.shape)}, the manifest says "
+                                     f"{listed[k]['shape']}")
+                sd[k] = t
+    return weights.finish_model(model, sd, device, dtype, max_seq_len, max_sequences)
