@@ -164,7 +164,8 @@ def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
     def spec_call(K):
         # The steady state after a step that accepted nothing: sequence of ctx tokens, MTP rows < ctx-1 done,
         # h_{ctx-1} recorded; the step catches up MTP row ctx-1, drafts K, verifies K+1.
-        eng._len, eng._mtp_upto = ctx, ctx - 1
+        st = eng._seqs[0]
+        st.len, st.mtp_upto = ctx, ctx - 1
         return eng.speculative_greedy_step(77, ctx, K)
 
     eng.forward(tok, ctx - 1)  # records h_{ctx-1}

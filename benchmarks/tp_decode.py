@@ -244,14 +244,15 @@ def run_tp_protocol(leader_or_none, eng, channel, ctx, n, mtp, num_draft):
 
 
 @torch.no_grad()
-def check_output(pg, ctrl, dev, args, contexts, n_tokens, num_draft, kind, opts_variant="graphs") -> list:
+def check_output(pg, ctrl, dev, args, contexts, n_tokens, num_draft, kind, opts_variant="graphs",
+                 check_dtype="bfloat16") -> list:
     from tilert.decode.tp import Channel, LeaderEngine
     from tilert.engines.tilert.engine import TileRTEngine
     from tilert.engines.tilert.ops import register_device_kernels
     from tilert.engines.tilert.weights import random_model
 
     rank, size = dist.get_rank(), dist.get_world_size()
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    dtype = torch.bfloat16 if dev.type == "cuda" and check_dtype == "bfloat16" else torch.float32
     if dev.type == "cuda":
         register_device_kernels()
     cap = max(contexts) + n_tokens + 32
@@ -572,7 +573,8 @@ def rank_main(rank: int, size: int, port: int, opts: argparse.Namespace) -> None
             save()
         if "lite" in sections:
             rows, inject, eng, model, _leader = check_output(pg, ctrl, dev, lite, contexts, opts.tokens,
-                                                             opts.num_draft, "nccl", opts.variant)
+                                                             opts.num_draft, "nccl", opts.variant,
+                                                             opts.check_dtype)
             RESULT["output"], RESULT["inject"] = rows, inject
             save()
             if opts.variant == "graphs":
@@ -647,6 +649,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--one-gpu-layers", type=int, default=None, help="real-dims layers on one GPU (default 4)")
     # decode_speed.py --tp N hands its own flags over; these are accepted and ignored
     ap.add_argument("--configs", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--check-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="the output check's dtype (float32 with --variant reference: the sharding's math alone, "
+                    "without bf16 rounding, which a deep random model amplifies)")
     ap.add_argument("--variant", default="graphs", choices=["graphs", "eager", "reference"],
                     help="the output check's engines (both sides): graphs (as served), eager (no CUDA graphs), "
                     "reference (no graphs, the plain-PyTorch reference kernels): which part of a TP mismatch is "
