@@ -67,8 +67,10 @@ class Staged:
         buffer: torch.Tensor,
         chunks: list[tuple[int, int]],
         on_release: Callable[[], None],
+        last_token_id: int | None = None,
     ) -> None:
         self.claim, self.num_tokens, self.layouts = claim, num_tokens, layouts
+        self.last_token_id = last_token_id
         self.buffer, self.chunks = buffer, chunks
         self._on_release = on_release
         self._ready: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
@@ -196,7 +198,7 @@ class BackgroundSender:
         sock: socket.socket | None = None
         try:
             sock = self._connect(staged.claim)
-            offer = p.Offer(tid, staged.num_tokens, staged.layouts)
+            offer = p.Offer(tid, staged.num_tokens, staged.layouts, staged.last_token_id)
             if offer.nbytes != staged.nbytes:
                 raise StagingError(f"the offer's {offer.nbytes} bytes differ from the {staged.nbytes} staged")
             p.send_msg(sock, offer)
