@@ -1,26 +1,55 @@
 """The core oracle through every transport: a whole stack (stock vLLM prefill + connector, decode node,
 router) started with ``tilert up --transport NAME`` for the real Mooncake and NIXL libraries (tcp is the
 session stack's), each process separate, on loopback; router output == the same vLLM alone, token for
-token, streaming and not, for prompts up to about 500 tokens."""
+token, streaming and not, for prompts up to about 500 tokens.
+
+Fail fast through each transport (issue 7, item 5), at the router, with the real OpenAI client: handshake
+refused, extraction error, transport error, peer gone (the decode node killed mid-transfer) and timeout
+each reach the client as a terminal error in under a second, and afterwards the connector's staging pool
+is whole again on vLLM's own ``/metrics`` (``tilert:staging_pool_used_bytes`` 0, no transfer in flight) and
+every receive slot is free on the decode node's ``/health``. The three stacks are this module's (tcp: the
+session stack), one vLLM each. Handshake refused and peer gone use a second decode node + router of the
+same stack (a node with a short context refuses the offer for real; a node the test can kill without
+stopping ``tilert up``). Extraction error, transport error and timeout are armed for one transfer through
+the connector's test-only fault hook (:mod:`tilert.connector.faults`): the real parts cannot produce them
+on demand; everything after the fault is real.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import threading
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
-from conftest import Stack, start_stack, stop_stack
-from test_e2e_stack import MAX_TOKENS, _prompts, _router_call, _vllm_alone
+from conftest import Stack, free_port, start_stack, stop_stack, wait_healthy
+from prometheus_client.parser import text_string_to_metric_families
+from test_e2e_stack import MAX_TOKENS, _prompts, _router_call, _source_text, _vllm_alone
+
+from tilert.connector import faults
+from tilert.stack import StackConfig, child_env, decode_command, router_command
 
 pytestmark = [pytest.mark.stack, pytest.mark.timeout(900)]
 
+FAIL_LIMIT_S = 1.0
+SHORT_CONTEXT = 64  # the spare node's max_seq_len: a longer prompt's offer is refused at the handshake
 
-@pytest.fixture(scope="module", params=["mooncake", "nixl"])
+
+@pytest.fixture(scope="module", params=["tcp", "mooncake", "nixl"])
 def transport_stack(request: pytest.FixtureRequest, tiny_model: Any, tmp_path_factory: pytest.TempPathFactory
                     ) -> Iterator[Stack]:  # fmt: skip
     name = request.param
+    if name == "tcp":  # the session stack (its oracle is test_e2e_stack's)
+        yield request.getfixturevalue("stack")
+        return
     log = tmp_path_factory.mktemp(f"stack-{name}") / "stack.log"
     env = {**os.environ, "UCX_NET_DEVICES": "lo", "VLLM_CPU_OMP_THREADS_BIND": "1"}
     handle = start_stack(tiny_model, log, "--transport", name, env=env)
@@ -32,6 +61,8 @@ def transport_stack(request: pytest.FixtureRequest, tiny_model: Any, tmp_path_fa
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_router_tokens_equal_vllm_alone_through_each_transport(transport_stack: Stack, stream: bool) -> None:
+    if transport_stack.transport == "tcp":
+        pytest.skip("tcp: the session stack's oracle is tests/test_e2e_stack.py")
     health = httpx.get(transport_stack.decode + "/health", timeout=10).json()
     assert health["transport"] == transport_stack.transport  # no silent fallback to another transport
     for kind, prompt in _prompts(transport_stack.model):
@@ -39,3 +70,140 @@ def test_router_tokens_equal_vllm_alone_through_each_transport(transport_stack: 
         got_ids, got_text, usage = _router_call(transport_stack.router, transport_stack.model, kind, prompt, stream)
         assert (got_ids, got_text) == (want_ids, want_text)
         assert usage["prompt_tokens"] == prompt_tokens and usage["completion_tokens"] == MAX_TOKENS
+
+
+# ---- fail fast at the router, per transport -----------------------------------------------------------
+
+
+@dataclass
+class Spare:
+    """A second decode node (short context) and a router in front of it, on the stack's vLLM and secret."""
+
+    node: subprocess.Popen[bytes]
+    router: subprocess.Popen[bytes]
+    decode_url: str
+    router_url: str
+
+
+@pytest.fixture(scope="module")
+def spare(transport_stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Spare]:
+    assert transport_stack.secret_file is not None
+    prefill_port = int(transport_stack.prefill.rsplit(":", 1)[1])
+    cfg = StackConfig(model=transport_stack.model, port=free_port(), prefill_port=prefill_port,
+                      ctrl_port=free_port(), decode_http_port=free_port(), transport=transport_stack.transport,
+                      max_model_len=SHORT_CONTEXT)  # fmt: skip
+    env = {**child_env(transport_stack.secret_file), "UCX_NET_DEVICES": "lo"}
+    logs = tmp_path_factory.mktemp(f"spare-{transport_stack.transport}")
+    with open(logs / "node.log", "w") as node_log, open(logs / "router.log", "w") as router_log:
+        node = subprocess.Popen(decode_command(cfg), env=env, stdout=node_log, stderr=subprocess.STDOUT)
+        router = subprocess.Popen(router_command(cfg), env=env, stdout=router_log, stderr=subprocess.STDOUT)
+    spare = Spare(node, router, f"http://127.0.0.1:{cfg.decode_http_port}", f"http://127.0.0.1:{cfg.port}")
+    try:
+        wait_healthy(spare.decode_url, node, 300, logs / "node.log")
+        wait_healthy(spare.router_url, router, 300, logs / "router.log")
+        yield spare
+    finally:
+        for proc in (router, node):
+            if proc.poll() is None:
+                proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def _fails_fast(router: str, model: Path, prompt: str, limit_s: float) -> tuple[openai.APIStatusError, float]:
+    """One completion through ``router`` with the real OpenAI client: a terminal error (no retry), and when."""
+    client = openai.OpenAI(base_url=router + "/v1", api_key="unused", timeout=30, max_retries=0)
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as exc:
+        client.completions.create(model=str(model), prompt=prompt, max_tokens=8, temperature=0)
+    elapsed = time.monotonic() - t0
+    assert elapsed < limit_s, f"the client's error came after {elapsed:.2f}s: {exc.value}"
+    assert exc.value.status_code >= 500 or exc.value.status_code == 400, exc.value
+    return exc.value, time.monotonic()
+
+
+def _staging_pool(prefill: str) -> dict[str, float]:
+    """The connector's staging pool as vLLM's ``/metrics`` shows it (``tilert:staging_*`` gauges)."""
+    text = httpx.get(prefill + "/metrics", timeout=10).text
+    return {
+        family.name.removeprefix("tilert:staging_"): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("tilert:staging_")
+        for sample in family.samples
+    }
+
+
+def _pools_whole(prefill: str, decode: str | None, limit_s: float = 2.0) -> None:
+    """Until the staging pool is whole on vLLM's /metrics and every receive slot is free on the node's /health."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        pool = _staging_pool(prefill)
+        health = httpx.get(decode + "/health", timeout=10).json() if decode else None
+        pool_ok = pool.get("pool_capacity_bytes", 0) > 0 and pool.get("pool_used_bytes") == 0
+        pool_ok = pool_ok and pool.get("transfers_in_flight") == 0
+        slots_ok = health is None or health["slots_free"] == health["slots_total"]
+        if pool_ok and slots_ok:
+            return
+        assert time.monotonic() < deadline, f"pools not whole after {limit_s}s: staging {pool}, node {health}"
+        time.sleep(0.05)
+
+
+def _prompt(stack: Stack, n: int = 100) -> str:
+    return _source_text(n, stack.model, offset=1200)
+
+
+@pytest.mark.parametrize("fault", ["extraction_error", "transport_error"])
+def test_fault_in_the_transfer_reaches_the_client_at_once(transport_stack: Stack, fault: str) -> None:
+    assert transport_stack.fault_dir is not None
+    faults.arm(transport_stack.fault_dir, fault)
+    err, _ = _fails_fast(transport_stack.router, transport_stack.model, _prompt(transport_stack), FAIL_LIMIT_S)
+    assert "injected" in str(err.body) or "prefill side" in str(err.body), err.body
+    _pools_whole(transport_stack.prefill, transport_stack.decode)
+    assert not (transport_stack.fault_dir / "next").exists()  # that transfer took it
+
+
+def test_timeout_reaches_the_client_at_once(transport_stack: Stack) -> None:
+    """The forward stalls past the sender's wait for the next layer: abort, then a terminal error."""
+    assert transport_stack.fault_dir is not None
+    faults.arm(transport_stack.fault_dir, "timeout")
+    err, _ = _fails_fast(transport_stack.router, transport_stack.model, _prompt(transport_stack),
+                         faults.TIMEOUT_S + FAIL_LIMIT_S)  # fmt: skip
+    assert "no layer was staged within" in str(err.body), err.body
+    _pools_whole(transport_stack.prefill, transport_stack.decode)
+
+
+def test_handshake_refused_reaches_the_client_at_once(transport_stack: Stack, spare: Spare) -> None:
+    """The spare node holds 64 positions: it refuses the offer of a 100-token prompt (a real refusal)."""
+    err, _ = _fails_fast(spare.router_url, transport_stack.model, _prompt(transport_stack), FAIL_LIMIT_S)
+    assert err.status_code in (400, 502), err
+    _pools_whole(transport_stack.prefill, spare.decode_url)
+    metrics = httpx.get(spare.decode_url + "/metrics", timeout=10).text
+    assert "does not fit" in str(err.body) or "context length" in str(err.body) or "failed" in metrics
+
+
+def test_peer_killed_mid_transfer_reaches_the_client_at_once(transport_stack: Stack, spare: Spare) -> None:
+    """The forward stalls after its first layer (written to the node); the node is killed meanwhile."""
+    assert transport_stack.fault_dir is not None
+    faults.arm(transport_stack.fault_dir, "stall")
+    outcome: list[Any] = []
+
+    def call() -> None:
+        try:
+            _fails_fast(spare.router_url, transport_stack.model, _prompt(transport_stack, 40), 30)
+            outcome.append(time.monotonic())
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            outcome.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    time.sleep(faults.STALL_S / 2)  # inside the stall: the handshake is done, layer 0 is on the node
+    os.kill(spare.node.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    spare.node.wait(10)
+    caller.join(30)
+    assert outcome and isinstance(outcome[0], float), outcome
+    assert outcome[0] - killed_at < FAIL_LIMIT_S + faults.STALL_S / 2, outcome[0] - killed_at
+    _pools_whole(transport_stack.prefill, transport_stack.decode)

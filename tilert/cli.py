@@ -63,7 +63,7 @@ def _up(args: argparse.Namespace) -> int:
             model=Path(args.model), port=args.port, prefill_port=args.prefill_port, ctrl_port=args.ctrl_port,
             decode_http_port=args.decode_http_port, host=args.host, dtype=args.dtype,
             max_model_len=args.max_model_len, engine=args.engine, transport=args.transport,
-            reserve_lease_s=args.reserve_lease_s,
+            reserve_lease_s=args.reserve_lease_s, secret_file=args.secret_file,
         )
     )  # fmt: skip
 
@@ -139,6 +139,11 @@ def parser() -> argparse.ArgumentParser:
         "--reserve-lease-s", type=float, default=None,
         help="the router's decode slot lease (default: its prefill + transfer timeouts + 30 s); the decode "
         "node's --max-lease-s follows it",
+    )  # fmt: skip
+    up.add_argument(
+        "--secret-file", type=Path, default=None,
+        help="use this deployment secret (a file only you can read) instead of a fresh one, so that more "
+        "decode nodes and routers can join the stack; it is left in place at exit",
     )  # fmt: skip
     up.set_defaults(func=_up)
     return ap

@@ -52,6 +52,7 @@ class StackConfig:
     transport: str = "tcp"
     startup_timeout_s: float = 600.0
     reserve_lease_s: float | None = None  # None: the router's default (prefill + transfer timeouts + 30 s)
+    secret_file: Path | None = None  # None: a fresh secret in a private temp file, removed at exit
 
 
 def _url(host: str, port: int) -> str:
@@ -148,7 +149,8 @@ class Stack:
     def __init__(self, cfg: StackConfig) -> None:
         self.cfg = cfg
         self.children: dict[str, subprocess.Popen[bytes]] = {}
-        self.secret_file: Path | None = None
+        self.secret_file: Path | None = cfg.secret_file
+        self._owns_secret = cfg.secret_file is None
         self.urls = {
             "prefill": _url(cfg.host, cfg.prefill_port),
             "decode": _url(cfg.host, cfg.decode_http_port),
@@ -166,6 +168,7 @@ class Stack:
         """Write this stack's secret file (once); :meth:`cleanup` (also run at exit) removes it."""
         if self.secret_file is None:
             self.secret_file = write_secret_file()
+            self._owns_secret = True
             atexit.register(self.cleanup)
         return self.secret_file
 
@@ -173,7 +176,7 @@ class Stack:
         return child_env(self.prepare_secret())
 
     def cleanup(self) -> None:
-        if self.secret_file is not None:
+        if self.secret_file is not None and self._owns_secret:
             shutil.rmtree(self.secret_file.parent, ignore_errors=True)
             self.secret_file = None
 

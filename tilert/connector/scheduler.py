@@ -159,6 +159,10 @@ class SchedulerSide:
             del self._extents[key]
             self.pool.free(offset)
 
+    def pool_snapshot(self) -> dict[str, int]:
+        """The pool as this half accounts it (the keys of ``tilert.connector.stats.GAUGES``)."""
+        return {"capacity_bytes": self.pool.capacity, "used_bytes": self.pool.used, "in_flight": self.pool.live}
+
     def has_pending_work(self) -> bool:
         """Extents still out: vLLM must keep stepping so the workers' reports come back."""
         return bool(self._extents)

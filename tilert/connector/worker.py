@@ -26,6 +26,7 @@ import structlog
 import torch
 
 from tilert.connector.claims import SaveRequest, TileRTConnectorMetadata, TileRTWorkerMeta
+from tilert.connector.faults import Fault, FaultHook
 from tilert.connector.sender import BackgroundSender, Staged
 from tilert.connector.staging import ExtentAllocator, pool_bytes
 from tilert.contracts import KVLayout
@@ -104,6 +105,7 @@ class _Open:
     chunk_base: dict[str, int]  # group -> index of its first layer's chunk
     slots: torch.Tensor
     layers_done: set[str] = field(default_factory=set)
+    fault: Fault | None = None  # armed through the test-only hook (tilert.connector.faults)
 
 
 def layouts_bytes_per_token(layouts: dict[str, KVLayout]) -> int:
@@ -150,6 +152,7 @@ class WorkerSide:
         self._lock = threading.Lock()  # extents + freed list: the sender's threads release into them
         self._freed: list[tuple[str, int]] = []
         self.transfers: list[Staged] = []  # the most recent ones (tests, benchmarks)
+        self._faults = FaultHook.from_env()  # None unless TILERT_TEST_FAULTS is set (tests only)
 
     @property
     def layouts(self) -> dict[str, KVLayout]:
@@ -234,6 +237,8 @@ class WorkerSide:
             if req.staged.closed or layer_name in req.layers_done:
                 continue  # the transfer already ended (refused, aborted): nothing to stage for
             try:
+                if req.fault is not None:
+                    req.fault.before_layer(len(req.layers_done))
                 rows = gather_rows(layout.kind, layout.row_bytes, layer.cache, req.slots, save.block_size)
                 req.views[layer.group][layer.position].copy_(rows, non_blocking=True)
                 event = None
@@ -275,7 +280,8 @@ class WorkerSide:
         staged = Staged(save.claim, save.num_tokens, dict(self._layouts), buffer, chunks,
                         lambda: self._release(save.req_id, save.offset), save.last_token_id)  # fmt: skip
         slots = torch.tensor(save.slot_ids(), dtype=torch.long, device=device)
-        req = _Open(save, staged, views, bases, slots)
+        staged.fault = self._faults.take(tid) if self._faults is not None else None
+        req = _Open(save, staged, views, bases, slots, fault=staged.fault)
         self._open[save.req_id] = req
         self.transfers = [*self.transfers[-15:], staged]
         try:
