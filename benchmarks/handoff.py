@@ -40,6 +40,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -254,8 +255,6 @@ class VllmResult:
 
 
 def _tiny_model(max_tokens: int) -> Path:
-    import tempfile
-
     from tilert.models.tiny import build_tiny_model
 
     out = Path(tempfile.mkdtemp(prefix="handoff-model-")) / "tiny-deepseek-v3"
@@ -293,7 +292,8 @@ def run_vllm(transport: str, tokens: list[int], reps: int, model: Path | None) -
     cfg = StackConfig(model=model, prefill_port=port, transport=transport, max_model_len=max_tokens + 64,
                       kv_cache_bytes=max(134_217_728, 2 * (max_tokens + 64) * TINY_BPT))  # fmt: skip
     env = {**child_env(secret_file), "UCX_NET_DEVICES": "lo", "VLLM_LOGGING_LEVEL": "WARNING"}
-    log_path = Path(secret_file.parent) / "vllm.log"
+    log_path = Path(tempfile.gettempdir()) / f"handoff-vllm-{transport}-{os.getpid()}.log"
+    print(f"(vLLM's log: {log_path})", flush=True)
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(prefill_command(cfg), env=env, stdout=log_file, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -306,7 +306,7 @@ def run_vllm(transport: str, tokens: list[int], reps: int, model: Path | None) -
     try:
         _wait_http(url, proc)
         with anyio.from_thread.start_blocking_portal() as portal, httpx.Client(timeout=900) as client:
-            _, ctrl_port = portal.start_task(control.serve, "127.0.0.1", 0)
+            serving, ctrl_port = portal.start_task(control.serve, "127.0.0.1", 0)
 
             async def ready_at(tid: str) -> float:
                 await table.wait_ready(tid, 900)
@@ -338,17 +338,22 @@ def run_vllm(transport: str, tokens: list[int], reps: int, model: Path | None) -
                 prefill(torch.randint(8, vocab, (min(tokens),), generator=gen).tolist(), claimed)
             for n in tokens:
                 plain, claimed_s, after, nbytes = [], [], [], 0
-                for _ in range(reps):
-                    ids = torch.randint(8, vocab, (n,), generator=gen).tolist()
-                    plain.append(prefill(ids, False)[0])
-                    lat, ready_after, nbytes = prefill(ids, True)
-                    claimed_s.append(lat)
-                    after.append(ready_after or 0.0)
+                try:
+                    for _ in range(reps):
+                        ids = torch.randint(8, vocab, (n,), generator=gen).tolist()
+                        plain.append(prefill(ids, False)[0])
+                        lat, ready_after, nbytes = prefill(ids, True)
+                        claimed_s.append(lat)
+                        after.append(ready_after or 0.0)
+                except httpx.HTTPStatusError as exc:  # vLLM could not prefill it: say so, go on
+                    print(f"| {transport} | {n} | vLLM answered {exc.response.status_code}: "
+                          f"{exc.response.text[:200]!r} (see {log_path}) |", flush=True)  # fmt: skip
+                    continue
                 med = statistics.median
                 row = VllmResult(transport, n, nbytes, med(plain), med(claimed_s), med(after))
                 print(row.row(), flush=True)
                 results.append(row)
-            portal.call(lambda: None)
+            serving.cancel()  # the control server runs until cancelled; the portal waits for its tasks
     finally:
         proc.terminate()
         try:

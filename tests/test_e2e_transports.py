@@ -8,9 +8,9 @@ refused, extraction error, transport error, peer gone (the decode node killed mi
 each reach the client as a terminal error in under a second, and afterwards the connector's staging pool
 is whole again on vLLM's own ``/metrics`` (``tilert:staging_pool_used_bytes`` 0, no transfer in flight) and
 every receive slot is free on the decode node's ``/health``. The three stacks are this module's (tcp: the
-session stack), one vLLM each. Handshake refused and peer gone use a second decode node + router of the
-same stack (a node with a short context refuses the offer for real; a node the test can kill without
-stopping ``tilert up``). Extraction error, transport error and timeout are armed for one transfer through
+session stack), one vLLM each. Handshake refused and peer gone use other decode nodes + routers on the same
+vLLM (a node of a 2-layer model refuses the offer of the 3-layer KV for real; a node the test can kill
+without stopping ``tilert up``). Extraction error, transport error and timeout are armed for one transfer through
 the connector's test-only fault hook (:mod:`tilert.connector.faults`): the real parts cannot produce them
 on demand; everything after the fault is real.
 """
@@ -23,7 +23,8 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,6 @@ pytestmark = [pytest.mark.stack, pytest.mark.timeout(900)]
 
 FAIL_LIMIT_S = 1.0  # from the failure to the client's terminal error
 SANITY_S = 30.0  # from the request to the client's error (the failure comes first, inside the prefill)
-SHORT_CONTEXT = 64  # the spare node's max_seq_len: a longer prompt's offer is refused at the handshake
 
 
 @pytest.fixture(scope="module", params=["tcp", "mooncake", "nixl"])
@@ -78,7 +78,7 @@ def test_router_tokens_equal_vllm_alone_through_each_transport(transport_stack: 
 
 @dataclass
 class Spare:
-    """A second decode node (short context) and a router in front of it, on the stack's vLLM and secret."""
+    """Another decode node and a router in front of it, on the stack's vLLM and secret."""
 
     node: subprocess.Popen[bytes]
     router: subprocess.Popen[bytes]
@@ -86,17 +86,16 @@ class Spare:
     router_url: str
 
 
-@pytest.fixture(scope="module")
-def spare(transport_stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Spare]:
-    assert transport_stack.secret_file is not None
-    prefill_port = int(transport_stack.prefill.rsplit(":", 1)[1])
-    cfg = StackConfig(model=transport_stack.model, port=free_port(), prefill_port=prefill_port,
-                      ctrl_port=free_port(), decode_http_port=free_port(), transport=transport_stack.transport,
-                      max_model_len=SHORT_CONTEXT)  # fmt: skip
-    env = {**child_env(transport_stack.secret_file), "UCX_NET_DEVICES": "lo"}
-    logs = tmp_path_factory.mktemp(f"spare-{transport_stack.transport}")
+@contextmanager
+def _spare(stack: Stack, node_model: Path, logs: Path) -> Iterator[Spare]:
+    assert stack.secret_file is not None
+    prefill_port = int(stack.prefill.rsplit(":", 1)[1])
+    cfg = StackConfig(model=stack.model, port=free_port(), prefill_port=prefill_port, ctrl_port=free_port(),
+                      decode_http_port=free_port(), transport=stack.transport)  # fmt: skip
+    env = {**child_env(stack.secret_file), "UCX_NET_DEVICES": "lo"}
     with open(logs / "node.log", "w") as node_log, open(logs / "router.log", "w") as router_log:
-        node = subprocess.Popen(decode_command(cfg), env=env, stdout=node_log, stderr=subprocess.STDOUT)
+        node = subprocess.Popen(decode_command(replace(cfg, model=node_model)), env=env, stdout=node_log,
+                                stderr=subprocess.STDOUT)  # fmt: skip
         router = subprocess.Popen(router_command(cfg), env=env, stdout=router_log, stderr=subprocess.STDOUT)
     spare = Spare(node, router, f"http://127.0.0.1:{cfg.decode_http_port}", f"http://127.0.0.1:{cfg.port}")
     try:
@@ -112,6 +111,24 @@ def spare(transport_stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> I
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def spare(transport_stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Spare]:
+    """A node of the stack's own model, for the test to kill."""
+    with _spare(transport_stack, transport_stack.model, tmp_path_factory.mktemp("spare")) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def refusing_spare(transport_stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Spare]:
+    """A node whose model has 2 layers where the stack's has 3: it refuses the offer of vLLM's 3-layer KV."""
+    from tilert.models.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("refusing")
+    other = build_tiny_model("deepseek_v3", root / "two-layers", seed=0, num_hidden_layers=2)
+    with _spare(transport_stack, other, root) as handle:
+        yield handle
 
 
 def _fails_fast(router: str, model: Path, prompt: str, limit_s: float) -> tuple[openai.APIStatusError, float]:
@@ -188,13 +205,13 @@ def test_timeout_reaches_the_client_at_once(transport_stack: Stack) -> None:
     _pools_whole(transport_stack.prefill, transport_stack.decode)
 
 
-def test_handshake_refused_reaches_the_client_at_once(transport_stack: Stack, spare: Spare) -> None:
-    """The spare node holds 64 positions: it refuses the offer of a 100-token prompt (a real refusal)."""
-    failed_before = _transfers_failed(spare.decode_url)
-    err, _ = _fails_fast(spare.router_url, transport_stack.model, _prompt(transport_stack), FAIL_LIMIT_S)
-    assert err.status_code in (400, 502), err
-    _pools_whole(transport_stack.prefill, spare.decode_url)
-    assert _transfers_failed(spare.decode_url) == failed_before + 1  # the node refused the offer itself
+def test_handshake_refused_reaches_the_client_at_once(transport_stack: Stack, refusing_spare: Spare) -> None:
+    """The node refuses the offer (its engine cannot take the layouts): a real refusal at the handshake."""
+    failed_before = _transfers_failed(refusing_spare.decode_url)
+    err, _ = _fails_fast(refusing_spare.router_url, transport_stack.model, _prompt(transport_stack), FAIL_LIMIT_S)
+    assert "mla layout has 3 layers, model has 2" in str(err.body), err.body  # the node's own reason
+    _pools_whole(transport_stack.prefill, refusing_spare.decode_url)
+    assert _transfers_failed(refusing_spare.decode_url) == failed_before + 1
 
 
 def _transfers_failed(decode: str) -> float:
@@ -225,5 +242,6 @@ def test_peer_killed_mid_transfer_reaches_the_client_at_once(transport_stack: St
     spare.node.wait(10)
     caller.join(SANITY_S)
     assert outcome and isinstance(outcome[0], float), outcome
-    assert outcome[0] - killed_at < FAIL_LIMIT_S, f"the client's error came {outcome[0] - killed_at:.2f}s after the kill"
+    since = outcome[0] - killed_at
+    assert since < FAIL_LIMIT_S, f"the client's error came {since:.2f}s after the kill"
     _pools_whole(transport_stack.prefill, transport_stack.decode)
