@@ -385,6 +385,7 @@ def start_servers(
         cfg = stack.StackConfig(
             model=model, port=free_port(), prefill_port=free_port(), ctrl_port=free_port(),
             decode_http_port=free_port(), dtype=args.dtype, max_model_len=MAX_MODEL_LEN, kv_cache_bytes=KV_CACHE_BYTES,
+            prefill_compiled=args.prefill_compiled,
         )  # fmt: skip
         secret_file = stack.write_secret_file()
         args._cleanup.append(lambda: shutil.rmtree(secret_file.parent, ignore_errors=True))
@@ -400,7 +401,10 @@ def start_servers(
         if args.router_log_level:
             envs["router"]["TILERT_LOG_LEVEL"] = args.router_log_level
         for name in names:
-            cpus = {"router": parse_cpus(args.router_cpus)}.get(name)  # the decode node pins its engine thread
+            pinned = {"router": parse_cpus(args.router_cpus)}
+            if args.decode_pin == "process":  # the whole node (its event loop too) on --decode-cpus
+                pinned["decode"] = parse_cpus(args.decode_cpus)
+            cpus = pinned.get(name)
             procs.start(name, commands[name], envs[name], cpus=cpus)
             started[name] = {"command": commands[name], "cpus": sorted(cpus) if cpus else None,
                              "env": {k: v for k, v in envs[name].items() if k.startswith(("VLLM_CPU", "OMP_",
@@ -426,8 +430,10 @@ def start_servers(
 
 def _decode_env(args: argparse.Namespace) -> dict[str, str]:
     env: dict[str, str] = {}
-    if parse_cpus(args.decode_cpus):  # the engine's worker thread and its torch threads, as vLLM pins its OMP threads
+    if parse_cpus(args.decode_cpus) and args.decode_pin == "engine":  # as vLLM pins its OMP threads
         env["TILERT_DECODE_ENGINE_CPUS"] = args.decode_cpus
+    elif parse_cpus(args.decode_cpus):
+        env["OMP_NUM_THREADS"] = str(len(parse_cpus(args.decode_cpus) or ()))
     if args.decode_max_sequences:
         env["TILERT_DECODE_MAX_SEQUENCES"] = str(args.decode_max_sequences)
     return env
@@ -1250,6 +1256,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--vllm-cpus", default="1", help="VLLM_CPU_OMP_THREADS_BIND of vLLM alone")
     ap.add_argument("--decode-cpus", default="1",
                     help="CPUs of the decode node's engine thread (--engine-cpus; '' leaves it unpinned)")
+    ap.add_argument("--prefill-compiled", action="store_true",
+                    help="the stack's prefill vLLM compiled (tilert up --prefill-compiled), not --enforce-eager")
+    ap.add_argument("--decode-pin", choices=["engine", "process"], default="engine",
+                    help="pin the node's engine thread to --decode-cpus (its event loop free), or the whole process")
     ap.add_argument(
         "--decode-max-sequences",
         type=int,

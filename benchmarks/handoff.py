@@ -23,6 +23,13 @@ Per transport and prompt length, the median over ``--reps`` of:
 Both ends share this process and its CPUs (2 cores on the development machines): the numbers are an upper
 bound on the protocol's own cost, not a network measurement. Mooncake runs over TCP (no RDMA NIC), NIXL over
 UCX on loopback (shared memory / CMA between processes; here one process).
+
+``--vllm`` adds, per transport, stock vLLM (the CPU build, the connector configured for that transport, as
+``tilert up`` starts it) prefilling a tiny DeepSeek-V3 checkpoint (float32; 3 layers x 576 x 4 = 6,912 bytes
+per token) with random prompts of the same lengths, ``max_tokens=1``: the HTTP latency of the prefill
+unclaimed (a plain request) and claimed (the request carries a signed claim; a decode node's transfer half
+in this process receives the KV), alternating, median of ``--vllm-reps``; and for the claimed ones when the
+state was ready on the decode node relative to vLLM's response (negative: before the client had it).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -219,6 +227,154 @@ async def run_transport(transport: str, tokens: list[int], reps: int, prefill_to
     return results
 
 
+# ---- stock vLLM's prefill, claimed vs unclaimed -------------------------------------------------------
+
+TINY_LAYERS, TINY_ROW = 3, 576 * 4  # the tiny deepseek_v3 checkpoint in float32, as vLLM's CPU_MLA holds it
+TINY_BPT = TINY_LAYERS * TINY_ROW
+VLLM_HEADER = (
+    "| transport | tokens | MiB moved | unclaimed prefill ms | claimed prefill ms | claimed / unclaimed "
+    "| state ready after the response ms |\n|---|---:|---:|---:|---:|---:|---:|"
+)
+
+
+@dataclass
+class VllmResult:
+    transport: str
+    tokens: int
+    nbytes: int
+    unclaimed_s: float
+    claimed_s: float
+    ready_after_s: float
+
+    def row(self) -> str:
+        return (
+            f"| {self.transport} | {self.tokens} | {self.nbytes / 2**20:,.1f} | {self.unclaimed_s * 1e3:,.1f} | "
+            f"{self.claimed_s * 1e3:,.1f} | {self.claimed_s / self.unclaimed_s:.3f} | "
+            f"{self.ready_after_s * 1e3:+,.1f} |"
+        )
+
+
+def _tiny_model(max_tokens: int) -> Path:
+    from tilert.models.tiny import build_tiny_model
+
+    out = Path(tempfile.mkdtemp(prefix="handoff-model-")) / "tiny-deepseek-v3"
+    return build_tiny_model("deepseek_v3", out, seed=0, max_position_embeddings=max(4096, max_tokens + 256))
+
+
+def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 600) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited with {proc.returncode} during start-up")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"vLLM not healthy within {timeout_s:g}s")
+
+
+def run_vllm(transport: str, tokens: list[int], reps: int, model: Path | None) -> list[VllmResult]:
+    """One stock vLLM (connector on ``transport``) and a decode node's transfer half in this process."""
+    import httpx
+
+    from tilert.auth import load_secret
+    from tilert.stack import StackConfig, child_env, prefill_command, write_secret_file
+
+    max_tokens = max(tokens)
+    model = model or _tiny_model(max_tokens)
+    secret_file = write_secret_file()
+    secret = load_secret(secret_file)
+    port = _free_port()
+    cfg = StackConfig(model=model, prefill_port=port, transport=transport, max_model_len=max_tokens + 64,
+                      kv_cache_bytes=max(134_217_728, 2 * (max_tokens + 64) * TINY_BPT))  # fmt: skip
+    env = {**child_env(secret_file), "UCX_NET_DEVICES": "lo", "VLLM_LOGGING_LEVEL": "WARNING"}
+    log_path = Path(tempfile.gettempdir()) / f"handoff-vllm-{transport}-{os.getpid()}.log"
+    print(f"(vLLM's log: {log_path})", flush=True)
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(prefill_command(cfg), env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    receiver = load_transport(transport).receiver(host="127.0.0.1", options={})
+    table = SlotTable(1, {"mla": c.KVLayout("mla_dense", "float32", TINY_ROW, TINY_LAYERS)}, max_tokens + 1,
+                      receiver)  # fmt: skip
+    control = ControlServer(table, transport, "bench-node", secret)
+    results: list[VllmResult] = []
+    gen = torch.Generator().manual_seed(0)
+    try:
+        _wait_http(url, proc)
+        with anyio.from_thread.start_blocking_portal() as portal, httpx.Client(timeout=900) as client:
+            serving, ctrl_port = portal.start_task(control.serve, "127.0.0.1", 0)
+
+            async def ready_at(tid: str) -> float:
+                await table.wait_ready(tid, 900)
+                return time.monotonic()
+
+            def prefill(ids: list[int], claimed: bool) -> tuple[float, float | None, int]:
+                body: dict[str, Any] = {"model": str(model), "prompt": ids, "max_tokens": 1, "temperature": 0}
+                ready = None
+                if claimed:
+                    tid = uuid.uuid4().hex
+                    portal.call(table.reserve, tid)
+                    body["kv_transfer_params"] = c.Claim.signed(secret, tid, "127.0.0.1", ctrl_port).to_params()
+                    ready = portal.start_task_soon(ready_at, tid)
+                t0 = time.monotonic()
+                resp = client.post(url + "/v1/completions", json=body)
+                t_resp = time.monotonic()
+                resp.raise_for_status()
+                if ready is None:
+                    return t_resp - t0, None, 0
+                params = resp.json().get("kv_transfer_params") or {}
+                assert not params.get("tilert_error"), params
+                t_ready = ready.result(900)
+                nbytes = table.get(tid).offer.nbytes  # type: ignore[union-attr]
+                portal.call(table.release, tid)
+                return t_resp - t0, t_ready - t_resp, nbytes
+
+            vocab = 2048
+            for claimed in (False, True):  # warm-up: both paths, connections and registrations
+                prefill(torch.randint(8, vocab, (min(tokens),), generator=gen).tolist(), claimed)
+            for n in tokens:
+                plain, claimed_s, after, nbytes = [], [], [], 0
+                try:
+                    for _ in range(reps):
+                        ids = torch.randint(8, vocab, (n,), generator=gen).tolist()
+                        plain.append(prefill(ids, False)[0])
+                        lat, ready_after, nbytes = prefill(ids, True)
+                        claimed_s.append(lat)
+                        after.append(ready_after or 0.0)
+                except httpx.HTTPStatusError as exc:  # vLLM could not prefill it: say so, go on
+                    print(f"| {transport} | {n} | vLLM answered {exc.response.status_code}: "
+                          f"{exc.response.text[:200]!r} (see {log_path}) |", flush=True)  # fmt: skip
+                    continue
+                med = statistics.median
+                row = VllmResult(transport, n, nbytes, med(plain), med(claimed_s), med(after))
+                print(row.row(), flush=True)
+                results.append(row)
+            serving.cancel()  # the control server runs until cancelled; the portal waits for its tasks
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        receiver.close()
+        import shutil
+
+        shutil.rmtree(secret_file.parent, ignore_errors=True)
+    return results
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def conditions() -> str:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -253,22 +409,44 @@ def main() -> None:
     ap.add_argument("--prefill-tok-s", type=float, default=16000.0,
                     help="the stand-in forward's pace (tokens/s of the whole prefill)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="write the table with its conditions (markdown)")
+    ap.add_argument("--vllm", action="store_true", help="also: stock vLLM's prefill latency, claimed vs unclaimed")
+    ap.add_argument("--vllm-only", action="store_true", help="only the stock vLLM measurement")
+    ap.add_argument("--vllm-reps", type=int, default=3)
+    ap.add_argument("--vllm-model", type=Path, default=None,
+                    help="a tiny deepseek_v3 checkpoint with max_position_embeddings >= the longest prompt "
+                    "(default: built into a temporary directory)")  # fmt: skip
     args = ap.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and up
     tokens = [int(x) for x in args.tokens.split(",")]
     print(f"layout: {LAYERS} layers x {WIDTH} bf16 = {BPT:,} bytes per token; stand-in prefill "
           f"{args.prefill_tok_s:g} tok/s; median of {args.reps}\n\n{HEADER}", flush=True)  # fmt: skip
     results: list[Result] = []
-    for transport in args.transports.split(","):
-        results += anyio.run(run_transport, transport, tokens, args.reps, args.prefill_tok_s)
+    transports = args.transports.split(",")
+    if not args.vllm_only:
+        for transport in transports:
+            results += anyio.run(run_transport, transport, tokens, args.reps, args.prefill_tok_s)
+    vllm_rows: list[VllmResult] = []
+    if args.vllm or args.vllm_only:
+        print(f"\nstock vLLM prefill, tiny DeepSeek-V3 (float32, {TINY_BPT:,} bytes per token), median of "
+              f"{args.vllm_reps}\n\n{VLLM_HEADER}", flush=True)  # fmt: skip
+        for transport in transports:
+            vllm_rows += run_vllm(transport, tokens, args.vllm_reps, args.vllm_model)
     if args.out is not None:
         cmd = "python benchmarks/handoff.py " + " ".join(sys.argv[1:])
-        args.out.write_text(
-            f"# KV handoff on CPU: staging pool + layer-pipelined sending ({date.today()})\n\n"
-            f"`{cmd}`\n\n{conditions()}\n- layout: DeepSeek-V3 MLA, {LAYERS} layers x {WIDTH} bf16 = {BPT:,} bytes "
-            f"per token; stand-in prefill {args.prefill_tok_s:g} tok/s; median of {args.reps}\n\n"
-            f"{HEADER}\n" + "\n".join(r.row() for r in results) + "\n"
-        )
+        title = f"# KV handoff on CPU: staging pool + layer-pipelined sending ({date.today()})"
+        text = f"{title}\n\n`{cmd}`\n\n{conditions()}\n"
+        if results:
+            text += (
+                f"- layout: DeepSeek-V3 MLA, {LAYERS} layers x {WIDTH} bf16 = {BPT:,} bytes per token; stand-in "
+                f"prefill {args.prefill_tok_s:g} tok/s; median of {args.reps}\n\n{HEADER}\n"
+                + "\n".join(r.row() for r in results) + "\n"
+            )
+        if vllm_rows:
+            text += (
+                f"\nStock vLLM prefill (tiny DeepSeek-V3, float32, {TINY_BPT:,} bytes per token), median of "
+                f"{args.vllm_reps}:\n\n{VLLM_HEADER}\n" + "\n".join(r.row() for r in vllm_rows) + "\n"
+            )
+        args.out.write_text(text)
         print(f"\nwritten: {args.out}")
 
 

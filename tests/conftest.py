@@ -7,6 +7,7 @@ The stack is started once per session through ``tilert up`` itself, exactly as a
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -61,15 +62,26 @@ class Stack:
     log: Path
     transport: str = "tcp"
     native: str | None = None  # the native vLLM decode instance (``tilert up --native``)
+    secret_file: Path | None = None  # the stack's secret (more nodes and routers can join it)
+    fault_dir: Path | None = None  # the connector's test-only fault hook (tilert.connector.faults), armed here
 
 
 def start_stack(model: Path, log: Path, *extra: str, env: dict[str, str] | None = None) -> Stack:
-    """``tilert up`` on free ports, as a user starts it; returns once it printed its URLs (the router's last)."""
+    """``tilert up`` on free ports, as a user starts it, with a secret file the tests know and the connector's
+    test-only fault hook enabled (both next to ``log``); returns once it printed its URLs (the router's last)."""
+    from tilert.connector.faults import ENV as FAULTS_ENV
+    from tilert.stack import write_secret_file
+
     ports = [free_port() for _ in range(4)]
+    secret_file = write_secret_file()
+    fault_dir = log.parent / "faults"
+    fault_dir.mkdir(exist_ok=True)
+    env = {**(os.environ if env is None else env), FAULTS_ENV: str(fault_dir)}
     cmd = [
         sys.executable, "-m", "tilert.cli", "up", "--model", str(model),
         "--port", str(ports[0]), "--prefill-port", str(ports[1]),
-        "--ctrl-port", str(ports[2]), "--decode-http-port", str(ports[3]), *extra,
+        "--ctrl-port", str(ports[2]), "--decode-http-port", str(ports[3]),
+        "--secret-file", str(secret_file), *extra,
     ]  # fmt: skip
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
@@ -86,7 +98,8 @@ def start_stack(model: Path, log: Path, *extra: str, env: dict[str, str] | None 
     if len(urls) < 3:
         proc.kill()
         pytest.fail(f"tilert up did not come up; log tail:\n{log.read_text()[-4000:]}")
-    return Stack(proc, model, urls["prefill"], urls["decode"], urls["router"], log, native=urls.get("native"))
+    return Stack(proc, model, urls["prefill"], urls["decode"], urls["router"], log, native=urls.get("native"),
+                 secret_file=secret_file, fault_dir=fault_dir)  # fmt: skip
 
 
 def stop_stack(stack: Stack) -> None:
@@ -96,6 +109,8 @@ def stop_stack(stack: Stack) -> None:
             stack.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             stack.proc.kill()
+    if stack.secret_file is not None:
+        shutil.rmtree(stack.secret_file.parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -1,26 +1,56 @@
 """The core oracle through every transport: a whole stack (stock vLLM prefill + connector, decode node,
 router) started with ``tilert up --transport NAME`` for the real Mooncake and NIXL libraries (tcp is the
 session stack's), each process separate, on loopback; router output == the same vLLM alone, token for
-token, streaming and not, for prompts up to about 500 tokens."""
+token, streaming and not, for prompts up to about 500 tokens.
+
+Fail fast through each transport (issue 7, item 5), at the router, with the real OpenAI client: handshake
+refused, extraction error, transport error, peer gone (the decode node killed mid-transfer) and timeout
+each reach the client as a terminal error in under a second, and afterwards the connector's staging pool
+is whole again on vLLM's own ``/metrics`` (``tilert:staging_pool_used_bytes`` 0, no transfer in flight) and
+every receive slot is free on the decode node's ``/health``. The three stacks are this module's (tcp: the
+session stack), one vLLM each. Handshake refused and peer gone use other decode nodes + routers on the same
+vLLM (a node of a 2-layer model refuses the offer of the 3-layer KV for real; a node the test can kill
+without stopping ``tilert up``). Extraction error, transport error and timeout are armed for one transfer through
+the connector's test-only fault hook (:mod:`tilert.connector.faults`): the real parts cannot produce them
+on demand; everything after the fault is real.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import threading
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
-from conftest import Stack, start_stack, stop_stack
-from test_e2e_stack import MAX_TOKENS, _prompts, _router_call, _vllm_alone
+from conftest import Stack, free_port, start_stack, stop_stack, wait_healthy
+from prometheus_client.parser import text_string_to_metric_families
+from test_e2e_stack import MAX_TOKENS, _prompts, _router_call, _source_text, _vllm_alone
+
+from tilert.connector import faults
+from tilert.stack import StackConfig, child_env, decode_command, router_command
 
 pytestmark = [pytest.mark.stack, pytest.mark.timeout(900)]
 
+FAIL_LIMIT_S = 1.0  # from the failure to the client's terminal error
+SANITY_S = 30.0  # from the request to the client's error (the failure comes first, inside the prefill)
 
-@pytest.fixture(scope="module", params=["mooncake", "nixl"])
+
+@pytest.fixture(scope="module", params=["tcp", "mooncake", "nixl"])
 def transport_stack(request: pytest.FixtureRequest, tiny_model: Any, tmp_path_factory: pytest.TempPathFactory
                     ) -> Iterator[Stack]:  # fmt: skip
     name = request.param
+    if name == "tcp":  # the session stack (its oracle is test_e2e_stack's)
+        yield request.getfixturevalue("stack")
+        return
     log = tmp_path_factory.mktemp(f"stack-{name}") / "stack.log"
     env = {**os.environ, "UCX_NET_DEVICES": "lo", "VLLM_CPU_OMP_THREADS_BIND": "1"}
     handle = start_stack(tiny_model, log, "--transport", name, env=env)
@@ -32,6 +62,8 @@ def transport_stack(request: pytest.FixtureRequest, tiny_model: Any, tmp_path_fa
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_router_tokens_equal_vllm_alone_through_each_transport(transport_stack: Stack, stream: bool) -> None:
+    if transport_stack.transport == "tcp":
+        pytest.skip("tcp: the session stack's oracle is tests/test_e2e_stack.py")
     health = httpx.get(transport_stack.decode + "/health", timeout=10).json()
     assert health["transport"] == transport_stack.transport  # no silent fallback to another transport
     for kind, prompt in _prompts(transport_stack.model):
@@ -39,3 +71,177 @@ def test_router_tokens_equal_vllm_alone_through_each_transport(transport_stack: 
         got_ids, got_text, usage = _router_call(transport_stack.router, transport_stack.model, kind, prompt, stream)
         assert (got_ids, got_text) == (want_ids, want_text)
         assert usage["prompt_tokens"] == prompt_tokens and usage["completion_tokens"] == MAX_TOKENS
+
+
+# ---- fail fast at the router, per transport -----------------------------------------------------------
+
+
+@dataclass
+class Spare:
+    """Another decode node and a router in front of it, on the stack's vLLM and secret."""
+
+    node: subprocess.Popen[bytes]
+    router: subprocess.Popen[bytes]
+    decode_url: str
+    router_url: str
+
+
+@contextmanager
+def _spare(stack: Stack, node_model: Path, logs: Path) -> Iterator[Spare]:
+    assert stack.secret_file is not None
+    prefill_port = int(stack.prefill.rsplit(":", 1)[1])
+    cfg = StackConfig(model=stack.model, port=free_port(), prefill_port=prefill_port, ctrl_port=free_port(),
+                      decode_http_port=free_port(), transport=stack.transport)  # fmt: skip
+    env = {**child_env(stack.secret_file), "UCX_NET_DEVICES": "lo"}
+    with open(logs / "node.log", "w") as node_log, open(logs / "router.log", "w") as router_log:
+        node = subprocess.Popen(decode_command(replace(cfg, model=node_model)), env=env, stdout=node_log,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+        router = subprocess.Popen(router_command(cfg), env=env, stdout=router_log, stderr=subprocess.STDOUT)
+    spare = Spare(node, router, f"http://127.0.0.1:{cfg.decode_http_port}", f"http://127.0.0.1:{cfg.port}")
+    try:
+        wait_healthy(spare.decode_url, node, 300, logs / "node.log")
+        wait_healthy(spare.router_url, router, 300, logs / "router.log")
+        yield spare
+    finally:
+        for proc in (router, node):
+            if proc.poll() is None:
+                proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def spare(transport_stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Spare]:
+    """A node of the stack's own model, for the test to kill."""
+    with _spare(transport_stack, transport_stack.model, tmp_path_factory.mktemp("spare")) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def refusing_spare(transport_stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Spare]:
+    """A node whose model has 2 layers where the stack's has 3: it refuses the offer of vLLM's 3-layer KV."""
+    from tilert.models.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("refusing")
+    other = build_tiny_model("deepseek_v3", root / "two-layers", seed=0, num_hidden_layers=2)
+    with _spare(transport_stack, other, root) as handle:
+        yield handle
+
+
+def _fails_fast(router: str, model: Path, prompt: str, limit_s: float) -> tuple[openai.APIStatusError, float]:
+    """One completion through ``router`` with the real OpenAI client: a terminal error (no retry) within
+    ``limit_s`` of the request, and when it came (``time.time()``, comparable with the fault hook's)."""
+    client = openai.OpenAI(base_url=router + "/v1", api_key="unused", timeout=30, max_retries=0)
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as exc:
+        client.completions.create(model=str(model), prompt=prompt, max_tokens=8, temperature=0)
+    elapsed = time.monotonic() - t0
+    assert elapsed < limit_s, f"the client's error came {elapsed:.2f}s after the request: {exc.value}"
+    assert exc.value.status_code >= 500 or exc.value.status_code == 400, exc.value
+    return exc.value, time.time()
+
+
+def _after_fault(stack: Stack, error_at: float, fired_after_s: float = 0.0) -> float:
+    """Seconds from the moment the armed fault struck (plus ``fired_after_s``) to the client's error."""
+    assert stack.fault_dir is not None
+    struck = faults.struck_at(stack.fault_dir)
+    assert struck is not None, "the armed fault never struck"
+    since = error_at - (struck + fired_after_s)
+    assert since < FAIL_LIMIT_S, f"the client's error came {since:.2f}s after the failure"
+    return since
+
+
+def _staging_pool(prefill: str) -> dict[str, float]:
+    """The connector's staging pool as vLLM's ``/metrics`` shows it (``tilert:staging_*`` gauges)."""
+    text = httpx.get(prefill + "/metrics", timeout=10).text
+    return {
+        family.name.removeprefix("tilert:staging_"): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("tilert:staging_")
+        for sample in family.samples
+    }
+
+
+def _pools_whole(prefill: str, decode: str | None, limit_s: float = 2.0) -> None:
+    """Until the staging pool is whole on vLLM's /metrics and every receive slot is free on the node's /health."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        pool = _staging_pool(prefill)
+        health = httpx.get(decode + "/health", timeout=10).json() if decode else None
+        pool_ok = pool.get("pool_capacity_bytes", 0) > 0 and pool.get("pool_used_bytes") == 0
+        pool_ok = pool_ok and pool.get("transfers_in_flight") == 0
+        slots_ok = health is None or health["slots_free"] == health["slots_total"]
+        if pool_ok and slots_ok:
+            return
+        assert time.monotonic() < deadline, f"pools not whole after {limit_s}s: staging {pool}, node {health}"
+        time.sleep(0.05)
+
+
+def _prompt(stack: Stack, n: int = 100) -> str:
+    return _source_text(n, stack.model, offset=1200)
+
+
+@pytest.mark.parametrize("fault", ["extraction_error", "transport_error"])
+def test_fault_in_the_transfer_reaches_the_client_at_once(transport_stack: Stack, fault: str) -> None:
+    assert transport_stack.fault_dir is not None
+    faults.arm(transport_stack.fault_dir, fault)
+    err, error_at = _fails_fast(transport_stack.router, transport_stack.model, _prompt(transport_stack), SANITY_S)
+    assert f"injected {fault.replace('_', ' ')}" in str(err.body), err.body  # the prefill side's reason
+    _after_fault(transport_stack, error_at)
+    _pools_whole(transport_stack.prefill, transport_stack.decode)
+    assert not (transport_stack.fault_dir / "next").exists()  # that transfer took it
+
+
+def test_timeout_reaches_the_client_at_once(transport_stack: Stack) -> None:
+    """The forward stalls past the sender's wait for the next layer: abort, then a terminal error."""
+    assert transport_stack.fault_dir is not None
+    faults.arm(transport_stack.fault_dir, "timeout")
+    err, error_at = _fails_fast(transport_stack.router, transport_stack.model, _prompt(transport_stack), SANITY_S)
+    assert f"no layer was staged within {faults.TIMEOUT_S:g}s" in str(err.body), err.body
+    _after_fault(transport_stack, error_at, fired_after_s=faults.TIMEOUT_S)  # from the timeout firing
+    _pools_whole(transport_stack.prefill, transport_stack.decode)
+
+
+def test_handshake_refused_reaches_the_client_at_once(transport_stack: Stack, refusing_spare: Spare) -> None:
+    """The node refuses the offer (its engine cannot take the layouts): a real refusal at the handshake."""
+    failed_before = _transfers_failed(refusing_spare.decode_url)
+    err, _ = _fails_fast(refusing_spare.router_url, transport_stack.model, _prompt(transport_stack), FAIL_LIMIT_S)
+    assert "mla layout has 3 layers, model has 2" in str(err.body), err.body  # the node's own reason
+    _pools_whole(transport_stack.prefill, refusing_spare.decode_url)
+    assert _transfers_failed(refusing_spare.decode_url) == failed_before + 1
+
+
+def _transfers_failed(decode: str) -> float:
+    text = httpx.get(decode + "/metrics", timeout=10).text
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               if family.name == "tilert:kv_transfers_failed" for sample in family.samples
+               if sample.name.endswith("_total"))  # fmt: skip
+
+
+def test_peer_killed_mid_transfer_reaches_the_client_at_once(transport_stack: Stack, spare: Spare) -> None:
+    """The forward stalls after its first layer (written to the node); the node is killed meanwhile."""
+    assert transport_stack.fault_dir is not None
+    faults.arm(transport_stack.fault_dir, "stall")
+    outcome: list[Any] = []
+
+    def call() -> None:
+        try:
+            outcome.append(_fails_fast(spare.router_url, transport_stack.model, _prompt(transport_stack, 40),
+                                       SANITY_S)[1])  # fmt: skip
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            outcome.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    time.sleep(faults.STALL_S / 2)  # inside the stall: the handshake is done, layer 0 is on the node
+    os.kill(spare.node.pid, signal.SIGKILL)
+    killed_at = time.time()
+    spare.node.wait(10)
+    caller.join(SANITY_S)
+    assert outcome and isinstance(outcome[0], float), outcome
+    since = outcome[0] - killed_at
+    assert since < FAIL_LIMIT_S, f"the client's error came {since:.2f}s after the kill"
+    _pools_whole(transport_stack.prefill, transport_stack.decode)

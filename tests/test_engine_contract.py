@@ -171,8 +171,9 @@ def test_optional_paths_follow_the_declared_capabilities(tiny: Tiny) -> None:
             return {}
 
         def inject(
-            self, state: dict[str, torch.Tensor], layouts: dict[str, KVLayout], num_tokens: int, seq: int = 0
-        ) -> None:
+            self, state: dict[str, torch.Tensor], layouts: dict[str, KVLayout], num_tokens: int, seq: int = 0,
+            last_token_id: int | None = None,
+        ) -> None:  # fmt: skip
             pass
 
         def forward(self, token_ids: torch.Tensor, start_pos: int, seq: int = 0) -> torch.Tensor:

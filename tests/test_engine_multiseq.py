@@ -10,18 +10,16 @@ an MTP module (the last layer copied as the MTP block, random MTP-only weights).
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from tilert.engines.base import KVLayout
 from tilert.engines.tilert import layouts
 from tilert.engines.tilert.engine import TileRTEngine, greedy_generate
+from tilert.models.tiny import add_mtp_layer
 
 MAX_SEQ = 64
 PROMPTS = (9, 23, 14)  # prompt lengths of sequences 0, 1, 2 (DSA top-k 16: some decode dense, some sparse)
@@ -36,28 +34,6 @@ def _one_thread() -> Any:
     torch.set_num_threads(before)
 
 
-def _with_mtp(src: Path, out: Path) -> Path:
-    """A copy of ``src`` with a DeepSeek-style MTP module (layer N = a copy of layer N-1 + MTP-only weights)."""
-    shutil.copytree(src, out)
-    sd = load_file(str(out / "model.safetensors"))
-    cfg = json.loads((out / "config.json").read_text())
-    n, d = cfg["num_hidden_layers"], cfg["hidden_size"]
-    last, p = f"model.layers.{n - 1}.", f"model.layers.{n}."
-    for k in list(sd):
-        if k.startswith(last):
-            sd[p + k[len(last) :]] = sd[k].clone()
-    g = torch.Generator().manual_seed(9)
-    sd[p + "embed_tokens.weight"] = sd["model.embed_tokens.weight"].clone()
-    sd[p + "shared_head.head.weight"] = sd["lm_head.weight"].clone()
-    for name in ("enorm", "hnorm", "shared_head.norm"):
-        sd[p + name + ".weight"] = 1.0 + 0.1 * torch.randn(d, generator=g)
-    sd[p + "eh_proj.weight"] = 0.08 * torch.randn(d, 2 * d, generator=g)
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg["num_nextn_predict_layers"] = 1
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
-
-
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from tilert.models.tiny import build_tiny_model
@@ -69,7 +45,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "deepseek_v32", root / "v32", seed=1, num_hidden_layers=2, index_topk=16, index_n_heads=8
         ),
     }
-    out["deepseek_v3_mtp"] = _with_mtp(out["deepseek_v3"], root / "v3_mtp")
+    out["deepseek_v3_mtp"] = add_mtp_layer(out["deepseek_v3"], root / "v3_mtp")
     return out
 
 

@@ -13,18 +13,16 @@ different lengths (transformers' own prefill and decode then disagree). The DSA 
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from tilert.engines.base import KVLayout
 from tilert.engines.tilert import layouts
 from tilert.engines.tilert.engine import TileRTEngine, greedy_generate, speculative_generate
+from tilert.models.tiny import add_mtp_layer
 
 PROMPT_LEN = 40
 GEN = 64
@@ -330,41 +328,8 @@ def test_dsa_indexer_decode_rows_and_blocks(interleaved: bool) -> None:
 
 
 def _add_mtp(case: Case, out: Path, predictive: bool = False, main_scale: float = 1e-3) -> Path:
-    """Copy the checkpoint and add ``model.layers.{N}.*`` MTP tensors with DeepSeek's names.
-
-    Random: the MTP decoder layer is a copy of the last layer, the MTP-only weights random.
-    ``predictive``: the MTP module is built to predict what a near-bigram main model predicts (the main
-    model's o_proj/down projections are scaled by ``main_scale``; a larger scale predicts worse): ``eh_proj = [I | 0]``, a pass-through block
-    (zero o_proj / expert outputs), so MTP logits ~ ``lm_head(norm(embed(t_{i+1})))``.
-    """
-    shutil.copytree(case.path, out)
-    sd = load_file(str(out / "model.safetensors"))
-    n = 3
-    last = f"model.layers.{n - 1}."
-    g = torch.Generator().manual_seed(9)
-    d = COMMON["hidden_size"]
-    for k in list(sd):
-        if k.startswith(last):
-            sd[f"model.layers.{n}." + k[len(last) :]] = sd[k].clone()
-    p = f"model.layers.{n}."
-    sd[p + "embed_tokens.weight"] = sd["model.embed_tokens.weight"].clone()
-    sd[p + "shared_head.head.weight"] = sd["lm_head.weight"].clone()
-    sd[p + "enorm.weight"] = 1.0 + 0.1 * torch.randn(d, generator=g)
-    sd[p + "hnorm.weight"] = 1.0 + 0.1 * torch.randn(d, generator=g)
-    sd[p + "shared_head.norm.weight"] = 1.0 + 0.1 * torch.randn(d, generator=g)
-    sd[p + "eh_proj.weight"] = 0.08 * torch.randn(d, 2 * d, generator=g)
-    if predictive:
-        for k in list(sd):
-            if k.endswith(("o_proj.weight", "down_proj.weight")):
-                sd[k] = sd[k] * (0.0 if k.startswith(p) else main_scale)
-        sd[p + "eh_proj.weight"] = torch.cat([torch.eye(d), torch.zeros(d, d)], dim=1)
-        sd[p + "enorm.weight"] = torch.ones(d)
-        sd[p + "shared_head.norm.weight"] = sd["model.norm.weight"].clone()
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["num_nextn_predict_layers"] = 1
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
+    """The case's checkpoint plus an MTP module (see ``tilert.models.tiny.add_mtp_layer``)."""
+    return add_mtp_layer(case.path, out, predictive=predictive, main_scale=main_scale)
 
 
 def test_mtp_verify_stays_in_one_attention_regime(cases: dict[str, Case], tmp_path: Path) -> None:

@@ -218,11 +218,14 @@ class HelloAck(_Frame, tag="hello_ack"):
 
 
 class Offer(_Frame, tag="offer"):
-    """The sender has the request's KV staged and asks where to write it."""
+    """The sender has the request's KV staged and asks where to write it. ``last_token_id``: the prompt's
+    last token, so an engine can recompute that position (its hidden state, which KV does not carry) and
+    draft with MTP from the first decode step, as vLLM's own decode side does."""
 
     transfer_id: TransferId
     num_tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)]
     layouts: Annotated[dict[Name, KVLayout], msgspec.Meta(min_length=1, max_length=8)]
+    last_token_id: TokenId | None = None
 
     @property
     def nbytes(self) -> int:

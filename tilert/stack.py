@@ -65,6 +65,8 @@ class StackConfig:
     prefill_side_port: int = 5600  # the prefill's NIXL side channel (native mode)
     native_side_port: int = 5601  # the native decode's NIXL side channel
     overflow_wait_s: float | None = None  # the router's overflow from the TileRT pool to the native pool
+    secret_file: Path | None = None  # None: a fresh secret in a private temp file, removed at exit
+    prefill_compiled: bool = False  # vLLM's compiled model in the prefill (slower start, faster prefill)
 
 
 def _url(host: str, port: int) -> str:
@@ -120,7 +122,7 @@ def prefill_command(cfg: StackConfig) -> list[str]:
         "--host", cfg.host, "--port", str(cfg.prefill_port),
         "--dtype", cfg.dtype,
         "--max-model-len", str(cfg.max_model_len),
-        "--enforce-eager",
+        *([] if cfg.prefill_compiled else ["--enforce-eager"]),
         "--kv-cache-memory-bytes", str(cfg.kv_cache_bytes),
         "--kv-transfer-config", json.dumps(kv_config),
     ]  # fmt: skip
@@ -199,7 +201,8 @@ class Stack:
     def __init__(self, cfg: StackConfig) -> None:
         self.cfg = cfg
         self.children: dict[str, subprocess.Popen[bytes]] = {}
-        self.secret_file: Path | None = None
+        self.secret_file: Path | None = cfg.secret_file
+        self._owns_secret = cfg.secret_file is None
         self.urls = {
             "prefill": _url(cfg.host, cfg.prefill_port),
             "decode": _url(cfg.host, cfg.decode_http_port),
@@ -228,6 +231,7 @@ class Stack:
         """Write this stack's secret file (once); :meth:`cleanup` (also run at exit) removes it."""
         if self.secret_file is None:
             self.secret_file = write_secret_file()
+            self._owns_secret = True
             atexit.register(self.cleanup)
         return self.secret_file
 
@@ -235,7 +239,7 @@ class Stack:
         return child_env(self.prepare_secret())
 
     def cleanup(self) -> None:
-        if self.secret_file is not None:
+        if self.secret_file is not None and self._owns_secret:
             shutil.rmtree(self.secret_file.parent, ignore_errors=True)
             self.secret_file = None
 

@@ -47,6 +47,7 @@ class SaveRequest:
     block_size: int
     num_tokens: int
     offset: int = 0
+    last_token_id: int | None = None  # the prompt's last token (the offer carries it to the engine)
 
     def slot_ids(self) -> list[int]:
         """Cache slot of every prompt position: ``block_id * block_size + offset``."""

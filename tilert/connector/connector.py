@@ -35,12 +35,14 @@ from tilert.connector.claims import TileRTConnectorMetadata, TileRTWorkerMeta
 from tilert.connector.scheduler import SchedulerSide
 from tilert.connector.sender import BackgroundSender
 from tilert.connector.staging import bytes_per_token, pool_bytes
+from tilert.connector.stats import TileRTConnectorStats, TileRTPromMetrics
 from tilert.connector.worker import WorkerSide
 
 log = structlog.get_logger("tilert.connector")
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -139,6 +141,25 @@ class TileRTConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is not None:
             self._scheduler.update(connector_output)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """The scheduler half's snapshot of the staging pool, after every step (vLLM's ``/metrics``)."""
+        return TileRTConnectorStats(self._scheduler.pool_snapshot()) if self._scheduler is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return TileRTConnectorStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        """The staging pool's gauges on vLLM's ``/metrics`` (see :mod:`tilert.connector.stats`)."""
+        return TileRTPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def has_pending_push_work(self) -> bool:
         """True while staging extents are out: vLLM keeps stepping (empty steps) so that the workers'

@@ -46,6 +46,7 @@ class _Pending:
     claim: Claim
     num_prompt_tokens: int
     block_ids: list[int] = field(default_factory=list)
+    last_token_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,9 @@ class SchedulerSide:
             claim = self.claim_of(new.req_id, (extra or {}).get("kv_transfer_params"))
             if claim is None:
                 continue
-            pending = _Pending(claim, len(new.prompt_token_ids or []), list(new.block_ids[0]))
+            prompt = new.prompt_token_ids or []
+            last = int(prompt[-1]) if len(prompt) else None
+            pending = _Pending(claim, len(prompt), list(new.block_ids[0]), last)
             self._pending[new.req_id] = pending
             self._maybe_save(meta, new.req_id, new.num_computed_tokens, out)
         cached = out.scheduled_cached_reqs
@@ -131,7 +134,8 @@ class SchedulerSide:
                 f"{self.pool.live} transfers in flight, {nbytes} needed"))  # fmt: skip
             return
         self._extents[(req_id, offset)] = 0
-        meta.saves.append(SaveRequest(req_id, pending.claim, pending.block_ids, self.block_size, tokens, offset))
+        meta.saves.append(SaveRequest(req_id, pending.claim, pending.block_ids, self.block_size, tokens, offset,
+                                      pending.last_token_id))  # fmt: skip
         log.info("save_scheduled", req_id=req_id, transfer_id=tid, tokens=tokens, offset=offset, nbytes=nbytes)
 
     def _refuse(self, req_id: str, tid: str, *, busy: bool, reason: str) -> None:
@@ -154,6 +158,10 @@ class SchedulerSide:
                 continue
             del self._extents[key]
             self.pool.free(offset)
+
+    def pool_snapshot(self) -> dict[str, int]:
+        """The pool as this half accounts it (the keys of ``tilert.connector.stats.GAUGES``)."""
+        return {"capacity_bytes": self.pool.capacity, "used_bytes": self.pool.used, "in_flight": self.pool.live}
 
     def has_pending_work(self) -> bool:
         """Extents still out: vLLM must keep stepping so the workers' reports come back."""

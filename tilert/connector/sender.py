@@ -32,6 +32,7 @@ from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_expo
 
 from tilert import contracts as p
 from tilert.connector.claims import Claim
+from tilert.connector.faults import Fault
 from tilert.plugins import load_transport
 from tilert.transports.base import TransferError
 
@@ -67,8 +68,11 @@ class Staged:
         buffer: torch.Tensor,
         chunks: list[tuple[int, int]],
         on_release: Callable[[], None],
+        last_token_id: int | None = None,
     ) -> None:
         self.claim, self.num_tokens, self.layouts = claim, num_tokens, layouts
+        self.last_token_id = last_token_id
+        self.fault: Fault | None = None  # armed through the test-only hook (tilert.connector.faults)
         self.buffer, self.chunks = buffer, chunks
         self._on_release = on_release
         self._ready: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
@@ -196,7 +200,7 @@ class BackgroundSender:
         sock: socket.socket | None = None
         try:
             sock = self._connect(staged.claim)
-            offer = p.Offer(tid, staged.num_tokens, staged.layouts)
+            offer = p.Offer(tid, staged.num_tokens, staged.layouts, staged.last_token_id)
             if offer.nbytes != staged.nbytes:
                 raise StagingError(f"the offer's {offer.nbytes} bytes differ from the {staged.nbytes} staged")
             p.send_msg(sock, offer)
@@ -225,12 +229,16 @@ class BackgroundSender:
     def _stream(self, staged: Staged, target: dict[str, Any]) -> None:
         """Write each chunk as soon as it is staged; runs of consecutive staged chunks in one write."""
         remaining = set(range(len(staged.chunks)))
+        fault = staged.fault
+        timeout_s = fault.timeout_s(self.timeout_s) if fault is not None else self.timeout_s
         while remaining:
-            batch = staged.next_ready(self.timeout_s)
+            batch = staged.next_ready(timeout_s)
             for _, event in batch:
                 if event is not None:
                     event.synchronize()  # the chunk's device-to-staging copy has completed
             for start, end in _runs(sorted({i for i, _ in batch} & remaining), staged.chunks):
+                if fault is not None:
+                    fault.before_write()
                 self._transport.write(target, staged.buffer[start:end], offset=start)
                 staged.writes.append(WriteRecord(start, end - start, time.monotonic()))
             remaining -= {i for i, _ in batch}

@@ -26,6 +26,7 @@ import structlog
 import torch
 
 from tilert.connector.claims import SaveRequest, TileRTConnectorMetadata, TileRTWorkerMeta
+from tilert.connector.faults import Fault, FaultHook
 from tilert.connector.sender import BackgroundSender, Staged
 from tilert.connector.staging import ExtentAllocator, pool_bytes
 from tilert.contracts import KVLayout
@@ -39,10 +40,16 @@ _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 _DENSE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+def _layer_index(name: str, default: int) -> int:
+    """The decoder layer a cache belongs to, from vLLM's layer name (``model.layers.{i}....``)."""
+    match = _LAYER_INDEX.search(name)
+    return int(match.group(1)) if match else default
+
+
 @dataclass(frozen=True)
 class _Layer:
-    group: str  # "mla", "mla_mtp", "indexer", "indexer_mtp"
-    position: int  # index within its group
+    group: str  # "mla" or "indexer"
+    position: int  # index within its group (an MTP draft layer's cache comes after the main layers')
     cache: torch.Tensor
 
 
@@ -98,6 +105,7 @@ class _Open:
     chunk_base: dict[str, int]  # group -> index of its first layer's chunk
     slots: torch.Tensor
     layers_done: set[str] = field(default_factory=set)
+    fault: Fault | None = None  # armed through the test-only hook (tilert.connector.faults)
 
 
 def layouts_bytes_per_token(layouts: dict[str, KVLayout]) -> int:
@@ -144,6 +152,7 @@ class WorkerSide:
         self._lock = threading.Lock()  # extents + freed list: the sender's threads release into them
         self._freed: list[tuple[str, int]] = []
         self.transfers: list[Staged] = []  # the most recent ones (tests, benchmarks)
+        self._faults = FaultHook.from_env()  # None unless TILERT_TEST_FAULTS is set (tests only)
 
     @property
     def layouts(self) -> dict[str, KVLayout]:
@@ -160,10 +169,9 @@ class WorkerSide:
             group, layout = classify(
                 name, cache, self._mla_width, self._index_head_dim, self._indexer_rope_interleaved
             )
-            match = _LAYER_INDEX.search(name)
-            index = int(match.group(1)) if match else order
-            if index >= self._num_main_layers:
-                group += "_mtp"
+            index = _layer_index(name, order)
+            # vLLM names an MTP draft layer's caches layers.{N}.* (N = num_hidden_layers): sorted by index,
+            # they become the group's last layers, as the engine takes them (see TileRTEngine.inject).
             if kinds.setdefault(group, layout) != layout:
                 raise ValueError(f"{name}: layout {layout} differs from the rest of group {group}: {kinds[group]}")
             groups.setdefault(group, []).append((index, name, cache))
@@ -173,7 +181,9 @@ class WorkerSide:
                 self._layers[name] = _Layer(group, position, cache)
             base = kinds[group]
             self._layouts[group] = KVLayout(base.kind, base.dtype, base.row_bytes, len(members), base.rope_interleaved)
-        log.info("kv_caches_registered", layouts={g: msgspec.to_builtins(lay) for g, lay in self._layouts.items()})
+        mtp = {i for i in (_layer_index(name, 0) for name in self._layers) if i >= self._num_main_layers}
+        log.info("kv_caches_registered", mtp_layers=len(mtp),
+                 layouts={g: msgspec.to_builtins(lay) for g, lay in self._layouts.items()})  # fmt: skip
         device = next(iter(kv_caches.values())).device if kv_caches else torch.device("cpu")
         self._allocate_pool(device)
 
@@ -227,6 +237,8 @@ class WorkerSide:
             if req.staged.closed or layer_name in req.layers_done:
                 continue  # the transfer already ended (refused, aborted): nothing to stage for
             try:
+                if req.fault is not None:
+                    req.fault.before_layer(len(req.layers_done))
                 rows = gather_rows(layout.kind, layout.row_bytes, layer.cache, req.slots, save.block_size)
                 req.views[layer.group][layer.position].copy_(rows, non_blocking=True)
                 event = None
@@ -266,9 +278,10 @@ class WorkerSide:
             chunks += [(offset + i * per_layer, per_layer) for i in range(lay.num_layers)]
             offset += n
         staged = Staged(save.claim, save.num_tokens, dict(self._layouts), buffer, chunks,
-                        lambda: self._release(save.req_id, save.offset))  # fmt: skip
+                        lambda: self._release(save.req_id, save.offset), save.last_token_id)  # fmt: skip
         slots = torch.tensor(save.slot_ids(), dtype=torch.long, device=device)
-        req = _Open(save, staged, views, bases, slots)
+        staged.fault = self._faults.take(tid) if self._faults is not None else None
+        req = _Open(save, staged, views, bases, slots, fault=staged.fault)
         self._open[save.req_id] = req
         self.transfers = [*self.transfers[-15:], staged]
         try:

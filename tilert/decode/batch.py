@@ -44,6 +44,7 @@ class Job:
     emit: Emit
     done: Callable[[Finish | BaseException], None]
     cancel: threading.Event
+    last_token_id: int | None = None  # the prompt's last token, when the prefill side sent it
 
 
 class DecodeBatch:
@@ -125,7 +126,7 @@ class DecodeBatch:
             seq = self._free.pop(0)
             try:
                 run = SequenceRun(self.engine, job.params, self.eos, job.num_tokens, job.emit, job.cancel, seq)
-                self.engine.inject(job.state, job.layouts, job.num_tokens, seq=seq)
+                self.engine.inject(job.state, job.layouts, job.num_tokens, seq=seq, last_token_id=job.last_token_id)
             except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
                 log.exception("decode_admit_failed", transfer_id=job.params.transfer_id)
                 self._free.append(seq)

@@ -249,7 +249,8 @@ class DecodeNode:
         def done(result: Finish | BaseException) -> None:
             loop.call_soon_threadsafe(send.send_nowait, result)
 
-        self.batch.submit(Job(state, layouts, num_tokens, params, emit, done, slot.cancel))
+        last_token = slot.offer.last_token_id if slot.offer is not None else None
+        self.batch.submit(Job(state, layouts, num_tokens, params, emit, done, slot.cancel, last_token))
         self.metrics.requests(self.batch.running, self.batch.waiting)
         last, finished = anyio.current_time(), False
         try:

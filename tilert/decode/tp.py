@@ -153,12 +153,14 @@ class LeaderEngine(DecodeEngine):
         self.engine.check_layouts(layouts)
 
     def inject(
-        self, state: dict[str, torch.Tensor], layouts: dict[str, KVLayout], num_tokens: int, seq: int = 0
-    ) -> None:
+        self, state: dict[str, torch.Tensor], layouts: dict[str, KVLayout], num_tokens: int, seq: int = 0,
+        last_token_id: int | None = None,
+    ) -> None:  # fmt: skip
         with self._lock:
-            self.channel.send(Op.INJECT, seq)
+            rows = None if last_token_id is None else [[last_token_id]]  # the prompt's last token, when known
+            self.channel.send(Op.INJECT, seq, rows=rows, n=0 if rows is None else 1)
             self.channel.send_state(state, layouts, num_tokens)
-            self.engine.inject(state, layouts, num_tokens, seq)
+            self.engine.inject(state, layouts, num_tokens, seq, last_token_id)
 
     def forward(self, token_ids: torch.Tensor, start_pos: int, seq: int = 0) -> torch.Tensor:
         tokens = token_ids.reshape(-1).tolist()
@@ -217,7 +219,7 @@ def follow(engine: TileRTEngine, channel: Channel) -> FollowerState:
         try:
             if op is Op.INJECT:
                 kv, layouts, num_tokens = channel.recv_state()
-                engine.inject(kv, layouts, num_tokens, seq)
+                engine.inject(kv, layouts, num_tokens, seq, int(rows[0, 0]) if rows.shape[1] else None)
             elif op is Op.FORWARD:
                 engine.forward(rows[0], start_pos, seq)
             elif op is Op.DECODE:

@@ -130,14 +130,21 @@ class DecodeEngine(ABC):
 
     @abstractmethod
     def inject(
-        self, state: dict[str, torch.Tensor], layouts: dict[str, KVLayout], num_tokens: int, seq: int = 0
+        self,
+        state: dict[str, torch.Tensor],
+        layouts: dict[str, KVLayout],
+        num_tokens: int,
+        seq: int = 0,
+        last_token_id: int | None = None,
     ) -> None:
         """Replace sequence ``seq`` with a prompt of ``num_tokens`` tokens whose KV is ``state`` (a slot in
         use is simply overwritten; the other sequences are untouched).
 
         Each tensor is ``uint8 [num_layers, num_tokens, row_bytes]`` exactly as vLLM held it (on any
-        device); the engine converts it to its own layout. Raises ``ValueError`` on a layout it
-        cannot take, or a ``seq`` outside ``0..max_sequences-1``.
+        device); the engine converts it to its own layout. ``last_token_id`` is the prompt's last token
+        when the prefill side sent it (an engine may recompute that position, e.g. to draft with MTP at
+        once; others ignore it). Raises ``ValueError`` on a layout it cannot take, or a ``seq`` outside
+        ``0..max_sequences-1``.
         """
 
     @abstractmethod

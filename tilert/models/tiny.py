@@ -149,3 +149,46 @@ def _plant_eos(model: Any, trigger_ids: list[int], eos_id: int, seed: int) -> No
         direction = h - ref.reshape(-1, h.numel()).mean(0)
         target = model.lm_head(h).max() + 3.0
         model.lm_head.weight[eos_id] = direction * (target / (direction @ h))
+
+
+def add_mtp_layer(src: Path | str, out_dir: Path | str, *, predictive: bool = False, main_scale: float = 1e-3,
+                  seed: int = 9) -> Path:  # fmt: skip
+    """Copy checkpoint ``src`` to ``out_dir`` with a DeepSeek-style MTP module (``num_nextn_predict_layers=1``).
+
+    The MTP decoder layer ``model.layers.{N}.*`` is a copy of the last layer (its indexer too, for DSA
+    families), the MTP-only weights (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.*``, ``embed_tokens``)
+    seeded random. ``predictive``: the module predicts what a near-bigram main model predicts (the main
+    model's ``o_proj``/``down_proj`` scaled by ``main_scale``; a larger scale predicts worse): ``eh_proj =
+    [I | 0]`` and a pass-through block (zero ``o_proj``/expert outputs), so the MTP logits are about
+    ``lm_head(norm(embed(t_{i+1})))`` and drafts get accepted."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out_dir)
+    shutil.copytree(src, out)
+    sd = load_file(str(out / "model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+    n, d = cfg["num_hidden_layers"], cfg["hidden_size"]
+    last, p = f"model.layers.{n - 1}.", f"model.layers.{n}."
+    for k in list(sd):
+        if k.startswith(last):
+            sd[p + k[len(last) :]] = sd[k].clone()
+    g = torch.Generator().manual_seed(seed)
+    sd[p + "embed_tokens.weight"] = sd["model.embed_tokens.weight"].clone()
+    sd[p + "shared_head.head.weight"] = sd["lm_head.weight"].clone()
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        sd[p + name + ".weight"] = 1.0 + 0.1 * torch.randn(d, generator=g)
+    sd[p + "eh_proj.weight"] = 0.08 * torch.randn(d, 2 * d, generator=g)
+    if predictive:
+        for k in list(sd):
+            if k.endswith(("o_proj.weight", "down_proj.weight")):
+                sd[k] = sd[k] * (0.0 if k.startswith(p) else main_scale)
+        sd[p + "eh_proj.weight"] = torch.cat([torch.eye(d), torch.zeros(d, d)], dim=1)
+        sd[p + "enorm.weight"] = torch.ones(d)
+        sd[p + "shared_head.norm.weight"] = sd["model.norm.weight"].clone()
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg["num_nextn_predict_layers"] = 1
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out

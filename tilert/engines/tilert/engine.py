@@ -80,6 +80,7 @@ class _Seq:
     hid_lo: int = 0  # positions [hid_lo, len) of the hidden-state buffer are valid
     mtp_upto: int = 0  # MTP rows < mtp_upto are computed (or permanently invalid)
     mtp_lo: int = 0  # MTP rows >= mtp_lo (and < mtp_upto) are valid
+    recompute_last: int | None = None  # injected prompt's last token: its position is recomputed to draft
 
 
 class TileRTEngine(DecodeEngine):
@@ -173,9 +174,9 @@ class TileRTEngine(DecodeEngine):
             notes.append(f"DSA sparse attention, index_topk={a.index_topk}")
         if self.supports_mtp:
             notes.append(
-                "MTP speculative decoding: greedy requests only (temperature > 0 decodes without MTP); drafts "
-                "from the second step after an injection (the handoff carries KV, not the prompt's last hidden "
-                "state)"
+                "MTP speculative decoding: greedy requests only (temperature > 0 decodes without MTP); after an "
+                "injection that names the prompt's last token, drafts from the first step (that position is "
+                "recomputed once for its hidden state, which the KV does not carry), else from the second"
             )
         return Capabilities(
             mtp=self.supports_mtp,
@@ -205,7 +206,8 @@ class TileRTEngine(DecodeEngine):
     def check_layouts(self, layouts_: Mapping[str, KVLayout]) -> None:
         """Every layout ``inject`` can convert: ``"mla"`` as ``mla_dense`` (float32 / bfloat16 / float16)
         or ``fp8_ds_mla`` for the main layers (plus one MTP layer when the model has one), and for DSA
-        models ``"indexer"`` as ``dsa_indexer`` rows with the model's indexer RoPE convention."""
+        models ``"indexer"`` as ``dsa_indexer`` rows with the model's indexer RoPE convention (plus the MTP
+        layer's own indexer exactly when the MTP layer's KV is given and the MTP layer has an indexer)."""
         a = self.model.args
         unknown = set(layouts_) - {"mla", "indexer"}
         if unknown or "mla" not in layouts_:
@@ -230,23 +232,34 @@ class TileRTEngine(DecodeEngine):
                     f"indexer rope_interleaved={ilay.rope_interleaved}, but {a.arch}'s indexer RoPE is "
                     f"{'interleaved' if a.indexer_rope_interleave else 'half-split'}"
                 )
-            if ilay.num_layers != len(a.index_layers):
-                raise ValueError(f"indexer layout has {ilay.num_layers} layers, model has {len(a.index_layers)}")
+            want = len(a.index_layers) + int(lay.num_layers == a.num_layers + 1 and a.mtp_indexer)
+            if ilay.num_layers != want:
+                raise ValueError(
+                    f"indexer layout has {ilay.num_layers} layers, expected {want} "
+                    f"({len(a.index_layers)} main{' + the MTP layer' if want > len(a.index_layers) else ''})"
+                )
             want_row = layouts.dsa_indexer_row_bytes(a.index_head_dim)
             if ilay.row_bytes != want_row:
                 raise ValueError(f"indexer rows of {ilay.row_bytes} bytes, expected {want_row}")
 
     @torch.no_grad()
     def inject(
-        self, state: dict[str, torch.Tensor], layouts_: dict[str, KVLayout], num_tokens: int, seq: int = 0
+        self,
+        state: dict[str, torch.Tensor],
+        layouts_: dict[str, KVLayout],
+        num_tokens: int,
+        seq: int = 0,
+        last_token_id: int | None = None,
     ) -> None:
         """Replace sequence ``seq`` with a prompt of ``num_tokens`` tokens whose KV is ``state`` (the other
         sequences are untouched).
 
         ``state["mla"]``: ``uint8 [N or N+1, num_tokens, row_bytes]`` of kind ``mla_dense`` (float32 /
         bfloat16 / float16) or ``fp8_ds_mla``; an extra last layer is taken as the MTP layer's KV (rows
-        then valid). ``state["indexer"]`` (DSA only): kind ``dsa_indexer`` per-token rows. Raises
-        ``ValueError`` on unknown names, kinds, shapes or rope conventions, and on a ``seq`` out of range.
+        then valid). ``state["indexer"]`` (DSA only): kind ``dsa_indexer`` per-token rows, the MTP layer's
+        last when it has its own indexer. ``last_token_id`` (the prompt's last token): the first speculative
+        step recomputes that position for its hidden state and drafts at once. Raises ``ValueError`` on
+        unknown names, kinds, shapes or rope conventions, and on a ``seq`` out of range.
         """
         a = self.model.args
         self._check_seq(seq)
@@ -284,12 +297,18 @@ class TileRTEngine(DecodeEngine):
         if mtp_given:
             m.mtp_kv_cache[0, lo : lo + num_tokens] = latent[a.num_layers].to(self.dtype)
         if ikeys is not None:
-            m.index_cache[:, lo : lo + num_tokens] = ikeys.to(self.dtype)
+            n_main = len(a.index_layers)
+            m.index_cache[:, lo : lo + num_tokens] = ikeys[:n_main].to(self.dtype)
+            if ikeys.shape[0] > n_main:  # the MTP layer's own indexer keys
+                m.mtp_index_cache[0, lo : lo + num_tokens] = ikeys[n_main].to(self.dtype)
+        recompute = last_token_id is not None and self.supports_mtp
         self._seqs[seq] = _Seq(
             len=num_tokens,
             hid_lo=num_tokens,  # no hidden states for the prompt
-            mtp_upto=num_tokens if mtp_given else 0,
+            # MTP row P-1 takes (h_{P-1}, first token): recomputed at the first step when the last token is known
+            mtp_upto=(num_tokens - int(recompute)) if mtp_given else 0,
             mtp_lo=0 if mtp_given else num_tokens,
+            recompute_last=last_token_id if recompute else None,
         )
 
     @torch.no_grad()
@@ -424,6 +443,7 @@ class TileRTEngine(DecodeEngine):
             # (dense below index_topk, DSA from it): then it computes them bit for bit as plain decoding.
             k_max = a.index_topk - 1 - L
         st = self._seqs[seq]
+        self._recompute_last(st, L, seq, k_max)
         if not (self.supports_mtp and k_max > 0 and L > 0 and st.hid_lo <= L - 1 < st.len and st.mtp_upto < L):
             _, logits = self._forward_main(torch.tensor([next_token]), L, seq, invalidate_mtp=False)
             st.mtp_upto = min(st.mtp_upto, L)
@@ -463,6 +483,14 @@ class TileRTEngine(DecodeEngine):
         return SpecStepResult(tokens=greedy[: n_acc + 1], num_drafted=len(drafts), num_accepted=n_acc)
 
     # ----------------------------------------------------------------------------- internals
+
+    def _recompute_last(self, st: _Seq, L: int, seq: int, k_max: int) -> None:
+        """Right after an injection that named the prompt's last token: run the main model once more at
+        position ``L-1`` (its KV row is rewritten with the same values) for the hidden state ``h_{L-1}`` that
+        the first draft needs (vLLM's decode side recomputes the last prompt token the same way)."""
+        last, st.recompute_last = st.recompute_last, None
+        if last is not None and k_max > 0 and L == st.len == st.hid_lo and L > 0:
+            self._forward_main(torch.tensor([last]), L - 1, seq, invalidate_mtp=False)
 
     def _check_seq(self, seq: int) -> None:
         if not 0 <= seq < self.max_sequences:
