@@ -129,3 +129,18 @@ def test_native_handoff_contract() -> None:
     for bad in ({"remote_port": "5600"}, {"remote_block_ids": [["3"]]}, {"do_remote_prefill": False}):
         with pytest.raises(ContractError):
             NativeHandoff.from_params(answer | bad)
+
+
+def test_multiconnector_rebuilds_the_tilert_connector_stats() -> None:
+    """Under MultiConnector vLLM's API server rebuilds each sub-connector's stats by looking the class up by name
+    in vLLM's connector registry: importing the connector registers it (else every request fails with a 500)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    import tilert.connector  # noqa: F401 - the import registers it
+    from tilert.connector.stats import TileRTConnectorStats
+
+    data = {"capacity_bytes": 1024, "used_bytes": 0, "in_flight": 0}
+    stats = MultiConnector.build_kv_connector_stats(data={"TileRTConnector": data})
+    assert stats is not None
+    rebuilt = stats.data["TileRTConnector"]
+    assert isinstance(rebuilt, TileRTConnectorStats) and rebuilt.reduce() == data

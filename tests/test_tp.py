@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,13 +21,13 @@ import psutil
 import pytest
 import torch
 from conftest import free_port, wait_healthy
-from safetensors.torch import load_file, save_file
 
 from tilert import auth
 from tilert.engines.base import DecodeEngine, KVLayout
 from tilert.engines.tilert import layouts, parallel
 from tilert.engines.tilert.engine import TileRTEngine
 from tilert.engines.tilert.model import ModelArgs
+from tilert.models.tiny import add_mtp_layer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,27 +37,6 @@ PREFILL = 70  # prompt of sequence 0, run through forward (more tokens than a he
 STEPS = 6
 FAMILIES = ["deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v3_mtp"]
 SECRET = "tp-test-secret-" + "0123456789abcdef" * 2
-
-
-def _with_mtp(src: Path, out: Path) -> Path:
-    """A copy of ``src`` with a DeepSeek-style MTP module (a copy of the last layer + MTP-only weights)."""
-    shutil.copytree(src, out)
-    sd = load_file(str(out / "model.safetensors"))
-    cfg = json.loads((out / "config.json").read_text())
-    n, d = cfg["num_hidden_layers"], cfg["hidden_size"]
-    last, p = f"model.layers.{n - 1}.", f"model.layers.{n}."
-    for k in list(sd):
-        if k.startswith(last):
-            sd[p + k[len(last) :]] = sd[k].clone()
-    g = torch.Generator().manual_seed(9)
-    sd[p + "shared_head.head.weight"] = sd["lm_head.weight"].clone()
-    for name in ("enorm", "hnorm", "shared_head.norm"):
-        sd[p + name + ".weight"] = 1.0 + 0.1 * torch.randn(d, generator=g)
-    sd[p + "eh_proj.weight"] = 0.08 * torch.randn(d, 2 * d, generator=g)
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg["num_nextn_predict_layers"] = 1
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +52,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "glm_moe_dsa", root / "glm", seed=2, indexer_types=["full", "shared", "full"], **dsa
         ),
     }
-    out["deepseek_v3_mtp"] = _with_mtp(out["deepseek_v3"], root / "v3_mtp")
+    out["deepseek_v3_mtp"] = add_mtp_layer(out["deepseek_v3"], root / "v3_mtp")
     return out
 
 

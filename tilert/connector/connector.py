@@ -183,3 +183,21 @@ def _block_size(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) 
     if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
         return int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
     return int(vllm_config.cache_config.block_size)
+
+
+def register_with_vllm() -> None:
+    """Put ``TileRTConnector`` in vLLM's connector registry (``KVConnectorFactory.register_connector``, public).
+
+    vLLM loads it by ``kv_connector_module_path`` without that, but under ``MultiConnector`` the API server
+    rebuilds each sub-connector's stats by looking its class up *by name* in the registry, and a class missing
+    there fails vLLM's output handler (every request then gets a 500). Runs when this module is imported, which
+    vLLM does in every process that loads the connector or its metrics; a second call does nothing."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    try:
+        KVConnectorFactory.register_connector(TileRTConnector.__name__, "tilert.connector", "TileRTConnector")
+    except ValueError:  # already registered
+        pass
+
+
+register_with_vllm()

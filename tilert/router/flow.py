@@ -45,6 +45,8 @@ from tilert.router.validation import RequestPlan
 
 _log = structlog.get_logger("tilert.router.flow")
 
+NO_SLOT_OUTCOMES = ("queue_full", "queue_timeout")  # the pool's 429s: what overflow to the native pool answers
+
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -180,14 +182,14 @@ class RequestFlow:
         async with AsyncExitStack() as held:
             try:
                 await held.enter_async_context(lease)
-            except RouterError as exc:
-                if not (overflow and exc.status == 429):
+                self.ctx.metrics.queue_wait(lease.queued_s)
+                self._to(FlowState.PREFILLING)
+                pre = await lease.reserve_while(self._prefill)  # the node's reserve runs during the prefill
+            except RouterError as exc:  # no TileRT slot in time (also after a node refused the reserve)
+                if not (overflow and exc.outcome in NO_SLOT_OUTCOMES):
                     raise
                 await self._overflow(out, exc)
                 return
-            self.ctx.metrics.queue_wait(lease.queued_s)
-            self._to(FlowState.PREFILLING)
-            pre = await lease.reserve_while(self._prefill)  # the node's reserve runs during the prefill
             assert lease.node is not None
             if lease.transfer_id != self.transfer_id:  # a node refused the reserve: the retry's id
                 self.transfer_id, self.log = lease.transfer_id, self.log.bind(transfer_id=lease.transfer_id)
