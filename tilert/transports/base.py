@@ -84,6 +84,14 @@ class Transport(ABC):
     def sender(cls, *, options: dict[str, Any]) -> Sender: ...
 
 
+def target_field(target: dict[str, Any], name: str, kind: type, transport: str) -> Any:
+    """``target[name]`` (a grant's write target) if it is a ``kind`` (never a bool), else ``TransferError``."""
+    value = target.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise TransferError(f"{transport} target lacks a valid {name!r}")
+    return value
+
+
 def check_bounds(grant_nbytes: int, offset: int, n: int) -> None:
     """A write of ``n`` bytes at ``offset`` must stay inside a grant of ``grant_nbytes``."""
     if offset < 0 or n < 0:

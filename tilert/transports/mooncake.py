@@ -72,7 +72,10 @@ from tilert.transports.base import (
     check_bounds,
     check_receive_buffer,
     check_window,
+    target_field,
 )
+
+NAME = "mooncake"
 
 log = structlog.get_logger("tilert.transports.mooncake")
 
@@ -121,13 +124,6 @@ def _cpu_bytes(data: torch.Tensor) -> torch.Tensor:
     if data.device.type != "cpu" or not data.is_contiguous():
         data = data.contiguous().cpu()
     return data
-
-
-def _field(target: dict[str, Any], name: str, kind: type) -> Any:
-    value = target.get(name)
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise TransferError(f"mooncake target lacks a valid {name!r}")
-    return value
 
 
 @dataclass
@@ -309,8 +305,8 @@ class MooncakeSender(Sender):
             self._staging.append((start, start + n))
 
     def write(self, target: dict[str, Any], data: torch.Tensor, offset: int = 0) -> None:
-        session = _field(target, "session", str)
-        addr, nbytes, key = _field(target, "addr", int), _field(target, "nbytes", int), _field(target, "key", str)
+        session, key = target_field(target, "session", str, NAME), target_field(target, "key", str, NAME)
+        addr, nbytes = target_field(target, "addr", int, NAME), target_field(target, "nbytes", int, NAME)
         data = _cpu_bytes(data)
         n = data.numel() * data.element_size()
         check_bounds(nbytes, offset, n)
@@ -392,7 +388,7 @@ class MooncakeTransport(Transport):
     engine at), ``registration`` ("grant" | "region", receiver), ``register_source`` (sender),
     ``timeout_s``, ``verify_grace_s``."""
 
-    name: ClassVar[str] = "mooncake"
+    name: ClassVar[str] = NAME
 
     @classmethod
     def receiver(cls, *, host: str, options: dict[str, Any]) -> MooncakeReceiver:

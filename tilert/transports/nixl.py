@@ -63,7 +63,10 @@ from tilert.transports.base import (
     check_bounds,
     check_receive_buffer,
     check_window,
+    target_field,
 )
+
+NAME = "nixl"
 
 log = structlog.get_logger("tilert.transports.nixl")
 
@@ -93,7 +96,7 @@ class _Nixl:
 def _load() -> _Nixl:
     """The NIXL Python API: the CUDA-12 build (works on CPU), else the CUDA-13 one, else the meta package."""
     last: ImportError | None = None
-    for pkg in ("nixl_cu12", "nixl_cu13", "nixl"):
+    for pkg in ("nixl_cu12", "nixl_cu13", NAME):
         try:
             api = __import__(f"{pkg}._api", fromlist=["nixl_agent"])
             bindings: ModuleType = __import__(f"{pkg}._bindings", fromlist=["nixlRegDList"])
@@ -120,13 +123,6 @@ def _make_agent(nx: _Nixl, name: str) -> Any:
 def _conn_metadata(nx: _Nixl, agent: Any) -> bytes:
     """Connection info only (no registrations): what a peer needs to notify this agent."""
     return bytes(agent.get_partial_agent_metadata(nx.reg_dlist(nx.dram), True))
-
-
-def _field(target: dict[str, Any], name: str, kind: type) -> Any:
-    value = target.get(name)
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise TransferError(f"nixl target lacks a valid {name!r}")
-    return value
 
 
 @dataclass
@@ -163,7 +159,7 @@ class NixlReceiver(Receiver):
         log.info("nixl_receiver_ready", agent=self.name)
 
     def register(self, buffer: torch.Tensor) -> int:
-        check_receive_buffer(buffer, "nixl")
+        check_receive_buffer(buffer, NAME)
         desc = [(buffer.data_ptr(), buffer.numel(), 0, "")]
         with self._lock:
             try:
@@ -347,8 +343,8 @@ class NixlSender(Sender):
             return next((s for s in self._staging if s.start <= src and src + n <= s.end), None)
 
     def write(self, target: dict[str, Any], data: torch.Tensor, offset: int = 0) -> None:
-        remote, md = _field(target, "agent", str), _field(target, "md", str)
-        addr, nbytes = _field(target, "addr", int), _field(target, "nbytes", int)
+        remote, md = target_field(target, "agent", str, NAME), target_field(target, "md", str, NAME)
+        addr, nbytes = target_field(target, "addr", int, NAME), target_field(target, "nbytes", int, NAME)
         key = _key(target)
         if key is None:
             raise TransferError("nixl target lacks a valid 'key'")
@@ -536,7 +532,7 @@ class NixlTransport(Transport):
     on a loopback host); sender ``timeout_s`` (one write), ``verdict_timeout_s`` (the receiver's answer after
     the data landed)."""
 
-    name: ClassVar[str] = "nixl"
+    name: ClassVar[str] = NAME
 
     @classmethod
     def receiver(cls, *, host: str, options: dict[str, Any]) -> NixlReceiver:
