@@ -781,7 +781,7 @@ def standin_decode_app(model_dir: Path, secret: bytes, gap_s: float, slots: int)
         if len(reservations) >= slots:
             return error("all decode slots are taken", 429)
         reservations.add(body.transfer_id)
-        return Response(c.dump(c.ReserveResponse(body.transfer_id, len(reservations) - 1)),
+        return Response(c.dump(c.ReserveResponse(body.transfer_id, len(reservations) - 1, 1 << 20)),
                         media_type="application/json")  # fmt: skip
 
     async def release(request: Request) -> Response:
@@ -799,7 +799,7 @@ def standin_decode_app(model_dir: Path, secret: bytes, gap_s: float, slots: int)
         if body.transfer_id not in reservations:
             return error("unknown transfer: reserve a slot first", 404)
         counts["transfers"] += 1
-        limit = 64 if body.max_tokens is None else body.max_tokens
+        limit = 64 if body.sampling.max_tokens is None else body.sampling.max_tokens
 
         async def lines() -> Any:
             try:
@@ -941,7 +941,7 @@ class LoadClient:
                 return s
             s.tokens = 1
             req = c.DecodeRequest(tid, result.first_token_id, int(result.prompt_tokens or 1),
-                                  max_tokens=self.tokens - 1, temperature=0.0, ignore_eos=True)  # fmt: skip
+                                  c.Sampling(max_tokens=self.tokens - 1, temperature=0.0, ignore_eos=True))  # fmt: skip
             async with self.client.stream("POST", self.urls["decode"] + "/v1/decode", content=c.dump(req),
                                           headers=self.node_headers) as dec:  # fmt: skip
                 if dec.status_code != 200:

@@ -177,6 +177,22 @@ def test_release_before_reserve_refuses_the_late_reserve(node: Node) -> None:
     node.assert_intact()
 
 
+def test_reserve_is_idempotent_and_checks_the_sampling_first(node: Node) -> None:
+    """A repeated reserve (a router retrying after a dropped connection) gets the same slot and holds no
+    second one; sampling the node cannot honour is refused at reserve (nothing held, the id spent)."""
+    url, h = node.http + "/v1/reserve", node.headers
+    first = httpx.post(url, json={"transfer_id": "again-1", "sampling": {"max_tokens": 4}}, headers=h, timeout=5)
+    again = httpx.post(url, json={"transfer_id": "again-1"}, headers=h, timeout=5)
+    assert first.status_code == again.status_code == 200 and first.json() == again.json()
+    assert first.json()["max_seq_len"] == node.health()["max_seq_len"]
+    assert node.health()["slots_free"] == int(node.health()["slots_total"]) - 1  # type: ignore[call-overload]
+    httpx.post(node.http + "/v1/release", json={"transfer_id": "again-1"}, headers=h, timeout=5)
+    bad = httpx.post(url, json={"transfer_id": "bad-stop", "sampling": {"stop_token_ids": [1 << 30]}}, headers=h)
+    assert bad.status_code == 400 and "stop_token_ids" in bad.json()["error"]["message"]
+    assert httpx.post(url, json={"transfer_id": "bad-stop"}, headers=h, timeout=5).status_code == 409
+    node.assert_intact()
+
+
 def test_errors_name_no_internal_ids_and_bound_leases(node: Node) -> None:
     tid = "secret-transfer-id-123"
     resp = httpx.post(node.http + "/v1/decode", headers=node.headers, timeout=5,
@@ -202,11 +218,11 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
     max_leaves=12,
 )
-field_names = st.sampled_from([
-    "transfer_id", "lease_s", "first_token_id", "prompt_tokens", "max_tokens", "temperature", "top_p", "top_k",
-    "seed", "stop_token_ids", "ignore_eos", "x",
-])  # fmt: skip
-bodies = st.dictionaries(field_names, json_values, max_size=8)
+field_names = st.sampled_from(["transfer_id", "lease_s", "first_token_id", "prompt_tokens", "sampling", "x"])
+sampling_names = st.sampled_from(["max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
+                                  "ignore_eos", "x"])  # fmt: skip
+bodies = st.dictionaries(field_names, json_values | st.dictionaries(sampling_names, json_values, max_size=6),
+                         max_size=6)  # fmt: skip
 
 
 @FUZZ

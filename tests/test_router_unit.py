@@ -113,6 +113,10 @@ class World:
     token_delay: float = 0.002
     tokens_per_line: int = 1
     slots_total: int = 2
+    max_seq_len: int = 4096  # the node's context, as its reserve answers it
+    reserve_refusal: str | None = None  # the node refuses the request's sampling at reserve time (501)
+    reserve_bodies: list[dict[str, Any]] = field(default_factory=list)
+    decode_gate: threading.Event | None = None  # set: the decode answers only once the test opens it
     reservations: dict[str, int] = field(default_factory=dict)
     prefill_bodies: list[dict[str, Any]] = field(default_factory=list)
     prompts: dict[str, str] = field(default_factory=dict)
@@ -130,6 +134,7 @@ class World:
         self.prefill_mode, self.decode_mode, self.error_after = "ok", "ok", 2
         self.prefill_delay = 0.0
         self.hold, self.token_delay, self.tokens_per_line, self.slots_total = False, 0.002, 1, 2
+        self.max_seq_len, self.reserve_refusal, self.decode_gate = 4096, None, None
         for coll in (self.reservations, self.prefill_bodies, self.prompts, self.transfers, self.decode_calls,
                      self.decode_bodies, self.cancels, self.releases, self.closed_streams, self.decoding):
             coll.clear()
@@ -221,12 +226,15 @@ def decode_standin(world: World) -> Starlette:
         if not authorised(request):
             return error("missing or invalid node API token", 401)
         body = c.parse(c.ReserveRequest, await request.body())
+        world.reserve_bodies.append(c.msgspec.to_builtins(body))
+        if world.reserve_refusal is not None:
+            return error(world.reserve_refusal, 501)
         with world.lock:
             if len(world.reservations) >= world.slots_total:
                 return error("all decode slots are taken", 429)
             slot = len(world.reservations)
             world.reservations[body.transfer_id] = slot
-        return Response(c.dump(c.ReserveResponse(body.transfer_id, slot)), media_type="application/json")
+        return Response(c.dump(c.ReserveResponse(body.transfer_id, slot, world.max_seq_len)), media_type="application/json")
 
     async def release(request: Request) -> Response:
         if not authorised(request):
@@ -244,12 +252,14 @@ def decode_standin(world: World) -> Starlette:
         tid = body.transfer_id
         if tid not in world.reservations:
             return error("unknown transfer: reserve a slot first", 404)
+        if world.decode_gate is not None:
+            await anyio.to_thread.run_sync(world.decode_gate.wait, 10.0)
         if world.decode_mode == "refuse":
             return error("top_k too large", 400)
         world.decode_calls.append(tid)
         world.decode_bodies.append(c.msgspec.to_builtins(body))
-        script, stop_ids = world.transfers[tid], set(body.stop_token_ids)
-        limit = len(script) if body.max_tokens is None else body.max_tokens
+        script, stop_ids = world.transfers[tid], set(body.sampling.stop_token_ids)
+        limit = len(script) if body.sampling.max_tokens is None else body.sampling.max_tokens
 
         async def lines() -> Any:
             world.decoding.add(tid)
@@ -266,7 +276,7 @@ def decode_standin(world: World) -> Starlette:
                         await anyio.sleep(3600)
                     produced.append(tok)
                     pending.append(tok)
-                    eos = tok == world.eos_id and not body.ignore_eos
+                    eos = tok == world.eos_id and not body.sampling.ignore_eos
                     if eos or tok in stop_ids:
                         await anyio.sleep(world.token_delay)
                         yield c.dump_line(c.TokenLine(pending, "stop", None if eos else tok))
@@ -403,7 +413,7 @@ def test_chat_streaming_text_token_ids_usage(router: RouterHandle, world: World)
     assert chunks[-1].usage.completion_tokens == len(ids)
     assert chunks[-1].usage.total_tokens == prompt_tokens + len(ids)
     # The decode node got the rest of the budget and the claim went to vLLM with a router-minted id.
-    assert world.decode_bodies[0]["max_tokens"] == 99
+    assert world.decode_bodies[0]["sampling"]["max_tokens"] == 99
     assert world.decode_bodies[0]["first_token_id"] == ids[0]
     kv = world.prefill_bodies[0]["kv_transfer_params"]
     assert kv["tilert_host"] == "127.0.0.1" and kv["tilert_ctrl_port"] == 1 and len(kv["tilert_transfer_id"]) == 32
@@ -781,7 +791,7 @@ def test_stop_token_ids_and_split_utf8(router: RouterHandle, world: World) -> No
     assert (resp.choices[0].model_extra or {})["stop_reason"] == stop_id
     assert (resp.choices[0].model_extra or {})["token_ids"] == text_ids[:4]
     assert resp.choices[0].text == world.text(text_ids[:3])
-    assert world.decode_bodies[-1]["stop_token_ids"] == [stop_id]
+    assert world.decode_bodies[-1]["sampling"]["stop_token_ids"] == [stop_id]
 
 
 def test_node_full_elsewhere_waits_then_proceeds(make_router: Callable[..., RouterHandle], world: World) -> None:
@@ -825,11 +835,42 @@ def test_disconnect_while_queued_or_prefilling_leaks_nothing(
 
 def test_context_limit_is_the_nodes_to_decide(router: RouterHandle, world: World) -> None:
     """The router asks for no max_tokens of its own when the client set none (the node runs to the end of the
-    context), and relays the node's context-length refusal as the 400 it is, before any byte was sent."""
+    context), and relays the node's context-length refusal as the 400 it is, before any byte was sent: with a
+    context the prompt does not fit, the router waits for the node's answer before it streams."""
     router.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a b"}])
-    assert world.decode_bodies[-1]["max_tokens"] is None
-    world.decode_mode = "refuse"
+    assert world.decode_bodies[-1]["sampling"]["max_tokens"] is None
+    world.decode_mode, world.max_seq_len = "refuse", 2
     with pytest.raises(openai.BadRequestError, match="top_k too large"):
         router.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a b"}],
                                                 stream=True)  # fmt: skip
+    assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)
+
+def test_stream_starts_before_the_decode_node_answers(router: RouterHandle, world: World) -> None:
+    """The node checked the sampling with the reserve and its context holds the request: prefill's token is
+    streamed while the decode request is still unanswered (the stand-in answers it only after the client has
+    read that first event; a router that waited for the node would stall here until the gate's timeout)."""
+    world.decode_gate = gate = threading.Event()
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 5, "stream": True}
+    with httpx.Client(timeout=20) as client, client.stream("POST", router.url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert not gate.is_set() and world.decode_calls == []
+        assert orjson.loads(first.removeprefix("data: "))["choices"][0]["index"] == 0
+        gate.set()
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]" and len(world.decode_calls) == 1
+    sampling = world.reserve_bodies[-1]["sampling"]
+    assert sampling["max_tokens"] == 4 and sampling == world.decode_bodies[-1]["sampling"]
+    assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)
+
+
+def test_sampling_refused_at_reserve_is_the_clients_error(router: RouterHandle, world: World) -> None:
+    """A node that cannot honour the sampling refuses the reserve: the client gets that status and reason
+    before any byte (the prefill is cancelled or its answer dropped), and no slot stays held."""
+    world.reserve_refusal = "the stand-in engine cannot honour top_k"
+    with pytest.raises(openai.APIStatusError) as refused:
+        list(router.client().completions.create(model="tiny", prompt="x", max_tokens=5, stream=True,
+                                                   extra_body={"top_k": 3}))
+    assert refused.value.status_code == 501 and "cannot honour top_k" in str(refused.value)
+    assert world.decode_calls == []
     assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)

@@ -22,7 +22,8 @@ Three conversations, all covered by :data:`PROTOCOL_VERSION`:
    connector answers, passed on verbatim to the native decode instance (vLLM owns its fields; the router
    checks the ones it relies on and passes the rest through).
 
-3. **Decode node HTTP API** (router -> decode node): :class:`ReserveRequest`, :class:`ReleaseRequest`
+3. **Decode node HTTP API** (router -> decode node): :class:`ReserveRequest` (idempotent per transfer id,
+   carrying the request's :class:`Sampling` to be checked up front), :class:`ReleaseRequest`
    (one idempotent release that also cancels a running decode), :class:`DecodeRequest` answered by an
    NDJSON stream of :data:`DecodeLine` (token lines (:class:`TokenLine`), the last one with its
    ``finish_reason``, or an :class:`ErrorLine`), :class:`NodeHealth`, and :class:`ErrorBody` for every 4xx/5xx.
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
 
     from anyio.streams.buffered import BufferedByteReceiveStream
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_FRAME_BYTES = 64 << 10  # a control frame; offers are a few hundred bytes
 MAX_API_BODY_BYTES = 64 << 10  # a decode-node HTTP request body
 MAX_STOP_TOKEN_IDS = 1024
@@ -319,14 +320,44 @@ def expect(msg: Message, cls: type[M]) -> M:
 NODE_AUTH_HEADER = "authorization"  # "Bearer " + auth.node_api_token(secret)
 
 
+class Sampling(_Strict):
+    """How a request decodes. Sampling fields left null take the checkpoint's ``generation_config.json``
+    defaults (as vLLM does); ``max_tokens`` null runs to the end of the context.
+
+    ``max_tokens`` counts the tokens the node generates (the first token came from prefill)."""
+
+    max_tokens: Count | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=1e6)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=1 << 31)] | None = None
+    seed: Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)] | None = None
+    stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
+    ignore_eos: bool = False
+
+
 class ReserveRequest(_Strict):
+    """``sampling``: the request's decode parameters, checked now: a node that cannot honour them refuses
+    the reserve (400/501, before prefill has answered), so that its decode request cannot be refused for them
+    once the router has started streaming."""
+
     transfer_id: TransferId
     lease_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] | None = None
+    sampling: Sampling | None = None
 
 
 class ReserveResponse(_Strict):
+    """``max_seq_len``: the context this node decodes to (:func:`decode_room`)."""
+
     transfer_id: TransferId
     slot: Count
+    max_seq_len: Count
+
+
+def decode_room(max_seq_len: int, prompt_tokens: int) -> int:
+    """The most tokens a node with context ``max_seq_len`` generates after a prompt of ``prompt_tokens``
+    (prefill's first token takes a position too). The one statement of the context limit: the node refuses a
+    ``max_tokens`` above it; the router uses it to foresee that refusal."""
+    return max_seq_len - prompt_tokens - 1
 
 
 class ReleaseRequest(_Strict):
@@ -340,21 +371,12 @@ class ReleaseResponse(_Strict):
 
 
 class DecodeRequest(_Strict):
-    """Decode after prefill's first token. Sampling fields left null take the checkpoint's
-    ``generation_config.json`` defaults (as vLLM does); ``max_tokens`` null runs to the end of the context.
-
-    ``max_tokens`` counts the tokens this node generates (the first token came from prefill)."""
+    """Decode after prefill's first token, as ``sampling`` says."""
 
     transfer_id: TransferId
     first_token_id: TokenId
     prompt_tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)]
-    max_tokens: Count | None = None
-    temperature: Annotated[float, msgspec.Meta(ge=0, le=1e6)] | None = None
-    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
-    top_k: Annotated[int, msgspec.Meta(ge=-1, le=1 << 31)] | None = None
-    seed: Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)] | None = None
-    stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
-    ignore_eos: bool = False
+    sampling: Sampling = msgspec.field(default_factory=Sampling)
 
 
 class _Line(_Strict, tag_field="type"):

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tilert.contracts import DecodeRequest
+from tilert.contracts import Sampling
 from tilert.engines.base import Capabilities
 
 # vLLM's _SAMPLING_EPS: a temperature below it is greedy (1e-300 would divide the logits into inf).
@@ -39,21 +39,22 @@ class DecodeParams:
         return self.temperature == 0.0
 
     @staticmethod
-    def from_request(req: DecodeRequest, vocab_size: int, defaults: dict[str, Any] | None = None) -> DecodeParams:
-        """Apply ``defaults`` (the model's ``generation_config.json``) to fields left null, as vLLM does;
-        ``ValueError`` names what the request gets wrong for this model."""
+    def of(
+        transfer_id: str, s: Sampling, vocab_size: int, defaults: dict[str, Any] | None = None,
+        first_token_id: int = 0, prompt_tokens: int = 1,
+    ) -> DecodeParams:  # fmt: skip
+        """``s`` checked for this model, with ``defaults`` applied (the reserve checks a request's sampling
+        this way before its prompt exists); ``ValueError`` names what is wrong."""
         defaults = defaults or {}
-        if req.first_token_id >= vocab_size:
-            raise ValueError(f"first_token_id must be a token id below {vocab_size}")
-        if any(t >= vocab_size for t in req.stop_token_ids):
+        if any(t >= vocab_size for t in s.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids below {vocab_size}")
-        temperature = float(defaults.get("temperature", 1.0) if req.temperature is None else req.temperature)
-        top_p = float(defaults.get("top_p", 1.0) if req.top_p is None else req.top_p)
-        top_k = int(defaults.get("top_k", 0) if req.top_k is None else req.top_k)
+        temperature = float(defaults.get("temperature", 1.0) if s.temperature is None else s.temperature)
+        top_p = float(defaults.get("top_p", 1.0) if s.top_p is None else s.top_p)
+        top_k = int(defaults.get("top_k", 0) if s.top_k is None else s.top_k)
         return DecodeParams(
-            req.transfer_id, req.first_token_id, req.prompt_tokens, req.max_tokens,
+            transfer_id, first_token_id, prompt_tokens, s.max_tokens,
             0.0 if temperature < GREEDY_BELOW else temperature, min(max(top_p, 0.0), 1.0) or 1.0,
-            max(top_k, 0), req.seed, tuple(req.stop_token_ids), req.ignore_eos,
+            max(top_k, 0), s.seed, tuple(s.stop_token_ids), s.ignore_eos,
         )  # fmt: skip
 
     def unsupported(self, caps: Capabilities) -> str | None:

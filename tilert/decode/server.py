@@ -148,9 +148,15 @@ class DecodeNode:
         body = await _read(request, c.ReserveRequest)
         if body.lease_s is not None and body.lease_s > self.config.max_lease_s:
             raise SlotError(f"lease_s must be at most {self.config.max_lease_s:g} on this node", 400)
+        if body.sampling is not None:
+            try:
+                self._check(self._sampling(body.transfer_id, body.sampling))
+            except SlotError as exc:  # an offer already waiting for this reservation stops now
+                self.table.release(body.transfer_id, f"its reserve was refused: {exc}")
+                raise
         slot = self.table.reserve(body.transfer_id, body.lease_s)
         self.metrics.slots(len(self.table.slots), self.table.free)
-        return _ok(c.ReserveResponse(body.transfer_id, slot.index))
+        return _ok(c.ReserveResponse(body.transfer_id, slot.index, self.config.max_seq_len))
 
     async def release(self, request: Request) -> Response:
         body = await _read(request, c.ReleaseRequest)
@@ -187,14 +193,12 @@ class DecodeNode:
 
     def _params(self, req: c.DecodeRequest) -> DecodeParams:
         """The request checked against this model and node; the node alone owns the context limit."""
-        try:
-            params = DecodeParams.from_request(req, self.engine.vocab_size, self.sampling_defaults)
-        except ValueError as exc:
-            raise SlotError(str(exc), 400) from None
-        unsupported = params.unsupported(self.engine.capabilities())
-        if unsupported:
-            raise SlotError(f"the {self.engine.name} engine cannot honour {unsupported}", 501)
-        room = self.config.max_seq_len - params.prompt_tokens - 1
+        if req.first_token_id >= self.engine.vocab_size:
+            raise SlotError(f"first_token_id must be a token id below {self.engine.vocab_size}", 400)
+        params = replace(self._sampling(req.transfer_id, req.sampling), first_token_id=req.first_token_id,
+                         prompt_tokens=req.prompt_tokens)  # fmt: skip
+        self._check(params)
+        room = c.decode_room(self.config.max_seq_len, params.prompt_tokens)
         if params.max_tokens is None:
             return replace(params, max_tokens=max(room, 0))
         if params.max_tokens > room:
@@ -206,6 +210,19 @@ class DecodeNode:
                 400,
             )
         return params
+
+    def _sampling(self, tid: str, sampling: c.Sampling) -> DecodeParams:
+        """``sampling`` checked for this model (400), with its defaults applied."""
+        try:
+            return DecodeParams.of(tid, sampling, self.engine.vocab_size, self.sampling_defaults)
+        except ValueError as exc:
+            raise SlotError(str(exc), 400) from None
+
+    def _check(self, params: DecodeParams) -> None:
+        """501 when this engine cannot honour the request's sampling."""
+        unsupported = params.unsupported(self.engine.capabilities())
+        if unsupported:
+            raise SlotError(f"the {self.engine.name} engine cannot honour {unsupported}", 501)
 
     # ---- the decode stream ------------------------------------------------------------------
 

@@ -133,7 +133,16 @@ class SlotTable:
     # ---- transitions ----------------------------------------------------------------------
 
     def reserve(self, tid: str, lease_s: float | None = None) -> Slot:
-        if tid in self._by_tid or tid in self._tombstones:
+        """A free slot for ``tid``. Idempotent: a repeated reserve (a router retrying one whose answer a
+        dropped connection lost) gets the same slot, its lease renewed while it still waits for data; an id
+        released or refused before is refused (409)."""
+        held = self._by_tid.get(tid)
+        if held is not None:
+            if held.state is SlotState.RESERVED:
+                held.deadline = max(held.deadline, time.monotonic() + (lease_s or self.default_lease_s))
+            log.info("slot_reserve_repeated", transfer_id=tid, slot=held.index)
+            return held
+        if tid in self._tombstones:
             raise SlotError("transfer id already used", 409)
         slot = next((s for s in self.slots if s.state is SlotState.FREE), None)
         if slot is None:

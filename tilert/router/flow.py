@@ -28,7 +28,7 @@ from typing import Any
 import anyio
 import orjson
 import structlog
-from starlette.types import Send
+from starlette.types import Message, Send
 
 from tilert import contracts as c
 from tilert.router.config import NATIVE_POOL
@@ -72,15 +72,20 @@ class ClientOutput:
         self.started = False
         self.done = False
         self.pool = pool  # the x-tilert-pool header of the response (the pool serving the request)
+        self._head: Message | None = None  # the response start, held until the first body goes with it
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """Begin the response; its head goes out with the first body (one write to the client, not two)."""
         self.started = True
         if self.pool is not None:
             headers = [*headers, (POOL_HEADER.encode(), self.pool.encode())]
-        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+        self._head = {"type": "http.response.start", "status": status, "headers": headers}
 
     async def body(self, data: bytes, more: bool = True) -> None:
         self.done = not more
+        if self._head is not None:
+            head, self._head = self._head, None
+            await self._send(head)
         await self._send({"type": "http.response.body", "body": data, "more_body": more})
 
     async def json(self, status: int, payload: bytes, extra: dict[str, str] | None = None) -> None:
@@ -178,7 +183,7 @@ class RequestFlow:
             cfg.queue_timeout_s)  # fmt: skip
         self._to(FlowState.QUEUED, queue_depth=self.ctx.pool.queue_depth)
         lease = NodeLease(self.ctx.pool, self.ctx.nodes, self.transfer_id, queue_timeout_s=wait,
-                          lease_s=cfg.lease_s, log=self.log)  # fmt: skip
+                          lease_s=cfg.lease_s, log=self.log, sampling=self._sampling())  # fmt: skip
         async with AsyncExitStack() as held:
             try:
                 await held.enter_async_context(lease)
@@ -201,8 +206,17 @@ class RequestFlow:
                 return
             self._to(FlowState.DECODING, node=self.node_name, slot=lease.slot, first_token_id=pre.first_token_id,
                      prompt_tokens=pre.prompt_tokens)  # fmt: skip
-            async with lease.client.decode(self._decode_request(pre)) as lines:
-                await self._relay(out, lease, shape, pre, lines)
+            request = self._decode_request(pre)
+            loop = TokenLoop(self.ctx.tokenizer.tokenizer, pre.prompt_token_ids, pre.first_token_id, pre.text,
+                             self.plan.stop, self.plan.include_stop_str_in_output,
+                             self.plan.skip_special_tokens)  # fmt: skip
+            # The node checked the sampling with the reserve; when its context also holds the request, it cannot
+            # refuse the decode request for anything the client sent: stream prefill's token before asking.
+            if lease.fits(pre.prompt_tokens, request.sampling.max_tokens):
+                await self._first_chunk(out, shape, pre, loop)
+            async with lease.client.decode(request) as lines:
+                await self._first_chunk(out, shape, pre, loop)
+                await self._relay(out, lease, shape, pre, loop, lines)
 
     async def _overflow(self, out: ClientOutput, refused: RouterError) -> None:
         """No TileRT slot within overflow_wait_s: the native pool serves the request instead of a 429."""
@@ -229,14 +243,16 @@ class RequestFlow:
         return ResponseShape(route, rid, pre.created or int(time.time()), pre.model or self.ctx.config.model_name,
                              self.plan.return_token_ids)  # fmt: skip
 
-    def _decode_request(self, pre: PrefillResult) -> c.DecodeRequest:
+    def _sampling(self) -> c.Sampling:
         plan = self.plan
-        return c.DecodeRequest(
-            transfer_id=self.transfer_id, first_token_id=pre.first_token_id, prompt_tokens=pre.prompt_tokens,
+        return c.Sampling(
             max_tokens=None if plan.max_tokens is None else plan.max_tokens - 1,
             temperature=plan.temperature, top_p=plan.top_p, top_k=plan.top_k, seed=plan.seed,
             stop_token_ids=list(plan.stop_token_ids), ignore_eos=bool(plan.ignore_eos),
         )  # fmt: skip
+
+    def _decode_request(self, pre: PrefillResult) -> c.DecodeRequest:
+        return c.DecodeRequest(self.transfer_id, pre.first_token_id, pre.prompt_tokens, self._sampling())
 
     def first_token(self) -> None:
         self.ttft_s = self._elapsed()
@@ -262,18 +278,21 @@ class RequestFlow:
         self.finish_reason = finish
         self._to(FlowState.FINISHED, finish_reason=finish, from_prefill=True)
 
+    async def _first_chunk(self, out: ClientOutput, shape: ResponseShape, pre: PrefillResult, loop: TokenLoop) -> None:
+        """Prefill's token to the client (streaming) and the time to first token; once per request."""
+        if self.ttft_s is not None:
+            return
+        if self.plan.stream:
+            await out.start(200, list(SSE_HEADERS))
+            now = usage(pre.prompt_tokens, 1) if self.plan.continuous_usage else None
+            await out.body(sse(shape.chunk(loop.first_delta(), [pre.first_token_id], usage_now=now)))
+        self.first_token()
+
     async def _relay(
-        self, out: ClientOutput, lease: NodeLease, shape: ResponseShape, pre: PrefillResult,
+        self, out: ClientOutput, lease: NodeLease, shape: ResponseShape, pre: PrefillResult, loop: TokenLoop,
         lines: AsyncIterator[c.TokenLine | c.ErrorLine],
     ) -> None:  # fmt: skip
         plan = self.plan
-        loop = TokenLoop(self.ctx.tokenizer.tokenizer, pre.prompt_token_ids, pre.first_token_id, pre.text,
-                         plan.stop, plan.include_stop_str_in_output, plan.skip_special_tokens)  # fmt: skip
-        if plan.stream:
-            await out.start(200, list(SSE_HEADERS))
-            now = usage(pre.prompt_tokens, 1) if plan.continuous_usage else None
-            await out.body(sse(shape.chunk(loop.first_delta(), [pre.first_token_id], usage_now=now)))
-        self.first_token()
         sent_at, first = anyio.current_time(), True
         line: c.TokenLine | None = None
         while not loop.done:

@@ -21,6 +21,8 @@ from typing import TypeVar
 import anyio
 import structlog
 
+from tilert import contracts as c
+from tilert.router.errors import RouterError
 from tilert.router.node_client import NodeClient, NodeFull, NodeUnreachable
 from tilert.router.pool import DecodePool, PooledNode
 
@@ -39,8 +41,10 @@ class NodeLease:
         queue_timeout_s: float,
         lease_s: float,
         log: structlog.typing.FilteringBoundLogger,
+        sampling: c.Sampling | None = None,
     ) -> None:
         self._pool = pool
+        self._sampling = sampling  # the node checks it with the reserve
         self._clients = clients
         self.transfer_id = transfer_id
         self._queue_timeout_s = queue_timeout_s
@@ -48,6 +52,7 @@ class NodeLease:
         self._log = log
         self.node: PooledNode | None = None
         self.slot: int | None = None
+        self.max_seq_len: int | None = None  # the node's context, from its reserve answer
         self.queued_s = 0.0
         self._since = 0.0
         self._deadline = 0.0
@@ -82,22 +87,28 @@ class NodeLease:
 
     async def _attempt(self, node: PooledNode, work: Callable[[PooledNode, str], Awaitable[T]]) -> tuple[T] | None:
         """Reserve on ``node`` while the work runs: ``(its result,)``, or None when the node refused (the work
-        is then cancelled). The work's failure cancels the reserve and is raised as it is (anyio's task group
-        would wrap it in an exception group)."""
+        is then cancelled). The work goes out first (it is the longer of the two). Its failure cancels the
+        reserve and is raised as it is, as is the node's refusal of the request's sampling (anyio's task group
+        would wrap either in an exception group)."""
         result: list[T] = []
         failed: list[Exception] = []
+        refused: list[bool] = []
 
-        async def run_work() -> None:
+        async def reserve() -> None:
             try:
-                result.append(await work(node, self.transfer_id))
-            except Exception as exc:  # noqa: BLE001 - raised below, outside the task group
+                if await self._reserve(node):
+                    refused.append(True)
+                    tg.cancel_scope.cancel()
+            except RouterError as exc:
                 failed.append(exc)
                 tg.cancel_scope.cancel()
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(run_work)
-            refused = await self._reserve(node)
-            if refused:
+            tg.start_soon(reserve)
+            try:
+                result.append(await work(node, self.transfer_id))
+            except Exception as exc:  # noqa: BLE001 - raised below, outside the task group
+                failed.append(exc)
                 tg.cancel_scope.cancel()
         if failed:
             raise failed[0]
@@ -107,7 +118,8 @@ class NodeLease:
         """The node's reservation; True when it refused (the node is given back, ``self.node`` is unset).
         Cancelled (the work failed first): the lease's release tombstones the id on the node."""
         try:
-            self.slot = await self._clients[node.name].reserve(self.transfer_id, self._lease_s)
+            reply = await self._clients[node.name].reserve(self.transfer_id, self._lease_s, self._sampling)
+            self.slot, self.max_seq_len = reply.slot, reply.max_seq_len
             return False
         except NodeFull as exc:
             self._log.info("reserve_full", node=node.name, reason=str(exc))
@@ -118,6 +130,12 @@ class NodeLease:
             await self._forget(node)
         self.node = None
         return True
+
+    def fits(self, prompt_tokens: int, max_tokens: int | None) -> bool:
+        """Whether the node's context holds ``max_tokens`` more after the prompt (``contracts.decode_room``),
+        i.e. the node will not refuse the decode request for its length."""
+        room = c.decode_room(self.max_seq_len, prompt_tokens) if self.max_seq_len is not None else -1
+        return room >= 0 and (max_tokens is None or max_tokens <= room)
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

@@ -22,6 +22,8 @@ from tilert.router.config import DecodeNodeSpec
 from tilert.router.errors import RouterError
 
 _FAILURES = (aiohttp.ClientError, asyncio.TimeoutError)
+# A kept-alive connection the server closed while it sat in the pool: the request never got an answer.
+_STALE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientConnectionResetError)
 
 
 class NodeFull(Exception):
@@ -68,21 +70,33 @@ class NodeClient:
         await self.session.close()
 
     async def _post(self, path: str, body: c.ReserveRequest | c.ReleaseRequest) -> tuple[int, bytes]:
-        async with self.session.post(path, data=c.dump(body), headers=self._headers, timeout=self._timeout) as resp:
-            return resp.status, await resp.read()
+        """POST an idempotent call; once more on a fresh connection if a kept-alive one turned out dead (the
+        node closed it while idle: the request may or may not have reached it, and repeating it is safe)."""
+        for attempt in (1, 2):
+            try:
+                async with self.session.post(path, data=c.dump(body), headers=self._headers,
+                                             timeout=self._timeout) as resp:  # fmt: skip
+                    return resp.status, await resp.read()
+            except _STALE:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
-    async def reserve(self, transfer_id: str, lease_s: float) -> int:
-        """Reserve a slot; returns its number. Raises :class:`NodeFull` or :class:`NodeUnreachable`."""
+    async def reserve(self, transfer_id: str, lease_s: float, sampling: c.Sampling | None = None) -> c.ReserveResponse:
+        """Reserve a slot, the node checking ``sampling`` first. Raises :class:`NodeFull`,
+        :class:`NodeUnreachable`, or :class:`RouterError` (4xx/501) when the node refuses the sampling."""
         try:
-            status, body = await self._post("/v1/reserve", c.ReserveRequest(transfer_id, lease_s))
+            status, body = await self._post("/v1/reserve", c.ReserveRequest(transfer_id, lease_s, sampling))
         except _FAILURES as exc:
             raise NodeUnreachable(f"reserve failed: {type(exc).__name__}") from None
         if status == 429:
             raise NodeFull(node_message(body, "node full"))
+        if status in (400, 501):
+            raise RouterError(status, node_message(body, f"HTTP {status}"), outcome="decode_refused")
         if status != 200:
             raise NodeUnreachable(f"reserve answered HTTP {status}: {node_message(body, '')}")
         try:
-            return c.parse(c.ReserveResponse, body).slot
+            return c.parse(c.ReserveResponse, body)
         except c.ContractError as exc:
             raise NodeUnreachable(f"reserve answered outside the contract: {exc}") from None
 
