@@ -318,6 +318,7 @@ def expect(msg: Message, cls: type[M]) -> M:
 # ---- 3. the decode node's HTTP API ---------------------------------------------------------------
 
 NODE_AUTH_HEADER = "authorization"  # "Bearer " + auth.node_api_token(secret)
+NODE_KEEPALIVE_S = 30.0  # how long the node keeps an idle connection open (its clients drop theirs sooner)
 
 
 class Sampling(_Strict):

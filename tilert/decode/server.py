@@ -311,7 +311,7 @@ class DecodeNode:
         server = uvicorn.Server(
             uvicorn.Config(
                 self, host=cfg.host, port=cfg.http_port, log_level="warning", lifespan="off",
-                limit_concurrency=cfg.max_http_connections, timeout_keep_alive=30,
+                limit_concurrency=cfg.max_http_connections, timeout_keep_alive=int(c.NODE_KEEPALIVE_S),
             )
         )  # fmt: skip
         try:

@@ -15,7 +15,7 @@ from tilert.router.detokenize import TokenizerBundle, load_tokenizer
 from tilert.router.metrics import RouterMetrics
 from tilert.router.node_client import NodeClient
 from tilert.router.pool import DecodePool, PooledNode
-from tilert.router.prefill import prefill_session
+from tilert.router.prefill import prefill_session, vllm_session
 
 if TYPE_CHECKING:
     from tilert.engines.vllm import VllmNativePool
@@ -62,10 +62,8 @@ class RouterContext:
                 await ctx.aclose()
                 raise RuntimeError(f"native_engine: {exc}") from exc
             # No total timeout: a native decode streams as long as it needs; reads are bounded per event.
-            ctx.native = aiohttp.ClientSession(
-                config.native_url, connector=aiohttp.TCPConnector(limit=0),
-                timeout=aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s),
-            )  # fmt: skip
+            ctx.native = vllm_session(config.native_url,
+                                      aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s))
         await ctx.check_nodes()
         await ctx.check_native()
         log.info(

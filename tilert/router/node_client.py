@@ -52,7 +52,8 @@ def node_message(body: bytes, fallback: str) -> str:
 
 def _session(spec: DecodeNodeSpec, connect_timeout_s: float) -> aiohttp.ClientSession:
     # No cap on connections: the pool gate bounds decode streams (a capped pool is how PD proxies starve).
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0)
+    # Idle connections are dropped well before the node's own keep-alive ends (a retry covers the rest).
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=c.NODE_KEEPALIVE_S / 2)
     timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s)
     return aiohttp.ClientSession(spec.base_url, connector=connector, timeout=timeout, auto_decompress=False)
 

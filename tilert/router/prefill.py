@@ -36,11 +36,22 @@ def _fail(message: str) -> RouterError:
     return RouterError(502, message, outcome="prefill_error")
 
 
+# vLLM's server closes a kept-alive connection after VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s by default) idle. The router
+# drops its own sooner, so that it never sends a request down a connection the server is closing: a prefill cannot
+# simply be sent again (it may have run, and handed its KV off).
+VLLM_KEEPALIVE_S = 4.0
+
+
+def vllm_session(base_url: str, timeout: aiohttp.ClientTimeout) -> aiohttp.ClientSession:
+    """A client of a vLLM server (aiohttp, as for the decode nodes: it is on every request's path). No cap on
+    connections: concurrency is vLLM's to schedule."""
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=VLLM_KEEPALIVE_S)
+    return aiohttp.ClientSession(base_url, connector=connector, timeout=timeout)
+
+
 def prefill_session(base_url: str, timeout_s: float, connect_timeout_s: float) -> aiohttp.ClientSession:
-    """The router's client of vLLM (aiohttp, as for the decode nodes: it is on every request's path).
-    No cap on connections: prefill concurrency is vLLM's to schedule."""
-    timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
-    return aiohttp.ClientSession(base_url, connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
+    """The router's client of the prefill vLLM."""
+    return vllm_session(base_url, aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s))
 
 
 async def post_prefill(
