@@ -8,6 +8,7 @@ the real decode server are integration-tested elsewhere.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -234,7 +235,8 @@ def decode_standin(world: World) -> Starlette:
                 return error("all decode slots are taken", 429)
             slot = len(world.reservations)
             world.reservations[body.transfer_id] = slot
-        return Response(c.dump(c.ReserveResponse(body.transfer_id, slot, world.max_seq_len)), media_type="application/json")
+        return Response(c.dump(c.ReserveResponse(body.transfer_id, slot, world.max_seq_len)),
+                        media_type="application/json")  # fmt: skip
 
     async def release(request: Request) -> Response:
         if not authorised(request):
@@ -874,3 +876,46 @@ def test_sampling_refused_at_reserve_is_the_clients_error(router: RouterHandle, 
     assert refused.value.status_code == 501 and "cannot honour top_k" in str(refused.value)
     assert world.decode_calls == []
     assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)
+
+
+def test_node_client_repeats_an_idempotent_call_once_over_a_fresh_connection() -> None:
+    """A kept-alive connection the node closed while it sat idle fails the next call sent down it. The real node
+    closes idle connections only after NODE_KEEPALIVE_S, and the race with a reuse cannot be made on demand, so a
+    raw socket server stands in: it drops the first connection after reading the request, unanswered, then
+    answers the reserve properly. The client sends it once more and gets the slot; a second drop is an error."""
+    from tilert.router.node_client import NodeClient, NodeUnreachable
+
+    async def main(drops: int) -> tuple[int, int | str]:
+        seen = [0]
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            head = await reader.readuntil(b"\r\n\r\n")
+            sizes = [line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")]
+            length = int(sizes[0])
+            body = c.parse(c.ReserveRequest, await reader.readexactly(length))
+            seen[0] += 1
+            if seen[0] <= drops:
+                writer.close()
+                return
+            reply = c.dump(c.ReserveResponse(body.transfer_id, 0, 4096))
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(reply), reply))  # fmt: skip
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = NodeClient(DecodeNodeSpec("127.0.0.1", 1, port), 2.0, 2.0, b"k" * 32)
+        try:
+            try:
+                got: int | str = (await client.reserve("t-1", 10.0)).slot
+            except NodeUnreachable as exc:
+                got = str(exc)
+        finally:
+            await client.aclose()
+            server.close()
+        return seen[0], got
+
+    assert asyncio.run(main(drops=1)) == (2, 0)
+    seen, got = asyncio.run(main(drops=2))
+    assert seen == 2 and "reserve failed" in str(got)
