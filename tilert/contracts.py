@@ -304,6 +304,7 @@ async def arecv_msg(stream: BufferedByteReceiveStream) -> Message:
 
 
 M = TypeVar("M")
+T = TypeVar("T")
 
 
 def expect(msg: Message, cls: type[M]) -> M:
@@ -426,6 +427,28 @@ def join_lines(lines: Sequence[TokenLine]) -> TokenLine:
     return TokenLine(ids, last.finish_reason, last.stop_token_id)
 
 
+def join_runs(items: Sequence[T]) -> list[T | TokenLine]:
+    """``items`` in order with each run of token lines joined (:func:`join_lines`, up to :data:`MAX_LINE_TOKENS`
+    tokens a line, never past a finish: what follows a last line stays separate, for the reader to refuse);
+    anything else (an error line, the decode node's own end-of-stream markers) is passed as it is."""
+    out: list[T | TokenLine] = []
+    run: list[TokenLine] = []
+    for item in items:
+        if isinstance(item, TokenLine):
+            count = sum(len(x.token_ids) for x in run) + len(item.token_ids)
+            if run and run[-1].finish_reason is None and count <= MAX_LINE_TOKENS:
+                run.append(item)
+                continue
+        if run:
+            out.append(join_lines(run))
+        run = [item] if isinstance(item, TokenLine) else []
+        if not isinstance(item, TokenLine):
+            out.append(item)
+    if run:
+        out.append(join_lines(run))
+    return out
+
+
 class EngineInfo(_Strict):
     temperature: bool
     top_p: bool
@@ -462,7 +485,6 @@ class ErrorBody(_Strict):
 
 # ---- one parse, one dump ------------------------------------------------------------------------
 
-T = TypeVar("T")
 _json_decoders: dict[object, msgspec.json.Decoder[Any]] = {}
 
 

@@ -354,26 +354,16 @@ _Item = c.TokenLine | Finish | BaseException  # what the batch's worker thread h
 
 async def _joined(receive: MemoryObjectReceiveStream[_Item]) -> AsyncIterator[_Item]:
     """The worker's items, with the token lines that queued up while the stream was busy joined into one
-    (``contracts.join_lines``): a stream that fell behind catches up in one write instead of one per step."""
-    held: _Item | None = None
-    while True:
-        item = held if held is not None else await _receive(receive)
-        held = None
-        if item is None:
-            return
-        lines = [item] if isinstance(item, c.TokenLine) else []
-        count = len(item.token_ids) if isinstance(item, c.TokenLine) else 0
-        while lines and lines[-1].finish_reason is None:
+    (``contracts.join_runs``): a stream that fell behind catches up in one write instead of one per step."""
+    while (item := await _receive(receive)) is not None:
+        batch: list[_Item] = [item]
+        while True:
             try:
-                nxt = receive.receive_nowait()
+                batch.append(receive.receive_nowait())
             except (anyio.WouldBlock, anyio.EndOfStream):
                 break
-            if not isinstance(nxt, c.TokenLine) or count + len(nxt.token_ids) > c.MAX_LINE_TOKENS:
-                held = nxt
-                break
-            lines.append(nxt)
-            count += len(nxt.token_ids)
-        yield c.join_lines(lines) if lines else item
+        for joined in c.join_runs(batch):
+            yield joined
 
 
 async def _receive(receive: MemoryObjectReceiveStream[_Item]) -> _Item | None:

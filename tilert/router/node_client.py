@@ -151,7 +151,7 @@ class NodeClient:
 
 
 async def _lines(resp: aiohttp.ClientResponse) -> AsyncIterator[c.TokenLine | c.ErrorLine]:
-    """The stream's lines; token lines that arrived together are joined into one (``contracts.join_lines``),
+    """The stream's lines; token lines that arrived together are joined into one (``contracts.join_runs``),
     so a relay that fell behind catches up with one event instead of one per line."""
     rest = b""
     try:
@@ -159,7 +159,7 @@ async def _lines(resp: aiohttp.ClientResponse) -> AsyncIterator[c.TokenLine | c.
             *complete, rest = (rest + chunk).split(b"\n")
             if len(rest) > c.MAX_LINE_BYTES:
                 raise RouterError(502, "decode node sent an over-long line", outcome="decode_error")
-            for line in _join_tokens([c.parse_line(raw) for raw in complete if raw.strip()]):
+            for line in c.join_runs([c.parse_line(raw) for raw in complete if raw.strip()]):
                 yield line
         if rest.strip():
             yield c.parse_line(rest)
@@ -167,24 +167,3 @@ async def _lines(resp: aiohttp.ClientResponse) -> AsyncIterator[c.TokenLine | c.
         raise RouterError(502, f"decode node sent a line outside the contract: {exc}", outcome="decode_error") from None
     except _FAILURES as exc:
         raise RouterError(502, f"decode stream broke: {type(exc).__name__}", outcome="decode_error") from None
-
-
-def _join_tokens(lines: list[c.TokenLine | c.ErrorLine]) -> list[c.TokenLine | c.ErrorLine]:
-    """Runs of token lines joined (within the line limit, and never past a finish: whatever follows the last
-    line stays separate for the relay to refuse); error lines as they are."""
-    out: list[c.TokenLine | c.ErrorLine] = []
-    run: list[c.TokenLine] = []
-    for line in lines:
-        if isinstance(line, c.TokenLine):
-            count = sum(len(x.token_ids) for x in run) + len(line.token_ids)
-            if run and run[-1].finish_reason is None and count <= c.MAX_LINE_TOKENS:
-                run.append(line)
-                continue
-        if run:
-            out.append(c.join_lines(run))
-        run = [line] if isinstance(line, c.TokenLine) else []
-        if isinstance(line, c.ErrorLine):
-            out.append(line)
-    if run:
-        out.append(c.join_lines(run))
-    return out
