@@ -188,7 +188,7 @@ def test_reserve_is_idempotent_and_checks_the_sampling_first(node: Node) -> None
     assert node.health()["slots_free"] == int(node.health()["slots_total"]) - 1  # type: ignore[call-overload]
     httpx.post(node.http + "/v1/release", json={"transfer_id": "again-1"}, headers=h, timeout=5)
     bad = httpx.post(url, json={"transfer_id": "bad-stop", "sampling": {"stop_token_ids": [1 << 30]}}, headers=h)
-    assert bad.status_code == 400 and "stop_token_ids" in bad.json()["error"]["message"]
+    assert bad.status_code == 422 and "stop_token_ids" in bad.json()["error"]["message"]
     assert httpx.post(url, json={"transfer_id": "bad-stop"}, headers=h, timeout=5).status_code == 409
     node.assert_intact()
 

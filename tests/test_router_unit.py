@@ -115,7 +115,7 @@ class World:
     tokens_per_line: int = 1
     slots_total: int = 2
     max_seq_len: int = 4096  # the node's context, as its reserve answers it
-    reserve_refusal: str | None = None  # the node refuses the request's sampling at reserve time (501)
+    reserve_refusal: tuple[int, str] | None = None  # the node refuses the request's sampling at reserve time
     reserve_bodies: list[dict[str, Any]] = field(default_factory=list)
     decode_gate: threading.Event | None = None  # set: the decode answers only once the test opens it
     reservations: dict[str, int] = field(default_factory=dict)
@@ -229,7 +229,7 @@ def decode_standin(world: World) -> Starlette:
         body = c.parse(c.ReserveRequest, await request.body())
         world.reserve_bodies.append(c.msgspec.to_builtins(body))
         if world.reserve_refusal is not None:
-            return error(world.reserve_refusal, 501)
+            return error(world.reserve_refusal[1], world.reserve_refusal[0])
         with world.lock:
             if len(world.reservations) >= world.slots_total:
                 return error("all decode slots are taken", 429)
@@ -866,14 +866,18 @@ def test_stream_starts_before_the_decode_node_answers(router: RouterHandle, worl
     assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)
 
 
-def test_sampling_refused_at_reserve_is_the_clients_error(router: RouterHandle, world: World) -> None:
-    """A node that cannot honour the sampling refuses the reserve: the client gets that status and reason
-    before any byte (the prefill is cancelled or its answer dropped), and no slot stays held."""
-    world.reserve_refusal = "the stand-in engine cannot honour top_k"
+@pytest.mark.parametrize(("node_status", "client_status"), [(501, 501), (422, 400)])
+def test_sampling_refused_at_reserve_is_the_clients_error(router: RouterHandle, world: World, node_status: int,
+                                                          client_status: int) -> None:  # fmt: skip
+    """A node that cannot honour the sampling (501) or finds it wrong for its model (422, the client's 400)
+    refuses the reserve: the client gets that before any byte (the prefill is cancelled or its answer dropped),
+    and no slot stays held. (A plain 400 from the reserve is the router's own fault, its lease or its body: that
+    takes the node out of the pool as before.)"""
+    world.reserve_refusal = (node_status, "the stand-in engine cannot honour top_k")
     with pytest.raises(openai.APIStatusError) as refused:
         list(router.client().completions.create(model="tiny", prompt="x", max_tokens=5, stream=True,
-                                                   extra_body={"top_k": 3}))
-    assert refused.value.status_code == 501 and "cannot honour top_k" in str(refused.value)
+                                                extra_body={"top_k": 3}))  # fmt: skip
+    assert refused.value.status_code == client_status and "cannot honour top_k" in str(refused.value)
     assert world.decode_calls == []
     assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)
 

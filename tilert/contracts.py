@@ -338,9 +338,9 @@ class Sampling(_Strict):
 
 
 class ReserveRequest(_Strict):
-    """``sampling``: the request's decode parameters, checked now: a node that cannot honour them refuses
-    the reserve (400/501, before prefill has answered), so that its decode request cannot be refused for them
-    once the router has started streaming."""
+    """``sampling``: the request's decode parameters, checked now: a node refuses the reserve when they are
+    wrong for its model (422) or more than its engine can honour (501), before prefill has answered, so that
+    the decode request cannot be refused for them once the router has started streaming."""
 
     transfer_id: TransferId
     lease_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] | None = None

@@ -2,7 +2,8 @@
 
 HTTP API (bodies and replies are the types of ``tilert.contracts``; every 4xx/5xx is an ``ErrorBody``):
 
-- ``POST /v1/reserve`` ``ReserveRequest`` -> ``ReserveResponse``; 429 when every slot is taken.
+- ``POST /v1/reserve`` ``ReserveRequest`` -> ``ReserveResponse``; 429 when every slot is taken; 422 / 501
+  when the request's sampling is wrong for this model / more than this engine can honour. Idempotent.
 - ``POST /v1/release`` ``ReleaseRequest`` -> ``ReleaseResponse``: frees the slot whatever its state and
   cancels a running decode; idempotent.
 - ``POST /v1/decode`` ``DecodeRequest`` -> 200 ``application/x-ndjson``: one ``TokenLine`` per step as it
@@ -153,7 +154,8 @@ class DecodeNode:
                 self._check(self._sampling(body.transfer_id, body.sampling))
             except SlotError as exc:  # an offer already waiting for this reservation stops now
                 self.table.release(body.transfer_id, f"its reserve was refused: {exc}")
-                raise
+                # 422: the client's request is wrong for this model (a 400 here is the router's own fault)
+                raise SlotError(str(exc), 422 if exc.status == 400 else exc.status) from None
         slot = self.table.reserve(body.transfer_id, body.lease_s)
         self.metrics.slots(len(self.table.slots), self.table.free)
         return _ok(c.ReserveResponse(body.transfer_id, slot.index, self.config.max_seq_len))

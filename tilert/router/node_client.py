@@ -92,8 +92,9 @@ class NodeClient:
             raise NodeUnreachable(f"reserve failed: {type(exc).__name__}") from None
         if status == 429:
             raise NodeFull(node_message(body, "node full"))
-        if status in (400, 501):
-            raise RouterError(status, node_message(body, f"HTTP {status}"), outcome="decode_refused")
+        if status in (422, 501):  # the client's sampling, wrong for this model (a 400 is the router's fault)
+            refused = 400 if status == 422 else status
+            raise RouterError(refused, node_message(body, f"HTTP {status}"), outcome="decode_refused")
         if status != 200:
             raise NodeUnreachable(f"reserve answered HTTP {status}: {node_message(body, '')}")
         try:
