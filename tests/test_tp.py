@@ -242,8 +242,8 @@ def test_decode_tp2_serves_a_request(ckpts: dict[str, Path], tmp_path: Path) -> 
         assert _post(url, "/v1/reserve", {"transfer_id": "tp-1"}).status_code == 200
         claim = Claim.signed(SECRET.encode(), "tp-1", "127.0.0.1", ctrl)
         sender.submit(Staged.whole(claim, PROMPT, lay, state["mla"].reshape(-1).contiguous())).result(timeout=60)
-        body = {"transfer_id": "tp-1", "first_token_id": first, "prompt_tokens": PROMPT, "max_tokens": 12,
-                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        body = {"transfer_id": "tp-1", "first_token_id": first, "prompt_tokens": PROMPT,
+                "sampling": {"max_tokens": 12, "temperature": 0, "ignore_eos": True}}  # fmt: skip
         resp = _post(url, "/v1/decode", body)
         assert resp.status_code == 200, resp.text
         lines = [json.loads(x) for x in resp.text.splitlines() if x.strip()]
