@@ -115,6 +115,7 @@ class World:
     tokens_per_line: int = 1
     slots_total: int = 2
     max_seq_len: int = 4096  # the node's context, as its reserve answers it
+    max_lease_s: float | None = None  # the longest lease the node grants, as its health says (None: not said)
     reserve_refusal: tuple[int, str] | None = None  # the node refuses the request's sampling at reserve time
     reserve_bodies: list[dict[str, Any]] = field(default_factory=list)
     decode_gate: threading.Event | None = None  # set: the decode answers only once the test opens it
@@ -135,7 +136,7 @@ class World:
         self.prefill_mode, self.decode_mode, self.error_after = "ok", "ok", 2
         self.prefill_delay = 0.0
         self.hold, self.token_delay, self.tokens_per_line, self.slots_total = False, 0.002, 1, 2
-        self.max_seq_len, self.reserve_refusal, self.decode_gate = 4096, None, None
+        self.max_seq_len, self.reserve_refusal, self.decode_gate, self.max_lease_s = 4096, None, None, None
         for coll in (self.reservations, self.prefill_bodies, self.prompts, self.transfers, self.decode_calls,
                      self.decode_bodies, self.cancels, self.releases, self.closed_streams, self.decoding):
             coll.clear()
@@ -303,7 +304,8 @@ def decode_standin(world: World) -> Starlette:
             used = len(world.reservations)
         caps = c.EngineInfo(True, True, True, False)
         return Response(c.dump(c.NodeHealth("ok", "standin", "standin", c.PROTOCOL_VERSION, "tcp", 1, 4096,
-                                            world.slots_total, world.slots_total - used, 0, 0, 0, 0, caps)),
+                                            world.slots_total, world.slots_total - used, 0, 0, 0, 0, caps,
+                                            world.max_lease_s)),
                         media_type="application/json")  # fmt: skip
 
     return Starlette(routes=[
@@ -923,3 +925,16 @@ def test_node_client_repeats_an_idempotent_call_once_over_a_fresh_connection() -
     assert asyncio.run(main(drops=1)) == (2, 0)
     seen, got = asyncio.run(main(drops=2))
     assert seen == 2 and "reserve failed" in str(got)
+
+
+def test_a_node_granting_shorter_leases_than_the_router_asks_is_unhealthy(
+    make_router: Callable[..., RouterHandle], world: World
+) -> None:
+    """A router whose lease exceeds what a node grants would have every reserve refused: the node is reported
+    unhealthy with the reason (on /health) and requests get a 503 instead of a stream of refusals."""
+    world.max_lease_s = 30.0
+    router = make_router()  # its default lease: prefill + transfer timeouts + 30 s
+    node = httpx.get(router.url + "/health", timeout=5).json()["decode"][0]
+    assert not node["ok"] and f"at most 30 s, this router asks {router.config.lease_s:g} s" in node["error"]
+    world.max_lease_s = router.config.lease_s
+    assert _wait_for(lambda: httpx.get(router.url + "/health", timeout=5).json()["decode"][0]["ok"])

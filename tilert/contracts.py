@@ -472,6 +472,7 @@ class NodeHealth(_Strict):
     transfers_received: Count
     decodes_completed: Count
     capabilities: EngineInfo
+    max_lease_s: Annotated[float, msgspec.Meta(gt=0)] | None = None  # the longest reservation lease it grants
 
 
 class ErrorDetail(_Strict):

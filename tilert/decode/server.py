@@ -176,6 +176,7 @@ class DecodeNode:
                 decodes_waiting=self.batch.waiting, transfers_received=self.table.transfers_received,
                 decodes_completed=self.decodes_completed,
                 capabilities=c.EngineInfo(caps.temperature, caps.top_p, caps.top_k, caps.mtp, caps.pipelined_greedy),
+                max_lease_s=self.config.max_lease_s,
             )
         )  # fmt: skip
 

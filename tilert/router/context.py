@@ -46,7 +46,8 @@ class RouterContext:
             raise RuntimeError(f"router cannot load the tokenizer from model_dir {config.model_dir!r}: {exc}") from exc
         prefill = prefill_session(config.prefill_url, config.prefill_timeout_s, config.connect_timeout_s)
         nodes = {
-            spec.name: NodeClient(spec, config.connect_timeout_s, config.control_timeout_s, config.secret)
+            spec.name: NodeClient(spec, config.connect_timeout_s, config.control_timeout_s, config.secret,
+                                  config.lease_s)
             for spec in config.decode_nodes
         }
         pool = DecodePool(

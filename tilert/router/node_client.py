@@ -61,8 +61,13 @@ def _session(spec: DecodeNodeSpec, connect_timeout_s: float) -> aiohttp.ClientSe
 class NodeClient:
     """One shared ``aiohttp.ClientSession`` per decode node, created in the app's lifespan."""
 
-    def __init__(self, spec: DecodeNodeSpec, connect_timeout_s: float, control_timeout_s: float, secret: bytes):
+    def __init__(
+        self, spec: DecodeNodeSpec, connect_timeout_s: float, control_timeout_s: float, secret: bytes,
+        lease_s: float | None = None,
+    ) -> None:  # fmt: skip
+        """``lease_s``: the lease this router asks with every reserve (a node granting less is unhealthy)."""
         self.spec = spec
+        self.lease_s = lease_s
         self.session = _session(spec, connect_timeout_s)
         self._timeout = aiohttp.ClientTimeout(total=control_timeout_s)
         self._headers = {"content-type": "application/json", "authorization": "Bearer " + auth.node_api_token(secret)}
@@ -126,6 +131,10 @@ class NodeClient:
             return HealthView(ok=False, error=f"health outside the contract: {exc}")
         if health.protocol_version != c.PROTOCOL_VERSION:
             return HealthView(ok=False, error=f"node speaks protocol v{health.protocol_version}")
+        if self.lease_s is not None and health.max_lease_s is not None and health.max_lease_s < self.lease_s:
+            return HealthView(ok=False, error=(
+                f"the node grants leases of at most {health.max_lease_s:g} s, this router asks {self.lease_s:g} s "
+                "(raise the node's --max-lease-s or lower the router's reserve_lease_s)"))  # fmt: skip
         return HealthView(ok=True, slots_total=health.slots_total, slots_free=health.slots_free)
 
     @asynccontextmanager
