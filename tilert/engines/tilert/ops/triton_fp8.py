@@ -40,15 +40,17 @@ __all__ = ["gemv_fp8", "moe_up_fp8", "moe_down_fp8", "groups", "gemv_fp8_config"
 # Launch configs. GEMV: (rows BN, K tile BK (e4m3 elements), warps, prefetch) per weight class (the classes of
 # triton_gemv.gemv_config: lm_head-sized, >= 64 MB in bf16, K a multiple of 1024, N >= 4096, other).
 # moe_up: (rows BI, K tile BK, warps, prefetch); moe_down: (rows BD, slots SB, I tile BI, warps, prefetch).
+# Measured in the whole decode step on the H200 (decode_speed.py --tune, 2026-11-30): see benchmarks/results/
+# h200-2026-11-30-fp8-b.md. MoE configs by hidden size: "small" D < 4096 (lite), "large" (V3.2).
 FP8_GEMV_CFG = {
     "head": (16, 512, 8, 1),
-    "large": (8, 1024, 8, 1),
-    "k1024": (2, 2048, 4, 1),
-    "mid": (8, 1024, 8, 1),
+    "large": (8, 512, 4, 1),
+    "k1024": (4, 1024, 4, 1),
+    "mid": (16, 512, 8, 1),
     "small": (2, 1024, 4, 1),
 }
-FP8_UP_CFG = (8, 512, 4, 1)
-FP8_DOWN_CFG = (1, 8, 512, 4, 1)
+FP8_UP_CFG = {"small": (8, 512, 4, 0), "large": (16, 512, 8, 1)}
+FP8_DOWN_CFG = {"small": (2, 8, 512, 8, 1), "large": (2, 1, 2048, 4, 1)}
 VEC = 16  # e4m3 elements of one 16-byte load: the innermost, in-thread tile axis
 
 
@@ -377,7 +379,7 @@ def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None):
     gn, gk = groups(w13, s13)
     assert I % gn == 0
     act = torch.empty(n, KK, I, device=x.device, dtype=x.dtype)
-    BI, BK, nw, pf = cfg or FP8_UP_CFG
+    BI, BK, nw, pf = cfg or FP8_UP_CFG["large" if D >= 4096 else "small"]
     BI = min(BI, _pow2_floor(gn))
     v = min(VEC, gk)
     BK = max(min(BK, triton.next_power_of_2(D)), v)
@@ -397,7 +399,7 @@ def moe_down_fp8(act, ids, wts, w2, s2, *, residual=None, cfg=None):
     assert w2.shape[2] == I and w2.stride(-1) == 1 and s2.stride(-1) == 1
     gn, gk = groups(w2, s2)
     y = residual if residual is not None else torch.empty(n, D, device=act.device, dtype=act.dtype)
-    BD, SB, BI, nw, pf = cfg or FP8_DOWN_CFG
+    BD, SB, BI, nw, pf = cfg or FP8_DOWN_CFG["large" if D >= 4096 else "small"]
     BD = min(BD, _pow2_floor(gn))
     SB = min(SB, triton.next_power_of_2(KK))
     v = min(VEC, gk)
