@@ -13,8 +13,9 @@ Where a program's rows lie in one scale-row group (``GN % rows == 0``: always fo
 scales are one ``[C]`` vector per tile, else (``W_a`` / ``W_b``, one scale per row) ``[C, rows]``.
 
 Latency (a decode step is a chain of short kernels): each program issues its first weight tile before the PDL
-wait (static data), the RMSNorm statistics are computed while it is in flight, and the loop prefetches the next
-tile into registers before the current one is used (``PREFETCH``), so two tiles are in flight per program.
+wait (static data) and computes the RMSNorm statistics while it is in flight. No e4m3 tile is carried from one
+loop iteration to the next (Triton then unpacks and repacks its bytes: measured slower); a larger K tile is
+the way to more bytes in flight.
 ``moe_down`` reads its slots' expert ids and routing weights before the PDL wait too: they were written two
 kernels back (the router), and ``moe_up`` (the kernel it waits on) passes its own PDL wait before it lets
 ``moe_down`` launch, so they are complete and visible; all slots of a program are one tile ``[C, SB, BD, V]``
@@ -37,20 +38,20 @@ from .triton_pdl import pdl_begin
 
 __all__ = ["gemv_fp8", "moe_up_fp8", "moe_down_fp8", "groups", "gemv_fp8_config"]
 
-# Launch configs. GEMV: (rows BN, K tile BK (e4m3 elements), warps, prefetch) per weight class (the classes of
+# Launch configs. GEMV: (rows BN, K tile BK (e4m3 elements), warps) per weight class (the classes of
 # triton_gemv.gemv_config: lm_head-sized, >= 64 MB in bf16, K a multiple of 1024, N >= 4096, other).
-# moe_up: (rows BI, K tile BK, warps, prefetch); moe_down: (rows BD, slots SB, I tile BI, warps, prefetch).
-# Measured in the whole decode step on the H200 (decode_speed.py --tune, 2026-11-30): see benchmarks/results/
-# h200-2026-11-30-fp8-b.md. MoE configs by hidden size: "small" D < 4096 (lite), "large" (V3.2).
+# moe_up: (rows BI, K tile BK, warps); moe_down: (rows BD, slots SB, I tile BI, warps); by hidden size: "small"
+# D < 4096 (lite), "large" (V3.2). From benchmarks/micro_fp8.py and decode_speed.py --tune on the H200
+# (benchmarks/results/h200-2026-11-30-fp8-b.md).
 FP8_GEMV_CFG = {
-    "head": (16, 512, 8, 1),
-    "large": (8, 512, 4, 1),
-    "k1024": (4, 1024, 4, 1),
-    "mid": (16, 512, 8, 1),
-    "small": (2, 1024, 4, 1),
+    "head": (16, 512, 8),
+    "large": (8, 1024, 4),
+    "k1024": (4, 1024, 4),
+    "mid": (8, 1024, 4),
+    "small": (2, 1024, 4),
 }
-FP8_UP_CFG = {"small": (8, 512, 4, 0), "large": (16, 512, 8, 1)}
-FP8_DOWN_CFG = {"small": (2, 8, 512, 8, 1), "large": (2, 1, 2048, 4, 1)}
+FP8_UP_CFG = {"small": (8, 512, 4), "large": (16, 512, 8)}
+FP8_DOWN_CFG = {"small": (4, 4, 512, 8), "large": (2, 1, 2048, 4)}
 VEC = 16  # e4m3 elements of one 16-byte load: the innermost, in-thread tile axis
 
 
@@ -59,8 +60,8 @@ def groups(w: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
     return w.shape[-2] // scale.shape[-2], w.shape[-1] // scale.shape[-1]
 
 
-def gemv_fp8_config(N: int, K: int) -> tuple[int, int, int, int]:
-    """(BN, BK, warps, prefetch) of an ``[N, K]`` e4m3 weight (the bf16 classes, :data:`FP8_GEMV_CFG`)."""
+def gemv_fp8_config(N: int, K: int) -> tuple[int, int, int]:
+    """(BN, BK, warps) of an ``[N, K]`` e4m3 weight (the bf16 classes, :data:`FP8_GEMV_CFG`)."""
     if N >= 65536:
         return FP8_GEMV_CFG["head"]
     if N * K * 2 >= (64 << 20):
@@ -87,50 +88,48 @@ def _x_tile(x_row, nw_ptr, rstd, offs, K, HAS_NORM: tl.constexpr):
 
 
 @triton.jit
+def _gemv_fp8_tile(w, x_row, nw_ptr, rstd, s_row, s_rows, nmask, kk, kc, K, BN: tl.constexpr, C: tl.constexpr,
+                   V: tl.constexpr, GK: tl.constexpr, ROW_BLOCK: tl.constexpr, HAS_NORM: tl.constexpr):
+    """``[BN, C]`` partial sums of one e4m3 tile ``w [BN, C * V]`` at columns ``kk``, scaled."""
+    xv = _x_tile(x_row, nw_ptr, rstd, kk, K, HAS_NORM)
+    if ROW_BLOCK:
+        xs = xv * tl.load(s_row + kk // GK, mask=kk < K, other=0.0)
+        return tl.sum(tl.reshape(w.to(tl.float32) * xs[None, :], [BN, C, V]), 2)
+    else:
+        s = tl.load(s_rows + (kc // GK)[None, :], mask=nmask[:, None] & (kc < K)[None, :], other=0.0)
+        return tl.sum(tl.reshape(w.to(tl.float32) * xv[None, :], [BN, C, V]), 2) * s
+
+
+@triton.jit
 def _gemv_fp8_rows(x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, KS, stride_wn, stride_sn, eps,
                    BN: tl.constexpr, C: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr,
-                   HAS_NORM: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
-    """``[BN]`` fp32 outputs of e4m3 rows ``pid_n * BN ...`` (waits on the previous kernel after its first tile)."""
+                   HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+    """``[BN]`` fp32 outputs of e4m3 rows ``pid_n * BN ...`` (waits on the previous kernel after its first tile).
+    No e4m3 tile is carried across loop iterations (that unpacks and repacks its bytes): the first is used before
+    the loop, each later one in the iteration that loads it."""
     BK: tl.constexpr = C * V
-    ROW_BLOCK: tl.constexpr = GN % BN == 0  # all rows of the program share their scales
+    ROW_BLOCK: tl.constexpr = GN % BN == 0  # all rows of the program share their scales: fold them into x
     offs_n = pid_n * BN + tl.arange(0, BN)
     nmask = offs_n < N
-    kc = tl.arange(0, C) * V  # first column of each chunk
-    k2 = kc[:, None] + tl.arange(0, V)[None, :]  # [C, V]
-    w_rows = w_ptr + offs_n.to(tl.int64)[None, :, None] * stride_wn  # [1, BN, 1]
-    nm3 = nmask[None, :, None]
-    if ROW_BLOCK:
-        s_base = s_ptr + ((pid_n * BN) // GN).to(tl.int64) * stride_sn + kc // GK  # [C]
-        smask = kc < K
-    else:
-        s_base = s_ptr + (offs_n // GN).to(tl.int64)[None, :] * stride_sn + (kc // GK)[:, None]  # [C, BN]
-        smask = nmask[None, :] & (kc < K)[:, None]
-    # the first weight tile and its scales are static: fetch them before waiting on the previous kernel (PDL)
-    w = tl.load(w_rows + k2[:, None, :], mask=nm3 & (k2 < K)[:, None, :], other=0.0)
-    s = tl.load(s_base, mask=smask, other=0.0)
+    offs_k = tl.arange(0, BK)
+    kc = tl.arange(0, C) * V  # first column of each V-chunk
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    s_row = s_ptr + ((pid_n * BN) // GN).to(tl.int64) * stride_sn
+    s_rows = s_ptr + (offs_n // GN).to(tl.int64)[:, None] * stride_sn  # [BN, 1]
+    # the first weight tile is static: fetch it before waiting on the previous kernel (PDL)
+    w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & (offs_k < K)[None, :], other=0.0)
     pdl_begin(PDL)
     rstd = 1.0
     if HAS_NORM:
         rstd = _row_rstd(x_row, K, eps, BK)
-    acc = tl.zeros([C, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        kn = k0 + BK
-        if PREFETCH:  # the next tile is in flight while this one is used
-            w_n = tl.load(w_rows + (kn + k2)[:, None, :], mask=nm3 & ((kn + k2) < K)[:, None, :], other=0.0)
-            s_n = tl.load(s_base + kn // GK, mask=smask & (kn < K), other=0.0)
-        xv = _x_tile(x_row, nw_ptr, rstd, k0 + k2, K, HAS_NORM)
-        part = tl.sum(w.to(tl.float32) * xv[:, None, :], 2)  # [C, BN]: V products summed in-thread
-        if ROW_BLOCK:
-            acc += part * s[:, None]
-        else:
-            acc += part * s
-        if PREFETCH:
-            w = w_n
-            s = s_n
-        else:
-            w = tl.load(w_rows + (kn + k2)[:, None, :], mask=nm3 & ((kn + k2) < K)[:, None, :], other=0.0)
-            s = tl.load(s_base + kn // GK, mask=smask & (kn < K), other=0.0)
-    return tl.sum(acc, 0)
+    acc = _gemv_fp8_tile(w, x_row, nw_ptr, rstd, s_row, s_rows, nmask, offs_k, kc, K, BN, C, V, GK, ROW_BLOCK,
+                         HAS_NORM)
+    for k0 in range(BK, K, BK):
+        kk = k0 + offs_k
+        w = tl.load(w_rows + kk[None, :], mask=nmask[:, None] & (kk < K)[None, :], other=0.0)
+        acc += _gemv_fp8_tile(w, x_row, nw_ptr, rstd, s_row, s_rows, nmask, kk, k0 + kc, K, BN, C, V, GK,
+                              ROW_BLOCK, HAS_NORM)
+    return tl.sum(acc, 1)
 
 
 @triton.jit
@@ -161,7 +160,7 @@ def _gemv_fp8_kernel(
     N, K, KS, NB8, NT, stride_xm, stride_wn, stride_sn, stride_ym, stride_rm, stride_tn, eps,
     BN: tl.constexpr, C: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, BT: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, OUT_F32: tl.constexpr, HAS_TAIL: tl.constexpr,
-    PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    PDL: tl.constexpr):
     # grid (rows, NB8 + tail blocks): programs < NB8 own BN e4m3 rows; the others BN rows of the bf16 tail,
     # written after the e4m3 rows (output columns N ... N + NT - 1).
     row = tl.program_id(0)
@@ -170,7 +169,7 @@ def _gemv_fp8_kernel(
     if HAS_TAIL:
         if pid_n < NB8:
             out = _gemv_fp8_rows(x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, KS, stride_wn, stride_sn, eps,
-                                 BN, C, V, GK, GN, HAS_NORM, PREFETCH, PDL)
+                                 BN, C, V, GK, GN, HAS_NORM, PDL)
             offs_o = pid_n * BN + tl.arange(0, BN)
             omask = offs_o < N
         else:
@@ -179,7 +178,7 @@ def _gemv_fp8_kernel(
             omask = offs_o < N + NT
     else:
         out = _gemv_fp8_rows(x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, KS, stride_wn, stride_sn, eps,
-                             BN, C, V, GK, GN, HAS_NORM, PREFETCH, PDL)
+                             BN, C, V, GK, GN, HAS_NORM, PDL)
         offs_o = pid_n * BN + tl.arange(0, BN)
         omask = offs_o < N
     if OUT_F32:
@@ -203,7 +202,7 @@ def gemv_fp8(
     residual: torch.Tensor | None = None,
     out_f32: bool = False,
     tail: torch.Tensor | None = None,
-    cfg: tuple[int, int, int, int] | None = None,
+    cfg: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """``rms(x)[n, K] @ (w * scale)[N, K]^T`` (``w`` e4m3), then ``rms(x) @ tail[NT, K]^T`` (plain rows in
     ``x``'s dtype) in columns ``N ... N + NT - 1`` when ``tail`` is given; into ``residual`` in place when given
@@ -214,7 +213,7 @@ def gemv_fp8(
     assert w.shape[1] == K and nt <= 16
     assert tail is None or (residual is None and tail.shape[1] == K and tail.stride(-1) == 1 and tail.dtype == x.dtype)
     gn, gk = groups(w, scale)
-    bn, bk, nw, pf = cfg or gemv_fp8_config(N, K)
+    bn, bk, nw = cfg or gemv_fp8_config(N, K)
     v = min(VEC, gk)
     bk = max(min(bk, triton.next_power_of_2(K)), v)
     NT = 0 if tail is None else tail.shape[0]
@@ -233,8 +232,19 @@ def gemv_fp8(
         tail.stride(0) if tail is not None else 0, eps,
         BN=bn, C=bk // v, V=v, GK=gk, GN=gn, BT=bt, HAS_NORM=norm_w is not None,
         HAS_RES=residual is not None and not out_f32, OUT_F32=out_f32, HAS_TAIL=tail is not None,
-        PREFETCH=bool(pf), num_warps=nw, num_stages=1, **triton_pdl.kw())
+        num_warps=nw, num_stages=1, **triton_pdl.kw())
     return y
+
+
+@triton.jit
+def _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, kk, D, BI: tl.constexpr, C: tl.constexpr,
+             V: tl.constexpr, GK: tl.constexpr, HAS_NORM: tl.constexpr):
+    """``[BI, C]`` scaled partial sums of the gate and up tiles at columns ``kk``."""
+    xv = _x_tile(x_row, nw_ptr, rstd, kk, D, HAS_NORM)
+    xg = xv * tl.load(sg_row + kk // GK, mask=kk < D, other=0.0)
+    xu = xv * tl.load(su_row + kk // GK, mask=kk < D, other=0.0)
+    return (tl.sum(tl.reshape(wg.to(tl.float32) * xg[None, :], [BI, C, V]), 2),
+            tl.sum(tl.reshape(wu.to(tl.float32) * xu[None, :], [BI, C, V]), 2))
 
 
 @triton.jit
@@ -242,7 +252,7 @@ def _moe_up_fp8_kernel(
     x_ptr, nw_ptr, ids_ptr, w13_ptr, s13_ptr, act_ptr, D, I, KK, KS, stride_xm, stride_ids, stride_we, stride_wn,
     stride_se, stride_sn, stride_an, stride_ak, eps,
     BI: tl.constexpr, C: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr,
-    HAS_NORM: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    HAS_NORM: tl.constexpr, PDL: tl.constexpr):
     # grid (n * k, I / BI); BI divides GN, so the program's gate rows share their scales, and its up rows theirs.
     BK: tl.constexpr = C * V
     pdl_begin(PDL)  # the expert ids come from the previous kernel
@@ -260,70 +270,59 @@ def _moe_up_fp8_kernel(
         x_row = x_ptr + i * stride_xm
         wb = w13_ptr + e.to(tl.int64) * stride_we
         sb = s13_ptr + e.to(tl.int64) * stride_se
-        kc = tl.arange(0, C) * V
-        k2 = kc[:, None] + tl.arange(0, V)[None, :]  # [C, V]
-        g_rows = wb + offs_i.to(tl.int64)[None, :, None] * stride_wn  # [1, BI, 1]
-        u_rows = wb + (offs_i + I).to(tl.int64)[None, :, None] * stride_wn
-        sg_base = sb + ((ib * BI) // GN).to(tl.int64) * stride_sn + kc // GK
-        su_base = sb + ((ib * BI + I) // GN).to(tl.int64) * stride_sn + kc // GK
-        im3 = imask[None, :, None]
-        smask = kc < D
+        offs_k = tl.arange(0, BK)
+        g_rows = wb + offs_i.to(tl.int64)[:, None] * stride_wn
+        u_rows = wb + (offs_i + I).to(tl.int64)[:, None] * stride_wn
+        sg_row = sb + ((ib * BI) // GN).to(tl.int64) * stride_sn
+        su_row = sb + ((ib * BI + I) // GN).to(tl.int64) * stride_sn
+        im2 = imask[:, None]
         # the first tiles are in flight while the RMSNorm statistics are computed
-        wg = tl.load(g_rows + k2[:, None, :], mask=im3 & (k2 < D)[:, None, :], other=0.0)
-        wu = tl.load(u_rows + k2[:, None, :], mask=im3 & (k2 < D)[:, None, :], other=0.0)
-        sg = tl.load(sg_base, mask=smask, other=0.0)
-        su = tl.load(su_base, mask=smask, other=0.0)
+        wg = tl.load(g_rows + offs_k[None, :], mask=im2 & (offs_k < D)[None, :], other=0.0)
+        wu = tl.load(u_rows + offs_k[None, :], mask=im2 & (offs_k < D)[None, :], other=0.0)
         rstd = 1.0
         if HAS_NORM:
             rstd = _row_rstd(x_row, D, eps, BK)
-        acc_g = tl.zeros([C, BI], dtype=tl.float32)
-        acc_u = tl.zeros([C, BI], dtype=tl.float32)
-        for k0 in range(0, D, BK):
-            kn = k0 + BK
-            m3 = im3 & ((kn + k2) < D)[:, None, :]
-            if PREFETCH:
-                wg_n = tl.load(g_rows + (kn + k2)[:, None, :], mask=m3, other=0.0)
-                wu_n = tl.load(u_rows + (kn + k2)[:, None, :], mask=m3, other=0.0)
-                sg_n = tl.load(sg_base + kn // GK, mask=smask & (kn < D), other=0.0)
-                su_n = tl.load(su_base + kn // GK, mask=smask & (kn < D), other=0.0)
-            xv = _x_tile(x_row, nw_ptr, rstd, k0 + k2, D, HAS_NORM)[:, None, :]
-            acc_g += tl.sum(wg.to(tl.float32) * xv, 2) * sg[:, None]
-            acc_u += tl.sum(wu.to(tl.float32) * xv, 2) * su[:, None]
-            if PREFETCH:
-                wg = wg_n
-                wu = wu_n
-                sg = sg_n
-                su = su_n
-            else:
-                wg = tl.load(g_rows + (kn + k2)[:, None, :], mask=m3, other=0.0)
-                wu = tl.load(u_rows + (kn + k2)[:, None, :], mask=m3, other=0.0)
-                sg = tl.load(sg_base + kn // GK, mask=smask & (kn < D), other=0.0)
-                su = tl.load(su_base + kn // GK, mask=smask & (kn < D), other=0.0)
-        gate = tl.sum(acc_g, 0).to(act_ptr.dtype.element_ty).to(tl.float32)
-        up = tl.sum(acc_u, 0).to(act_ptr.dtype.element_ty).to(tl.float32)
+        acc_g, acc_u = _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, offs_k, D, BI, C, V, GK, HAS_NORM)
+        for k0 in range(BK, D, BK):
+            kk = k0 + offs_k
+            m2 = im2 & (kk < D)[None, :]
+            wg = tl.load(g_rows + kk[None, :], mask=m2, other=0.0)
+            wu = tl.load(u_rows + kk[None, :], mask=m2, other=0.0)
+            pg, pu = _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, kk, D, BI, C, V, GK, HAS_NORM)
+            acc_g += pg
+            acc_u += pu
+        gate = tl.sum(acc_g, 1).to(act_ptr.dtype.element_ty).to(tl.float32)
+        up = tl.sum(acc_u, 1).to(act_ptr.dtype.element_ty).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(act_ptr.dtype.element_ty).to(tl.float32) * up
         tl.store(out_ptr, act.to(act_ptr.dtype.element_ty), mask=imask)
 
 
 @triton.jit
-def _down_tile(ids_row, w2_ptr, s2_ptr, w_d, dm4, dg, t, n_ch, KK, I, KS, stride_we, stride_se, stride_sd,
-               SB: tl.constexpr, C: tl.constexpr, V: tl.constexpr, GK: tl.constexpr):
-    """Step ``t`` of ``moe_down``'s loop (slot block ``t // n_ch``, I chunk ``t % n_ch``): the e4m3 tile
-    ``[C, SB, BD, V]`` of its slots' experts, their scales ``[C, SB]`` and the slot / column indices."""
+def _down_tile(ids_row, wts_row, act_row, w2_ptr, s2_ptr, w_d, dm3, dg, t, n_ch, KK, I, stride_ak, stride_we,
+               stride_se, stride_sd, SB: tl.constexpr, BD: tl.constexpr, C: tl.constexpr, V: tl.constexpr,
+               GK: tl.constexpr, LOADED: tl.constexpr, w_in):
+    """Step ``t`` of ``moe_down``'s loop (slot block ``t // n_ch``, I chunk ``t % n_ch``): loads the e4m3 tile
+    ``[SB, BD, BI]`` of its slots' experts (unless ``LOADED``: ``w_in``, fetched before the PDL wait) and returns
+    ``(tile, [SB, BD, C] partial sums)``; the second only when ``not LOADED`` or after the wait."""
+    BI: tl.constexpr = C * V
     jb = t // n_ch
-    c0 = (t - jb * n_ch) * (C * V)
+    c0 = (t - jb * n_ch) * BI
     j = jb * SB + tl.arange(0, SB)
     e = tl.load(ids_row + j, mask=j < KK, other=-1)
     ok = e >= 0  # an empty slot (-1) reads nothing
     e = tl.maximum(e, 0).to(tl.int64)
-    kc = c0 + tl.arange(0, C) * V
-    ii = kc[:, None] + tl.arange(0, V)[None, :]  # [C, V]
-    m3 = ok[None, :, None] & (ii < I)[:, None, :]  # [C, SB, V]
-    w = tl.load(w2_ptr + e[None, :, None, None] * stride_we + w_d + ii[:, None, None, :], mask=dm4 & m3[:, :, None, :],
-                other=0.0)
-    s = tl.load(s2_ptr + e[None, :] * stride_se + dg * stride_sd + (kc // GK)[:, None],
-                mask=ok[None, :] & (kc < I)[:, None], other=0.0)
-    return w, s, j, ii, m3
+    ii = c0 + tl.arange(0, BI)
+    m2 = ok[:, None] & (ii < I)[None, :]  # [SB, BI]
+    if LOADED:
+        w = w_in
+    else:
+        w = tl.load(w2_ptr + e[:, None, None] * stride_we + w_d + ii[None, None, :], mask=dm3 & m2[:, None, :],
+                    other=0.0)
+    wj = tl.load(wts_row + j, mask=j < KK, other=0.0)
+    a = tl.load(act_row + j[:, None] * stride_ak + ii[None, :], mask=m2, other=0.0)
+    s = tl.load(s2_ptr + e[:, None] * stride_se + dg * stride_sd + (ii // GK)[None, :], mask=m2, other=0.0)
+    a = a.to(tl.float32) * s * wj[:, None]  # [SB, BI]
+    return tl.sum(tl.reshape(w.to(tl.float32) * a[:, None, :], [SB, BD, C, V]), 3)
 
 
 @triton.jit
@@ -331,37 +330,35 @@ def _moe_down_fp8_kernel(
     act_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, y_ptr, D, I, KK, KS, stride_an, stride_ak, stride_ids, stride_wts,
     stride_we, stride_wd, stride_se, stride_sd, stride_yn,
     BD: tl.constexpr, SB: tl.constexpr, C: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr,
-    HAS_RES: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
-    # grid (n, D / BD); BD divides GN: the program's rows share each expert's scales.
+    HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    # grid (n, D / BD); BD divides GN: the program's rows share each expert's scales (folded into act).
+    BI: tl.constexpr = C * V
     i = tl.program_id(0)
     db = tl.program_id(1)
     offs_d = db * BD + tl.arange(0, BD)
     dmask = offs_d < D
     dg = ((db * BD) // GN).to(tl.int64)
-    w_d = offs_d.to(tl.int64)[None, None, :, None] * stride_wd  # tiles [C, SB, BD, V]
-    dm4 = dmask[None, None, :, None]
+    w_d = offs_d.to(tl.int64)[None, :, None] * stride_wd  # tiles [SB, BD, BI]
+    dm3 = dmask[None, :, None]
     ids_row = ids_ptr + i * stride_ids
-    n_ch = tl.cdiv(I, C * V)
+    wts_row = wts_ptr + i * stride_wts
+    act_row = act_ptr + i * stride_an
+    n_ch = tl.cdiv(I, BI)
     n_t = tl.cdiv(KK, SB) * n_ch
     # ids were written two kernels back (module docstring): the first tile is fetched before the PDL wait
-    w, s, j, ii, m3 = _down_tile(ids_row, w2_ptr, s2_ptr, w_d, dm4, dg, 0, n_ch, KK, I, KS, stride_we, stride_se,
-                                 stride_sd, SB, C, V, GK)
+    j0 = tl.arange(0, SB)
+    e0 = tl.load(ids_row + j0, mask=j0 < KK, other=-1)
+    ii0 = tl.arange(0, BI)
+    m0 = (e0 >= 0)[:, None] & (ii0 < I)[None, :]
+    w0 = tl.load(w2_ptr + tl.maximum(e0, 0).to(tl.int64)[:, None, None] * stride_we + w_d + ii0[None, None, :],
+                 mask=dm3 & m0[:, None, :], other=0.0)
     pdl_begin(PDL)
-    acc = tl.zeros([C, SB, BD], dtype=tl.float32)
-    for t in range(0, n_t):
-        if PREFETCH:
-            w_n, s_n, j_n, ii_n, m3_n = _down_tile(ids_row, w2_ptr, s2_ptr, w_d, dm4, dg, t + 1, n_ch, KK, I, KS,
-                                                   stride_we, stride_se, stride_sd, SB, C, V, GK)
-        wj = tl.load(wts_ptr + i * stride_wts + j, mask=j < KK, other=0.0)
-        a = tl.load(act_ptr + i * stride_an + j[None, :, None] * stride_ak + ii[:, None, :], mask=m3,
-                    other=0.0).to(tl.float32)
-        acc += tl.sum(w.to(tl.float32) * a[:, :, None, :], 3) * (s * wj[None, :])[:, :, None]
-        if PREFETCH:
-            w, s, j, ii, m3 = w_n, s_n, j_n, ii_n, m3_n
-        else:
-            w, s, j, ii, m3 = _down_tile(ids_row, w2_ptr, s2_ptr, w_d, dm4, dg, t + 1, n_ch, KK, I, KS, stride_we,
-                                         stride_se, stride_sd, SB, C, V, GK)
-    total = tl.sum(tl.sum(acc, 0), 0)
+    acc = _down_tile(ids_row, wts_row, act_row, w2_ptr, s2_ptr, w_d, dm3, dg, 0, n_ch, KK, I, stride_ak, stride_we,
+                     stride_se, stride_sd, SB, BD, C, V, GK, True, w0)
+    for t in range(1, n_t):
+        acc += _down_tile(ids_row, wts_row, act_row, w2_ptr, s2_ptr, w_d, dm3, dg, t, n_ch, KK, I, stride_ak,
+                          stride_we, stride_se, stride_sd, SB, BD, C, V, GK, False, w0)
+    total = tl.sum(tl.sum(acc, 2), 0)
     yp = y_ptr + i * stride_yn + offs_d
     if HAS_RES:
         r = tl.load(yp, mask=dmask, other=0.0).to(tl.float32)
@@ -379,15 +376,15 @@ def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None):
     gn, gk = groups(w13, s13)
     assert I % gn == 0
     act = torch.empty(n, KK, I, device=x.device, dtype=x.dtype)
-    BI, BK, nw, pf = cfg or FP8_UP_CFG["large" if D >= 4096 else "small"]
+    BI, BK, nw = cfg or FP8_UP_CFG["large" if D >= 4096 else "small"]
     BI = min(BI, _pow2_floor(gn))
     v = min(VEC, gk)
     BK = max(min(BK, triton.next_power_of_2(D)), v)
     _moe_up_fp8_kernel[(n * KK, triton.cdiv(I, BI))](
         x, norm_w if norm_w is not None else x, ids, w13, s13, act, D, I, KK, s13.shape[-1], x.stride(0),
         ids.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), act.stride(0), act.stride(1),
-        eps, BI=BI, C=BK // v, V=v, GK=gk, GN=gn, HAS_NORM=norm_w is not None, PREFETCH=bool(pf), num_warps=nw,
-        num_stages=1, **triton_pdl.kw())
+        eps, BI=BI, C=BK // v, V=v, GK=gk, GN=gn, HAS_NORM=norm_w is not None, num_warps=nw, num_stages=1,
+        **triton_pdl.kw())
     return act
 
 
@@ -399,7 +396,7 @@ def moe_down_fp8(act, ids, wts, w2, s2, *, residual=None, cfg=None):
     assert w2.shape[2] == I and w2.stride(-1) == 1 and s2.stride(-1) == 1
     gn, gk = groups(w2, s2)
     y = residual if residual is not None else torch.empty(n, D, device=act.device, dtype=act.dtype)
-    BD, SB, BI, nw, pf = cfg or FP8_DOWN_CFG["large" if D >= 4096 else "small"]
+    BD, SB, BI, nw = cfg or FP8_DOWN_CFG["large" if D >= 4096 else "small"]
     BD = min(BD, _pow2_floor(gn))
     SB = min(SB, triton.next_power_of_2(KK))
     v = min(VEC, gk)
@@ -407,6 +404,6 @@ def moe_down_fp8(act, ids, wts, w2, s2, *, residual=None, cfg=None):
     _moe_down_fp8_kernel[(n, triton.cdiv(D, BD))](
         act, ids, wts, w2, s2, y, D, I, KK, s2.shape[-1], act.stride(0), act.stride(1), ids.stride(0),
         wts.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        BD=BD, SB=SB, C=BI // v, V=v, GK=gk, GN=gn, HAS_RES=residual is not None, PREFETCH=bool(pf),
-        num_warps=nw, num_stages=1, **triton_pdl.kw())
+        BD=BD, SB=SB, C=BI // v, V=v, GK=gk, GN=gn, HAS_RES=residual is not None, num_warps=nw, num_stages=1,
+        **triton_pdl.kw())
     return y
