@@ -46,12 +46,12 @@ __all__ = ["gemv_fp8", "moe_up_fp8", "moe_down_fp8", "groups", "gemv_fp8_config"
 FP8_GEMV_CFG = {
     "head": (16, 512, 8),
     "large": (8, 1024, 4),
-    "k1024": (4, 1024, 4),
-    "mid": (8, 1024, 4),
+    "k1024": (2, 2048, 4),  # K <= 2048 in one tile: the whole matrix is requested before the PDL wait
+    "mid": (4, 1024, 4),
     "small": (2, 1024, 4),
 }
-FP8_UP_CFG = {"small": (8, 512, 4), "large": (16, 512, 8)}
-FP8_DOWN_CFG = {"small": (4, 4, 512, 8), "large": (2, 1, 2048, 4)}
+FP8_UP_CFG = {"small": (16, 256, 4), "large": (8, 1024, 4)}
+FP8_DOWN_CFG = {"small": (4, 4, 512, 8), "large": (8, 1, 1024, 8)}
 VEC = 16  # e4m3 elements of one 16-byte load: the innermost, in-thread tile axis
 
 
