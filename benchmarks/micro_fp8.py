@@ -16,8 +16,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
-
 from micro import copies, graph_time  # noqa: E402
+
 from tilert.engines.tilert.ops import triton_fp8, triton_gemv  # noqa: E402
 
 try:
@@ -103,7 +103,7 @@ def moes(only):
                       (8, 4, 256, 8), (4, 8, 512, 8)],
              "v32": [(2, 1, 2048, 4), (4, 1, 1024, 4), (4, 1, 2048, 8), (2, 2, 1024, 4), (8, 1, 1024, 8),
                      (2, 1, 1024, 4), (4, 2, 1024, 8), (4, 1, 512, 4)]}
-    for name, E, KK, D, I in shapes:
+    for name, E, KK, D, I in shapes:  # noqa: E741  (I: the MoE intermediate size)
         w13, s13 = q(E, 2 * I, D), sc(E, 2 * I // 128, D // 128)
         w2, s2 = q(E, D, I), sc(E, D // 128, I // 128)
         x = torch.randn(1, D, device=DEV).to(torch.bfloat16)
@@ -128,7 +128,7 @@ def moes(only):
             if old is not None:
                 bench("down", name, "old", [lambda ids=ids, wts=wts: old.moe_down_fp8(act, ids, wts, w2, s2, residual=h)
                                             for ids, wts in sets], nb_dn)
-        del w13, w2
+        w13 = w2 = None
         torch.cuda.empty_cache()
 
 
@@ -151,7 +151,8 @@ def main():
             best[k] = r
     print("\nbest per (kernel, shape):")
     for (kind, shape), r in best.items():
-        o = next((x for x in ROWS if x["kind"] == kind and x["shape"] == shape and x["variant"].startswith("old")), None)
+        o = next((x for x in ROWS if (x["kind"], x["shape"]) == (kind, shape) and x["variant"].startswith("old")),
+                 None)
         print(f"  {kind:<5} {shape:<26} {r['variant']:<22} {r['us']:8.2f} us {r['tbs']:5.2f} TB/s"
               + (f"   (old {o['us']:.2f} us)" if o else ""))
 

@@ -4,13 +4,12 @@ rows) and the MoE experts.
 Weights are e4m3 with a float32 scale per ``GN x GK`` group (``fp8.py``: ``GN``, ``GK`` divide 128 and are read
 off the shapes; 128 x 128 for real models, ``GN = 1`` for the fused ``W_a`` / ``W_b``). Activations are bf16.
 
-Every kernel works on register tiles ``[C, rows, V]`` (``[C, SB, BD, V]`` for ``moe_down``): ``C`` chunks of
-``V = 16`` consecutive columns, one 16-byte e4m3 load per chunk and row, the chunk axis spread over the threads
-of a warp (coalesced rows). The ``V`` products of a chunk are summed inside the thread (no shuffles), and that
-partial sum is multiplied by its chunk's scale (``V`` divides ``GK``): one multiply per 16 weights, the weights
-themselves see one convert and one FMA each, and the accumulator is ``[C, rows]``, 16x smaller than the tile.
-Where a program's rows lie in one scale-row group (``GN % rows == 0``: always for the experts and ``W_o``) the
-scales are one ``[C]`` vector per tile, else (``W_a`` / ``W_b``, one scale per row) ``[C, rows]``.
+Each program streams 2-D e4m3 tiles ``[rows, BK]`` (16 contiguous bytes per thread and row) and sums the
+products of every 16-column chunk inside the thread (a register reshape ``[rows, BK/16, 16]``, no shuffles, no
+layout change); each chunk sum is then scaled once (``V = 16`` divides ``GK``). Where a program's rows lie in one
+scale-row group (``GN % rows == 0``: the experts and ``W_o``) the scales are folded into the activations instead
+(``x[k] * s[k // GK]``, once per tile for all rows); ``W_a`` / ``W_b`` (one scale per row) scale the ``[rows,
+BK/16]`` chunk sums. ``moe_down``'s tile is ``[SB, BD, BI]``: ``SB`` slots side by side.
 
 Latency (a decode step is a chain of short kernels): each program issues its first weight tile before the PDL
 wait (static data) and computes the RMSNorm statistics while it is in flight. No e4m3 tile is carried from one
@@ -18,8 +17,7 @@ loop iteration to the next (Triton then unpacks and repacks its bytes: measured 
 the way to more bytes in flight.
 ``moe_down`` reads its slots' expert ids and routing weights before the PDL wait too: they were written two
 kernels back (the router), and ``moe_up`` (the kernel it waits on) passes its own PDL wait before it lets
-``moe_down`` launch, so they are complete and visible; all slots of a program are one tile ``[C, SB, BD, V]``
-(``SB`` slots side by side) instead of one slot per loop step. ``W_a``'s GEMV also reads the FP8 model's bf16
+``moe_down`` launch, so they are complete and visible. ``W_a``'s GEMV also reads the FP8 model's bf16
 indexer ``weights_proj`` as plain tail rows (``tail``): one launch instead of a GEMV and a ``cat``.
 
 Numerics differ from the reference (which rounds the dequantised weight to bf16 before its matmul) only by
