@@ -193,6 +193,17 @@ TUNING = (  # (module, attribute, values): variants re-timed in the whole captur
     ("triton_gemv", "MID_CFG", ((8, 512, 4, 3), (4, 512, 4, 3), (2, 512, 4, 4), (16, 512, 8, 3))),
     ("triton_gemv", "HEAD_CFG", ((16, 256, 4, 4), (8, 512, 4, 3), (16, 512, 8, 3), (32, 256, 8, 4))),
 )
+# FP8 weights (ops/triton_fp8.py): (module, attribute or (dict attribute, key), values), the first the default.
+# GEMV / moe_up (rows, K tile, warps); moe_down (rows, slots, I tile, warps).
+TUNING_FP8 = (
+    ("triton_fp8", ("FP8_GEMV_CFG", "k1024"), ((2, 2048, 4), (4, 1024, 4), (8, 1024, 4))),
+    ("triton_fp8", ("FP8_GEMV_CFG", "mid"), ((4, 1024, 4), (8, 1024, 4), (8, 512, 4))),
+    ("triton_fp8", ("FP8_GEMV_CFG", "large"), ((8, 1024, 4), (16, 1024, 8), (8, 512, 4))),
+    ("triton_fp8", ("FP8_UP_CFG", "small"), ((16, 256, 4), (8, 1024, 4), (8, 512, 4))),
+    ("triton_fp8", ("FP8_UP_CFG", "large"), ((8, 1024, 4), (16, 512, 8), (8, 512, 4))),
+    ("triton_fp8", ("FP8_DOWN_CFG", "small"), ((4, 4, 512, 8), (8, 4, 256, 8), (4, 8, 256, 8))),
+    ("triton_fp8", ("FP8_DOWN_CFG", "large"), ((8, 1, 1024, 8), (4, 1, 1024, 4), (8, 1, 512, 8))),
+)
 
 
 def tune_in_situ(name, eng, ctx) -> list:
@@ -209,19 +220,33 @@ def tune_in_situ(name, eng, ctx) -> list:
         return time_graph(eng._graphs[(1, sparse)]) * 1e3
 
     rows = []
-    for mod_name, attr, values in TUNING:
+    for mod_name, attr, values in (TUNING_FP8 if eng.model.args.fp8 else TUNING):
         mod = importlib.import_module(f"tilert.engines.tilert.ops.{mod_name}")
-        default = getattr(mod, attr)
+        if isinstance(attr, tuple):  # an entry of a dict attribute
+            table, key = getattr(mod, attr[0]), attr[1]
+
+            def get(table=table, key=key):
+                return table[key]
+
+            def put(v, table=table, key=key):
+                table[key] = v
+        else:
+            def get(mod=mod, attr=attr):
+                return getattr(mod, attr)
+
+            def put(v, mod=mod, attr=attr):
+                setattr(mod, attr, v)
+        default = get()
         for v in values:
-            setattr(mod, attr, v)
+            put(v)
             try:
                 ms = timed()
             except Exception as exc:  # a variant that does not compile / fit
                 ms = float("nan")
                 log(f"   {attr}={v}: failed {exc!r}"[:200])
             finally:
-                setattr(mod, attr, default)
-            rows.append(dict(attr=attr, value=v, ms=ms, default=v == default))
+                put(default)
+            rows.append(dict(attr=str(attr), value=v, ms=ms, default=v == default))
             log(f"[{name}] ctx={ctx} tuning {attr}={v}: {ms:.4f} ms{' (default)' if v == default else ''}")
     base = timed()
     rows.append(dict(attr="default again", value=None, ms=base, default=True))
@@ -452,6 +477,7 @@ def main():
     ap.add_argument("--contexts", default="1024,8192,32768")
     ap.add_argument("--no-breakdown", action="store_true")
     ap.add_argument("--tune", action="store_true", help="re-time kernel-config variants in the whole step")
+    ap.add_argument("--no-mtp", action="store_true", help="skip lite-v32's MTP speculative-step timings")
     ap.add_argument("--tf-json", default="", help="reuse transformers numbers from an earlier decode_speed.json")
     ap.add_argument("--transformers", default="", metavar="CTXS",
                     help="also time transformers eager at these contexts (comma list), in this run")
@@ -510,7 +536,8 @@ def main():
             label = name if weights == "bf16" else f"{name}-{weights}"
             try:
                 rows, verify = bench_engine(label, replace(CONFIGS[name], fp8=weights == "fp8"), contexts, bw,
-                                            mtp=name == "lite-v32", profile=not args.no_breakdown, tune=args.tune)
+                                            mtp=name == "lite-v32" and not args.no_mtp, profile=not args.no_breakdown,
+                                            tune=args.tune)
                 RESULT["runs"] += rows
                 if verify:
                     RESULT["mtp_verify"][label] = verify
@@ -544,6 +571,17 @@ def main():
             log(f"breakdown {r['config']} ctx={r['ctx']} (kernel us/step, eager): "
                 + ", ".join(f"{k}={v:.0f}" for k, v in sorted(r["breakdown_us"].items(), key=lambda x: -x[1]))
                 + f" | graph step {r['ms'] * 1e3:.0f} us")
+    for r in RESULT["runs"]:
+        if "tuning" in r:
+            best: dict = {}
+            for t in r["tuning"]:
+                timed = t["value"] is not None and t["ms"] == t["ms"]  # not the re-timed default, not a failure
+                if timed and (t["attr"] not in best or t["ms"] < best[t["attr"]]["ms"]):
+                    best[t["attr"]] = t
+            dflt = {t["attr"]: t["ms"] for t in r["tuning"] if t["default"] and t["value"] is not None}
+            for a, t in best.items():
+                log(f"tuning {r['config']} {a}: best {t['value']} {t['ms']:.4f} ms "
+                    f"(default {dflt.get(a, float('nan')):.4f})")
     for r in RESULT["runs"]:
         if "torch_topk_ms" in r:
             log(f"DSA top-k {r['config']} ctx={r['ctx']}: radix {r['ms']:.3f} ms/step vs torch.topk "

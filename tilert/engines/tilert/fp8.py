@@ -25,7 +25,8 @@ follow the fusion (:func:`scale_groups`, one rule for the loader, the converter 
 
 The scales are copies of the checkpoint's (never requantised), so dequantising the engine layout gives
 exactly the dequantised checkpoint. ``indexer.weights_proj`` (bf16) cannot join ``wa``'s e4m3 rows without
-requantising it: FP8 models keep it as ``attn.index_wproj`` (its own GEMV; see ``model.MLAttention``).
+requantising it: FP8 models keep it as ``attn.index_wproj``, read as ``W_a``'s plain tail rows by the same
+GEMV (``tilert::gemv``'s ``tail``; see ``model.MLAttention``).
 """
 
 from __future__ import annotations

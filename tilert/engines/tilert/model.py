@@ -32,7 +32,7 @@ Weight layout (fused at load by ``weights.py``; names below are this module's pa
 - Block-FP8 models (``ModelArgs.fp8``): ``wa``, ``wb``, ``wkv_b``, ``wo``, ``w13``, ``w2`` are e4m3 with a float32
   scale each (``wa_scale``, ...; layout and how the scales follow the fusion in ``fp8.py``), passed to the ops
   beside the weight; ``W_a`` then leaves out the bf16 ``indexer.weights_proj``, kept as ``attn.index_wproj``
-  (its own GEMV, appended to ``W_a``'s output so ``a`` keeps its layout).
+  (read as ``W_a``'s plain tail rows in the same GEMV, ``tilert::gemv``'s ``tail``, so ``a`` keeps its layout).
 - RoPE: DeepSeek's interleaved rope dims are permuted evens-first in the producing weight rows at load,
   after which the interleaved rotation *is* the half-split one (``reference.apply_rope_half``); the cache
   rows come out in transformers' order either way (see ``layouts.py``).
@@ -244,9 +244,9 @@ class MLAttention(nn.Module):
         k = self.k
         qa = a.q_lora_rank if a.q_lora_rank is not None else a.q_width
         # a = [q_a | c_kv | k_pe | idx_k | idx_w] = W_a rms(h);  b = [q | idx_q] = W_b rms(q_a).
-        wa = k.gemv(h, self.wa, self.attn_norm, a.rms_norm_eps, self.wa_bias, scale=self.wa_scale)
-        if self.index_wproj is not None:  # FP8: the bf16 indexer head weights, appended (a keeps its layout)
-            wa = torch.cat([wa, k.gemv(h, self.index_wproj, self.attn_norm, a.rms_norm_eps)], dim=-1)
+        # FP8: the bf16 indexer head weights (index_wproj) are W_a's plain tail rows (a keeps its layout)
+        wa = k.gemv(h, self.wa, self.attn_norm, a.rms_norm_eps, self.wa_bias, scale=self.wa_scale,
+                    tail=self.index_wproj)
         if a.q_lora_rank is not None:
             b = k.gemv(wa[:, :qa], self.wb, self.q_norm, 1e-6, scale=self.wb_scale)
         else:

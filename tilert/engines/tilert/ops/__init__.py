@@ -128,14 +128,16 @@ def gemv(
     bias: Tensor | None = None,
     fp32_out: bool = False,
     scale: Tensor | None = None,
+    tail: Tensor | None = None,
 ) -> Tensor:
-    """``rms_norm(x; norm_weight) @ weight^T (+ bias)``; see :func:`reference.gemv`."""
-    return reference.gemv(x, weight, norm_weight, eps, bias, fp32_out, scale)
+    """``rms_norm(x; norm_weight) @ weight^T (+ bias)``, then ``tail``'s rows; see :func:`reference.gemv`."""
+    return reference.gemv(x, weight, norm_weight, eps, bias, fp32_out, scale, tail)
 
 
 @gemv.register_fake
-def _(x, weight, norm_weight=None, eps=1e-6, bias=None, fp32_out=False, scale=None):
-    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32 if fp32_out else x.dtype)
+def _(x, weight, norm_weight=None, eps=1e-6, bias=None, fp32_out=False, scale=None, tail=None):
+    n = weight.shape[0] + (0 if tail is None else tail.shape[0])
+    return x.new_empty((x.shape[0], n), dtype=torch.float32 if fp32_out else x.dtype)
 
 
 @torch.library.custom_op("tilert::gemv_residual", mutates_args=("h",))

@@ -99,7 +99,11 @@ def gemv(
     bias: Tensor | None = None,
     fp32_out: bool = False,
     scale: Tensor | None = None,
+    tail: Tensor | None = None,
 ) -> Tensor:
+    if tail is not None:  # reference.gemv's tail: plain rows after weight's
+        return torch.cat([gemv(x, weight, norm_weight, eps, bias, fp32_out, scale),
+                          gemv(x, tail, norm_weight, eps, None, fp32_out)], -1)
     if scale is not None:
         weight = dequant(weight, scale, x.dtype)
     if not _fast(x, weight, norm_weight, bias):

@@ -108,7 +108,16 @@ def _gemv_fp8_ok(x, w, scale) -> bool:
             and _rows_ok(x, w, scale) and scale.dim() == 2)
 
 
-def _gemv_cuda(x, weight, norm_weight=None, eps=1e-6, bias=None, fp32_out=False, scale=None):
+def _gemv_cuda(x, weight, norm_weight=None, eps=1e-6, bias=None, fp32_out=False, scale=None, tail=None):
+    if tail is not None:
+        if not (scale is not None and bias is None and _gemv_fp8_ok(x, weight, scale) and tail.dtype == x.dtype
+                and _rows_ok(tail) and tail.shape[-1] == x.shape[-1]):
+            return torch.cat([_gemv_cuda(x, weight, norm_weight, eps, bias, fp32_out, scale),
+                              _gemv_cuda(x, tail, norm_weight, eps, None, fp32_out)], -1)
+        from . import triton_fp8  # one launch: the e4m3 rows, then the plain tail rows
+
+        nw = None if norm_weight is None else norm_weight.to(x.dtype).contiguous()
+        return triton_fp8.gemv_fp8(x, weight, scale, norm_w=nw, eps=eps, out_f32=fp32_out, tail=tail)
     if scale is not None:
         if not _gemv_fp8_ok(x, weight, scale):
             return reference.gemv(x, weight, norm_weight, eps, bias, fp32_out, scale)

@@ -221,9 +221,15 @@ def gemv(
     bias: torch.Tensor | None = None,
     fp32_out: bool = False,
     scale: torch.Tensor | None = None,
+    tail: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y = rms_norm(x; norm_weight) @ weight^T (+ bias)`` (the norm only when ``norm_weight`` is given),
-    in ``x.dtype``; ``fp32_out`` returns it as float32 (the lm_head's logits)."""
+    in ``x.dtype``; ``fp32_out`` returns it as float32 (the lm_head's logits). ``tail [NT, K]``: plain rows
+    appended after ``weight``'s (no bias, no scale), ``[y | rms_norm(x) @ tail^T]`` (an FP8 model's bf16
+    indexer ``weights_proj`` after the e4m3 ``W_a``)."""
+    if tail is not None:
+        return torch.cat([gemv(x, weight, norm_weight, eps, bias, fp32_out, scale),
+                          gemv(x, tail, norm_weight, eps, None, fp32_out)], -1)
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
     y = F.linear(x, dequant(weight, scale, x.dtype), None if bias is None else bias.to(x.dtype))

@@ -1,14 +1,27 @@
-"""Block-FP8 weight kernels in Triton: GEMV (with its fused RMSNorm / residual) and the MoE experts.
+"""Block-FP8 weight kernels in Triton: GEMV (with its fused RMSNorm / residual, and an optional bf16 tail of
+rows) and the MoE experts.
 
 Weights are e4m3 with a float32 scale per ``GN x GK`` group (``fp8.py``: ``GN``, ``GK`` divide 128 and are read
 off the shapes; 128 x 128 for real models, ``GN = 1`` for the fused ``W_a`` / ``W_b``). Activations are bf16.
-Each program streams e4m3 tiles (half the bytes of bf16) and applies the scales in registers: a ``[rows, BK]``
-tile of products is summed per ``GK``-column group (``[rows, BK/GK, GK] -> [rows, BK/GK]``) and only those
-partial sums are multiplied by their group's scale, so the scale costs one multiply per 128 weights. Structure,
-grids and batch invariance as in :mod:`.triton_gemv` and :mod:`.triton_moe` (the bf16 kernels).
+
+Each program streams 2-D e4m3 tiles ``[rows, BK]`` (16 contiguous bytes per thread and row) and sums the
+products of every 16-column chunk inside the thread (a register reshape ``[rows, BK/16, 16]``, no shuffles, no
+layout change); each chunk sum is then scaled once (``V = 16`` divides ``GK``). Where a program's rows lie in one
+scale-row group (``GN % rows == 0``: the experts and ``W_o``) the scales are folded into the activations instead
+(``x[k] * s[k // GK]``, once per tile for all rows); ``W_a`` / ``W_b`` (one scale per row) scale the ``[rows,
+BK/16]`` chunk sums. ``moe_down``'s tile is ``[SB, BD, BI]``: ``SB`` slots side by side.
+
+Latency (a decode step is a chain of short kernels): each program issues its first weight tile before the PDL
+wait (static data) and computes the RMSNorm statistics while it is in flight. No e4m3 tile is carried from one
+loop iteration to the next (Triton then unpacks and repacks its bytes: measured slower); a larger K tile is
+the way to more bytes in flight.
+``moe_down`` reads its slots' expert ids and routing weights before the PDL wait too: they were written two
+kernels back (the router), and ``moe_up`` (the kernel it waits on) passes its own PDL wait before it lets
+``moe_down`` launch, so they are complete and visible. ``W_a``'s GEMV also reads the FP8 model's bf16
+indexer ``weights_proj`` as plain tail rows (``tail``): one launch instead of a GEMV and a ``cat``.
 
 Numerics differ from the reference (which rounds the dequantised weight to bf16 before its matmul) only by
-that rounding: accumulation is fp32 throughout.
+that rounding and fp32 reassociation: accumulation is fp32 throughout.
 """
 
 from __future__ import annotations
@@ -18,15 +31,26 @@ import triton
 import triton.language as tl
 
 from . import triton_pdl
-from .triton_gemv import _row_rstd, gemv_config
+from .triton_gemv import _row_rstd
 from .triton_pdl import pdl_begin
 
-# Launch configs (rows, K tile, warps, stages). Not tuned on the GPU yet: each tile holds the bytes of the
-# tuned bf16 kernel's tile (twice the e4m3 elements along K, or twice the rows where K is one expert's width).
-FP8_UP_CFG = (8, 1024, 4, 4)  # bf16: triton_moe.UP_CFG (8, 512, 4, 4)
-FP8_DOWN_CFG = (2, 2048, 4, 3)  # bf16: triton_moe.DOWN_CFG (1, 2048, 4, 3)
+__all__ = ["gemv_fp8", "moe_up_fp8", "moe_down_fp8", "groups", "gemv_fp8_config"]
 
-__all__ = ["gemv_fp8", "moe_up_fp8", "moe_down_fp8", "groups"]
+# Launch configs. GEMV: (rows BN, K tile BK (e4m3 elements), warps) per weight class (the classes of
+# triton_gemv.gemv_config: lm_head-sized, >= 64 MB in bf16, K a multiple of 1024, N >= 4096, other).
+# moe_up: (rows BI, K tile BK, warps); moe_down: (rows BD, slots SB, I tile BI, warps); by hidden size: "small"
+# D < 4096 (lite), "large" (V3.2). From benchmarks/micro_fp8.py and decode_speed.py --tune on the H200
+# (benchmarks/results/h200-2026-11-30-fp8-b.md).
+FP8_GEMV_CFG = {
+    "head": (16, 512, 8),
+    "large": (8, 1024, 4),
+    "k1024": (2, 2048, 4),  # K <= 2048 in one tile: the whole matrix is requested before the PDL wait
+    "mid": (4, 1024, 4),
+    "small": (2, 1024, 4),
+}
+FP8_UP_CFG = {"small": (16, 256, 4), "large": (8, 1024, 4)}
+FP8_DOWN_CFG = {"small": (4, 4, 512, 8), "large": (8, 1, 1024, 8)}
+VEC = 16  # e4m3 elements of one 16-byte load: the innermost, in-thread tile axis
 
 
 def groups(w: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
@@ -34,60 +58,136 @@ def groups(w: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
     return w.shape[-2] // scale.shape[-2], w.shape[-1] // scale.shape[-1]
 
 
+def gemv_fp8_config(N: int, K: int) -> tuple[int, int, int]:
+    """(BN, BK, warps) of an ``[N, K]`` e4m3 weight (the bf16 classes, :data:`FP8_GEMV_CFG`)."""
+    if N >= 65536:
+        return FP8_GEMV_CFG["head"]
+    if N * K * 2 >= (64 << 20):
+        return FP8_GEMV_CFG["large"]
+    if K % 1024 == 0:
+        return FP8_GEMV_CFG["k1024"]
+    return FP8_GEMV_CFG["mid"] if N >= 4096 else FP8_GEMV_CFG["small"]
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(int(x), 1).bit_length() - 1)
+
+
 @triton.jit
-def _fp8_tile(x_row, nw_ptr, rstd, w, s, offs_k, kmask, BN: tl.constexpr, NG: tl.constexpr, GK: tl.constexpr,
-              HAS_NORM: tl.constexpr):
-    """One ``[BN, BK]`` e4m3 tile against the activations: per-group sums ``[BN, BK/GK]`` times their scales."""
-    xv = tl.load(x_row + offs_k, mask=kmask, other=0.0)
-    if HAS_NORM:  # rounded to the activation dtype like the unfused reference
-        g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
+def _x_tile(x_row, nw_ptr, rstd, offs, K, HAS_NORM: tl.constexpr):
+    """The activations at ``offs`` (any shape) in fp32, RMS-normalised and rounded to the activation dtype
+    like the unfused reference when ``HAS_NORM``."""
+    kmask = offs < K
+    xv = tl.load(x_row + offs, mask=kmask, other=0.0)
+    if HAS_NORM:
+        g = tl.load(nw_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
         xv = (xv.to(tl.float32) * rstd * g).to(x_row.dtype.element_ty)
-    prod = w.to(tl.float32) * xv.to(tl.float32)[None, :]
-    return tl.sum(tl.reshape(prod, [BN, NG, GK]), 2) * s
+    return xv.to(tl.float32)
 
 
 @triton.jit
-def _gemv_fp8_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, res_ptr,
-    N, K, KS, stride_xm, stride_wn, stride_sn, stride_ym, stride_rm, eps,
-    BN: tl.constexpr, BK: tl.constexpr, GN: tl.constexpr, GK: tl.constexpr,
-    HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, OUT_F32: tl.constexpr, PDL: tl.constexpr):
-    NG: tl.constexpr = BK // GK
-    row = tl.program_id(0)
-    pid_n = tl.program_id(1)
+def _gemv_fp8_tile(w, x_row, nw_ptr, rstd, s_row, s_rows, nmask, kk, kc, K, BN: tl.constexpr, C: tl.constexpr,
+                   V: tl.constexpr, GK: tl.constexpr, ROW_BLOCK: tl.constexpr, HAS_NORM: tl.constexpr):
+    """``[BN, C]`` partial sums of one e4m3 tile ``w [BN, C * V]`` at columns ``kk``, scaled."""
+    xv = _x_tile(x_row, nw_ptr, rstd, kk, K, HAS_NORM)
+    if ROW_BLOCK:
+        xs = xv * tl.load(s_row + kk // GK, mask=kk < K, other=0.0)
+        return tl.sum(tl.reshape(w.to(tl.float32) * xs[None, :], [BN, C, V]), 2)
+    else:
+        s = tl.load(s_rows + (kc // GK)[None, :], mask=nmask[:, None] & (kc < K)[None, :], other=0.0)
+        return tl.sum(tl.reshape(w.to(tl.float32) * xv[None, :], [BN, C, V]), 2) * s
+
+
+@triton.jit
+def _gemv_fp8_rows(x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, KS, stride_wn, stride_sn, eps,
+                   BN: tl.constexpr, C: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr,
+                   HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+    """``[BN]`` fp32 outputs of e4m3 rows ``pid_n * BN ...`` (waits on the previous kernel after its first tile).
+    No e4m3 tile is carried across loop iterations (that unpacks and repacks its bytes): the first is used before
+    the loop, each later one in the iteration that loads it."""
+    BK: tl.constexpr = C * V
+    ROW_BLOCK: tl.constexpr = GN % BN == 0  # all rows of the program share their scales: fold them into x
     offs_n = pid_n * BN + tl.arange(0, BN)
     nmask = offs_n < N
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    s_rows = s_ptr + (offs_n // GN).to(tl.int64)[:, None] * stride_sn
-    offs_g = tl.arange(0, NG)
-    x_row = x_ptr + row * stride_xm
-    # the first weight tile and its scales are static: fetch them before waiting on the previous kernel (PDL)
     offs_k = tl.arange(0, BK)
-    kmask = offs_k < K
-    w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-    s = tl.load(s_rows + offs_g[None, :], mask=nmask[:, None] & (offs_g < KS)[None, :], other=0.0)
+    kc = tl.arange(0, C) * V  # first column of each V-chunk
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    s_row = s_ptr + ((pid_n * BN) // GN).to(tl.int64) * stride_sn
+    s_rows = s_ptr + (offs_n // GN).to(tl.int64)[:, None] * stride_sn  # [BN, 1]
+    # the first weight tile is static: fetch it before waiting on the previous kernel (PDL)
+    w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & (offs_k < K)[None, :], other=0.0)
     pdl_begin(PDL)
     rstd = 1.0
     if HAS_NORM:
         rstd = _row_rstd(x_row, K, eps, BK)
-    acc = _fp8_tile(x_row, nw_ptr, rstd, w, s, offs_k, kmask, BN, NG, GK, HAS_NORM)
+    acc = _gemv_fp8_tile(w, x_row, nw_ptr, rstd, s_row, s_rows, nmask, offs_k, kc, K, BN, C, V, GK, ROW_BLOCK,
+                         HAS_NORM)
     for k0 in range(BK, K, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        kmask = offs_k < K
-        w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        gcol = k0 // GK + offs_g
-        s = tl.load(s_rows + gcol[None, :], mask=nmask[:, None] & (gcol < KS)[None, :], other=0.0)
-        acc += _fp8_tile(x_row, nw_ptr, rstd, w, s, offs_k, kmask, BN, NG, GK, HAS_NORM)
-    out = tl.sum(acc, 1)
+        kk = k0 + offs_k
+        w = tl.load(w_rows + kk[None, :], mask=nmask[:, None] & (kk < K)[None, :], other=0.0)
+        acc += _gemv_fp8_tile(w, x_row, nw_ptr, rstd, s_row, s_rows, nmask, kk, k0 + kc, K, BN, C, V, GK,
+                              ROW_BLOCK, HAS_NORM)
+    return tl.sum(acc, 1)
+
+
+@triton.jit
+def _gemv_bf16_rows(x_row, t_ptr, nw_ptr, pid_t, NT, K, stride_tn, eps, BN: tl.constexpr, BK: tl.constexpr,
+                    HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+    """``[BN]`` fp32 outputs of the plain (bf16) tail rows ``pid_t * BN ...``."""
+    offs_n = pid_t * BN + tl.arange(0, BN)
+    nmask = offs_n < NT
+    w_rows = t_ptr + offs_n.to(tl.int64)[:, None] * stride_tn
+    offs_k = tl.arange(0, BK)
+    w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & (offs_k < K)[None, :], other=0.0)
+    pdl_begin(PDL)
+    rstd = 1.0
+    if HAS_NORM:
+        rstd = _row_rstd(x_row, K, eps, BK)
+    acc = tl.zeros([BN, BK], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        xv = _x_tile(x_row, nw_ptr, rstd, k0 + offs_k, K, HAS_NORM)
+        acc += w.to(tl.float32) * xv[None, :]
+        kn = k0 + BK + offs_k
+        w = tl.load(w_rows + kn[None, :], mask=nmask[:, None] & (kn < K)[None, :], other=0.0)
+    return tl.sum(acc, 1)
+
+
+@triton.jit
+def _gemv_fp8_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, res_ptr, t_ptr,
+    N, K, KS, NB8, NT, stride_xm, stride_wn, stride_sn, stride_ym, stride_rm, stride_tn, eps,
+    BN: tl.constexpr, C: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, BT: tl.constexpr,
+    HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, OUT_F32: tl.constexpr, HAS_TAIL: tl.constexpr,
+    PDL: tl.constexpr):
+    # grid (rows, NB8 + tail blocks): programs < NB8 own BN e4m3 rows; the others BN rows of the bf16 tail,
+    # written after the e4m3 rows (output columns N ... N + NT - 1).
+    row = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    x_row = x_ptr + row * stride_xm
+    if HAS_TAIL:
+        if pid_n < NB8:
+            out = _gemv_fp8_rows(x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, KS, stride_wn, stride_sn, eps,
+                                 BN, C, V, GK, GN, HAS_NORM, PDL)
+            offs_o = pid_n * BN + tl.arange(0, BN)
+            omask = offs_o < N
+        else:
+            out = _gemv_bf16_rows(x_row, t_ptr, nw_ptr, pid_n - NB8, NT, K, stride_tn, eps, BN, BT, HAS_NORM, PDL)
+            offs_o = N + (pid_n - NB8) * BN + tl.arange(0, BN)
+            omask = offs_o < N + NT
+    else:
+        out = _gemv_fp8_rows(x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, KS, stride_wn, stride_sn, eps,
+                             BN, C, V, GK, GN, HAS_NORM, PDL)
+        offs_o = pid_n * BN + tl.arange(0, BN)
+        omask = offs_o < N
     if OUT_F32:
-        tl.store(y_ptr + row * stride_ym + offs_n, out, mask=nmask)
+        tl.store(y_ptr + row * stride_ym + offs_o, out, mask=omask)
     else:
         if HAS_RES:
-            rp = res_ptr + row * stride_rm + offs_n
-            r = tl.load(rp, mask=nmask, other=0.0).to(tl.float32)
-            tl.store(rp, (r + out.to(res_ptr.dtype.element_ty).to(tl.float32)).to(res_ptr.dtype.element_ty), mask=nmask)
+            rp = res_ptr + row * stride_rm + offs_o
+            r = tl.load(rp, mask=omask, other=0.0).to(tl.float32)
+            tl.store(rp, (r + out.to(res_ptr.dtype.element_ty).to(tl.float32)).to(res_ptr.dtype.element_ty), mask=omask)
         else:
-            tl.store(y_ptr + row * stride_ym + offs_n, out.to(y_ptr.dtype.element_ty), mask=nmask)
+            tl.store(y_ptr + row * stride_ym + offs_o, out.to(y_ptr.dtype.element_ty), mask=omask)
 
 
 def gemv_fp8(
@@ -99,43 +199,61 @@ def gemv_fp8(
     eps: float = 1e-6,
     residual: torch.Tensor | None = None,
     out_f32: bool = False,
-    cfg: tuple[int, int, int, int] | None = None,
+    tail: torch.Tensor | None = None,
+    cfg: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """``rms(x)[n, K] @ (w * scale)[N, K]^T`` (``w`` e4m3); into ``residual`` in place when given."""
+    """``rms(x)[n, K] @ (w * scale)[N, K]^T`` (``w`` e4m3), then ``rms(x) @ tail[NT, K]^T`` (plain rows in
+    ``x``'s dtype) in columns ``N ... N + NT - 1`` when ``tail`` is given; into ``residual`` in place when given
+    (no tail then)."""
     assert x.dim() == 2 and x.stride(-1) == 1 and w.stride(-1) == 1 and scale.stride(-1) == 1
     nt, K = x.shape
     N = w.shape[0]
     assert w.shape[1] == K and nt <= 16
+    assert tail is None or (residual is None and tail.shape[1] == K and tail.stride(-1) == 1 and tail.dtype == x.dtype)
     gn, gk = groups(w, scale)
-    if cfg is None:  # the bf16 config of this shape, with a K tile of the same bytes (twice the elements)
-        bn, bk, nw, ns = gemv_config(N, K, nt)
-        bk = min(2 * bk, triton.next_power_of_2(K))
-    else:
-        bn, bk, nw, ns = cfg
-    bk = max(bk, gk)
+    bn, bk, nw = cfg or gemv_fp8_config(N, K)
+    v = min(VEC, gk)
+    bk = max(min(bk, triton.next_power_of_2(K)), v)
+    NT = 0 if tail is None else tail.shape[0]
     if out_f32:
-        y = torch.empty(nt, N, device=x.device, dtype=torch.float32)
+        y = torch.empty(nt, N + NT, device=x.device, dtype=torch.float32)
     elif residual is not None:
         y = residual
     else:
-        y = torch.empty(nt, N, device=x.device, dtype=x.dtype)
+        y = torch.empty(nt, N + NT, device=x.device, dtype=x.dtype)
     res = residual if residual is not None else y
-    _gemv_fp8_kernel[(nt, triton.cdiv(N, bn))](
-        x, w, scale, y, norm_w if norm_w is not None else x, res,
-        N, K, scale.shape[-1], x.stride(0), w.stride(0), scale.stride(0), y.stride(0), res.stride(0), eps,
-        BN=bn, BK=bk, GN=gn, GK=gk, HAS_NORM=norm_w is not None, HAS_RES=residual is not None and not out_f32,
-        OUT_F32=out_f32, num_warps=nw, num_stages=ns, **triton_pdl.kw())
+    nb8 = triton.cdiv(N, bn)
+    bt = max(16, min(triton.next_power_of_2(K), bk // 2))  # bf16 tail: a K tile of the same bytes
+    _gemv_fp8_kernel[(nt, nb8 + triton.cdiv(NT, bn))](
+        x, w, scale, y, norm_w if norm_w is not None else x, res, tail if tail is not None else x,
+        N, K, scale.shape[-1], nb8, NT, x.stride(0), w.stride(0), scale.stride(0), y.stride(0), res.stride(0),
+        tail.stride(0) if tail is not None else 0, eps,
+        BN=bn, C=bk // v, V=v, GK=gk, GN=gn, BT=bt, HAS_NORM=norm_w is not None,
+        HAS_RES=residual is not None and not out_f32, OUT_F32=out_f32, HAS_TAIL=tail is not None,
+        num_warps=nw, num_stages=1, **triton_pdl.kw())
     return y
+
+
+@triton.jit
+def _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, kk, D, BI: tl.constexpr, C: tl.constexpr,
+             V: tl.constexpr, GK: tl.constexpr, HAS_NORM: tl.constexpr):
+    """``[BI, C]`` scaled partial sums of the gate and up tiles at columns ``kk``."""
+    xv = _x_tile(x_row, nw_ptr, rstd, kk, D, HAS_NORM)
+    xg = xv * tl.load(sg_row + kk // GK, mask=kk < D, other=0.0)
+    xu = xv * tl.load(su_row + kk // GK, mask=kk < D, other=0.0)
+    return (tl.sum(tl.reshape(wg.to(tl.float32) * xg[None, :], [BI, C, V]), 2),
+            tl.sum(tl.reshape(wu.to(tl.float32) * xu[None, :], [BI, C, V]), 2))
 
 
 @triton.jit
 def _moe_up_fp8_kernel(
     x_ptr, nw_ptr, ids_ptr, w13_ptr, s13_ptr, act_ptr, D, I, KK, KS, stride_xm, stride_ids, stride_we, stride_wn,
     stride_se, stride_sn, stride_an, stride_ak, eps,
-    BI: tl.constexpr, BK: tl.constexpr, GN: tl.constexpr, GK: tl.constexpr, HAS_NORM: tl.constexpr,
-    PDL: tl.constexpr):
-    NG: tl.constexpr = BK // GK
-    pdl_begin(PDL)
+    BI: tl.constexpr, C: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr,
+    HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+    # grid (n * k, I / BI); BI divides GN, so the program's gate rows share their scales, and its up rows theirs.
+    BK: tl.constexpr = C * V
+    pdl_begin(PDL)  # the expert ids come from the previous kernel
     r = tl.program_id(0)
     ib = tl.program_id(1)
     i = r // KK
@@ -148,34 +266,29 @@ def _moe_up_fp8_kernel(
         tl.store(out_ptr, tl.zeros([BI], dtype=tl.float32).to(act_ptr.dtype.element_ty), mask=imask)
     else:
         x_row = x_ptr + i * stride_xm
-        if HAS_NORM:
-            rstd = _row_rstd(x_row, D, eps, BK)
         wb = w13_ptr + e.to(tl.int64) * stride_we
         sb = s13_ptr + e.to(tl.int64) * stride_se
+        offs_k = tl.arange(0, BK)
         g_rows = wb + offs_i.to(tl.int64)[:, None] * stride_wn
         u_rows = wb + (offs_i + I).to(tl.int64)[:, None] * stride_wn
-        sg_rows = sb + (offs_i // GN).to(tl.int64)[:, None] * stride_sn
-        su_rows = sb + ((offs_i + I) // GN).to(tl.int64)[:, None] * stride_sn
-        offs_g = tl.arange(0, NG)
-        acc_g = tl.zeros([BI, NG], dtype=tl.float32)
-        acc_u = tl.zeros([BI, NG], dtype=tl.float32)
-        for k0 in range(0, D, BK):
-            offs_k = k0 + tl.arange(0, BK)
-            kmask = offs_k < D
-            xv = tl.load(x_row + offs_k, mask=kmask, other=0.0)
-            if HAS_NORM:
-                g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
-                xv = (xv.to(tl.float32) * rstd * g).to(x_ptr.dtype.element_ty)
-            xf = xv.to(tl.float32)[None, :]
-            m2 = imask[:, None] & kmask[None, :]
-            gcol = k0 // GK + offs_g
-            sm = imask[:, None] & (gcol < KS)[None, :]
-            wg = tl.load(g_rows + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
-            wu = tl.load(u_rows + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
-            sg = tl.load(sg_rows + gcol[None, :], mask=sm, other=0.0)
-            su = tl.load(su_rows + gcol[None, :], mask=sm, other=0.0)
-            acc_g += tl.sum(tl.reshape(wg * xf, [BI, NG, GK]), 2) * sg
-            acc_u += tl.sum(tl.reshape(wu * xf, [BI, NG, GK]), 2) * su
+        sg_row = sb + ((ib * BI) // GN).to(tl.int64) * stride_sn
+        su_row = sb + ((ib * BI + I) // GN).to(tl.int64) * stride_sn
+        im2 = imask[:, None]
+        # the first tiles are in flight while the RMSNorm statistics are computed
+        wg = tl.load(g_rows + offs_k[None, :], mask=im2 & (offs_k < D)[None, :], other=0.0)
+        wu = tl.load(u_rows + offs_k[None, :], mask=im2 & (offs_k < D)[None, :], other=0.0)
+        rstd = 1.0
+        if HAS_NORM:
+            rstd = _row_rstd(x_row, D, eps, BK)
+        acc_g, acc_u = _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, offs_k, D, BI, C, V, GK, HAS_NORM)
+        for k0 in range(BK, D, BK):
+            kk = k0 + offs_k
+            m2 = im2 & (kk < D)[None, :]
+            wg = tl.load(g_rows + kk[None, :], mask=m2, other=0.0)
+            wu = tl.load(u_rows + kk[None, :], mask=m2, other=0.0)
+            pg, pu = _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, kk, D, BI, C, V, GK, HAS_NORM)
+            acc_g += pg
+            acc_u += pu
         gate = tl.sum(acc_g, 1).to(act_ptr.dtype.element_ty).to(tl.float32)
         up = tl.sum(acc_u, 1).to(act_ptr.dtype.element_ty).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(act_ptr.dtype.element_ty).to(tl.float32) * up
@@ -183,36 +296,67 @@ def _moe_up_fp8_kernel(
 
 
 @triton.jit
+def _down_tile(ids_row, wts_row, act_row, w2_ptr, s2_ptr, w_d, dm3, dg, t, n_ch, KK, I, stride_ak, stride_we,
+               stride_se, stride_sd, SB: tl.constexpr, BD: tl.constexpr, C: tl.constexpr, V: tl.constexpr,
+               GK: tl.constexpr, LOADED: tl.constexpr, w_in):
+    """Step ``t`` of ``moe_down``'s loop (slot block ``t // n_ch``, I chunk ``t % n_ch``): loads the e4m3 tile
+    ``[SB, BD, BI]`` of its slots' experts (unless ``LOADED``: ``w_in``, fetched before the PDL wait) and returns
+    ``(tile, [SB, BD, C] partial sums)``; the second only when ``not LOADED`` or after the wait."""
+    BI: tl.constexpr = C * V
+    jb = t // n_ch
+    c0 = (t - jb * n_ch) * BI
+    j = jb * SB + tl.arange(0, SB)
+    e = tl.load(ids_row + j, mask=j < KK, other=-1)
+    ok = e >= 0  # an empty slot (-1) reads nothing
+    e = tl.maximum(e, 0).to(tl.int64)
+    ii = c0 + tl.arange(0, BI)
+    m2 = ok[:, None] & (ii < I)[None, :]  # [SB, BI]
+    if LOADED:
+        w = w_in
+    else:
+        w = tl.load(w2_ptr + e[:, None, None] * stride_we + w_d + ii[None, None, :], mask=dm3 & m2[:, None, :],
+                    other=0.0)
+    wj = tl.load(wts_row + j, mask=j < KK, other=0.0)
+    a = tl.load(act_row + j[:, None] * stride_ak + ii[None, :], mask=m2, other=0.0)
+    s = tl.load(s2_ptr + e[:, None] * stride_se + dg * stride_sd + (ii // GK)[None, :], mask=m2, other=0.0)
+    a = a.to(tl.float32) * s * wj[:, None]  # [SB, BI]
+    return tl.sum(tl.reshape(w.to(tl.float32) * a[:, None, :], [SB, BD, C, V]), 3)
+
+
+@triton.jit
 def _moe_down_fp8_kernel(
     act_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, y_ptr, D, I, KK, KS, stride_an, stride_ak, stride_ids, stride_wts,
     stride_we, stride_wd, stride_se, stride_sd, stride_yn,
-    BD: tl.constexpr, BI: tl.constexpr, GN: tl.constexpr, GK: tl.constexpr, HAS_RES: tl.constexpr,
-    PDL: tl.constexpr):
-    NG: tl.constexpr = BI // GK
-    pdl_begin(PDL)
+    BD: tl.constexpr, SB: tl.constexpr, C: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr,
+    HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    # grid (n, D / BD); BD divides GN: the program's rows share each expert's scales (folded into act).
+    BI: tl.constexpr = C * V
     i = tl.program_id(0)
     db = tl.program_id(1)
     offs_d = db * BD + tl.arange(0, BD)
     dmask = offs_d < D
-    offs_g = tl.arange(0, NG)
+    dg = ((db * BD) // GN).to(tl.int64)
+    w_d = offs_d.to(tl.int64)[None, :, None] * stride_wd  # tiles [SB, BD, BI]
+    dm3 = dmask[None, :, None]
+    ids_row = ids_ptr + i * stride_ids
+    wts_row = wts_ptr + i * stride_wts
+    act_row = act_ptr + i * stride_an
     n_ch = tl.cdiv(I, BI)
-    acc = tl.zeros([BD, NG], dtype=tl.float32)
-    for t in range(0, KK * n_ch):
-        j = t // n_ch
-        i0 = (t - j * n_ch) * BI
-        e = tl.load(ids_ptr + i * stride_ids + j)
-        wj = tl.load(wts_ptr + i * stride_wts + j)
-        offs_i = i0 + tl.arange(0, BI)
-        imask = (offs_i < I) & ((offs_i * 0 + e) >= 0)  # an empty slot (-1) reads nothing
-        e = tl.maximum(e, 0)
-        a = tl.load(act_ptr + i * stride_an + j * stride_ak + offs_i, mask=imask, other=0.0).to(tl.float32)
-        w = tl.load(w2_ptr + e.to(tl.int64) * stride_we + offs_d.to(tl.int64)[:, None] * stride_wd + offs_i[None, :],
-                    mask=dmask[:, None] & imask[None, :], other=0.0)
-        gcol = i0 // GK + offs_g
-        s = tl.load(s2_ptr + e.to(tl.int64) * stride_se + (offs_d // GN).to(tl.int64)[:, None] * stride_sd
-                    + gcol[None, :], mask=dmask[:, None] & (gcol < KS)[None, :], other=0.0)
-        acc += tl.sum(tl.reshape(w.to(tl.float32) * (a * wj)[None, :], [BD, NG, GK]), 2) * s
-    total = tl.sum(acc, 1)
+    n_t = tl.cdiv(KK, SB) * n_ch
+    # ids were written two kernels back (module docstring): the first tile is fetched before the PDL wait
+    j0 = tl.arange(0, SB)
+    e0 = tl.load(ids_row + j0, mask=j0 < KK, other=-1)
+    ii0 = tl.arange(0, BI)
+    m0 = (e0 >= 0)[:, None] & (ii0 < I)[None, :]
+    w0 = tl.load(w2_ptr + tl.maximum(e0, 0).to(tl.int64)[:, None, None] * stride_we + w_d + ii0[None, None, :],
+                 mask=dm3 & m0[:, None, :], other=0.0)
+    pdl_begin(PDL)
+    acc = _down_tile(ids_row, wts_row, act_row, w2_ptr, s2_ptr, w_d, dm3, dg, 0, n_ch, KK, I, stride_ak, stride_we,
+                     stride_se, stride_sd, SB, BD, C, V, GK, True, w0)
+    for t in range(1, n_t):
+        acc += _down_tile(ids_row, wts_row, act_row, w2_ptr, s2_ptr, w_d, dm3, dg, t, n_ch, KK, I, stride_ak,
+                          stride_we, stride_se, stride_sd, SB, BD, C, V, GK, False, w0)
+    total = tl.sum(tl.sum(acc, 2), 0)
     yp = y_ptr + i * stride_yn + offs_d
     if HAS_RES:
         r = tl.load(yp, mask=dmask, other=0.0).to(tl.float32)
@@ -228,28 +372,36 @@ def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None):
     I = w13.shape[1] // 2
     assert w13.shape[2] == D and w13.stride(-1) == 1 and x.stride(-1) == 1 and s13.stride(-1) == 1
     gn, gk = groups(w13, s13)
+    assert I % gn == 0
     act = torch.empty(n, KK, I, device=x.device, dtype=x.dtype)
-    BI, BK, nw, ns = cfg or FP8_UP_CFG
-    BK = max(BK, gk)
+    BI, BK, nw = cfg or FP8_UP_CFG["large" if D >= 4096 else "small"]
+    BI = min(BI, _pow2_floor(gn))
+    v = min(VEC, gk)
+    BK = max(min(BK, triton.next_power_of_2(D)), v)
     _moe_up_fp8_kernel[(n * KK, triton.cdiv(I, BI))](
         x, norm_w if norm_w is not None else x, ids, w13, s13, act, D, I, KK, s13.shape[-1], x.stride(0),
         ids.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), act.stride(0), act.stride(1),
-        eps, BI=BI, BK=BK, GN=gn, GK=gk, HAS_NORM=norm_w is not None, num_warps=nw, num_stages=ns,
+        eps, BI=BI, C=BK // v, V=v, GK=gk, GN=gn, HAS_NORM=norm_w is not None, num_warps=nw, num_stages=1,
         **triton_pdl.kw())
     return act
 
 
 def moe_down_fp8(act, ids, wts, w2, s2, *, residual=None, cfg=None):
-    """``y[n, D] (+)= sum_j w_j * w2[e_j] @ act_j`` (e4m3 ``w2`` with ``s2``)."""
+    """``y[n, D] (+)= sum_j w_j * w2[e_j] @ act_j`` (e4m3 ``w2`` with ``s2``). ``ids`` / ``wts`` must come from
+    a kernel before the one that wrote ``act`` (the router before ``moe_up``): they are read before the PDL wait."""
     n, KK, I = act.shape
     D = w2.shape[1]
     assert w2.shape[2] == I and w2.stride(-1) == 1 and s2.stride(-1) == 1
     gn, gk = groups(w2, s2)
     y = residual if residual is not None else torch.empty(n, D, device=act.device, dtype=act.dtype)
-    BD, BI, nw, ns = cfg or FP8_DOWN_CFG
-    BI = max(min(BI, triton.next_power_of_2(I)), gk)
+    BD, SB, BI, nw = cfg or FP8_DOWN_CFG["large" if D >= 4096 else "small"]
+    BD = min(BD, _pow2_floor(gn))
+    SB = min(SB, triton.next_power_of_2(KK))
+    v = min(VEC, gk)
+    BI = max(min(BI, triton.next_power_of_2(I)), v)
     _moe_down_fp8_kernel[(n, triton.cdiv(D, BD))](
         act, ids, wts, w2, s2, y, D, I, KK, s2.shape[-1], act.stride(0), act.stride(1), ids.stride(0),
         wts.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        BD=BD, BI=BI, GN=gn, GK=gk, HAS_RES=residual is not None, num_warps=nw, num_stages=ns, **triton_pdl.kw())
+        BD=BD, SB=SB, C=BI // v, V=v, GK=gk, GN=gn, HAS_RES=residual is not None, num_warps=nw, num_stages=1,
+        **triton_pdl.kw())
     return y
