@@ -73,7 +73,10 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
         act = triton_fp8.moe_up_fp8(h1, ids, w13, s13, norm_w=g)
         triton_fp8.moe_down_fp8(act, ids, wts, w2, s2, residual=h1)
         ref.moe_residual(h2, g, 1e-6, ids, wts, w13, w2, s13, s2)
-        report(f"fp8 moe residual {tag}", h1, h2)
+        # The same experts as the check above, added into the residual stream: the same tolerance. (At 1e-2 this
+        # line sat at 0.9-1.1e-2 on random inputs, before and after the 2026-11-30 kernel rework: the bf16
+        # reference itself is ~5e-3 from exact fp32 math on these inputs.)
+        report(f"fp8 moe residual {tag}", h1, h2, tol=2e-2)
     # MLA projections: W_UK absorption (in mla_prep) and W_UV (mla_uv) from an FP8 kv_b.
     if small:
         H, Hi, QL, L, R, P, V, DI, S = 2, 3, 32, 128, 16, 32, 32, 32, 64
