@@ -57,7 +57,12 @@ class SaveRequest:
 
 @dataclass
 class TileRTConnectorMetadata(KVConnectorMetadata):
+    """``saves``: the prompts to stage in this step. ``poll``: the step schedules no token at all and runs only
+    because staging extents are out (``has_pending_push_work``): the worker may wait in it, briefly, for a
+    transfer to end instead of returning at once (see ``WorkerSide.flush``)."""
+
     saves: list[SaveRequest] = field(default_factory=list)
+    poll: bool = False
 
 
 @dataclass
