@@ -20,7 +20,6 @@ from typing import Any, Literal
 import anyio
 import httpx
 import openai
-import orjson
 import pytest
 import uvicorn
 from starlette.applications import Starlette
@@ -543,7 +542,8 @@ def test_fifo_order(make_router: Callable[..., RouterHandle], world: World) -> N
     assert _wait_for(lambda: len(world.decode_calls) == 1)
     for name in ("B", "C", "D"):
         threads.append(_stream_in_thread(router, name, results))
-        assert _wait_for(lambda: httpx.get(router.url + "/health", timeout=5).json()["queue_depth"] == ord(name) - ord("A"))
+        depth = ord(name) - ord("A")
+        assert _wait_for(lambda d=depth: httpx.get(router.url + "/health", timeout=5).json()["queue_depth"] == d)
     world.hold = False
     for t in threads:
         t.join(20)

@@ -59,8 +59,9 @@ def test_claim_parsing() -> None:
     with pytest.raises(ClaimError, match="not signed"):
         parse_claim(claim.to_params(), b"another deployment's secret, 32 b")
     unsigned = {"tilert_host": "h", "tilert_ctrl_port": 1, "tilert_transfer_id": "t"}
-    for bad in ({}, {"tilert_ctrl_port": 0, "tilert_auth": "x"}, {"tilert_ctrl_port": True, "tilert_auth": "x"},
-                {"tilert_transfer_id": "a/b", "tilert_auth": "x"}, {"tilert_auth": "x", "tilert_other": 1}):  # fmt: skip
+    bads = ({}, {"tilert_ctrl_port": 0, "tilert_auth": "x"}, {"tilert_ctrl_port": True, "tilert_auth": "x"},
+            {"tilert_transfer_id": "a/b", "tilert_auth": "x"}, {"tilert_auth": "x", "tilert_other": 1})  # fmt: skip
+    for bad in bads:
         with pytest.raises(ClaimError):
             parse_claim(unsigned | bad, SECRET)
 
