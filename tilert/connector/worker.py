@@ -307,12 +307,15 @@ class WorkerSide:
         """After the forward: a request missing layers is aborted (the rest were fully staged); a save of
         ``meta`` that no layer ever reached is aborted too, and its extent reported back.
 
-        In a step that only polls (``meta.poll``: no token scheduled, vLLM steps only because our extents are
-        out) it then waits, up to ``poll_wait_s``, until the sender frees an extent, so the step reports it
-        at once. Without that wait vLLM runs such empty steps back to back, as fast as it can (its EngineCore
-        and this worker process each take a whole core) for as long as a transfer is in flight: on a small
-        machine that starved the sender, the decode node and the router of the CPU the transfer needed, and
-        the transfer stalled until the sender's timeout freed its extent (issue 8)."""
+        A step that schedules no token (``meta.poll``) runs only because some connector has work pending: our
+        transfers in flight (``has_pending_push_work``), or NixlConnector's blocks held until a remote decode
+        reads them. vLLM runs such empty steps back to back, as fast as it can: its EngineCore and this worker
+        process then take a whole core each, for as long as the pending work lasts. On a small machine that
+        starved exactly what the pending work waited for (the sender, the decode node, the router; the native
+        decode instance's NIXL read), so a transfer stalled until a timeout ended it, which ended the spin
+        (issue 8). Such a step therefore waits here: until the sender frees one of our extents (the step then
+        reports it at once), at most ``poll_wait_s``; so vLLM runs at most ``1 / poll_wait_s`` empty steps a
+        second, and new requests wait at most ``poll_wait_s`` longer to be scheduled."""
         for save in meta.saves if meta is not None else ():
             if save.req_id not in self._seen:
                 log.error("staging_never_started", transfer_id=save.claim.transfer_id)
@@ -332,12 +335,10 @@ class WorkerSide:
             self.wait_for_release(self._poll_wait_s)
 
     def wait_for_release(self, timeout_s: float) -> bool:
-        """Until an extent freed since the last report is waiting to be reported (or none is in use, so none
-        will be), at most ``timeout_s``; whether one is."""
+        """Until an extent freed since the last report is waiting to be reported, at most ``timeout_s``;
+        whether one is."""
         with self._released:
-            self._released.wait_for(
-                lambda: bool(self._freed) or self._extents is None or self._extents.live == 0, timeout_s
-            )
+            self._released.wait_for(lambda: bool(self._freed), timeout_s)
             return bool(self._freed)
 
     def take_report(self) -> TileRTWorkerMeta | None:
