@@ -34,16 +34,6 @@ from transformers import AutoTokenizer
 MAX_TOKENS = 32
 POOL = "x-tilert-pool"
 
-# The two-pool stack (prefill under MultiConnector, a native vLLM decode instance, a TileRT node, a router) beside
-# the suite's session stack is flaky on the 2-core CI machine: in about 2 of 5 full runs a TileRT transfer out
-# of the MultiConnector prefill stalls (the sender's TCP write or control handshake times out after 30 s while
-# the node still answers HTTP), cause not found yet (issue 8's closing note). Run these with
-# TILERT_POOL_STACK_TESTS=1 (they pass alone: `TILERT_POOL_STACK_TESTS=1 pytest tests/test_pools.py`).
-pytestmark = pytest.mark.skipif(
-    not os.environ.get("TILERT_POOL_STACK_TESTS"),
-    reason="two-pool stack tests: opt in with TILERT_POOL_STACK_TESTS=1 (flaky on the 2-core CI machine)",
-)
-
 
 @pytest.fixture(scope="module")
 def pools(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
