@@ -18,6 +18,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -597,3 +598,46 @@ def test_peer_killed_mid_transfer_frees_the_extent_at_once(rig: Rig) -> None:
             proc.kill()
         proc.join(10)
         conn.close()
+
+
+def test_a_step_that_only_polls_waits_for_a_transfer_to_end_and_no_longer() -> None:
+    """While a connector has work pending (our extents out: ``has_pending_push_work``) vLLM keeps stepping. A
+    step with no token scheduled is marked ``poll`` and the worker waits in it until the sender frees an extent,
+    at most ``poll_wait_s``: vLLM no longer runs empty steps back to back, burning the CPU the transfer needs
+    (issue 8). Steps with tokens never wait."""
+    sched = SchedulerSide(BLOCK, SECRET, bytes_per_token=BPT, pool_bytes=POOL)
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    idle = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={})
+    assert sched.build_meta(idle).poll and not sched.has_pending_work()  # vLLM steps idle for another connector
+    meta = sched.build_meta(_output([("r1", _claim("t1", 1), 30, [1, 2])]))
+    assert [s.req_id for s in meta.saves] == ["r1"] and not meta.poll
+    assert sched.build_meta(idle).poll and sched.has_pending_work()
+
+    sender = BackgroundSender("tcp", {}, SECRET)
+    cfg = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64, num_hidden_layers=LAYERS)
+    caches = {name: torch.zeros(NUM_BLOCKS, 1, BLOCK, 576) for name in NAMES}
+    worker = WorkerSide(cfg, sender, staging_bytes=POOL, expected_bytes_per_token=BPT, poll_wait_s=5.0)
+    worker.register(caches)
+    paced = WorkerSide(cfg, sender, staging_bytes=POOL, expected_bytes_per_token=BPT, poll_wait_s=0.2)
+    paced.register(caches)
+    t0 = time.monotonic()
+    paced.flush(TileRTConnectorMetadata(poll=True))  # nothing of ours in flight: one empty step, paced
+    assert 0.15 < time.monotonic() - t0 < 2.0
+    try:
+        assert worker._extents is not None
+        worker._extents.take(meta.saves[0].offset, 30 * BPT)  # as the worker's _start takes it
+        t0 = time.monotonic()
+        worker.flush(TileRTConnectorMetadata())  # a step with work: no wait
+        assert time.monotonic() - t0 < 0.5
+        releaser = threading.Timer(0.3, worker._release, ("r1", meta.saves[0].offset))
+        releaser.start()
+        t0 = time.monotonic()
+        worker.flush(TileRTConnectorMetadata(poll=True))
+        waited = time.monotonic() - t0
+        assert 0.2 < waited < 3.0, waited  # until the release, not the whole poll_wait_s
+        report = worker.take_report()
+        assert report is not None and report.freed == [("r1", meta.saves[0].offset)]
+        sched.update(SimpleNamespace(kv_connector_worker_meta=report))
+        assert not sched.has_pending_work()
+    finally:
+        worker.close()

@@ -193,7 +193,8 @@ def test_optional_paths_follow_the_declared_capabilities(tiny: Tiny) -> None:
         bare.speculative_greedy_step(0, 0, 1)
     # run_decode takes the per-step path (num_draft > 0 asks for MTP, which Bare does not declare) ...
     out: list[int] = []
-    finish = run_decode(bare, {}, {}, 1, Params(0, 3), frozenset(), lambda ids, fin: out.extend(ids), threading.Event(), 2)
+    finish = run_decode(bare, {}, {}, 1, Params(0, 3), frozenset(), lambda ids, fin: out.extend(ids),
+                        threading.Event(), 2)
     assert finish == Finish("length") and out == [1, 2, 3]
     # ... and needs max_tokens when the engine declares no cache size.
     with pytest.raises(ValueError, match="max_tokens"):

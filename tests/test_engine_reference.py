@@ -438,7 +438,8 @@ def test_decode_loop_speculative_and_stops(cases: dict[str, Case], tmp_path: Pat
     def run(**kw: Any) -> tuple[list[int], Finish]:
         out: list[int] = []
         params = DecodeParams("t", first, PROMPT_LEN, **{"max_tokens": 24, "temperature": 0.0, **kw})
-        finish = run_decode(eng, state, lay, PROMPT_LEN, params, frozenset(), lambda ids, fin: out.extend(ids), threading.Event(), num_draft)
+        finish = run_decode(eng, state, lay, PROMPT_LEN, params, frozenset(), lambda ids, fin: out.extend(ids),
+                            threading.Event(), num_draft)
         return out, finish
 
     plain, finish = run()

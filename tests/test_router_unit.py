@@ -557,7 +557,8 @@ def test_fifo_order(make_router: Callable[..., RouterHandle], world: World) -> N
     assert _wait_for(lambda: len(world.decode_calls) == 1)
     for name in ("B", "C", "D"):
         threads.append(_stream_in_thread(router, name, results))
-        assert _wait_for(lambda: httpx.get(router.url + "/health", timeout=5).json()["queue_depth"] == ord(name) - ord("A"))
+        depth = ord(name) - ord("A")
+        assert _wait_for(lambda d=depth: httpx.get(router.url + "/health", timeout=5).json()["queue_depth"] == d)
     world.hold = False
     for t in threads:
         t.join(20)
@@ -848,6 +849,7 @@ def test_context_limit_is_the_nodes_to_decide(router: RouterHandle, world: World
         router.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a b"}],
                                                 stream=True)  # fmt: skip
     assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)
+
 
 def test_stream_starts_before_the_decode_node_answers(router: RouterHandle, world: World) -> None:
     """The node checked the sampling with the reserve and its context holds the request: prefill's token is

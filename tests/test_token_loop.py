@@ -109,8 +109,7 @@ def test_join_lines_keeps_order_and_the_last_finish() -> None:
 
 
 def test_reader_joins_runs_of_token_lines_but_never_past_a_finish_or_an_error() -> None:
-    from tilert.contracts import MAX_LINE_TOKENS, ErrorLine
-    from tilert.contracts import join_runs
+    from tilert.contracts import MAX_LINE_TOKENS, ErrorLine, join_runs
 
     big = TokenLine([7] * (MAX_LINE_TOKENS - 1))
     lines = [TokenLine([1]), TokenLine([2]), ErrorLine(500, "x"), TokenLine([3]), big, TokenLine([4], "length"),

@@ -3,6 +3,7 @@ and the decode node's slots and control port driven by the connector's real back
 
 from __future__ import annotations
 
+import os
 import time
 
 import anyio
@@ -58,8 +59,9 @@ def test_claim_parsing() -> None:
     with pytest.raises(ClaimError, match="not signed"):
         parse_claim(claim.to_params(), b"another deployment's secret, 32 b")
     unsigned = {"tilert_host": "h", "tilert_ctrl_port": 1, "tilert_transfer_id": "t"}
-    for bad in ({}, {"tilert_ctrl_port": 0, "tilert_auth": "x"}, {"tilert_ctrl_port": True, "tilert_auth": "x"},
-                {"tilert_transfer_id": "a/b", "tilert_auth": "x"}, {"tilert_auth": "x", "tilert_other": 1}):  # fmt: skip
+    bads = ({}, {"tilert_ctrl_port": 0, "tilert_auth": "x"}, {"tilert_ctrl_port": True, "tilert_auth": "x"},
+            {"tilert_transfer_id": "a/b", "tilert_auth": "x"}, {"tilert_auth": "x", "tilert_other": 1})  # fmt: skip
+    for bad in bads:
         with pytest.raises(ClaimError):
             parse_claim(unsigned | bad, SECRET)
 
@@ -267,3 +269,24 @@ def test_an_offer_ahead_of_its_reservation_waits_for_it() -> None:
         anyio.run(_with_node, node, body)
     finally:
         sender.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2+ CPUs")
+def test_sender_threads_are_not_pinned_to_their_creators_core() -> None:
+    """vLLM pins its forward thread to one core (OMP binding; NixlConnector re-pins it to the last core), and the
+    sender's threads start from that thread: they must still run on every CPU the process may use, not on a
+    core that NIXL's busy-polling UCX progress thread may fill (issue 8)."""
+    everything = os.sched_getaffinity(0)
+    one = {min(everything)}
+    os.sched_setaffinity(0, one)  # as vLLM leaves its worker thread
+    try:
+        sender = BackgroundSender("tcp", {}, SECRET)
+        try:
+            assert os.sched_getaffinity(0) == one, "the caller keeps its own placement"
+            assert sender.cpus == everything
+            placed = sender._pool.submit(os.sched_getaffinity, 0).result(10)
+            assert placed == everything
+        finally:
+            sender.close()
+    finally:
+        os.sched_setaffinity(0, everything)

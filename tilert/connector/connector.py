@@ -13,7 +13,9 @@ staged layer), ``tilert_staging_bytes`` (the staging pool; default: 4 prompts of
 at 4 GiB but never below one), ``tilert_staging_device`` (``cpu``: host memory, pinned on GPU machines;
 ``cache``: the caches' device, for a transport that reads device memory), ``tilert_sender_threads``
 (transfers shipped at once), ``tilert_busy_retry_after_s`` (the ``Retry-After`` the router gives a client
-whose claim found the pool full), ``tilert_secret_file``.
+whose claim found the pool full), ``tilert_poll_wait_s`` (the longest a vLLM step that schedules no token
+waits, for one of our transfers to end: vLLM runs such steps back to back while a connector has work
+pending; default 0.05), ``tilert_secret_file``.
 
 It claims only requests whose ``kv_transfer_params`` carry a ``tilert_*`` claim signed with the
 deployment's shared secret (read from ``$TILERT_SECRET_FILE`` / ``$TILERT_SECRET``, or the file named by
@@ -87,6 +89,7 @@ class TileRTConnector(KVConnectorBase_V1):
                 vllm_config.model_config.hf_config, sender, staging_bytes=staging_bytes,
                 max_model_len=max_model_len, expected_bytes_per_token=per_token,
                 staging_device=str(extra.get("tilert_staging_device", "cpu")),
+                poll_wait_s=float(extra.get("tilert_poll_wait_s", 0.05)),
             )  # fmt: skip
             _warn_cpu_rope(vllm_config)
 

@@ -111,6 +111,7 @@ class SchedulerSide:
                 else:
                     pending.block_ids.extend(new_blocks[0])
             self._maybe_save(meta, req_id, cached.num_computed_tokens[i], out)
+        meta.poll = not meta.saves and not any(out.num_scheduled_tokens.values())
         return meta
 
     def _maybe_save(self, meta: TileRTConnectorMetadata, req_id: str, computed: int, out: SchedulerOutput) -> None:

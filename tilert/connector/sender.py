@@ -12,10 +12,19 @@ Fail fast: a refused handshake, a staging (extraction) failure, a transport erro
 layer within ``timeout_s`` ends the transfer at once; the decode node is told with an explicit ``Abort``
 whenever the control channel is up (its waiting request fails at once instead of timing out), and on every
 exit path the staging extent goes back to the pool (:meth:`Staged.release`, exactly once).
+
+CPU placement: the sender's threads run on every CPU this process may use (:func:`sender_cpus`), never on
+the one core vLLM's worker thread happens to be pinned to when the pool starts them. Threads inherit their
+creator's affinity, and the creator here is vLLM's forward thread: on CPU, ``VLLM_CPU_OMP_THREADS_BIND``
+pins it to the OpenMP cores, and vLLM's ``NixlConnector`` (a sibling under ``MultiConnector``) re-pins it to
+the last core of each NUMA node in its worker's ``__init__``. On a small machine that core may be shared
+with NIXL's UCX progress threads, which busy-poll a whole core each (NIXL's Python API starts them with no
+poll delay); a sender pinned there got too little CPU to finish a handshake or a write within its timeout.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import socket
 import threading
@@ -156,7 +165,10 @@ class BackgroundSender:
         self._transport = load_transport(transport).sender(options=options)
         self.timeout_s = timeout_s
         self._sender_id = f"prefill-{uuid.uuid4().hex[:8]}"
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tilert-send")
+        self.cpus = sender_cpus()
+        self._pool = ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix="tilert-send", initializer=_place_thread, initargs=(self.cpus,)
+        )
 
     def register_source(self, buffer: torch.Tensor) -> None:
         """Register the staging pool with the transport (once, at start-up); ``TransferError`` if it cannot."""
@@ -198,22 +210,28 @@ class BackgroundSender:
         tid = staged.claim.transfer_id
         bound = log.bind(transfer_id=tid, host=staged.claim.host, ctrl_port=staged.claim.ctrl_port)
         sock: socket.socket | None = None
+        start, phase = time.monotonic(), "connect"  # where a failure happened, and after how long (logs)
         try:
             sock = self._connect(staged.claim)
             offer = p.Offer(tid, staged.num_tokens, staged.layouts, staged.last_token_id)
             if offer.nbytes != staged.nbytes:
                 raise StagingError(f"the offer's {offer.nbytes} bytes differ from the {staged.nbytes} staged")
+            phase = "offer"
             p.send_msg(sock, offer)
             accept = p.expect(p.recv_msg(sock), p.Accept)
+            phase = "write"
             self._stream(staged, accept.target)
+            phase = "done"
             p.send_msg(sock, p.Done(tid, offer.nbytes))
             p.expect(p.recv_msg(sock), p.Ack)
             staged.outcome = "done"
-            bound.info("transfer_done", nbytes=offer.nbytes, tokens=staged.num_tokens, writes=len(staged.writes))
+            bound.info("transfer_done", nbytes=offer.nbytes, tokens=staged.num_tokens, writes=len(staged.writes),
+                       seconds=round(time.monotonic() - start, 4))  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - every failure ends the same way: Abort, extent back
             staged.outcome = f"{type(exc).__name__}: {exc}"
             if isinstance(exc, (OSError, p.ContractError, TransferError, StagingError)):
-                bound.error("transfer_failed", error=staged.outcome, control_up=sock is not None)
+                bound.error("transfer_failed", error=staged.outcome, control_up=sock is not None, phase=phase,
+                            writes=len(staged.writes), seconds=round(time.monotonic() - start, 4))  # fmt: skip
             else:
                 bound.exception("transfer_failed_unexpectedly")
             if sock is not None:
@@ -249,6 +267,30 @@ class BackgroundSender:
                 p.send_msg(sock, p.Abort(claim.transfer_id, reason[: p.MAX_REASON_CHARS]))
         except (OSError, p.ContractError) as exc:
             log.error("abort_not_delivered", transfer_id=claim.transfer_id, error=str(exc))
+
+
+def sender_cpus() -> frozenset[int]:
+    """Every CPU this process may run on (its cpuset), whatever the calling thread is pinned to; empty where
+    the platform has no CPU affinity. The kernel intersects the request with the process's cpuset."""
+    if not hasattr(os, "sched_setaffinity"):
+        return frozenset()
+    mine = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        return frozenset(os.sched_getaffinity(0))
+    except OSError:
+        return frozenset(mine)
+    finally:
+        os.sched_setaffinity(0, mine)  # the calling thread (vLLM's) keeps its own placement
+
+
+def _place_thread(cpus: frozenset[int]) -> None:
+    """Each sender thread, as it starts: free to run on ``cpus`` (not on its creator's pinned core)."""
+    if cpus:
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError as exc:
+            log.warning("sender_thread_not_placed", cpus=sorted(cpus), error=str(exc))
 
 
 def _runs(indices: list[int], chunks: list[tuple[int, int]]) -> list[tuple[int, int]]:

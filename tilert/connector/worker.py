@@ -123,12 +123,14 @@ class WorkerSide:
         max_model_len: int = 0,
         expected_bytes_per_token: int | None = None,
         staging_device: str = "cpu",
+        poll_wait_s: float = 0.05,
     ) -> None:
         """``staging_bytes`` (``tilert_staging_bytes``) / ``max_model_len`` size the pool (see
         ``staging.pool_bytes``); ``expected_bytes_per_token`` is the scheduler's figure (from vLLM's KV cache
         config), checked against the cache tensors at registration; ``staging_device``: ``"cpu"`` (host
         memory, pinned when the caches are on a GPU) or ``"cache"`` (the caches' own device, for a transport
-        that reads device memory)."""
+        that reads device memory); ``poll_wait_s``: the longest a step that only polls for the end of
+        transfers (``TileRTConnectorMetadata.poll``) waits for one (see :meth:`flush`)."""
         lora, rope = getattr(hf_config, "kv_lora_rank", None), getattr(hf_config, "qk_rope_head_dim", None)
         if not lora or not rope:
             raise ValueError("TileRTConnector needs an MLA model (config without kv_lora_rank/qk_rope_head_dim)")
@@ -150,7 +152,9 @@ class WorkerSide:
         self.pool: torch.Tensor | None = None
         self._extents: ExtentAllocator | None = None
         self._lock = threading.Lock()  # extents + freed list: the sender's threads release into them
+        self._released = threading.Condition(self._lock)  # notified whenever the sender frees an extent
         self._freed: list[tuple[str, int]] = []
+        self._poll_wait_s = poll_wait_s
         self.transfers: list[Staged] = []  # the most recent ones (tests, benchmarks)
         self._faults = FaultHook.from_env()  # None unless TILERT_TEST_FAULTS is set (tests only)
 
@@ -214,7 +218,7 @@ class WorkerSide:
             ) from exc
         self.pool, self._extents = pool, ExtentAllocator(size)
         log.info("staging_pool_ready", nbytes=size, device=str(device), pinned=pin, bytes_per_token=bpt,
-                 transport=self._sender.transport_name)  # fmt: skip
+                 transport=self._sender.transport_name, sender_cpus=sorted(self._sender.cpus))  # fmt: skip
 
     # ---- inside the forward -------------------------------------------------------------------
 
@@ -297,10 +301,21 @@ class WorkerSide:
             assert self._extents is not None
             self._extents.free(offset)
             self._freed.append((req_id, offset))
+            self._released.notify_all()
 
     def flush(self, meta: TileRTConnectorMetadata | None = None) -> None:
         """After the forward: a request missing layers is aborted (the rest were fully staged); a save of
-        ``meta`` that no layer ever reached is aborted too, and its extent reported back."""
+        ``meta`` that no layer ever reached is aborted too, and its extent reported back.
+
+        A step that schedules no token (``meta.poll``) runs only because some connector has work pending: our
+        transfers in flight (``has_pending_push_work``), or NixlConnector's blocks held until a remote decode
+        reads them. vLLM runs such empty steps back to back, as fast as it can: its EngineCore and this worker
+        process then take a whole core each, for as long as the pending work lasts. On a small machine that
+        starved exactly what the pending work waited for (the sender, the decode node, the router; the native
+        decode instance's NIXL read), so a transfer stalled until a timeout ended it, which ended the spin
+        (issue 8). Such a step therefore waits here: until the sender frees one of our extents (the step then
+        reports it at once), at most ``poll_wait_s``; so vLLM runs at most ``1 / poll_wait_s`` empty steps a
+        second, and new requests wait at most ``poll_wait_s`` longer to be scheduled."""
         for save in meta.saves if meta is not None else ():
             if save.req_id not in self._seen:
                 log.error("staging_never_started", transfer_id=save.claim.transfer_id)
@@ -316,6 +331,15 @@ class WorkerSide:
                 missing = len(self._layers) - len(req.layers_done)
                 log.error("staging_incomplete", transfer_id=req.save.claim.transfer_id, missing_layers=missing)
                 req.staged.fail(f"prefill staged {len(req.layers_done)}/{len(self._layers)} layers")
+        if meta is not None and meta.poll and self._poll_wait_s > 0:
+            self.wait_for_release(self._poll_wait_s)
+
+    def wait_for_release(self, timeout_s: float) -> bool:
+        """Until an extent freed since the last report is waiting to be reported, at most ``timeout_s``;
+        whether one is."""
+        with self._released:
+            self._released.wait_for(lambda: bool(self._freed), timeout_s)
+            return bool(self._freed)
 
     def take_report(self) -> TileRTWorkerMeta | None:
         """Extents freed since the last report, for the scheduler (``None`` when there is no news)."""

@@ -51,7 +51,7 @@ MODEL_NAMES: dict[str, str] = {
 PUBLISHED_EXTRA_KEYS = ("tilert_host", "tilert_ctrl_port", "tilert_model", "tilert_max_seq_len")
 TILERT_EXTRA_KEYS = ("tilert_transport", "tilert_transport_options", "tilert_timeout_s", "tilert_staging_bytes",
                      "tilert_staging_device", "tilert_sender_threads", "tilert_busy_retry_after_s",
-                     "tilert_secret_file")
+                     "tilert_poll_wait_s", "tilert_secret_file")
 
 
 class AliasError(ValueError):
