@@ -23,7 +23,7 @@ demo: $(STAMP) $(MODEL)/config.json
 	$(PY) -m tilert.demo --model $(MODEL) --port $(PORT) --native
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check tilert
+	$(VENV)/bin/ruff check tilert tests
 	$(VENV)/bin/mypy tilert
 	$(PY) -m pytest -q -ra
 
