@@ -1,6 +1,8 @@
 """FP8 kernel timings at the lite / V3.2 shapes (H200): the kernels of ``ops/triton_fp8.py`` at several launch
-configs against the kernels before issue 10b (``_fp8_old.py``, a copy of the earlier file, when present), in
-CUDA graphs of PDL-chained calls rotating over weight copies (> L2). Prints one line per (kernel, shape, variant).
+configs, and against a baseline kernel file when one lies beside this script as ``_fp8_old.py`` (not kept in the
+repo; e.g. the kernels before the 2026-11-30 rework: ``git show 9b3b81a:tilert/engines/tilert/ops/triton_fp8.py >
+benchmarks/_fp8_old.py``), in CUDA graphs of PDL-chained calls rotating over weight copies (> L2). Prints one line
+per (kernel, shape, variant).
 
     python3 benchmarks/micro_fp8.py [--out DIR] [--only gemv,up,down]
 """
