@@ -11,7 +11,6 @@ an MTP module (the last layer copied as the MTP block, random MTP-only weights).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -25,13 +24,7 @@ MAX_SEQ = 64
 PROMPTS = (9, 23, 14)  # prompt lengths of sequences 0, 1, 2 (DSA top-k 16: some decode dense, some sparse)
 STEPS = 12
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -65,6 +65,8 @@ YARN = {
     "beta_slow": 1.0,
 }
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 def _hf_model(arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
     """A seeded random transformers model; weights re-drawn larger than HF's init so logits are not flat."""
@@ -118,13 +120,6 @@ class Case:
         return TileRTEngine.load(path or self.path, device="cpu", dtype=torch.float32, max_seq_len=MAX_SEQ)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Any:
-    """Tiny matmuls: one intra-op thread is several times faster than two on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -29,13 +29,7 @@ FP8_DIMS: dict[str, Any] = dict(hidden_size=200, moe_intermediate_size=160, inte
                                 num_attention_heads=5, num_key_value_heads=5, n_shared_experts=2)
 MAX_SEQ = 128
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_fp8_checkpoint(arch: str, root: Path) -> tuple[Path, Path]:
