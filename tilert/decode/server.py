@@ -198,8 +198,7 @@ class DecodeNode:
         """The request checked against this model and node; the node alone owns the context limit."""
         if req.first_token_id >= self.engine.vocab_size:
             raise SlotError(f"first_token_id must be a token id below {self.engine.vocab_size}", 400)
-        params = replace(self._sampling(req.transfer_id, req.sampling), first_token_id=req.first_token_id,
-                         prompt_tokens=req.prompt_tokens)  # fmt: skip
+        params = self._sampling(req.transfer_id, req.sampling, req.first_token_id, req.prompt_tokens)
         self._check(params)
         room = c.decode_room(self.config.max_seq_len, params.prompt_tokens)
         if params.max_tokens is None:
@@ -214,10 +213,13 @@ class DecodeNode:
             )
         return params
 
-    def _sampling(self, tid: str, sampling: c.Sampling) -> DecodeParams:
-        """``sampling`` checked for this model (400), with its defaults applied."""
+    def _sampling(
+        self, tid: str, sampling: c.Sampling, first_token_id: int = 0, prompt_tokens: int = 1
+    ) -> DecodeParams:
+        """``sampling`` checked for this model (400), with its defaults applied (a reserve has no prompt yet)."""
         try:
-            return DecodeParams.of(tid, sampling, self.engine.vocab_size, self.sampling_defaults)
+            return DecodeParams.of(tid, sampling, self.engine.vocab_size, self.sampling_defaults, first_token_id,
+                                   prompt_tokens)  # fmt: skip
         except ValueError as exc:
             raise SlotError(str(exc), 400) from None
 

@@ -182,8 +182,9 @@ class RequestFlow:
         wait = min(cfg.overflow_wait_s, cfg.queue_timeout_s) if overflow and cfg.overflow_wait_s is not None else (
             cfg.queue_timeout_s)  # fmt: skip
         self._to(FlowState.QUEUED, queue_depth=self.ctx.pool.queue_depth)
+        sampling = self._sampling()
         lease = NodeLease(self.ctx.pool, self.ctx.nodes, self.transfer_id, queue_timeout_s=wait,
-                          lease_s=cfg.lease_s, log=self.log, sampling=self._sampling())  # fmt: skip
+                          lease_s=cfg.lease_s, log=self.log, sampling=sampling)  # fmt: skip
         async with AsyncExitStack() as held:
             try:
                 await held.enter_async_context(lease)
@@ -206,16 +207,18 @@ class RequestFlow:
                 return
             self._to(FlowState.DECODING, node=self.node_name, slot=lease.slot, first_token_id=pre.first_token_id,
                      prompt_tokens=pre.prompt_tokens)  # fmt: skip
-            request = self._decode_request(pre)
+            request = c.DecodeRequest(self.transfer_id, pre.first_token_id, pre.prompt_tokens, sampling)
             loop = TokenLoop(self.ctx.tokenizer.tokenizer, pre.prompt_token_ids, pre.first_token_id, pre.text,
                              self.plan.stop, self.plan.include_stop_str_in_output,
                              self.plan.skip_special_tokens)  # fmt: skip
             # The node checked the sampling with the reserve; when its context also holds the request, it cannot
             # refuse the decode request for anything the client sent: stream prefill's token before asking.
-            if lease.fits(pre.prompt_tokens, request.sampling.max_tokens):
+            early = lease.fits(pre.prompt_tokens, sampling.max_tokens)
+            if early:
                 await self._first_chunk(out, shape, pre, loop)
             async with lease.client.decode(request) as lines:
-                await self._first_chunk(out, shape, pre, loop)
+                if not early:  # a refusal above is still the client's HTTP error, before any byte
+                    await self._first_chunk(out, shape, pre, loop)
                 await self._relay(out, lease, shape, pre, loop, lines)
 
     async def _overflow(self, out: ClientOutput, refused: RouterError) -> None:
@@ -251,9 +254,6 @@ class RequestFlow:
             stop_token_ids=list(plan.stop_token_ids), ignore_eos=bool(plan.ignore_eos),
         )  # fmt: skip
 
-    def _decode_request(self, pre: PrefillResult) -> c.DecodeRequest:
-        return c.DecodeRequest(self.transfer_id, pre.first_token_id, pre.prompt_tokens, self._sampling())
-
     def first_token(self) -> None:
         self.ttft_s = self._elapsed()
         self.ctx.metrics.first_token(self.plan.route, self.ttft_s, self.pool)
@@ -279,9 +279,7 @@ class RequestFlow:
         self._to(FlowState.FINISHED, finish_reason=finish, from_prefill=True)
 
     async def _first_chunk(self, out: ClientOutput, shape: ResponseShape, pre: PrefillResult, loop: TokenLoop) -> None:
-        """Prefill's token to the client (streaming) and the time to first token; once per request."""
-        if self.ttft_s is not None:
-            return
+        """Prefill's token to the client (streaming) and the time to first token."""
         if self.plan.stream:
             await out.start(200, list(SSE_HEADERS))
             now = usage(pre.prompt_tokens, 1) if self.plan.continuous_usage else None

@@ -78,15 +78,14 @@ class NodeClient:
     async def _post(self, path: str, body: c.ReserveRequest | c.ReleaseRequest) -> tuple[int, bytes]:
         """POST an idempotent call; once more on a fresh connection if a kept-alive one turned out dead (the
         node closed it while idle: the request may or may not have reached it, and repeating it is safe)."""
-        for attempt in (1, 2):
-            try:
-                async with self.session.post(path, data=c.dump(body), headers=self._headers,
-                                             timeout=self._timeout) as resp:  # fmt: skip
-                    return resp.status, await resp.read()
-            except _STALE:
-                if attempt == 2:
-                    raise
-        raise AssertionError("unreachable")
+        try:
+            return await self._post_once(path, body)
+        except _STALE:
+            return await self._post_once(path, body)
+
+    async def _post_once(self, path: str, body: c.ReserveRequest | c.ReleaseRequest) -> tuple[int, bytes]:
+        async with self.session.post(path, data=c.dump(body), headers=self._headers, timeout=self._timeout) as resp:
+            return resp.status, await resp.read()
 
     async def reserve(self, transfer_id: str, lease_s: float, sampling: c.Sampling | None = None) -> c.ReserveResponse:
         """Reserve a slot, the node checking ``sampling`` first. Raises :class:`NodeFull`,
