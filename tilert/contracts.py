@@ -433,15 +433,16 @@ def join_runs(items: Sequence[T]) -> list[T | TokenLine]:
     anything else (an error line, the decode node's own end-of-stream markers) is passed as it is."""
     out: list[T | TokenLine] = []
     run: list[TokenLine] = []
+    count = 0  # tokens in run
     for item in items:
         if isinstance(item, TokenLine):
-            count = sum(len(x.token_ids) for x in run) + len(item.token_ids)
-            if run and run[-1].finish_reason is None and count <= MAX_LINE_TOKENS:
+            if run and run[-1].finish_reason is None and count + len(item.token_ids) <= MAX_LINE_TOKENS:
                 run.append(item)
+                count += len(item.token_ids)
                 continue
         if run:
             out.append(join_lines(run))
-        run = [item] if isinstance(item, TokenLine) else []
+        run, count = ([item], len(item.token_ids)) if isinstance(item, TokenLine) else ([], 0)
         if not isinstance(item, TokenLine):
             out.append(item)
     if run:
