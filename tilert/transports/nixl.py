@@ -1,7 +1,10 @@
 """The NIXL transport: one-sided UCX writes (NIXL agent, UCX backend) into the decode node's registered buffers.
 
-Each end owns one NIXL agent (progress thread on, agent-level locking ``NIXL_THREAD_SYNC_STRICT`` because
-several threads use it). The receiver registers every buffer once, up front, as NIXL ``DRAM`` memory.
+Each end owns one NIXL agent (agent-level locking ``NIXL_THREAD_SYNC_STRICT`` because several threads use
+it) without NIXL's progress thread: NIXL's Python API fixes that thread's delay at 0, so it spins on a core
+for the agent's whole life, which on a 2-core machine halved the write rate and slowed the prefill beside it.
+UCX progresses inside our own bounded polls instead (the sender's transfer and verdict polls, the receiver's
+poller, 50 us apart while a grant is live). The receiver registers every buffer once, up front, as NIXL ``DRAM`` memory.
 
 Grant and target. A grant is a window of a registered buffer; its target is ``{"transport": "nixl",
 "agent": receiver agent name, "md": base64 of the agent's *partial* metadata for that buffer (connection
@@ -115,7 +118,7 @@ def _load() -> _Nixl:
 
 def _make_agent(nx: _Nixl, name: str) -> Any:
     try:
-        return nx.agent(name, nx.config(enable_prog_thread=True, enable_listen_thread=False, sync_mode=nx.strict))
+        return nx.agent(name, nx.config(enable_prog_thread=False, enable_listen_thread=False, sync_mode=nx.strict))
     except nx.errors as exc:
         raise TransferError(f"nixl agent {name} failed to start: {exc!r}") from exc
 
