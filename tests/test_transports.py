@@ -12,9 +12,11 @@ UCX's exit-time crash would show as 139), driven over a pipe.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
+import socket
 import statistics
 import time
 from collections.abc import Iterator
@@ -28,6 +30,7 @@ import torch
 from tilert import contracts as c
 from tilert.plugins import available, load_transport
 from tilert.transports.base import Sender, TransferError
+from tilert.transports.tcp import _HEADER, TcpReceiver
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # before any NIXL agent exists, here and in the children
 os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")  # Mooncake's own write timeout (s; its minimum)
@@ -410,3 +413,37 @@ def test_throughput(case: Case, rx: RemoteReceiver) -> None:
         p50 = statistics.median(times[1:])  # the first write pays for the connection
         print(f"{case.id}: {n >> 10} KiB write p50 {p50 * 1e6:.0f} us, {n / p50 / 2**30:.2f} GiB/s")
     assert rx.call("read", region, 0, 16) == data[:16].numpy().tobytes()
+
+
+@pytest.mark.timeout(60)
+def test_tcp_revoke_cuts_off_a_writer_stalled_mid_payload() -> None:
+    """A tcp writer whose payload stops arriving (its process starved or wedged) while the receiver stays alive
+    must not hold the grant's window, nor its own staging, until a socket timeout: revoking the grant (what the
+    decode node does when it gives up on a transfer) shuts the connection at once, and no later byte lands.
+    The writer is a raw socket, because the real sender cannot be made to stall between its bytes on demand."""
+    receiver = TcpReceiver("127.0.0.1", timeout_s=30.0)
+    try:
+        buf = torch.full((1 << 16,), FILL, dtype=torch.uint8)
+        target = receiver.grant(receiver.register(buf), 0, 8192)
+        with socket.create_connection((target["host"], target["port"]), timeout=5.0) as raw:
+            raw.sendall(_HEADER.pack(bytes.fromhex(target["key"]), 0, 8192) + bytes([7]) * 100)
+            deadline = time.monotonic() + 5.0
+            while bytes(buf[:100].tolist()) != bytes([7]) * 100:  # the first bytes are in: the writer is mid-payload
+                assert time.monotonic() < deadline, "the receiver never took the first bytes"
+                time.sleep(0.005)
+            start = time.perf_counter()
+            receiver.revoke(target)
+            raw.settimeout(2.0)
+            try:
+                answer = raw.recv(1)  # EOF (b"") or a reset: either way not an OK
+            except ConnectionResetError:
+                answer = b""
+            cut_after = time.perf_counter() - start
+            assert answer in (b"", b"\x00"), answer
+            assert cut_after < 1.0, cut_after
+            with contextlib.suppress(OSError):
+                raw.sendall(bytes([9]) * 8092)  # the rest of the payload, too late
+        time.sleep(0.05)
+        assert bytes(buf[100:8192].tolist()) == bytes([FILL]) * 8092
+    finally:
+        receiver.close()

@@ -6,7 +6,9 @@ closes one idle for ``idle_timeout_s``.
 Each write is one frame on a pooled connection: a fixed header (grant key, offset within the grant,
 length), then the payload, which the receiver reads straight into the registered buffer (``recv_into``,
 no extra copy); the receiver answers one status byte once the bytes are in place. A write outside its
-grant, or to a revoked grant, is refused and the connection closed. The sender needs no source
+grant, or to a revoked grant, is refused and the connection closed; revoking a grant while a write into it
+is still arriving shuts that connection down, so a stalled writer fails at once instead of holding its
+staging until its own socket timeout, and no byte lands after the revoke returns. The sender needs no source
 registration (it copies from any memory; a device tensor is copied to the host first).
 """
 
@@ -16,7 +18,7 @@ import secrets
 import socket
 import struct
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import structlog
@@ -42,6 +44,7 @@ _OK, _REFUSED = b"\x01", b"\x00"
 @dataclass
 class _Grant:
     view: memoryview  # the granted window of the registered buffer
+    writers: set[socket.socket] = field(default_factory=set)  # connections whose payload is arriving into it
 
 
 class TcpReceiver(Receiver):
@@ -82,7 +85,13 @@ class TcpReceiver(Receiver):
 
     def revoke(self, target: dict[str, Any]) -> None:
         with self._lock:
-            self._grants.pop(bytes.fromhex(target["key"]), None)
+            grant = self._grants.pop(bytes.fromhex(target["key"]), None)
+            writers = set(grant.writers) if grant is not None else set()
+        for conn in writers:  # mid-payload: its recv_into fails now, the writer sees the reset
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def close(self) -> None:
         self._closed.set()
@@ -125,14 +134,25 @@ class TcpReceiver(Receiver):
                     return
                 with self._lock:
                     grant = self._grants.get(key)
-                if grant is None or offset + nbytes > len(grant.view):
+                    fits = grant is not None and offset + nbytes <= len(grant.view)
+                    if grant is not None and fits:
+                        grant.writers.add(conn)
+                if grant is None or not fits:
                     log.warning("tcp_write_refused", offset=offset, nbytes=nbytes, known=grant is not None)
                     conn.sendall(_REFUSED)
                     return  # the payload follows the header: the stream cannot be resynchronised
                 try:
                     recv_into(conn, grant.view[offset : offset + nbytes])
+                    with self._lock:
+                        grant.writers.discard(conn)
+                        live = self._grants.get(key) is grant
+                    if not live:  # revoked while the last bytes arrived: not vouched for
+                        conn.sendall(_REFUSED)
+                        return
                     conn.sendall(_OK)
                 except (ConnectionError, OSError) as exc:
+                    with self._lock:
+                        grant.writers.discard(conn)
                     log.warning("tcp_write_broken", error=str(exc))
                     return
 
