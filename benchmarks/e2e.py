@@ -82,8 +82,6 @@ TARGET_LABELS = {
     "vllm": "vLLM alone (compiled)",
     "prefill": "stack's prefill vLLM alone (eager)",
 }
-# vLLM 0.32's CPU rotary kernel mis-rotates MLA's strided views (README, Traps); the native RoPE is exact.
-CPU_COMPILATION_CONFIG = {"custom_ops": ["-rotary_embedding"]}
 BENCH_KEYS = (
     "completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "output_throughput",
     "request_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
@@ -360,13 +358,17 @@ class Target:
 
 
 def vllm_alone_command(model: Path, port: int, dtype: str) -> list[str]:
-    """Plain vLLM in its fastest CPU configuration: compiled (no --enforce-eager), native RoPE for MLA."""
+    """Plain vLLM in its fastest CPU configuration: compiled (no --enforce-eager), native RoPE for MLA, the model
+    in the engine-core process (``tilert.stack.vllm_cpu_args``: the same as the stack's prefill; its environment
+    needs ``vllm_cpu_env``)."""
+    from tilert import stack
+
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
         "--dtype", dtype, "--max-model-len", str(MAX_MODEL_LEN),
         "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
-        "--compilation-config", json.dumps(CPU_COMPILATION_CONFIG),
+        *stack.vllm_cpu_args(),
     ]  # fmt: skip
 
 
@@ -394,7 +396,7 @@ def start_servers(
         commands = {"prefill": stack.prefill_command(cfg), "decode": stack.decode_command(cfg),
                     "router": stack.router_command(cfg)}  # fmt: skip
         envs = {
-            "prefill": {**base, "VLLM_CPU_OMP_THREADS_BIND": args.prefill_cpus},
+            "prefill": {**base, **stack.vllm_cpu_env(), "VLLM_CPU_OMP_THREADS_BIND": args.prefill_cpus},
             "decode": {**base, **_decode_env(args)},
             "router": dict(base),
         }
@@ -407,8 +409,8 @@ def start_servers(
             cpus = pinned.get(name)
             procs.start(name, commands[name], envs[name], cpus=cpus)
             started[name] = {"command": commands[name], "cpus": sorted(cpus) if cpus else None,
-                             "env": {k: v for k, v in envs[name].items() if k.startswith(("VLLM_CPU", "OMP_",
-                                     "TILERT_DECODE", "TILERT_LOG"))}}  # fmt: skip
+                             "env": {k: v for k, v in envs[name].items() if k.startswith((
+                                     "VLLM_CPU", "VLLM_ENABLE", "OMP_", "TILERT_DECODE", "TILERT_LOG"))}}  # fmt: skip
         urls = stack.Stack(cfg).urls
         health.update({n: urls[n] for n in names})
         if "router" in targets:
@@ -420,9 +422,9 @@ def start_servers(
         cmd = vllm_alone_command(model, port, args.dtype)
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("TILERT_SECRET")},
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-               "VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus}  # fmt: skip
+               **stack.vllm_cpu_env(), "VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus}  # fmt: skip
         procs.start("vllm", cmd, env)
-        started["vllm"] = {"command": cmd, "env": {"VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus}}
+        started["vllm"] = {"command": cmd, "env": {"VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus, **stack.vllm_cpu_env()}}
         out["vllm"] = Target("vllm", f"http://127.0.0.1:{port}", ["vllm"])
         health["vllm"] = out["vllm"].url
     return out, started, health

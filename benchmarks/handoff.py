@@ -13,8 +13,9 @@ Per transport and prompt length, the median over ``--reps`` of:
 
 - ``bulk``: the old behaviour, shipping only after the last layer: the whole extent in one write after the
   handshake. ``tail`` = last layer staged -> state ready on the decode node (its ``Done`` verified, the slot
-  ``READY``); ``GiB/s`` = bytes / tail, next to a plain in-process copy of the same bytes (``memcpy``, the
-  staging extent into the node's slot buffer, measured in the same run) and the ratio of the two.
+  ``READY``); ``GiB/s`` = bytes / tail, next to a plain in-process copy of the same bytes (``memcpy``: one libc
+  ``memcpy`` of the staging extent into the node's slot buffer, measured in the same run) and the ratio of the
+  two; ``torch copy_`` is the same copy through torch's intra-op threads (both cores), shown beside it.
 - ``pipelined``: the connector as it is: handshake at the first layer, each layer written as soon as it is
   staged, ``Done`` after the last. A stand-in for the forward paces the layers as a prefill of
   ``--prefill-tok-s`` tokens/s would (a sleep before each layer's staging; the gathers come on top). ``tail`` as above;
@@ -35,6 +36,7 @@ state was ready on the decode node relative to vLLM's response (negative: before
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import platform
 import statistics
@@ -80,6 +82,7 @@ class Result:
     tokens: int
     nbytes: int
     memcpy_s: float
+    copy2_s: float
     bulk_tail_s: float
     pipe_tail_s: float
     pipe_total_s: float
@@ -91,6 +94,7 @@ class Result:
         bulk_gbs, copy_gbs = gib / self.bulk_tail_s, gib / self.memcpy_s
         return (
             f"| {self.transport} | {self.tokens} | {self.nbytes / 2**20:,.1f} | {copy_gbs:.2f} | "
+            f"{gib / self.copy2_s:.2f} | "
             f"{self.bulk_tail_s * 1e3:,.1f} | {bulk_gbs:.2f} | {100 * bulk_gbs / copy_gbs:.0f}% | "
             f"{self.forward_s * 1e3:,.0f} | {self.pipe_tail_s * 1e3:,.1f} | {self.pipe_total_s * 1e3:,.1f} | "
             f"{self.pipe_writes} |"
@@ -98,9 +102,9 @@ class Result:
 
 
 HEADER = (
-    "| transport | tokens | MiB | memcpy GiB/s | bulk tail ms | bulk GiB/s | bulk / memcpy | stand-in forward ms "
-    "| pipelined tail ms | pipelined total ms | writes |\n"
-    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "| transport | tokens | MiB | memcpy GiB/s | torch copy_ GiB/s | bulk tail ms | bulk GiB/s | bulk / memcpy "
+    "| stand-in forward ms | pipelined tail ms | pipelined total ms | writes |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -184,13 +188,18 @@ class Bench:
             await anyio.sleep(0.001)
         return staged, t_first, t_ready
 
-    def memcpy_s(self, nbytes: int, reps: int) -> float:
+    def memcpy_s(self, nbytes: int, reps: int, *, torch_copy: bool = False) -> float:
+        """The staging extent into the node's slot buffer in this process: one libc ``memcpy`` (one thread, the
+        plain copy a transport is compared with), or ``torch_copy``: ``Tensor.copy_`` (torch's intra-op threads)."""
         assert self.worker.pool is not None
         src, dst = self.worker.pool[:nbytes], self.table.slots[0].buffer[:nbytes]
         times = []
         for _ in range(reps + 1):
             t0 = time.perf_counter()
-            dst.copy_(src)
+            if torch_copy:
+                dst.copy_(src)
+            else:
+                ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
             times.append(time.perf_counter() - t0)
         return statistics.median(times[1:])
 
@@ -215,9 +224,9 @@ async def run_transport(transport: str, tokens: list[int], reps: int, prefill_to
                     totals.append(ready - first)
                     forwards.append(staged.staged_at - first)
                     writes.append(len(staged.writes))
-                copy = bench.memcpy_s(nbytes, reps)
+                copy, copy2 = bench.memcpy_s(nbytes, reps), bench.memcpy_s(nbytes, reps, torch_copy=True)
                 med = statistics.median
-                r = Result(transport, n, nbytes, copy, med(bulk), med(tails), med(totals), int(med(writes)),
+                r = Result(transport, n, nbytes, copy, copy2, med(bulk), med(tails), med(totals), int(med(writes)),
                            med(forwards))  # fmt: skip
                 print(r.row(), flush=True)
                 results.append(r)
@@ -282,7 +291,7 @@ def run_vllm(transport: str, tokens: list[int], reps: int, model: Path | None) -
     import httpx
 
     from tilert.auth import load_secret
-    from tilert.stack import StackConfig, child_env, prefill_command, write_secret_file
+    from tilert.stack import StackConfig, child_env, prefill_command, vllm_cpu_env, write_secret_file
 
     max_tokens = max(tokens)
     model = model or _tiny_model(max_tokens)
@@ -291,7 +300,7 @@ def run_vllm(transport: str, tokens: list[int], reps: int, model: Path | None) -
     port = _free_port()
     cfg = StackConfig(model=model, prefill_port=port, transport=transport, max_model_len=max_tokens + 64,
                       kv_cache_bytes=max(134_217_728, 2 * (max_tokens + 64) * TINY_BPT))  # fmt: skip
-    env = {**child_env(secret_file), "UCX_NET_DEVICES": "lo", "VLLM_LOGGING_LEVEL": "WARNING"}
+    env = {**child_env(secret_file), **vllm_cpu_env(), "UCX_NET_DEVICES": "lo", "VLLM_LOGGING_LEVEL": "WARNING"}
     log_path = Path(tempfile.gettempdir()) / f"handoff-vllm-{transport}-{os.getpid()}.log"
     print(f"(vLLM's log: {log_path})", flush=True)
     with open(log_path, "w") as log_file:
