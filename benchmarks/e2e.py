@@ -79,7 +79,7 @@ MAX_MODEL_LEN = 2048
 TARGETS = ("router", "vllm", "prefill")
 TARGET_LABELS = {
     "router": "tilert router (prefill vLLM + decode node)",
-    "vllm": "vLLM alone (compiled)",
+    "vllm": "vLLM alone (compiled, in-process executor)",
     "prefill": "stack's prefill vLLM alone (eager)",
 }
 BENCH_KEYS = (
@@ -357,10 +357,18 @@ class Target:
     processes: list[str]
 
 
+# vLLM alone runs its model in the engine-core process (the in-process executor, the default on one GPU), not in
+# the worker process its CPU platform picks: that worker spins on ``sched_yield`` for a second after every step
+# (``shm_broadcast.SpinCondition``), and in-process vLLM alone was as fast or faster here (TTFT 45 ms against
+# 61 at concurrency 4; results/cpu-e2e-2026-11-30-e.md). On CPU vLLM accepts it only with this variable, which
+# changes nothing else for its OpenAI server (the engine core stays a process of its own). The stack's prefill
+# keeps the default executor: in-process it answered 4 concurrent users 3-6x later (the closing note of issue 13).
+IN_PROCESS_EXECUTOR_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 def vllm_alone_command(model: Path, port: int, dtype: str) -> list[str]:
     """Plain vLLM in its fastest CPU configuration: compiled (no --enforce-eager), native RoPE for MLA, the model
-    in the engine-core process (``tilert.stack.vllm_cpu_args``: the same as the stack's prefill; its environment
-    needs ``vllm_cpu_env``)."""
+    in the engine-core process (its environment needs ``IN_PROCESS_EXECUTOR_ENV``)."""
     from tilert import stack
 
     return [
@@ -368,7 +376,8 @@ def vllm_alone_command(model: Path, port: int, dtype: str) -> list[str]:
         "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
         "--dtype", dtype, "--max-model-len", str(MAX_MODEL_LEN),
         "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
-        *stack.vllm_cpu_args(),
+        "--compilation-config", json.dumps(stack.CPU_PREFILL_COMPILATION_CONFIG),
+        "--distributed-executor-backend", "uni",
     ]  # fmt: skip
 
 
@@ -396,7 +405,7 @@ def start_servers(
         commands = {"prefill": stack.prefill_command(cfg), "decode": stack.decode_command(cfg),
                     "router": stack.router_command(cfg)}  # fmt: skip
         envs = {
-            "prefill": {**base, **stack.vllm_cpu_env(), "VLLM_CPU_OMP_THREADS_BIND": args.prefill_cpus},
+            "prefill": {**base, "VLLM_CPU_OMP_THREADS_BIND": args.prefill_cpus},
             "decode": {**base, **_decode_env(args)},
             "router": dict(base),
         }
@@ -422,9 +431,10 @@ def start_servers(
         cmd = vllm_alone_command(model, port, args.dtype)
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("TILERT_SECRET")},
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-               **stack.vllm_cpu_env(), "VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus}  # fmt: skip
+               **IN_PROCESS_EXECUTOR_ENV, "VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus}  # fmt: skip
         procs.start("vllm", cmd, env)
-        started["vllm"] = {"command": cmd, "env": {"VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus, **stack.vllm_cpu_env()}}
+        started["vllm"] = {"command": cmd,
+                           "env": {"VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus, **IN_PROCESS_EXECUTOR_ENV}}
         out["vllm"] = Target("vllm", f"http://127.0.0.1:{port}", ["vllm"])
         health["vllm"] = out["vllm"].url
     return out, started, health

@@ -291,7 +291,7 @@ def run_vllm(transport: str, tokens: list[int], reps: int, model: Path | None) -
     import httpx
 
     from tilert.auth import load_secret
-    from tilert.stack import StackConfig, child_env, prefill_command, vllm_cpu_env, write_secret_file
+    from tilert.stack import StackConfig, child_env, prefill_command, write_secret_file
 
     max_tokens = max(tokens)
     model = model or _tiny_model(max_tokens)
@@ -300,7 +300,7 @@ def run_vllm(transport: str, tokens: list[int], reps: int, model: Path | None) -
     port = _free_port()
     cfg = StackConfig(model=model, prefill_port=port, transport=transport, max_model_len=max_tokens + 64,
                       kv_cache_bytes=max(134_217_728, 2 * (max_tokens + 64) * TINY_BPT))  # fmt: skip
-    env = {**child_env(secret_file), **vllm_cpu_env(), "UCX_NET_DEVICES": "lo", "VLLM_LOGGING_LEVEL": "WARNING"}
+    env = {**child_env(secret_file), "UCX_NET_DEVICES": "lo", "VLLM_LOGGING_LEVEL": "WARNING"}
     log_path = Path(tempfile.gettempdir()) / f"handoff-vllm-{transport}-{os.getpid()}.log"
     print(f"(vLLM's log: {log_path})", flush=True)
     with open(log_path, "w") as log_file:

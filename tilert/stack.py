@@ -113,34 +113,8 @@ def native_command(cfg: StackConfig) -> list[str]:
     return load_native_pool(cfg.native_engine).decode_command(native_instances(cfg)[1], cpu=not _has_cuda())
 
 
-# On CPU, vLLM runs the model in a worker process of its own (its CPU platform turns the default executor into
-# "mp"), and that worker waits for the engine core's next step by spinning on ``sched_yield`` for a second
-# after every step (``shm_broadcast.SpinCondition``, ``busy_loop_s=1``): during the decode of each request
-# that the prefill handed off, a whole core of a small machine, the one the router, the decode node's HTTP
-# loop and the clients share. The in-process executor (the default on a single GPU) runs the model in the
-# engine-core process, which blocks while idle. Measured with the stack on 2 cores (closing note of issue 13):
-# TTFT 49-53 ms against 62-73, TPOT 3.3-3.7 ms against 3.8-4.0. vLLM accepts it on CPU only with
-# VLLM_ENABLE_V1_MULTIPROCESSING=0, which changes nothing else for its OpenAI server (the engine core stays a
-# process of its own).
-CPU_IN_PROCESS_EXECUTOR_ARGS = ["--distributed-executor-backend", "uni"]
-CPU_IN_PROCESS_EXECUTOR_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-
-
-def vllm_cpu_args() -> list[str]:
-    """What every CPU vLLM instance of the stack (and of its benchmarks) is started with; nothing on CUDA."""
-    if _has_cuda():
-        return []
-    return ["--compilation-config", json.dumps(CPU_PREFILL_COMPILATION_CONFIG), *CPU_IN_PROCESS_EXECUTOR_ARGS]
-
-
-def vllm_cpu_env() -> dict[str, str]:
-    """The environment that goes with :func:`vllm_cpu_args`."""
-    return {} if _has_cuda() else dict(CPU_IN_PROCESS_EXECUTOR_ENV)
-
-
 def prefill_command(cfg: StackConfig) -> list[str]:
-    """Stock vLLM's OpenAI server with the connector configured (no patch, no wrapper); its environment adds
-    :func:`vllm_cpu_env`."""
+    """Stock vLLM's OpenAI server with the connector configured (no patch, no wrapper)."""
     kv_config = kv_transfer_config(cfg)
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -151,8 +125,9 @@ def prefill_command(cfg: StackConfig) -> list[str]:
         *([] if cfg.prefill_compiled else ["--enforce-eager"]),
         "--kv-cache-memory-bytes", str(cfg.kv_cache_bytes),
         "--kv-transfer-config", json.dumps(kv_config),
-        *vllm_cpu_args(),
     ]  # fmt: skip
+    if not _has_cuda():
+        cmd += ["--compilation-config", json.dumps(CPU_PREFILL_COMPILATION_CONFIG)]
     return cmd
 
 
@@ -246,13 +221,11 @@ class Stack:
         return out
 
     def extra_env(self, name: str) -> dict[str, str]:
-        """Per child: the prefill gets :func:`vllm_cpu_env`; in native mode both vLLM instances get the native
-        pool's environment (NIXL side channel)."""
-        env = vllm_cpu_env() if name == "prefill" else {}
+        """Per child: in native mode both vLLM instances get the native pool's environment (NIXL side channel)."""
         if not self.cfg.native or name not in ("prefill", "native"):
-            return env
+            return {}
         prefill, native = native_instances(self.cfg)
-        return {**env, **load_native_pool(self.cfg.native_engine).env(prefill if name == "prefill" else native)}
+        return load_native_pool(self.cfg.native_engine).env(prefill if name == "prefill" else native)
 
     def prepare_secret(self) -> Path:
         """Write this stack's secret file (once); :meth:`cleanup` (also run at exit) removes it."""
