@@ -6,7 +6,8 @@ Two kernels per MoE block:
    of the up half of ``w13[e]`` (e = this slot's expert), optionally RMS-normalising x on the fly, and
    writes ``act = silu(gate) * up`` (bf16) for its slice.
 2. ``moe_down``: grid (n, D / BD). Each program streams ``w2[e_j][BD rows, :]`` for every slot j and
-   accumulates ``sum_j w_j * w2[e_j] @ act_j`` in fp32; optionally adds into the residual in place.
+   accumulates ``sum_j w_j * w2[e_j] @ act_j`` in fp32; optionally adds a residual (in place, or into an output
+   apart from it).
 
 The token (and slot) index is the grid's fastest axis: the programs of all tokens for one weight block run
 side by side, so an expert that several tokens of a step use (the shared experts always, routed ones when
@@ -84,8 +85,8 @@ def _moe_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    act_ptr, ids_ptr, wts_ptr, w2_ptr, y_ptr, D, I, KK, stride_an, stride_ak, stride_ids, stride_wts,
-    stride_we, stride_wd, stride_yn,
+    act_ptr, ids_ptr, wts_ptr, w2_ptr, y_ptr, res_ptr, D, I, KK, stride_an, stride_ak, stride_ids, stride_wts,
+    stride_we, stride_wd, stride_yn, stride_rn,
     BD: tl.constexpr, BI: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     i = tl.program_id(0)
@@ -108,13 +109,11 @@ def _moe_down_kernel(
         w = tl.load(w2_ptr + e.to(tl.int64) * stride_we + offs_d.to(tl.int64)[:, None] * stride_wd + offs_i[None, :],
                     mask=dmask[:, None] & imask[None, :], other=0.0)
         acc += w.to(tl.float32) * (a * wj)[None, :]
-    total = tl.sum(acc, 1)
-    yp = y_ptr + i * stride_yn + offs_d
+    y = tl.sum(acc, 1).to(y_ptr.dtype.element_ty)
     if HAS_RES:
-        r = tl.load(yp, mask=dmask, other=0.0).to(tl.float32)
-        tl.store(yp, (r + total.to(y_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty), mask=dmask)
-    else:
-        tl.store(yp, total.to(y_ptr.dtype.element_ty), mask=dmask)
+        r = tl.load(res_ptr + i * stride_rn + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        y = (r + y.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + i * stride_yn + offs_d, y, mask=dmask)
 
 
 # (rows, K tile, warps, stages): best of the micro.py sweeps on the H200 for lite and V3.2 shapes
@@ -138,17 +137,21 @@ def moe_up(x, ids, w13, *, norm_w=None, eps=1e-6, out=None, cfg=None):
 
 
 def moe_down(act, ids, wts, w2, *, residual=None, out=None, cfg=None):
+    """``sum_j wts_j * w2[ids_j] @ act_j`` (+ ``residual``) into ``out`` (default: ``residual``, in place)."""
     n, KK, I = act.shape
     D = w2.shape[1]
     assert w2.shape[2] == I and w2.stride(-1) == 1
-    if residual is not None:
+    if out is not None:
+        y = out
+    elif residual is not None:
         y = residual
     else:
-        y = out if out is not None else torch.empty(n, D, device=act.device, dtype=act.dtype)
+        y = torch.empty(n, D, device=act.device, dtype=act.dtype)
+    res = residual if residual is not None else y
     BD, BI, nw, ns = cfg or DOWN_CFG
     _moe_down_kernel[(n, triton.cdiv(D, BD))](
-        act, ids, wts, w2, y, D, I, KK, act.stride(0), act.stride(1), ids.stride(0), wts.stride(0),
-        w2.stride(0), w2.stride(1), y.stride(0),
+        act, ids, wts, w2, y, res, D, I, KK, act.stride(0), act.stride(1), ids.stride(0), wts.stride(0),
+        w2.stride(0), w2.stride(1), y.stride(0), res.stride(0),
         BD=BD, BI=BI, HAS_RES=residual is not None, num_warps=nw, num_stages=ns,
      **triton_pdl.kw())
     return y
