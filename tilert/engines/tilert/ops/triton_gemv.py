@@ -86,7 +86,7 @@ def _gemv_kernel(
 # (BN rows, BK, num_warps, num_stages) per weight class. Measured on the H200 (benchmarks/micro.py and
 # decode_speed.py --tune, 2026-11-29): tiny row blocks with long K tiles win for < 64 MB matrices (more
 # programs in flight), 8 x 512 for large ones, 16 x 256 for the lm_head.
-HEAD_CFG = (16, 256, 4, 4)  # N >= 65536 (lm_head)
+HEAD_CFG = (16, 256, 4, 4)  # >= 512 MB (the lm_head, whole or a tensor-parallel rank's vocabulary rows)
 LARGE_CFG = (8, 512, 4, 3)  # >= 64 MB
 SMALL_K1024_CFG = (2, 1024, 4, 3)  # < 64 MB, K a multiple of 1024 (W_a, W_o, router at lite / V3.2 dims)
 MID_CFG = (8, 512, 4, 3)  # < 64 MB, N >= 4096 (W_b)
@@ -96,7 +96,7 @@ SMALL_CFG = (2, 512, 4, 3)
 def gemv_config(N: int, K: int, nt: int) -> tuple[int, int, int, int]:
     """(BN, BK, num_warps, num_stages) for a weight of ``[N, K]`` (the same for every ``nt``: batch invariance)."""
     nbytes = N * K * 2
-    if N >= 65536:
+    if nbytes >= (512 << 20):
         return HEAD_CFG
     if nbytes >= (64 << 20):
         return LARGE_CFG
