@@ -296,7 +296,8 @@ def torch_route(logits, bias, top_k, n_group, topk_group, scale):
 
 
 def check_moe(dev, small):
-    cases = [(1, 64, 6, 2, 2048, 1408), (4, 64, 6, 2, 2048, 1408), (1, 24, 8, 1, 7168, 2048), (1, 1, 1, 0, 2048, 11264)]
+    cases = [(1, 64, 6, 2, 2048, 1408), (4, 64, 6, 2, 2048, 1408), (1, 24, 8, 1, 7168, 2048), (1, 1, 1, 0, 2048, 11264),
+             (2, 24, 8, 1, 7168, 1024)]  # the last: a TP2 rank's half-width V3.2 experts (moe "narrow" configs)
     if small:
         cases = [(1, 8, 2, 1, 64, 48), (3, 8, 2, 1, 64, 48)]
     for n, E, k, ns, D, I in cases:
@@ -315,7 +316,11 @@ def check_moe(dev, small):
         r = r0.clone()
         act = triton_moe.moe_up(x, ids, w13, norm_w=g, eps=1e-6)
         triton_moe.moe_down(act, ids, wts, w2, residual=r)
-        report(f"moe fused norm+residual n={n} E={E} D={D}", r, r0.float() + ref.moe_experts(xn, ids, wts, w13, w2).float())
+        want_n = ref.moe_experts(xn, ids, wts, w13, w2)
+        report(f"moe fused norm+residual n={n} E={E} D={D}", r, r0.float() + want_n.float())
+        for cfg in ((1, 1024, 4, 4, True), (2, 512, 8, 2, True)):  # moe_down unrolled (several I chunks, rows)
+            got = triton_moe.moe_down(act, ids, wts, w2, cfg=cfg)
+            report(f"moe_down unrolled {cfg} n={n} D={D} I={I}", got, want_n)
     # router
     for n, E, k, G, TG in ([(1, 64, 6, 1, 1), (4, 256, 8, 8, 4), (1, 256, 8, 8, 4)] if not small else [(2, 16, 4, 4, 2)]):
         logits = torch.randn(n, E, device=dev) * 2

@@ -525,16 +525,17 @@ def log_timeline(tag: str, tl: dict, step_ms: float) -> None:
 
 
 # The configs the TP2 real-dims step's half-width shapes select (the first of each the default): experts of
-# width 1024 (moe), W_o [7168, 8192] 117 MB and W_b [20480, 1536] 63 MB (gemv LARGE / MID), the lm_head's 64640
-# rows (HEAD), W_a and the router (SMALL_K1024, replicated), the dense MLA splits (64 heads: one head block).
+# width 1024 (moe narrow), W_o [7168, 8192] 117 MB (gemv LARGE), the lm_head's 64640 rows (HEAD). TUNING_ONE: the
+# one-GPU step's moe_down (wide experts) unrolled, timed beside it.
+TUNING_ONE = (("triton_moe", ("DOWN_CFG", "wide"), ((1, 2048, 4, 3, False), (1, 2048, 4, 3, True), (2, 1024, 8, 2, True))),)
 TUNING_TP = (
-    ("triton_moe", "DOWN_CFG", ((1, 2048, 4, 3), (1, 1024, 4, 3), (2, 1024, 4, 3), (1, 1024, 4, 4), (2, 512, 4, 3))),
-    ("triton_moe", "UP_CFG", ((8, 512, 4, 4), (4, 512, 4, 4), (4, 1024, 4, 3), (16, 512, 8, 4), (8, 1024, 8, 3))),
-    ("triton_gemv", "LARGE_CFG", ((8, 512, 4, 3), (4, 512, 4, 3), (4, 1024, 4, 3), (16, 512, 8, 3), (8, 1024, 8, 3))),
-    ("triton_gemv", "MID_CFG", ((8, 512, 4, 3), (4, 512, 4, 3), (2, 512, 4, 4), (16, 512, 8, 3), (4, 1024, 4, 3))),
-    ("triton_gemv", "HEAD_CFG", ((16, 256, 4, 4), (8, 512, 4, 3), (32, 256, 8, 4))),
-    ("triton_gemv", "SMALL_K1024_CFG", ((2, 1024, 4, 3), (4, 1024, 4, 3))),
-    ("triton_mla", "DENSE_MIN_TOKENS_PER_SPLIT", (32, 64)),
+    ("triton_moe", ("DOWN_CFG", "narrow"), ((1, 1024, 4, 4, False), (1, 1024, 4, 4, True), (1, 1024, 2, 4, False),
+                                          (1, 1024, 8, 4, False), (2, 1024, 4, 4, False), (2, 1024, 8, 2, True),
+                                          (4, 1024, 8, 2, True))),
+    ("triton_moe", ("UP_CFG", "narrow"), ((8, 1024, 8, 3), (8, 1024, 8, 4), (16, 1024, 8, 3), (8, 1024, 4, 3),
+                                        (4, 1024, 8, 3))),
+    ("triton_gemv", "LARGE_CFG", ((8, 512, 4, 3), (4, 512, 4, 3), (8, 1024, 8, 3))),
+    ("triton_gemv", "HEAD_CFG", ((16, 256, 4, 4), (8, 512, 4, 3))),
 )
 
 
@@ -591,6 +592,12 @@ def bench_real(pg, dev, layers_tp, layers_one, contexts, bw, kinds, profile=Fals
             for ctx in contexts:
                 one_ms[ctx] = step_ms(eng, ctx, dev, alone=True)
                 log(f"[real x{layers_one}] one GPU ctx={ctx}: {one_ms[ctx]} ms")
+                if tune and dev.type == "cuda" and ctx == contexts[0]:
+                    from decode_speed import tune_variants
+
+                    RESULT.setdefault("profile", {})["one_gpu_tuning"] = tune_variants(
+                        f"[real x{layers_one}] one GPU ctx={ctx}", lambda ctx=ctx: step_ms(_fresh(eng), ctx, dev, True),
+                        TUNING_ONE, log)
                 if profile and dev.type == "cuda":
                     tl = step_timeline(eng, ctx, dev)
                     RESULT.setdefault("profile", {})[f"one_gpu_x{layers_one}_{ctx}"] = dict(step_ms=one_ms[ctx], **tl)
