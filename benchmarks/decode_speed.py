@@ -186,10 +186,9 @@ def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
 
 TUNING = (  # (module, attribute, values): variants re-timed in the whole captured step (first context)
     ("triton_mla", "DENSE_MIN_TOKENS_PER_SPLIT", (32, 64, 16)),
-    ("triton_moe", ("DOWN_CFG", "wide"), ((1, 2048, 4, 3, False), (2, 1024, 4, 3, False), (1, 2048, 8, 3, False),
-                                        (1, 2048, 4, 4, False), (1, 2048, 4, 3, True))),
+    ("triton_moe", ("DOWN_CFG", "wide"), ((1, 2048, 4, 3), (2, 1024, 4, 3), (1, 2048, 8, 3), (1, 2048, 4, 4))),
     ("triton_moe", ("UP_CFG", "wide"), ((8, 512, 4, 4), (4, 512, 4, 4), (8, 512, 4, 3), (16, 512, 8, 4),
-                                      (8, 1024, 8, 3))),
+                                      (8, 1024, 4, 3))),
     ("triton_gemv", "SMALL_K1024_CFG", ((2, 1024, 4, 3), (1, 2048, 4, 3), (4, 1024, 4, 3), (2, 2048, 8, 2),
                                         (1, 1024, 4, 4))),
     ("triton_gemv", "MID_CFG", ((8, 512, 4, 3), (4, 512, 4, 3), (2, 512, 4, 4), (16, 512, 8, 3))),
@@ -477,7 +476,7 @@ def bench_transformers(name: str, args: ModelArgs, contexts: list[int], steps: i
 
 
 def main():
-    if "--tp" in sys.argv[1:]:  # tensor / expert parallel over several GPUs: benchmarks/tp_decode.py
+    if "--tp" in sys.argv[1:]:  # tensor parallel over several GPUs: benchmarks/tp_decode.py
         import tp_decode
 
         return tp_decode.main(sys.argv[1:])

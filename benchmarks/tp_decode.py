@@ -1,4 +1,4 @@
-"""Tensor / expert parallel decoding of the TileRT engine over N GPUs of one host: output against one GPU, speed,
+"""Tensor parallel decoding of the TileRT engine over N GPUs of one host: output against one GPU, speed,
 communication. One process per GPU (spawned here; no torchrun needed).
 
     python3 benchmarks/tp_decode.py --tp 2 --out $OUT       (2 H200s: nvidia-h200-x2; ~6 min)
@@ -447,7 +447,7 @@ def bench_speed(name, eng, model, pg, dev, contexts, bw, kinds, one_gpu_ms) -> l
     size = dist.get_world_size()
     a_local = model.args
     a = replace(a_local, num_heads=a_local.num_heads * size, intermediate_size=a_local.intermediate_size * size,
-                tp_rank=0, tp_size=1)
+                moe_intermediate_size=a_local.moe_intermediate_size * size, tp_rank=0, tp_size=1)  # the global args
     rows = []
     for ctx in contexts:
         sparse = a.dsa and ctx + 1 > a.index_topk
@@ -524,18 +524,18 @@ def log_timeline(tag: str, tl: dict, step_ms: float) -> None:
         + ", ".join(f"{k} x{c} {us:.0f}" for k, (c, us) in sorted(agg.items(), key=lambda x: -x[1][1])))
 
 
-# The configs the TP2 real-dims step's half-width shapes select (the first of each the default): experts of
-# width 1024 (moe narrow), W_o [7168, 8192] 117 MB (gemv LARGE), the lm_head's 64640 rows (HEAD). TUNING_ONE: the
-# one-GPU step's moe_down (wide experts) unrolled, timed beside it.
-TUNING_ONE = (("triton_moe", ("DOWN_CFG", "wide"), ((1, 2048, 4, 3, False), (1, 2048, 4, 3, True), (2, 1024, 8, 2, True))),)
+# Variants re-timed in the whole step (the first of each the default). TP2 real dims: the half-width experts
+# (moe "narrow"), W_o [7168, 8192] 117 MB (gemv LARGE), the lm_head's 64640 rows (HEAD); one GPU: the LARGE and
+# wide-expert configs the TP2 tuning would touch there (W_b 100 MB and W_o 235 MB are LARGE on one GPU).
 TUNING_TP = (
-    ("triton_moe", ("DOWN_CFG", "narrow"), ((1, 1024, 4, 4, False), (1, 1024, 4, 4, True), (1, 1024, 2, 4, False),
-                                          (1, 1024, 8, 4, False), (2, 1024, 4, 4, False), (2, 1024, 8, 2, True),
-                                          (4, 1024, 8, 2, True))),
-    ("triton_moe", ("UP_CFG", "narrow"), ((8, 1024, 8, 3), (8, 1024, 8, 4), (16, 1024, 8, 3), (8, 1024, 4, 3),
-                                        (4, 1024, 8, 3))),
-    ("triton_gemv", "LARGE_CFG", ((8, 512, 4, 3), (4, 512, 4, 3), (8, 1024, 8, 3))),
+    ("triton_moe", ("DOWN_CFG", "narrow"), ((1, 1024, 4, 4), (1, 1024, 2, 4), (2, 1024, 4, 4))),
+    ("triton_moe", ("UP_CFG", "narrow"), ((8, 1024, 4, 3), (8, 1024, 8, 3), (8, 1024, 4, 4), (16, 1024, 4, 3))),
+    ("triton_gemv", "LARGE_CFG", ((8, 512, 4, 3), (4, 512, 4, 3), (8, 1024, 8, 3), (8, 1024, 4, 3))),
     ("triton_gemv", "HEAD_CFG", ((16, 256, 4, 4), (8, 512, 4, 3))),
+)
+TUNING_ONE = (
+    ("triton_gemv", "LARGE_CFG", ((8, 512, 4, 3), (4, 512, 4, 3), (8, 1024, 8, 3), (8, 1024, 4, 3))),
+    ("triton_moe", ("UP_CFG", "wide"), ((8, 512, 4, 4), (8, 1024, 4, 3))),
 )
 
 

@@ -1,4 +1,4 @@
-"""Tensor / expert parallel decoding on the CPU: two ranks on gloo against one rank, on the tiny checkpoints of
+"""Tensor parallel decoding on the CPU: two ranks on gloo against one rank, on the tiny checkpoints of
 the three families (and DeepSeek-V3 with an MTP module), through the same leader / follower protocol that
 ``tilert decode --tp N`` runs; then ``tilert decode --tp 2`` serving a request end to end.
 

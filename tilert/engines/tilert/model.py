@@ -67,7 +67,7 @@ feed the layer output ``h'`` (before ``shared_head.norm``) back in as ``h``. The
 dense over its valid rows ``valid_from..i`` (rows before ``valid_from``, e.g. of a prompt whose MTP KV was
 not handed over, are skipped); its indexer keys, if any, are still written.
 
-Tensor / expert parallelism over ``N`` ranks (``parallel.py`` shards the weights and holds the collectives,
+Tensor parallelism over ``N`` ranks (``parallel.py`` shards the weights and holds the collectives,
 ``Transformer.use_group``; every rank runs this same code with rank-local :class:`ModelArgs`):
 
 - attention: each rank holds ``H/N`` heads (its rows of ``q_b`` and ``kv_b``, its columns of ``o_proj``).
@@ -139,7 +139,7 @@ class ModelArgs:
     mtp_indexer: bool = False
     mtp_own_embed: bool = False
     mtp_own_head: bool = False
-    # Tensor / expert parallelism (``parallel.py``): this rank of ``tp_size``; the args are then rank-local
+    # Tensor parallelism (``parallel.py``): this rank of ``tp_size``; the args are then rank-local
     # (``num_heads`` and ``intermediate_size`` are this rank's share; see the module docstring).
     tp_rank: int = 0
     tp_size: int = 1

@@ -212,8 +212,9 @@ def router(
     norm_topk: bool,
     n_shared: int,
 ) -> tuple[Tensor, Tensor]:
-    """The routing of :func:`moe_block` alone (``ids int32 [n, k+S]``, ``weights fp32``); the expert-parallel
-    MoE runs it on every rank, then only the rank's own experts; see :func:`reference.router`."""
+    """The routing of :func:`moe_block` alone (``ids int32 [n, k+S]``, ``weights fp32``); the tensor-parallel
+    MoE runs it on every rank, then :func:`moe_partial` over the rank's slice of every expert; see
+    :func:`reference.router`."""
     ids, weights = reference.router(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
                                     norm_topk, n_shared)
     return ids, weights

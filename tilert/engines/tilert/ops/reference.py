@@ -162,7 +162,7 @@ def moe_experts(
 
     Shapes: ``x [n, D]``, ``topk_ids int32 [n, k]``, ``topk_weights fp32 [n, k]``, ``w13 [E, 2I, D]``,
     ``w2 [E, D, I]`` -> ``[n, D]``. The expert matmuls run in ``x.dtype``, the weighted sum in float32.
-    An id ``-1`` marks an empty slot (skipped: another rank's expert under expert parallelism).
+    An id ``-1`` marks an empty slot (skipped).
 
     Two equivalent strategies: when ``n*k <= E`` (decode) gather the selected experts' weights (static
     shapes, reads only the chosen experts); otherwise loop over the experts that were hit (prefill).

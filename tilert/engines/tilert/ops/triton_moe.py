@@ -84,43 +84,31 @@ def _moe_up_kernel(
 
 
 @triton.jit
-def _down_chunk(acc, act_ptr, ids_ptr, wts_ptr, w2_ptr, i, j, i0, offs_d, dmask, I, stride_an, stride_ak, stride_ids,
-                stride_wts, stride_we, stride_wd, BI: tl.constexpr):
-    """``acc += w_j * w2[e_j][rows, i0:i0+BI] * act_j[i0:i0+BI]`` (slot ``j`` of token ``i``; ``e_j < 0``: nothing)."""
-    e = tl.load(ids_ptr + i * stride_ids + j)
-    wj = tl.load(wts_ptr + i * stride_wts + j)
-    ok = e >= 0
-    e = tl.where(ok, e, 0)
-    offs_i = i0 + tl.arange(0, BI)
-    imask = (offs_i < I) & ok
-    a = tl.load(act_ptr + i * stride_an + j * stride_ak + offs_i, mask=imask, other=0.0).to(tl.float32)
-    w = tl.load(w2_ptr + e.to(tl.int64) * stride_we + offs_d.to(tl.int64)[:, None] * stride_wd + offs_i[None, :],
-                mask=dmask[:, None] & imask[None, :], other=0.0)
-    return acc + w.to(tl.float32) * (a * wj)[None, :]
-
-
-@triton.jit
 def _moe_down_kernel(
     act_ptr, ids_ptr, wts_ptr, w2_ptr, y_ptr, res_ptr, D, I, stride_an, stride_ak, stride_ids, stride_wts,
     stride_we, stride_wd, stride_yn, stride_rn,
-    KK: tl.constexpr, N_CH: tl.constexpr, BD: tl.constexpr, BI: tl.constexpr, UNROLL: tl.constexpr,
-    HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    KK: tl.constexpr, N_CH: tl.constexpr, BD: tl.constexpr, BI: tl.constexpr, HAS_RES: tl.constexpr,
+    PDL: tl.constexpr):
     pdl_begin(PDL)
     i = tl.program_id(0)
     db = tl.program_id(1)
     offs_d = db * BD + tl.arange(0, BD)
     dmask = offs_d < D
+    # One flat loop over (slot, I-chunk) so the software pipeline streams across experts.
     acc = tl.zeros([BD, BI], dtype=tl.float32)
-    if UNROLL:  # every (slot, chunk) load in flight at once: no software pipeline to fill for a few iterations
-        for j in tl.static_range(KK):
-            for c in tl.static_range(N_CH):
-                acc = _down_chunk(acc, act_ptr, ids_ptr, wts_ptr, w2_ptr, i, j, c * BI, offs_d, dmask, I, stride_an,
-                                  stride_ak, stride_ids, stride_wts, stride_we, stride_wd, BI)
-    else:  # one flat loop over (slot, I-chunk) so the software pipeline streams across experts
-        for t in range(0, KK * N_CH):
-            j = t // N_CH
-            acc = _down_chunk(acc, act_ptr, ids_ptr, wts_ptr, w2_ptr, i, j, (t - j * N_CH) * BI, offs_d, dmask, I,
-                              stride_an, stride_ak, stride_ids, stride_wts, stride_we, stride_wd, BI)
+    for t in range(0, KK * N_CH):
+        j = t // N_CH
+        i0 = (t - j * N_CH) * BI
+        e = tl.load(ids_ptr + i * stride_ids + j)
+        wj = tl.load(wts_ptr + i * stride_wts + j)
+        ok = e >= 0
+        e = tl.where(ok, e, 0)
+        offs_i = i0 + tl.arange(0, BI)
+        imask = (offs_i < I) & ok
+        a = tl.load(act_ptr + i * stride_an + j * stride_ak + offs_i, mask=imask, other=0.0).to(tl.float32)
+        w = tl.load(w2_ptr + e.to(tl.int64) * stride_we + offs_d.to(tl.int64)[:, None] * stride_wd + offs_i[None, :],
+                    mask=dmask[:, None] & imask[None, :], other=0.0)
+        acc += w.to(tl.float32) * (a * wj)[None, :]
     y = tl.sum(acc, 1).to(y_ptr.dtype.element_ty)
     if HAS_RES:
         r = tl.load(res_ptr + i * stride_rn + offs_d, mask=dmask, other=0.0).to(tl.float32)
@@ -131,12 +119,12 @@ def _moe_down_kernel(
 # By expert width (``"narrow"``: I <= 1024, e.g. a tensor-parallel rank's slice of V3.2's 2048): best of the
 # micro.py sweeps on the H200 for lite and V3.2 shapes and of ``decode_speed.py --tune`` / ``tp_decode.py
 # --sections real,tune``, which re-time variants in the whole captured step.
-# moe_up (rows, K tile, warps, stages); narrow: the TP2 V3.2 step 18 us faster than the wide one (2026-11-30).
-UP_CFG = {"wide": (8, 512, 4, 4), "narrow": (8, 1024, 8, 3)}
-# moe_down (rows, I tile, warps, stages, unrolled: every (slot, chunk) load issued at once instead of a software
-# pipeline); wide: the lite-v32 step 0.14 ms faster than (2, 1024, 4, 3) (2026-11-29); narrow: the TP2 V3.2 step
-# 62 us faster than the wide one (2026-11-30).
-DOWN_CFG = {"wide": (1, 2048, 4, 3, False), "narrow": (1, 1024, 4, 4, False)}
+# moe_up (rows, K tile, warps, stages); narrow: the TP2 V3.2 step 37 us faster than the wide one (2026-11-30).
+UP_CFG = {"wide": (8, 512, 4, 4), "narrow": (8, 1024, 4, 3)}
+# moe_down (rows, I tile, warps, stages); wide: the lite-v32 step 0.14 ms faster than (2, 1024, 4, 3) (2026-11-29);
+# narrow: the TP2 V3.2 step 62 us faster than the wide one (2026-11-30; unrolling the (slot, chunk) loop instead
+# of the software pipeline: 22 us slower there, 5 us faster in the one-GPU step).
+DOWN_CFG = {"wide": (1, 2048, 4, 3), "narrow": (1, 1024, 4, 4)}
 
 
 def _width(inter: int) -> str:
@@ -169,12 +157,12 @@ def moe_down(act, ids, wts, w2, *, residual=None, out=None, cfg=None):
     else:
         y = torch.empty(n, D, device=act.device, dtype=act.dtype)
     res = residual if residual is not None else y
-    BD, BI, nw, ns, unroll = cfg or DOWN_CFG[_width(I)]
+    BD, BI, nw, ns = cfg or DOWN_CFG[_width(I)]
     _moe_down_kernel[(n, triton.cdiv(D, BD))](
         act, ids, wts, w2, y, res, D, I, act.stride(0), act.stride(1), ids.stride(0), wts.stride(0),
         w2.stride(0), w2.stride(1), y.stride(0), res.stride(0),
-        KK=KK, N_CH=triton.cdiv(I, BI), BD=BD, BI=BI, UNROLL=unroll, HAS_RES=residual is not None,
-        num_warps=nw, num_stages=ns, **triton_pdl.kw())
+        KK=KK, N_CH=triton.cdiv(I, BI), BD=BD, BI=BI, HAS_RES=residual is not None, num_warps=nw, num_stages=ns,
+        **triton_pdl.kw())
     return y
 
 
