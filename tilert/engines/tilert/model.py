@@ -140,7 +140,8 @@ class ModelArgs:
     mtp_own_embed: bool = False
     mtp_own_head: bool = False
     # Tensor parallelism (``parallel.py``): this rank of ``tp_size``; the args are then rank-local
-    # (``num_heads`` and ``intermediate_size`` are this rank's share; see the module docstring).
+    # (``num_heads``, ``intermediate_size`` and ``moe_intermediate_size`` are this rank's share; see the module
+    # docstring).
     tp_rank: int = 0
     tp_size: int = 1
     # Block-FP8 weights (fp8.py): the fused projections and experts are e4m3 with float32 scales.
@@ -321,8 +322,7 @@ class MoE(nn.Module):
                 self.w13_scale, self.w2_scale,
             )  # fmt: skip
         else:
-            ids = torch.zeros(n, 1, dtype=torch.int32, device=h.device)
-            weights = torch.ones(n, 1, dtype=torch.float32, device=h.device)
+            ids, weights = _one_slot(n, h.device)
             self.k.moe_residual(h, self.ffn_norm, a.rms_norm_eps, ids, weights, self.w13, self.w2, self.w13_scale,
                                 self.w2_scale)
 
@@ -336,12 +336,17 @@ class MoE(nn.Module):
                 h, self.ffn_norm, eps, self.gate, self.gate_bias, a.num_experts_per_tok, a.n_group, a.topk_group,
                 a.routed_scaling_factor, a.norm_topk_prob, a.n_shared_experts,
             )  # fmt: skip
-        else:  # a one-slot MLP: slot 0, weight 1
-            ids = torch.zeros(n, 1, dtype=torch.int32, device=h.device)
-            weights = torch.ones(n, 1, dtype=torch.float32, device=h.device)
+        else:
+            ids, weights = _one_slot(n, h.device)
         out, base = self.tp.partial(h)  # the experts read rms(h) before the share is written (out may be h)
         k.moe_partial(out, h, self.ffn_norm, eps, ids, weights, self.w13, self.w2, base)
         self.tp.reduce_into(h, out)
+
+
+def _one_slot(n: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The routing of a dense MLP (a one-slot MoE): slot 0, weight 1, for each of ``n`` tokens."""
+    return (torch.zeros(n, 1, dtype=torch.int32, device=device),
+            torch.ones(n, 1, dtype=torch.float32, device=device))  # fmt: skip
 
 
 class DecoderLayer(nn.Module):
