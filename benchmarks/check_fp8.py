@@ -50,7 +50,7 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
             h0 = rnd(nt, n, dev=dev)
             h1, h2 = h0.clone(), h0.clone()
             triton_fp8.gemv_fp8(x, w, s, residual=h1)
-            ref.gemv_residual(h2, x, w, s)
+            ref.gemv_residual(h2, x, w, h2, s)
             report(f"fp8 gemv+residual {tag}", h1, h2)
     # MoE: (experts, I, D, tokens); the real V3.2 expert dims with fewer experts (memory), lite dims.
     moe = [(16, 2048, 7168, 1), (16, 2048, 7168, 4), (66, 1408, 2048, 1)]

@@ -296,7 +296,8 @@ def torch_route(logits, bias, top_k, n_group, topk_group, scale):
 
 
 def check_moe(dev, small):
-    cases = [(1, 64, 6, 2, 2048, 1408), (4, 64, 6, 2, 2048, 1408), (1, 24, 8, 1, 7168, 2048), (1, 1, 1, 0, 2048, 11264)]
+    cases = [(1, 64, 6, 2, 2048, 1408), (4, 64, 6, 2, 2048, 1408), (1, 24, 8, 1, 7168, 2048), (1, 1, 1, 0, 2048, 11264),
+             (2, 24, 8, 1, 7168, 1024)]  # the last: a TP2 rank's half-width V3.2 experts (moe "narrow" configs)
     if small:
         cases = [(1, 8, 2, 1, 64, 48), (3, 8, 2, 1, 64, 48)]
     for n, E, k, ns, D, I in cases:
@@ -315,7 +316,8 @@ def check_moe(dev, small):
         r = r0.clone()
         act = triton_moe.moe_up(x, ids, w13, norm_w=g, eps=1e-6)
         triton_moe.moe_down(act, ids, wts, w2, residual=r)
-        report(f"moe fused norm+residual n={n} E={E} D={D}", r, r0.float() + ref.moe_experts(xn, ids, wts, w13, w2).float())
+        want_n = ref.moe_experts(xn, ids, wts, w13, w2)
+        report(f"moe fused norm+residual n={n} E={E} D={D}", r, r0.float() + want_n.float())
     # router
     for n, E, k, G, TG in ([(1, 64, 6, 1, 1), (4, 256, 8, 8, 4), (1, 256, 8, 8, 4)] if not small else [(2, 16, 4, 4, 2)]):
         logits = torch.randn(n, E, device=dev) * 2
@@ -427,9 +429,14 @@ def check_registered(dev):
         hh = rnd(n, 2048, dev=dev)
         o = rnd(n, 2048, dev=dev)
         h1, h2 = hh.clone(), hh.clone()
-        ops.gemv_residual(h1, o, w[:2048])
-        ref.gemv_residual(h2, o, w[:2048])
+        ops.gemv_residual(h1, o, w[:2048], h1)
+        ref.gemv_residual(h2, o, w[:2048], h2)
         report(f"op tilert::gemv_residual n={n} (cuda)", h1, h2)
+        for base in (hh, None):  # a tensor-parallel rank's share: into a buffer apart, with / without the residual
+            o1, o2 = torch.full_like(hh, float("nan")), torch.full_like(hh, float("nan"))
+            ops.gemv_residual(o1, o, w[:2048], base)
+            ref.gemv_residual(o2, o, w[:2048], base)
+            report(f"op tilert::gemv_residual apart, residual {base is not None} n={n} (cuda)", o1, o2)
         gate = rnd(64, 2048, dev=dev, scale=2048 ** -0.5)
         bias = 0.01 * torch.randn(64, device=dev)
         ids_r, wts_r = ref.router(hh, g, 1e-6, gate, bias, 6, 1, 1, 1.0, True, 2)
@@ -439,6 +446,11 @@ def check_registered(dev):
         ops.moe_residual(h1, g, 1e-6, ids_r, wts_r, w13b, w2b)
         ref.moe_residual(h2, g, 1e-6, ids_r, wts_r, w13b, w2b)
         report(f"op tilert::moe_residual n={n} (cuda)", h1, h2)
+        for base in (hh, None):  # a tensor-parallel rank's share, as for gemv_residual
+            o1, o2 = torch.full_like(hh, float("nan")), torch.full_like(hh, float("nan"))
+            ops.moe_partial(o1, hh, g, 1e-6, ids_r, wts_r, w13b, w2b, base)
+            ref.moe_partial(o2, hh, g, 1e-6, ids_r, wts_r, w13b, w2b, base)
+            report(f"op tilert::moe_partial apart, residual {base is not None} n={n} (cuda)", o1, o2)
         h1, h2 = hh.clone(), hh.clone()
         ids_b, wts_b = ops.moe_block(h1, g, 1e-6, gate, bias, 6, 1, 1, 1.0, True, 2, w13b, w2b)
         same = all(set(a.tolist()) == set(b.tolist()) for a, b in zip(ids_b, ids_r))

@@ -186,8 +186,9 @@ def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
 
 TUNING = (  # (module, attribute, values): variants re-timed in the whole captured step (first context)
     ("triton_mla", "DENSE_MIN_TOKENS_PER_SPLIT", (32, 64, 16)),
-    ("triton_moe", "DOWN_CFG", ((1, 2048, 4, 3), (2, 1024, 4, 3), (1, 2048, 8, 3), (1, 2048, 4, 4))),
-    ("triton_moe", "UP_CFG", ((8, 512, 4, 4), (4, 512, 4, 4), (8, 512, 4, 3), (16, 512, 8, 4))),
+    ("triton_moe", ("DOWN_CFG", "wide"), ((1, 2048, 4, 3), (2, 1024, 4, 3), (1, 2048, 8, 3), (1, 2048, 4, 4))),
+    ("triton_moe", ("UP_CFG", "wide"), ((8, 512, 4, 4), (4, 512, 4, 4), (8, 512, 4, 3), (16, 512, 8, 4),
+                                      (8, 1024, 4, 3))),
     ("triton_gemv", "SMALL_K1024_CFG", ((2, 1024, 4, 3), (1, 2048, 4, 3), (4, 1024, 4, 3), (2, 2048, 8, 2),
                                         (1, 1024, 4, 4))),
     ("triton_gemv", "MID_CFG", ((8, 512, 4, 3), (4, 512, 4, 3), (2, 512, 4, 4), (16, 512, 8, 3))),
@@ -209,8 +210,6 @@ TUNING_FP8 = (
 def tune_in_situ(name, eng, ctx) -> list:
     """Each TUNING variant (one at a time, the others at their defaults): recapture the engine's step and
     time it, with the default re-timed around the variants (drift check)."""
-    import importlib
-
     tok = torch.tensor([77], device=DEV)
     sparse = ctx + 1 > eng.model.args.index_topk
 
@@ -219,17 +218,27 @@ def tune_in_situ(name, eng, ctx) -> list:
         eng.forward(tok, ctx)
         return time_graph(eng._graphs[(1, sparse)]) * 1e3
 
+    return tune_variants(f"[{name}] ctx={ctx}", timed, TUNING_FP8 if eng.model.args.fp8 else TUNING, log)
+
+
+def tune_variants(tag: str, timed, table, say) -> list:
+    """``timed()`` (ms of the recaptured step) under each variant of ``table`` (rows ``(module, attribute or
+    (dict attribute, key), values)`` of ``tilert.engines.tilert.ops``), one at a time, the others at their
+    defaults, then the defaults again (drift check). Used by this script and ``tp_decode.py`` (every rank runs it
+    in lockstep)."""
+    import importlib
+
     rows = []
-    for mod_name, attr, values in (TUNING_FP8 if eng.model.args.fp8 else TUNING):
+    for mod_name, attr, values in table:
         mod = importlib.import_module(f"tilert.engines.tilert.ops.{mod_name}")
         if isinstance(attr, tuple):  # an entry of a dict attribute
-            table, key = getattr(mod, attr[0]), attr[1]
+            table_, key = getattr(mod, attr[0]), attr[1]
 
-            def get(table=table, key=key):
-                return table[key]
+            def get(table_=table_, key=key):
+                return table_[key]
 
-            def put(v, table=table, key=key):
-                table[key] = v
+            def put(v, table_=table_, key=key):
+                table_[key] = v
         else:
             def get(mod=mod, attr=attr):
                 return getattr(mod, attr)
@@ -243,14 +252,14 @@ def tune_in_situ(name, eng, ctx) -> list:
                 ms = timed()
             except Exception as exc:  # a variant that does not compile / fit
                 ms = float("nan")
-                log(f"   {attr}={v}: failed {exc!r}"[:200])
+                say(f"   {attr}={v}: failed {exc!r}"[:200])
             finally:
                 put(default)
             rows.append(dict(attr=str(attr), value=v, ms=ms, default=v == default))
-            log(f"[{name}] ctx={ctx} tuning {attr}={v}: {ms:.4f} ms{' (default)' if v == default else ''}")
+            say(f"{tag} tuning {attr}={v}: {ms:.4f} ms{' (default)' if v == default else ''}")
     base = timed()
     rows.append(dict(attr="default again", value=None, ms=base, default=True))
-    log(f"[{name}] ctx={ctx} tuning: defaults again {base:.4f} ms")
+    say(f"{tag} tuning: defaults again {base:.4f} ms")
     return rows
 
 
@@ -467,7 +476,7 @@ def bench_transformers(name: str, args: ModelArgs, contexts: list[int], steps: i
 
 
 def main():
-    if "--tp" in sys.argv[1:]:  # tensor / expert parallel over several GPUs: benchmarks/tp_decode.py
+    if "--tp" in sys.argv[1:]:  # tensor parallel over several GPUs: benchmarks/tp_decode.py
         import tp_decode
 
         return tp_decode.main(sys.argv[1:])

@@ -1,4 +1,4 @@
-"""Tensor / expert parallel decoding of the TileRT engine over N GPUs of one host: output against one GPU, speed,
+"""Tensor parallel decoding of the TileRT engine over N GPUs of one host: output against one GPU, speed,
 communication. One process per GPU (spawned here; no torchrun needed).
 
     python3 benchmarks/tp_decode.py --tp 2 --out $OUT       (2 H200s: nvidia-h200-x2; ~6 min)
@@ -248,13 +248,10 @@ def check_output(pg, ctrl, dev, args, contexts, n_tokens, num_draft, kind, opts_
                  check_dtype="bfloat16") -> list:
     from tilert.decode.tp import Channel, LeaderEngine
     from tilert.engines.tilert.engine import TileRTEngine
-    from tilert.engines.tilert.ops import register_device_kernels
     from tilert.engines.tilert.weights import random_model
 
     rank, size = dist.get_rank(), dist.get_world_size()
     dtype = torch.bfloat16 if dev.type == "cuda" and check_dtype == "bfloat16" else torch.float32
-    if dev.type == "cuda":
-        register_device_kernels()
     cap = max(contexts) + n_tokens + 32
     args = replace(args, num_mtp_layers=1)
     full = random_model(args, device=dev, dtype=dtype, max_seq_len=cap, seed=0)
@@ -450,7 +447,7 @@ def bench_speed(name, eng, model, pg, dev, contexts, bw, kinds, one_gpu_ms) -> l
     size = dist.get_world_size()
     a_local = model.args
     a = replace(a_local, num_heads=a_local.num_heads * size, intermediate_size=a_local.intermediate_size * size,
-                tp_rank=0, tp_size=1)
+                moe_intermediate_size=a_local.moe_intermediate_size * size, tp_rank=0, tp_size=1)  # the global args
     rows = []
     for ctx in contexts:
         sparse = a.dsa and ctx + 1 > a.index_topk
@@ -481,9 +478,98 @@ def bench_speed(name, eng, model, pg, dev, contexts, bw, kinds, one_gpu_ms) -> l
     return rows
 
 
+def kernel_timeline(fn, dev, steps: int = 3) -> dict:
+    """The GPU kernels of one ``fn()`` (a graph replay) in launch order, each kernel's duration the mean over
+    ``steps`` calls (torch.profiler), their sum and the span from the first start to the last end: what each
+    kernel of the step costs and how much of the step is gaps. Call on every rank (collectives pair up)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync(dev)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        sync(dev)
+    evs = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    per = len(evs) // steps if steps else 0
+    if per == 0:
+        return dict(kernels=[], sum_us=0.0, span_us=0.0)
+    names = [e.name.split("(")[0][:48] for e in evs[:per]]
+    dur = [sum(evs[k * per + j].time_range.elapsed_us() for k in range(steps)) / steps for j in range(per)]
+    span = sum(evs[(k + 1) * per - 1].time_range.end - evs[k * per].time_range.start for k in range(steps)) / steps
+    return dict(kernels=list(zip(names, dur, strict=True)), sum_us=sum(dur), span_us=span)
+
+
+def step_timeline(eng, ctx, dev) -> dict:
+    """:func:`kernel_timeline` of the engine's captured one-token step at ``ctx`` (captured already), or of the
+    same step run eagerly where the profiler sees no kernels inside graph replays."""
+    m = eng.model
+    sparse = m.args.dsa and ctx + 1 > m.args.index_topk
+    tl = kernel_timeline(eng._graphs[(1, sparse)].replay, dev)
+    if not tl["kernels"]:
+        tok, pos = torch.tensor([77], device=dev), torch.tensor([ctx], device=dev)
+        tl = dict(kernel_timeline(lambda: m.logits(m(tok, pos, sparse)), dev), eager=True)
+    return tl
+
+
+def log_timeline(tag: str, tl: dict, step_ms: float) -> None:
+    """The timeline's kernels by name (count, total us), and the step's gaps (graph time - kernel sum)."""
+    agg: dict = {}
+    for name, us in tl["kernels"]:
+        a = agg.setdefault(name, [0, 0.0])
+        a[0] += 1
+        a[1] += us
+    log(f"{tag}{' (eager)' if tl.get('eager') else ''} {len(tl['kernels'])} kernels, sum {tl['sum_us']:.0f} us, span {tl['span_us']:.0f} us, graph step "
+        f"{step_ms * 1e3:.0f} us (gaps {step_ms * 1e3 - tl['sum_us']:.0f} us): "
+        + ", ".join(f"{k} x{c} {us:.0f}" for k, (c, us) in sorted(agg.items(), key=lambda x: -x[1][1])))
+
+
+# Variants re-timed in the whole step (the first of each the default). TP2 real dims: the half-width experts
+# (moe "narrow"), W_o [7168, 8192] 117 MB (gemv LARGE), the lm_head's 64640 rows (HEAD); one GPU: the LARGE and
+# wide-expert configs the TP2 tuning would touch there (W_b 100 MB and W_o 235 MB are LARGE on one GPU).
+TUNING_TP = (
+    ("triton_moe", ("DOWN_CFG", "narrow"), ((1, 1024, 4, 4), (1, 1024, 2, 4), (2, 1024, 4, 4))),
+    ("triton_moe", ("UP_CFG", "narrow"), ((8, 1024, 4, 3), (8, 1024, 8, 3), (8, 1024, 4, 4), (16, 1024, 4, 3))),
+    ("triton_gemv", "LARGE_CFG", ((8, 512, 4, 3), (4, 512, 4, 3), (8, 1024, 8, 3), (8, 1024, 4, 3))),
+    ("triton_gemv", "HEAD_CFG", ((16, 256, 4, 4), (8, 512, 4, 3))),
+)
+TUNING_ONE = (
+    ("triton_gemv", "LARGE_CFG", ((8, 512, 4, 3), (4, 512, 4, 3), (8, 1024, 8, 3), (8, 1024, 4, 3))),
+    ("triton_moe", ("UP_CFG", "wide"), ((8, 512, 4, 4), (8, 1024, 4, 3))),
+)
+
+
+def profile_and_tune(name, eng, model, pg, dev, contexts, kind, profile: bool, tune: bool) -> dict:
+    """The TP step (``kind`` all-reduce): its kernel timeline at each context, and the TUNING_TP variants
+    re-timed in the whole step at the first context (every rank in lockstep)."""
+    from decode_speed import tune_variants
+
+    out: dict = {}
+    model.use_group(make_group(pg, kind, dev, eng.dtype, model.args.hidden_size))
+    for ctx in contexts:
+        eng._graphs.clear()
+        ms = step_ms(eng, ctx, dev)
+        if profile:
+            tl = step_timeline(eng, ctx, dev)
+            out[f"timeline_{ctx}"] = dict(step_ms=ms, **tl)
+            log_timeline(f"[{name}] TP ctx={ctx} {kind}:", tl, ms)
+        if tune and ctx == contexts[0]:
+            out["tuning"] = tune_variants(f"[{name}] TP ctx={ctx}", lambda ctx=ctx: step_ms(_fresh(eng), ctx, dev),
+                                          TUNING_TP, log)
+    model.use_group(make_group(pg, "nccl", dev, eng.dtype, model.args.hidden_size))
+    return out
+
+
+def _fresh(eng):
+    """``eng`` with its captured graphs dropped (the next step recaptures under the current configs)."""
+    eng._graphs.clear()
+    return eng
+
+
 @torch.no_grad()
-def bench_real(pg, dev, layers_tp, layers_one, contexts, bw, kinds) -> list:
-    """The real DeepSeek-V3.2 dims: one GPU at ``layers_one`` layers (GPU 0), then TP at each of ``layers_tp``."""
+def bench_real(pg, dev, layers_tp, layers_one, contexts, bw, kinds, profile=False, tune=False) -> list:
+    """The real DeepSeek-V3.2 dims: one GPU at ``layers_one`` layers (GPU 0), then TP at each of ``layers_tp``
+    (``profile``: kernel timelines of both; ``tune``: TUNING_TP in the TP step at ``layers_one`` layers)."""
     from tilert.engines.tilert.engine import TileRTEngine
     from tilert.engines.tilert.weights import random_model
 
@@ -506,6 +592,16 @@ def bench_real(pg, dev, layers_tp, layers_one, contexts, bw, kinds) -> list:
             for ctx in contexts:
                 one_ms[ctx] = step_ms(eng, ctx, dev, alone=True)
                 log(f"[real x{layers_one}] one GPU ctx={ctx}: {one_ms[ctx]} ms")
+                if tune and dev.type == "cuda" and ctx == contexts[0]:
+                    from decode_speed import tune_variants
+
+                    RESULT.setdefault("profile", {})["one_gpu_tuning"] = tune_variants(
+                        f"[real x{layers_one}] one GPU ctx={ctx}", lambda ctx=ctx: step_ms(_fresh(eng), ctx, dev, True),
+                        TUNING_ONE, log)
+                if profile and dev.type == "cuda":
+                    tl = step_timeline(eng, ctx, dev)
+                    RESULT.setdefault("profile", {})[f"one_gpu_x{layers_one}_{ctx}"] = dict(step_ms=one_ms[ctx], **tl)
+                    log_timeline(f"[real x{layers_one}] one GPU ctx={ctx}:", tl, one_ms[ctx])
             del eng, m
             gc.collect()
             if dev.type == "cuda":
@@ -527,6 +623,10 @@ def bench_real(pg, dev, layers_tp, layers_one, contexts, bw, kinds) -> list:
         log(f"[real x{n_layers}] TP{size} built in {time.time() - t0:.1f}s, {gb:.1f} GiB per GPU")
         rows += bench_speed(f"real-v32 x{n_layers}", eng, m, pg, dev, contexts, bw, kinds,
                             one_ms if n_layers == layers_one else None)
+        if (profile or tune) and n_layers == layers_one and dev.type == "cuda":
+            best = min(kinds, key=lambda k: rows[-len(contexts)]["ms"].get(k, float("inf")))
+            RESULT.setdefault("profile", {})[f"tp_x{n_layers}"] = profile_and_tune(
+                f"real x{n_layers}", eng, m, pg, dev, contexts, best, profile, tune)
         del eng, m
         gc.collect()
         if dev.type == "cuda":
@@ -542,6 +642,10 @@ def rank_main(rank: int, size: int, port: int, opts: argparse.Namespace) -> None
     if dev.type == "cpu":
         torch.set_num_threads(1)
     pg, ctrl = parallel.init_process_group(rank, size, port, dev)
+    if dev.type == "cuda":  # the Triton kernels, whatever --sections runs first (a plain TileRTEngine does not)
+        from tilert.engines.tilert.ops import register_device_kernels
+
+        register_device_kernels()
     contexts = [int(c) for c in opts.contexts.split(",")]
     kinds = tuple(k for k in opts.allreduce.split(",")) if dev.type == "cuda" else ("nccl",)
     try:
@@ -587,7 +691,7 @@ def rank_main(rank: int, size: int, port: int, opts: argparse.Namespace) -> None
                 torch.cuda.empty_cache()
         if "real" in sections and opts.real_layers:
             RESULT["speed"] += bench_real(pg, dev, [int(x) for x in opts.real_layers.split(",")], opts.one_gpu_layers,
-                                          contexts, bw, kinds)
+                                          contexts, bw, kinds, "profile" in sections, "tune" in sections)
     except Exception:
         traceback.print_exc()
         raise
@@ -644,7 +748,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-draft", type=int, default=1, help="MTP drafts per speculative step")
     ap.add_argument("--allreduce", default=",".join(KINDS), help="all-reduce kinds timed in the step")
     ap.add_argument("--sections", default="collectives,lite,real",
-                    help="what to run: collectives (section 1), lite (2, 3 and lite-v32's speed), real (real dims)")
+                    help="what to run: collectives (section 1), lite (2, 3 and lite-v32's speed), real (real dims); "
+                    "with real, profile (kernel timelines of the one-GPU and TP steps) and tune (TUNING_TP variants "
+                    "re-timed in the TP step)")
     ap.add_argument("--real-layers", default=None, help="real-dims V3.2 layers at TP (default 4,8; cpu 2)")
     ap.add_argument("--one-gpu-layers", type=int, default=None, help="real-dims layers on one GPU (default 4)")
     # decode_speed.py --tp N hands its own flags over; these are accepted and ignored

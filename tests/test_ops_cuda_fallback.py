@@ -103,7 +103,7 @@ def test_fp8_inputs_the_kernels_do_not_cover_fall_back_to_dequantisation():
     torch.testing.assert_close(cuda_ops._gemv_cuda(x, q, None, 1e-6, None, False, scale), x @ w.T)
     h = torch.randn(2, 200, generator=g)
     want = h + x @ w.T
-    cuda_ops._gemv_residual_cuda(h, x, q, scale)
+    cuda_ops._gemv_residual_cuda(h, x, q, h, scale)
     torch.testing.assert_close(h, want)
     assert cuda_ops._gemv_fp8_ok(x.bfloat16(), q, scale) and not cuda_ops._gemv_fp8_ok(x, q, scale)
     assert not cuda_ops._moe_fp8_ok(x.bfloat16(), q[None], q[None], None, scale[None])

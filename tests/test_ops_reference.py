@@ -195,7 +195,7 @@ def test_fused_ops_registered_with_fake_kernels() -> None:
     pos = torch.tensor([3, 7])
     cases = [
         (ops.gemv, (x, torch.randn(5, d, generator=g), torch.rand(d, generator=g), 1e-6, None, True)),
-        (ops.gemv_residual, (x.clone(), torch.randn(n, 5, generator=g), torch.randn(d, 5, generator=g))),
+        (ops.gemv_residual, (x.clone(), torch.randn(n, 5, generator=g), torch.randn(d, 5, generator=g), None)),
         (ops.moe_block, (x.clone(), torch.rand(d, generator=g), 1e-6, torch.randn(8, d, generator=g), torch.rand(8),
                           2, 4, 2, 2.5, True, 1, torch.randn(9, 6, d, generator=g), torch.randn(9, d, 3, generator=g))),
         (ops.moe_residual, (x.clone(), torch.rand(d, generator=g), 1e-6,

@@ -1,4 +1,4 @@
-"""Tensor / expert parallel decoding on the CPU: two ranks on gloo against one rank, on the tiny checkpoints of
+"""Tensor parallel decoding on the CPU: two ranks on gloo against one rank, on the tiny checkpoints of
 the three families (and DeepSeek-V3 with an MTP module), through the same leader / follower protocol that
 ``tilert decode --tp N`` runs; then ``tilert decode --tp 2`` serving a request end to end.
 
@@ -177,7 +177,7 @@ def _args(**over: Any) -> ModelArgs:
     [
         (3, {}, "4 attention heads"),
         (2, {"n_routed_experts": 6, "num_heads": 6}, None),
-        (4, {"n_routed_experts": 6}, "6 routed experts"),
+        (4, {"moe_intermediate_size": 18}, "experts' width 18"),
         (4, {"intermediate_size": 50}, "dense MLP width 50"),
         (2, {"vocab_size": 63}, "vocabulary of 63"),
         (0, {}, ">= 1"),
@@ -265,9 +265,10 @@ def test_decode_tp2_serves_a_request(ckpts: dict[str, Path], tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("kernels", ["reference", "cpu"])
-def test_expert_parallel_ops(kernels: str) -> None:
-    """The ops the expert-parallel MoE adds: ids ``-1`` are skipped slots; ``moe_partial`` adds into a residual
-    apart from its input; ``router`` is ``moe_block``'s routing; two ranks' shares sum to the whole block."""
+def test_width_split_moe_ops(kernels: str) -> None:
+    """The ops the tensor-parallel MoE uses: ``router`` is ``moe_block``'s routing; ``moe_partial`` writes
+    ``residual + experts`` (or the experts alone) into an output apart from its input; two ranks' halves of every
+    expert's width (``parallel.shard_state_dict``) sum to the whole block."""
     from tilert.engines.tilert import ops
     from tilert.engines.tilert.ops import cpu, reference
 
@@ -283,34 +284,22 @@ def test_expert_parallel_ops(kernels: str) -> None:
     whole = h.clone()
     want_ids, _ = reference.moe_block(whole, norm, 1e-6, gate, bias, *route, s, w13, w2)
     assert torch.equal(ids, want_ids)
-    x = reference.rms_norm(h, norm, 1e-6)
-    skipped = torch.tensor([[int(ids[0, 0]), -1, int(ids[0, 2])]], dtype=torch.int32)
-    torch.testing.assert_close(
-        k.moe_experts(x, skipped, torch.tensor([[wts[0, 0], 9.0, 1.0]]), w13, w2),
-        k.moe_experts(x, ids[:, [0, 2]], wts[:, [0, 2]], w13, w2),
-    )
-    # Two ranks: routed experts split 4 + 4, the shared expert split along its width; partials sum to the block.
+    args = _args(hidden_size=d, moe_intermediate_size=i, n_routed_experts=e, n_shared_experts=s,
+                 mlp_layer_types=["sparse"], num_layers=1)  # fmt: skip
     total = torch.zeros(1, d)
     for rank in range(2):
-        group = parallel.OneRank()
-        group.rank, group.size = rank, 2
-        local = group.local_experts(ids[:, :2], 4)
-        mine = {int(x) - 4 * rank for x in ids[0, :2] if 4 * rank <= x < 4 * rank + 4}
-        assert set(local[local >= 0].tolist()) == mine
-        out = h.clone() if rank == 0 else torch.zeros_like(h)
-        k.moe_partial(out, x, None, 1e-6, local, wts[:, :2], w13[4 * rank : 4 * rank + 4], w2[4 * rank : 4 * rank + 4])
-        sh13 = torch.cat([w13[e, :i][rank * 6 : rank * 6 + 6], w13[e, i:][rank * 6 : rank * 6 + 6]])[None]
-        sh2 = w2[e][:, rank * 6 : rank * 6 + 6][None]
-        one = torch.zeros(1, 1, dtype=torch.int32)
-        k.moe_partial(out, h, norm, 1e-6, one, torch.ones(1, 1), sh13, sh2)
+        local = parallel.shard_state_dict({"l.mlp.w13": w13, "l.mlp.w2": w2}, args, rank, 2)
+        out = torch.full_like(h, float("nan"))
+        k.moe_partial(out, h, norm, 1e-6, ids, wts, local["l.mlp.w13"], local["l.mlp.w2"], h if rank == 0 else None)
         total += out
     torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-5)
 
 
 def test_symmetric_memory_partials_alternate_halves() -> None:
     """The symmetric-memory path's bookkeeping (no GPU here: the buffer is a plain tensor and the reduction a
-    stand-in): rank 0 starts from h, the others from zeros, consecutive partials use different halves (a slower
-    peer may still read the previous one), the reduction lands in h, and what does not fit goes to NCCL."""
+    stand-in): each rank's share goes to a buffer apart from h, rank 0's on top of h (the base), consecutive
+    partials use different halves (a slower peer may still read the previous one), the reduction lands in h, and
+    what does not fit goes to NCCL (in h itself)."""
     calls: list[tuple[int, int]] = []
 
     class Fake(parallel.Group):
@@ -320,18 +309,19 @@ def test_symmetric_memory_partials_alternate_halves() -> None:
 
     for rank in (0, 1):
         g = object.__new__(Fake)
-        parallel.OneRank.__init__(g)
         g.rank, g.size, g.kind, g._turn = rank, 2, "symm_one_shot", 0
         g._symm = torch.zeros(2 * 8)
         h = torch.arange(1.0, 5.0).view(1, 4)
-        first = g.partial(h)
+        first, base = g.partial(h)
         assert first.data_ptr() != h.data_ptr() and first.shape == h.shape
-        assert torch.equal(first, h if rank == 0 else torch.zeros_like(h))
-        first.add_(1.0)
+        assert base is (h if rank == 0 else None)
+        share = torch.ones_like(h)
+        first.copy_(share if base is None else base + share)  # what the kernel writes
         g.reduce_into(h, first)
         assert torch.equal(h, 2 * (torch.arange(1.0, 5.0).view(1, 4) * (rank == 0) + 1))
         assert calls[-1][1] == h.data_ptr()
-        second = g.partial(h)
+        second, _ = g.partial(h)
         assert second.data_ptr() != first.data_ptr()  # the other half
-        assert g.partial(h).data_ptr() == first.data_ptr()
-        assert g._symm_buf(torch.zeros(1, 9)) is None  # larger than a half: NCCL reduces it in place
+        assert g.partial(h)[0].data_ptr() == first.data_ptr()
+        big = torch.zeros(1, 9)
+        assert g.partial(big)[0] is big  # larger than a half: NCCL reduces it in place

@@ -87,7 +87,7 @@ class DecodeConfig:
         "Default: no pinning",
     )  # fmt: skip
     tp: int = setting(
-        1, help="ranks (one process per GPU: cuda:0..N-1) that share the model, tensor / expert parallel; rank 0 "
+        1, help="ranks (one process per GPU: cuda:0..N-1) that share the model, tensor parallel; rank 0 "
         "serves the ports and the others follow its steps (tilert.decode.tp)",
     )
     tp_allreduce: str = setting(

@@ -143,7 +143,7 @@ class LeaderEngine(DecodeEngine):
 
     def capabilities(self) -> Capabilities:
         caps = self.engine.capabilities()
-        notes = (*caps.notes, f"tensor / expert parallel over {self.tp} ranks; greedy steps announced one by one")
+        notes = (*caps.notes, f"tensor parallel over {self.tp} ranks; greedy steps announced one by one")
         return replace(caps, pipelined_greedy=False, notes=notes)
 
     def expected_layouts(self) -> dict[str, KVLayout]:

@@ -67,18 +67,18 @@ feed the layer output ``h'`` (before ``shared_head.norm``) back in as ``h``. The
 dense over its valid rows ``valid_from..i`` (rows before ``valid_from``, e.g. of a prompt whose MTP KV was
 not handed over, are skipped); its indexer keys, if any, are still written.
 
-Tensor / expert parallelism over ``N`` ranks (``parallel.py`` shards the weights and holds the collectives,
+Tensor parallelism over ``N`` ranks (``parallel.py`` shards the weights and holds the collectives,
 ``Transformer.use_group``; every rank runs this same code with rank-local :class:`ModelArgs`):
 
 - attention: each rank holds ``H/N`` heads (its rows of ``q_b`` and ``kv_b``, its columns of ``o_proj``).
   ``W_a`` (``q_a``, ``kv_a``), the latent cache and the DSA indexer (weights and key cache) are replicated:
   MLA has one latent KV head that every query head reads, and the indexer's top-k needs every indexer head.
-  ``h += W_o o`` becomes: rank 0 adds its partial into ``h``, the others into a zeroed buffer, then one
-  all-reduce (``o_proj``'s bias lives on rank 0 only).
-- MoE: the router runs on every rank (replicated gate); routed experts are spread over the ranks (expert
-  parallel: rank ``r`` holds experts ``r E/N .. (r+1) E/N - 1``, slots of other ranks' experts are ``-1``,
-  skipped), the shared experts and the dense MLPs are split along their intermediate width; each rank's
-  share of ``mlp(rms(h))`` is all-reduced and added to ``h``.
+  ``h += W_o o`` becomes: the ``W_o`` kernel writes ``h + partial`` (rank 0) or its partial alone (the others)
+  into the rank's all-reduce buffer (``Group.partial``), then one all-reduce sums them into ``h``
+  (``o_proj``'s bias lives on rank 0 only).
+- MoE: the router runs on every rank (replicated gate); every expert (routed, shared, dense MLP) is split along
+  its intermediate width, so each rank runs the one-GPU MoE kernels over all the chosen slots at ``I/N``; each
+  rank's share of ``mlp(rms(h))`` is written and all-reduced into ``h`` as attention's ``W_o``.
 - ``lm_head`` (and the MTP head) is vocabulary-parallel: each rank computes ``V/N`` logits, all-gathered.
   Embeddings, norms and the MTP ``eh_proj`` are replicated.
 """
@@ -139,8 +139,9 @@ class ModelArgs:
     mtp_indexer: bool = False
     mtp_own_embed: bool = False
     mtp_own_head: bool = False
-    # Tensor / expert parallelism (``parallel.py``): this rank of ``tp_size``; the args are then rank-local
-    # (``num_heads`` and ``intermediate_size`` are this rank's share; see the module docstring).
+    # Tensor parallelism (``parallel.py``): this rank of ``tp_size``; the args are then rank-local
+    # (``num_heads``, ``intermediate_size`` and ``moe_intermediate_size`` are this rank's share; see the module
+    # docstring).
     tp_rank: int = 0
     tp_size: int = 1
     # Block-FP8 weights (fp8.py): the fused projections and experts are e4m3 with float32 scales.
@@ -267,13 +268,17 @@ class MLAttention(nn.Module):
         else:
             o_lat = k.mla_sparse_attention(q, kv_cache, topk, a.softmax_scale, lat)
 
-        # o = [W_UV_h o~_h]_h, then h += W_o o (several ranks: partial sums into h / zeros, all-reduced into h).
+        # o = [W_UV_h o~_h]_h, then h += W_o o (several ranks: each rank's share, rank 0's with h, all-reduced).
         o = k.mla_uv(o_lat, self.wkv_b, a.qk_nope_head_dim, self.wkv_b_scale)
-        out = self.tp.partial(h)  # after the last read of h (ranks > 0 may zero it)
+        out, base = self.tp.partial(h)
         if self.wo_bias is not None:
-            out.add_(k.gemv(o, self.wo, None, 0.0, self.wo_bias, scale=self.wo_scale))
+            y = k.gemv(o, self.wo, None, 0.0, self.wo_bias, scale=self.wo_scale)
+            if base is None:
+                out.copy_(y)
+            else:
+                torch.add(base, y, out=out)
         else:
-            k.gemv_residual(out, o, self.wo, self.wo_scale)
+            k.gemv_residual(out, o, self.wo, base, self.wo_scale)
         self.tp.reduce_into(h, out)
         return topk
 
@@ -295,15 +300,10 @@ class MoE(nn.Module):
         self.ffn_norm = _param(d)
         self.routed = routed
         if routed:
-            i, e, s = args.moe_intermediate_size, args.n_routed_experts, args.n_shared_experts
+            i, e = args.moe_intermediate_size, args.n_routed_experts
             self.gate = _param(e, d)
             self.gate_bias = _param(e, dtype=torch.float32)  # e_score_correction_bias, kept in fp32
-            slots = e + s
-            if args.tp_size > 1:  # this rank's routed experts; its slice of the shared experts as one MLP
-                slots = e // args.tp_size
-                si = s * i // args.tp_size  # [1, 2 S I / N, D]
-                self.w13s = _param(1, 2 * si, d) if s else None
-                self.w2s = _param(1, d, si) if s else None
+            slots = e + args.n_shared_experts
         else:
             i, slots = args.intermediate_size, 1
         self.w13, self.w13_scale = _linear(args, "w13", slots, 2 * i, d)
@@ -322,32 +322,31 @@ class MoE(nn.Module):
                 self.w13_scale, self.w2_scale,
             )  # fmt: skip
         else:
-            ids = torch.zeros(n, 1, dtype=torch.int32, device=h.device)
-            weights = torch.ones(n, 1, dtype=torch.float32, device=h.device)
+            ids, weights = _one_slot(n, h.device)
             self.k.moe_residual(h, self.ffn_norm, a.rms_norm_eps, ids, weights, self.w13, self.w2, self.w13_scale,
                                 self.w2_scale)
 
     def _forward_parallel(self, h: Tensor) -> None:
-        """Several ranks: this rank's experts and its slice of the shared / dense MLP add into ``h`` (rank 0) or
-        zeros (the others); one all-reduce sums them into ``h`` (as attention's ``W_o``)."""
+        """Several ranks: the one-GPU MoE over this rank's slice of every expert's width, written as ``h`` plus
+        the share (rank 0) or the share alone (the others), then all-reduced into ``h`` (as attention's ``W_o``)."""
         a, k, eps = self.args, self.k, self.args.rms_norm_eps
         n = h.shape[0]
-        one_id = torch.zeros(n, 1, dtype=torch.int32, device=h.device)  # a one-slot MLP: slot 0, weight 1
-        one_w = torch.ones(n, 1, dtype=torch.float32, device=h.device)
-        x = k.rms_norm(h, self.ffn_norm, eps)
-        if not self.routed:
-            out = self.tp.partial(h)  # after the last read of h (ranks > 0 may zero it)
-            k.moe_partial(out, x, None, eps, one_id, one_w, self.w13, self.w2)
-        else:
+        if self.routed:
             ids, weights = k.router(
                 h, self.ffn_norm, eps, self.gate, self.gate_bias, a.num_experts_per_tok, a.n_group, a.topk_group,
-                a.routed_scaling_factor, a.norm_topk_prob, 0,
+                a.routed_scaling_factor, a.norm_topk_prob, a.n_shared_experts,
             )  # fmt: skip
-            out = self.tp.partial(h)
-            k.moe_partial(out, x, None, eps, self.tp.local_experts(ids, self.w13.shape[0]), weights, self.w13, self.w2)
-            if self.w13s is not None:
-                k.moe_partial(out, x, None, eps, one_id, one_w, self.w13s, self.w2s)
+        else:
+            ids, weights = _one_slot(n, h.device)
+        out, base = self.tp.partial(h)  # the experts read rms(h) before the share is written (out may be h)
+        k.moe_partial(out, h, self.ffn_norm, eps, ids, weights, self.w13, self.w2, base)
         self.tp.reduce_into(h, out)
+
+
+def _one_slot(n: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The routing of a dense MLP (a one-slot MoE): slot 0, weight 1, for each of ``n`` tokens."""
+    return (torch.zeros(n, 1, dtype=torch.int32, device=device),
+            torch.ones(n, 1, dtype=torch.float32, device=device))  # fmt: skip
 
 
 class DecoderLayer(nn.Module):

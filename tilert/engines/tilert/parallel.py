@@ -1,4 +1,4 @@
-"""Tensor / expert parallelism of the decoder over the ranks of one host: rank-local :class:`ModelArgs`, the
+"""Tensor parallelism of the decoder over the ranks of one host: rank-local :class:`ModelArgs`, the
 sharding of the fused state dict, and the collectives the model calls (``Transformer.use_group``).
 
 What each rank holds (``N`` ranks, rank ``r``; the model docstring says how it computes with it):
@@ -8,13 +8,17 @@ What each rank holds (``N`` ranks, rank ``r``; the model docstring says how it c
   ``kv_a``), the norms, the latent cache and the whole DSA indexer (its weights, its key cache) are replicated:
   MLA has a single latent KV head that every query head reads (so every rank writes and reads the same latent
   rows; the cache is not split), and the indexer's top-k needs the sum over all indexer heads.
-- MoE: the router (gate, bias) replicated; routed experts ``r E/N .. (r+1) E/N - 1`` (expert parallel); the
-  shared experts, seen as one MLP of width ``S I``, split along that width (``w13s``/``w2s``); dense MLPs split
-  along their intermediate width.
+- MoE: the router (gate, bias) replicated; every expert (routed, shared, a dense MLP alike) split along its
+  intermediate width: rank ``r`` holds gate / up rows and down columns ``r I/N .. (r+1) I/N - 1`` of each, in the
+  one-GPU layout (shared experts stacked after the routed ones), so each rank runs the one-GPU MoE kernels on
+  half-width experts. Not expert parallel: at decode batch sizes a rank would read the experts the router sends
+  it, ``top_k / N`` only on average (``max(X, top_k - X)`` of ``top_k`` for two ranks, 5.1 of 8 expected for
+  V3.2), and the step waits for the busiest rank; split along the width every rank reads the same bytes.
 - ``lm_head`` and the MTP module's own head: vocabulary rows ``r V/N .. (r+1) V/N - 1``. Embeddings, the final
   norm and the rest of the MTP module (its norms, ``eh_proj``) replicated.
 
-Collectives (:class:`Group`): a sum all-reduce of the residual-stream partials (two per layer) and the
+Collectives (:class:`Group`): a sum all-reduce of the residual-stream partials (two per layer; each rank's share
+is written by the kernel that computes it, :meth:`Group.partial`) and the
 all-gather of the logits, through ``torch.distributed`` (NCCL on CUDA, gloo on CPU) or, on CUDA, PyTorch's
 symmetric-memory one-shot / two-shot all-reduce (``allreduce="symm_one_shot"`` / ``"symm_two_shot"``). All of
 them are captured inside the engine's CUDA graphs. NVLink multicast is whatever the machine says (this module
@@ -42,14 +46,14 @@ class OneRank:
     rank = 0
     size = 1
 
-    def __init__(self) -> None:
-        self._tables: dict[tuple[int, torch.device], Tensor] = {}  # local_experts' id maps
-
-    def partial(self, h: Tensor) -> Tensor:
-        """Where this rank adds its share of ``h += f(x)``; call it after the last read of ``h``: a tensor equal to
-        ``h`` on rank 0 and to zeros elsewhere (``h`` itself, zeroed on ranks > 0, with NCCL / gloo; a
-        symmetric-memory buffer with the symmetric-memory all-reduce). A lone rank: ``h``."""
-        return h
+    def partial(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Where this rank writes its share of ``h += f(x)``, as ``(out, base)``: the kernel computing ``f`` writes
+        ``out = base + f(x)`` (``base`` ``None``: ``f(x)`` alone), then :meth:`reduce_into` sums ``out`` over the
+        ranks into ``h``. Rank 0 adds ``h``, the others only their share; ``out`` is ``h`` itself (NCCL / gloo
+        reduce in place: call this after the last read of ``h`` but the kernel's own) or a symmetric-memory
+        buffer. Nothing is copied or zeroed here: the kernel reads ``base`` and writes ``out`` in one pass. A lone
+        rank: ``(h, h)``, the in-place residual add."""
+        return h, h
 
     def reduce_into(self, h: Tensor, out: Tensor) -> None:
         """``h = sum over ranks of out`` (``out`` from :meth:`partial`)."""
@@ -61,17 +65,6 @@ class OneRank:
     def all_gather(self, t: Tensor) -> Tensor:
         """``[n, W]`` per rank -> ``[n, N W]`` (rank ``r``'s columns at ``r W``)."""
         return t
-
-    def local_experts(self, ids: Tensor, n_local: int) -> Tensor:
-        """Global expert ids -> this rank's slots ``0..n_local-1``, other ranks' experts ``-1`` (a slot the expert
-        ops skip): one gather from a table built at the first (eager, warm-up) call; graph-capturable."""
-        key = (n_local, ids.device)
-        table = self._tables.get(key)
-        if table is None:
-            table = torch.full((n_local * self.size,), -1, dtype=torch.int32, device=ids.device)
-            table[self.rank * n_local : (self.rank + 1) * n_local] = torch.arange(n_local, dtype=torch.int32)
-            self._tables[key] = table
-        return table[ids.long()]
 
 
 ONE_RANK = OneRank()
@@ -91,7 +84,6 @@ class Group(OneRank):
     ) -> None:
         import torch.distributed as dist
 
-        super().__init__()
         if allreduce not in ALLREDUCE_KINDS:
             raise ValueError(f"all-reduce {allreduce!r} unknown; choose one of {', '.join(ALLREDUCE_KINDS)}")
         group = pg if pg is not None else dist.group.WORLD
@@ -133,11 +125,10 @@ class Group(OneRank):
             torch.ops.symm_mem.two_shot_all_reduce_(buf.view(-1), "sum", self.pg.group_name)
             out.copy_(buf)
 
-    def partial(self, h: Tensor) -> Tensor:
+    def partial(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
+        base = h if self.rank == 0 else None
         buf = self._symm_buf(h) if self.size > 1 else None
-        if buf is None:  # NCCL / gloo reduce h itself in place: ranks > 0 start from zeros
-            return h if self.rank == 0 else h.zero_()
-        return buf.copy_(h) if self.rank == 0 else buf.zero_()
+        return (h if buf is None else buf), base
 
     def reduce_into(self, h: Tensor, out: Tensor) -> None:
         if self.size == 1:
@@ -212,10 +203,8 @@ def check_degree(args: ModelArgs, size: int) -> None:
     if args.num_heads % size:
         problems.append(f"{args.num_heads} attention heads")
     routed = "sparse" in args.mlp_layer_types or (args.num_mtp_layers and args.mtp_moe)
-    if routed and args.n_routed_experts % size:
-        problems.append(f"{args.n_routed_experts} routed experts")
-    if routed and (args.n_shared_experts * args.moe_intermediate_size) % size:
-        problems.append(f"the shared experts' width {args.n_shared_experts * args.moe_intermediate_size}")
+    if routed and args.moe_intermediate_size % size:
+        problems.append(f"the experts' width {args.moe_intermediate_size}")
     dense = "dense" in args.mlp_layer_types or (args.num_mtp_layers and not args.mtp_moe)
     if dense and args.intermediate_size % size:
         problems.append(f"the dense MLP width {args.intermediate_size}")
@@ -226,7 +215,7 @@ def check_degree(args: ModelArgs, size: int) -> None:
 
 
 def local_args(args: ModelArgs, rank: int, size: int) -> ModelArgs:
-    """Rank ``rank``'s :class:`ModelArgs`: its heads and dense-MLP width; ``tp_rank``/``tp_size`` set."""
+    """Rank ``rank``'s :class:`ModelArgs`: its heads, dense-MLP and expert widths; ``tp_rank``/``tp_size`` set."""
     check_degree(args, size)
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} outside 0..{size - 1}")
@@ -234,7 +223,7 @@ def local_args(args: ModelArgs, rank: int, size: int) -> ModelArgs:
         raise ValueError("the args are already rank-local")
     return dataclasses.replace(
         args, num_heads=args.num_heads // size, intermediate_size=args.intermediate_size // size,
-        tp_rank=rank, tp_size=size,
+        moe_intermediate_size=args.moe_intermediate_size // size, tp_rank=rank, tp_size=size,
     )  # fmt: skip
 
 
@@ -260,20 +249,14 @@ def _shard_attn(sd: dict[str, Tensor], pre: str, args: ModelArgs, rank: int, siz
     return out
 
 
-def _shard_mlp(sd: dict[str, Tensor], pre: str, args: ModelArgs, rank: int, size: int) -> dict[str, Tensor]:
+def _shard_mlp(sd: dict[str, Tensor], pre: str, rank: int, size: int) -> dict[str, Tensor]:
+    """Every expert slot (a dense MLP is one) split along its intermediate width: ``w13 [slots, 2I, D]``'s gate
+    and up rows, ``w2 [slots, D, I]``'s columns."""
     w13, w2 = sd[pre + "w13"], sd[pre + "w2"]
-    if pre + "gate" not in sd:  # a dense MLP: its intermediate width split
-        inter = w13.shape[1] // 2
-        g, u = w13[:, :inter], w13[:, inter:]
-        return {pre + "w13": torch.cat([_part(g, rank, size, 1), _part(u, rank, size, 1)], 1),
-                pre + "w2": _part(w2, rank, size, 2)}  # fmt: skip
-    e, s, i = args.n_routed_experts, args.n_shared_experts, args.moe_intermediate_size
-    out = {pre + "w13": _part(w13[:e], rank, size), pre + "w2": _part(w2[:e], rank, size)}
-    if s:  # the shared experts as one MLP of width S I (gate rows, then up rows), split along that width
-        g, u = w13[e:, :i].reshape(1, s * i, -1), w13[e:, i:].reshape(1, s * i, -1)
-        out[pre + "w13s"] = torch.cat([_part(g, rank, size, 1), _part(u, rank, size, 1)], 1)
-        out[pre + "w2s"] = _part(w2[e:].permute(1, 0, 2).reshape(1, -1, s * i), rank, size, 2)
-    return out
+    inter = w13.shape[1] // 2
+    g, u = w13[:, :inter], w13[:, inter:]
+    return {pre + "w13": torch.cat([_part(g, rank, size, 1), _part(u, rank, size, 1)], 1),
+            pre + "w2": _part(w2, rank, size, 2)}  # fmt: skip
 
 
 def shard_state_dict(sd: dict[str, Tensor], args: ModelArgs, rank: int, size: int) -> dict[str, Tensor]:
@@ -289,8 +272,7 @@ def shard_state_dict(sd: dict[str, Tensor], args: ModelArgs, rank: int, size: in
         if leaf == "wkv_b":
             out.update(_shard_attn(sd, pre, args, rank, size))
         elif leaf == "w13":
-            del out[pre + "w13"], out[pre + "w2"]
-            out.update(_shard_mlp(sd, pre, args, rank, size))
+            out.update(_shard_mlp(sd, pre, rank, size))
         elif key in ("lm_head", "mtp.0.head"):
             out[key] = _part(sd[key], rank, size)
     return {k: t.contiguous() for k, t in out.items()}

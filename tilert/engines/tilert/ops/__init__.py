@@ -140,14 +140,15 @@ def _(x, weight, norm_weight=None, eps=1e-6, bias=None, fp32_out=False, scale=No
     return x.new_empty((x.shape[0], n), dtype=torch.float32 if fp32_out else x.dtype)
 
 
-@torch.library.custom_op("tilert::gemv_residual", mutates_args=("h",))
-def gemv_residual(h: Tensor, x: Tensor, weight: Tensor, scale: Tensor | None = None) -> None:
-    """In place ``h += x @ weight^T``; see :func:`reference.gemv_residual`."""
-    reference.gemv_residual(h, x, weight, scale)
+@torch.library.custom_op("tilert::gemv_residual", mutates_args=("out",))
+def gemv_residual(out: Tensor, x: Tensor, weight: Tensor, residual: Tensor | None, scale: Tensor | None = None) -> None:
+    """``out = residual + x @ weight^T`` (``residual`` may be ``out``: in place; ``None``: the product alone); see
+    :func:`reference.gemv_residual`."""
+    reference.gemv_residual(out, x, weight, residual, scale)
 
 
 @gemv_residual.register_fake
-def _(h, x, weight, scale=None):
+def _(out, x, weight, residual, scale=None):
     return None
 
 
@@ -211,8 +212,9 @@ def router(
     norm_topk: bool,
     n_shared: int,
 ) -> tuple[Tensor, Tensor]:
-    """The routing of :func:`moe_block` alone (``ids int32 [n, k+S]``, ``weights fp32``); the expert-parallel
-    MoE runs it on every rank, then only the rank's own experts; see :func:`reference.router`."""
+    """The routing of :func:`moe_block` alone (``ids int32 [n, k+S]``, ``weights fp32``); the tensor-parallel
+    MoE runs it on every rank, then :func:`moe_partial` over the rank's slice of every expert; see
+    :func:`reference.router`."""
     ids, weights = reference.router(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
                                     norm_topk, n_shared)
     return ids, weights
@@ -234,15 +236,17 @@ def moe_partial(
     topk_weights: Tensor,
     w13: Tensor,
     w2: Tensor,
+    residual: Tensor | None,
 ) -> None:
-    """In place ``out += moe_experts(rms_norm(x) or x, ...)``: :func:`moe_residual` with the residual apart from
-    the input (a tensor-parallel rank adds its experts' share into ``h`` or into a zeroed buffer); see
+    """``out = residual + moe_experts(rms_norm(x) or x, ...)`` (``residual`` ``None``: the experts' sum alone;
+    ``out`` may be ``x`` or ``residual``): :func:`moe_residual` with the output apart from the input (a
+    tensor-parallel rank writes its share, rank 0's with ``h``, into its all-reduce buffer); see
     :func:`reference.moe_partial`."""
-    reference.moe_partial(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2)
+    reference.moe_partial(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2, residual)
 
 
 @moe_partial.register_fake
-def _(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2):
+def _(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2, residual):
     return None
 
 

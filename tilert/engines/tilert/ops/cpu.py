@@ -113,12 +113,12 @@ def gemv(
     return _linear(x, weight, bias)
 
 
-def gemv_residual(h: Tensor, x: Tensor, weight: Tensor, scale: Tensor | None = None) -> None:
+def gemv_residual(out: Tensor, x: Tensor, weight: Tensor, residual: Tensor | None, scale: Tensor | None = None) -> None:
     if scale is not None:
         weight = dequant(weight, scale, x.dtype)
-    if not _fast(h, x, weight):
-        return reference.gemv_residual(h, x, weight)
-    h.add_(_linear(x, weight))
+    if not _fast(out, x, weight, residual):
+        return reference.gemv_residual(out, x, weight, residual)
+    reference.write_residual(out, _linear(x, weight), residual)
 
 
 def mla_prep(
@@ -335,8 +335,10 @@ def moe_partial(
     topk_weights: Tensor,
     w13: Tensor,
     w2: Tensor,
+    residual: Tensor | None,
 ) -> None:
-    _experts_residual(out, x if norm_weight is None else rms_norm(x, norm_weight, eps), topk_ids, topk_weights, w13, w2)
+    xn = x if norm_weight is None else rms_norm(x, norm_weight, eps)
+    reference.write_residual(out, moe_experts(xn, topk_ids, topk_weights, w13, w2), residual)
 
 
 def _router(

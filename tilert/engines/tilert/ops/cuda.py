@@ -135,19 +135,25 @@ def _gemv_cuda(x, weight, norm_weight=None, eps=1e-6, bias=None, fp32_out=False,
     return y if bias is None else y + bias.to(y.dtype)
 
 
-def _gemv_residual_cuda(h, x, weight, scale=None):
+def _gemv_residual_cuda(out, x, weight, residual, scale=None):
     if scale is not None:
-        if not (_gemv_fp8_ok(x, weight, scale) and h.dtype == x.dtype and h.is_contiguous()):
-            return reference.gemv_residual(h, x, weight, scale)
+        if not (_gemv_fp8_ok(x, weight, scale) and out.dtype == x.dtype and out.is_contiguous() and residual is out):
+            return reference.gemv_residual(out, x, weight, residual, scale)
         from . import triton_fp8
 
-        triton_fp8.gemv_fp8(x, weight, scale, residual=h)
+        triton_fp8.gemv_fp8(x, weight, scale, residual=out)
         return None
-    if not (_gemv_ok(x, weight) and h.dtype == x.dtype and h.is_contiguous()) or x.shape[0] == 0:
-        return reference.gemv_residual(h, x, weight)
+    if not (_gemv_ok(x, weight) and _out_ok(out, x, residual)) or x.shape[0] == 0:
+        return reference.gemv_residual(out, x, weight, residual)
     from . import triton_gemv
 
-    triton_gemv.gemv(x, weight, residual=h)
+    triton_gemv.gemv(x, weight, residual=residual, out=out)
+
+
+def _out_ok(out, x, residual) -> bool:
+    """An output (and the residual it adds, if any) the Triton kernels write / read as plain rows."""
+    return (out.dtype == x.dtype and out.is_contiguous()
+            and (residual is None or (residual.dtype == x.dtype and residual.is_contiguous())))
 
 
 def _router_cuda(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk,
@@ -186,16 +192,16 @@ def _moe_residual_cuda(h, norm_weight, eps, topk_ids, topk_weights, w13, w2, s13
     triton_moe.moe_down(act, ids, topk_weights.float().contiguous(), w2.contiguous(), residual=h)
 
 
-def _moe_partial_cuda(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2):
-    if (x.dtype not in _FAST_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype or out.dtype != x.dtype
-            or x.shape[0] > 16 or not (x.is_contiguous() and out.is_contiguous()) or x.shape[0] == 0):
-        return reference.moe_partial(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2)
+def _moe_partial_cuda(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2, residual):
+    if (x.dtype not in _FAST_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype or not _out_ok(out, x, residual)
+            or x.shape[0] > 16 or not x.is_contiguous() or x.shape[0] == 0):
+        return reference.moe_partial(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2, residual)
     from . import triton_moe
 
     ids = topk_ids.to(torch.int32).contiguous()
     nw = None if norm_weight is None else norm_weight.to(x.dtype).contiguous()
     act = triton_moe.moe_up(x, ids, w13.contiguous(), norm_w=nw, eps=eps)  # reads x before out is written
-    triton_moe.moe_down(act, ids, topk_weights.float().contiguous(), w2.contiguous(), residual=out)
+    triton_moe.moe_down(act, ids, topk_weights.float().contiguous(), w2.contiguous(), residual=residual, out=out)
 
 
 def _moe_block_cuda(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk,

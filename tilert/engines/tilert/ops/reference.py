@@ -162,7 +162,7 @@ def moe_experts(
 
     Shapes: ``x [n, D]``, ``topk_ids int32 [n, k]``, ``topk_weights fp32 [n, k]``, ``w13 [E, 2I, D]``,
     ``w2 [E, D, I]`` -> ``[n, D]``. The expert matmuls run in ``x.dtype``, the weighted sum in float32.
-    An id ``-1`` marks an empty slot (skipped: another rank's expert under expert parallelism).
+    An id ``-1`` marks an empty slot (skipped).
 
     Two equivalent strategies: when ``n*k <= E`` (decode) gather the selected experts' weights (static
     shapes, reads only the chosen experts); otherwise loop over the experts that were hit (prefill).
@@ -236,9 +236,21 @@ def gemv(
     return y.float() if fp32_out else y
 
 
-def gemv_residual(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
-    """In place: ``h += x @ weight^T`` (o_proj folded into the residual add)."""
-    h.add_(F.linear(x, dequant(weight, scale, x.dtype)))
+def gemv_residual(
+    out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
+    scale: torch.Tensor | None = None,
+) -> None:
+    """``out = residual + x @ weight^T`` (o_proj folded into the residual add; ``residual`` may be ``out``, in
+    place; ``None``: the product alone, a tensor-parallel rank's share)."""
+    write_residual(out, F.linear(x, dequant(weight, scale, x.dtype)), residual)
+
+
+def write_residual(out: torch.Tensor, y: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """``out = residual + y`` (one rounding, as an in-place add), or ``y`` when ``residual`` is ``None``."""
+    if residual is None:
+        out.copy_(y)
+    else:
+        torch.add(residual, y, out=out)
 
 
 def router(
@@ -312,11 +324,13 @@ def moe_partial(
     topk_weights: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
+    residual: torch.Tensor | None,
 ) -> None:
-    """In place: ``out += moe_experts(rms_norm(x; norm_weight), ...)`` (``x`` as it is without ``norm_weight``);
-    ``out`` may be ``x`` itself (then :func:`moe_residual`)."""
+    """``out = residual + moe_experts(rms_norm(x; norm_weight), ...)`` (``x`` as it is without ``norm_weight``;
+    ``residual`` ``None``: the experts' sum alone); ``out`` may be ``x`` or ``residual`` (``moe_partial(h, h,
+    norm, ..., h)`` is :func:`moe_residual`)."""
     xn = x if norm_weight is None else rms_norm(x, norm_weight, eps)
-    out.add_(moe_experts(xn, topk_ids, topk_weights, w13, w2))
+    write_residual(out, moe_experts(xn, topk_ids, topk_weights, w13, w2), residual)
 
 
 def moe_block(

@@ -5,7 +5,8 @@ Optional fusions, all decided at compile time:
 
 * ``norm_w``: RMSNorm of each input row first (``x * rsqrt(mean(x^2) + eps) * norm_w``, rounded to
   bf16 like the unfused reference); every program recomputes the row's norm (K <= 8K: a few KB from L2).
-* ``residual``: ``residual[n, N] += y`` written back in place (each program owns its output rows).
+* ``residual``: ``out[n, N] = residual + y`` (``out`` defaults to ``residual``: in place; each program owns its
+  output rows, so ``out`` may be ``residual`` or a buffer apart, e.g. a tensor-parallel rank's all-reduce input).
 * ``split_k``: fp32 partial sums ``[split_k, n, N]`` for small N (the MoE router); the consumer sums.
 
 Everything is capturable in a CUDA graph (no host syncs, shapes fixed per call site).
@@ -75,18 +76,17 @@ def _gemv_kernel(
     if OUT_F32:
         tl.store(y_ptr + pid_k * stride_ys + row * stride_ym + offs_n, out, mask=nmask)
     else:
+        y = out.to(y_ptr.dtype.element_ty)
         if HAS_RES:
-            rp = res_ptr + row * stride_rm + offs_n
-            r = tl.load(rp, mask=nmask, other=0.0).to(tl.float32)
-            tl.store(rp, (r + out.to(res_ptr.dtype.element_ty).to(tl.float32)).to(res_ptr.dtype.element_ty), mask=nmask)
-        else:
-            tl.store(y_ptr + row * stride_ym + offs_n, out.to(y_ptr.dtype.element_ty), mask=nmask)
+            r = tl.load(res_ptr + row * stride_rm + offs_n, mask=nmask, other=0.0).to(tl.float32)
+            y = (r + y.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + row * stride_ym + offs_n, y, mask=nmask)
 
 
 # (BN rows, BK, num_warps, num_stages) per weight class. Measured on the H200 (benchmarks/micro.py and
 # decode_speed.py --tune, 2026-11-29): tiny row blocks with long K tiles win for < 64 MB matrices (more
 # programs in flight), 8 x 512 for large ones, 16 x 256 for the lm_head.
-HEAD_CFG = (16, 256, 4, 4)  # N >= 65536 (lm_head)
+HEAD_CFG = (16, 256, 4, 4)  # >= 512 MB (the lm_head, whole or a tensor-parallel rank's vocabulary rows)
 LARGE_CFG = (8, 512, 4, 3)  # >= 64 MB
 SMALL_K1024_CFG = (2, 1024, 4, 3)  # < 64 MB, K a multiple of 1024 (W_a, W_o, router at lite / V3.2 dims)
 MID_CFG = (8, 512, 4, 3)  # < 64 MB, N >= 4096 (W_b)
@@ -96,7 +96,7 @@ SMALL_CFG = (2, 512, 4, 3)
 def gemv_config(N: int, K: int, nt: int) -> tuple[int, int, int, int]:
     """(BN, BK, num_warps, num_stages) for a weight of ``[N, K]`` (the same for every ``nt``: batch invariance)."""
     nbytes = N * K * 2
-    if N >= 65536:
+    if nbytes >= (512 << 20):
         return HEAD_CFG
     if nbytes >= (64 << 20):
         return LARGE_CFG
@@ -119,8 +119,8 @@ def gemv(
 ) -> torch.Tensor:
     """``x[n, K] @ w[N, K]^T`` (bf16 out, or fp32 partials ``[split_k, n, N]`` when split_k > 1).
 
-    With ``residual`` the result is added into ``residual`` in place and ``residual`` is returned.
-    ``x`` may be a strided row view (last dim contiguous).
+    With ``residual`` the result is ``residual + x @ w^T``, written into ``out`` (default: ``residual``, in place)
+    and returned. ``x`` may be a strided row view (last dim contiguous).
     """
     assert x.dim() == 2 and x.stride(-1) == 1 and w.stride(-1) == 1
     nt, K = x.shape
@@ -131,10 +131,12 @@ def gemv(
     if out_f32:
         shape = (split_k, nt, N) if split_k > 1 else (nt, N)
         y = out if out is not None else torch.empty(shape, device=x.device, dtype=torch.float32)
+    elif out is not None:
+        y = out
     elif residual is not None:
         y = residual
     else:
-        y = out if out is not None else torch.empty(nt, N, device=x.device, dtype=x.dtype)
+        y = torch.empty(nt, N, device=x.device, dtype=x.dtype)
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), bk) * bk
     grid = (nt, triton.cdiv(N, bn), split_k)
     res = residual if residual is not None else y

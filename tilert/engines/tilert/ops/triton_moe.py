@@ -6,7 +6,8 @@ Two kernels per MoE block:
    of the up half of ``w13[e]`` (e = this slot's expert), optionally RMS-normalising x on the fly, and
    writes ``act = silu(gate) * up`` (bf16) for its slice.
 2. ``moe_down``: grid (n, D / BD). Each program streams ``w2[e_j][BD rows, :]`` for every slot j and
-   accumulates ``sum_j w_j * w2[e_j] @ act_j`` in fp32; optionally adds into the residual in place.
+   accumulates ``sum_j w_j * w2[e_j] @ act_j`` in fp32; optionally adds a residual (in place, or into an output
+   apart from it).
 
 The token (and slot) index is the grid's fastest axis: the programs of all tokens for one weight block run
 side by side, so an expert that several tokens of a step use (the shared experts always, routed ones when
@@ -84,20 +85,20 @@ def _moe_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    act_ptr, ids_ptr, wts_ptr, w2_ptr, y_ptr, D, I, KK, stride_an, stride_ak, stride_ids, stride_wts,
-    stride_we, stride_wd, stride_yn,
-    BD: tl.constexpr, BI: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    act_ptr, ids_ptr, wts_ptr, w2_ptr, y_ptr, res_ptr, D, I, stride_an, stride_ak, stride_ids, stride_wts,
+    stride_we, stride_wd, stride_yn, stride_rn,
+    KK: tl.constexpr, N_CH: tl.constexpr, BD: tl.constexpr, BI: tl.constexpr, HAS_RES: tl.constexpr,
+    PDL: tl.constexpr):
     pdl_begin(PDL)
     i = tl.program_id(0)
     db = tl.program_id(1)
     offs_d = db * BD + tl.arange(0, BD)
     dmask = offs_d < D
-    n_ch = tl.cdiv(I, BI)
     # One flat loop over (slot, I-chunk) so the software pipeline streams across experts.
     acc = tl.zeros([BD, BI], dtype=tl.float32)
-    for t in range(0, KK * n_ch):
-        j = t // n_ch
-        i0 = (t - j * n_ch) * BI
+    for t in range(0, KK * N_CH):
+        j = t // N_CH
+        i0 = (t - j * N_CH) * BI
         e = tl.load(ids_ptr + i * stride_ids + j)
         wj = tl.load(wts_ptr + i * stride_wts + j)
         ok = e >= 0
@@ -108,19 +109,26 @@ def _moe_down_kernel(
         w = tl.load(w2_ptr + e.to(tl.int64) * stride_we + offs_d.to(tl.int64)[:, None] * stride_wd + offs_i[None, :],
                     mask=dmask[:, None] & imask[None, :], other=0.0)
         acc += w.to(tl.float32) * (a * wj)[None, :]
-    total = tl.sum(acc, 1)
-    yp = y_ptr + i * stride_yn + offs_d
+    y = tl.sum(acc, 1).to(y_ptr.dtype.element_ty)
     if HAS_RES:
-        r = tl.load(yp, mask=dmask, other=0.0).to(tl.float32)
-        tl.store(yp, (r + total.to(y_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty), mask=dmask)
-    else:
-        tl.store(yp, total.to(y_ptr.dtype.element_ty), mask=dmask)
+        r = tl.load(res_ptr + i * stride_rn + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        y = (r + y.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + i * stride_yn + offs_d, y, mask=dmask)
 
 
-# (rows, K tile, warps, stages): best of the micro.py sweeps on the H200 for lite and V3.2 shapes
-# and of ``decode_speed.py --tune``, which re-times variants in the whole captured step.
-UP_CFG = (8, 512, 4, 4)
-DOWN_CFG = (1, 2048, 4, 3)  # in the whole lite-v32 step 0.14 ms faster than (2, 1024, 4, 3) (2026-11-29)
+# By expert width (``"narrow"``: I <= 1024, e.g. a tensor-parallel rank's slice of V3.2's 2048): best of the
+# micro.py sweeps on the H200 for lite and V3.2 shapes and of ``decode_speed.py --tune`` / ``tp_decode.py
+# --sections real,tune``, which re-time variants in the whole captured step.
+# moe_up (rows, K tile, warps, stages); narrow: the TP2 V3.2 step 37 us faster than the wide one (2026-11-30).
+UP_CFG = {"wide": (8, 512, 4, 4), "narrow": (8, 1024, 4, 3)}
+# moe_down (rows, I tile, warps, stages); wide: the lite-v32 step 0.14 ms faster than (2, 1024, 4, 3) (2026-11-29);
+# narrow: the TP2 V3.2 step 62 us faster than the wide one (2026-11-30; unrolling the (slot, chunk) loop instead
+# of the software pipeline: 22 us slower there, 5 us faster in the one-GPU step).
+DOWN_CFG = {"wide": (1, 2048, 4, 3), "narrow": (1, 1024, 4, 4)}
+
+
+def _width(inter: int) -> str:
+    return "narrow" if inter <= 1024 else "wide"
 
 
 def moe_up(x, ids, w13, *, norm_w=None, eps=1e-6, out=None, cfg=None):
@@ -129,7 +137,7 @@ def moe_up(x, ids, w13, *, norm_w=None, eps=1e-6, out=None, cfg=None):
     I = w13.shape[1] // 2
     assert w13.shape[2] == D and w13.stride(-1) == 1 and x.stride(-1) == 1
     act = out if out is not None else torch.empty(n, KK, I, device=x.device, dtype=x.dtype)
-    BI, BK, nw, ns = cfg or UP_CFG
+    BI, BK, nw, ns = cfg or UP_CFG[_width(I)]
     _moe_up_kernel[(n * KK, triton.cdiv(I, BI))](
         x, norm_w if norm_w is not None else x, ids, w13, act, D, I, KK, x.stride(0), ids.stride(0),
         w13.stride(0), w13.stride(1), act.stride(0), act.stride(1), eps,
@@ -138,19 +146,23 @@ def moe_up(x, ids, w13, *, norm_w=None, eps=1e-6, out=None, cfg=None):
 
 
 def moe_down(act, ids, wts, w2, *, residual=None, out=None, cfg=None):
+    """``sum_j wts_j * w2[ids_j] @ act_j`` (+ ``residual``) into ``out`` (default: ``residual``, in place)."""
     n, KK, I = act.shape
     D = w2.shape[1]
     assert w2.shape[2] == I and w2.stride(-1) == 1
-    if residual is not None:
+    if out is not None:
+        y = out
+    elif residual is not None:
         y = residual
     else:
-        y = out if out is not None else torch.empty(n, D, device=act.device, dtype=act.dtype)
-    BD, BI, nw, ns = cfg or DOWN_CFG
+        y = torch.empty(n, D, device=act.device, dtype=act.dtype)
+    res = residual if residual is not None else y
+    BD, BI, nw, ns = cfg or DOWN_CFG[_width(I)]
     _moe_down_kernel[(n, triton.cdiv(D, BD))](
-        act, ids, wts, w2, y, D, I, KK, act.stride(0), act.stride(1), ids.stride(0), wts.stride(0),
-        w2.stride(0), w2.stride(1), y.stride(0),
-        BD=BD, BI=BI, HAS_RES=residual is not None, num_warps=nw, num_stages=ns,
-     **triton_pdl.kw())
+        act, ids, wts, w2, y, res, D, I, act.stride(0), act.stride(1), ids.stride(0), wts.stride(0),
+        w2.stride(0), w2.stride(1), y.stride(0), res.stride(0),
+        KK=KK, N_CH=triton.cdiv(I, BI), BD=BD, BI=BI, HAS_RES=residual is not None, num_warps=nw, num_stages=ns,
+        **triton_pdl.kw())
     return y
 
 
