@@ -4,7 +4,8 @@ Each end owns one NIXL agent (agent-level locking ``NIXL_THREAD_SYNC_STRICT`` be
 it) without NIXL's progress thread: NIXL's Python API fixes that thread's delay at 0, so it spins on a core
 for the agent's whole life, which on a 2-core machine halved the write rate and slowed the prefill beside it.
 UCX progresses inside our own bounded polls instead (the sender's transfer and verdict polls, the receiver's
-poller, 50 us apart while a grant is live). The receiver registers every buffer once, up front, as NIXL ``DRAM`` memory.
+poller, 50 us apart while a grant is live). The receiver registers every buffer once, up front, as NIXL
+``DRAM`` memory.
 
 Grant and target. A grant is a window of a registered buffer; its target is ``{"transport": "nixl",
 "agent": receiver agent name, "md": base64 of the agent's *partial* metadata for that buffer (connection

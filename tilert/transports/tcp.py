@@ -8,7 +8,8 @@ length), then the payload, which the receiver reads straight into the registered
 no extra copy); the receiver answers one status byte once the bytes are in place. A write outside its
 grant, or to a revoked grant, is refused and the connection closed; revoking a grant while a write into it
 is still arriving shuts that connection down, so a stalled writer fails at once instead of holding its
-staging until its own socket timeout, and no byte lands after the revoke returns. The sender needs no source
+staging until its own socket timeout, and the write is refused (at most the chunk being copied at that moment
+still lands). The sender needs no source
 registration (it copies from any memory; a device tensor is copied to the host first).
 """
 
