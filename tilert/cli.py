@@ -116,7 +116,8 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     conv.add_argument("--model-dir", required=True, type=Path, help="HF checkpoint (config.json + *.safetensors)")
     conv.add_argument("--out", required=True, type=Path, help="output directory (new or empty)")
-    conv.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: one shard set per rank")
+    conv.add_argument("--tp", type=int, default=1,
+                      help="tensor-parallel ranks: one shard set per rank, what `tilert decode --tp N` loads")
     conv.add_argument("--quiet", action="store_true", help="no progress bar")
     conv.set_defaults(func=_convert)
 

@@ -18,10 +18,11 @@ and the :class:`ModelArgs`. :func:`load_converted` (the decode node, through ``w
 the shards and refuses a directory whose manifest, layout version, files, tensor names or shapes do not match,
 naming what is wrong.
 
-Tensor parallelism (``--tp N``): :func:`split_for_rank` is the one place that decides what rank ``r`` holds
-(a simple rule for now, to be replaced by the TP engine's): routed experts split in contiguous ranges of ``E/N``
-(expert parallel; shared experts on every rank), attention heads split in ranges of ``H/N`` (``wb``'s query rows,
-``wkv_b``'s rows, ``wo``'s columns; the indexer's rows of ``wb`` stay whole), everything else replicated.
+Tensor parallelism (``--tp N``): each rank's shard holds exactly what the tensor-parallel engine gives that rank
+(``parallel.shard_tensor`` / ``parallel.shard_expert``, the engine's one rule: every expert split along its
+width, attention heads in ranges of ``H/N``, the vocabulary of ``lm_head`` in ranges of ``V/N``, the rest
+replicated), and ``tilert decode --tp N`` loads rank ``r``'s shard directly. The ranks' shards of a group are
+written side by side, each expert read once and split as it streams, so memory stays bounded as without ``--tp``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import shutil
 import sys
 import time
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from . import fp8, st_io, weights
+from . import fp8, parallel, st_io, weights
 from .fp8 import QTensor
 from .model import ModelArgs, Transformer
 
@@ -132,54 +132,9 @@ def source_hash(model_dir: Path) -> str:
 # --------------------------------------------------------------------------------------- tensor parallelism
 
 
-def split_for_rank(name: str, value: Any, rank: int, tp: int, args: ModelArgs) -> Any:
-    """What rank ``rank`` of ``tp`` holds of fused tensor ``name`` (a tensor, an :class:`fp8.QTensor` or a
-    ``weights.ExpertStack``); the rule is in the module docstring. The one function to replace for another
-    split."""
-    if tp == 1:
-        return value
-    leaf = name.rsplit(".", 1)[-1]
-    if isinstance(value, weights.ExpertStack):
-        if leaf in ("w13", "w2") and len(value.slots) > 1:  # routed + shared experts (a dense MLP is replicated)
-            e = args.n_routed_experts
-            per = e // tp
-            return weights.ExpertStack(value.slots[rank * per : (rank + 1) * per] + value.slots[e:])
-        return value
-    h = args.num_heads
-    lo, hi = rank * h // tp, (rank + 1) * h // tp
-    if leaf == "wb":  # [q (H(P+R)) | indexer]: this rank's heads' query rows, the indexer rows whole
-        w = args.qk_head_dim
-        return _take_rows(value, [(lo * w, hi * w), (h * w, value.shape[0])])
-    if leaf == "wkv_b":
-        w = args.qk_nope_head_dim + args.v_head_dim
-        return _take_rows(value, [(lo * w, hi * w)])
-    if leaf == "wo":
-        return _take_cols(value, lo * args.v_head_dim, hi * args.v_head_dim)
-    return value
-
-
 def check_tp(tp: int, args: ModelArgs) -> None:
-    if tp < 1:
-        raise ValueError(f"--tp must be >= 1 ({tp})")
-    if args.num_heads % tp or args.n_routed_experts % tp:
-        raise ValueError(f"--tp {tp} must divide the attention heads ({args.num_heads}) and the routed experts "
-                         f"({args.n_routed_experts})")
-
-
-def _take_rows(t: Any, ranges: list[tuple[int, int]]) -> Any:
-    def take(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x[a:b] for a, b in ranges if b > a])
-
-    return t.map_rows(take) if isinstance(t, QTensor) else take(t)
-
-
-def _take_cols(t: Any, lo: int, hi: int) -> Any:
-    if not isinstance(t, QTensor):
-        return t[:, lo:hi]
-    gk = t.col_group()
-    g = math.gcd(gk, lo, hi - lo)  # a cut inside a scale group: finer groups carrying the same scales
-    scale = t.scale.repeat_interleave(gk // g, -1)
-    return QTensor(t.weight[:, lo:hi], scale[:, lo // g : hi // g])
+    """The engine's own check (``parallel.check_degree``): what it cannot shard is not converted for it."""
+    parallel.check_degree(args, tp)
 
 
 # ------------------------------------------------------------------------------------------------ progress
@@ -224,40 +179,54 @@ class Progress:
 # ------------------------------------------------------------------------------------------------ converting
 
 
-def _first(stack: weights.ExpertStack, name: str, args: ModelArgs) -> tuple[dict[str, torch.Tensor], int]:
-    """Slot 0 of a stack, stored (``fp8.store_fp8``), and the slot count: the shapes of the stacked tensors."""
-    return weights.store_fp8({name: stack.slots[0]()}, args), len(stack.slots)
+def _write_group(paths: list[Path], group: dict[str, Any], args: ModelArgs) -> list[dict[str, dict[str, Any]]]:
+    """Write one fused group to one shard per rank (``paths[r]``; one path: no tensor parallelism), experts
+    streamed slot by slot (each read once, then split per rank); returns each rank's manifest entries."""
+    tp = len(paths)
 
+    def share(name: str, t: Any, r: int) -> Any:
+        if tp == 1:
+            return t
+        leaf = name.rsplit(".", 1)[-1]
+        return parallel.shard_expert(leaf, t, r, tp) if leaf in ("w13", "w2") else parallel.shard_tensor(
+            name, t, args, r, tp)
 
-def _write_group(path: Path, group: dict[str, Any], args: ModelArgs) -> dict[str, dict[str, Any]]:
-    """Write one fused group (experts streamed slot by slot) to shard ``path``; returns its manifest entries."""
-    plain = weights.store_fp8({k: v for k, v in group.items() if not isinstance(v, weights.ExpertStack)}, args)
     stacks = {k: v for k, v in group.items() if isinstance(v, weights.ExpertStack)}
-    first = {k: _first(v, k, args) for k, v in stacks.items()}
-    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
-        k: (t.dtype, tuple(t.shape)) for k, t in plain.items()
-    }
-    for (stored, n) in first.values():
-        for k, t in stored.items():
-            specs[k] = (t.dtype, (n, *t.shape))
-    w = st_io.ShardWriter(path, specs, {"format": "pt", "tilert_layout_version": str(LAYOUT_VERSION)})
-    try:
-        for k, t in plain.items():
-            w.write(k, t)
+    plain = [weights.store_fp8({k: share(k, v, r) for k, v in group.items() if k not in stacks}, args)
+             for r in range(tp)]  # fmt: skip
+    first = {k: v.slots[0]() for k, v in stacks.items()}  # slot 0 read once: the stacked shapes
+
+    def stored(name: str, slot: Any, r: int) -> dict[str, torch.Tensor]:
+        return weights.store_fp8({name: share(name, slot, r)}, args)
+
+    specs: list[dict[str, tuple[torch.dtype, tuple[int, ...]]]] = []
+    for r in range(tp):
+        spec = {k: (t.dtype, tuple(t.shape)) for k, t in plain[r].items()}
         for name, stack in stacks.items():
-            stored, n = first[name]
-            for j in range(n):
-                slot = stored if j == 0 else weights.store_fp8({name: stack.slots[j]()}, args)
-                for k, t in slot.items():
-                    dtype, shape = specs[k]
-                    if t.dtype != dtype or tuple(t.shape) != shape[1:]:
-                        raise ValueError(f"{k}: expert slot {j} is {t.dtype} {tuple(t.shape)}, slot 0 is "
-                                         f"{dtype} {shape[1:]}")
-                    w.write(k, t, offset=j * t.numel() * t.element_size())
+            for k, t in stored(name, first[name], r).items():
+                spec[k] = (t.dtype, (len(stack.slots), *t.shape))
+        specs.append(spec)
+    meta = {"format": "pt", "tilert_layout_version": str(LAYOUT_VERSION)}
+    writers = [st_io.ShardWriter(path, spec, meta) for path, spec in zip(paths, specs, strict=True)]
+    try:
+        for r, w in enumerate(writers):
+            for k, t in plain[r].items():
+                w.write(k, t)
+        for name, stack in stacks.items():
+            for j in range(len(stack.slots)):
+                slot = first[name] if j == 0 else stack.slots[j]()
+                for r, w in enumerate(writers):
+                    for k, t in stored(name, slot, r).items():
+                        dtype, shape = specs[r][k]
+                        if t.dtype != dtype or tuple(t.shape) != shape[1:]:
+                            raise ValueError(f"{k}: expert slot {j} is {t.dtype} {tuple(t.shape)}, slot 0 is "
+                                             f"{dtype} {shape[1:]}")
+                        w.write(k, t, offset=j * t.numel() * t.element_size())
     finally:
-        w.close()
-    return {k: {"file": path.name, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
-            for k, (dtype, shape) in specs.items()}
+        for w in writers:
+            w.close()
+    return [{k: {"file": path.name, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
+             for k, (dtype, shape) in spec.items()} for path, spec in zip(paths, specs, strict=True)]
 
 
 def convert(model_dir: Path | str, out: Path | str, tp: int = 1, progress: bool = True) -> Path:
@@ -284,15 +253,8 @@ def convert(model_dir: Path | str, out: Path | str, tp: int = 1, progress: bool 
         for g, group in enumerate(weights.fused_groups(lazy, args)):
             label = next(iter(group)).split(".")[:2]
             fname = f"{g:04d}-{'.'.join(label)}.safetensors"
-            if tp == 1:
-                tensors[0].update(_write_group(rank_dirs[0] / fname, group, args))
-                continue
-            # Per rank: the same group, split. Routed experts go to one rank each (read once); the slots every
-            # rank holds (shared experts, a dense MLP) are read once and kept until the group is written.
-            group = {k: _share_slots(v, args) for k, v in group.items()}
-            for r in range(tp):
-                part = {k: split_for_rank(k, v, r, tp, args) for k, v in group.items()}
-                tensors[r].update(_write_group(rank_dirs[r] / fname, part, args))
+            for r, entries in enumerate(_write_group([d / fname for d in rank_dirs], group, args)):
+                tensors[r].update(entries)
     finally:
         bar.close()
     dtypes = sorted({t["dtype"] for rank in tensors for t in rank.values()})
@@ -304,32 +266,13 @@ def convert(model_dir: Path | str, out: Path | str, tp: int = 1, progress: bool 
         "fp8": args.fp8,
         "dtypes": dtypes,
         "tp": tp,
-        "tp_rule": "experts: contiguous E/tp per rank + shared; heads: H/tp per rank; rest replicated",
+        "tp_rule": "parallel.py: experts split along their width; heads H/tp; lm_head V/tp; rest replicated",
         "args": dataclasses.asdict(args),
         "ranks": [{"dir": d.relative_to(out).as_posix() or ".", "tensors": t}
                   for d, t in zip(rank_dirs, tensors, strict=True)],
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return out
-
-
-def _share_slots(v: Any, args: ModelArgs) -> Any:
-    """An expert stack whose slots beyond the routed experts (or whose only slot) are read once and kept."""
-    if not isinstance(v, weights.ExpertStack):
-        return v
-    first_shared = 0 if len(v.slots) == 1 else args.n_routed_experts
-
-    def once(fn: Any) -> Any:
-        kept: list[Any] = []
-
-        def call() -> Any:
-            if not kept:
-                kept.append(fn())
-            return kept[0]
-
-        return call
-
-    return weights.ExpertStack(v.slots[:first_shared] + [once(f) for f in v.slots[first_shared:]])
 
 
 # ------------------------------------------------------------------------------------------------- loading
@@ -357,27 +300,35 @@ def read_manifest(model_dir: Path) -> dict[str, Any]:
 
 
 def load_converted(model_dir: Path, *, device: str | torch.device, dtype: torch.dtype, max_seq_len: int,
-                   max_sequences: int = 1) -> Transformer:
+                   max_sequences: int = 1, tp: tuple[int, int] = (0, 1)) -> Transformer:
     """A ready :class:`Transformer` from a converted directory (shards memory-mapped), after checking the manifest
-    against the model it describes and every shard against the manifest."""
+    against the model it describes and every shard against the manifest; ``tp = (rank, size)``: that rank's
+    shard of a directory converted with ``--tp size``."""
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
     m = read_manifest(model_dir)
-    if m.get("tp", 1) != 1:
-        raise ValueError(f"{model_dir} was converted with --tp {m['tp']}: its per-rank shards are for the "
+    rank, size = tp
+    made = m.get("tp", 1)
+    if made != size:
+        raise ValueError(f"{model_dir} was converted for {made} tensor-parallel rank(s), this engine runs {size}: "
+                         f"convert the checkpoint again with --tp {size}" if size > 1 else
+                         f"{model_dir} was converted with --tp {made}: its per-rank shards are for the "
                          "tensor-parallel engine; convert without --tp to serve on one device")
     try:
         args = ModelArgs(**m["args"])
     except TypeError as exc:
         raise ValueError(f"{model_dir / MANIFEST}: model arguments do not match this engine ({exc})") from None
+    if size > 1:
+        args = parallel.local_args(args, rank, size)
     with torch.device("meta"):
         model = Transformer(args)
     want = {k: p for k, p in model.named_parameters()}
     try:
-        listed: dict[str, Any] = m["ranks"][0]["tensors"]
+        listed: dict[str, Any] = m["ranks"][rank]["tensors"]
+        model_dir = model_dir / m["ranks"][rank]["dir"]
     except (IndexError, KeyError, TypeError):
-        raise ValueError(f"{model_dir / MANIFEST}: no tensor list for rank 0") from None
+        raise ValueError(f"{model_dir / MANIFEST}: no tensor list for rank {rank}") from None
     missing = [k for k in want if k not in listed]
     if missing:
         raise ValueError(f"{model_dir}: missing tensor(s) {missing[:8]} (the manifest does not list them)")

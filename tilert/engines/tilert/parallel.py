@@ -233,30 +233,37 @@ def _part(t: Tensor, rank: int, size: int, dim: int = 0) -> Tensor:
     return t.narrow(dim, rank * n, n)
 
 
-def _shard_attn(sd: dict[str, Tensor], pre: str, args: ModelArgs, rank: int, size: int) -> dict[str, Tensor]:
+def shard_expert(leaf: str, t: Tensor, rank: int, size: int) -> Tensor:
+    """Rank ``rank``'s share of an expert weight (a dense MLP is one expert), split along its intermediate width:
+    ``w13 [..., 2I, D]``'s gate and up rows, ``w2 [..., D, I]``'s columns. ``t`` is one expert or a stack of them
+    (the leading dims are kept): the engine shards stacks, ``tilert convert`` one expert at a time."""
+    if leaf == "w13":
+        inter = t.shape[-2] // 2
+        g, u = t[..., :inter, :], t[..., inter:, :]
+        return torch.cat([_part(g, rank, size, -2), _part(u, rank, size, -2)], -2).contiguous()
+    if leaf == "w2":
+        return _part(t, rank, size, -1).contiguous()
+    raise ValueError(f"{leaf!r} is not an expert weight")
+
+
+def shard_tensor(key: str, t: Tensor, args: ModelArgs, rank: int, size: int) -> Tensor:
+    """Rank ``rank``'s share of fused tensor ``key`` (``args`` global), the rule of the module docstring for
+    everything but the experts (:func:`shard_expert`): a replicated tensor comes back as it is."""
+    pre, _, leaf = key.rpartition(".")
     h, p, r, v = args.num_heads, args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
-    out: dict[str, Tensor] = {}
     q_in = "wb" if args.q_lora_rank is not None else "wa"  # the block whose first H(P+R) rows are the query
-    for name in (q_in, q_in + "_bias"):
-        if pre + name in sd:
-            t = sd[pre + name]
-            q = t[: h * (p + r)].unflatten(0, (h, p + r))
-            out[pre + name] = torch.cat([_part(q, rank, size).flatten(0, 1), t[h * (p + r) :]])
-    out[pre + "wkv_b"] = _part(sd[pre + "wkv_b"].unflatten(0, (h, p + v)), rank, size).flatten(0, 1)
-    out[pre + "wo"] = _part(sd[pre + "wo"], rank, size, dim=1)
-    if pre + "wo_bias" in sd:
-        out[pre + "wo_bias"] = sd[pre + "wo_bias"] if rank == 0 else torch.zeros_like(sd[pre + "wo_bias"])
-    return out
-
-
-def _shard_mlp(sd: dict[str, Tensor], pre: str, rank: int, size: int) -> dict[str, Tensor]:
-    """Every expert slot (a dense MLP is one) split along its intermediate width: ``w13 [slots, 2I, D]``'s gate
-    and up rows, ``w2 [slots, D, I]``'s columns."""
-    w13, w2 = sd[pre + "w13"], sd[pre + "w2"]
-    inter = w13.shape[1] // 2
-    g, u = w13[:, :inter], w13[:, inter:]
-    return {pre + "w13": torch.cat([_part(g, rank, size, 1), _part(u, rank, size, 1)], 1),
-            pre + "w2": _part(w2, rank, size, 2)}  # fmt: skip
+    if pre.endswith("attn") and leaf in (q_in, q_in + "_bias"):
+        q = t[: h * (p + r)].unflatten(0, (h, p + r))
+        return torch.cat([_part(q, rank, size).flatten(0, 1), t[h * (p + r) :]])
+    if pre.endswith("attn") and leaf == "wkv_b":
+        return _part(t.unflatten(0, (h, p + v)), rank, size).flatten(0, 1).contiguous()
+    if pre.endswith("attn") and leaf == "wo":
+        return _part(t, rank, size, dim=1).contiguous()
+    if pre.endswith("attn") and leaf == "wo_bias":  # added once, by rank 0
+        return t if rank == 0 else torch.zeros_like(t)
+    if key in ("lm_head", "mtp.0.head"):
+        return _part(t, rank, size).contiguous()
+    return t
 
 
 def shard_state_dict(sd: dict[str, Tensor], args: ModelArgs, rank: int, size: int) -> dict[str, Tensor]:
@@ -265,17 +272,12 @@ def shard_state_dict(sd: dict[str, Tensor], args: ModelArgs, rank: int, size: in
     check_degree(args, size)
     if size == 1:
         return dict(sd)
-    out = dict(sd)
-    for key in sd:
-        pre, _, leaf = key.rpartition(".")
-        pre += "."
-        if leaf == "wkv_b":
-            out.update(_shard_attn(sd, pre, args, rank, size))
-        elif leaf == "w13":
-            out.update(_shard_mlp(sd, pre, rank, size))
-        elif key in ("lm_head", "mtp.0.head"):
-            out[key] = _part(sd[key], rank, size)
-    return {k: t.contiguous() for k, t in out.items()}
+    out = {}
+    for key, t in sd.items():
+        leaf = key.rpartition(".")[2]
+        out[key] = shard_expert(leaf, t, rank, size) if leaf in ("w13", "w2") else shard_tensor(key, t, args, rank,
+                                                                                                  size)
+    return out
 
 
 def shard_model(model: Transformer, rank: int, size: int) -> Transformer:

@@ -488,16 +488,14 @@ def load_model(
     """Read ``model_dir`` (an HF checkpoint, or a directory written by ``tilert convert``) and return a ready
     :class:`Transformer` (weights in ``dtype``, FP8 weights kept e4m3; caches allocated for ``max_sequences``
     sequences of ``max_seq_len`` positions); ``tp = (rank, size)``: that rank's share of the model
-    (``parallel.py``; the whole checkpoint is read, then sharded before it reaches the device)."""
+    (``parallel.py``; of an HF checkpoint the whole is read, then sharded before it reaches the device; a directory
+    converted with ``--tp size`` gives the rank its own shard)."""
     model_dir = Path(model_dir)
     from . import convert  # (imports this module)
 
-    if convert.is_converted(model_dir):
-        if tp[1] > 1:
-            raise ValueError(f"{model_dir} was written by tilert convert; with --tp load the HF checkpoint it came "
-                             "from (the engine shards it at start-up)")
+    if convert.is_converted(model_dir):  # with tp: this rank's shard of a directory converted with --tp
         return convert.load_converted(model_dir, device=device, dtype=dtype, max_seq_len=max_seq_len,
-                                      max_sequences=max_sequences)
+                                      max_sequences=max_sequences, tp=tp)
     cfg = load_hf_config(model_dir)
     keys = checkpoint_keys(model_dir)
     args = args_from_hf_config(cfg, keys)
