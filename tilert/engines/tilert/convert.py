@@ -194,16 +194,16 @@ def _write_group(paths: list[Path], group: dict[str, Any], args: ModelArgs) -> l
     stacks = {k: v for k, v in group.items() if isinstance(v, weights.ExpertStack)}
     plain = [weights.store_fp8({k: share(k, v, r) for k, v in group.items() if k not in stacks}, args)
              for r in range(tp)]  # fmt: skip
-    first = {k: v.slots[0]() for k, v in stacks.items()}  # slot 0 read once: the stacked shapes
+    def stored(name: str, slot: Any) -> list[dict[str, torch.Tensor]]:
+        """One expert as each rank stores it."""
+        return [weights.store_fp8({name: share(name, slot, r)}, args) for r in range(tp)]
 
-    def stored(name: str, slot: Any, r: int) -> dict[str, torch.Tensor]:
-        return weights.store_fp8({name: share(name, slot, r)}, args)
-
+    first = {k: stored(k, v.slots[0]()) for k, v in stacks.items()}  # slot 0: the stacked shapes
     specs: list[dict[str, tuple[torch.dtype, tuple[int, ...]]]] = []
     for r in range(tp):
         spec = {k: (t.dtype, tuple(t.shape)) for k, t in plain[r].items()}
         for name, stack in stacks.items():
-            for k, t in stored(name, first[name], r).items():
+            for k, t in first[name][r].items():
                 spec[k] = (t.dtype, (len(stack.slots), *t.shape))
         specs.append(spec)
     meta = {"format": "pt", "tilert_layout_version": str(LAYOUT_VERSION)}
@@ -214,9 +214,9 @@ def _write_group(paths: list[Path], group: dict[str, Any], args: ModelArgs) -> l
                 w.write(k, t)
         for name, stack in stacks.items():
             for j in range(len(stack.slots)):
-                slot = first[name] if j == 0 else stack.slots[j]()
+                parts = first[name] if j == 0 else stored(name, stack.slots[j]())
                 for r, w in enumerate(writers):
-                    for k, t in stored(name, slot, r).items():
+                    for k, t in parts[r].items():
                         dtype, shape = specs[r][k]
                         if t.dtype != dtype or tuple(t.shape) != shape[1:]:
                             raise ValueError(f"{k}: expert slot {j} is {t.dtype} {tuple(t.shape)}, slot 0 is "
