@@ -19,7 +19,7 @@ the shards and refuses a directory whose manifest, layout version, files, tensor
 naming what is wrong.
 
 Tensor parallelism (``--tp N``): each rank's shard holds exactly what the tensor-parallel engine gives that rank
-(``parallel.shard_tensor`` / ``parallel.shard_expert``, the engine's one rule: every expert split along its
+(``parallel.shard``, the engine's one rule: every expert split along its
 width, attention heads in ranges of ``H/N``, the vocabulary of ``lm_head`` in ranges of ``V/N``, the rest
 replicated), and ``tilert decode --tp N`` loads rank ``r``'s shard directly. The ranks' shards of a group are
 written side by side, each expert read once and split as it streams, so memory stays bounded as without ``--tp``.
@@ -185,11 +185,7 @@ def _write_group(paths: list[Path], group: dict[str, Any], args: ModelArgs) -> l
     tp = len(paths)
 
     def share(name: str, t: Any, r: int) -> Any:
-        if tp == 1:
-            return t
-        leaf = name.rsplit(".", 1)[-1]
-        return parallel.shard_expert(leaf, t, r, tp) if leaf in ("w13", "w2") else parallel.shard_tensor(
-            name, t, args, r, tp)
+        return t if tp == 1 else parallel.shard(name, t, args, r, tp)
 
     stacks = {k: v for k, v in group.items() if isinstance(v, weights.ExpertStack)}
     plain = [weights.store_fp8({k: share(k, v, r) for k, v in group.items() if k not in stacks}, args)

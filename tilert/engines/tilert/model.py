@@ -272,11 +272,7 @@ class MLAttention(nn.Module):
         o = k.mla_uv(o_lat, self.wkv_b, a.qk_nope_head_dim, self.wkv_b_scale)
         out, base = self.tp.partial(h)
         if self.wo_bias is not None:
-            y = k.gemv(o, self.wo, None, 0.0, self.wo_bias, scale=self.wo_scale)
-            if base is None:
-                out.copy_(y)
-            else:
-                torch.add(base, y, out=out)
+            ops.reference.write_residual(out, k.gemv(o, self.wo, None, 0.0, self.wo_bias, scale=self.wo_scale), base)
         else:
             k.gemv_residual(out, o, self.wo, base, self.wo_scale)
         self.tp.reduce_into(h, out)

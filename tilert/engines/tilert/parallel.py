@@ -272,12 +272,14 @@ def shard_state_dict(sd: dict[str, Tensor], args: ModelArgs, rank: int, size: in
     check_degree(args, size)
     if size == 1:
         return dict(sd)
-    out = {}
-    for key, t in sd.items():
-        leaf = key.rpartition(".")[2]
-        out[key] = shard_expert(leaf, t, rank, size) if leaf in ("w13", "w2") else shard_tensor(key, t, args, rank,
-                                                                                                  size)
-    return out
+    return {key: shard(key, t, args, rank, size) for key, t in sd.items()}
+
+
+def shard(key: str, t: Tensor, args: ModelArgs, rank: int, size: int) -> Tensor:
+    """Rank ``rank``'s share of fused tensor ``key``: an expert weight (``w13`` / ``w2``, one expert or a stack) by
+    :func:`shard_expert`, anything else by :func:`shard_tensor`."""
+    leaf = key.rpartition(".")[2]
+    return shard_expert(leaf, t, rank, size) if leaf in ("w13", "w2") else shard_tensor(key, t, args, rank, size)
 
 
 def shard_model(model: Transformer, rank: int, size: int) -> Transformer:
