@@ -242,7 +242,8 @@ TINY_LAYERS, TINY_ROW = 3, 576 * 4  # the tiny deepseek_v3 checkpoint in float32
 TINY_BPT = TINY_LAYERS * TINY_ROW
 VLLM_HEADER = (
     "| transport | tokens | MiB moved | unclaimed prefill ms | claimed prefill ms | claimed / unclaimed "
-    "| state ready after the response ms |\n|---|---:|---:|---:|---:|---:|---:|"
+    "| state ready after the response ms | CPU ms unclaimed | CPU ms claimed |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -254,12 +255,14 @@ class VllmResult:
     unclaimed_s: float
     claimed_s: float
     ready_after_s: float
+    cpu_unclaimed_s: float  # CPU time of every vLLM process and of this one (the decode half) per request
+    cpu_claimed_s: float
 
     def row(self) -> str:
         return (
             f"| {self.transport} | {self.tokens} | {self.nbytes / 2**20:,.1f} | {self.unclaimed_s * 1e3:,.1f} | "
             f"{self.claimed_s * 1e3:,.1f} | {self.claimed_s / self.unclaimed_s:.3f} | "
-            f"{self.ready_after_s * 1e3:+,.1f} |"
+            f"{self.ready_after_s * 1e3:+,.1f} | {self.cpu_unclaimed_s * 1e3:,.1f} | {self.cpu_claimed_s * 1e3:,.1f} |"
         )
 
 
@@ -289,6 +292,7 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 600) 
 def run_vllm(transport: str, tokens: list[int], reps: int, model: Path | None) -> list[VllmResult]:
     """One stock vLLM (connector on ``transport``) and a decode node's transfer half in this process."""
     import httpx
+    import psutil
 
     from tilert.auth import load_secret
     from tilert.stack import StackConfig, child_env, prefill_command, write_secret_file
@@ -321,7 +325,12 @@ def run_vllm(transport: str, tokens: list[int], reps: int, model: Path | None) -
                 await table.wait_ready(tid, 900)
                 return time.monotonic()
 
-            def prefill(ids: list[int], claimed: bool) -> tuple[float, float | None, int]:
+            procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True), psutil.Process()]
+
+            def cpu_s() -> float:
+                return sum(sum(p.cpu_times()[:2]) for p in procs)
+
+            def prefill(ids: list[int], claimed: bool) -> tuple[float, float | None, int, float]:
                 body: dict[str, Any] = {"model": str(model), "prompt": ids, "max_tokens": 1, "temperature": 0}
                 ready = None
                 if claimed:
@@ -329,37 +338,42 @@ def run_vllm(transport: str, tokens: list[int], reps: int, model: Path | None) -
                     portal.call(table.reserve, tid)
                     body["kv_transfer_params"] = c.Claim.signed(secret, tid, "127.0.0.1", ctrl_port).to_params()
                     ready = portal.start_task_soon(ready_at, tid)
-                t0 = time.monotonic()
+                cpu0, t0 = cpu_s(), time.monotonic()
                 resp = client.post(url + "/v1/completions", json=body)
                 t_resp = time.monotonic()
                 resp.raise_for_status()
                 if ready is None:
-                    return t_resp - t0, None, 0
+                    return t_resp - t0, None, 0, cpu_s() - cpu0
                 params = resp.json().get("kv_transfer_params") or {}
                 assert not params.get("tilert_error"), params
                 t_ready = ready.result(900)
+                cpu = cpu_s() - cpu0
                 nbytes = table.get(tid).offer.nbytes  # type: ignore[union-attr]
                 portal.call(table.release, tid)
-                return t_resp - t0, t_ready - t_resp, nbytes
+                return t_resp - t0, t_ready - t_resp, nbytes, cpu
 
             vocab = 2048
             for claimed in (False, True):  # warm-up: both paths, connections and registrations
                 prefill(torch.randint(8, vocab, (min(tokens),), generator=gen).tolist(), claimed)
             for n in tokens:
-                plain, claimed_s, after, nbytes = [], [], [], 0
+                plain, claimed_s, after, nbytes, cpu_plain, cpu_claimed = [], [], [], 0, [], []
                 try:
                     for _ in range(reps):
                         ids = torch.randint(8, vocab, (n,), generator=gen).tolist()
-                        plain.append(prefill(ids, False)[0])
-                        lat, ready_after, nbytes = prefill(ids, True)
+                        lat, _, _, cpu = prefill(ids, False)
+                        plain.append(lat)
+                        cpu_plain.append(cpu)
+                        lat, ready_after, nbytes, cpu = prefill(ids, True)
                         claimed_s.append(lat)
                         after.append(ready_after or 0.0)
+                        cpu_claimed.append(cpu)
                 except httpx.HTTPStatusError as exc:  # vLLM could not prefill it: say so, go on
                     print(f"| {transport} | {n} | vLLM answered {exc.response.status_code}: "
                           f"{exc.response.text[:200]!r} (see {log_path}) |", flush=True)  # fmt: skip
                     continue
                 med = statistics.median
-                row = VllmResult(transport, n, nbytes, med(plain), med(claimed_s), med(after))
+                row = VllmResult(transport, n, nbytes, med(plain), med(claimed_s), med(after), med(cpu_plain),
+                                 med(cpu_claimed))
                 print(row.row(), flush=True)
                 results.append(row)
             serving.cancel()  # the control server runs until cancelled; the portal waits for its tasks

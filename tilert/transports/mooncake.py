@@ -8,7 +8,8 @@ naming the NICs (``"mlx5_0,mlx5_1"``; empty: Mooncake's topology discovery). Sam
 Grant and target. A grant is a window ``[offset, offset + nbytes)`` of a registered buffer; its target is
 ``{"transport": "mooncake", "session": "HOST:RPC_PORT", "addr": window start, "nbytes", "key"}``: the
 receiver engine's session id, the absolute address to write at, and a random grant key. The sender writes
-(the whole grant, or pieces of it at offsets) with ``transfer_sync(..., Write, TransferNotify("tilert",
+(the whole grant, or pieces of it at offsets) with ``transfer_submit_write`` and a sleeping poll of its
+status, then rewrites the piece's last byte with ``transfer_sync(..., Write, TransferNotify("tilert",
 "KEY:OFFSET:NBYTES"))``, so every completed write is followed by a completion notification the receiver
 checks against its live grants; it vouches for a grant once notifications covered every byte of it.
 
@@ -82,6 +83,7 @@ log = structlog.get_logger("tilert.transports.mooncake")
 NOTIFY_NAME = "tilert"
 _REVOKED_KEPT = 4096  # revoked grants remembered, to recognise (and report) their late writers
 _ERR_OVERLAP = -7  # register_memory: the range overlaps a registered one
+_POLL_FIRST_S, _POLL_MAX_S = 50e-6, 500e-6  # the sender's poll of a write's status, doubling
 
 
 def _engine(hostname: str, protocol: str, device: str, timeout_s: float) -> Any:
@@ -289,6 +291,7 @@ class MooncakeSender(Sender):
         self._staging: list[tuple[int, int]] = []  # [start, end) of buffers registered by register_source
         self._unreachable: set[str] = set()
         self._probe_timeout_s = min(0.5, timeout_s)
+        self._timeout_s = timeout_s
         self._lock = threading.Lock()
 
     def register_source(self, buffer: torch.Tensor) -> None:
@@ -319,9 +322,7 @@ class MooncakeSender(Sender):
         src = data.data_ptr()
         self._hold_source(src, n)
         try:
-            rc = self._engine.transfer_sync(
-                session, src, addr + offset, n, self._write_op, self._notify(NOTIFY_NAME, f"{key}:{offset}:{n}")
-            )
+            rc = self._write(session, src, addr + offset, n, f"{key}:{offset}:{n}")
         finally:
             self._release_source(src)
         if rc != 0:
@@ -330,6 +331,30 @@ class MooncakeSender(Sender):
                 f"mooncake write of {n} bytes to {session} failed (rc={rc}): refused by the receiver (grant revoked, "
                 "window not registered there) or timed out (MC_TRANSFER_TIMEOUT)"
             )
+
+    def _write(self, session: str, src: int, dst: int, n: int, note: str) -> int:
+        """Write ``n`` bytes, then notify the receiver: 0, or the library's failure code.
+
+        ``transfer_sync`` would do both, but it waits for the data by spinning on the transfer's status (the
+        calling thread took as much CPU as the write took time, beside the prefill). So the data goes with
+        ``transfer_submit_write`` and a sleeping poll, and the notification with a one-byte ``transfer_sync``
+        of the data's last byte (rewritten, same value): sent only after the data completed, and refused,
+        like any write, by a receiver that unregistered the window meanwhile."""
+        batch = self._engine.transfer_submit_write(session, src, dst, n)
+        if batch in (-1, 2**64 - 1):  # -1 as the library's unsigned batch id: the segment or the submit failed
+            return -1
+        delay, deadline = _POLL_FIRST_S, time.monotonic() + self._timeout_s
+        while (status := self._engine.transfer_check_status(batch)) == 0:
+            if time.monotonic() > deadline:  # the library never times a submitted write out: we do
+                log.warning("mooncake_write_timed_out", nbytes=n, timeout_s=self._timeout_s)
+                return -2  # the library keeps the batch's bookkeeping (it frees it only once the write ends)
+            time.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX_S)
+        if status != 1:  # -1 failed, -2 timed out
+            return status
+        note_src = src + n - 1
+        return int(self._engine.transfer_sync(session, note_src, dst + n - 1, 1, self._write_op,
+                                              self._notify(NOTIFY_NAME, note)))  # fmt: skip
 
     def _check_reachable(self, session: str, n: int) -> None:
         problem = _probe(session, self._probe_timeout_s)

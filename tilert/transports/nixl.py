@@ -4,7 +4,9 @@ Each end owns one NIXL agent (agent-level locking ``NIXL_THREAD_SYNC_STRICT`` be
 it) without NIXL's progress thread: NIXL's Python API fixes that thread's delay at 0, so it spins on a core
 for the agent's whole life, which on a 2-core machine halved the write rate and slowed the prefill beside it.
 UCX progresses inside our own bounded polls instead (the sender's transfer and verdict polls, the receiver's
-poller, 50 us apart while a grant is live). The receiver registers every buffer once, up front, as NIXL
+poller: 50 us apart after a grant or a notification, backing off to 1 ms apart while a live grant sees nothing,
+as through a long prefill: polling every 50 us took 16% of a core for the whole prefill, which the prefill
+beside it lost). The receiver registers every buffer once, up front, as NIXL
 ``DRAM`` memory.
 
 Grant and target. A grant is a window of a registered buffer; its target is ``{"transport": "nixl",
@@ -80,7 +82,8 @@ _VERDICT = b"TLV1"  # + key (16) + status (1: ok, 0: refused) + reason (utf-8)
 _NBYTES = struct.Struct(">Q")
 _KEY_BYTES = 16
 _POLL_S = 20e-6  # between polls of one transfer / verdict: never spin on a 2-core machine
-_FAST_POLL_S = 50e-6  # receiver poller while a grant is live
+_FAST_POLL_S = 50e-6  # receiver poller right after a grant or a notification
+_SLOW_POLL_S = 1e-3  # ... doubling up to this while a live grant sees nothing (a verdict waits at most this)
 _IDLE_POLL_S = 2e-3  # receiver poller with no live grant (late writers only)
 _REVOKED_KEPT = 4096
 _PEERS_KEPT = 256
@@ -214,6 +217,7 @@ class NixlReceiver(Receiver):
     # ---- the poller: completion notifications in, verdicts out ------------------------------------
 
     def _poll_loop(self) -> None:
+        delay = _FAST_POLL_S
         while not self._closed.is_set():
             try:
                 busy = self._poll_once()
@@ -222,11 +226,10 @@ class NixlReceiver(Receiver):
                 busy = False
             with self._lock:
                 live = bool(self._grants)
-            if busy or live:
-                self._closed.wait(_FAST_POLL_S)
-            else:
-                self._kick.wait(_IDLE_POLL_S)
+            delay = _poll_delay(delay, busy, live)
+            if self._kick.wait(delay):  # a new grant (or close): fast again at once
                 self._kick.clear()
+                delay = _FAST_POLL_S
 
     def _poll_once(self) -> bool:
         with self._lock:
@@ -498,6 +501,16 @@ class _Source:
     mem: str  # "DRAM" | "VRAM"
     dev: int
     reg: Any
+
+
+def _poll_delay(last: float, busy: bool, live: bool) -> float:
+    """The receiver poller's next wait: fast after a notification, doubling to ``_SLOW_POLL_S`` while a live
+    grant sees nothing, ``_IDLE_POLL_S`` with no live grant (only late writers can still notify)."""
+    if busy:
+        return _FAST_POLL_S
+    if live:
+        return min(last * 2, _SLOW_POLL_S)
+    return _IDLE_POLL_S
 
 
 def _parse_write(msg: bytes) -> tuple[bytes, int, int, bytes] | None:
