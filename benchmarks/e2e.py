@@ -360,15 +360,13 @@ class Target:
 # vLLM alone runs its model in the engine-core process (the in-process executor, the default on one GPU), not in
 # the worker process its CPU platform picks: that worker spins on ``sched_yield`` for a second after every step
 # (``shm_broadcast.SpinCondition``), and in-process vLLM alone was as fast or faster here (TTFT 45 ms against
-# 61 at concurrency 4; results/cpu-e2e-2026-11-30-e.md). On CPU vLLM accepts it only with this variable, which
-# changes nothing else for its OpenAI server (the engine core stays a process of its own). The stack's prefill
-# keeps the default executor: in-process it answered 4 concurrent users 3-6x later (the closing note of issue 13).
-IN_PROCESS_EXECUTOR_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# 61 at concurrency 4; results/cpu-e2e-2026-11-30-e.md). The stack's prefill does the same with
+# ``--prefill-in-process`` (``tilert up --prefill-in-process``). Both need ``stack.IN_PROCESS_EXECUTOR_ENV``.
 
 
 def vllm_alone_command(model: Path, port: int, dtype: str) -> list[str]:
     """Plain vLLM in its fastest CPU configuration: compiled (no --enforce-eager), native RoPE for MLA, the model
-    in the engine-core process (its environment needs ``IN_PROCESS_EXECUTOR_ENV``)."""
+    in the engine-core process (its environment needs ``stack.IN_PROCESS_EXECUTOR_ENV``)."""
     from tilert import stack
 
     return [
@@ -396,7 +394,7 @@ def start_servers(
         cfg = stack.StackConfig(
             model=model, port=free_port(), prefill_port=free_port(), ctrl_port=free_port(),
             decode_http_port=free_port(), dtype=args.dtype, max_model_len=MAX_MODEL_LEN, kv_cache_bytes=KV_CACHE_BYTES,
-            prefill_compiled=args.prefill_compiled,
+            prefill_compiled=args.prefill_compiled, prefill_in_process=args.prefill_in_process,
         )  # fmt: skip
         secret_file = stack.write_secret_file()
         args._cleanup.append(lambda: shutil.rmtree(secret_file.parent, ignore_errors=True))
@@ -405,7 +403,7 @@ def start_servers(
         commands = {"prefill": stack.prefill_command(cfg), "decode": stack.decode_command(cfg),
                     "router": stack.router_command(cfg)}  # fmt: skip
         envs = {
-            "prefill": {**base, "VLLM_CPU_OMP_THREADS_BIND": args.prefill_cpus},
+            "prefill": {**base, **stack.prefill_env(cfg), "VLLM_CPU_OMP_THREADS_BIND": args.prefill_cpus},
             "decode": {**base, **_decode_env(args)},
             "router": dict(base),
         }
@@ -431,10 +429,10 @@ def start_servers(
         cmd = vllm_alone_command(model, port, args.dtype)
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("TILERT_SECRET")},
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-               **IN_PROCESS_EXECUTOR_ENV, "VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus}  # fmt: skip
+               **stack.IN_PROCESS_EXECUTOR_ENV, "VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus}  # fmt: skip
         procs.start("vllm", cmd, env)
         started["vllm"] = {"command": cmd,
-                           "env": {"VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus, **IN_PROCESS_EXECUTOR_ENV}}
+                           "env": {"VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus, **stack.IN_PROCESS_EXECUTOR_ENV}}
         out["vllm"] = Target("vllm", f"http://127.0.0.1:{port}", ["vllm"])
         health["vllm"] = out["vllm"].url
     return out, started, health
@@ -1270,6 +1268,8 @@ def parser() -> argparse.ArgumentParser:
                     help="CPUs of the decode node's engine thread (--engine-cpus; '' leaves it unpinned)")
     ap.add_argument("--prefill-compiled", action="store_true",
                     help="the stack's prefill vLLM compiled (tilert up --prefill-compiled), not --enforce-eager")
+    ap.add_argument("--prefill-in-process", action="store_true",
+                    help="the stack's prefill vLLM's model in its engine-core process (tilert up --prefill-in-process)")
     ap.add_argument("--decode-pin", choices=["engine", "process"], default="engine",
                     help="pin the node's engine thread to --decode-cpus (its event loop free), or the whole process")
     ap.add_argument(

@@ -15,7 +15,9 @@ Per transport and prompt length, the median over ``--reps`` of:
   handshake. ``tail`` = last layer staged -> state ready on the decode node (its ``Done`` verified, the slot
   ``READY``); ``GiB/s`` = bytes / tail, next to a plain in-process copy of the same bytes (``memcpy``: one libc
   ``memcpy`` of the staging extent into the node's slot buffer, measured in the same run) and the ratio of the
-  two; ``torch copy_`` is the same copy through torch's intra-op threads (both cores), shown beside it.
+  two; ``torch copy_`` is the same copy through torch's intra-op threads (both cores), shown beside it;
+  ``CMA`` the same bytes through the kernel's cross-process copy (``process_vm_writev``), the path UCX takes
+  between two processes of one host without RDMA: what bounds NIXL on such a host.
 - ``pipelined``: the connector as it is: handshake at the first layer, each layer written as soon as it is
   staged, ``Done`` after the last. A stand-in for the forward paces the layers as a prefill of
   ``--prefill-tok-s`` tokens/s would (a sleep before each layer's staging; the gathers come on top). ``tail`` as above;
@@ -83,6 +85,7 @@ class Result:
     nbytes: int
     memcpy_s: float
     copy2_s: float
+    cma_s: float
     bulk_tail_s: float
     pipe_tail_s: float
     pipe_total_s: float
@@ -91,20 +94,21 @@ class Result:
 
     def row(self) -> str:
         gib = self.nbytes / 2**30
-        bulk_gbs, copy_gbs = gib / self.bulk_tail_s, gib / self.memcpy_s
+        bulk_gbs, copy_gbs, cma_gbs = gib / self.bulk_tail_s, gib / self.memcpy_s, gib / self.cma_s
         return (
             f"| {self.transport} | {self.tokens} | {self.nbytes / 2**20:,.1f} | {copy_gbs:.2f} | "
-            f"{gib / self.copy2_s:.2f} | "
+            f"{gib / self.copy2_s:.2f} | {cma_gbs:.2f} | "
             f"{self.bulk_tail_s * 1e3:,.1f} | {bulk_gbs:.2f} | {100 * bulk_gbs / copy_gbs:.0f}% | "
+            f"{100 * bulk_gbs / cma_gbs:.0f}% | "
             f"{self.forward_s * 1e3:,.0f} | {self.pipe_tail_s * 1e3:,.1f} | {self.pipe_total_s * 1e3:,.1f} | "
             f"{self.pipe_writes} |"
         )
 
 
 HEADER = (
-    "| transport | tokens | MiB | memcpy GiB/s | torch copy_ GiB/s | bulk tail ms | bulk GiB/s | bulk / memcpy "
-    "| stand-in forward ms | pipelined tail ms | pipelined total ms | writes |\n"
-    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "| transport | tokens | MiB | memcpy GiB/s | torch copy_ GiB/s | CMA GiB/s | bulk tail ms | bulk GiB/s "
+    "| bulk / memcpy | bulk / CMA | stand-in forward ms | pipelined tail ms | pipelined total ms | writes |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -188,20 +192,38 @@ class Bench:
             await anyio.sleep(0.001)
         return staged, t_first, t_ready
 
-    def memcpy_s(self, nbytes: int, reps: int, *, torch_copy: bool = False) -> float:
-        """The staging extent into the node's slot buffer in this process: one libc ``memcpy`` (one thread, the
-        plain copy a transport is compared with), or ``torch_copy``: ``Tensor.copy_`` (torch's intra-op threads)."""
+    def memcpy_s(self, nbytes: int, reps: int, how: str = "memcpy") -> float:
+        """The staging extent into the node's slot buffer in this process: ``memcpy``, one libc ``memcpy`` (one
+        thread: the plain copy a transport is compared with); ``torch``, ``Tensor.copy_`` (torch's intra-op
+        threads); ``cma``, the kernel's cross-process copy (``process_vm_writev``, here into this very process):
+        what UCX uses between two processes of one host without RDMA, so the most NIXL can reach here."""
         assert self.worker.pool is not None
         src, dst = self.worker.pool[:nbytes], self.table.slots[0].buffer[:nbytes]
+        copy = {"memcpy": lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes),
+                "torch": lambda: dst.copy_(src),
+                "cma": lambda: _cma_copy(dst.data_ptr(), src.data_ptr(), nbytes)}[how]  # fmt: skip
         times = []
         for _ in range(reps + 1):
             t0 = time.perf_counter()
-            if torch_copy:
-                dst.copy_(src)
-            else:
-                ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+            copy()
             times.append(time.perf_counter() - t0)
         return statistics.median(times[1:])
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _cma_copy(dst: int, src: int, nbytes: int) -> None:
+    """``process_vm_writev`` into this process, in the pieces the kernel takes per call (at most ~2 GiB)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    done = 0
+    while done < nbytes:
+        local, remote = _Iovec(src + done, nbytes - done), _Iovec(dst + done, nbytes - done)
+        n = libc.process_vm_writev(os.getpid(), ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if n <= 0:
+            raise OSError(ctypes.get_errno(), "process_vm_writev failed")
+        done += n
 
 
 async def run_transport(transport: str, tokens: list[int], reps: int, prefill_tok_s: float) -> list[Result]:
@@ -224,9 +246,9 @@ async def run_transport(transport: str, tokens: list[int], reps: int, prefill_to
                     totals.append(ready - first)
                     forwards.append(staged.staged_at - first)
                     writes.append(len(staged.writes))
-                copy, copy2 = bench.memcpy_s(nbytes, reps), bench.memcpy_s(nbytes, reps, torch_copy=True)
+                copy, copy2, cma = (bench.memcpy_s(nbytes, reps, how) for how in ("memcpy", "torch", "cma"))
                 med = statistics.median
-                r = Result(transport, n, nbytes, copy, copy2, med(bulk), med(tails), med(totals), int(med(writes)),
+                r = Result(transport, n, nbytes, copy, copy2, cma, med(bulk), med(tails), med(totals), int(med(writes)),
                            med(forwards))  # fmt: skip
                 print(r.row(), flush=True)
                 results.append(r)

@@ -313,6 +313,22 @@ def test_up_lease_option_moves_the_node_cap() -> None:
     assert cmd[cmd.index("--max-lease-s") + 1] == "5000.0"
 
 
+
+def test_up_prefill_in_process_runs_the_model_in_the_engine_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tilert up --prefill-in-process``: vLLM's in-process executor, and on CPU the variable vLLM needs for it
+    (the benchmark ``benchmarks/e2e.py --prefill-in-process`` runs the real thing)."""
+    monkeypatch.setattr(stack, "_has_cuda", lambda: False)
+    args = cli.parser().parse_args(["up", "--model", "/m", "--prefill-in-process"])
+    assert args.prefill_in_process
+    cfg = stack.StackConfig(model=Path("/m"), prefill_in_process=True)
+    cmd = stack.prefill_command(cfg)
+    assert cmd[cmd.index("--distributed-executor-backend") + 1] == "uni"
+    st = stack.Stack(cfg)
+    assert st.extra_env("prefill") == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} and st.extra_env("decode") == {}
+    plain = stack.StackConfig(model=Path("/m"))
+    assert "--distributed-executor-backend" not in stack.prefill_command(plain)
+    assert stack.Stack(plain).extra_env("prefill") == {}
+
 # -- metrics -------------------------------------------------------------------------------------------------
 
 

@@ -67,6 +67,7 @@ class StackConfig:
     overflow_wait_s: float | None = None  # the router's overflow from the TileRT pool to the native pool
     secret_file: Path | None = None  # None: a fresh secret in a private temp file, removed at exit
     prefill_compiled: bool = False  # vLLM's compiled model in the prefill (slower start, faster prefill)
+    prefill_in_process: bool = False  # the prefill's model in its engine-core process (no worker process)
 
 
 def _url(host: str, port: int) -> str:
@@ -128,7 +129,21 @@ def prefill_command(cfg: StackConfig) -> list[str]:
     ]  # fmt: skip
     if not _has_cuda():
         cmd += ["--compilation-config", json.dumps(CPU_PREFILL_COMPILATION_CONFIG)]
+    if cfg.prefill_in_process:
+        cmd += ["--distributed-executor-backend", "uni"]
     return cmd
+
+
+# vLLM's CPU platform runs the model in a worker process that spins on ``sched_yield`` for a second after every
+# step (``shm_broadcast``), beside whatever else the machine runs (on the CPU demo: the decode node's engine).
+# ``--distributed-executor-backend uni`` runs the model in the engine-core process instead; on CPU vLLM
+# accepts it only with this variable, which changes nothing else for its OpenAI server.
+IN_PROCESS_EXECUTOR_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def prefill_env(cfg: StackConfig) -> dict[str, str]:
+    """What the prefill's environment needs beside the stack's own (:func:`child_env`)."""
+    return dict(IN_PROCESS_EXECUTOR_ENV) if cfg.prefill_in_process and not _has_cuda() else {}
 
 
 def _has_cuda() -> bool:
@@ -221,11 +236,13 @@ class Stack:
         return out
 
     def extra_env(self, name: str) -> dict[str, str]:
-        """Per child: in native mode both vLLM instances get the native pool's environment (NIXL side channel)."""
+        """Per child: the prefill's executor; in native mode both vLLM instances get the native pool's environment
+        (NIXL side channel)."""
+        own = prefill_env(self.cfg) if name == "prefill" else {}
         if not self.cfg.native or name not in ("prefill", "native"):
-            return {}
+            return own
         prefill, native = native_instances(self.cfg)
-        return load_native_pool(self.cfg.native_engine).env(prefill if name == "prefill" else native)
+        return {**own, **load_native_pool(self.cfg.native_engine).env(prefill if name == "prefill" else native)}
 
     def prepare_secret(self) -> Path:
         """Write this stack's secret file (once); :meth:`cleanup` (also run at exit) removes it."""
