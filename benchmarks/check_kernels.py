@@ -338,6 +338,23 @@ def check_moe(dev, small):
         RESULTS.append((f"router E={E}", err, 0.0, ok))
         print(f"{'PASS' if ok else 'FAIL'}  router_select n={n} E={E} k={k} groups={G}/{TG}: ids_equal={same} "
               f"max_w_err={err:.2e} shared_ok={shared_ok}", flush=True)
+        # the fused router (gate GEMV + selection in one launch) == the GEMV then router_select, bit for bit;
+        # twice (its counters must be left zeroed), and each token of n as if alone
+        D = 2048 if not small else 96
+        x = rnd(n, D, dev=dev)
+        gw = rnd(E, D, dev=dev, scale=D ** -0.5)
+        nw = rnd(D, dev=dev, scale=0.2) + 1
+        kw = dict(top_k=k, n_group=G, topk_group=TG, route_scale=2.5, norm_topk=True, n_shared_slots=2)
+        part = triton_gemv.gemv(x, gw, norm_w=nw, eps=1e-6, split_k=8)
+        ids0, wts0 = triton_moe.router_select(part, bias, **kw)
+        fused = [triton_moe.router(x, gw, bias, norm_w=nw, eps=1e-6, **kw) for _ in range(2)]
+        alone = [triton_moe.router(x[r:r + 1], gw, bias, norm_w=nw, eps=1e-6, **kw) for r in range(n)]
+        ok = all(bool(torch.equal(a, b)) for f in fused for a, b in zip(f, (ids0, wts0), strict=True))
+        ok = ok and bool(torch.equal(torch.cat([a[0] for a in alone]), ids0))
+        ok = ok and bool(torch.equal(torch.cat([a[1] for a in alone]), wts0))
+        RESULTS.append((f"fused router E={E}", 0.0, 0.0, ok))
+        print(f"{'PASS' if ok else 'FAIL'}  fused router n={n} E={E} k={k} groups={G}/{TG} == gemv + router_select "
+              "(twice, and each token alone), bit for bit", flush=True)
 
 
 def rope_ref(x, cos, sin):

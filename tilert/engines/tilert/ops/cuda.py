@@ -162,12 +162,12 @@ def _router_cuda(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_gr
     if not _gemv_ok(h, gate_weight) or (n_group > 1 and not _pow2(e)) or e > 1024 or h.shape[0] == 0:
         return reference.router(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
                                 norm_topk, n_shared)
-    from . import triton_gemv, triton_moe
+    from . import triton_moe
 
-    part = triton_gemv.gemv(h, gate_weight, norm_w=norm_weight.to(h.dtype).contiguous(), eps=eps, split_k=8)
-    return triton_moe.router_select(part, bias.float().contiguous(), top_k=top_k, n_group=n_group,
-                                    topk_group=topk_group, route_scale=route_scale, norm_topk=norm_topk,
-                                    n_shared_slots=n_shared)
+    # the split-K gate GEMV and the selection in one launch (the last program to finish selects)
+    return triton_moe.router(h, gate_weight, bias.float().contiguous(), norm_w=norm_weight.to(h.dtype).contiguous(),
+                             eps=eps, top_k=top_k, n_group=n_group, topk_group=topk_group, route_scale=route_scale,
+                             norm_topk=norm_topk, n_shared_slots=n_shared)
 
 
 def _moe_residual_cuda(h, norm_weight, eps, topk_ids, topk_weights, w13, w2, s13=None, s2=None):

@@ -49,7 +49,7 @@ FP8_GEMV_CFG = {
     "small": (2, 1024, 4),
 }
 FP8_UP_CFG = {"small": (16, 256, 4), "large": (8, 1024, 4)}
-FP8_DOWN_CFG = {"small": (4, 4, 512, 8), "large": (8, 1, 1024, 8)}
+FP8_DOWN_CFG = {"small": (16, 1, 512, 4, True), "large": (8, 1, 1024, 8, False)}
 VEC = 16  # e4m3 elements of one 16-byte load: the innermost, in-thread tile axis
 
 
@@ -296,15 +296,16 @@ def _moe_up_fp8_kernel(
 
 
 @triton.jit
-def _down_tile(ids_row, wts_row, act_row, w2_ptr, s2_ptr, w_d, dm3, dg, t, n_ch, KK, I, stride_ak, stride_we,
+def _down_tile(ids_row, wts_row, act_row, w2_ptr, s2_ptr, w_d, dm3, dg, jb0, t, n_ch, KK, I, stride_ak, stride_we,
                stride_se, stride_sd, SB: tl.constexpr, BD: tl.constexpr, C: tl.constexpr, V: tl.constexpr,
                GK: tl.constexpr, LOADED: tl.constexpr, w_in):
-    """Step ``t`` of ``moe_down``'s loop (slot block ``t // n_ch``, I chunk ``t % n_ch``): loads the e4m3 tile
-    ``[SB, BD, BI]`` of its slots' experts (unless ``LOADED``: ``w_in``, fetched before the PDL wait) and returns
-    ``(tile, [SB, BD, C] partial sums)``; the second only when ``not LOADED`` or after the wait."""
+    """Step ``t`` of ``moe_down``'s loop (slot block ``jb0 + t // n_ch``, I chunk ``t % n_ch``): loads the e4m3
+    tile ``[SB, BD, BI]`` of its slots' experts (unless ``LOADED``: ``w_in``, fetched before the PDL wait) and
+    returns the ``[SB, BD, C]`` partial sums."""
     BI: tl.constexpr = C * V
-    jb = t // n_ch
-    c0 = (t - jb * n_ch) * BI
+    tb = t // n_ch
+    jb = jb0 + tb
+    c0 = (t - tb * n_ch) * BI
     j = jb * SB + tl.arange(0, SB)
     e = tl.load(ids_row + j, mask=j < KK, other=-1)
     ok = e >= 0  # an empty slot (-1) reads nothing
@@ -325,14 +326,19 @@ def _down_tile(ids_row, wts_row, act_row, w2_ptr, s2_ptr, w_d, dm3, dg, t, n_ch,
 
 @triton.jit
 def _moe_down_fp8_kernel(
-    act_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, y_ptr, D, I, KK, KS, stride_an, stride_ak, stride_ids, stride_wts,
-    stride_we, stride_wd, stride_se, stride_sd, stride_yn,
+    act_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, y_ptr, ws_ptr, cnt_ptr, D, I, KK, KS, NDB, stride_an, stride_ak,
+    stride_ids, stride_wts, stride_we, stride_wd, stride_se, stride_sd, stride_yn,
     BD: tl.constexpr, SB: tl.constexpr, C: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr,
-    HAS_RES: tl.constexpr, PDL: tl.constexpr):
-    # grid (n, D / BD); BD divides GN: the program's rows share each expert's scales (folded into act).
+    G: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    # grid (n, D / BD, G); BD divides GN: the program's rows share each expert's scales (folded into act).
+    # G == 1: each program sums every slot (SB side by side per tile). G > 1 (split over slots): program g sums
+    # slots g*SB ... g*SB + SB - 1 into fp32 partials ws[i, g]; the last of the G programs of a row block to
+    # finish (a counter per row block) adds them in the order g = 0 ... G-1 (deterministic, whatever the arrival
+    # order), writes the rows and resets its counter for the next launch.
     BI: tl.constexpr = C * V
     i = tl.program_id(0)
     db = tl.program_id(1)
+    g = tl.program_id(2)
     offs_d = db * BD + tl.arange(0, BD)
     dmask = offs_d < D
     dg = ((db * BD) // GN).to(tl.int64)
@@ -342,27 +348,49 @@ def _moe_down_fp8_kernel(
     wts_row = wts_ptr + i * stride_wts
     act_row = act_ptr + i * stride_an
     n_ch = tl.cdiv(I, BI)
-    n_t = tl.cdiv(KK, SB) * n_ch
+    if G == 1:
+        n_t = tl.cdiv(KK, SB) * n_ch
+    else:
+        n_t = n_ch
     # ids were written two kernels back (module docstring): the first tile is fetched before the PDL wait
-    j0 = tl.arange(0, SB)
+    j0 = g * SB + tl.arange(0, SB)
     e0 = tl.load(ids_row + j0, mask=j0 < KK, other=-1)
     ii0 = tl.arange(0, BI)
     m0 = (e0 >= 0)[:, None] & (ii0 < I)[None, :]
     w0 = tl.load(w2_ptr + tl.maximum(e0, 0).to(tl.int64)[:, None, None] * stride_we + w_d + ii0[None, None, :],
                  mask=dm3 & m0[:, None, :], other=0.0)
     pdl_begin(PDL)
-    acc = _down_tile(ids_row, wts_row, act_row, w2_ptr, s2_ptr, w_d, dm3, dg, 0, n_ch, KK, I, stride_ak, stride_we,
-                     stride_se, stride_sd, SB, BD, C, V, GK, True, w0)
+    acc = _down_tile(ids_row, wts_row, act_row, w2_ptr, s2_ptr, w_d, dm3, dg, g, 0, n_ch, KK, I, stride_ak,
+                     stride_we, stride_se, stride_sd, SB, BD, C, V, GK, True, w0)
     for t in range(1, n_t):
-        acc += _down_tile(ids_row, wts_row, act_row, w2_ptr, s2_ptr, w_d, dm3, dg, t, n_ch, KK, I, stride_ak,
+        acc += _down_tile(ids_row, wts_row, act_row, w2_ptr, s2_ptr, w_d, dm3, dg, g, t, n_ch, KK, I, stride_ak,
                           stride_we, stride_se, stride_sd, SB, BD, C, V, GK, False, w0)
     total = tl.sum(tl.sum(acc, 2), 0)
     yp = y_ptr + i * stride_yn + offs_d
-    if HAS_RES:
-        r = tl.load(yp, mask=dmask, other=0.0).to(tl.float32)
-        tl.store(yp, (r + total.to(y_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty), mask=dmask)
+    if G == 1:
+        if HAS_RES:
+            r = tl.load(yp, mask=dmask, other=0.0).to(tl.float32)
+            tl.store(yp, (r + total.to(y_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty),
+                     mask=dmask)
+        else:
+            tl.store(yp, total.to(y_ptr.dtype.element_ty), mask=dmask)
     else:
-        tl.store(yp, total.to(y_ptr.dtype.element_ty), mask=dmask)
+        ws_row = ws_ptr + (i * G).to(tl.int64) * D + offs_d
+        tl.store(ws_row + g * D, total, mask=dmask)
+        tl.debug_barrier()  # every thread's partial is written before the (release) arrival below
+        cnt = cnt_ptr + i * NDB + db
+        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if arrived == G - 1:  # the last program of this row block: sum the partials in a fixed order
+            tot = tl.load(ws_row, mask=dmask, other=0.0, cache_modifier=".cg")
+            for gg in range(1, G):
+                tot += tl.load(ws_row + gg * D, mask=dmask, other=0.0, cache_modifier=".cg")
+            if HAS_RES:
+                r = tl.load(yp, mask=dmask, other=0.0).to(tl.float32)
+                tl.store(yp, (r + tot.to(y_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty),
+                         mask=dmask)
+            else:
+                tl.store(yp, tot.to(y_ptr.dtype.element_ty), mask=dmask)
+            tl.atomic_xchg(cnt, 0)  # zero for the next launch (which waits on this one: PDL)
 
 
 def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None):
@@ -394,14 +422,34 @@ def moe_down_fp8(act, ids, wts, w2, s2, *, residual=None, cfg=None):
     assert w2.shape[2] == I and w2.stride(-1) == 1 and s2.stride(-1) == 1
     gn, gk = groups(w2, s2)
     y = residual if residual is not None else torch.empty(n, D, device=act.device, dtype=act.dtype)
-    BD, SB, BI, nw = cfg or FP8_DOWN_CFG["large" if D >= 4096 else "small"]
+    BD, SB, BI, nw, split = cfg or FP8_DOWN_CFG["large" if D >= 4096 else "small"]
     BD = min(BD, _pow2_floor(gn))
     SB = min(SB, triton.next_power_of_2(KK))
+    G = triton.cdiv(KK, SB) if split else 1
     v = min(VEC, gk)
     BI = max(min(BI, triton.next_power_of_2(I)), v)
-    _moe_down_fp8_kernel[(n, triton.cdiv(D, BD))](
-        act, ids, wts, w2, s2, y, D, I, KK, s2.shape[-1], act.stride(0), act.stride(1), ids.stride(0),
+    ndb = triton.cdiv(D, BD)
+    if G > 1:
+        ws = _workspace(("down_ws", act.device, n, G, D), (n, G, D), torch.float32, act.device)
+        cnt = _workspace(("down_cnt", act.device, n, ndb), (n, ndb), torch.int32, act.device, zero=True)
+    else:
+        ws, cnt = y, ids
+    _moe_down_fp8_kernel[(n, ndb, G)](
+        act, ids, wts, w2, s2, y, ws, cnt, D, I, KK, s2.shape[-1], ndb, act.stride(0), act.stride(1), ids.stride(0),
         wts.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        BD=BD, SB=SB, C=BI // v, V=v, GK=gk, GN=gn, HAS_RES=residual is not None, num_warps=nw, num_stages=1,
+        BD=BD, SB=SB, C=BI // v, V=v, GK=gk, GN=gn, G=G, HAS_RES=residual is not None, num_warps=nw, num_stages=1,
         **triton_pdl.kw())
     return y
+
+
+_WS: dict = {}
+
+
+def _workspace(key, shape, dtype, device, zero: bool = False) -> torch.Tensor:
+    """A buffer kept across calls (allocated at the first call, outside any CUDA graph capture: the engine warms
+    its step up first). ``zero``: counters, allocated zeroed; every kernel that counts in them zeroes them again."""
+    t = _WS.get(key)
+    if t is None:
+        t = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
+        _WS[key] = t
+    return t

@@ -116,6 +116,8 @@ def _mla_combine_kernel(
 
 # Fewest cache rows one split of the dense kernel takes: short contexts use fewer, fuller splits.
 DENSE_MIN_TOKENS_PER_SPLIT = 32  # 64 was 0.05 ms slower per lite-v32 step at 1K (decode_speed --tune)
+# Dense: at most one split per this many cache rows (of the whole cache: the graph serves every context).
+DENSE_CAP_ROWS = 64
 
 
 def _pick_splits(hblocks: int, sparse: bool, n_idx: int, max_tokens: int) -> int:
@@ -124,7 +126,7 @@ def _pick_splits(hblocks: int, sparse: bool, n_idx: int, max_tokens: int) -> int
     sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
            if torch.cuda.is_available() else 132)
     want = max(1, (2 * sms) // hblocks)
-    cap = triton.cdiv(max(n_idx if sparse else max_tokens, 1), 64)
+    cap = triton.cdiv(max(n_idx, 1), 64) if sparse else triton.cdiv(max(max_tokens, 1), DENSE_CAP_ROWS)
     return max(1, min(want, 128, cap))
 
 
