@@ -249,6 +249,30 @@ def _mla_prep_cuda(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, in
     return q, iq, iw
 
 
+def _mla_attention_uv_cuda(q, kv_cache, positions, indices, scale, kv_lora_rank, row_start, kv_b, nope_dim,
+                           kv_b_scale=None):
+    n, h, _ = q.shape
+    v = kv_b.shape[0] // h - nope_dim if h else 0
+    want = q.dtype if kv_b_scale is None else _E4M3
+    if not (_mla_ok(q, kv_cache, kv_lora_rank) and kv_b.dtype == want and v > 0 and v % 16 == 0 and n > 0
+            and kv_b.is_contiguous() and kv_b.shape[-1] == kv_lora_rank
+            and (kv_b_scale is None or (kv_b_scale.dim() == 2 and kv_b_scale.is_contiguous()))
+            and (indices is not None or positions is not None)):
+        if indices is None:
+            o_lat = _mla_attention_cuda(q, kv_cache, positions, scale, kv_lora_rank, row_start)
+        else:
+            o_lat = _mla_sparse_attention_cuda(q, kv_cache, indices, scale, kv_lora_rank)
+        return _mla_uv_cuda(o_lat, kv_b, nope_dim, kv_b_scale)
+    from .triton_mla import mla_decode
+
+    uv = (kv_b, nope_dim, v, kv_b_scale)
+    if indices is None:
+        return mla_decode(q.contiguous(), kv_cache, positions.contiguous(), None, scale, kv_lora_rank,
+                          row_start=row_start, uv=uv)
+    return mla_decode(q.contiguous(), kv_cache, None, indices.to(torch.int32).contiguous(), scale, kv_lora_rank,
+                      uv=uv)
+
+
 def _mla_uv_cuda(o_lat, kv_b, nope_dim, kv_b_scale=None):
     n, h, lat = o_lat.shape
     v = kv_b.shape[0] // h - nope_dim
@@ -275,6 +299,7 @@ _KERNELS: dict[str, Callable[..., Any]] = {
     "moe_partial": _moe_partial_cuda,
     "mla_prep": _mla_prep_cuda,
     "mla_uv": _mla_uv_cuda,
+    "mla_attention_uv": _mla_attention_uv_cuda,
 }
 
 

@@ -48,8 +48,8 @@ FP8_GEMV_CFG = {
     "mid": (4, 1024, 4),
     "small": (2, 1024, 4),
 }
-FP8_UP_CFG = {"small": (16, 256, 4), "large": (8, 1024, 4)}
-FP8_DOWN_CFG = {"small": (16, 1, 512, 4, True), "large": (8, 1, 1024, 8, False)}
+FP8_UP_CFG = {"small": (16, 256, 4, 1), "large": (8, 1024, 4, 1)}
+FP8_DOWN_CFG = {"small": (16, 1, 512, 4, True), "large": (16, 1, 1024, 8, True)}
 VEC = 16  # e4m3 elements of one 16-byte load: the innermost, in-thread tile axis
 
 
@@ -247,15 +247,19 @@ def _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, kk, D, BI: tl.constexp
 
 @triton.jit
 def _moe_up_fp8_kernel(
-    x_ptr, nw_ptr, ids_ptr, w13_ptr, s13_ptr, act_ptr, D, I, KK, KS, stride_xm, stride_ids, stride_we, stride_wn,
-    stride_se, stride_sn, stride_an, stride_ak, eps,
-    BI: tl.constexpr, C: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr,
+    x_ptr, nw_ptr, ids_ptr, w13_ptr, s13_ptr, act_ptr, ws_ptr, cnt_ptr, D, I, KK, KS, KPS, NIB, stride_xm,
+    stride_ids, stride_we, stride_wn, stride_se, stride_sn, stride_an, stride_ak, eps,
+    BI: tl.constexpr, C: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, SPLIT: tl.constexpr,
     HAS_NORM: tl.constexpr, PDL: tl.constexpr):
-    # grid (n * k, I / BI); BI divides GN, so the program's gate rows share their scales, and its up rows theirs.
+    # grid (n * k, I / BI, SPLIT); BI divides GN, so the program's gate rows share their scales, and its up rows
+    # theirs. SPLIT > 1: program (r, ib, ks) sums D columns ks*KPS ... into fp32 partials ws[r, ks]; the last of
+    # the SPLIT programs of (r, ib) to finish (a counter each) adds them in the order ks = 0 ... SPLIT-1, writes
+    # act and zeroes its counter (as moe_down's slot groups).
     BK: tl.constexpr = C * V
     pdl_begin(PDL)  # the expert ids come from the previous kernel
     r = tl.program_id(0)
     ib = tl.program_id(1)
+    ks = tl.program_id(2)
     i = r // KK
     j = r % KK
     e = tl.load(ids_ptr + i * stride_ids + j)
@@ -263,36 +267,57 @@ def _moe_up_fp8_kernel(
     imask = offs_i < I
     out_ptr = act_ptr + i * stride_an + j * stride_ak + offs_i
     if e < 0:
-        tl.store(out_ptr, tl.zeros([BI], dtype=tl.float32).to(act_ptr.dtype.element_ty), mask=imask)
+        if ks == 0:
+            tl.store(out_ptr, tl.zeros([BI], dtype=tl.float32).to(act_ptr.dtype.element_ty), mask=imask)
     else:
         x_row = x_ptr + i * stride_xm
         wb = w13_ptr + e.to(tl.int64) * stride_we
         sb = s13_ptr + e.to(tl.int64) * stride_se
-        offs_k = tl.arange(0, BK)
+        k_lo = ks * KPS
+        k_hi = tl.minimum(k_lo + KPS, D)
+        offs_k = k_lo + tl.arange(0, BK)
         g_rows = wb + offs_i.to(tl.int64)[:, None] * stride_wn
         u_rows = wb + (offs_i + I).to(tl.int64)[:, None] * stride_wn
         sg_row = sb + ((ib * BI) // GN).to(tl.int64) * stride_sn
         su_row = sb + ((ib * BI + I) // GN).to(tl.int64) * stride_sn
         im2 = imask[:, None]
         # the first tiles are in flight while the RMSNorm statistics are computed
-        wg = tl.load(g_rows + offs_k[None, :], mask=im2 & (offs_k < D)[None, :], other=0.0)
-        wu = tl.load(u_rows + offs_k[None, :], mask=im2 & (offs_k < D)[None, :], other=0.0)
+        wg = tl.load(g_rows + offs_k[None, :], mask=im2 & (offs_k < k_hi)[None, :], other=0.0)
+        wu = tl.load(u_rows + offs_k[None, :], mask=im2 & (offs_k < k_hi)[None, :], other=0.0)
         rstd = 1.0
         if HAS_NORM:
             rstd = _row_rstd(x_row, D, eps, BK)
-        acc_g, acc_u = _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, offs_k, D, BI, C, V, GK, HAS_NORM)
-        for k0 in range(BK, D, BK):
-            kk = k0 + offs_k
-            m2 = im2 & (kk < D)[None, :]
+        acc_g, acc_u = _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, offs_k, k_hi, BI, C, V, GK, HAS_NORM)
+        for k0 in range(k_lo + BK, k_hi, BK):
+            kk = k0 + tl.arange(0, BK)
+            m2 = im2 & (kk < k_hi)[None, :]
             wg = tl.load(g_rows + kk[None, :], mask=m2, other=0.0)
             wu = tl.load(u_rows + kk[None, :], mask=m2, other=0.0)
-            pg, pu = _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, kk, D, BI, C, V, GK, HAS_NORM)
+            pg, pu = _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, kk, k_hi, BI, C, V, GK, HAS_NORM)
             acc_g += pg
             acc_u += pu
-        gate = tl.sum(acc_g, 1).to(act_ptr.dtype.element_ty).to(tl.float32)
-        up = tl.sum(acc_u, 1).to(act_ptr.dtype.element_ty).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(act_ptr.dtype.element_ty).to(tl.float32) * up
-        tl.store(out_ptr, act.to(act_ptr.dtype.element_ty), mask=imask)
+        gate = tl.sum(acc_g, 1)
+        up = tl.sum(acc_u, 1)
+        last = True
+        if SPLIT > 1:
+            ws_r = ws_ptr + (r * SPLIT).to(tl.int64) * (2 * I) + offs_i
+            tl.store(ws_r + ks * (2 * I), gate, mask=imask)
+            tl.store(ws_r + ks * (2 * I) + I, up, mask=imask)
+            tl.debug_barrier()  # every thread's partials are written before the (release) arrival below
+            cnt = cnt_ptr + r * NIB + ib
+            last = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+            if last:
+                gate = tl.load(ws_r, mask=imask, other=0.0, cache_modifier=".cg")
+                up = tl.load(ws_r + I, mask=imask, other=0.0, cache_modifier=".cg")
+                for kq in range(1, SPLIT):
+                    gate += tl.load(ws_r + kq * (2 * I), mask=imask, other=0.0, cache_modifier=".cg")
+                    up += tl.load(ws_r + kq * (2 * I) + I, mask=imask, other=0.0, cache_modifier=".cg")
+                tl.atomic_xchg(cnt, 0)  # zero for the next launch (which waits on this one: PDL)
+        if last:
+            gate = gate.to(act_ptr.dtype.element_ty).to(tl.float32)
+            up = up.to(act_ptr.dtype.element_ty).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(act_ptr.dtype.element_ty).to(tl.float32) * up
+            tl.store(out_ptr, act.to(act_ptr.dtype.element_ty), mask=imask)
 
 
 @triton.jit
@@ -402,15 +427,23 @@ def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None):
     gn, gk = groups(w13, s13)
     assert I % gn == 0
     act = torch.empty(n, KK, I, device=x.device, dtype=x.dtype)
-    BI, BK, nw = cfg or FP8_UP_CFG["large" if D >= 4096 else "small"]
+    BI, BK, nw, split = cfg or FP8_UP_CFG["large" if D >= 4096 else "small"]
     BI = min(BI, _pow2_floor(gn))
     v = min(VEC, gk)
     BK = max(min(BK, triton.next_power_of_2(D)), v)
-    _moe_up_fp8_kernel[(n * KK, triton.cdiv(I, BI))](
-        x, norm_w if norm_w is not None else x, ids, w13, s13, act, D, I, KK, s13.shape[-1], x.stride(0),
-        ids.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), act.stride(0), act.stride(1),
-        eps, BI=BI, C=BK // v, V=v, GK=gk, GN=gn, HAS_NORM=norm_w is not None, num_warps=nw, num_stages=1,
-        **triton_pdl.kw())
+    kps = triton.cdiv(triton.cdiv(D, split), BK) * BK  # columns per split, whole K tiles
+    split = triton.cdiv(D, kps)
+    nib = triton.cdiv(I, BI)
+    if split > 1:
+        ws = _workspace(("up_ws", x.device, n * KK, split, I), (n * KK, split, 2, I), torch.float32, x.device)
+        cnt = _workspace(("up_cnt", x.device, n * KK, nib), (n * KK, nib), torch.int32, x.device, zero=True)
+    else:
+        ws, cnt = act, ids
+    _moe_up_fp8_kernel[(n * KK, nib, split)](
+        x, norm_w if norm_w is not None else x, ids, w13, s13, act, ws, cnt, D, I, KK, s13.shape[-1], kps, nib,
+        x.stride(0), ids.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), act.stride(0),
+        act.stride(1), eps, BI=BI, C=BK // v, V=v, GK=gk, GN=gn, SPLIT=split, HAS_NORM=norm_w is not None,
+        num_warps=nw, num_stages=1, **triton_pdl.kw())
     return act
 
 

@@ -336,6 +336,7 @@ def _route_cg(part_ptr, bias_ptr, i, SPLIT, stride_ps, stride_pn, route_scale, E
 
 
 ROUTER_SPLIT = 8  # the router GEMV's split_k (as the separate GEMV + router_select had it)
+ROUTER_WARPS = 1  # warps per router program (0: the GEMV's); one warp selects without cross-warp reductions
 
 
 def router(x, gate, bias, *, norm_w=None, eps=1e-6, top_k, n_group, topk_group, route_scale, norm_topk=True,
@@ -348,7 +349,8 @@ def router(x, gate, bias, *, norm_w=None, eps=1e-6, top_k, n_group, topk_group, 
     if cfg is None:  # the bf16 GEMV's tile for the gate's shape (triton_gemv.gemv_config)
         from .triton_gemv import gemv_config
 
-        cfg = gemv_config(E_real, K, n)[:3] + (ROUTER_SPLIT,)
+        bn_, bk_, nw_, _ = gemv_config(E_real, K, n)
+        cfg = (bn_, bk_, ROUTER_WARPS or nw_, ROUTER_SPLIT)
     bn, bk, nw, split = cfg
     k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
     split = triton.cdiv(K, k_per_split)  # only splits with work
