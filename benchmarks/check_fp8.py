@@ -82,6 +82,9 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
         # the same bit for bit whatever order the programs finish in), and each token of n as if alone.
         want = ref.moe_experts(x, ids, wts, w13, w2, s13, s2)
         act = triton_fp8.moe_up_fp8(h, ids, w13, s13, norm_w=g)
+        a0 = triton_fp8.moe_up_fp8(h, ids, w13, s13, norm_w=g)
+        report(f"fp8 moe_up, the last slot static (no wait on the router) == as read from ids {tag}",
+               triton_fp8.moe_up_fp8(h, ids, w13, s13, norm_w=g, static=(3, e - 1)), a0, tol=1e-30)
         for ucfg in ((16, 256, 4, 2), (8, 512, 4, 4), (16, 32, 4, 3)):  # moe_up split over D (partials summed)
             a1 = triton_fp8.moe_up_fp8(h, ids, w13, s13, norm_w=g, cfg=ucfg)
             a2 = triton_fp8.moe_up_fp8(h, ids, w13, s13, norm_w=g, cfg=ucfg)

@@ -197,17 +197,15 @@ TUNING = (  # (module, attribute, values): variants re-timed in the whole captur
 # FP8 weights (ops/triton_fp8.py): (module, attribute or (dict attribute, key), values), the first the default.
 # GEMV / moe_up (rows, K tile, warps); moe_down (rows, slots, I tile, warps).
 TUNING_FP8 = (
-    ("triton_fp8", ("FP8_GEMV_CFG", "mid"), ((4, 1024, 4), (8, 512, 4))),
-    ("triton_fp8", ("FP8_UP_CFG", "small"), ((16, 256, 4, 1), (16, 256, 4, 2), (8, 256, 4, 2), (16, 512, 8, 2),
-                                             (16, 256, 4, 4), (8, 512, 4, 2))),
-    ("triton_fp8", ("FP8_UP_CFG", "large"), ((8, 1024, 4, 1), (8, 1024, 4, 2), (8, 512, 4, 2))),
-    ("triton_fp8", ("FP8_DOWN_CFG", "small"), ((16, 1, 512, 4, True), (32, 1, 512, 8, True), (16, 1, 256, 4, True))),
-    ("triton_fp8", ("FP8_DOWN_CFG", "large"), ((16, 1, 1024, 8, True), (8, 1, 1024, 4, True), (16, 1, 512, 8, True))),
-    ("triton_fused", "PREP_BC_FP8", (64, 32, 128)),
-    ("triton_mla", "UV_BV", (16, 32, 8)),
+    ("triton_fp8", ("FP8_DOWN_CFG", "small"), ((16, 1, 512, 4, True), (32, 1, 512, 8, True))),
+    ("triton_fp8", ("FP8_DOWN_CFG", "large"), ((16, 1, 1024, 8, True), (8, 1, 1024, 4, True))),
+    ("triton_fused", "PREP_BC_FP8", (64, 128)),
+    ("triton_mla", ("UV_BV", "few"), (16, 32)),
+    ("triton_mla", ("UV_BV", "many"), (32, 64, 16)),
     ("triton_mla", "UV_SB", (8, 4, 16)),
-    ("triton_mla", "DENSE_CAP_ROWS", (32, 64)),
-    ("triton_moe", "ROUTER_WARPS", (1, 0, 2)),
+    ("triton_mla", ("DENSE_CAP_ROWS", "one"), (32, 64)),
+    ("triton_mla", ("DENSE_CAP_ROWS", "many"), (64, 32)),
+    ("triton_moe", "ROUTER_WARPS", (1, 0)),
 )
 
 

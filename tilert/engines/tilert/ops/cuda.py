@@ -170,7 +170,9 @@ def _router_cuda(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_gr
                              norm_topk=norm_topk, n_shared_slots=n_shared)
 
 
-def _moe_residual_cuda(h, norm_weight, eps, topk_ids, topk_weights, w13, w2, s13=None, s2=None):
+def _moe_residual_cuda(h, norm_weight, eps, topk_ids, topk_weights, w13, w2, s13=None, s2=None, static=None):
+    # static (not an op argument; from _moe_block_cuda): (first slot of the router's appended shared experts, its
+    # expert id): moe_up's programs for those slots start without waiting on the router
     if s13 is not None or s2 is not None:
         if not _moe_fp8_ok(h, w13, w2, s13, s2):
             return reference.moe_residual(h, norm_weight, eps, topk_ids, topk_weights, w13, w2, s13, s2)
@@ -178,7 +180,7 @@ def _moe_residual_cuda(h, norm_weight, eps, topk_ids, topk_weights, w13, w2, s13
 
         ids = topk_ids.to(torch.int32).contiguous()
         act = triton_fp8.moe_up_fp8(h, ids, w13.contiguous(), s13.contiguous(),
-                                    norm_w=norm_weight.to(h.dtype).contiguous(), eps=eps)
+                                    norm_w=norm_weight.to(h.dtype).contiguous(), eps=eps, static=static)
         triton_fp8.moe_down_fp8(act, ids, topk_weights.float().contiguous(), w2.contiguous(), s2.contiguous(),
                                 residual=h)
         return None
@@ -208,7 +210,9 @@ def _moe_block_cuda(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk
                     n_shared, w13, w2, s13=None, s2=None):
     ids, wts = _router_cuda(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
                             norm_topk, n_shared)
-    _moe_residual_cuda(h, norm_weight, eps, ids, wts, w13, w2, s13, s2)
+    fused = ids.device.type == "cuda" and ids.shape[1] == top_k + n_shared  # the fused router's output
+    static = (top_k, gate_weight.shape[0]) if fused and n_shared > 0 else None
+    _moe_residual_cuda(h, norm_weight, eps, ids, wts, w13, w2, s13, s2, static=static)
     return ids, wts
 
 

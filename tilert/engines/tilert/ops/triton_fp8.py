@@ -32,7 +32,7 @@ import triton.language as tl
 
 from . import triton_pdl
 from .triton_gemv import _row_rstd
-from .triton_pdl import pdl_begin
+from .triton_pdl import gdc_launch_dependents, pdl_begin
 
 __all__ = ["gemv_fp8", "moe_up_fp8", "moe_down_fp8", "groups", "gemv_fp8_config"]
 
@@ -74,11 +74,15 @@ def _pow2_floor(x: int) -> int:
 
 
 @triton.jit
-def _x_tile(x_row, nw_ptr, rstd, offs, K, HAS_NORM: tl.constexpr):
+def _x_tile(x_row, nw_ptr, rstd, offs, K, HAS_NORM: tl.constexpr, CG: tl.constexpr = False):
     """The activations at ``offs`` (any shape) in fp32, RMS-normalised and rounded to the activation dtype
-    like the unfused reference when ``HAS_NORM``."""
+    like the unfused reference when ``HAS_NORM``. ``CG``: read from L2, past L1 (activations a program reads
+    without a PDL wait of its own)."""
     kmask = offs < K
-    xv = tl.load(x_row + offs, mask=kmask, other=0.0)
+    if CG:
+        xv = tl.load(x_row + offs, mask=kmask, other=0.0, cache_modifier=".cg")
+    else:
+        xv = tl.load(x_row + offs, mask=kmask, other=0.0)
     if HAS_NORM:
         g = tl.load(nw_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
         xv = (xv.to(tl.float32) * rstd * g).to(x_row.dtype.element_ty)
@@ -235,10 +239,21 @@ def gemv_fp8(
 
 
 @triton.jit
+def _row_rstd_cg(x_row_ptr, K, eps, BK: tl.constexpr):
+    """``triton_gemv._row_rstd`` reading from L2, past L1 (see :func:`_x_tile`'s ``CG``)."""
+    acc = tl.zeros([BK], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        offs = k0 + tl.arange(0, BK)
+        v = tl.load(x_row_ptr + offs, mask=offs < K, other=0.0, cache_modifier=".cg").to(tl.float32)
+        acc += v * v
+    return tl.rsqrt(tl.sum(acc, 0) / K + eps)
+
+
+@triton.jit
 def _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, kk, D, BI: tl.constexpr, C: tl.constexpr,
              V: tl.constexpr, GK: tl.constexpr, HAS_NORM: tl.constexpr):
     """``[BI, C]`` scaled partial sums of the gate and up tiles at columns ``kk``."""
-    xv = _x_tile(x_row, nw_ptr, rstd, kk, D, HAS_NORM)
+    xv = _x_tile(x_row, nw_ptr, rstd, kk, D, HAS_NORM, True)
     xg = xv * tl.load(sg_row + kk // GK, mask=kk < D, other=0.0)
     xu = xv * tl.load(su_row + kk // GK, mask=kk < D, other=0.0)
     return (tl.sum(tl.reshape(wg.to(tl.float32) * xg[None, :], [BI, C, V]), 2),
@@ -247,22 +262,31 @@ def _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, kk, D, BI: tl.constexp
 
 @triton.jit
 def _moe_up_fp8_kernel(
-    x_ptr, nw_ptr, ids_ptr, w13_ptr, s13_ptr, act_ptr, ws_ptr, cnt_ptr, D, I, KK, KS, KPS, NIB, stride_xm,
-    stride_ids, stride_we, stride_wn, stride_se, stride_sn, stride_an, stride_ak, eps,
+    x_ptr, nw_ptr, ids_ptr, w13_ptr, s13_ptr, act_ptr, ws_ptr, cnt_ptr, D, I, KK, KS, KPS, NIB, static_from,
+    static_base, stride_xm, stride_ids, stride_we, stride_wn, stride_se, stride_sn, stride_an, stride_ak, eps,
     BI: tl.constexpr, C: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, SPLIT: tl.constexpr,
     HAS_NORM: tl.constexpr, PDL: tl.constexpr):
     # grid (n * k, I / BI, SPLIT); BI divides GN, so the program's gate rows share their scales, and its up rows
     # theirs. SPLIT > 1: program (r, ib, ks) sums D columns ks*KPS ... into fp32 partials ws[r, ks]; the last of
     # the SPLIT programs of (r, ib) to finish (a counter each) adds them in the order ks = 0 ... SPLIT-1, writes
     # act and zeroes its counter (as moe_down's slot groups).
+    # Slots j >= static_from hold known experts (static_base + j - static_from: the shared experts the router
+    # appends): their programs do not wait on the router (the previous kernel). Their input x was written two
+    # kernels back (the router passes its own PDL wait, on that writer, before this kernel can launch), so it is
+    # complete; it is read from L2 (CG).
     BK: tl.constexpr = C * V
-    pdl_begin(PDL)  # the expert ids come from the previous kernel
     r = tl.program_id(0)
     ib = tl.program_id(1)
     ks = tl.program_id(2)
     i = r // KK
     j = r % KK
-    e = tl.load(ids_ptr + i * stride_ids + j)
+    if j >= static_from:
+        if PDL:
+            gdc_launch_dependents()
+        e = static_base + j - static_from
+    else:
+        pdl_begin(PDL)  # the expert ids come from the previous kernel
+        e = tl.load(ids_ptr + i * stride_ids + j)
     offs_i = ib * BI + tl.arange(0, BI)
     imask = offs_i < I
     out_ptr = act_ptr + i * stride_an + j * stride_ak + offs_i
@@ -286,7 +310,7 @@ def _moe_up_fp8_kernel(
         wu = tl.load(u_rows + offs_k[None, :], mask=im2 & (offs_k < k_hi)[None, :], other=0.0)
         rstd = 1.0
         if HAS_NORM:
-            rstd = _row_rstd(x_row, D, eps, BK)
+            rstd = _row_rstd_cg(x_row, D, eps, BK)
         acc_g, acc_u = _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, offs_k, k_hi, BI, C, V, GK, HAS_NORM)
         for k0 in range(k_lo + BK, k_hi, BK):
             kk = k0 + tl.arange(0, BK)
@@ -418,8 +442,11 @@ def _moe_down_fp8_kernel(
             tl.atomic_xchg(cnt, 0)  # zero for the next launch (which waits on this one: PDL)
 
 
-def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None):
-    """``act[n, k, I] = silu(gate) * up`` of each token's selected experts (e4m3 ``w13`` with ``s13``)."""
+def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None, static=None):
+    """``act[n, k, I] = silu(gate) * up`` of each token's selected experts (e4m3 ``w13`` with ``s13``).
+    ``static = (j0, e0)``: slots ``j >= j0`` hold experts ``e0 + j - j0`` whatever ``ids`` says (the shared experts
+    that the router appends); their programs start without waiting on the kernel before (the router), whose own
+    PDL wait must cover ``x``'s writer."""
     n, D = x.shape
     KK = ids.shape[1]
     I = w13.shape[1] // 2
@@ -441,8 +468,8 @@ def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None):
         ws, cnt = act, ids
     _moe_up_fp8_kernel[(n * KK, nib, split)](
         x, norm_w if norm_w is not None else x, ids, w13, s13, act, ws, cnt, D, I, KK, s13.shape[-1], kps, nib,
-        x.stride(0), ids.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), act.stride(0),
-        act.stride(1), eps, BI=BI, C=BK // v, V=v, GK=gk, GN=gn, SPLIT=split, HAS_NORM=norm_w is not None,
+        static[0] if static is not None else KK, static[1] if static is not None else 0, x.stride(0), ids.stride(0),
+        w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), act.stride(0), act.stride(1), eps, BI=BI, C=BK // v, V=v, GK=gk, GN=gn, SPLIT=split, HAS_NORM=norm_w is not None,
         num_warps=nw, num_stages=1, **triton_pdl.kw())
     return act
 

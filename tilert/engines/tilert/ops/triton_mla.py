@@ -157,15 +157,18 @@ def _mla_combine_uv_kernel(
     tl.store(y_ptr + i * stride_yn + h * V + offs_v, y.to(y_ptr.dtype.element_ty))
 
 
-# mla_decode with W_UV (mla_attention_uv): rows of W_UV per program, splits merged per step.
-UV_BV = 16
+# mla_decode with W_UV (mla_attention_uv): rows of W_UV per program by head count ("few": H <= 32; each
+# program merges its head's splits again, so many heads want fewer, wider programs), splits merged per step.
+UV_BV = {"few": 16, "many": 32}
 UV_SB = 8
 
 
 # Fewest cache rows one split of the dense kernel takes: short contexts use fewer, fuller splits.
 DENSE_MIN_TOKENS_PER_SPLIT = 32  # 64 was 0.05 ms slower per lite-v32 step at 1K (decode_speed --tune)
-# Dense: at most one split per this many cache rows (of the whole cache: the graph serves every context).
-DENSE_CAP_ROWS = 32
+# Dense: at most one split per this many cache rows (of the whole cache: the graph serves every context); by
+# head blocks ("one": H <= 16, lite; "many": V3.2's 128 heads). decode_speed --tune, 2026-12-01: lite 1K 36 us
+# faster at 32 than 64 (17 -> 33 splits); V3.2 18 us slower at 32 (its merge reads every split).
+DENSE_CAP_ROWS = {"one": 32, "many": 64}
 
 
 def _pick_splits(hblocks: int, sparse: bool, n_idx: int, max_tokens: int) -> int:
@@ -174,7 +177,8 @@ def _pick_splits(hblocks: int, sparse: bool, n_idx: int, max_tokens: int) -> int
     sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
            if torch.cuda.is_available() else 132)
     want = max(1, (2 * sms) // hblocks)
-    cap = triton.cdiv(max(n_idx, 1), 64) if sparse else triton.cdiv(max(max_tokens, 1), DENSE_CAP_ROWS)
+    rows = DENSE_CAP_ROWS["one" if hblocks == 1 else "many"]
+    cap = triton.cdiv(max(n_idx, 1), 64) if sparse else triton.cdiv(max(max_tokens, 1), rows)
     return max(1, min(want, 128, cap))
 
 
@@ -239,7 +243,7 @@ def mla_decode(
     if uv is not None:
         kv_b, P, V, kvs = uv
         y = out if out is not None else torch.empty(n, H * V, device=q.device, dtype=q.dtype)
-        BV = min(UV_BV, V)
+        BV = min(UV_BV["few" if H <= 32 else "many"], V)
         kgn, kgk = (1, 1) if kvs is None else (kv_b.shape[-2] // kvs.shape[-2], kv_b.shape[-1] // kvs.shape[-1])
         _mla_combine_uv_kernel[(n, H, V // BV)](
             o_part, lse, kv_b, kvs if kvs is not None else kv_b, y, H, o_part.stride(0), o_part.stride(1),
