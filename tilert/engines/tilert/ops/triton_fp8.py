@@ -470,7 +470,8 @@ def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None, static=None
         x, norm_w if norm_w is not None else x, ids, w13, s13, act, ws, cnt, D, I, KK, s13.shape[-1], kps, nib,
         static[0] if static is not None else KK, static[1] if static is not None else 0, x.stride(0), ids.stride(0),
         w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), act.stride(0), act.stride(1), eps,
-        BI=BI, C=BK // v, V=v, GK=gk, GN=gn, SPLIT=split, HAS_NORM=norm_w is not None, num_warps=nw, num_stages=1, **triton_pdl.kw())
+        BI=BI, C=BK // v, V=v, GK=gk, GN=gn, SPLIT=split, HAS_NORM=norm_w is not None, num_warps=nw, num_stages=1,
+        **triton_pdl.kw())
     return act
 
 
