@@ -197,12 +197,17 @@ TUNING = (  # (module, attribute, values): variants re-timed in the whole captur
 # FP8 weights (ops/triton_fp8.py): (module, attribute or (dict attribute, key), values), the first the default.
 # GEMV / moe_up (rows, K tile, warps); moe_down (rows, slots, I tile, warps).
 TUNING_FP8 = (
-    ("triton_fp8", ("FP8_DOWN_CFG", "small"), ((16, 1, 512, 4, True), (32, 1, 512, 8, True))),
-    ("triton_fp8", ("FP8_DOWN_CFG", "large"), ((16, 1, 1024, 8, True), (8, 1, 1024, 4, True))),
-    ("triton_fused", "PREP_BC_FP8", (64, 128)),
+    ("triton_fp8", ("FP8_GEMV_CFG", "k1024"), ((2, 2048, 4), (4, 1024, 4), (4, 2048, 8))),
+    ("triton_fp8", ("FP8_GEMV_CFG", "mid"), ((4, 1024, 4), (8, 512, 4))),
+    ("triton_fp8", ("FP8_GEMV_CFG", "large"), ((8, 1024, 4), (16, 1024, 8))),
+    ("triton_fp8", ("FP8_UP_CFG", "small"), ((16, 256, 4, 1), (16, 256, 4, 2), (8, 1024, 4, 1))),
+    ("triton_fp8", ("FP8_UP_CFG", "large"), ((8, 1024, 4, 1), (8, 512, 4, 2))),
+    ("triton_fp8", ("FP8_DOWN_CFG", "small"), ((16, 1, 512, 4, True), (32, 1, 512, 8, True), (4, 4, 512, 8, False))),
+    ("triton_fp8", ("FP8_DOWN_CFG", "large"), ((16, 1, 1024, 8, True), (8, 1, 1024, 4, True), (8, 1, 1024, 8, False))),
+    ("triton_fused", "PREP_BC_FP8", (128, 64)),
     ("triton_mla", ("UV_BV", "few"), (16, 32)),
-    ("triton_mla", ("UV_BV", "many"), (32, 64, 16)),
-    ("triton_mla", "UV_SB", (8, 4, 16)),
+    ("triton_mla", ("UV_BV", "many"), (64, 32)),
+    ("triton_mla", "UV_SB", (4, 8)),
     ("triton_mla", ("DENSE_CAP_ROWS", "one"), (32, 64)),
     ("triton_mla", ("DENSE_CAP_ROWS", "many"), (64, 32)),
     ("triton_moe", "ROUTER_WARPS", (1, 0)),

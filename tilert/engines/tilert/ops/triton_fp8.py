@@ -11,10 +11,18 @@ scale-row group (``GN % rows == 0``: the experts and ``W_o``) the scales are fol
 (``x[k] * s[k // GK]``, once per tile for all rows); ``W_a`` / ``W_b`` (one scale per row) scale the ``[rows,
 BK/16]`` chunk sums. ``moe_down``'s tile is ``[SB, BD, BI]``: ``SB`` slots side by side.
 
+Split reductions without a second launch (``moe_down`` over slot groups, optionally ``moe_up`` over ``D``): each
+program writes fp32 partials, then (after a CTA barrier) counts itself in with a release/acquire atomic on a
+counter of its output block; the program that arrives last reads the partials from L2 in a fixed order (so the
+result does not depend on which program finishes last: deterministic and batch-invariant), writes the output and
+zeroes the counter for the next launch (which waits on this one). Partials and counters are kept buffers.
+
 Latency (a decode step is a chain of short kernels): each program issues its first weight tile before the PDL
 wait (static data) and computes the RMSNorm statistics while it is in flight. No e4m3 tile is carried from one
 loop iteration to the next (Triton then unpacks and repacks its bytes: measured slower); a larger K tile is
 the way to more bytes in flight.
+``moe_up``'s programs for the router's appended shared experts (``static``) do not wait on the router at all:
+their expert is known and their input was written two kernels back (read from L2).
 ``moe_down`` reads its slots' expert ids and routing weights before the PDL wait too: they were written two
 kernels back (the router), and ``moe_up`` (the kernel it waits on) passes its own PDL wait before it lets
 ``moe_down`` launch, so they are complete and visible. ``W_a``'s GEMV also reads the FP8 model's bf16
@@ -38,9 +46,11 @@ __all__ = ["gemv_fp8", "moe_up_fp8", "moe_down_fp8", "groups", "gemv_fp8_config"
 
 # Launch configs. GEMV: (rows BN, K tile BK (e4m3 elements), warps) per weight class (the classes of
 # triton_gemv.gemv_config: lm_head-sized, >= 64 MB in bf16, K a multiple of 1024, N >= 4096, other).
-# moe_up: (rows BI, K tile BK, warps); moe_down: (rows BD, slots SB, I tile BI, warps); by hidden size: "small"
-# D < 4096 (lite), "large" (V3.2). From benchmarks/micro_fp8.py and decode_speed.py --tune on the H200
-# (benchmarks/results/h200-2026-11-30-fp8-b.md).
+# moe_up: (rows BI, K tile BK, warps, splits of D); moe_down: (rows BD, slots SB, I tile BI, warps, split over
+# slot groups); by hidden size: "small" D < 4096 (lite), "large" (V3.2). From benchmarks/micro_fp8.py and
+# decode_speed.py --tune on the H200 (benchmarks/results/h200-2026-11-30-fp8-b.md, h200-2026-12-01-fp8-c.md):
+# moe_down split one slot per program (lite micro 13.2 -> 9.0 us, V3.2 45 -> 40 us); moe_up split over D measured
+# slower at both shapes (kept as an option, 1 = off).
 FP8_GEMV_CFG = {
     "head": (16, 512, 8),
     "large": (8, 1024, 4),

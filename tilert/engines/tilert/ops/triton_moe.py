@@ -19,7 +19,9 @@ ids ``E + s`` with weight 1.0 (an MLP with intermediate 2*I equals two MLPs of I
 MLP is the same with one slot. ``router_select`` does sigmoid + bias + group-limited top-k + normalise +
 scale for one token in one program, reading fp32 split-K partial logits from ``triton_gemv.gemv``;
 (Doing that selection inside every ``moe_up`` program instead, to save the launch, measured 4% slower on
-the H200: it sits on every program's path to its first weight load.)
+the H200: it sits on every program's path to its first weight load.) The engine's path, :func:`router`, runs the
+split-K gate GEMV and the selection in one launch instead: the last of a token's GEMV programs to finish (a
+counter, as ``triton_fp8``'s split reductions) selects, from the partials summed in split order.
 """
 
 from __future__ import annotations
