@@ -210,7 +210,7 @@ TUNING_FP8 = (
     ("triton_mla", "UV_SB", (4, 8)),
     ("triton_mla", ("DENSE_CAP_ROWS", "one"), (32, 64)),
     ("triton_mla", ("DENSE_CAP_ROWS", "many"), (64, 32)),
-    ("triton_moe", "ROUTER_WARPS", (1, 0)),
+    ("triton_moe", "ROUTER_WARPS", (0, 1)),
 )
 
 
@@ -523,6 +523,7 @@ def main():
     RESULT["engine_model"] = {}
 
     def save():
+        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "decode_speed.json"), "w") as f:
             json.dump(RESULT, f, indent=1, default=str)
 

@@ -258,7 +258,10 @@ def _mla_attention_uv_cuda(q, kv_cache, positions, indices, scale, kv_lora_rank,
     n, h, _ = q.shape
     v = kv_b.shape[0] // h - nope_dim if h else 0
     want = q.dtype if kv_b_scale is None else _E4M3
-    if not (_mla_ok(q, kv_cache, kv_lora_rank) and kv_b.dtype == want and v > 0 and v % 16 == 0 and n > 0
+    # bf16 kv_b at many heads (V3.2's 128) stays on the two kernels (merge, then mla_uv): the one fused case that
+    # did not measure faster (benchmarks/results/h200-2026-12-01-fp8-c.md)
+    fuse = kv_b_scale is not None or h <= 32
+    if not (fuse and _mla_ok(q, kv_cache, kv_lora_rank) and kv_b.dtype == want and v > 0 and v % 16 == 0 and n > 0
             and kv_b.is_contiguous() and kv_b.shape[-1] == kv_lora_rank
             and (kv_b_scale is None or (kv_b_scale.dim() == 2 and kv_b_scale.is_contiguous()))
             and (indices is not None or positions is not None)):

@@ -338,7 +338,7 @@ def _route_cg(part_ptr, bias_ptr, i, SPLIT, stride_ps, stride_pn, route_scale, E
 
 
 ROUTER_SPLIT = 8  # the router GEMV's split_k (as the separate GEMV + router_select had it)
-ROUTER_WARPS = 1  # warps per router program (0: the GEMV's); one warp selects without cross-warp reductions
+ROUTER_WARPS = 0  # warps per router program (0: the bf16 GEMV's); 1 measured the same on lite (--tune)
 
 
 def router(x, gate, bias, *, norm_w=None, eps=1e-6, top_k, n_group, topk_group, route_scale, norm_topk=True,
