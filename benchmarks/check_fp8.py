@@ -15,7 +15,7 @@ import torch
 
 from tilert.engines.tilert import fp8
 from tilert.engines.tilert.ops import reference as ref
-from tilert.engines.tilert.ops import triton_fp8, triton_fused
+from tilert.engines.tilert.ops import triton_fp8, triton_fused, triton_mla
 
 
 def _q(rows: int, cols: int, dev, leaf: str = "wo", scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,6 +77,32 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
         # line sat at 0.9-1.1e-2 on random inputs, before and after the 2026-11-30 kernel rework: the bf16
         # reference itself is ~5e-3 from exact fp32 math on these inputs.)
         report(f"fp8 moe residual {tag}", h1, h2, tol=2e-2)
+        # moe_down's launch configs, split over slot groups (fp32 partials summed by the last program of a row
+        # block) or not: each against the reference, run twice (the counters must be left zeroed; the result
+        # the same bit for bit whatever order the programs finish in), and each token of n as if alone.
+        want = ref.moe_experts(x, ids, wts, w13, w2, s13, s2)
+        act = triton_fp8.moe_up_fp8(h, ids, w13, s13, norm_w=g)
+        a0 = triton_fp8.moe_up_fp8(h, ids, w13, s13, norm_w=g)
+        report(f"fp8 moe_up, the last slot static (no wait on the router) == as read from ids {tag}",
+               triton_fp8.moe_up_fp8(h, ids, w13, s13, norm_w=g, static=(3, e - 1)), a0, tol=1e-30)
+        for ucfg in ((16, 256, 4, 2), (8, 512, 4, 4), (16, 32, 4, 3)):  # moe_up split over D (partials summed)
+            a1 = triton_fp8.moe_up_fp8(h, ids, w13, s13, norm_w=g, cfg=ucfg)
+            a2 = triton_fp8.moe_up_fp8(h, ids, w13, s13, norm_w=g, cfg=ucfg)
+            report(f"fp8 moe_up cfg={ucfg} {tag}", triton_fp8.moe_down_fp8(a1, ids, wts, w2, s2), want, tol=2e-2)
+            report(f"fp8 moe_up cfg={ucfg} twice: bit-identical {tag}", a2, a1, tol=1e-30)
+            if nt > 1:
+                alone = torch.cat([triton_fp8.moe_up_fp8(h[r:r + 1], ids[r:r + 1], w13, s13, norm_w=g, cfg=ucfg)
+                                   for r in range(nt)])
+                report(f"fp8 moe_up cfg={ucfg} batch invariance {tag}", a1, alone, tol=1e-30)
+        for cfg in ((16, 1, 512, 4, True), (4, 4, 512, 8, False), (8, 2, 1024, 8, True), (32, 1, 512, 8, True)):
+            y1 = triton_fp8.moe_down_fp8(act, ids, wts, w2, s2, cfg=cfg)
+            y2 = triton_fp8.moe_down_fp8(act, ids, wts, w2, s2, cfg=cfg)
+            report(f"fp8 moe_down cfg={cfg} {tag}", y1, want, tol=2e-2)
+            report(f"fp8 moe_down cfg={cfg} twice: bit-identical {tag}", y2, y1, tol=1e-30)
+            if nt > 1:
+                alone = torch.cat([triton_fp8.moe_down_fp8(act[r:r + 1], ids[r:r + 1], wts[r:r + 1], w2, s2, cfg=cfg)
+                                   for r in range(nt)])
+                report(f"fp8 moe_down cfg={cfg} batch invariance {tag}", y1, alone, tol=1e-30)
     # MLA projections: W_UK absorption (in mla_prep) and W_UV (mla_uv) from an FP8 kv_b.
     if small:
         H, Hi, QL, L, R, P, V, DI, S = 2, 3, 32, 128, 16, 32, 32, 32, 64
@@ -106,6 +132,12 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
         o_lat = rnd(n, H, L, dev=dev)
         report(f"fp8 mla_uv H={H} n={n}", triton_fused.mla_uv(o_lat, kvb, P=P, V=V, kv_b_scale=kvs),
                ref.mla_uv(o_lat, kvb, P, kvs))
+        # attention merged straight through the FP8 W_UV (mla_attention_uv's kernel)
+        qa = torch.randn(n, H, L + R, device=dev).to(dtype)
+        kva = torch.randn(S, L + R, device=dev).to(dtype)
+        report(f"fp8 mla_attention_uv (dense, kv_b e4m3) H={H} n={n}",
+               triton_mla.mla_decode(qa, kva, pos, None, 0.05, L, uv=(kvb, P, V, kvs)),
+               ref.mla_attention_uv(qa, kva, pos, None, 0.05, L, None, kvb, P, kvs))
 
 
 def check_fp8_engine(dev, small, report) -> None:

@@ -211,6 +211,11 @@ def check_batch_invariance(dev, small):
     pos = torch.arange(S - 10, S - 6, device=dev)
     bitwise("batch invariance: mla dense n=4", triton_mla.mla_decode(q, kv, pos, None, 0.07, L),
             [triton_mla.mla_decode(q[i:i + 1], kv, pos[i:i + 1], None, 0.07, L)[0] for i in range(4)])
+    kvb = rnd(H * (128 if not small else 32), L, dev=dev, scale=L ** -0.5)
+    P_ = 64 if not small else 16
+    uv = (kvb, P_, kvb.shape[0] // H - P_, None)
+    bitwise("batch invariance: mla dense + W_UV n=4", triton_mla.mla_decode(q, kv, pos, None, 0.07, L, uv=uv),
+            [triton_mla.mla_decode(q[i:i + 1], kv, pos[i:i + 1], None, 0.07, L, uv=uv)[0] for i in range(4)])
     idx = torch.stack([torch.randperm(S, device=dev)[:S // 2] for _ in range(4)]).to(torch.int32)
     bitwise("batch invariance: mla sparse n=4", triton_mla.mla_decode(q, kv, None, idx, 0.07, L),
             [triton_mla.mla_decode(q[i:i + 1], kv, None, idx[i:i + 1], 0.07, L)[0] for i in range(4)])
@@ -338,6 +343,30 @@ def check_moe(dev, small):
         RESULTS.append((f"router E={E}", err, 0.0, ok))
         print(f"{'PASS' if ok else 'FAIL'}  router_select n={n} E={E} k={k} groups={G}/{TG}: ids_equal={same} "
               f"max_w_err={err:.2e} shared_ok={shared_ok}", flush=True)
+        # the fused router (gate GEMV + selection in one launch) == the GEMV then router_select, bit for bit;
+        # twice (its counters must be left zeroed), and each token of n as if alone
+        D = 2048 if not small else 96
+        x = rnd(n, D, dev=dev)
+        gw = rnd(E, D, dev=dev, scale=D ** -0.5)
+        nw = rnd(D, dev=dev, scale=0.2) + 1
+        kw = dict(top_k=k, n_group=G, topk_group=TG, route_scale=2.5, norm_topk=True, n_shared_slots=2)
+        part = triton_gemv.gemv(x, gw, norm_w=nw, eps=1e-6, split_k=8)
+        ids0, wts0 = triton_moe.router_select(part, bias, **kw)
+        same_tile = triton_gemv.gemv_config(E, D, n)[:3] + (8,)  # the GEMV's own tile and warps
+        fused = [triton_moe.router(x, gw, bias, norm_w=nw, eps=1e-6, cfg=same_tile, **kw) for _ in range(2)]
+        ok = all(bool(torch.equal(a, b)) for f in fused for a, b in zip(f, (ids0, wts0), strict=True))
+        # the default launch (its own warps: other fp32 roundings of the logits): the same choices, weights to
+        # rounding; run twice and each token alone, bit for bit
+        dflt = [triton_moe.router(x, gw, bias, norm_w=nw, eps=1e-6, **kw) for _ in range(2)]
+        alone = [triton_moe.router(x[r:r + 1], gw, bias, norm_w=nw, eps=1e-6, **kw) for r in range(n)]
+        ok = ok and bool(torch.equal(dflt[0][0], ids0)) and float((dflt[0][1] - wts0).abs().max()) < 1e-5
+        ok = ok and all(bool(torch.equal(a, b)) for a, b in zip(dflt[0], dflt[1], strict=True))
+        ok = ok and bool(torch.equal(torch.cat([a[0] for a in alone]), dflt[0][0]))
+        ok = ok and bool(torch.equal(torch.cat([a[1] for a in alone]), dflt[0][1]))
+        RESULTS.append((f"fused router E={E}", 0.0, 0.0, ok))
+        print(f"{'PASS' if ok else 'FAIL'}  fused router n={n} E={E} k={k} groups={G}/{TG} == gemv + router_select "
+              "(bit for bit at the GEMV's tile; the default launch: same ids, twice and each token alone)",
+              flush=True)
 
 
 def rope_ref(x, cos, sin):
@@ -412,6 +441,17 @@ def check_registered(dev):
     idx = torch.randperm(5000, device=dev)[:2048].to(torch.int32)[None]
     report("op tilert::mla_sparse_attention (cuda)", ops.mla_sparse_attention(q, kv, idx, 0.1, 512),
            ref.mla_sparse_attention(q, kv, idx, 0.1, 512))
+    # attention straight through W_UV (one merging kernel): dense, dense from a first row, sparse; n = 1 and 3
+    kvb = rnd(16 * 256, 512, dev=dev, scale=512 ** -0.5)
+    q3 = rnd(3, 16, 576, dev=dev)
+    pos3 = torch.tensor([4321, 17, 2500], device=dev)
+    start3 = torch.tensor([0, 3, 1000], device=dev)
+    idx3 = torch.stack([torch.randperm(5000, device=dev)[:2048] for _ in range(3)]).to(torch.int32)
+    for qq, pp, ii, rs, tag in ((q, pos, None, None, "dense n=1"), (q3, pos3, None, start3, "dense rows n=3"),
+                                (q, None, idx, None, "sparse n=1"), (q3, None, idx3, None, "sparse n=3")):
+        report(f"op tilert::mla_attention_uv {tag} (cuda)",
+               ops.mla_attention_uv(qq, kv, pp, ii, 0.1, 512, rs, kvb, 128),
+               ref.mla_attention_uv(qq, kv, pp, ii, 0.1, 512, rs, kvb, 128))
     x = rnd(2, 2048, dev=dev)
     g = rnd(2048, dev=dev) + 1
     report("op tilert::rms_norm (cuda)", ops.rms_norm(x, g, 1e-6), ref.rms_norm(x, g, 1e-6), tol=5e-3)

@@ -197,13 +197,20 @@ TUNING = (  # (module, attribute, values): variants re-timed in the whole captur
 # FP8 weights (ops/triton_fp8.py): (module, attribute or (dict attribute, key), values), the first the default.
 # GEMV / moe_up (rows, K tile, warps); moe_down (rows, slots, I tile, warps).
 TUNING_FP8 = (
-    ("triton_fp8", ("FP8_GEMV_CFG", "k1024"), ((2, 2048, 4), (4, 1024, 4), (8, 1024, 4))),
-    ("triton_fp8", ("FP8_GEMV_CFG", "mid"), ((4, 1024, 4), (8, 1024, 4), (8, 512, 4))),
-    ("triton_fp8", ("FP8_GEMV_CFG", "large"), ((8, 1024, 4), (16, 1024, 8), (8, 512, 4))),
-    ("triton_fp8", ("FP8_UP_CFG", "small"), ((16, 256, 4), (8, 1024, 4), (8, 512, 4))),
-    ("triton_fp8", ("FP8_UP_CFG", "large"), ((8, 1024, 4), (16, 512, 8), (8, 512, 4))),
-    ("triton_fp8", ("FP8_DOWN_CFG", "small"), ((4, 4, 512, 8), (8, 4, 256, 8), (4, 8, 256, 8))),
-    ("triton_fp8", ("FP8_DOWN_CFG", "large"), ((8, 1, 1024, 8), (4, 1, 1024, 4), (8, 1, 512, 8))),
+    ("triton_fp8", ("FP8_GEMV_CFG", "k1024"), ((2, 2048, 4), (4, 1024, 4), (4, 2048, 8))),
+    ("triton_fp8", ("FP8_GEMV_CFG", "mid"), ((4, 1024, 4), (8, 512, 4))),
+    ("triton_fp8", ("FP8_GEMV_CFG", "large"), ((8, 1024, 4), (16, 1024, 8))),
+    ("triton_fp8", ("FP8_UP_CFG", "small"), ((16, 256, 4, 1), (16, 256, 4, 2), (8, 1024, 4, 1))),
+    ("triton_fp8", ("FP8_UP_CFG", "large"), ((8, 1024, 4, 1), (8, 512, 4, 2))),
+    ("triton_fp8", ("FP8_DOWN_CFG", "small"), ((16, 1, 512, 4, True), (32, 1, 512, 8, True), (4, 4, 512, 8, False))),
+    ("triton_fp8", ("FP8_DOWN_CFG", "large"), ((16, 1, 1024, 8, True), (8, 1, 1024, 4, True), (8, 1, 1024, 8, False))),
+    ("triton_fused", "PREP_BC_FP8", (128, 64)),
+    ("triton_mla", ("UV_BV", "few"), (16, 32)),
+    ("triton_mla", ("UV_BV", "many"), (64, 32)),
+    ("triton_mla", "UV_SB", (4, 8)),
+    ("triton_mla", ("DENSE_CAP_ROWS", "one"), (32, 64)),
+    ("triton_mla", ("DENSE_CAP_ROWS", "many"), (64, 32)),
+    ("triton_moe", "ROUTER_WARPS", (0, 1)),
 )
 
 
@@ -516,6 +523,7 @@ def main():
     RESULT["engine_model"] = {}
 
     def save():
+        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "decode_speed.json"), "w") as f:
             json.dump(RESULT, f, indent=1, default=str)
 

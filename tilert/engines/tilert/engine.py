@@ -53,7 +53,8 @@ GRAPH_MAX_TOKENS = 16  # main-model steps of up to this many tokens are replayed
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _OP_NAMES = ("rms_norm", "gemv", "gemv_residual", "mla_prep", "mla_attention", "mla_sparse_attention",
-             "indexer_topk", "mla_uv", "moe_experts", "moe_residual", "moe_block", "router", "moe_partial")
+             "indexer_topk", "mla_uv", "mla_attention_uv", "moe_experts", "moe_residual", "moe_block", "router",
+             "moe_partial")
 
 log = logging.getLogger(__name__)
 

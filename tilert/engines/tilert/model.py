@@ -43,8 +43,9 @@ MLA, per token (``x = rms(h)``): ``a = W_a x``, ``b = W_b rms(q_a)``, then ``til
   ``q~_h = W_UK_h^T q_nope_h`` (``L`` wide); the attention query is ``[q~_h | rope(q_pe_h)]``.
 - cache row ``[rms(c_kv) | rope(k_pe)]`` written at the position; ``s_h[t] = scale * q_h . cache[t]``
   equals the naive ``q_nope_h.(W_UK_h c_kv[t]) + q_pe_h.k_pe[t]``.
-- ``o~_h = sum_t softmax(s_h)[t] c_kv[t]`` (``tilert::mla_attention`` / ``mla_sparse_attention``),
-  ``o_h = W_UV_h o~_h`` (``tilert::mla_uv``), ``h += W_o o`` (``tilert::gemv_residual``).
+- ``o~_h = sum_t softmax(s_h)[t] c_kv[t]`` and ``o_h = W_UV_h o~_h`` (``tilert::mla_attention_uv``: the
+  composition of ``mla_attention`` / ``mla_sparse_attention`` and ``mla_uv``), ``h += W_o o``
+  (``tilert::gemv_residual``).
 - ``scale = (P+R)^-0.5 * mscale^2`` (YaRN's ``mscale_all_dim`` factor), never ``(L+R)^-0.5``.
 
 DSA (V3.2, GLM-5): the lightning indexer picks ``index_topk`` cache rows per query and attention runs
@@ -264,12 +265,10 @@ class MLAttention(nn.Module):
             topk = k.indexer_topk(index_q, index_w, index_cache, positions, a.index_topk, row_start)
         if topk is None or not use_indexer:
             topk = None
-            o_lat = k.mla_attention(q, kv_cache, positions, a.softmax_scale, lat, row_start)
-        else:
-            o_lat = k.mla_sparse_attention(q, kv_cache, topk, a.softmax_scale, lat)
-
-        # o = [W_UV_h o~_h]_h, then h += W_o o (several ranks: each rank's share, rank 0's with h, all-reduced).
-        o = k.mla_uv(o_lat, self.wkv_b, a.qk_nope_head_dim, self.wkv_b_scale)
+        # o = [W_UV_h o~_h]_h with o~ the attention output (dense over row_start..positions, or over the top-k
+        # rows), one op; then h += W_o o (several ranks: each rank's share, rank 0's with h, all-reduced).
+        o = k.mla_attention_uv(q, kv_cache, positions if topk is None else None, topk, a.softmax_scale, lat,
+                               row_start if topk is None else None, self.wkv_b, a.qk_nope_head_dim, self.wkv_b_scale)
         out, base = self.tp.partial(h)
         if self.wo_bias is not None:
             ops.reference.write_residual(out, k.gemv(o, self.wo, None, 0.0, self.wo_bias, scale=self.wo_scale), base)

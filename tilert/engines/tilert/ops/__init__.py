@@ -41,6 +41,7 @@ __all__ = [
     "moe_partial",
     "mla_prep",
     "mla_uv",
+    "mla_attention_uv",
 ]
 
 
@@ -300,6 +301,30 @@ def _(o_lat, kv_b, nope_dim, kv_b_scale=None):
     n, h, _ = o_lat.shape
     return o_lat.new_empty((n, kv_b.shape[0] - h * nope_dim))
 
+
+
+@torch.library.custom_op("tilert::mla_attention_uv", mutates_args=())
+def mla_attention_uv(
+    q: Tensor,
+    kv_cache: Tensor,
+    positions: Tensor | None,
+    indices: Tensor | None,
+    scale: float,
+    kv_lora_rank: int,
+    row_start: Tensor | None,
+    kv_b: Tensor,
+    nope_dim: int,
+    kv_b_scale: Tensor | None = None,
+) -> Tensor:
+    """``mla_uv(mla_attention(...))`` (``indices is None``) or ``mla_uv(mla_sparse_attention(...))``: attention
+    straight to ``o [n, H*V]`` (one kernel fewer on CUDA); see :func:`reference.mla_attention_uv`."""
+    return reference.mla_attention_uv(q, kv_cache, positions, indices, scale, kv_lora_rank, row_start, kv_b, nope_dim,
+                                      kv_b_scale)
+
+
+@mla_attention_uv.register_fake
+def _(q, kv_cache, positions, indices, scale, kv_lora_rank, row_start, kv_b, nope_dim, kv_b_scale=None):
+    return q.new_empty((q.shape[0], kv_b.shape[0] - q.shape[1] * nope_dim))
 
 
 def register_device_kernels() -> bool:

@@ -48,6 +48,7 @@ __all__ = [
     "mla_sparse_attention",
     "indexer_topk",
     "mla_uv",
+    "mla_attention_uv",
     "moe_experts",
     "moe_residual",
     "moe_block",
@@ -251,6 +252,27 @@ def indexer_topk(
         return torch.where(idx >= 0, idx + lo, idx)
 
     return torch.cat([row(i) for i in range(n)])
+
+
+def mla_attention_uv(
+    q: Tensor,
+    kv_cache: Tensor,
+    positions: Tensor | None,
+    indices: Tensor | None,
+    scale: float,
+    kv_lora_rank: int,
+    row_start: Tensor | None,
+    kv_b: Tensor,
+    nope_dim: int,
+    kv_b_scale: Tensor | None = None,
+) -> Tensor:
+    """:func:`mla_uv` of :func:`mla_attention` / :func:`mla_sparse_attention` (``reference.mla_attention_uv``)."""
+    if indices is None:
+        assert positions is not None, "dense MLA needs positions"
+        o_lat = mla_attention(q, kv_cache, positions, scale, kv_lora_rank, row_start)
+    else:
+        o_lat = mla_sparse_attention(q, kv_cache, indices, scale, kv_lora_rank)
+    return mla_uv(o_lat, kv_b, nope_dim, kv_b_scale)
 
 
 def mla_uv(o_lat: Tensor, kv_b: Tensor, nope_dim: int, kv_b_scale: Tensor | None = None) -> Tensor:

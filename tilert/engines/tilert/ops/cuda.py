@@ -162,15 +162,17 @@ def _router_cuda(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_gr
     if not _gemv_ok(h, gate_weight) or (n_group > 1 and not _pow2(e)) or e > 1024 or h.shape[0] == 0:
         return reference.router(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
                                 norm_topk, n_shared)
-    from . import triton_gemv, triton_moe
+    from . import triton_moe
 
-    part = triton_gemv.gemv(h, gate_weight, norm_w=norm_weight.to(h.dtype).contiguous(), eps=eps, split_k=8)
-    return triton_moe.router_select(part, bias.float().contiguous(), top_k=top_k, n_group=n_group,
-                                    topk_group=topk_group, route_scale=route_scale, norm_topk=norm_topk,
-                                    n_shared_slots=n_shared)
+    # the split-K gate GEMV and the selection in one launch (the last program to finish selects)
+    return triton_moe.router(h, gate_weight, bias.float().contiguous(), norm_w=norm_weight.to(h.dtype).contiguous(),
+                             eps=eps, top_k=top_k, n_group=n_group, topk_group=topk_group, route_scale=route_scale,
+                             norm_topk=norm_topk, n_shared_slots=n_shared)
 
 
-def _moe_residual_cuda(h, norm_weight, eps, topk_ids, topk_weights, w13, w2, s13=None, s2=None):
+def _moe_residual_cuda(h, norm_weight, eps, topk_ids, topk_weights, w13, w2, s13=None, s2=None, static=None):
+    # static (not an op argument; from _moe_block_cuda): (first slot of the router's appended shared experts, its
+    # expert id): moe_up's programs for those slots start without waiting on the router
     if s13 is not None or s2 is not None:
         if not _moe_fp8_ok(h, w13, w2, s13, s2):
             return reference.moe_residual(h, norm_weight, eps, topk_ids, topk_weights, w13, w2, s13, s2)
@@ -178,7 +180,7 @@ def _moe_residual_cuda(h, norm_weight, eps, topk_ids, topk_weights, w13, w2, s13
 
         ids = topk_ids.to(torch.int32).contiguous()
         act = triton_fp8.moe_up_fp8(h, ids, w13.contiguous(), s13.contiguous(),
-                                    norm_w=norm_weight.to(h.dtype).contiguous(), eps=eps)
+                                    norm_w=norm_weight.to(h.dtype).contiguous(), eps=eps, static=static)
         triton_fp8.moe_down_fp8(act, ids, topk_weights.float().contiguous(), w2.contiguous(), s2.contiguous(),
                                 residual=h)
         return None
@@ -208,7 +210,9 @@ def _moe_block_cuda(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk
                     n_shared, w13, w2, s13=None, s2=None):
     ids, wts = _router_cuda(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
                             norm_topk, n_shared)
-    _moe_residual_cuda(h, norm_weight, eps, ids, wts, w13, w2, s13, s2)
+    fused = ids.device.type == "cuda" and ids.shape[1] == top_k + n_shared  # the fused router's output
+    static = (top_k, gate_weight.shape[0]) if fused and n_shared > 0 else None
+    _moe_residual_cuda(h, norm_weight, eps, ids, wts, w13, w2, s13, s2, static=static)
     return ids, wts
 
 
@@ -249,6 +253,33 @@ def _mla_prep_cuda(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, in
     return q, iq, iw
 
 
+def _mla_attention_uv_cuda(q, kv_cache, positions, indices, scale, kv_lora_rank, row_start, kv_b, nope_dim,
+                           kv_b_scale=None):
+    n, h, _ = q.shape
+    v = kv_b.shape[0] // h - nope_dim if h else 0
+    want = q.dtype if kv_b_scale is None else _E4M3
+    # bf16 kv_b at many heads (V3.2's 128) stays on the two kernels (merge, then mla_uv): the one fused case that
+    # did not measure faster (benchmarks/results/h200-2026-12-01-fp8-c.md)
+    fuse = kv_b_scale is not None or h <= 32
+    if not (fuse and _mla_ok(q, kv_cache, kv_lora_rank) and kv_b.dtype == want and v > 0 and v % 16 == 0 and n > 0
+            and kv_b.is_contiguous() and kv_b.shape[-1] == kv_lora_rank
+            and (kv_b_scale is None or (kv_b_scale.dim() == 2 and kv_b_scale.is_contiguous()))
+            and (indices is not None or positions is not None)):
+        if indices is None:
+            o_lat = _mla_attention_cuda(q, kv_cache, positions, scale, kv_lora_rank, row_start)
+        else:
+            o_lat = _mla_sparse_attention_cuda(q, kv_cache, indices, scale, kv_lora_rank)
+        return _mla_uv_cuda(o_lat, kv_b, nope_dim, kv_b_scale)
+    from .triton_mla import mla_decode
+
+    uv = (kv_b, nope_dim, v, kv_b_scale)
+    if indices is None:
+        return mla_decode(q.contiguous(), kv_cache, positions.contiguous(), None, scale, kv_lora_rank,
+                          row_start=row_start, uv=uv)
+    return mla_decode(q.contiguous(), kv_cache, None, indices.to(torch.int32).contiguous(), scale, kv_lora_rank,
+                      uv=uv)
+
+
 def _mla_uv_cuda(o_lat, kv_b, nope_dim, kv_b_scale=None):
     n, h, lat = o_lat.shape
     v = kv_b.shape[0] // h - nope_dim
@@ -275,6 +306,7 @@ _KERNELS: dict[str, Callable[..., Any]] = {
     "moe_partial": _moe_partial_cuda,
     "mla_prep": _mla_prep_cuda,
     "mla_uv": _mla_uv_cuda,
+    "mla_attention_uv": _mla_attention_uv_cuda,
 }
 
 

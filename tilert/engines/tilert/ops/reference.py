@@ -435,3 +435,26 @@ def mla_uv(
     w_kvb = kv_b.view(h, -1, lat)
     o = torch.bmm(o_lat.transpose(0, 1), w_kvb[:, nope_dim:].transpose(1, 2).to(o_lat.dtype))  # [H, n, V]
     return o.transpose(0, 1).reshape(n, -1)
+
+
+def mla_attention_uv(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    positions: torch.Tensor | None,
+    indices: torch.Tensor | None,
+    scale: float,
+    kv_lora_rank: int,
+    row_start: torch.Tensor | None,
+    kv_b: torch.Tensor,
+    nope_dim: int,
+    kv_b_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention straight to ``o [n, H*V]``: :func:`mla_uv` of :func:`mla_attention` (dense, ``indices is None``:
+    rows ``row_start..positions``) or of :func:`mla_sparse_attention` (``indices``); ``o~`` is rounded to ``q``'s
+    dtype in between, as the two ops do."""
+    if indices is None:
+        assert positions is not None, "dense MLA needs positions"
+        o_lat = mla_attention(q, kv_cache, positions, scale, kv_lora_rank, row_start)
+    else:
+        o_lat = mla_sparse_attention(q, kv_cache, indices, scale, kv_lora_rank)
+    return mla_uv(o_lat, kv_b, nope_dim, kv_b_scale)

@@ -11,10 +11,18 @@ scale-row group (``GN % rows == 0``: the experts and ``W_o``) the scales are fol
 (``x[k] * s[k // GK]``, once per tile for all rows); ``W_a`` / ``W_b`` (one scale per row) scale the ``[rows,
 BK/16]`` chunk sums. ``moe_down``'s tile is ``[SB, BD, BI]``: ``SB`` slots side by side.
 
+Split reductions without a second launch (``moe_down`` over slot groups, optionally ``moe_up`` over ``D``): each
+program writes fp32 partials, then (after a CTA barrier) counts itself in with a release/acquire atomic on a
+counter of its output block; the program that arrives last reads the partials from L2 in a fixed order (so the
+result does not depend on which program finishes last: deterministic and batch-invariant), writes the output and
+zeroes the counter for the next launch (which waits on this one). Partials and counters are kept buffers.
+
 Latency (a decode step is a chain of short kernels): each program issues its first weight tile before the PDL
 wait (static data) and computes the RMSNorm statistics while it is in flight. No e4m3 tile is carried from one
 loop iteration to the next (Triton then unpacks and repacks its bytes: measured slower); a larger K tile is
 the way to more bytes in flight.
+``moe_up``'s programs for the router's appended shared experts (``static``) do not wait on the router at all:
+their expert is known and their input was written two kernels back (read from L2).
 ``moe_down`` reads its slots' expert ids and routing weights before the PDL wait too: they were written two
 kernels back (the router), and ``moe_up`` (the kernel it waits on) passes its own PDL wait before it lets
 ``moe_down`` launch, so they are complete and visible. ``W_a``'s GEMV also reads the FP8 model's bf16
@@ -32,15 +40,17 @@ import triton.language as tl
 
 from . import triton_pdl
 from .triton_gemv import _row_rstd
-from .triton_pdl import pdl_begin
+from .triton_pdl import gdc_launch_dependents, pdl_begin
 
 __all__ = ["gemv_fp8", "moe_up_fp8", "moe_down_fp8", "groups", "gemv_fp8_config"]
 
 # Launch configs. GEMV: (rows BN, K tile BK (e4m3 elements), warps) per weight class (the classes of
 # triton_gemv.gemv_config: lm_head-sized, >= 64 MB in bf16, K a multiple of 1024, N >= 4096, other).
-# moe_up: (rows BI, K tile BK, warps); moe_down: (rows BD, slots SB, I tile BI, warps); by hidden size: "small"
-# D < 4096 (lite), "large" (V3.2). From benchmarks/micro_fp8.py and decode_speed.py --tune on the H200
-# (benchmarks/results/h200-2026-11-30-fp8-b.md).
+# moe_up: (rows BI, K tile BK, warps, splits of D); moe_down: (rows BD, slots SB, I tile BI, warps, split over
+# slot groups); by hidden size: "small" D < 4096 (lite), "large" (V3.2). From benchmarks/micro_fp8.py and
+# decode_speed.py --tune on the H200 (benchmarks/results/h200-2026-11-30-fp8-b.md, h200-2026-12-01-fp8-c.md):
+# moe_down split one slot per program (lite micro 13.2 -> 9.0 us, V3.2 45 -> 40 us); moe_up split over D measured
+# slower at both shapes (kept as an option, 1 = off).
 FP8_GEMV_CFG = {
     "head": (16, 512, 8),
     "large": (8, 1024, 4),
@@ -48,8 +58,8 @@ FP8_GEMV_CFG = {
     "mid": (4, 1024, 4),
     "small": (2, 1024, 4),
 }
-FP8_UP_CFG = {"small": (16, 256, 4), "large": (8, 1024, 4)}
-FP8_DOWN_CFG = {"small": (4, 4, 512, 8), "large": (8, 1, 1024, 8)}
+FP8_UP_CFG = {"small": (16, 256, 4, 1), "large": (8, 1024, 4, 1)}
+FP8_DOWN_CFG = {"small": (16, 1, 512, 4, True), "large": (16, 1, 1024, 8, True)}
 VEC = 16  # e4m3 elements of one 16-byte load: the innermost, in-thread tile axis
 
 
@@ -74,11 +84,15 @@ def _pow2_floor(x: int) -> int:
 
 
 @triton.jit
-def _x_tile(x_row, nw_ptr, rstd, offs, K, HAS_NORM: tl.constexpr):
+def _x_tile(x_row, nw_ptr, rstd, offs, K, HAS_NORM: tl.constexpr, CG: tl.constexpr = False):
     """The activations at ``offs`` (any shape) in fp32, RMS-normalised and rounded to the activation dtype
-    like the unfused reference when ``HAS_NORM``."""
+    like the unfused reference when ``HAS_NORM``. ``CG``: read from L2, past L1 (activations a program reads
+    without a PDL wait of its own)."""
     kmask = offs < K
-    xv = tl.load(x_row + offs, mask=kmask, other=0.0)
+    if CG:
+        xv = tl.load(x_row + offs, mask=kmask, other=0.0, cache_modifier=".cg")
+    else:
+        xv = tl.load(x_row + offs, mask=kmask, other=0.0)
     if HAS_NORM:
         g = tl.load(nw_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
         xv = (xv.to(tl.float32) * rstd * g).to(x_row.dtype.element_ty)
@@ -235,10 +249,21 @@ def gemv_fp8(
 
 
 @triton.jit
+def _row_rstd_cg(x_row_ptr, K, eps, BK: tl.constexpr):
+    """``triton_gemv._row_rstd`` reading from L2, past L1 (see :func:`_x_tile`'s ``CG``)."""
+    acc = tl.zeros([BK], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        offs = k0 + tl.arange(0, BK)
+        v = tl.load(x_row_ptr + offs, mask=offs < K, other=0.0, cache_modifier=".cg").to(tl.float32)
+        acc += v * v
+    return tl.rsqrt(tl.sum(acc, 0) / K + eps)
+
+
+@triton.jit
 def _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, kk, D, BI: tl.constexpr, C: tl.constexpr,
              V: tl.constexpr, GK: tl.constexpr, HAS_NORM: tl.constexpr):
     """``[BI, C]`` scaled partial sums of the gate and up tiles at columns ``kk``."""
-    xv = _x_tile(x_row, nw_ptr, rstd, kk, D, HAS_NORM)
+    xv = _x_tile(x_row, nw_ptr, rstd, kk, D, HAS_NORM, True)
     xg = xv * tl.load(sg_row + kk // GK, mask=kk < D, other=0.0)
     xu = xv * tl.load(su_row + kk // GK, mask=kk < D, other=0.0)
     return (tl.sum(tl.reshape(wg.to(tl.float32) * xg[None, :], [BI, C, V]), 2),
@@ -247,64 +272,99 @@ def _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, kk, D, BI: tl.constexp
 
 @triton.jit
 def _moe_up_fp8_kernel(
-    x_ptr, nw_ptr, ids_ptr, w13_ptr, s13_ptr, act_ptr, D, I, KK, KS, stride_xm, stride_ids, stride_we, stride_wn,
-    stride_se, stride_sn, stride_an, stride_ak, eps,
-    BI: tl.constexpr, C: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr,
+    x_ptr, nw_ptr, ids_ptr, w13_ptr, s13_ptr, act_ptr, ws_ptr, cnt_ptr, D, I, KK, KS, KPS, NIB, static_from,
+    static_base, stride_xm, stride_ids, stride_we, stride_wn, stride_se, stride_sn, stride_an, stride_ak, eps,
+    BI: tl.constexpr, C: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, SPLIT: tl.constexpr,
     HAS_NORM: tl.constexpr, PDL: tl.constexpr):
-    # grid (n * k, I / BI); BI divides GN, so the program's gate rows share their scales, and its up rows theirs.
+    # grid (n * k, I / BI, SPLIT); BI divides GN, so the program's gate rows share their scales, and its up rows
+    # theirs. SPLIT > 1: program (r, ib, ks) sums D columns ks*KPS ... into fp32 partials ws[r, ks]; the last of
+    # the SPLIT programs of (r, ib) to finish (a counter each) adds them in the order ks = 0 ... SPLIT-1, writes
+    # act and zeroes its counter (as moe_down's slot groups).
+    # Slots j >= static_from hold known experts (static_base + j - static_from: the shared experts the router
+    # appends): their programs do not wait on the router (the previous kernel). Their input x was written two
+    # kernels back (the router passes its own PDL wait, on that writer, before this kernel can launch), so it is
+    # complete; it is read from L2 (CG).
     BK: tl.constexpr = C * V
-    pdl_begin(PDL)  # the expert ids come from the previous kernel
     r = tl.program_id(0)
     ib = tl.program_id(1)
+    ks = tl.program_id(2)
     i = r // KK
     j = r % KK
-    e = tl.load(ids_ptr + i * stride_ids + j)
+    if j >= static_from:
+        if PDL:
+            gdc_launch_dependents()
+        e = static_base + j - static_from
+    else:
+        pdl_begin(PDL)  # the expert ids come from the previous kernel
+        e = tl.load(ids_ptr + i * stride_ids + j)
     offs_i = ib * BI + tl.arange(0, BI)
     imask = offs_i < I
     out_ptr = act_ptr + i * stride_an + j * stride_ak + offs_i
     if e < 0:
-        tl.store(out_ptr, tl.zeros([BI], dtype=tl.float32).to(act_ptr.dtype.element_ty), mask=imask)
+        if ks == 0:
+            tl.store(out_ptr, tl.zeros([BI], dtype=tl.float32).to(act_ptr.dtype.element_ty), mask=imask)
     else:
         x_row = x_ptr + i * stride_xm
         wb = w13_ptr + e.to(tl.int64) * stride_we
         sb = s13_ptr + e.to(tl.int64) * stride_se
-        offs_k = tl.arange(0, BK)
+        k_lo = ks * KPS
+        k_hi = tl.minimum(k_lo + KPS, D)
+        offs_k = k_lo + tl.arange(0, BK)
         g_rows = wb + offs_i.to(tl.int64)[:, None] * stride_wn
         u_rows = wb + (offs_i + I).to(tl.int64)[:, None] * stride_wn
         sg_row = sb + ((ib * BI) // GN).to(tl.int64) * stride_sn
         su_row = sb + ((ib * BI + I) // GN).to(tl.int64) * stride_sn
         im2 = imask[:, None]
         # the first tiles are in flight while the RMSNorm statistics are computed
-        wg = tl.load(g_rows + offs_k[None, :], mask=im2 & (offs_k < D)[None, :], other=0.0)
-        wu = tl.load(u_rows + offs_k[None, :], mask=im2 & (offs_k < D)[None, :], other=0.0)
+        wg = tl.load(g_rows + offs_k[None, :], mask=im2 & (offs_k < k_hi)[None, :], other=0.0)
+        wu = tl.load(u_rows + offs_k[None, :], mask=im2 & (offs_k < k_hi)[None, :], other=0.0)
         rstd = 1.0
         if HAS_NORM:
-            rstd = _row_rstd(x_row, D, eps, BK)
-        acc_g, acc_u = _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, offs_k, D, BI, C, V, GK, HAS_NORM)
-        for k0 in range(BK, D, BK):
-            kk = k0 + offs_k
-            m2 = im2 & (kk < D)[None, :]
+            rstd = _row_rstd_cg(x_row, D, eps, BK)
+        acc_g, acc_u = _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, offs_k, k_hi, BI, C, V, GK, HAS_NORM)
+        for k0 in range(k_lo + BK, k_hi, BK):
+            kk = k0 + tl.arange(0, BK)
+            m2 = im2 & (kk < k_hi)[None, :]
             wg = tl.load(g_rows + kk[None, :], mask=m2, other=0.0)
             wu = tl.load(u_rows + kk[None, :], mask=m2, other=0.0)
-            pg, pu = _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, kk, D, BI, C, V, GK, HAS_NORM)
+            pg, pu = _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, kk, k_hi, BI, C, V, GK, HAS_NORM)
             acc_g += pg
             acc_u += pu
-        gate = tl.sum(acc_g, 1).to(act_ptr.dtype.element_ty).to(tl.float32)
-        up = tl.sum(acc_u, 1).to(act_ptr.dtype.element_ty).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(act_ptr.dtype.element_ty).to(tl.float32) * up
-        tl.store(out_ptr, act.to(act_ptr.dtype.element_ty), mask=imask)
+        gate = tl.sum(acc_g, 1)
+        up = tl.sum(acc_u, 1)
+        last = True
+        if SPLIT > 1:
+            ws_r = ws_ptr + (r * SPLIT).to(tl.int64) * (2 * I) + offs_i
+            tl.store(ws_r + ks * (2 * I), gate, mask=imask)
+            tl.store(ws_r + ks * (2 * I) + I, up, mask=imask)
+            tl.debug_barrier()  # every thread's partials are written before the (release) arrival below
+            cnt = cnt_ptr + r * NIB + ib
+            last = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+            if last:
+                gate = tl.load(ws_r, mask=imask, other=0.0, cache_modifier=".cg")
+                up = tl.load(ws_r + I, mask=imask, other=0.0, cache_modifier=".cg")
+                for kq in range(1, SPLIT):
+                    gate += tl.load(ws_r + kq * (2 * I), mask=imask, other=0.0, cache_modifier=".cg")
+                    up += tl.load(ws_r + kq * (2 * I) + I, mask=imask, other=0.0, cache_modifier=".cg")
+                tl.atomic_xchg(cnt, 0)  # zero for the next launch (which waits on this one: PDL)
+        if last:
+            gate = gate.to(act_ptr.dtype.element_ty).to(tl.float32)
+            up = up.to(act_ptr.dtype.element_ty).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(act_ptr.dtype.element_ty).to(tl.float32) * up
+            tl.store(out_ptr, act.to(act_ptr.dtype.element_ty), mask=imask)
 
 
 @triton.jit
-def _down_tile(ids_row, wts_row, act_row, w2_ptr, s2_ptr, w_d, dm3, dg, t, n_ch, KK, I, stride_ak, stride_we,
+def _down_tile(ids_row, wts_row, act_row, w2_ptr, s2_ptr, w_d, dm3, dg, jb0, t, n_ch, KK, I, stride_ak, stride_we,
                stride_se, stride_sd, SB: tl.constexpr, BD: tl.constexpr, C: tl.constexpr, V: tl.constexpr,
                GK: tl.constexpr, LOADED: tl.constexpr, w_in):
-    """Step ``t`` of ``moe_down``'s loop (slot block ``t // n_ch``, I chunk ``t % n_ch``): loads the e4m3 tile
-    ``[SB, BD, BI]`` of its slots' experts (unless ``LOADED``: ``w_in``, fetched before the PDL wait) and returns
-    ``(tile, [SB, BD, C] partial sums)``; the second only when ``not LOADED`` or after the wait."""
+    """Step ``t`` of ``moe_down``'s loop (slot block ``jb0 + t // n_ch``, I chunk ``t % n_ch``): loads the e4m3
+    tile ``[SB, BD, BI]`` of its slots' experts (unless ``LOADED``: ``w_in``, fetched before the PDL wait) and
+    returns the ``[SB, BD, C]`` partial sums."""
     BI: tl.constexpr = C * V
-    jb = t // n_ch
-    c0 = (t - jb * n_ch) * BI
+    tb = t // n_ch
+    jb = jb0 + tb
+    c0 = (t - tb * n_ch) * BI
     j = jb * SB + tl.arange(0, SB)
     e = tl.load(ids_row + j, mask=j < KK, other=-1)
     ok = e >= 0  # an empty slot (-1) reads nothing
@@ -325,14 +385,19 @@ def _down_tile(ids_row, wts_row, act_row, w2_ptr, s2_ptr, w_d, dm3, dg, t, n_ch,
 
 @triton.jit
 def _moe_down_fp8_kernel(
-    act_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, y_ptr, D, I, KK, KS, stride_an, stride_ak, stride_ids, stride_wts,
-    stride_we, stride_wd, stride_se, stride_sd, stride_yn,
+    act_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, y_ptr, ws_ptr, cnt_ptr, D, I, KK, KS, NDB, stride_an, stride_ak,
+    stride_ids, stride_wts, stride_we, stride_wd, stride_se, stride_sd, stride_yn,
     BD: tl.constexpr, SB: tl.constexpr, C: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr,
-    HAS_RES: tl.constexpr, PDL: tl.constexpr):
-    # grid (n, D / BD); BD divides GN: the program's rows share each expert's scales (folded into act).
+    G: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    # grid (n, D / BD, G); BD divides GN: the program's rows share each expert's scales (folded into act).
+    # G == 1: each program sums every slot (SB side by side per tile). G > 1 (split over slots): program g sums
+    # slots g*SB ... g*SB + SB - 1 into fp32 partials ws[i, g]; the last of the G programs of a row block to
+    # finish (a counter per row block) adds them in the order g = 0 ... G-1 (deterministic, whatever the arrival
+    # order), writes the rows and resets its counter for the next launch.
     BI: tl.constexpr = C * V
     i = tl.program_id(0)
     db = tl.program_id(1)
+    g = tl.program_id(2)
     offs_d = db * BD + tl.arange(0, BD)
     dmask = offs_d < D
     dg = ((db * BD) // GN).to(tl.int64)
@@ -342,31 +407,56 @@ def _moe_down_fp8_kernel(
     wts_row = wts_ptr + i * stride_wts
     act_row = act_ptr + i * stride_an
     n_ch = tl.cdiv(I, BI)
-    n_t = tl.cdiv(KK, SB) * n_ch
+    if G == 1:
+        n_t = tl.cdiv(KK, SB) * n_ch
+    else:
+        n_t = n_ch
     # ids were written two kernels back (module docstring): the first tile is fetched before the PDL wait
-    j0 = tl.arange(0, SB)
+    j0 = g * SB + tl.arange(0, SB)
     e0 = tl.load(ids_row + j0, mask=j0 < KK, other=-1)
     ii0 = tl.arange(0, BI)
     m0 = (e0 >= 0)[:, None] & (ii0 < I)[None, :]
     w0 = tl.load(w2_ptr + tl.maximum(e0, 0).to(tl.int64)[:, None, None] * stride_we + w_d + ii0[None, None, :],
                  mask=dm3 & m0[:, None, :], other=0.0)
     pdl_begin(PDL)
-    acc = _down_tile(ids_row, wts_row, act_row, w2_ptr, s2_ptr, w_d, dm3, dg, 0, n_ch, KK, I, stride_ak, stride_we,
-                     stride_se, stride_sd, SB, BD, C, V, GK, True, w0)
+    acc = _down_tile(ids_row, wts_row, act_row, w2_ptr, s2_ptr, w_d, dm3, dg, g, 0, n_ch, KK, I, stride_ak,
+                     stride_we, stride_se, stride_sd, SB, BD, C, V, GK, True, w0)
     for t in range(1, n_t):
-        acc += _down_tile(ids_row, wts_row, act_row, w2_ptr, s2_ptr, w_d, dm3, dg, t, n_ch, KK, I, stride_ak,
+        acc += _down_tile(ids_row, wts_row, act_row, w2_ptr, s2_ptr, w_d, dm3, dg, g, t, n_ch, KK, I, stride_ak,
                           stride_we, stride_se, stride_sd, SB, BD, C, V, GK, False, w0)
     total = tl.sum(tl.sum(acc, 2), 0)
     yp = y_ptr + i * stride_yn + offs_d
-    if HAS_RES:
-        r = tl.load(yp, mask=dmask, other=0.0).to(tl.float32)
-        tl.store(yp, (r + total.to(y_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty), mask=dmask)
+    if G == 1:
+        if HAS_RES:
+            r = tl.load(yp, mask=dmask, other=0.0).to(tl.float32)
+            tl.store(yp, (r + total.to(y_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty),
+                     mask=dmask)
+        else:
+            tl.store(yp, total.to(y_ptr.dtype.element_ty), mask=dmask)
     else:
-        tl.store(yp, total.to(y_ptr.dtype.element_ty), mask=dmask)
+        ws_row = ws_ptr + (i * G).to(tl.int64) * D + offs_d
+        tl.store(ws_row + g * D, total, mask=dmask)
+        tl.debug_barrier()  # every thread's partial is written before the (release) arrival below
+        cnt = cnt_ptr + i * NDB + db
+        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if arrived == G - 1:  # the last program of this row block: sum the partials in a fixed order
+            tot = tl.load(ws_row, mask=dmask, other=0.0, cache_modifier=".cg")
+            for gg in range(1, G):
+                tot += tl.load(ws_row + gg * D, mask=dmask, other=0.0, cache_modifier=".cg")
+            if HAS_RES:
+                r = tl.load(yp, mask=dmask, other=0.0).to(tl.float32)
+                tl.store(yp, (r + tot.to(y_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty),
+                         mask=dmask)
+            else:
+                tl.store(yp, tot.to(y_ptr.dtype.element_ty), mask=dmask)
+            tl.atomic_xchg(cnt, 0)  # zero for the next launch (which waits on this one: PDL)
 
 
-def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None):
-    """``act[n, k, I] = silu(gate) * up`` of each token's selected experts (e4m3 ``w13`` with ``s13``)."""
+def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None, static=None):
+    """``act[n, k, I] = silu(gate) * up`` of each token's selected experts (e4m3 ``w13`` with ``s13``).
+    ``static = (j0, e0)``: slots ``j >= j0`` hold experts ``e0 + j - j0`` whatever ``ids`` says (the shared experts
+    that the router appends); their programs start without waiting on the kernel before (the router), whose own
+    PDL wait must cover ``x``'s writer."""
     n, D = x.shape
     KK = ids.shape[1]
     I = w13.shape[1] // 2
@@ -374,14 +464,23 @@ def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None):
     gn, gk = groups(w13, s13)
     assert I % gn == 0
     act = torch.empty(n, KK, I, device=x.device, dtype=x.dtype)
-    BI, BK, nw = cfg or FP8_UP_CFG["large" if D >= 4096 else "small"]
+    BI, BK, nw, split = cfg or FP8_UP_CFG["large" if D >= 4096 else "small"]
     BI = min(BI, _pow2_floor(gn))
     v = min(VEC, gk)
     BK = max(min(BK, triton.next_power_of_2(D)), v)
-    _moe_up_fp8_kernel[(n * KK, triton.cdiv(I, BI))](
-        x, norm_w if norm_w is not None else x, ids, w13, s13, act, D, I, KK, s13.shape[-1], x.stride(0),
-        ids.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), act.stride(0), act.stride(1),
-        eps, BI=BI, C=BK // v, V=v, GK=gk, GN=gn, HAS_NORM=norm_w is not None, num_warps=nw, num_stages=1,
+    kps = triton.cdiv(triton.cdiv(D, split), BK) * BK  # columns per split, whole K tiles
+    split = triton.cdiv(D, kps)
+    nib = triton.cdiv(I, BI)
+    if split > 1:
+        ws = _workspace(("up_ws", x.device, n * KK, split, I), (n * KK, split, 2, I), torch.float32, x.device)
+        cnt = _workspace(("up_cnt", x.device, n * KK, nib), (n * KK, nib), torch.int32, x.device, zero=True)
+    else:
+        ws, cnt = act, ids
+    _moe_up_fp8_kernel[(n * KK, nib, split)](
+        x, norm_w if norm_w is not None else x, ids, w13, s13, act, ws, cnt, D, I, KK, s13.shape[-1], kps, nib,
+        static[0] if static is not None else KK, static[1] if static is not None else 0, x.stride(0), ids.stride(0),
+        w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), act.stride(0), act.stride(1), eps,
+        BI=BI, C=BK // v, V=v, GK=gk, GN=gn, SPLIT=split, HAS_NORM=norm_w is not None, num_warps=nw, num_stages=1,
         **triton_pdl.kw())
     return act
 
@@ -394,14 +493,34 @@ def moe_down_fp8(act, ids, wts, w2, s2, *, residual=None, cfg=None):
     assert w2.shape[2] == I and w2.stride(-1) == 1 and s2.stride(-1) == 1
     gn, gk = groups(w2, s2)
     y = residual if residual is not None else torch.empty(n, D, device=act.device, dtype=act.dtype)
-    BD, SB, BI, nw = cfg or FP8_DOWN_CFG["large" if D >= 4096 else "small"]
+    BD, SB, BI, nw, split = cfg or FP8_DOWN_CFG["large" if D >= 4096 else "small"]
     BD = min(BD, _pow2_floor(gn))
     SB = min(SB, triton.next_power_of_2(KK))
+    G = triton.cdiv(KK, SB) if split else 1
     v = min(VEC, gk)
     BI = max(min(BI, triton.next_power_of_2(I)), v)
-    _moe_down_fp8_kernel[(n, triton.cdiv(D, BD))](
-        act, ids, wts, w2, s2, y, D, I, KK, s2.shape[-1], act.stride(0), act.stride(1), ids.stride(0),
+    ndb = triton.cdiv(D, BD)
+    if G > 1:
+        ws = _workspace(("down_ws", act.device, n, G, D), (n, G, D), torch.float32, act.device)
+        cnt = _workspace(("down_cnt", act.device, n, ndb), (n, ndb), torch.int32, act.device, zero=True)
+    else:
+        ws, cnt = y, ids
+    _moe_down_fp8_kernel[(n, ndb, G)](
+        act, ids, wts, w2, s2, y, ws, cnt, D, I, KK, s2.shape[-1], ndb, act.stride(0), act.stride(1), ids.stride(0),
         wts.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        BD=BD, SB=SB, C=BI // v, V=v, GK=gk, GN=gn, HAS_RES=residual is not None, num_warps=nw, num_stages=1,
+        BD=BD, SB=SB, C=BI // v, V=v, GK=gk, GN=gn, G=G, HAS_RES=residual is not None, num_warps=nw, num_stages=1,
         **triton_pdl.kw())
     return y
+
+
+_WS: dict = {}
+
+
+def _workspace(key, shape, dtype, device, zero: bool = False) -> torch.Tensor:
+    """A buffer kept across calls (allocated at the first call, outside any CUDA graph capture: the engine warms
+    its step up first). ``zero``: counters, allocated zeroed; every kernel that counts in them zeroes them again."""
+    t = _WS.get(key)
+    if t is None:
+        t = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
+        _WS[key] = t
+    return t

@@ -40,7 +40,8 @@ def _mla_prep_kernel(
     stride_iw, stride_cs, eps, iw_scale,
     QL: tl.constexpr, L: tl.constexpr, R: tl.constexpr, P: tl.constexpr, V: tl.constexpr,
     DI: tl.constexpr, BC: tl.constexpr, HI_P2: tl.constexpr, HAS_INDEXER: tl.constexpr, PDL: tl.constexpr,
-    HAS_SCALE: tl.constexpr = False, KGN: tl.constexpr = 128, KGK: tl.constexpr = 128):
+    HAS_SCALE: tl.constexpr = False, KGN: tl.constexpr = 128, KGK: tl.constexpr = 128,
+    ROW_UNIFORM: tl.constexpr = False):
     i = tl.program_id(0)
     p = tl.program_id(1)
     NC: tl.constexpr = L // BC
@@ -58,12 +59,18 @@ def _mla_prep_kernel(
         offs_c = c * BC + tl.arange(0, BC)
         w = tl.load(kvb_ptr + (h * (P + V) + offs_p).to(tl.int64)[:, None] * L + offs_c[None, :])  # static
         wf = w.to(tl.float32)
-        if HAS_SCALE:  # e4m3 * its group's scale
-            wf = wf * tl.load(kvs_ptr + ((h * (P + V) + offs_p) // KGN).to(tl.int64)[:, None] * stride_ks
-                              + (offs_c // KGK)[None, :])
+        if HAS_SCALE:
+            if ROW_UNIFORM:  # the head's W_UK rows share one scale row: scale the column sums
+                cs_ = tl.load(kvs_ptr + ((h * (P + V)) // KGN).to(tl.int64) * stride_ks + offs_c // KGK)
+            else:  # e4m3 * its group's scale
+                wf = wf * tl.load(kvs_ptr + ((h * (P + V) + offs_p) // KGN).to(tl.int64)[:, None] * stride_ks
+                                  + (offs_c // KGK)[None, :])
         pdl_begin(PDL)
         qn = tl.load(b_row + h * (P + R) + offs_p).to(tl.float32)
         qt = tl.sum(wf * qn[:, None], 0)
+        if HAS_SCALE:
+            if ROW_UNIFORM:
+                qt = qt * cs_
         qo = q_ptr + i * stride_q_n + h * stride_q_h
         tl.store(qo + offs_c, qt.to(q_ptr.dtype.element_ty))
         if c == 0:
@@ -133,11 +140,16 @@ def _mla_prep_kernel(
             tl.store(iqo + R + offs_rest[None, :], qr, mask=himask[:, None])
 
 
+# Latent columns per W_UK program of mla_prep (programs: heads x L / BC): bf16 kv_b, FP8 kv_b.
+PREP_BC = 128
+PREP_BC_FP8 = 128  # 64: no better in the whole step (decode_speed --tune, 2026-12-01)
+
+
 def mla_prep(a, b, positions, kv_b, cos, sin, kv_norm_w, idx_k_norm_w, idx_k_norm_b,
              q_out, kv_cache, idx_cache, iq_out, iw_out, *, H, Hi, QL, L, R, P, V, DI, eps, iw_scale,
              kv_b_scale=None):
     n = a.shape[0]
-    BC = min(128, L)
+    BC = min(PREP_BC if kv_b_scale is None else PREP_BC_FP8, L)
     has_idx = idx_cache is not None
     dummy = kv_cache
     kgn, kgk = _groups(kv_b, kv_b_scale)
@@ -151,7 +163,8 @@ def mla_prep(a, b, positions, kv_b, cos, sin, kv_norm_w, idx_k_norm_w, idx_k_nor
         idx_cache.stride(0) if has_idx else 0, iq_out.stride(0) if has_idx else 0,
         iq_out.stride(1) if has_idx else 0, iw_out.stride(0) if has_idx else 0, cos.stride(0), eps, iw_scale,
         QL=QL, L=L, R=R, P=P, V=V, DI=DI, BC=BC, HI_P2=triton.next_power_of_2(max(Hi, 1)),
-        HAS_INDEXER=has_idx, HAS_SCALE=kv_b_scale is not None, KGN=kgn, KGK=kgk, num_warps=4,
+        HAS_INDEXER=has_idx, HAS_SCALE=kv_b_scale is not None, KGN=kgn, KGK=kgk,
+        ROW_UNIFORM=(P + V) % kgn == 0 and P <= kgn, num_warps=4,
      **triton_pdl.kw())
 
 
@@ -165,7 +178,8 @@ def _groups(w, scale):
 @triton.jit
 def _mla_uv_kernel(o_ptr, kvb_ptr, kvs_ptr, y_ptr, H, stride_on, stride_oh, stride_yn, stride_ks,
                    L: tl.constexpr, P: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr,
-                   HAS_SCALE: tl.constexpr = False, KGN: tl.constexpr = 128, KGK: tl.constexpr = 128):
+                   HAS_SCALE: tl.constexpr = False, KGN: tl.constexpr = 128, KGK: tl.constexpr = 128,
+                   ROW_UNIFORM: tl.constexpr = False):
     pdl_begin(PDL)
     i = tl.program_id(0)
     h = tl.program_id(1)
@@ -175,9 +189,13 @@ def _mla_uv_kernel(o_ptr, kvb_ptr, kvs_ptr, y_ptr, H, stride_on, stride_oh, stri
     ol = tl.load(o_ptr + i * stride_on + h * stride_oh + offs_l).to(tl.float32)
     w = tl.load(kvb_ptr + (h * (P + V) + P + offs_v).to(tl.int64)[:, None] * L + offs_l[None, :])
     wf = w.to(tl.float32)
-    if HAS_SCALE:  # e4m3 * its group's scale
-        wf = wf * tl.load(kvs_ptr + ((h * (P + V) + P + offs_v) // KGN).to(tl.int64)[:, None] * stride_ks
-                          + (offs_l // KGK)[None, :])
+    if HAS_SCALE:
+        if ROW_UNIFORM:  # the program's BV rows share one scale row: fold it into o~
+            ol = ol * tl.load(kvs_ptr + ((h * (P + V) + P + vb * BV) // KGN).to(tl.int64) * stride_ks
+                              + offs_l // KGK)
+        else:  # e4m3 * its group's scale
+            wf = wf * tl.load(kvs_ptr + ((h * (P + V) + P + offs_v) // KGN).to(tl.int64)[:, None] * stride_ks
+                              + (offs_l // KGK)[None, :])
     y = tl.sum(wf * ol[None, :], 1)
     tl.store(y_ptr + i * stride_yn + h * V + offs_v, y.to(y_ptr.dtype.element_ty))
 
@@ -193,5 +211,6 @@ def mla_uv(o_lat, kv_b, *, P, V, out=None, kv_b_scale=None):
                                     o_lat.stride(0), o_lat.stride(1), y.stride(0),
                                     kv_b_scale.stride(0) if kv_b_scale is not None else 0,
                                     L=L, P=P, V=V, BV=BV, HAS_SCALE=kv_b_scale is not None, KGN=kgn, KGK=kgk,
+                                    ROW_UNIFORM=kgn % BV == 0 and P % BV == 0 and V % BV == 0,
                                     num_warps=4, **triton_pdl.kw())
     return y

@@ -7,7 +7,8 @@ per launch (a
 CUDA graph captures one grid); each program derives its token range from ``positions[i]`` on the device,
 so the same graph serves every context length. Sparse: query i attends to ``indices[i, :]`` (``-1`` skipped).
 Partials (fp32 ``o`` and a base-2 log-sum-exp per split) are merged by a second kernel that writes the
-latent output ``[n, H, L]`` in the query dtype.
+latent output ``[n, H, L]`` in the query dtype, or (``uv``: ``tilert::mla_attention_uv``) rounds the merged
+``o~`` to that dtype and applies ``W_UV`` (bf16 or block-FP8 ``kv_b``) in the same kernel, ``[n, H*V]``.
 """
 
 from __future__ import annotations
@@ -114,8 +115,61 @@ def _mla_combine_kernel(
     tl.store(out_ptr + i * stride_outn + h * stride_outh + offs_l, res.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _mla_combine_uv_kernel(
+    o_ptr, lse_ptr, kvb_ptr, kvs_ptr, y_ptr, H, stride_on, stride_oh, stride_os, stride_yn, stride_ks,
+    NUM_SPLITS: tl.constexpr, SB: tl.constexpr, L: tl.constexpr, P: tl.constexpr, V: tl.constexpr,
+    BV: tl.constexpr, HAS_SCALE: tl.constexpr, KGN: tl.constexpr, KGK: tl.constexpr, ROW_UNIFORM: tl.constexpr,
+    BS: tl.constexpr, PDL: tl.constexpr):
+    # grid (n, H, V / BV): merges head h's split partials into o~ (rounded to the activation dtype, as the combine
+    # kernel writes it), then o[i, h*V + v] = W_UV_h[v] . o~ for its BV rows (mla_uv's math): one launch for both.
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    offs_l = tl.arange(0, L)
+    offs_v = vb * BV + tl.arange(0, BV)
+    w = tl.load(kvb_ptr + (h * (P + V) + P + offs_v).to(tl.int64)[:, None] * L + offs_l[None, :])  # static
+    wf = w.to(tl.float32)
+    cs = tl.full([L], 1.0, dtype=tl.float32)
+    if HAS_SCALE:
+        if ROW_UNIFORM:  # the program's BV rows share one scale row: fold it into o~
+            cs = tl.load(kvs_ptr + ((h * (P + V) + P + vb * BV) // KGN).to(tl.int64) * stride_ks + offs_l // KGK)
+        else:  # e4m3 * its group's scale
+            wf = wf * tl.load(kvs_ptr + ((h * (P + V) + P + offs_v) // KGN).to(tl.int64)[:, None] * stride_ks
+                              + (offs_l // KGK)[None, :])
+    pdl_begin(PDL)
+    offs_s = tl.arange(0, BS)
+    lse_row = lse_ptr + (i * H + h) * NUM_SPLITS
+    lse = tl.load(lse_row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    wsum = tl.sum(tl.exp2(lse - mx), 0)
+    inv = 1.0 / tl.where(wsum > 0, wsum, 1.0)
+    ob = o_ptr + i * stride_on + h * stride_oh
+    acc = tl.zeros([L], dtype=tl.float32)
+    for s0 in tl.static_range(0, NUM_SPLITS, SB):
+        offs = s0 + tl.arange(0, SB)
+        ls = tl.load(lse_row + offs, mask=offs < NUM_SPLITS, other=float("-inf"))
+        live = ls > float("-inf")
+        o = tl.load(ob + offs[:, None] * stride_os + offs_l[None, :], mask=live[:, None], other=0.0)
+        acc += tl.sum(o * (tl.exp2(ls - mx) * inv)[:, None], 0)
+    ol = acc.to(y_ptr.dtype.element_ty).to(tl.float32) * cs
+    y = tl.sum(wf * ol[None, :], 1)
+    tl.store(y_ptr + i * stride_yn + h * V + offs_v, y.to(y_ptr.dtype.element_ty))
+
+
+# mla_decode with W_UV (mla_attention_uv): rows of W_UV per program by head count ("few": H <= 32; each
+# program merges its head's splits again, so many heads want fewer, wider programs), splits merged per step.
+UV_BV = {"few": 16, "many": 64}  # decode_speed --tune 2026-12-01: layer-v32 22 us faster at 64 than 32
+UV_SB = 4
+
+
 # Fewest cache rows one split of the dense kernel takes: short contexts use fewer, fuller splits.
 DENSE_MIN_TOKENS_PER_SPLIT = 32  # 64 was 0.05 ms slower per lite-v32 step at 1K (decode_speed --tune)
+# Dense: at most one split per this many cache rows (of the whole cache: the graph serves every context); by
+# head blocks ("one": H <= 16, lite; "many": V3.2's 128 heads). decode_speed --tune, 2026-12-01: lite 1K 36 us
+# faster at 32 than 64 (17 -> 33 splits); V3.2 18 us slower at 32 (its merge reads every split).
+DENSE_CAP_ROWS = {"one": 32, "many": 64}
 
 
 def _pick_splits(hblocks: int, sparse: bool, n_idx: int, max_tokens: int) -> int:
@@ -124,7 +178,8 @@ def _pick_splits(hblocks: int, sparse: bool, n_idx: int, max_tokens: int) -> int
     sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
            if torch.cuda.is_available() else 132)
     want = max(1, (2 * sms) // hblocks)
-    cap = triton.cdiv(max(n_idx if sparse else max_tokens, 1), 64)
+    rows = DENSE_CAP_ROWS["one" if hblocks == 1 else "many"]
+    cap = triton.cdiv(max(n_idx, 1), 64) if sparse else triton.cdiv(max(max_tokens, 1), rows)
     return max(1, min(want, 128, cap))
 
 
@@ -149,9 +204,11 @@ def mla_decode(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     row_start: torch.Tensor | None = None,
+    uv: tuple | None = None,
 ) -> torch.Tensor:
     """Dense (``indices is None``, rows ``row_start[i]..positions[i]``; ``row_start`` int64 ``[1]`` or ``[n]``) or
-    sparse absorbed MLA; ``[n, H, L]``."""
+    sparse absorbed MLA; ``[n, H, L]``. With ``uv = (kv_b, P, V, kv_b_scale or None)``: ``W_UV`` applied too
+    (``triton_fused.mla_uv``'s math, in the merging kernel), ``[n, H*V]``."""
     n, H, D = q.shape
     L = kv_lora_rank
     R = D - L
@@ -184,6 +241,18 @@ def mla_decode(
         NUM_SPLITS=S, MIN_TPS=min_tps, L=L, R=R, BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, SPARSE=sparse,
         HAS_START=row_start is not None and not sparse, num_warps=8 if BLOCK_H >= 64 else 4, num_stages=2,
      **triton_pdl.kw())
+    if uv is not None:
+        kv_b, P, V, kvs = uv
+        y = out if out is not None else torch.empty(n, H * V, device=q.device, dtype=q.dtype)
+        BV = min(UV_BV["few" if H <= 32 else "many"], V)
+        kgn, kgk = (1, 1) if kvs is None else (kv_b.shape[-2] // kvs.shape[-2], kv_b.shape[-1] // kvs.shape[-1])
+        _mla_combine_uv_kernel[(n, H, V // BV)](
+            o_part, lse, kv_b, kvs if kvs is not None else kv_b, y, H, o_part.stride(0), o_part.stride(1),
+            o_part.stride(2), y.stride(0), kvs.stride(0) if kvs is not None else 0,
+            NUM_SPLITS=S, SB=min(UV_SB, triton.next_power_of_2(S)), L=L, P=P, V=V, BV=BV, HAS_SCALE=kvs is not None,
+            KGN=kgn, KGK=kgk, ROW_UNIFORM=kgn % BV == 0 and P % BV == 0 and V % BV == 0,
+            BS=triton.next_power_of_2(S), num_warps=4, **triton_pdl.kw())
+        return y
     res = out if out is not None else torch.empty(n, H, L, device=q.device, dtype=q.dtype)
     BL = min(L, 128 if S <= 32 else 64)
     _mla_combine_kernel[(n, H, triton.cdiv(L, BL))](

@@ -19,7 +19,9 @@ ids ``E + s`` with weight 1.0 (an MLP with intermediate 2*I equals two MLPs of I
 MLP is the same with one slot. ``router_select`` does sigmoid + bias + group-limited top-k + normalise +
 scale for one token in one program, reading fp32 split-K partial logits from ``triton_gemv.gemv``;
 (Doing that selection inside every ``moe_up`` program instead, to save the launch, measured 4% slower on
-the H200: it sits on every program's path to its first weight load.)
+the H200: it sits on every program's path to its first weight load.) The engine's path, :func:`router`, runs the
+split-K gate GEMV and the selection in one launch instead: the last of a token's GEMV programs to finish (a
+counter, as ``triton_fp8``'s split reductions) selects, from the partials summed in split order.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ import triton
 import triton.language as tl
 
 from . import triton_pdl
+from .triton_gemv import _row_rstd
 from .triton_pdl import pdl_begin
 
-__all__ = ["moe_experts", "moe_up", "moe_down", "router_select"]
+__all__ = ["moe_experts", "moe_up", "moe_down", "router_select", "router"]
 
 
 @triton.jit
@@ -185,6 +188,15 @@ def _route(part_ptr, bias_ptr, i, SPLIT, stride_ps, stride_pn, route_scale, E_re
     logits = tl.zeros([E], dtype=tl.float32)
     for s in range(0, SPLIT):
         logits += tl.load(part_ptr + s * stride_ps + i * stride_pn + offs, mask=emask, other=0.0)
+    return _select(logits, bias_ptr, route_scale, E_real, E, G, TOPK_G, K, KPAD, N_SHARED, NORM)
+
+
+@triton.jit
+def _select(logits, bias_ptr, route_scale, E_real, E: tl.constexpr, G: tl.constexpr, TOPK_G: tl.constexpr,
+            K: tl.constexpr, KPAD: tl.constexpr, N_SHARED: tl.constexpr, NORM: tl.constexpr):
+    """The selection of :func:`_route` from the summed logits ``[E]``."""
+    offs = tl.arange(0, E)
+    emask = offs < E_real
     scores = 1.0 / (1.0 + tl.exp(-logits))
     choice = scores + tl.load(bias_ptr + offs, mask=emask, other=0.0).to(tl.float32)
     choice = tl.where(emask, choice, float("-inf"))
@@ -256,3 +268,121 @@ def router_select(partials, bias, *, top_k, n_group, topk_group, route_scale, no
         N_SHARED=n_shared_slots, NORM=norm_topk, num_warps=4,
      **triton_pdl.kw())
     return ids, wts
+
+
+@triton.jit
+def _router_kernel(
+    x_ptr, w_ptr, nw_ptr, part_ptr, bias_ptr, ids_ptr, wts_ptr, cnt_ptr, K, k_per_split, E_real, stride_xm, stride_wn,
+    stride_ps, stride_pn, stride_ids, stride_wts, eps, route_scale,
+    BN: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, HAS_NORM: tl.constexpr,
+    E: tl.constexpr, G: tl.constexpr, TOPK_G: tl.constexpr, K_SEL: tl.constexpr, KPAD: tl.constexpr,
+    N_SHARED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    # grid (n, NB, SPLIT): the split-K router GEMV of triton_gemv (fp32 partials, same arithmetic), then the last of
+    # token i's NB * SPLIT programs to finish (a counter per token) runs the selection over the partials (summed in
+    # split order, as router_select does), writes ids / weights and zeroes its counter for the next launch.
+    row = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nmask = offs_n < E_real
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    x_row = x_ptr + row * stride_xm
+    offs_k = k_lo + tl.arange(0, BK)
+    kmask = offs_k < k_hi
+    w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+    pdl_begin(PDL)
+    if HAS_NORM:
+        rstd = _row_rstd(x_row, K, eps, BK)
+    xv = tl.load(x_row + offs_k, mask=kmask, other=0.0)
+    if HAS_NORM:
+        g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
+        xv = (xv.to(tl.float32) * rstd * g).to(w_ptr.dtype.element_ty)
+    acc = w.to(tl.float32) * xv.to(tl.float32)[None, :]
+    for k0 in range(k_lo + BK, k_hi, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        kmask = offs_k < k_hi
+        xv = tl.load(x_row + offs_k, mask=kmask, other=0.0)
+        if HAS_NORM:
+            g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
+            xv = (xv.to(tl.float32) * rstd * g).to(w_ptr.dtype.element_ty)
+        w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+    tl.store(part_ptr + pid_k * stride_ps + row * stride_pn + offs_n, tl.sum(acc, 1), mask=nmask)
+    tl.debug_barrier()  # every thread's partials are written before the (release) arrival below
+    cnt = cnt_ptr + row
+    arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+    if arrived == NB * SPLIT - 1:
+        sel_ids, sel_w = _route_cg(part_ptr, bias_ptr, row, SPLIT, stride_ps, stride_pn, route_scale, E_real,
+                                   E, G, TOPK_G, K_SEL, KPAD, N_SHARED, NORM)
+        kk = tl.arange(0, KPAD)
+        m = kk < K_SEL + N_SHARED
+        tl.store(ids_ptr + row * stride_ids + kk, sel_ids, mask=m)
+        tl.store(wts_ptr + row * stride_wts + kk, sel_w, mask=m)
+        tl.atomic_xchg(cnt, 0)
+
+
+@triton.jit
+def _route_cg(part_ptr, bias_ptr, i, SPLIT, stride_ps, stride_pn, route_scale, E_real,
+              E: tl.constexpr, G: tl.constexpr, TOPK_G: tl.constexpr, K: tl.constexpr, KPAD: tl.constexpr,
+              N_SHARED: tl.constexpr, NORM: tl.constexpr):
+    """:func:`_route` reading partials that other programs of the same launch wrote (from L2, past L1)."""
+    offs = tl.arange(0, E)
+    emask = offs < E_real
+    logits = tl.zeros([E], dtype=tl.float32)
+    for s in range(0, SPLIT):
+        logits += tl.load(part_ptr + s * stride_ps + i * stride_pn + offs, mask=emask, other=0.0,
+                          cache_modifier=".cg")
+    return _select(logits, bias_ptr, route_scale, E_real, E, G, TOPK_G, K, KPAD, N_SHARED, NORM)
+
+
+ROUTER_SPLIT = 8  # the router GEMV's split_k (as the separate GEMV + router_select had it)
+ROUTER_WARPS = 0  # warps per router program (0: the bf16 GEMV's); 1 measured the same on lite (--tune)
+
+
+def router(x, gate, bias, *, norm_w=None, eps=1e-6, top_k, n_group, topk_group, route_scale, norm_topk=True,
+           n_shared_slots=0, cfg=None):
+    """``router_select(gemv(x, gate, norm_w, split_k), bias, ...)`` in one launch: ids int32 ``[n, top_k +
+    n_shared_slots]`` and fp32 weights, the same values as the two kernels."""
+    n, K = x.shape
+    E_real = gate.shape[0]
+    assert gate.shape[1] == K and x.stride(-1) == 1 and gate.stride(-1) == 1 and n <= 16
+    if cfg is None:  # the bf16 GEMV's tile for the gate's shape (triton_gemv.gemv_config)
+        from .triton_gemv import gemv_config
+
+        bn_, bk_, nw_, _ = gemv_config(E_real, K, n)
+        cfg = (bn_, bk_, ROUTER_WARPS or nw_, ROUTER_SPLIT)
+    bn, bk, nw, split = cfg
+    k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
+    split = triton.cdiv(K, k_per_split)  # only splits with work
+    KK = top_k + n_shared_slots
+    E = triton.next_power_of_2(E_real)
+    G = n_group if n_group > 1 else 1
+    assert G == 1 or E == E_real
+    dev = x.device
+    part = _workspace(("router_part", dev, split, n, E_real), (split, n, E_real), torch.float32, dev)
+    cnt = _workspace(("router_cnt", dev, n), (n,), torch.int32, dev, zero=True)
+    ids = torch.empty(n, KK, device=dev, dtype=torch.int32)
+    wts = torch.empty(n, KK, device=dev, dtype=torch.float32)
+    nb = triton.cdiv(E_real, bn)
+    _router_kernel[(n, nb, split)](
+        x, gate, norm_w if norm_w is not None else x, part, bias, ids, wts, cnt, K, k_per_split, E_real, x.stride(0),
+        gate.stride(0), part.stride(0), part.stride(1), ids.stride(0), wts.stride(0), eps, route_scale,
+        BN=bn, BK=bk, NB=nb, SPLIT=split, HAS_NORM=norm_w is not None, E=E, G=G, TOPK_G=topk_group, K_SEL=top_k,
+        KPAD=triton.next_power_of_2(KK), N_SHARED=n_shared_slots, NORM=norm_topk, num_warps=nw, num_stages=1,
+        **triton_pdl.kw())
+    return ids, wts
+
+
+_WS: dict = {}
+
+
+def _workspace(key, shape, dtype, device, zero: bool = False) -> torch.Tensor:
+    """A buffer kept across calls (allocated at the first call, outside any CUDA graph capture: the engine warms
+    its step up first). ``zero``: counters, allocated zeroed; the kernels that count in them zero them again."""
+    t = _WS.get(key)
+    if t is None:
+        t = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
+        _WS[key] = t
+    return t
