@@ -28,6 +28,12 @@ Three conversations, all covered by :data:`PROTOCOL_VERSION`:
    NDJSON stream of :data:`DecodeLine` (token lines (:class:`TokenLine`), the last one with its
    ``finish_reason``, or an :class:`ErrorLine`), :class:`NodeHealth`, and :class:`ErrorBody` for every 4xx/5xx.
 
+5. **Engine process** (decode node <-> its engine process, ``tilert decode --engine-process``): msgpack
+   messages over a local pipe, :data:`EngineCommand` from the node (:class:`EngineSubmit`,
+   :class:`EngineCancel`, :class:`EngineCheck`, :class:`EngineStop`) and :data:`EngineEvent` back
+   (:class:`EngineReady`, :class:`EngineTokens`, :class:`EngineJobDone`, :class:`EngineCheckResult`);
+   see :mod:`tilert.decode.engine_process`.
+
 Each type has one parse (``parse_*`` / ``msgspec`` decoders below, raising :class:`ContractError`) and
 one dump (:func:`dump`). Unknown fields, wrong types (``true`` for an int, ``"1"`` for a number), values
 out of range and oversized inputs are refused, never coerced. No field is ``Any``, so nothing a peer
@@ -483,6 +489,124 @@ class ErrorDetail(_Strict):
 
 class ErrorBody(_Strict):
     error: ErrorDetail
+
+
+# ---- 5. the decode node's engine process --------------------------------------------------------------
+
+
+class _EngineMsg(_Strict, tag_field="type", array_like=True):
+    pass
+
+
+class EngineCaps(_Strict):
+    """:class:`tilert.engines.base.Capabilities`, field for field."""
+
+    temperature: bool
+    top_p: bool
+    top_k: bool
+    mtp: bool
+    pipelined_greedy: bool
+    max_seq_len: Count
+    max_sequences: Count
+    notes: list[Reason]
+
+
+class EngineParams(_Strict):
+    """:class:`tilert.decode.sampling.DecodeParams`, field for field (checked and completed by the node)."""
+
+    transfer_id: TransferId
+    first_token_id: TokenId
+    prompt_tokens: Count
+    max_tokens: Count | None
+    temperature: float
+    top_p: float
+    top_k: Count
+    seed: int | None
+    stop_token_ids: list[TokenId]
+    ignore_eos: bool
+
+
+class EngineReady(_EngineMsg, tag="ready"):
+    """The engine is loaded: what the node asks of an engine without computing."""
+
+    name: Name
+    vocab_size: Count
+    capabilities: EngineCaps
+    layouts: dict[Name, KVLayout]
+
+
+class EngineSubmit(_EngineMsg, tag="submit"):
+    """Decode job ``job`` from the prompt state in receive slot ``slot`` (its first bytes, laid out as ``layouts``)."""
+
+    job: Count
+    slot: Count
+    num_tokens: Count
+    layouts: dict[Name, KVLayout]
+    params: EngineParams
+    last_token_id: TokenId | None = None
+
+
+class EngineCancel(_EngineMsg, tag="cancel"):
+    job: Count
+
+
+class EngineCheck(_EngineMsg, tag="check"):
+    """Could the engine take a prompt state laid out as ``layouts`` (``DecodeEngine.check_layouts``)?"""
+
+    call: Count
+    layouts: dict[Name, KVLayout]
+
+
+class EngineStop(_EngineMsg, tag="stop"):
+    pass
+
+
+class EngineTokens(_EngineMsg, tag="tokens"):
+    """A step's new tokens of ``job``; ``finish`` set on its last (as :class:`TokenLine`)."""
+
+    job: Count
+    token_ids: list[TokenId]
+    finish: Literal["stop", "length"] | None = None
+    stop_token_id: TokenId | None = None
+
+
+class EngineJobDone(_EngineMsg, tag="done"):
+    """``job`` left the engine: finished (``finish``) or failed (``error``, the engine's exception)."""
+
+    job: Count
+    finish: Literal["stop", "length", "cancelled"] | None = None
+    stop_token_id: TokenId | None = None
+    error: Reason | None = None
+
+
+class EngineCheckResult(_EngineMsg, tag="check_result"):
+    call: Count
+    error: Reason | None = None
+
+
+EngineCommand = EngineSubmit | EngineCancel | EngineCheck | EngineStop
+EngineEvent = EngineReady | EngineTokens | EngineJobDone | EngineCheckResult
+_engine_commands = msgspec.msgpack.Decoder(EngineCommand)
+_engine_events = msgspec.msgpack.Decoder(EngineEvent)
+_engine_encoder = msgspec.msgpack.Encoder()
+
+
+def dump_engine(msg: EngineCommand | EngineEvent) -> bytes:
+    return _engine_encoder.encode(msg)
+
+
+def parse_engine_command(raw: bytes) -> EngineCommand:
+    try:
+        return _engine_commands.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ContractError(f"invalid engine command: {exc}") from None
+
+
+def parse_engine_event(raw: bytes) -> EngineEvent:
+    try:
+        return _engine_events.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ContractError(f"invalid engine event: {exc}") from None
 
 
 # ---- one parse, one dump ------------------------------------------------------------------------

@@ -159,12 +159,16 @@ def leases(cfg: StackConfig) -> tuple[float, float]:
 
 
 def decode_command(cfg: StackConfig) -> list[str]:
+    """The decode node; on a CPU host its engine runs in a process of its own (``--engine-process``: the node's
+    HTTP loop then never holds the engine's GIL; one user decoded 1.29x vLLM alone's speed against 1.10x,
+    ``benchmarks/results/cpu-e2e-2026-12-01.md``)."""
     return [
         sys.executable, "-m", "tilert.cli", "decode",
         "--model", str(cfg.model), "--engine", cfg.engine, "--transport", cfg.transport,
         "--host", cfg.host, "--ctrl-port", str(cfg.ctrl_port), "--http-port", str(cfg.decode_http_port),
         "--dtype", cfg.dtype, "--max-seq-len", str(cfg.max_model_len),
         "--max-lease-s", str(leases(cfg)[1]),
+        *([] if _has_cuda() else ["--engine-process"]),
     ]  # fmt: skip
 
 

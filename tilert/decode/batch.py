@@ -45,6 +45,7 @@ class Job:
     done: Callable[[Finish | BaseException], None]
     cancel: threading.Event
     last_token_id: int | None = None  # the prompt's last token, when the prefill side sent it
+    slot: int = -1  # the receive slot holding ``state`` (an engine in another process reads it from there)
 
 
 class DecodeBatch:
@@ -66,6 +67,10 @@ class DecodeBatch:
         self._thread.start()
 
     # ---- the event loop's side ------------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() or self._closed
 
     @property
     def running(self) -> int:

@@ -86,6 +86,10 @@ class DecodeConfig:
         "vLLM's VLLM_CPU_OMP_THREADS_BIND: the node's HTTP and control loop stay free to run elsewhere). "
         "Default: no pinning",
     )  # fmt: skip
+    engine_process: bool = setting(
+        False, help="run the engine (and its decode batch) in a process of its own, as vLLM runs its EngineCore, so "
+        "the node's HTTP loop never holds the engine's GIL (tilert.decode.engine_process); not with --tp",
+    )
     tp: int = setting(
         1, help="ranks (one process per GPU: cuda:0..N-1) that share the model, tensor parallel; rank 0 "
         "serves the ports and the others follow its steps (tilert.decode.tp)",
@@ -150,6 +154,8 @@ class DecodeConfig:
         need(isinstance(self.device, str) and bool(_DEVICE_RE.match(self.device)),
              f"{d('device')} must be auto, cpu, cuda or cuda:N ({self.device!r})")  # fmt: skip
         need(_int(self.tp) and 1 <= self.tp <= 64, f"{d('tp')} must be in 1..64 ({self.tp})")
+        need(not (self.engine_process and self.tp > 1),
+             f"{d('engine_process')} runs one engine; with {d('tp')} {self.tp} rank 0 serves in the node's process")
         need(self.tp_allreduce in TP_ALLREDUCE,
              f"{d('tp_allreduce')} must be one of {', '.join(TP_ALLREDUCE)} ({self.tp_allreduce!r})")  # fmt: skip
         need(self.tp_allreduce == "nccl" or self.device != "cpu",

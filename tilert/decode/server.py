@@ -44,6 +44,7 @@ from tilert import contracts as c
 from tilert.decode.batch import DecodeBatch, Job
 from tilert.decode.config import DecodeConfig, resolve_device, resolve_dtype
 from tilert.decode.control import ControlServer
+from tilert.decode.engine_process import EngineProcess, EngineProcessError, spec_for
 from tilert.decode.generate import Finish
 from tilert.decode.metrics import DecodeMetrics
 from tilert.decode.sampling import DecodeParams
@@ -94,24 +95,30 @@ def _handler(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request]
 class DecodeNode:
     """Everything one decode node holds: the engine, the slots, the transport receiver."""
 
-    def __init__(self, config: DecodeConfig, engine: DecodeEngine) -> None:
+    def __init__(self, config: DecodeConfig, engine: DecodeEngine | EngineProcess) -> None:
+        """``engine``: loaded here (decoded on a thread of this process), or running in its own process."""
         self.config = config
-        self.engine = engine
+        self.engine = engine.engine if isinstance(engine, EngineProcess) else engine
         self.node_id = f"decode-{uuid.uuid4().hex[:8]}"
         self._api_token = ("Bearer " + auth.node_api_token(config.secret)).encode()
         self.receiver = load_transport(config.transport).receiver(
             host=config.host, options=dict(config.transport_options or {})
         )
         self.table = SlotTable(
-            config.slots, engine.expected_layouts(), config.max_seq_len, self.receiver, config.lease_s,
-            engine.check_layouts,
+            config.slots, self.engine.expected_layouts(), config.max_seq_len, self.receiver, config.lease_s,
+            self.engine.check_layouts, shared=isinstance(engine, EngineProcess),
         )  # fmt: skip
         self.control = ControlServer(self.table, config.transport, self.node_id, config.secret)
         self.table.on_transfer = self._on_transfer
         self.eos = eos_token_ids(config.model)
         self.sampling_defaults = sampling_defaults(config.model)
         self.metrics = DecodeMetrics(str(config.model))
-        self.batch = DecodeBatch(engine, self.eos, config.num_speculative_tokens, config.engine_cpu_set)
+        self.batch: DecodeBatch | EngineProcess
+        if isinstance(engine, EngineProcess):
+            engine.attach([slot.buffer for slot in self.table.slots])
+            self.batch = engine
+        else:
+            self.batch = DecodeBatch(engine, self.eos, config.num_speculative_tokens, config.engine_cpu_set)
         self.decodes_completed = 0
         self.app = Starlette(
             routes=[
@@ -167,6 +174,9 @@ class DecodeNode:
         return _ok(c.ReleaseResponse(released))
 
     async def health(self, request: Request) -> Response:
+        if not self.batch.alive:
+            return _error(f"the decode engine is gone: {getattr(self.batch, 'failure', None) or 'its thread ended'}",
+                          503)  # fmt: skip
         caps = self.engine.capabilities()
         return _ok(
             c.NodeHealth(
@@ -272,7 +282,10 @@ class DecodeNode:
             loop.call_soon_threadsafe(send.send_nowait, result)
 
         last_token = slot.offer.last_token_id if slot.offer is not None else None
-        self.batch.submit(Job(state, layouts, num_tokens, params, emit, done, slot.cancel, last_token))
+        try:
+            self.batch.submit(Job(state, layouts, num_tokens, params, emit, done, slot.cancel, last_token, slot.index))
+        except EngineProcessError as exc:
+            raise SlotError(f"decode engine unavailable: {exc}", 503) from None
         self.metrics.requests(self.batch.running, self.batch.waiting)
         last, finished = anyio.current_time(), False
         try:
@@ -335,6 +348,8 @@ class DecodeNode:
 
 
 def build_node(config: DecodeConfig) -> DecodeNode:
+    if config.engine_process:
+        return DecodeNode(config, EngineProcess(spec_for(config, eos_token_ids(config.model))))
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     engine_cls = load_engine(config.engine)

@@ -75,12 +75,19 @@ class Slot:
     def tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, KVLayout], int]:
         """The received bytes as ``uint8 [num_layers, num_tokens, row_bytes]`` views, in offer order."""
         assert self.offer is not None
-        n, views, offset = self.offer.num_tokens, {}, 0
-        for name, lay in self.offer.layouts.items():
-            size = lay.nbytes(n)
-            views[name] = self.buffer[offset : offset + size].view(lay.num_layers, n, lay.row_bytes)
-            offset += size
-        return views, dict(self.offer.layouts), n
+        n = self.offer.num_tokens
+        return state_views(self.buffer, self.offer.layouts, n), dict(self.offer.layouts), n
+
+
+def state_views(buffer: torch.Tensor, layouts: Mapping[str, KVLayout], num_tokens: int) -> dict[str, torch.Tensor]:
+    """A receive buffer's prompt state as ``uint8 [num_layers, num_tokens, row_bytes]`` views, one per layout, back
+    to back from the buffer's start in ``layouts``' order (as the sender wrote them)."""
+    views, offset = {}, 0
+    for name, lay in layouts.items():
+        size = lay.nbytes(num_tokens)
+        views[name] = buffer[offset : offset + size].view(lay.num_layers, num_tokens, lay.row_bytes)
+        offset += size
+    return views
 
 
 class SlotTable:
@@ -92,9 +99,11 @@ class SlotTable:
         receiver: Receiver,
         default_lease_s: float = 30.0,
         check_layouts: Callable[[Mapping[str, KVLayout]], None] | None = None,
+        shared: bool = False,
     ) -> None:
         """``expected`` sizes the buffers; ``check_layouts`` (the engine's) decides which offered layouts
-        are acceptable, by default exactly ``expected``."""
+        are acceptable, by default exactly ``expected``; ``shared``: the buffers live in shared memory (an
+        engine in another process reads them), moved there before the transport registers them."""
         if num_slots < 1:
             raise ValueError("need at least one slot")
         self.expected = expected
@@ -107,6 +116,8 @@ class SlotTable:
         self.slots: list[Slot] = []
         for i in range(num_slots):
             buf = torch.empty(self.capacity, dtype=torch.uint8)
+            if shared:
+                buf.share_memory_()
             self.slots.append(Slot(i, buf, receiver.register(buf)))
         self._by_tid: dict[str, Slot] = {}
         # Told of every transfer that lands (True) or fails (False, and why): the node's metrics.

@@ -1,0 +1,183 @@
+"""The engine in a process of its own (:mod:`tilert.decode.engine_process`), with a real tiny engine: several
+concurrent sequences decode exactly what they decode alone, a cancel frees the sequence at once, the engine's own
+``check_layouts`` answers the node, and an engine process that dies ends every request in it at once.
+
+The whole stack with ``TILERT_DECODE_ENGINE_PROCESS=1`` passes ``tests/test_e2e_stack.py`` as well (router tokens
+equal vLLM alone's); this file covers what only a separate process can get wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from tilert import contracts as c
+from tilert.decode.batch import Job
+from tilert.decode.engine_process import EngineProcess, EngineProcessError, EngineSpec, params_to_wire
+from tilert.decode.generate import Finish
+from tilert.decode.sampling import DecodeParams
+from tilert.decode.slots import state_views
+from tilert.engines.base import KVLayout
+from tilert.engines.tilert import layouts
+from tilert.engines.tilert.engine import TileRTEngine
+
+MAX_SEQ = 64
+PROMPTS = [[11, 12, 13, 14, 15], [40, 41, 42], [70, 71, 72, 73, 74, 75, 76], [100, 101, 102, 103]]
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@dataclass
+class Prompt:
+    buffer: torch.Tensor  # the prompt state in a receive buffer of shared memory, as a transport leaves it
+    layouts: dict[str, KVLayout]
+    num_tokens: int
+    first: int
+    alone: list[int]  # greedy tokens after ``first`` decoded alone until the cache is full
+
+
+@dataclass
+class Sink:
+    ids: list[int] = field(default_factory=list)
+    finish: list[Finish | None] = field(default_factory=list)
+    result: Finish | BaseException | None = None
+    ended: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, ids: list[int], finish: Finish | None) -> None:
+        self.ids.extend(ids)
+        self.finish.append(finish)
+
+    def done(self, result: Finish | BaseException) -> None:
+        self.result = result
+        self.ended.set()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tilert.models.tiny import build_tiny_model
+
+    return build_tiny_model("deepseek_v3", tmp_path_factory.mktemp("eproc") / "m", seed=0, num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module")
+def prompts(model: Path) -> list[Prompt]:
+    out = []
+    for ids in PROMPTS:
+        eng = TileRTEngine.load(model, device="cpu", dtype=torch.float32, max_seq_len=MAX_SEQ)
+        n = len(ids)
+        first = int(eng.forward(torch.tensor(ids), 0)[-1].argmax())
+        a = eng.model.args
+        mla = layouts.encode_mla_dense(eng.model.kv_cache[:, :n], "float32", a.kv_lora_rank, True)
+        lays = eng.expected_layouts()
+        buffer = torch.zeros(1 << 20, dtype=torch.uint8).share_memory_()
+        state_views(buffer, lays, n)["mla"].copy_(mla)
+        alone, token = [], first
+        for pos in range(n, MAX_SEQ):
+            token = int(eng.forward(torch.tensor([token]), pos)[-1].argmax())
+            alone.append(token)
+        out.append(Prompt(buffer, lays, n, first, alone))
+    return out
+
+
+def _spec(model: Path, max_sequences: int) -> EngineSpec:
+    return EngineSpec("tilert", str(model), "cpu", "float32", MAX_SEQ, max_sequences, (), 0, ())
+
+
+def _job(p: Prompt, slot: int, sink: Sink, max_tokens: int | None, cancel: threading.Event | None = None) -> Job:
+    params = DecodeParams(f"t{slot}", p.first, p.num_tokens, max_tokens, temperature=0.0)
+    state = state_views(p.buffer, p.layouts, p.num_tokens)
+    return Job(state, p.layouts, p.num_tokens, params, sink.emit, sink.done, cancel or threading.Event(), None, slot)
+
+
+def test_sequences_in_the_engine_process_decode_what_they_decode_alone(model: Path, prompts: list[Prompt]) -> None:
+    proc = EngineProcess(_spec(model, 3))
+    try:
+        assert proc.engine.vocab_size > 0 and proc.engine.capabilities().max_sequences == 3
+        proc.attach([p.buffer for p in prompts])
+        sinks = [Sink() for _ in prompts]
+        lengths = [20, 6, 30, 12]  # the 2nd leaves early; the 4th waits for a free sequence, then joins
+        for slot, (p, sink, n) in enumerate(zip(prompts, sinks, lengths, strict=True)):
+            proc.submit(_job(p, slot, sink, n))
+        for sink in sinks:
+            assert sink.ended.wait(120)
+        for p, sink, n in zip(prompts, sinks, lengths, strict=True):
+            assert sink.result == Finish("length") and sink.finish[-1] == Finish("length")
+            assert sink.ids == p.alone[:n]  # bit-identical greedy tokens, as alone in this process
+    finally:
+        proc.close()
+
+
+def test_a_cancel_reaches_the_engine_process_and_frees_the_sequence(model: Path, prompts: list[Prompt]) -> None:
+    proc = EngineProcess(_spec(model, 1))
+    try:
+        proc.attach([p.buffer for p in prompts])
+        long, late, cancel = Sink(), Sink(), threading.Event()
+        proc.submit(_job(prompts[0], 0, long, None, cancel))
+        proc.submit(_job(prompts[2], 2, late, 5))
+        deadline = time.monotonic() + 30
+        while len(long.ids) < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert proc.waiting == 1 and not late.ids  # one sequence, taken: the second request waits
+        cancel.set()
+        assert long.ended.wait(5) and long.result == Finish("cancelled")
+        assert late.ended.wait(60) and late.ids == prompts[2].alone[:5]  # it got the freed sequence
+    finally:
+        proc.close()
+
+
+def test_layouts_are_checked_by_the_engine_itself(model: Path, prompts: list[Prompt]) -> None:
+    proc = EngineProcess(_spec(model, 1))
+    try:
+        proc.attach([prompts[0].buffer])
+        proc.engine.check_layouts(prompts[0].layouts)  # what the engine takes passes
+        wrong = {"mla": c.KVLayout("mla_dense", "float32", 8, prompts[0].layouts["mla"].num_layers)}
+        with pytest.raises(ValueError, match="mla rows of 8 bytes"):
+            proc.engine.check_layouts(wrong)
+    finally:
+        proc.close()
+
+
+def test_an_engine_process_that_dies_ends_every_request_at_once(model: Path, prompts: list[Prompt]) -> None:
+    proc = EngineProcess(_spec(model, 2))
+    try:
+        proc.attach([p.buffer for p in prompts])
+        sinks = [Sink(), Sink()]
+        for slot, sink in enumerate(sinks):
+            proc.submit(_job(prompts[slot], slot, sink, None))
+        deadline = time.monotonic() + 30
+        while not all(s.ids for s in sinks) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        pid = proc._proc.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        for sink in sinks:
+            assert sink.ended.wait(5)
+            assert isinstance(sink.result, EngineProcessError) and "exited" in str(sink.result)
+        assert time.monotonic() - killed < 1.0
+        assert not proc.alive and proc.running == 0
+        with pytest.raises(EngineProcessError):
+            proc.submit(_job(prompts[2], 2, Sink(), 3))
+        with pytest.raises(ValueError, match="gone"):
+            proc.engine.check_layouts(prompts[0].layouts)
+    finally:
+        proc.close()
+
+
+def test_decode_params_cross_the_pipe_field_for_field() -> None:
+    """``EngineParams`` mirrors ``DecodeParams``: a field added to one and not the other fails here."""
+    params = DecodeParams("x", 3, 7, 11, 0.5, 0.9, 4, 1234, (5, 6), True)
+    wire = c.parse_engine_command(c.dump_engine(c.EngineSubmit(1, 0, 7, {}, params_to_wire(params))))
+    assert isinstance(wire, c.EngineSubmit)
+    from tilert.decode.engine_process import params_from_wire
+
+    assert params_from_wire(wire.params) == params
+    assert [f.name for f in dataclasses.fields(DecodeParams)] == list(c.EngineParams.__struct_fields__)
