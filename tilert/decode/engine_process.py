@@ -136,6 +136,7 @@ class EngineProcess:
         self._calls: dict[int, tuple[threading.Event, list[str | None]]] = {}
         self._ids = itertools.count()
         self.failure: str | None = None
+        self._closing = False
         if not self._conn.poll(START_TIMEOUT_S):
             self._kill()
             raise EngineProcessError(f"the engine process did not start within {START_TIMEOUT_S:g} s")
@@ -187,6 +188,7 @@ class EngineProcess:
         self._send(msg)
 
     def close(self) -> None:
+        self._closing = True
         try:
             self._send(c.EngineStop())
         except (OSError, EngineProcessError):
@@ -268,7 +270,8 @@ class EngineProcess:
     def _fail(self, reason: str) -> None:
         """The engine is gone: every job in it ends now (its stream gets an error line), later ones are refused."""
         self.failure = reason
-        log.error("engine_process_lost", reason=reason)
+        if not self._closing:
+            log.error("engine_process_lost", reason=reason)
         with self._lock:
             jobs, self._jobs = list(self._jobs.values()), {}
             calls = list(self._calls.values())
@@ -288,7 +291,11 @@ class EngineProcess:
 
 
 def _main(conn: Connection, spec: EngineSpec) -> None:
+    import signal
+
     from tilert.decode.config import resolve_device, resolve_dtype
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the node, which stops this process
     from tilert.plugins import load_engine
 
     device = resolve_device(spec.device)
