@@ -447,3 +447,28 @@ def test_tcp_revoke_cuts_off_a_writer_stalled_mid_payload() -> None:
         assert bytes(buf[100:8192].tolist()) == bytes([FILL]) * 8092
     finally:
         receiver.close()
+
+
+@pytest.mark.timeout(120)
+def test_nixl_large_write_goes_in_pieces_over_several_agents() -> None:
+    """A write of at least ``split_bytes`` is cut into one piece per lane (a NIXL agent each), written side by
+    side: every byte lands inside the grant and the receiver vouches for it; against a revoked grant every piece
+    is refused and the write fails only after all of them ended."""
+    rx = RemoteReceiver(Case("nixl"))
+    sender = load_transport("nixl").sender(options={"lanes": 3, "split_bytes": 1 << 16})
+    try:
+        region = rx.call("register", 1 << 20, FILL)
+        offset, n, margin = 4096 + 3, 300_001, 64  # three uneven pieces, the last one short
+        target = rx.call("grant", region, offset, n)
+        data = payload(n, 21)
+        sender.write(target, data)
+        rx.call("verify", target)
+        got = rx.call("read", region, offset - margin, n + 2 * margin)
+        assert got[margin:-margin] == data.numpy().tobytes()
+        assert got[:margin] == bytes([FILL]) * margin and got[-margin:] == bytes([FILL]) * margin
+        rx.call("revoke", target)
+        with pytest.raises(TransferError, match="revoked"):
+            sender.write(target, data)
+    finally:
+        sender.close()
+        rx.close()
