@@ -275,8 +275,8 @@ def _router_kernel(
     x_ptr, w_ptr, nw_ptr, part_ptr, bias_ptr, ids_ptr, wts_ptr, cnt_ptr, K, k_per_split, E_real, stride_xm, stride_wn,
     stride_ps, stride_pn, stride_ids, stride_wts, eps, route_scale,
     BN: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr,
-    HAS_NORM: tl.constexpr, E: tl.constexpr, G: tl.constexpr, TOPK_G: tl.constexpr, K_SEL: tl.constexpr, KPAD: tl.constexpr,
-    N_SHARED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    HAS_NORM: tl.constexpr, E: tl.constexpr, G: tl.constexpr, TOPK_G: tl.constexpr, K_SEL: tl.constexpr,
+    KPAD: tl.constexpr, N_SHARED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     # grid (n, NB, SPLIT): the split-K router GEMV of triton_gemv (fp32 partials, same arithmetic), then the last of
     # token i's NB * SPLIT programs to finish (a counter per token) runs the selection over the partials (summed in
     # split order, as router_select does), writes ids / weights and zeroes its counter for the next launch.
@@ -369,7 +369,8 @@ def router(x, gate, bias, *, norm_w=None, eps=1e-6, top_k, n_group, topk_group, 
     _router_kernel[(n, nb, split)](
         x, gate, norm_w if norm_w is not None else x, part, bias, ids, wts, cnt, K, k_per_split, E_real, x.stride(0),
         gate.stride(0), part.stride(0), part.stride(1), ids.stride(0), wts.stride(0), eps, route_scale,
-        BN=bn, BK=bk, RB=rstd_block(K, bk), NB=nb, SPLIT=split, HAS_NORM=norm_w is not None, E=E, G=G, TOPK_G=topk_group, K_SEL=top_k,
+        BN=bn, BK=bk, RB=rstd_block(K, bk), NB=nb, SPLIT=split, HAS_NORM=norm_w is not None, E=E, G=G,
+        TOPK_G=topk_group, K_SEL=top_k,
         KPAD=triton.next_power_of_2(KK), N_SHARED=n_shared_slots, NORM=norm_topk, num_warps=nw, num_stages=1,
         **triton_pdl.kw())
     return ids, wts
