@@ -204,12 +204,13 @@ def _pre_part(w, xv, s, BN: tl.constexpr, C: tl.constexpr, V: tl.constexpr, ROW_
 
 
 @triton.jit
-def _gemv_fp8_rows_pre(x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, stride_wn, stride_sn, eps,
+def _gemv_fp8_rows_pre(x_row, w_ptr, s_ptr, nw_ptr, res_row, pid_n, N, K, stride_wn, stride_sn, eps,
                        BN: tl.constexpr, C: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr,
-                       NK: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+                       NK: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
     """:func:`_gemv_fp8_rows` for K in ``NK <= 4`` tiles: every weight tile, its scales and the norm weight are
     requested before the PDL wait (all static); after it ``x`` is read once (one L2 round trip) for both the
-    RMSNorm statistics and the products. Tiles are separate values (unrolled), none carried by a loop."""
+    RMSNorm statistics and the products, and the residual rows (``HAS_RES``) in the same round trip. Tiles are
+    separate values (unrolled), none carried by a loop. Returns (outputs, residual rows or the outputs)."""
     BK: tl.constexpr = C * V
     ROW_BLOCK: tl.constexpr = GN % BN == 0
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -246,6 +247,8 @@ def _gemv_fp8_rows_pre(x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, stride_wn, stri
         x2 = _pre_x(x_row, k0 + 2 * BK, K)
     if NK > 3:
         x3 = _pre_x(x_row, k0 + 3 * BK, K)
+    if HAS_RES:
+        r = tl.load(res_row + offs_n, mask=nmask, other=0.0).to(tl.float32)
     if HAS_NORM:
         ss = x0 * x0
         if NK > 1:
@@ -270,7 +273,10 @@ def _gemv_fp8_rows_pre(x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, stride_wn, stri
         acc += _pre_part(w2, x2, s2, BN, C, V, ROW_BLOCK)
     if NK > 3:
         acc += _pre_part(w3, x3, s3, BN, C, V, ROW_BLOCK)
-    return tl.sum(acc, 1)
+    out = tl.sum(acc, 1)
+    if not HAS_RES:
+        r = out
+    return out, r
 
 
 @triton.jit
@@ -349,8 +355,8 @@ def _gemv_fp8_kernel(
     if HAS_TAIL:
         if pid_n < NB8:
             if NK > 0:
-                out = _gemv_fp8_rows_pre(x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, stride_wn, stride_sn, eps,
-                                         BN, C, V, GK, GN, NK, HAS_NORM, PDL)
+                out, _r = _gemv_fp8_rows_pre(x_row, w_ptr, s_ptr, nw_ptr, x_row, pid_n, N, K, stride_wn, stride_sn,
+                                             eps, BN, C, V, GK, GN, NK, HAS_NORM, False, PDL)
             else:
                 out = _gemv_fp8_rows(x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, KS, stride_wn, stride_sn, eps,
                                      BN, C, V, GK, GN, RB, HAS_NORM, PDL)
@@ -366,20 +372,22 @@ def _gemv_fp8_kernel(
             offs_o = N + (pid_n - NB8) * BN + tl.arange(0, BN)
             omask = offs_o < N + NT
     else:
-        if NK > 0:
-            out = _gemv_fp8_rows_pre(x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, stride_wn, stride_sn, eps,
-                                     BN, C, V, GK, GN, NK, HAS_NORM, PDL)
+        res_row = res_ptr + row * stride_rm
+        offs_o = pid_n * BN + tl.arange(0, BN)
+        omask = offs_o < N
+        if NK > 0:  # the residual rows are read right after the PDL wait, with x
+            out, r = _gemv_fp8_rows_pre(x_row, w_ptr, s_ptr, nw_ptr, res_row, pid_n, N, K, stride_wn, stride_sn,
+                                        eps, BN, C, V, GK, GN, NK, HAS_NORM, HAS_RES, PDL)
         else:
             out = _gemv_fp8_rows(x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, KS, stride_wn, stride_sn, eps,
                                  BN, C, V, GK, GN, RB, HAS_NORM, PDL)
-        offs_o = pid_n * BN + tl.arange(0, BN)
-        omask = offs_o < N
+            if HAS_RES:
+                r = tl.load(res_row + offs_o, mask=omask, other=0.0).to(tl.float32)
     if OUT_F32:
         tl.store(y_ptr + row * stride_ym + offs_o, out, mask=omask)
     else:
         if HAS_RES:
             rp = res_ptr + row * stride_rm + offs_o
-            r = tl.load(rp, mask=omask, other=0.0).to(tl.float32)
             tl.store(rp, (r + out.to(res_ptr.dtype.element_ty).to(tl.float32)).to(res_ptr.dtype.element_ty), mask=omask)
         else:
             tl.store(y_ptr + row * stride_ym + offs_o, out.to(y_ptr.dtype.element_ty), mask=omask)
@@ -629,11 +637,12 @@ def _moe_down_fp8_kernel(
         cnt = cnt_ptr + i * NDB + db
         arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
         if arrived == G - 1:  # the last program of this row block: sum the partials in a fixed order
+            if HAS_RES:  # requested with the partials (one L2 round trip)
+                r = tl.load(yp, mask=dmask, other=0.0, cache_modifier=".cg").to(tl.float32)
             tot = tl.load(ws_row, mask=dmask, other=0.0, cache_modifier=".cg")
             for gg in range(1, G):
                 tot += tl.load(ws_row + gg * D, mask=dmask, other=0.0, cache_modifier=".cg")
             if HAS_RES:
-                r = tl.load(yp, mask=dmask, other=0.0).to(tl.float32)
                 tl.store(yp, (r + tot.to(y_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty),
                          mask=dmask)
             else:

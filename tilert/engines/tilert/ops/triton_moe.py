@@ -292,12 +292,13 @@ def _router_kernel(
     offs_k = k_lo + tl.arange(0, BK)
     kmask = offs_k < k_hi
     w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-    pdl_begin(PDL)
     if HAS_NORM:
-        rstd = _row_rstd(x_row, K, eps, RB)
+        g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)  # static, before the PDL wait too
+    pdl_begin(PDL)
+    # x's tile is requested before the statistics (one L2 round trip for both; same arithmetic as the GEMV)
     xv = tl.load(x_row + offs_k, mask=kmask, other=0.0)
     if HAS_NORM:
-        g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
+        rstd = _row_rstd(x_row, K, eps, RB)
         xv = (xv.to(tl.float32) * rstd * g).to(w_ptr.dtype.element_ty)
     acc = w.to(tl.float32) * xv.to(tl.float32)[None, :]
     for k0 in range(k_lo + BK, k_hi, BK):
