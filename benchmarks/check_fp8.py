@@ -52,6 +52,38 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
             triton_fp8.gemv_fp8(x, w, s, residual=h1)
             ref.gemv_residual(h2, x, w, h2, s)
             report(f"fp8 gemv+residual {tag}", h1, h2)
+    # The GEMV with all of K requested before the PDL wait (_gemv_fp8_rows_pre: NK = 1..4 tiles, x read once)
+    # and W_a's bf16 tail rows: against the reference, n tokens against each alone (bit for bit), and against
+    # the loop path of the same tile (FP8_PRE_BYTES = 0). Lite dims (the defaults: W_b, W_a + tail, W_o) and
+    # explicit tiles for NK = 2..4.
+    pre = [(3, 5120, 1536, "wb", None), (3, 2240, 2048, "wa", None), (2, 2048, 2048, "wo", None),
+           (2, 2048, 2048, "wo", (2, 512, 4)), (3, 1024, 1536, "wb", (4, 1024, 4))]
+    if small:
+        pre = [(3, 40, 96, "wa", (8, 32, 4)), (2, 24, 128, "wb", (4, 32, 4)), (2, 24, 80, "wo", (2, 32, 4)),
+               (2, 40, 128, "wa", None)]
+    for nt, n, k, leaf, cfg in pre:
+        x = rnd(nt, k, dev=dev)
+        g = rnd(k, dev=dev, scale=0.2) + 1
+        w, s = _q(n, k, dev, leaf, k**-0.5)
+        t = rnd(16, k, dev=dev, scale=k**-0.5)
+        tag = f"{leaf} n={nt} N={n} K={k} cfg={cfg or triton_fp8.gemv_fp8_config(n, k)}"
+        got = triton_fp8.gemv_fp8(x, w, s, norm_w=g, tail=t, cfg=cfg)
+        report(f"fp8 gemv prefetched + bf16 tail {tag}", got, ref.gemv(x, w, g, 1e-6, None, False, s, tail=t))
+        alone = torch.cat([triton_fp8.gemv_fp8(x[r:r + 1], w, s, norm_w=g, tail=t, cfg=cfg) for r in range(nt)])
+        report(f"fp8 gemv prefetched batch invariance {tag}", got, alone, tol=1e-30)
+        if leaf == "wo":
+            h0 = rnd(nt, n, dev=dev)
+            h1, h2 = h0.clone(), h0.clone()
+            triton_fp8.gemv_fp8(x, w, s, residual=h1, cfg=cfg)
+            ref.gemv_residual(h2, x, w, h2, s)
+            report(f"fp8 gemv prefetched +residual {tag}", h1, h2)
+        keep = triton_fp8.FP8_PRE_BYTES
+        triton_fp8.FP8_PRE_BYTES = 0
+        try:
+            loop = triton_fp8.gemv_fp8(x, w, s, norm_w=g, tail=t, cfg=cfg)
+        finally:
+            triton_fp8.FP8_PRE_BYTES = keep
+        report(f"fp8 gemv prefetched == loop path (fp32 reassociation) {tag}", got, loop, tol=1e-2)
     # MoE: (experts, I, D, tokens); the real V3.2 expert dims with fewer experts (memory), lite dims.
     moe = [(16, 2048, 7168, 1), (16, 2048, 7168, 4), (66, 1408, 2048, 1)]
     if small:

@@ -43,6 +43,7 @@ from tilert.engines.tilert.model import ModelArgs  # noqa: E402
 
 DEV = torch.device("cuda")
 RESULT: dict = {}
+TUNE_ONLY: list = []  # --tune-only
 
 
 def log(*a):
@@ -197,8 +198,12 @@ TUNING = (  # (module, attribute, values): variants re-timed in the whole captur
 # FP8 weights (ops/triton_fp8.py): (module, attribute or (dict attribute, key), values), the first the default.
 # GEMV / moe_up (rows, K tile, warps); moe_down (rows, slots, I tile, warps).
 TUNING_FP8 = (
+    ("triton_fp8", ("FP8_GEMV_CFG", "k2048"), ((4, 2048, 8), (4, 1024, 4), (2, 2048, 4), (2, 1024, 4))),
+    ("triton_fp8", ("FP8_GEMV_CFG", "mid"), ((8, 512, 4), (8, 512, 8), (16, 512, 8), (4, 1024, 4))),
+    ("triton_fp8", "FP8_PRE_BYTES", (96, 0)),
+    ("triton_fp8", "UP_RSTD_EARLY", (True, False)),
+    ("triton_gemv", "RSTD_MAX", (2048, 0)),
     ("triton_fp8", ("FP8_GEMV_CFG", "k1024"), ((2, 2048, 4), (4, 1024, 4), (4, 2048, 8))),
-    ("triton_fp8", ("FP8_GEMV_CFG", "mid"), ((4, 1024, 4), (8, 512, 4))),
     ("triton_fp8", ("FP8_GEMV_CFG", "large"), ((8, 1024, 4), (16, 1024, 8))),
     ("triton_fp8", ("FP8_UP_CFG", "small"), ((16, 256, 4, 1), (16, 256, 4, 2), (8, 1024, 4, 1))),
     ("triton_fp8", ("FP8_UP_CFG", "large"), ((8, 1024, 4, 1), (8, 512, 4, 2))),
@@ -225,7 +230,10 @@ def tune_in_situ(name, eng, ctx) -> list:
         eng.forward(tok, ctx)
         return time_graph(eng._graphs[(1, sparse)]) * 1e3
 
-    return tune_variants(f"[{name}] ctx={ctx}", timed, TUNING_FP8 if eng.model.args.fp8 else TUNING, log)
+    table = TUNING_FP8 if eng.model.args.fp8 else TUNING
+    if TUNE_ONLY:  # --tune-only: the rows whose attribute (or dict key) is named
+        table = tuple(r for r in table if (r[1][1] if isinstance(r[1], tuple) else r[1]) in TUNE_ONLY)
+    return tune_variants(f"[{name}] ctx={ctx}", timed, table, log)
 
 
 def tune_variants(tag: str, timed, table, say) -> list:
@@ -493,6 +501,8 @@ def main():
     ap.add_argument("--contexts", default="1024,8192,32768")
     ap.add_argument("--no-breakdown", action="store_true")
     ap.add_argument("--tune", action="store_true", help="re-time kernel-config variants in the whole step")
+    ap.add_argument("--tune-only", default="", metavar="NAMES",
+                    help="with --tune: only these rows (attribute or dict key names, comma separated)")
     ap.add_argument("--no-mtp", action="store_true", help="skip lite-v32's MTP speculative-step timings")
     ap.add_argument("--tf-json", default="", help="reuse transformers numbers from an earlier decode_speed.json")
     ap.add_argument("--transformers", default="", metavar="CTXS",
@@ -503,6 +513,7 @@ def main():
     ap.add_argument("--capacity", type=int, default=32768 + 16, help="positions per sequence (--sequences)")
     ap.add_argument("--weights", default="bf16", help="bf16, fp8 or bf16,fp8 (each config in each, same run)")
     args = ap.parse_args()
+    TUNE_ONLY[:] = [x for x in args.tune_only.split(",") if x]
     import triton
     import transformers
 

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from . import triton_pdl
-from .triton_gemv import _row_rstd
+from .triton_gemv import _row_rstd, rstd_block
 from .triton_pdl import gdc_launch_dependents, pdl_begin
 
 __all__ = ["gemv_fp8", "moe_up_fp8", "moe_down_fp8", "groups", "gemv_fp8_config"]
@@ -54,10 +54,15 @@ __all__ = ["gemv_fp8", "moe_up_fp8", "moe_down_fp8", "groups", "gemv_fp8_config"
 FP8_GEMV_CFG = {
     "head": (16, 512, 8),
     "large": (8, 1024, 4),
-    "k1024": (2, 2048, 4),  # K <= 2048 in one tile: the whole matrix is requested before the PDL wait
-    "mid": (4, 1024, 4),
+    "k2048": (4, 2048, 8),  # K = 1024 / 2048 (W_a, W_o at lite dims): all before the PDL wait, one wave
+    "k1024": (2, 2048, 4),
+    "mid": (8, 512, 4),  # W_b at lite dims (K = 1536): 3 tiles before the PDL wait, 640 programs in one wave
     "small": (2, 1024, 4),
 }
+# GEMVs whose K fits in <= 4 tiles of at most FP8_PRE_BYTES weight bytes per thread (e4m3, or the bf16 tail)
+# request all of them before the PDL wait and read x once (_gemv_fp8_rows_pre); 0 turns that off.
+FP8_PRE_BYTES = 96
+UP_RSTD_EARLY = True  # moe_up after the router: the routed programs' RMSNorm statistics before the PDL wait
 FP8_UP_CFG = {"small": (16, 256, 4, 1), "large": (8, 1024, 4, 1)}
 FP8_DOWN_CFG = {"small": (16, 1, 512, 4, True), "large": (16, 1, 1024, 8, True)}
 VEC = 16  # e4m3 elements of one 16-byte load: the innermost, in-thread tile axis
@@ -75,7 +80,7 @@ def gemv_fp8_config(N: int, K: int) -> tuple[int, int, int]:
     if N * K * 2 >= (64 << 20):
         return FP8_GEMV_CFG["large"]
     if K % 1024 == 0:
-        return FP8_GEMV_CFG["k1024"]
+        return FP8_GEMV_CFG["k2048" if K <= 2048 else "k1024"]
     return FP8_GEMV_CFG["mid"] if N >= 4096 else FP8_GEMV_CFG["small"]
 
 
@@ -115,7 +120,7 @@ def _gemv_fp8_tile(w, x_row, nw_ptr, rstd, s_row, s_rows, nmask, kk, kc, K, BN: 
 @triton.jit
 def _gemv_fp8_rows(x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, KS, stride_wn, stride_sn, eps,
                    BN: tl.constexpr, C: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr,
-                   HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+                   RB: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
     """``[BN]`` fp32 outputs of e4m3 rows ``pid_n * BN ...`` (waits on the previous kernel after its first tile).
     No e4m3 tile is carried across loop iterations (that unpacks and repacks its bytes): the first is used before
     the loop, each later one in the iteration that loads it."""
@@ -133,7 +138,7 @@ def _gemv_fp8_rows(x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, KS, stride_wn, stri
     pdl_begin(PDL)
     rstd = 1.0
     if HAS_NORM:
-        rstd = _row_rstd(x_row, K, eps, BK)
+        rstd = _row_rstd(x_row, K, eps, RB)
     acc = _gemv_fp8_tile(w, x_row, nw_ptr, rstd, s_row, s_rows, nmask, offs_k, kc, K, BN, C, V, GK, ROW_BLOCK,
                          HAS_NORM)
     for k0 in range(BK, K, BK):
@@ -146,7 +151,7 @@ def _gemv_fp8_rows(x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, KS, stride_wn, stri
 
 @triton.jit
 def _gemv_bf16_rows(x_row, t_ptr, nw_ptr, pid_t, NT, K, stride_tn, eps, BN: tl.constexpr, BK: tl.constexpr,
-                    HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+                    RB: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
     """``[BN]`` fp32 outputs of the plain (bf16) tail rows ``pid_t * BN ...``."""
     offs_n = pid_t * BN + tl.arange(0, BN)
     nmask = offs_n < NT
@@ -156,7 +161,7 @@ def _gemv_bf16_rows(x_row, t_ptr, nw_ptr, pid_t, NT, K, stride_tn, eps, BN: tl.c
     pdl_begin(PDL)
     rstd = 1.0
     if HAS_NORM:
-        rstd = _row_rstd(x_row, K, eps, BK)
+        rstd = _row_rstd(x_row, K, eps, RB)
     acc = tl.zeros([BN, BK], dtype=tl.float32)
     for k0 in range(0, K, BK):
         xv = _x_tile(x_row, nw_ptr, rstd, k0 + offs_k, K, HAS_NORM)
@@ -167,38 +172,222 @@ def _gemv_bf16_rows(x_row, t_ptr, nw_ptr, pid_t, NT, K, stride_tn, eps, BN: tl.c
 
 
 @triton.jit
+def _pre_w(w_rows, nmask, kk, K):
+    return tl.load(w_rows + kk[None, :], mask=nmask[:, None] & (kk < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _pre_s(s_row, s_rows, nmask, kk, kc, K, GK: tl.constexpr, ROW_BLOCK: tl.constexpr):
+    """The scales of the e4m3 tile at columns ``kk``: ``[BK]`` (folded into x) or ``[BN, C]`` (per chunk)."""
+    if ROW_BLOCK:
+        return tl.load(s_row + kk // GK, mask=kk < K, other=0.0)
+    else:
+        return tl.load(s_rows + (kc // GK)[None, :], mask=nmask[:, None] & (kc < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _pre_x(x_row, kk, K):
+    return tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _pre_norm(xv, rstd, g, dtype):
+    return (xv * rstd * g.to(tl.float32)).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _pre_part(w, xv, s, BN: tl.constexpr, C: tl.constexpr, V: tl.constexpr, ROW_BLOCK: tl.constexpr):
+    if ROW_BLOCK:
+        return tl.sum(tl.reshape(w.to(tl.float32) * (xv * s)[None, :], [BN, C, V]), 2)
+    else:
+        return tl.sum(tl.reshape(w.to(tl.float32) * xv[None, :], [BN, C, V]), 2) * s
+
+
+@triton.jit
+def _gemv_fp8_rows_pre(x_row, w_ptr, s_ptr, nw_ptr, res_row, pid_n, N, K, stride_wn, stride_sn, eps,
+                       BN: tl.constexpr, C: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr,
+                       NK: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    """:func:`_gemv_fp8_rows` for K in ``NK <= 4`` tiles: every weight tile, its scales and the norm weight are
+    requested before the PDL wait (all static); after it ``x`` is read once (one L2 round trip) for both the
+    RMSNorm statistics and the products, and the residual rows (``HAS_RES``) in the same round trip. Tiles are
+    separate values (unrolled), none carried by a loop. Returns (outputs, residual rows or the outputs)."""
+    BK: tl.constexpr = C * V
+    ROW_BLOCK: tl.constexpr = GN % BN == 0
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nmask = offs_n < N
+    k0 = tl.arange(0, BK)
+    kc = tl.arange(0, C) * V
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    s_row = s_ptr + ((pid_n * BN) // GN).to(tl.int64) * stride_sn
+    s_rows = s_ptr + (offs_n // GN).to(tl.int64)[:, None] * stride_sn
+    w0 = _pre_w(w_rows, nmask, k0, K)
+    s0 = _pre_s(s_row, s_rows, nmask, k0, kc, K, GK, ROW_BLOCK)
+    if NK > 1:
+        w1 = _pre_w(w_rows, nmask, k0 + BK, K)
+        s1 = _pre_s(s_row, s_rows, nmask, k0 + BK, kc + BK, K, GK, ROW_BLOCK)
+    if NK > 2:
+        w2 = _pre_w(w_rows, nmask, k0 + 2 * BK, K)
+        s2 = _pre_s(s_row, s_rows, nmask, k0 + 2 * BK, kc + 2 * BK, K, GK, ROW_BLOCK)
+    if NK > 3:
+        w3 = _pre_w(w_rows, nmask, k0 + 3 * BK, K)
+        s3 = _pre_s(s_row, s_rows, nmask, k0 + 3 * BK, kc + 3 * BK, K, GK, ROW_BLOCK)
+    if HAS_NORM:
+        g0 = tl.load(nw_ptr + k0, mask=k0 < K, other=0.0)
+        if NK > 1:
+            g1 = tl.load(nw_ptr + k0 + BK, mask=k0 + BK < K, other=0.0)
+        if NK > 2:
+            g2 = tl.load(nw_ptr + k0 + 2 * BK, mask=k0 + 2 * BK < K, other=0.0)
+        if NK > 3:
+            g3 = tl.load(nw_ptr + k0 + 3 * BK, mask=k0 + 3 * BK < K, other=0.0)
+    pdl_begin(PDL)
+    x0 = _pre_x(x_row, k0, K)
+    if NK > 1:
+        x1 = _pre_x(x_row, k0 + BK, K)
+    if NK > 2:
+        x2 = _pre_x(x_row, k0 + 2 * BK, K)
+    if NK > 3:
+        x3 = _pre_x(x_row, k0 + 3 * BK, K)
+    if HAS_RES:
+        r = tl.load(res_row + offs_n, mask=nmask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        ss = x0 * x0
+        if NK > 1:
+            ss += x1 * x1
+        if NK > 2:
+            ss += x2 * x2
+        if NK > 3:
+            ss += x3 * x3
+        rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
+        dt = x_row.dtype.element_ty
+        x0 = _pre_norm(x0, rstd, g0, dt)
+        if NK > 1:
+            x1 = _pre_norm(x1, rstd, g1, dt)
+        if NK > 2:
+            x2 = _pre_norm(x2, rstd, g2, dt)
+        if NK > 3:
+            x3 = _pre_norm(x3, rstd, g3, dt)
+    acc = _pre_part(w0, x0, s0, BN, C, V, ROW_BLOCK)
+    if NK > 1:
+        acc += _pre_part(w1, x1, s1, BN, C, V, ROW_BLOCK)
+    if NK > 2:
+        acc += _pre_part(w2, x2, s2, BN, C, V, ROW_BLOCK)
+    if NK > 3:
+        acc += _pre_part(w3, x3, s3, BN, C, V, ROW_BLOCK)
+    out = tl.sum(acc, 1)
+    if not HAS_RES:
+        r = out
+    return out, r
+
+
+@triton.jit
+def _gemv_bf16_rows_pre(x_row, t_ptr, nw_ptr, pid_t, NT, K, stride_tn, eps, BN: tl.constexpr, BK: tl.constexpr,
+                        NK: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+    """:func:`_gemv_bf16_rows` for K in ``NK <= 4`` tiles, every tile and the norm weight requested before the
+    PDL wait (as :func:`_gemv_fp8_rows_pre`)."""
+    offs_n = pid_t * BN + tl.arange(0, BN)
+    nmask = offs_n < NT
+    w_rows = t_ptr + offs_n.to(tl.int64)[:, None] * stride_tn
+    k0 = tl.arange(0, BK)
+    w0 = _pre_w(w_rows, nmask, k0, K)
+    if NK > 1:
+        w1 = _pre_w(w_rows, nmask, k0 + BK, K)
+    if NK > 2:
+        w2 = _pre_w(w_rows, nmask, k0 + 2 * BK, K)
+    if NK > 3:
+        w3 = _pre_w(w_rows, nmask, k0 + 3 * BK, K)
+    if HAS_NORM:
+        g0 = tl.load(nw_ptr + k0, mask=k0 < K, other=0.0)
+        if NK > 1:
+            g1 = tl.load(nw_ptr + k0 + BK, mask=k0 + BK < K, other=0.0)
+        if NK > 2:
+            g2 = tl.load(nw_ptr + k0 + 2 * BK, mask=k0 + 2 * BK < K, other=0.0)
+        if NK > 3:
+            g3 = tl.load(nw_ptr + k0 + 3 * BK, mask=k0 + 3 * BK < K, other=0.0)
+    pdl_begin(PDL)
+    x0 = _pre_x(x_row, k0, K)
+    if NK > 1:
+        x1 = _pre_x(x_row, k0 + BK, K)
+    if NK > 2:
+        x2 = _pre_x(x_row, k0 + 2 * BK, K)
+    if NK > 3:
+        x3 = _pre_x(x_row, k0 + 3 * BK, K)
+    if HAS_NORM:
+        ss = x0 * x0
+        if NK > 1:
+            ss += x1 * x1
+        if NK > 2:
+            ss += x2 * x2
+        if NK > 3:
+            ss += x3 * x3
+        rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
+        dt = x_row.dtype.element_ty
+        x0 = _pre_norm(x0, rstd, g0, dt)
+        if NK > 1:
+            x1 = _pre_norm(x1, rstd, g1, dt)
+        if NK > 2:
+            x2 = _pre_norm(x2, rstd, g2, dt)
+        if NK > 3:
+            x3 = _pre_norm(x3, rstd, g3, dt)
+    acc = w0.to(tl.float32) * x0[None, :]
+    if NK > 1:
+        acc += w1.to(tl.float32) * x1[None, :]
+    if NK > 2:
+        acc += w2.to(tl.float32) * x2[None, :]
+    if NK > 3:
+        acc += w3.to(tl.float32) * x3[None, :]
+    return tl.sum(acc, 1)
+
+
+@triton.jit
 def _gemv_fp8_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, res_ptr, t_ptr,
     N, K, KS, NB8, NT, stride_xm, stride_wn, stride_sn, stride_ym, stride_rm, stride_tn, eps,
     BN: tl.constexpr, C: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, BT: tl.constexpr,
+    RB: tl.constexpr, NK: tl.constexpr, NKT: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, OUT_F32: tl.constexpr, HAS_TAIL: tl.constexpr,
     PDL: tl.constexpr):
     # grid (rows, NB8 + tail blocks): programs < NB8 own BN e4m3 rows; the others BN rows of the bf16 tail,
-    # written after the e4m3 rows (output columns N ... N + NT - 1).
+    # written after the e4m3 rows (output columns N ... N + NT - 1). NK / NKT > 0: K in that many tiles, all
+    # requested before the PDL wait (_gemv_fp8_rows_pre); 0: the loop (RB: its RMSNorm statistics' tile).
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
     x_row = x_ptr + row * stride_xm
     if HAS_TAIL:
         if pid_n < NB8:
-            out = _gemv_fp8_rows(x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, KS, stride_wn, stride_sn, eps,
-                                 BN, C, V, GK, GN, HAS_NORM, PDL)
+            if NK > 0:
+                out, _r = _gemv_fp8_rows_pre(x_row, w_ptr, s_ptr, nw_ptr, x_row, pid_n, N, K, stride_wn, stride_sn,
+                                             eps, BN, C, V, GK, GN, NK, HAS_NORM, False, PDL)
+            else:
+                out = _gemv_fp8_rows(x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, KS, stride_wn, stride_sn, eps,
+                                     BN, C, V, GK, GN, RB, HAS_NORM, PDL)
             offs_o = pid_n * BN + tl.arange(0, BN)
             omask = offs_o < N
         else:
-            out = _gemv_bf16_rows(x_row, t_ptr, nw_ptr, pid_n - NB8, NT, K, stride_tn, eps, BN, BT, HAS_NORM, PDL)
+            if NKT > 0:
+                out = _gemv_bf16_rows_pre(x_row, t_ptr, nw_ptr, pid_n - NB8, NT, K, stride_tn, eps, BN, BT, NKT,
+                                          HAS_NORM, PDL)
+            else:
+                out = _gemv_bf16_rows(x_row, t_ptr, nw_ptr, pid_n - NB8, NT, K, stride_tn, eps, BN, BT, RB,
+                                      HAS_NORM, PDL)
             offs_o = N + (pid_n - NB8) * BN + tl.arange(0, BN)
             omask = offs_o < N + NT
     else:
-        out = _gemv_fp8_rows(x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, KS, stride_wn, stride_sn, eps,
-                             BN, C, V, GK, GN, HAS_NORM, PDL)
+        res_row = res_ptr + row * stride_rm
         offs_o = pid_n * BN + tl.arange(0, BN)
         omask = offs_o < N
+        if NK > 0:  # the residual rows are read right after the PDL wait, with x
+            out, r = _gemv_fp8_rows_pre(x_row, w_ptr, s_ptr, nw_ptr, res_row, pid_n, N, K, stride_wn, stride_sn,
+                                        eps, BN, C, V, GK, GN, NK, HAS_NORM, HAS_RES, PDL)
+        else:
+            out = _gemv_fp8_rows(x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, KS, stride_wn, stride_sn, eps,
+                                 BN, C, V, GK, GN, RB, HAS_NORM, PDL)
+            if HAS_RES:
+                r = tl.load(res_row + offs_o, mask=omask, other=0.0).to(tl.float32)
     if OUT_F32:
         tl.store(y_ptr + row * stride_ym + offs_o, out, mask=omask)
     else:
         if HAS_RES:
             rp = res_ptr + row * stride_rm + offs_o
-            r = tl.load(rp, mask=omask, other=0.0).to(tl.float32)
             tl.store(rp, (r + out.to(res_ptr.dtype.element_ty).to(tl.float32)).to(res_ptr.dtype.element_ty), mask=omask)
         else:
             tl.store(y_ptr + row * stride_ym + offs_o, out.to(y_ptr.dtype.element_ty), mask=omask)
@@ -238,11 +427,15 @@ def gemv_fp8(
     res = residual if residual is not None else y
     nb8 = triton.cdiv(N, bn)
     bt = max(16, min(triton.next_power_of_2(K), bk // 2))  # bf16 tail: a K tile of the same bytes
+    nk = triton.cdiv(K, bk)
+    nk = nk if nk <= 4 and bn * bk * nk <= FP8_PRE_BYTES * 32 * nw else 0  # all of K before the PDL wait
+    nkt = triton.cdiv(K, bt)
+    nkt = nkt if nkt <= 4 and bn * bt * 2 * nkt <= FP8_PRE_BYTES * 32 * nw else 0
     _gemv_fp8_kernel[(nt, nb8 + triton.cdiv(NT, bn))](
         x, w, scale, y, norm_w if norm_w is not None else x, res, tail if tail is not None else x,
         N, K, scale.shape[-1], nb8, NT, x.stride(0), w.stride(0), scale.stride(0), y.stride(0), res.stride(0),
         tail.stride(0) if tail is not None else 0, eps,
-        BN=bn, C=bk // v, V=v, GK=gk, GN=gn, BT=bt, HAS_NORM=norm_w is not None,
+        BN=bn, C=bk // v, V=v, GK=gk, GN=gn, BT=bt, RB=rstd_block(K, bk), NK=nk, NKT=nkt, HAS_NORM=norm_w is not None,
         HAS_RES=residual is not None and not out_f32, OUT_F32=out_f32, HAS_TAIL=tail is not None,
         num_warps=nw, num_stages=1, **triton_pdl.kw())
     return y
@@ -275,7 +468,7 @@ def _moe_up_fp8_kernel(
     x_ptr, nw_ptr, ids_ptr, w13_ptr, s13_ptr, act_ptr, ws_ptr, cnt_ptr, D, I, KK, KS, KPS, NIB, static_from,
     static_base, stride_xm, stride_ids, stride_we, stride_wn, stride_se, stride_sn, stride_an, stride_ak, eps,
     BI: tl.constexpr, C: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, SPLIT: tl.constexpr,
-    HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+    RB: tl.constexpr, HAS_NORM: tl.constexpr, X_READY: tl.constexpr, PDL: tl.constexpr):
     # grid (n * k, I / BI, SPLIT); BI divides GN, so the program's gate rows share their scales, and its up rows
     # theirs. SPLIT > 1: program (r, ib, ks) sums D columns ks*KPS ... into fp32 partials ws[r, ks]; the last of
     # the SPLIT programs of (r, ib) to finish (a counter each) adds them in the order ks = 0 ... SPLIT-1, writes
@@ -283,18 +476,23 @@ def _moe_up_fp8_kernel(
     # Slots j >= static_from hold known experts (static_base + j - static_from: the shared experts the router
     # appends): their programs do not wait on the router (the previous kernel). Their input x was written two
     # kernels back (the router passes its own PDL wait, on that writer, before this kernel can launch), so it is
-    # complete; it is read from L2 (CG).
+    # complete; it is read from L2 (CG). X_READY (static given: the router is the kernel before): the routed
+    # slots' programs compute the RMSNorm statistics of x before their PDL wait too (one wide L2 read, RB).
     BK: tl.constexpr = C * V
     r = tl.program_id(0)
     ib = tl.program_id(1)
     ks = tl.program_id(2)
     i = r // KK
     j = r % KK
+    x_row = x_ptr + i * stride_xm
+    rstd = 1.0
     if j >= static_from:
         if PDL:
             gdc_launch_dependents()
         e = static_base + j - static_from
     else:
+        if HAS_NORM and X_READY:  # x is complete (see above): its statistics while the router runs
+            rstd = _row_rstd_cg(x_row, D, eps, RB)
         pdl_begin(PDL)  # the expert ids come from the previous kernel
         e = tl.load(ids_ptr + i * stride_ids + j)
     offs_i = ib * BI + tl.arange(0, BI)
@@ -304,7 +502,6 @@ def _moe_up_fp8_kernel(
         if ks == 0:
             tl.store(out_ptr, tl.zeros([BI], dtype=tl.float32).to(act_ptr.dtype.element_ty), mask=imask)
     else:
-        x_row = x_ptr + i * stride_xm
         wb = w13_ptr + e.to(tl.int64) * stride_we
         sb = s13_ptr + e.to(tl.int64) * stride_se
         k_lo = ks * KPS
@@ -318,9 +515,9 @@ def _moe_up_fp8_kernel(
         # the first tiles are in flight while the RMSNorm statistics are computed
         wg = tl.load(g_rows + offs_k[None, :], mask=im2 & (offs_k < k_hi)[None, :], other=0.0)
         wu = tl.load(u_rows + offs_k[None, :], mask=im2 & (offs_k < k_hi)[None, :], other=0.0)
-        rstd = 1.0
         if HAS_NORM:
-            rstd = _row_rstd_cg(x_row, D, eps, BK)
+            if not X_READY or j >= static_from:
+                rstd = _row_rstd_cg(x_row, D, eps, RB)
         acc_g, acc_u = _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, offs_k, k_hi, BI, C, V, GK, HAS_NORM)
         for k0 in range(k_lo + BK, k_hi, BK):
             kk = k0 + tl.arange(0, BK)
@@ -440,11 +637,12 @@ def _moe_down_fp8_kernel(
         cnt = cnt_ptr + i * NDB + db
         arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
         if arrived == G - 1:  # the last program of this row block: sum the partials in a fixed order
+            if HAS_RES:  # requested with the partials (one L2 round trip)
+                r = tl.load(yp, mask=dmask, other=0.0, cache_modifier=".cg").to(tl.float32)
             tot = tl.load(ws_row, mask=dmask, other=0.0, cache_modifier=".cg")
             for gg in range(1, G):
                 tot += tl.load(ws_row + gg * D, mask=dmask, other=0.0, cache_modifier=".cg")
             if HAS_RES:
-                r = tl.load(yp, mask=dmask, other=0.0).to(tl.float32)
                 tl.store(yp, (r + tot.to(y_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty),
                          mask=dmask)
             else:
@@ -480,7 +678,8 @@ def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None, static=None
         x, norm_w if norm_w is not None else x, ids, w13, s13, act, ws, cnt, D, I, KK, s13.shape[-1], kps, nib,
         static[0] if static is not None else KK, static[1] if static is not None else 0, x.stride(0), ids.stride(0),
         w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), act.stride(0), act.stride(1), eps,
-        BI=BI, C=BK // v, V=v, GK=gk, GN=gn, SPLIT=split, HAS_NORM=norm_w is not None, num_warps=nw, num_stages=1,
+        BI=BI, C=BK // v, V=v, GK=gk, GN=gn, SPLIT=split, RB=rstd_block(D, BK), HAS_NORM=norm_w is not None,
+        X_READY=static is not None and UP_RSTD_EARLY, num_warps=nw, num_stages=1,
         **triton_pdl.kw())
     return act
 

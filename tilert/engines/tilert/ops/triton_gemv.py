@@ -26,6 +26,8 @@ __all__ = ["gemv", "rms_norm", "gemv_config"]
 
 @triton.jit
 def _row_rstd(x_row_ptr, K, eps, BK: tl.constexpr):
+    """``rsqrt(mean(x^2) + eps)`` of a row, in ``BK`` chunks (the callers pass ``rstd_block(K)``: one wide load
+    for K <= RSTD_MAX, each chunk a serial L2 round trip on the kernel's critical path)."""
     acc = tl.zeros([BK], dtype=tl.float32)
     for k0 in range(0, K, BK):
         offs = k0 + tl.arange(0, BK)
@@ -38,7 +40,7 @@ def _row_rstd(x_row_ptr, K, eps, BK: tl.constexpr):
 def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, nw_ptr, res_ptr,
     N, K, k_per_split, stride_xm, stride_wn, stride_ym, stride_rm, stride_ys, eps,
-    BN: tl.constexpr, BK: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, OUT_F32: tl.constexpr, PDL: tl.constexpr):
     # grid (rows, N / BN, split_k): the rows of one weight tile run side by side (one HBM read, L2 hits),
     # and every row is computed exactly as if it were alone (batch invariance: MTP verify == plain decode).
@@ -57,7 +59,7 @@ def _gemv_kernel(
     w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
     pdl_begin(PDL)
     if HAS_NORM:
-        rstd = _row_rstd(x_row, K, eps, BK)
+        rstd = _row_rstd(x_row, K, eps, RB)
     xv = tl.load(x_row + offs_k, mask=kmask, other=0.0)
     if HAS_NORM:
         g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
@@ -81,6 +83,14 @@ def _gemv_kernel(
             r = tl.load(res_ptr + row * stride_rm + offs_n, mask=nmask, other=0.0).to(tl.float32)
             y = (r + y.to(tl.float32)).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + row * stride_ym + offs_n, y, mask=nmask)
+
+
+RSTD_MAX = 2048  # widest tile of the RMSNorm statistics (0: the kernel's K tile, as before 2026-12-01-fp8-d)
+
+
+def rstd_block(K: int, bk: int) -> int:
+    """The ``_row_rstd`` tile for a row of K (``bk``: the kernel's K tile, used when RSTD_MAX is 0)."""
+    return min(triton.next_power_of_2(K), RSTD_MAX) if RSTD_MAX else bk
 
 
 # (BN rows, BK, num_warps, num_stages) per weight class. Measured on the H200 (benchmarks/micro.py and
@@ -144,7 +154,7 @@ def gemv(
         x, w, y, norm_w if norm_w is not None else x, res,
         N, K, k_per_split, x.stride(0), w.stride(0), y.stride(-2), res.stride(0),
         y.stride(0) if (out_f32 and split_k > 1) else 0, eps,
-        BN=bn, BK=bk, HAS_NORM=norm_w is not None, HAS_RES=residual is not None and not out_f32,
+        BN=bn, BK=bk, RB=rstd_block(K, bk), HAS_NORM=norm_w is not None, HAS_RES=residual is not None and not out_f32,
         OUT_F32=out_f32, num_warps=nw, num_stages=ns,
      **triton_pdl.kw())
     return y

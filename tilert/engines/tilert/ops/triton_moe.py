@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from . import triton_pdl
-from .triton_gemv import _row_rstd
+from .triton_gemv import _row_rstd, rstd_block
 from .triton_pdl import pdl_begin
 
 __all__ = ["moe_experts", "moe_up", "moe_down", "router_select", "router"]
@@ -274,9 +274,9 @@ def router_select(partials, bias, *, top_k, n_group, topk_group, route_scale, no
 def _router_kernel(
     x_ptr, w_ptr, nw_ptr, part_ptr, bias_ptr, ids_ptr, wts_ptr, cnt_ptr, K, k_per_split, E_real, stride_xm, stride_wn,
     stride_ps, stride_pn, stride_ids, stride_wts, eps, route_scale,
-    BN: tl.constexpr, BK: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr, HAS_NORM: tl.constexpr,
-    E: tl.constexpr, G: tl.constexpr, TOPK_G: tl.constexpr, K_SEL: tl.constexpr, KPAD: tl.constexpr,
-    N_SHARED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    BN: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_NORM: tl.constexpr, E: tl.constexpr, G: tl.constexpr, TOPK_G: tl.constexpr, K_SEL: tl.constexpr,
+    KPAD: tl.constexpr, N_SHARED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     # grid (n, NB, SPLIT): the split-K router GEMV of triton_gemv (fp32 partials, same arithmetic), then the last of
     # token i's NB * SPLIT programs to finish (a counter per token) runs the selection over the partials (summed in
     # split order, as router_select does), writes ids / weights and zeroes its counter for the next launch.
@@ -292,12 +292,13 @@ def _router_kernel(
     offs_k = k_lo + tl.arange(0, BK)
     kmask = offs_k < k_hi
     w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-    pdl_begin(PDL)
     if HAS_NORM:
-        rstd = _row_rstd(x_row, K, eps, BK)
+        g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)  # static, before the PDL wait too
+    pdl_begin(PDL)
+    # x's tile is requested before the statistics (one L2 round trip for both; same arithmetic as the GEMV)
     xv = tl.load(x_row + offs_k, mask=kmask, other=0.0)
     if HAS_NORM:
-        g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
+        rstd = _row_rstd(x_row, K, eps, RB)
         xv = (xv.to(tl.float32) * rstd * g).to(w_ptr.dtype.element_ty)
     acc = w.to(tl.float32) * xv.to(tl.float32)[None, :]
     for k0 in range(k_lo + BK, k_hi, BK):
@@ -369,7 +370,8 @@ def router(x, gate, bias, *, norm_w=None, eps=1e-6, top_k, n_group, topk_group, 
     _router_kernel[(n, nb, split)](
         x, gate, norm_w if norm_w is not None else x, part, bias, ids, wts, cnt, K, k_per_split, E_real, x.stride(0),
         gate.stride(0), part.stride(0), part.stride(1), ids.stride(0), wts.stride(0), eps, route_scale,
-        BN=bn, BK=bk, NB=nb, SPLIT=split, HAS_NORM=norm_w is not None, E=E, G=G, TOPK_G=topk_group, K_SEL=top_k,
+        BN=bn, BK=bk, RB=rstd_block(K, bk), NB=nb, SPLIT=split, HAS_NORM=norm_w is not None, E=E, G=G,
+        TOPK_G=topk_group, K_SEL=top_k,
         KPAD=triton.next_power_of_2(KK), N_SHARED=n_shared_slots, NORM=norm_topk, num_warps=nw, num_stages=1,
         **triton_pdl.kw())
     return ids, wts
