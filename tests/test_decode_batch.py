@@ -7,11 +7,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from support.sink import Sink
 
 from tilert.decode.batch import DecodeBatch, Job
 from tilert.decode.generate import Finish
@@ -31,24 +32,6 @@ class Prompt:
     num_tokens: int
     first: int
     alone: list[int]  # greedy tokens after ``first`` decoded alone until the cache is full (MAX_SEQ - n)
-
-
-@dataclass
-class Sink:
-    """What a job's callbacks received."""
-
-    ids: list[int] = field(default_factory=list)
-    finish: list[Finish | None] = field(default_factory=list)
-    result: Finish | BaseException | None = None
-    ended: threading.Event = field(default_factory=threading.Event)
-
-    def emit(self, ids: list[int], finish: Finish | None) -> None:
-        self.ids.extend(ids)
-        self.finish.append(finish)
-
-    def done(self, result: Finish | BaseException) -> None:
-        self.result = result
-        self.ended.set()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,25 @@
+"""What a decode job's callbacks received (``Job.emit`` / ``Job.done``): shared by the decode batch's and the
+engine process's tests."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from tilert.decode.generate import Finish
+
+
+@dataclass
+class Sink:
+    ids: list[int] = field(default_factory=list)
+    finish: list[Finish | None] = field(default_factory=list)
+    result: Finish | BaseException | None = None
+    ended: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, ids: list[int], finish: Finish | None) -> None:
+        self.ids.extend(ids)
+        self.finish.append(finish)
+
+    def done(self, result: Finish | BaseException) -> None:
+        self.result = result
+        self.ended.set()
