@@ -395,6 +395,7 @@ def start_servers(
             model=model, port=free_port(), prefill_port=free_port(), ctrl_port=free_port(),
             decode_http_port=free_port(), dtype=args.dtype, max_model_len=MAX_MODEL_LEN, kv_cache_bytes=KV_CACHE_BYTES,
             prefill_compiled=args.prefill_compiled, prefill_in_process=args.prefill_in_process,
+            engine_process=args.engine_process,
         )  # fmt: skip
         secret_file = stack.write_secret_file()
         args._cleanup.append(lambda: shutil.rmtree(secret_file.parent, ignore_errors=True))
@@ -1268,6 +1269,8 @@ def parser() -> argparse.ArgumentParser:
                     help="CPUs of the decode node's engine thread (--engine-cpus; '' leaves it unpinned)")
     ap.add_argument("--prefill-compiled", action="store_true",
                     help="the stack's prefill vLLM compiled (tilert up --prefill-compiled), not --enforce-eager")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="the decode node's engine in a process of its own (tilert up --engine-process)")
     ap.add_argument("--prefill-in-process", action="store_true",
                     help="the stack's prefill vLLM's model in its engine-core process (tilert up --prefill-in-process)")
     ap.add_argument("--decode-pin", choices=["engine", "process"], default="engine",

@@ -329,6 +329,14 @@ def test_up_prefill_in_process_runs_the_model_in_the_engine_core(monkeypatch: py
     assert "--distributed-executor-backend" not in stack.prefill_command(plain)
     assert stack.Stack(plain).extra_env("prefill") == {}
 
+
+def test_up_engine_process_reaches_the_decode_node(model: Path) -> None:
+    args = cli.parser().parse_args(["up", "--model", "/m", "--engine-process"])
+    assert args.engine_process
+    cmd = stack.decode_command(stack.StackConfig(model=model, engine_process=True))
+    assert "--engine-process" in cmd and "--engine-process" not in stack.decode_command(stack.StackConfig(model=model))
+    assert decode_from_cli(cmd[3:]).engine_process
+
 # -- metrics -------------------------------------------------------------------------------------------------
 
 

@@ -77,7 +77,7 @@ def _up(args: argparse.Namespace) -> int:
             decode_http_port=args.decode_http_port, host=args.host, dtype=args.dtype,
             max_model_len=args.max_model_len, engine=args.engine, transport=args.transport,
             reserve_lease_s=args.reserve_lease_s, secret_file=args.secret_file, prefill_compiled=args.prefill_compiled,
-            prefill_in_process=args.prefill_in_process,
+            prefill_in_process=args.prefill_in_process, engine_process=args.engine_process,
             native=args.native,
             native_engine=args.native_engine,
             native_port=args.native_port, prefill_side_port=args.prefill_side_port,
@@ -194,6 +194,11 @@ def parser() -> argparse.ArgumentParser:
         "--prefill-compiled", action="store_true",
         help="run the prefill vLLM compiled (its default) instead of --enforce-eager: a longer start, a faster "
         "prefill (on the CPU demo about 5 ms less time to first token)",
+    )  # fmt: skip
+    up.add_argument(
+        "--engine-process", action="store_true",
+        help="run the decode node's engine in a process of its own (tilert decode --engine-process): on the CPU demo "
+        "one user decoded 1.29x vLLM alone's speed against 1.10x (benchmarks/results/cpu-e2e-2026-12-01.md)",
     )  # fmt: skip
     up.add_argument(
         "--prefill-in-process", action="store_true",

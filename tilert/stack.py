@@ -68,6 +68,7 @@ class StackConfig:
     secret_file: Path | None = None  # None: a fresh secret in a private temp file, removed at exit
     prefill_compiled: bool = False  # vLLM's compiled model in the prefill (slower start, faster prefill)
     prefill_in_process: bool = False  # the prefill's model in its engine-core process (no worker process)
+    engine_process: bool = False  # the decode node's engine in a process of its own (tilert decode --engine-process)
 
 
 def _url(host: str, port: int) -> str:
@@ -159,16 +160,14 @@ def leases(cfg: StackConfig) -> tuple[float, float]:
 
 
 def decode_command(cfg: StackConfig) -> list[str]:
-    """The decode node; on a CPU host its engine runs in a process of its own (``--engine-process``: the node's
-    HTTP loop then never holds the engine's GIL; one user decoded 1.29x vLLM alone's speed against 1.10x,
-    ``benchmarks/results/cpu-e2e-2026-12-01.md``)."""
+    """The decode node; with ``engine_process`` its engine runs in a process of its own (``--engine-process``)."""
     return [
         sys.executable, "-m", "tilert.cli", "decode",
         "--model", str(cfg.model), "--engine", cfg.engine, "--transport", cfg.transport,
         "--host", cfg.host, "--ctrl-port", str(cfg.ctrl_port), "--http-port", str(cfg.decode_http_port),
         "--dtype", cfg.dtype, "--max-seq-len", str(cfg.max_model_len),
         "--max-lease-s", str(leases(cfg)[1]),
-        *([] if _has_cuda() else ["--engine-process"]),
+        *(["--engine-process"] if cfg.engine_process else []),
     ]  # fmt: skip
 
 
