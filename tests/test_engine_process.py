@@ -148,7 +148,7 @@ def test_an_engine_process_that_dies_ends_every_request_at_once(model: Path, pro
             assert sink.ended.wait(5)
             assert isinstance(sink.result, EngineProcessError) and "exited" in str(sink.result)
         assert time.monotonic() - killed < 1.0
-        assert not proc.alive and proc.running == 0
+        assert proc.failure is not None and proc.running == 0
         with pytest.raises(EngineProcessError):
             proc.submit(_job(prompts[2], 2, Sink(), 3))
         with pytest.raises(ValueError, match="gone"):

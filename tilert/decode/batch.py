@@ -69,8 +69,9 @@ class DecodeBatch:
     # ---- the event loop's side ------------------------------------------------------------------
 
     @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() or self._closed
+    def failure(self) -> str | None:
+        """Why this batch can decode nothing more (None while it can): as :class:`EngineProcess` says it."""
+        return None if self._thread.is_alive() or self._closed else "its worker thread ended"
 
     @property
     def running(self) -> int:

@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
+import signal
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import msgspec
 import structlog
 import torch
 
@@ -43,6 +45,9 @@ from tilert.decode.generate import Finish
 from tilert.decode.sampling import DecodeParams
 from tilert.decode.slots import state_views
 from tilert.engines.base import Capabilities, DecodeEngine, KVLayout
+
+if TYPE_CHECKING:
+    from tilert.decode.config import DecodeConfig
 
 log = structlog.get_logger("tilert.decode.engine_process")
 
@@ -69,6 +74,17 @@ class EngineSpec:
     num_draft: int
     cpus: tuple[int, ...]
 
+    def load(self) -> DecodeEngine:
+        """The engine, loaded in the calling process (the node's own, or the engine process)."""
+        from tilert.decode.config import resolve_device, resolve_dtype
+        from tilert.plugins import load_engine
+
+        device = resolve_device(self.device)
+        return load_engine(self.engine).load(
+            Path(self.model), device=device, dtype=resolve_dtype(self.dtype, device), max_seq_len=self.max_seq_len,
+            max_sequences=self.max_sequences,
+        )  # fmt: skip
+
 
 def params_to_wire(p: DecodeParams) -> c.EngineParams:
     fields = asdict(p)
@@ -77,8 +93,7 @@ def params_to_wire(p: DecodeParams) -> c.EngineParams:
 
 
 def params_from_wire(w: c.EngineParams) -> DecodeParams:
-    return DecodeParams(w.transfer_id, w.first_token_id, w.prompt_tokens, w.max_tokens, w.temperature, w.top_p,
-                        w.top_k, w.seed, tuple(w.stop_token_ids), w.ignore_eos)  # fmt: skip
+    return DecodeParams(**{**msgspec.structs.asdict(w), "stop_token_ids": tuple(w.stop_token_ids)})
 
 
 class RemoteEngine(DecodeEngine):
@@ -89,8 +104,7 @@ class RemoteEngine(DecodeEngine):
         caps = ready.capabilities
         self.name = ready.name  # type: ignore[misc]
         self._vocab = ready.vocab_size
-        self._caps = Capabilities(caps.temperature, caps.top_p, caps.top_k, caps.mtp, caps.pipelined_greedy,
-                                  caps.max_seq_len, caps.max_sequences, tuple(caps.notes))  # fmt: skip
+        self._caps = Capabilities(**{**msgspec.structs.asdict(caps), "notes": tuple(caps.notes)})
         self._layouts = dict(ready.layouts)
         self._check = check
 
@@ -162,10 +176,6 @@ class EngineProcess:
         self._reader.start()
 
     # ---- DecodeBatch's interface ------------------------------------------------------------------
-
-    @property
-    def alive(self) -> bool:
-        return self.failure is None
 
     @property
     def running(self) -> int:
@@ -291,18 +301,8 @@ class EngineProcess:
 
 
 def _main(conn: Connection, spec: EngineSpec) -> None:
-    import signal
-
-    from tilert.decode.config import resolve_device, resolve_dtype
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the node, which stops this process
-    from tilert.plugins import load_engine
-
-    device = resolve_device(spec.device)
-    engine = load_engine(spec.engine).load(
-        Path(spec.model), device=device, dtype=resolve_dtype(spec.dtype, device), max_seq_len=spec.max_seq_len,
-        max_sequences=spec.max_sequences,
-    )  # fmt: skip
+    engine = spec.load()
     caps = engine.capabilities()
     conn.send_bytes(c.dump_engine(c.EngineReady(
         engine.name, engine.vocab_size, c.EngineCaps(**{**asdict(caps), "notes": list(caps.notes)}),
@@ -367,7 +367,7 @@ def _serve(conn: Connection, engine: DecodeEngine, batch: DecodeBatch, buffers: 
                 send(c.EngineCheckResult(cmd.call, str(exc)[: c.MAX_REASON_CHARS]))
 
 
-def spec_for(config: Any, eos: frozenset[int]) -> EngineSpec:
+def spec_for(config: DecodeConfig, eos: frozenset[int]) -> EngineSpec:
     """The engine process's spec from a :class:`~tilert.decode.config.DecodeConfig`."""
     return EngineSpec(
         engine=config.engine, model=str(config.model), device=config.device, dtype=config.dtype,

@@ -42,7 +42,7 @@ from starlette.types import Receive, Scope, Send
 from tilert import auth
 from tilert import contracts as c
 from tilert.decode.batch import DecodeBatch, Job
-from tilert.decode.config import DecodeConfig, resolve_device, resolve_dtype
+from tilert.decode.config import DecodeConfig
 from tilert.decode.control import ControlServer
 from tilert.decode.engine_process import EngineProcess, EngineProcessError, spec_for
 from tilert.decode.generate import Finish
@@ -51,7 +51,7 @@ from tilert.decode.sampling import DecodeParams
 from tilert.decode.slots import SlotError, SlotTable
 from tilert.engines.base import DecodeEngine
 from tilert.models.checkpoint import eos_token_ids, sampling_defaults
-from tilert.plugins import load_engine, load_transport
+from tilert.plugins import load_transport
 
 log = structlog.get_logger("tilert.decode.server")
 
@@ -174,9 +174,8 @@ class DecodeNode:
         return _ok(c.ReleaseResponse(released))
 
     async def health(self, request: Request) -> Response:
-        if not self.batch.alive:
-            return _error(f"the decode engine is gone: {getattr(self.batch, 'failure', None) or 'its thread ended'}",
-                          503)  # fmt: skip
+        if self.batch.failure is not None:
+            return _error(f"the decode engine is gone: {self.batch.failure}", 503)
         caps = self.engine.capabilities()
         return _ok(
             c.NodeHealth(
@@ -348,15 +347,8 @@ class DecodeNode:
 
 
 def build_node(config: DecodeConfig) -> DecodeNode:
-    if config.engine_process:
-        return DecodeNode(config, EngineProcess(spec_for(config, eos_token_ids(config.model))))
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    engine_cls = load_engine(config.engine)
-    engine = engine_cls.load(
-        config.model, device=device, dtype=dtype, max_seq_len=config.max_seq_len, max_sequences=config.max_sequences
-    )
-    return DecodeNode(config, engine)
+    spec = spec_for(config, eos_token_ids(config.model))
+    return DecodeNode(config, EngineProcess(spec) if config.engine_process else spec.load())
 
 
 def serve(config: DecodeConfig) -> None:

@@ -342,6 +342,7 @@ class NixlSender(Sender):
         if self._pool is None or n < self._split_bytes or not data.is_contiguous():
             self._lanes[0].write(target, data, offset)
             return
+        check_bounds(target_field(target, "nbytes", int, NAME), offset, n)  # the whole write, before any piece lands
         flat = data.reshape(-1).view(torch.uint8)
         step = -(-n // len(self._lanes) // _PIECE_ALIGN) * _PIECE_ALIGN
         pieces = [(lane, flat[i * step : (i + 1) * step], offset + i * step) for i, lane in enumerate(self._lanes)]
