@@ -304,6 +304,13 @@ def test_zz_killing_native_decode_fails_its_stream_fast_and_spares_tilert(pools:
     lines: list[tuple[float, str]] = []
     t_kill = 0.0
     try:
+        # The TileRT stream first, held open; then the native one, killed as soon as it streams. (Killed after a
+        # pause of the reader instead, the native decode ran ahead into the socket buffers, and the client read
+        # seconds of buffered tokens, or the whole completion, before the error.)
+        worker.start()
+        assert started.wait(60)
+        health = httpx.get(pools.decode + "/health", timeout=10).json()
+        assert health["slots_free"] < health["slots_total"], "the TileRT decode must be in flight"
         with httpx.stream("POST", pools.router + "/v1/completions", json=body, headers={POOL: "vllm"},
                           timeout=60) as r:  # fmt: skip
             assert r.headers[POOL] == "vllm"
@@ -311,11 +318,7 @@ def test_zz_killing_native_decode_fails_its_stream_fast_and_spares_tilert(pools:
                 if not line:
                     continue
                 lines.append((time.monotonic(), line))
-                if not t_kill and len(lines) == 3:  # the native decode streams: start the TileRT one beside it
-                    worker.start()
-                    assert started.wait(60)
-                    health = httpx.get(pools.decode + "/health", timeout=10).json()
-                    assert health["slots_free"] < health["slots_total"], "the TileRT decode must be in flight"
+                if not t_kill and len(lines) == 3:  # the native decode streams
                     t_kill = time.monotonic()
                     os.killpg(native.pid, signal.SIGKILL)  # the instance and its engine process
     finally:
