@@ -271,6 +271,45 @@ def test_an_offer_ahead_of_its_reservation_waits_for_it() -> None:
         sender.close()
 
 
+
+def test_control_connections_are_kept_and_a_stale_one_is_replaced() -> None:
+    """Transfers to one node reuse the control connection (one Hello, not one per transfer); when the node has
+    closed the kept connection meanwhile (its idle timeout), the next transfer says Hello on a new one and
+    lands; a failed transfer's connection is not kept."""
+    node = _Node(slots=1)
+    sender = BackgroundSender("tcp", {}, SECRET)
+
+    async def one(tid: str) -> Staged:
+        node.table.reserve(tid)
+        staged = Staged.whole(_claim(tid, node.port), 4, {"mla": LAYOUT}, _staging(4))
+        fut = sender.submit(staged)
+        await node.table.wait_ready(tid, 10)
+        await anyio.to_thread.run_sync(fut.result)
+        node.table.release(tid)
+        return staged
+
+    async def body() -> None:
+        for i in range(3):
+            assert (await one(f"k{i}")).outcome == "done"
+        assert sender.connections_opened == 1 and node.control.connections == 1
+        node.control.idle_timeout_s = 0.05  # the node drops the kept connection once it idles
+        assert (await one("k3")).outcome == "done"  # still on the kept one (the old timeout was armed)
+        await anyio.sleep(0.3)
+        assert node.control.connections == 0
+        assert (await one("k4")).outcome == "done"  # the kept one was closed: a new one
+        assert sender.connections_opened == 2
+        never = Staged.whole(_claim("unknown", node.port), 4, {"mla": LAYOUT}, _staging(4))
+        node.control.early_offer_wait_s = 0.05
+        await anyio.to_thread.run_sync(sender.submit(never).result)
+        assert "unknown transfer" in (never.outcome or "")
+        assert (await one("k5")).outcome == "done"
+        assert sender.connections_opened == 3  # the refused transfer's connection was not kept
+
+    try:
+        anyio.run(_with_node, node, body)
+    finally:
+        sender.close()
+
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2+ CPUs")
 def test_sender_threads_are_not_pinned_to_their_creators_core() -> None:
     """vLLM pins its forward thread to one core (OMP binding; NixlConnector re-pins it to the last core), and the

@@ -157,10 +157,22 @@ class Staged:
 
 
 class BackgroundSender:
+    """Ships staged transfers on a small pool of threads. Control connections are kept: a transfer that ended
+    with the node's ``Ack`` leaves its connection (Hello already said) for the next transfer to that node, idle
+    at most ``IDLE_CONNECTION_S`` (below the node's own idle timeout) and ``workers`` per node; one that went
+    wrong in any way is closed. A kept connection the node closed meanwhile fails at its first frame, and the
+    transfer then says Hello on a new one."""
+
+    IDLE_CONNECTION_S = 20.0
+
     def __init__(
         self, transport: str, options: dict[str, Any], secret: bytes, timeout_s: float = 10.0, workers: int = 4
     ) -> None:
         self.transport_name = transport
+        self._workers = workers
+        self._idle: dict[tuple[str, int], list[tuple[socket.socket, float]]] = {}
+        self._idle_lock = threading.Lock()
+        self.connections_opened = 0
         self._secret = secret
         self._transport = load_transport(transport).sender(options=options)
         self.timeout_s = timeout_s
@@ -183,7 +195,37 @@ class BackgroundSender:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._idle_lock:
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for sock, _ in conns:
+                sock.close()
         self._transport.close()
+
+    def _checkout(self, claim: Claim) -> tuple[socket.socket, bool]:
+        """A control connection to the claim's node: a kept one (``True``) or a new one, Hello said."""
+        now = time.monotonic()
+        with self._idle_lock:
+            conns = self._idle.get((claim.host, claim.ctrl_port), [])
+            while conns:
+                sock, since = conns.pop()
+                if now - since < self.IDLE_CONNECTION_S:
+                    return sock, True
+                sock.close()
+        return self._connect(claim), False
+
+    def _checkin(self, claim: Claim, sock: socket.socket) -> None:
+        with self._idle_lock:
+            conns = self._idle.setdefault((claim.host, claim.ctrl_port), [])
+            if len(conns) < self._workers:
+                conns.append((sock, time.monotonic()))
+                return
+        sock.close()
+
+    @staticmethod
+    def _offer(sock: socket.socket, offer: p.Offer) -> p.Accept:
+        p.send_msg(sock, offer)
+        return p.expect(p.recv_msg(sock), p.Accept)
 
     @retry(
         retry=retry_if_exception_type(ConnectionRefusedError),
@@ -193,6 +235,7 @@ class BackgroundSender:
     )
     def _connect(self, claim: Claim) -> socket.socket:
         sock = socket.create_connection((claim.host, claim.ctrl_port), timeout=self.timeout_s)
+        self.connections_opened += 1
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             p.send_msg(sock, p.Hello.signed(self._secret, self.transport_name, self._sender_id))
@@ -212,19 +255,31 @@ class BackgroundSender:
         sock: socket.socket | None = None
         start, phase = time.monotonic(), "connect"  # where a failure happened, and after how long (logs)
         try:
-            sock = self._connect(staged.claim)
             offer = p.Offer(tid, staged.num_tokens, staged.layouts, staged.last_token_id)
             if offer.nbytes != staged.nbytes:
                 raise StagingError(f"the offer's {offer.nbytes} bytes differ from the {staged.nbytes} staged")
+            sock, kept = self._checkout(staged.claim)
             phase = "offer"
-            p.send_msg(sock, offer)
-            accept = p.expect(p.recv_msg(sock), p.Accept)
+            try:
+                accept = self._offer(sock, offer)
+            except (ConnectionError, BrokenPipeError) as exc:
+                sock.close()
+                sock = None
+                if not kept:
+                    raise
+                bound.info("control_connection_stale", error=str(exc))  # the node closed the kept one
+                phase = "connect"
+                sock = self._connect(staged.claim)
+                phase = "offer"
+                accept = self._offer(sock, offer)
             phase = "write"
             self._stream(staged, accept.target)
             phase = "done"
             p.send_msg(sock, p.Done(tid, offer.nbytes))
             p.expect(p.recv_msg(sock), p.Ack)
             staged.outcome = "done"
+            self._checkin(staged.claim, sock)
+            sock = None  # kept for the next transfer to this node
             bound.info("transfer_done", nbytes=offer.nbytes, tokens=staged.num_tokens, writes=len(staged.writes),
                        seconds=round(time.monotonic() - start, 4))  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - every failure ends the same way: Abort, extent back
