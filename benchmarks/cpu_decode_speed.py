@@ -50,6 +50,7 @@ from tilert.engines.tilert.ops import reference  # noqa: E402
 from tilert.engines.tilert.weights import load_model, random_model  # noqa: E402
 
 OP_NAMES = ("gemv", "gemv_residual", "mla_prep", "mla_attention", "mla_sparse_attention", "indexer_topk", "mla_uv",
+            "mla_attention_uv",
             "moe_block", "moe_residual", "rms_norm")
 
 

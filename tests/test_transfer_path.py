@@ -271,7 +271,6 @@ def test_an_offer_ahead_of_its_reservation_waits_for_it() -> None:
         sender.close()
 
 
-
 def test_control_connections_are_kept_and_a_stale_one_is_replaced() -> None:
     """Transfers to one node reuse the control connection (one Hello, not one per transfer); when the node has
     closed the kept connection meanwhile (its idle timeout), the next transfer says Hello on a new one and
@@ -309,6 +308,7 @@ def test_control_connections_are_kept_and_a_stale_one_is_replaced() -> None:
         anyio.run(_with_node, node, body)
     finally:
         sender.close()
+
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2+ CPUs")
 def test_sender_threads_are_not_pinned_to_their_creators_core() -> None:
