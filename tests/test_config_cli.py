@@ -330,12 +330,18 @@ def test_up_prefill_in_process_runs_the_model_in_the_engine_core(monkeypatch: py
     assert stack.Stack(plain).extra_env("prefill") == {}
 
 
-def test_up_engine_process_reaches_the_decode_node(model: Path) -> None:
-    args = cli.parser().parse_args(["up", "--model", "/m", "--engine-process"])
-    assert args.engine_process
+def test_up_engine_process_reaches_the_decode_node(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On by default on a CPU host, off by default with a GPU; either way the flag decides."""
+    assert cli.parser().parse_args(["up", "--model", "/m", "--engine-process"]).engine_process is True
+    assert cli.parser().parse_args(["up", "--model", "/m", "--no-engine-process"]).engine_process is False
+    assert cli.parser().parse_args(["up", "--model", "/m"]).engine_process is None
     cmd = stack.decode_command(stack.StackConfig(model=model, engine_process=True))
-    assert "--engine-process" in cmd and "--engine-process" not in stack.decode_command(stack.StackConfig(model=model))
-    assert decode_from_cli(cmd[3:]).engine_process
+    assert "--engine-process" in cmd and decode_from_cli(cmd[3:]).engine_process
+    assert "--engine-process" not in stack.decode_command(stack.StackConfig(model=model, engine_process=False))
+    for cuda in (False, True):
+        monkeypatch.setattr(stack, "_has_cuda", lambda cuda=cuda: cuda)
+        default = stack.decode_command(stack.StackConfig(model=model))
+        assert ("--engine-process" in default) is not cuda
 
 # -- metrics -------------------------------------------------------------------------------------------------
 

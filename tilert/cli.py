@@ -196,9 +196,10 @@ def parser() -> argparse.ArgumentParser:
         "prefill (on the CPU demo about 5 ms less time to first token)",
     )  # fmt: skip
     up.add_argument(
-        "--engine-process", action="store_true",
-        help="run the decode node's engine in a process of its own (tilert decode --engine-process): on the CPU demo "
-        "one user decoded 1.29x vLLM alone's speed against 1.10x (benchmarks/results/cpu-e2e-2026-12-01.md)",
+        "--engine-process", action=argparse.BooleanOptionalAction, default=None,
+        help="run the decode node's engine in a process of its own (tilert decode --engine-process); default: so "
+        "on a CPU host (one user decoded 1.29x vLLM alone's speed against 1.10x, "
+        "benchmarks/results/cpu-e2e-2026-12-01.md)",
     )  # fmt: skip
     up.add_argument(
         "--prefill-in-process", action="store_true",

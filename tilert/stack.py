@@ -68,7 +68,9 @@ class StackConfig:
     secret_file: Path | None = None  # None: a fresh secret in a private temp file, removed at exit
     prefill_compiled: bool = False  # vLLM's compiled model in the prefill (slower start, faster prefill)
     prefill_in_process: bool = False  # the prefill's model in its engine-core process (no worker process)
-    engine_process: bool = False  # the decode node's engine in a process of its own (tilert decode --engine-process)
+    # The decode node's engine in a process of its own (tilert decode --engine-process); None: so on a CPU host,
+    # where the node's HTTP loop would otherwise hold the GIL the engine's step needs.
+    engine_process: bool | None = None
 
 
 def _url(host: str, port: int) -> str:
@@ -160,14 +162,17 @@ def leases(cfg: StackConfig) -> tuple[float, float]:
 
 
 def decode_command(cfg: StackConfig) -> list[str]:
-    """The decode node; with ``engine_process`` its engine runs in a process of its own (``--engine-process``)."""
+    """The decode node; with ``engine_process`` (unset: on a CPU host) its engine runs in a process of its own
+    (``--engine-process``: on the CPU demo one user decoded 1.29x vLLM alone's speed against 1.10x with the engine on
+    the node's thread, ``benchmarks/results/cpu-e2e-2026-12-01.md``)."""
+    engine_process = cfg.engine_process if cfg.engine_process is not None else not _has_cuda()
     return [
         sys.executable, "-m", "tilert.cli", "decode",
         "--model", str(cfg.model), "--engine", cfg.engine, "--transport", cfg.transport,
         "--host", cfg.host, "--ctrl-port", str(cfg.ctrl_port), "--http-port", str(cfg.decode_http_port),
         "--dtype", cfg.dtype, "--max-seq-len", str(cfg.max_model_len),
         "--max-lease-s", str(leases(cfg)[1]),
-        *(["--engine-process"] if cfg.engine_process else []),
+        *(["--engine-process"] if engine_process else []),
     ]  # fmt: skip
 
 
