@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import platform
 import statistics
@@ -76,6 +77,7 @@ ROW = WIDTH * 2  # bf16
 BPT = LAYERS * ROW
 LAYOUT = c.KVLayout("mla_dense", "bfloat16", ROW, LAYERS)
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+RECEIVER_OPTIONS: dict[str, Any] = {}  # the decode side's transport options (--receiver-options)
 
 
 @dataclass
@@ -125,7 +127,7 @@ class Bench:
     def __init__(self, transport: str, max_tokens: int, prefill_tok_s: float) -> None:
         self.transport = transport
         self.prefill_tok_s = prefill_tok_s
-        self.receiver = load_transport(transport).receiver(host="127.0.0.1", options={})
+        self.receiver = load_transport(transport).receiver(host="127.0.0.1", options=RECEIVER_OPTIONS)
         self.table = SlotTable(1, {"mla": LAYOUT}, max_tokens + 1, self.receiver)
         self.control = ControlServer(self.table, transport, "bench-node", SECRET)
         self.sender = BackgroundSender(transport, {"timeout_s": 60, "verdict_timeout_s": 30}, SECRET, timeout_s=60)
@@ -332,7 +334,7 @@ def run_vllm(transport: str, tokens: list[int], reps: int, model: Path | None) -
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(prefill_command(cfg), env=env, stdout=log_file, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    receiver = load_transport(transport).receiver(host="127.0.0.1", options={})
+    receiver = load_transport(transport).receiver(host="127.0.0.1", options=RECEIVER_OPTIONS)
     table = SlotTable(1, {"mla": c.KVLayout("mla_dense", "float32", TINY_ROW, TINY_LAYERS)}, max_tokens + 1,
                       receiver)  # fmt: skip
     control = ControlServer(table, transport, "bench-node", secret)
@@ -457,12 +459,15 @@ def main() -> None:
     ap.add_argument("--vllm", action="store_true", help="also: stock vLLM's prefill latency, claimed vs unclaimed")
     ap.add_argument("--vllm-only", action="store_true", help="only the stock vLLM measurement")
     ap.add_argument("--vllm-reps", type=int, default=3)
+    ap.add_argument("--receiver-options", type=json.loads, default={},
+                    help='the decode side\'s transport options as JSON (e.g. \'{"registration": "region"}\')')
     ap.add_argument("--vllm-model", type=Path, default=None,
                     help="a tiny deepseek_v3 checkpoint with max_position_embeddings >= the longest prompt "
                     "(default: built into a temporary directory)")  # fmt: skip
     args = ap.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and up
     tokens = [int(x) for x in args.tokens.split(",")]
+    RECEIVER_OPTIONS.update(args.receiver_options)
     print(f"layout: {LAYERS} layers x {WIDTH} bf16 = {BPT:,} bytes per token; stand-in prefill "
           f"{args.prefill_tok_s:g} tok/s; median of {args.reps}\n\n{HEADER}", flush=True)  # fmt: skip
     results: list[Result] = []
