@@ -27,14 +27,36 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _mla_split_step(q_nope, q_pe, kc, kp, valid, m_i, l_i, acc, qk_scale):
+    """One ``BLOCK_T``-row tile of the online softmax: ``(m, l, acc)`` updated with cache rows ``kc | kp``
+    (``valid`` rows; the others count as -inf)."""
+    s = tl.dot(q_nope, tl.trans(kc))
+    s = tl.dot(q_pe, tl.trans(kp), s)
+    s = s * qk_scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(kc.dtype), kc)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _mla_split_kernel(
     q_ptr, kv_ptr, pos_ptr, idx_ptr, start_ptr, o_ptr, lse_ptr,
-    H, n_idx, stride_qn, stride_qh, stride_kv, stride_idx, stride_start,
+    H, n_idx, n_tok, stride_qn, stride_qh, stride_kv, stride_idx, stride_start,
     stride_on, stride_oh, stride_os, qk_scale,
     NUM_SPLITS: tl.constexpr, MIN_TPS: tl.constexpr,
     L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, SPARSE: tl.constexpr,
-    HAS_START: tl.constexpr, PDL: tl.constexpr):
-    pdl_begin(PDL)
+    HAS_START: tl.constexpr, PRE: tl.constexpr, NP: tl.constexpr, PDL: tl.constexpr):
+    # PRE (dense): the split's first tile of cache rows is requested before the PDL wait. Those rows were written
+    # by earlier steps (static here), except the rows the kernel before (mla_prep) writes in this step: row
+    # positions[j] of each of the launch's n_tok tokens (NP >= n_tok). Those are left out of the early load and
+    # read after the wait into the same tile, so the tile, and the result, are the same as without PRE.
+    # positions and row_start are step inputs (written before the step, or several kernels back).
+    if not PRE:
+        pdl_begin(PDL)
     pid_s = tl.program_id(0)
     i = tl.program_id(1)
     hb = tl.program_id(2)
@@ -53,14 +75,33 @@ def _mla_split_kernel(
     hmask = offs_h < H
     offs_l = tl.arange(0, L)
     offs_r = tl.arange(0, R)
-    qrow = q_ptr + i * stride_qn + offs_h[:, None] * stride_qh
-    q_nope = tl.load(qrow + offs_l[None, :], mask=hmask[:, None], other=0.0)
-    q_pe = tl.load(qrow + L + offs_r[None, :], mask=hmask[:, None], other=0.0)
-
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, L], dtype=tl.float32)
-    for t0 in range(start, end, BLOCK_T):
+    t_lo = start
+    if PRE:  # names of their own: nothing here is carried by the loop below
+        offs_t0 = start + tl.arange(0, BLOCK_T)
+        valid0 = offs_t0 < end
+        offs_p = tl.arange(0, NP)
+        written = tl.load(pos_ptr + offs_p, mask=offs_p < n_tok, other=-1).to(tl.int32)
+        fresh = tl.max((offs_t0[:, None] == written[None, :]).to(tl.int32), 1) > 0
+        kbase0 = kv_ptr + offs_t0.to(tl.int64)[:, None] * stride_kv
+        kc0 = tl.load(kbase0 + offs_l[None, :], mask=(valid0 & ~fresh)[:, None], other=0.0)
+        kp0 = tl.load(kbase0 + L + offs_r[None, :], mask=(valid0 & ~fresh)[:, None], other=0.0)
+        pdl_begin(PDL)
+        # the fresh rows, requested before q: Triton stages each dot operand in shared memory right after the
+        # load that defines it, so the loads issued first are in flight together
+        kcf = tl.load(kbase0 + offs_l[None, :], mask=(valid0 & fresh)[:, None], other=0.0)
+        kpf = tl.load(kbase0 + L + offs_r[None, :], mask=(valid0 & fresh)[:, None], other=0.0)
+    qrow = q_ptr + i * stride_qn + offs_h[:, None] * stride_qh
+    q_nope = tl.load(qrow + offs_l[None, :], mask=hmask[:, None], other=0.0)
+    q_pe = tl.load(qrow + L + offs_r[None, :], mask=hmask[:, None], other=0.0)
+    if PRE:  # the first tile (an empty split's leaves m, l, acc as they are)
+        kc0 = tl.where(fresh[:, None], kcf, kc0)
+        kp0 = tl.where(fresh[:, None], kpf, kp0)
+        m_i, l_i, acc = _mla_split_step(q_nope, q_pe, kc0, kp0, valid0, m_i, l_i, acc, qk_scale)
+        t_lo = start + BLOCK_T
+    for t0 in range(t_lo, end, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         tmask = offs_t < end
         if SPARSE:
@@ -73,16 +114,7 @@ def _mla_split_kernel(
         kbase = kv_ptr + rows[:, None] * stride_kv
         kc = tl.load(kbase + offs_l[None, :], mask=valid[:, None], other=0.0)
         kp = tl.load(kbase + L + offs_r[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q_nope, tl.trans(kc))
-        s = tl.dot(q_pe, tl.trans(kp), s)
-        s = s * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kc.dtype), kc)
-        m_i = m_new
+        m_i, l_i, acc = _mla_split_step(q_nope, q_pe, kc, kp, valid, m_i, l_i, acc, qk_scale)
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -120,9 +152,13 @@ def _mla_combine_uv_kernel(
     o_ptr, lse_ptr, kvb_ptr, kvs_ptr, y_ptr, H, stride_on, stride_oh, stride_os, stride_yn, stride_ks,
     NUM_SPLITS: tl.constexpr, SB: tl.constexpr, L: tl.constexpr, P: tl.constexpr, V: tl.constexpr,
     BV: tl.constexpr, HAS_SCALE: tl.constexpr, KGN: tl.constexpr, KGK: tl.constexpr, ROW_UNIFORM: tl.constexpr,
-    BS: tl.constexpr, PDL: tl.constexpr):
+    BS: tl.constexpr, ONE_READ: tl.constexpr, PDL: tl.constexpr):
     # grid (n, H, V / BV): merges head h's split partials into o~ (rounded to the activation dtype, as the combine
     # kernel writes it), then o[i, h*V + v] = W_UV_h[v] . o~ for its BV rows (mla_uv's math): one launch for both.
+    # ONE_READ: every split's partial [BS, L] is requested right after the PDL wait, with the log-sum-exps (one
+    # L2 round trip; the loop over SB splits at a time reads them only once the weights are known). Every split
+    # row is written by the split kernel (an empty split's o is 0, its weight 0), so no row needs a mask but the
+    # padding's.
     i = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -140,19 +176,25 @@ def _mla_combine_uv_kernel(
     pdl_begin(PDL)
     offs_s = tl.arange(0, BS)
     lse_row = lse_ptr + (i * H + h) * NUM_SPLITS
+    ob = o_ptr + i * stride_on + h * stride_oh
+    if ONE_READ:
+        o_all = tl.load(ob + offs_s[:, None] * stride_os + offs_l[None, :], mask=(offs_s < NUM_SPLITS)[:, None],
+                        other=0.0)
     lse = tl.load(lse_row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
     mx = tl.max(lse, 0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     wsum = tl.sum(tl.exp2(lse - mx), 0)
     inv = 1.0 / tl.where(wsum > 0, wsum, 1.0)
-    ob = o_ptr + i * stride_on + h * stride_oh
-    acc = tl.zeros([L], dtype=tl.float32)
-    for s0 in tl.static_range(0, NUM_SPLITS, SB):
-        offs = s0 + tl.arange(0, SB)
-        ls = tl.load(lse_row + offs, mask=offs < NUM_SPLITS, other=float("-inf"))
-        live = ls > float("-inf")
-        o = tl.load(ob + offs[:, None] * stride_os + offs_l[None, :], mask=live[:, None], other=0.0)
-        acc += tl.sum(o * (tl.exp2(ls - mx) * inv)[:, None], 0)
+    if ONE_READ:
+        acc = tl.sum(o_all * (tl.exp2(lse - mx) * inv)[:, None], 0)
+    else:
+        acc = tl.zeros([L], dtype=tl.float32)
+        for s0 in tl.static_range(0, NUM_SPLITS, SB):
+            offs = s0 + tl.arange(0, SB)
+            ls = tl.load(lse_row + offs, mask=offs < NUM_SPLITS, other=float("-inf"))
+            live = ls > float("-inf")
+            o = tl.load(ob + offs[:, None] * stride_os + offs_l[None, :], mask=live[:, None], other=0.0)
+            acc += tl.sum(o * (tl.exp2(ls - mx) * inv)[:, None], 0)
     ol = acc.to(y_ptr.dtype.element_ty).to(tl.float32) * cs
     y = tl.sum(wf * ol[None, :], 1)
     tl.store(y_ptr + i * stride_yn + h * V + offs_v, y.to(y_ptr.dtype.element_ty))
@@ -162,6 +204,9 @@ def _mla_combine_uv_kernel(
 # program merges its head's splits again, so many heads want fewer, wider programs), splits merged per step.
 UV_BV = {"few": 16, "many": 64}  # decode_speed --tune 2026-12-01: layer-v32 22 us faster at 64 than 32
 UV_SB = 4
+# Merge + W_UV reads every split's partial in one request when the splits (padded to a power of two) are at most
+# this many (ONE_READ; 8 warps above 32, to keep the [splits, L] fp32 tile at 128 registers a thread); 0: off.
+UV_ONE_READ_MAX = 64
 
 
 # Fewest cache rows one split of the dense kernel takes: short contexts use fewer, fuller splits.
@@ -170,6 +215,10 @@ DENSE_MIN_TOKENS_PER_SPLIT = 32  # 64 was 0.05 ms slower per lite-v32 step at 1K
 # head blocks ("one": H <= 16, lite; "many": V3.2's 128 heads). decode_speed --tune, 2026-12-01: lite 1K 36 us
 # faster at 32 than 64 (17 -> 33 splits); V3.2 18 us slower at 32 (its merge reads every split).
 DENSE_CAP_ROWS = {"one": 32, "many": 64}
+# Dense launches of at most 16 queries (decode and verify steps; each early row is compared with every query's
+# position): each split requests its first tile of cache rows before the PDL wait (_mla_split_kernel's PRE).
+# False turns it off (decode_speed --tune).
+DENSE_PREFETCH = True
 
 
 def _pick_splits(hblocks: int, sparse: bool, n_idx: int, max_tokens: int) -> int:
@@ -235,23 +284,26 @@ def mla_decode(
         assert row_start.shape[0] in (1, n), "row_start: one row, or one per query"
     _mla_split_kernel[(S, n, hblocks)](
         q, kv, pos, idx, row_start if row_start is not None else pos, o_part, lse,
-        H, n_idx, q.stride(0), q.stride(1), kv.stride(0), idx.stride(0) if sparse else 0,
+        H, n_idx, n, q.stride(0), q.stride(1), kv.stride(0), idx.stride(0) if sparse else 0,
         row_start.stride(0) if row_start is not None and row_start.shape[0] > 1 else 0,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), scale * _LOG2E,
         NUM_SPLITS=S, MIN_TPS=min_tps, L=L, R=R, BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, SPARSE=sparse,
-        HAS_START=row_start is not None and not sparse, num_warps=8 if BLOCK_H >= 64 else 4, num_stages=2,
+        HAS_START=row_start is not None and not sparse, PRE=DENSE_PREFETCH and not sparse and n <= 16,
+        NP=triton.next_power_of_2(n), num_warps=8 if BLOCK_H >= 64 else 4, num_stages=2,
      **triton_pdl.kw())
     if uv is not None:
         kv_b, P, V, kvs = uv
         y = out if out is not None else torch.empty(n, H * V, device=q.device, dtype=q.dtype)
         BV = min(UV_BV["few" if H <= 32 else "many"], V)
         kgn, kgk = (1, 1) if kvs is None else (kv_b.shape[-2] // kvs.shape[-2], kv_b.shape[-1] // kvs.shape[-1])
+        bs = triton.next_power_of_2(S)
+        one_read = bs <= UV_ONE_READ_MAX
         _mla_combine_uv_kernel[(n, H, V // BV)](
             o_part, lse, kv_b, kvs if kvs is not None else kv_b, y, H, o_part.stride(0), o_part.stride(1),
             o_part.stride(2), y.stride(0), kvs.stride(0) if kvs is not None else 0,
             NUM_SPLITS=S, SB=min(UV_SB, triton.next_power_of_2(S)), L=L, P=P, V=V, BV=BV, HAS_SCALE=kvs is not None,
             KGN=kgn, KGK=kgk, ROW_UNIFORM=kgn % BV == 0 and P % BV == 0 and V % BV == 0,
-            BS=triton.next_power_of_2(S), num_warps=4, **triton_pdl.kw())
+            BS=bs, ONE_READ=one_read, num_warps=8 if one_read and bs > 32 else 4, **triton_pdl.kw())
         return y
     res = out if out is not None else torch.empty(n, H, L, device=q.device, dtype=q.dtype)
     BL = min(L, 128 if S <= 32 else 64)
