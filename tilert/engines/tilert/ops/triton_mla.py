@@ -27,35 +27,16 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _mla_split_step(q_nope, q_pe, kc, kp, valid, m_i, l_i, acc, qk_scale):
-    """One ``BLOCK_T``-row tile of the online softmax: ``(m, l, acc)`` updated with cache rows ``kc | kp``
-    (``valid`` rows; the others count as -inf)."""
-    s = tl.dot(q_nope, tl.trans(kc))
-    s = tl.dot(q_pe, tl.trans(kp), s)
-    s = s * qk_scale
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(kc.dtype), kc)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _mla_split_kernel(
     q_ptr, kv_ptr, pos_ptr, idx_ptr, start_ptr, o_ptr, lse_ptr,
-    H, n_idx, n_tok, stride_qn, stride_qh, stride_kv, stride_idx, stride_start,
+    H, n_idx, stride_qn, stride_qh, stride_kv, stride_idx, stride_start,
     stride_on, stride_oh, stride_os, qk_scale,
     NUM_SPLITS: tl.constexpr, MIN_TPS: tl.constexpr,
     L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, SPARSE: tl.constexpr,
-    HAS_START: tl.constexpr, PRE: tl.constexpr, NP: tl.constexpr, PDL: tl.constexpr):
-    # PRE (dense): the split's first tile of cache rows is requested before the PDL wait. Those rows were written
-    # by earlier steps (static here), except the rows the kernel before (mla_prep) writes in this step: row
-    # positions[j] of each of the launch's n_tok tokens (NP >= n_tok). Those are left out of the early load and
-    # read after the wait into the same tile, so the tile, and the result, are the same as without PRE.
-    # positions and row_start are step inputs (written before the step, or several kernels back).
-    if not PRE:
+    HAS_START: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+    # EARLY: the split's rows (from positions / row_start, step inputs written before the step or several kernels
+    # back, as mla_prep reads them) are worked out before the PDL wait: no L2 round trip for them after it.
+    if not EARLY:
         pdl_begin(PDL)
     pid_s = tl.program_id(0)
     i = tl.program_id(1)
@@ -70,38 +51,21 @@ def _mla_split_kernel(
     tps = tl.maximum(tl.cdiv(tl.cdiv(total - first, NUM_SPLITS), BLOCK_T) * BLOCK_T, MIN_TPS)
     start = first + pid_s * tps
     end = tl.minimum(start + tps, total)
+    if EARLY:
+        pdl_begin(PDL)
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < H
     offs_l = tl.arange(0, L)
     offs_r = tl.arange(0, R)
-    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, L], dtype=tl.float32)
-    t_lo = start
-    if PRE:  # names of their own: nothing here is carried by the loop below
-        offs_t0 = start + tl.arange(0, BLOCK_T)
-        valid0 = offs_t0 < end
-        offs_p = tl.arange(0, NP)
-        written = tl.load(pos_ptr + offs_p, mask=offs_p < n_tok, other=-1).to(tl.int32)
-        fresh = tl.max((offs_t0[:, None] == written[None, :]).to(tl.int32), 1) > 0
-        kbase0 = kv_ptr + offs_t0.to(tl.int64)[:, None] * stride_kv
-        kc0 = tl.load(kbase0 + offs_l[None, :], mask=(valid0 & ~fresh)[:, None], other=0.0)
-        kp0 = tl.load(kbase0 + L + offs_r[None, :], mask=(valid0 & ~fresh)[:, None], other=0.0)
-        pdl_begin(PDL)
-        # the fresh rows, requested before q: Triton stages each dot operand in shared memory right after the
-        # load that defines it, so the loads issued first are in flight together
-        kcf = tl.load(kbase0 + offs_l[None, :], mask=(valid0 & fresh)[:, None], other=0.0)
-        kpf = tl.load(kbase0 + L + offs_r[None, :], mask=(valid0 & fresh)[:, None], other=0.0)
     qrow = q_ptr + i * stride_qn + offs_h[:, None] * stride_qh
     q_nope = tl.load(qrow + offs_l[None, :], mask=hmask[:, None], other=0.0)
     q_pe = tl.load(qrow + L + offs_r[None, :], mask=hmask[:, None], other=0.0)
-    if PRE:  # the first tile (an empty split's leaves m, l, acc as they are)
-        kc0 = tl.where(fresh[:, None], kcf, kc0)
-        kp0 = tl.where(fresh[:, None], kpf, kp0)
-        m_i, l_i, acc = _mla_split_step(q_nope, q_pe, kc0, kp0, valid0, m_i, l_i, acc, qk_scale)
-        t_lo = start + BLOCK_T
-    for t0 in range(t_lo, end, BLOCK_T):
+
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, L], dtype=tl.float32)
+    for t0 in range(start, end, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         tmask = offs_t < end
         if SPARSE:
@@ -114,7 +78,16 @@ def _mla_split_kernel(
         kbase = kv_ptr + rows[:, None] * stride_kv
         kc = tl.load(kbase + offs_l[None, :], mask=valid[:, None], other=0.0)
         kp = tl.load(kbase + L + offs_r[None, :], mask=valid[:, None], other=0.0)
-        m_i, l_i, acc = _mla_split_step(q_nope, q_pe, kc, kp, valid, m_i, l_i, acc, qk_scale)
+        s = tl.dot(q_nope, tl.trans(kc))
+        s = tl.dot(q_pe, tl.trans(kp), s)
+        s = s * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kc.dtype), kc)
+        m_i = m_new
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -215,10 +188,8 @@ DENSE_MIN_TOKENS_PER_SPLIT = 32  # 64 was 0.05 ms slower per lite-v32 step at 1K
 # head blocks ("one": H <= 16, lite; "many": V3.2's 128 heads). decode_speed --tune, 2026-12-01: lite 1K 36 us
 # faster at 32 than 64 (17 -> 33 splits); V3.2 18 us slower at 32 (its merge reads every split).
 DENSE_CAP_ROWS = {"one": 32, "many": 64}
-# Dense launches of at most 16 queries (decode and verify steps; each early row is compared with every query's
-# position): each split requests its first tile of cache rows before the PDL wait (_mla_split_kernel's PRE).
-# False turns it off (decode_speed --tune).
-DENSE_PREFETCH = True
+# The split kernel works out its rows before the PDL wait (_mla_split_kernel's EARLY); False: after it.
+SPLIT_ROWS_EARLY = True
 
 
 def _pick_splits(hblocks: int, sparse: bool, n_idx: int, max_tokens: int) -> int:
@@ -284,12 +255,12 @@ def mla_decode(
         assert row_start.shape[0] in (1, n), "row_start: one row, or one per query"
     _mla_split_kernel[(S, n, hblocks)](
         q, kv, pos, idx, row_start if row_start is not None else pos, o_part, lse,
-        H, n_idx, n, q.stride(0), q.stride(1), kv.stride(0), idx.stride(0) if sparse else 0,
+        H, n_idx, q.stride(0), q.stride(1), kv.stride(0), idx.stride(0) if sparse else 0,
         row_start.stride(0) if row_start is not None and row_start.shape[0] > 1 else 0,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), scale * _LOG2E,
         NUM_SPLITS=S, MIN_TPS=min_tps, L=L, R=R, BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, SPARSE=sparse,
-        HAS_START=row_start is not None and not sparse, PRE=DENSE_PREFETCH and not sparse and n <= 16,
-        NP=triton.next_power_of_2(n), num_warps=8 if BLOCK_H >= 64 else 4, num_stages=2,
+        HAS_START=row_start is not None and not sparse, EARLY=SPLIT_ROWS_EARLY, num_warps=8 if BLOCK_H >= 64 else 4,
+        num_stages=2,
      **triton_pdl.kw())
     if uv is not None:
         kv_b, P, V, kvs = uv
