@@ -187,6 +187,8 @@ def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
 
 TUNING = (  # (module, attribute, values): variants re-timed in the whole captured step (first context)
     ("triton_mla", "DENSE_MIN_TOKENS_PER_SPLIT", (32, 64, 16)),
+    ("triton_mla", "SPLIT_ROWS_EARLY", (True, False)),
+    ("triton_mla", "UV_ONE_READ_MAX", (64, 0)),
     ("triton_moe", ("DOWN_CFG", "wide"), ((1, 2048, 4, 3), (2, 1024, 4, 3), (1, 2048, 8, 3), (1, 2048, 4, 4))),
     ("triton_moe", ("UP_CFG", "wide"), ((8, 512, 4, 4), (4, 512, 4, 4), (8, 512, 4, 3), (16, 512, 8, 4),
                                       (8, 1024, 4, 3))),
@@ -210,6 +212,8 @@ TUNING_FP8 = (
     ("triton_fp8", ("FP8_DOWN_CFG", "small"), ((16, 1, 512, 4, True), (32, 1, 512, 8, True), (4, 4, 512, 8, False))),
     ("triton_fp8", ("FP8_DOWN_CFG", "large"), ((16, 1, 1024, 8, True), (8, 1, 1024, 4, True), (8, 1, 1024, 8, False))),
     ("triton_fused", "PREP_BC_FP8", (128, 64)),
+    ("triton_mla", "SPLIT_ROWS_EARLY", (True, False)),
+    ("triton_mla", "UV_ONE_READ_MAX", (64, 0)),
     ("triton_mla", ("UV_BV", "few"), (16, 32)),
     ("triton_mla", ("UV_BV", "many"), (64, 32)),
     ("triton_mla", "UV_SB", (4, 8)),

@@ -33,8 +33,11 @@ def _mla_split_kernel(
     stride_on, stride_oh, stride_os, qk_scale,
     NUM_SPLITS: tl.constexpr, MIN_TPS: tl.constexpr,
     L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, SPARSE: tl.constexpr,
-    HAS_START: tl.constexpr, PDL: tl.constexpr):
-    pdl_begin(PDL)
+    HAS_START: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+    # EARLY: the split's rows (from positions / row_start, step inputs written before the step or several kernels
+    # back, as mla_prep reads them) are worked out before the PDL wait: no L2 round trip for them after it.
+    if not EARLY:
+        pdl_begin(PDL)
     pid_s = tl.program_id(0)
     i = tl.program_id(1)
     hb = tl.program_id(2)
@@ -48,6 +51,8 @@ def _mla_split_kernel(
     tps = tl.maximum(tl.cdiv(tl.cdiv(total - first, NUM_SPLITS), BLOCK_T) * BLOCK_T, MIN_TPS)
     start = first + pid_s * tps
     end = tl.minimum(start + tps, total)
+    if EARLY:
+        pdl_begin(PDL)
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < H
@@ -120,9 +125,13 @@ def _mla_combine_uv_kernel(
     o_ptr, lse_ptr, kvb_ptr, kvs_ptr, y_ptr, H, stride_on, stride_oh, stride_os, stride_yn, stride_ks,
     NUM_SPLITS: tl.constexpr, SB: tl.constexpr, L: tl.constexpr, P: tl.constexpr, V: tl.constexpr,
     BV: tl.constexpr, HAS_SCALE: tl.constexpr, KGN: tl.constexpr, KGK: tl.constexpr, ROW_UNIFORM: tl.constexpr,
-    BS: tl.constexpr, PDL: tl.constexpr):
+    BS: tl.constexpr, ONE_READ: tl.constexpr, PDL: tl.constexpr):
     # grid (n, H, V / BV): merges head h's split partials into o~ (rounded to the activation dtype, as the combine
     # kernel writes it), then o[i, h*V + v] = W_UV_h[v] . o~ for its BV rows (mla_uv's math): one launch for both.
+    # ONE_READ: every split's partial [BS, L] is requested right after the PDL wait, with the log-sum-exps (one
+    # L2 round trip; the loop over SB splits at a time reads them only once the weights are known). Every split
+    # row is written by the split kernel (an empty split's o is 0, its weight 0), so no row needs a mask but the
+    # padding's.
     i = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -140,19 +149,25 @@ def _mla_combine_uv_kernel(
     pdl_begin(PDL)
     offs_s = tl.arange(0, BS)
     lse_row = lse_ptr + (i * H + h) * NUM_SPLITS
+    ob = o_ptr + i * stride_on + h * stride_oh
+    if ONE_READ:
+        o_all = tl.load(ob + offs_s[:, None] * stride_os + offs_l[None, :], mask=(offs_s < NUM_SPLITS)[:, None],
+                        other=0.0)
     lse = tl.load(lse_row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
     mx = tl.max(lse, 0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     wsum = tl.sum(tl.exp2(lse - mx), 0)
     inv = 1.0 / tl.where(wsum > 0, wsum, 1.0)
-    ob = o_ptr + i * stride_on + h * stride_oh
-    acc = tl.zeros([L], dtype=tl.float32)
-    for s0 in tl.static_range(0, NUM_SPLITS, SB):
-        offs = s0 + tl.arange(0, SB)
-        ls = tl.load(lse_row + offs, mask=offs < NUM_SPLITS, other=float("-inf"))
-        live = ls > float("-inf")
-        o = tl.load(ob + offs[:, None] * stride_os + offs_l[None, :], mask=live[:, None], other=0.0)
-        acc += tl.sum(o * (tl.exp2(ls - mx) * inv)[:, None], 0)
+    if ONE_READ:
+        acc = tl.sum(o_all * (tl.exp2(lse - mx) * inv)[:, None], 0)
+    else:
+        acc = tl.zeros([L], dtype=tl.float32)
+        for s0 in tl.static_range(0, NUM_SPLITS, SB):
+            offs = s0 + tl.arange(0, SB)
+            ls = tl.load(lse_row + offs, mask=offs < NUM_SPLITS, other=float("-inf"))
+            live = ls > float("-inf")
+            o = tl.load(ob + offs[:, None] * stride_os + offs_l[None, :], mask=live[:, None], other=0.0)
+            acc += tl.sum(o * (tl.exp2(ls - mx) * inv)[:, None], 0)
     ol = acc.to(y_ptr.dtype.element_ty).to(tl.float32) * cs
     y = tl.sum(wf * ol[None, :], 1)
     tl.store(y_ptr + i * stride_yn + h * V + offs_v, y.to(y_ptr.dtype.element_ty))
@@ -162,6 +177,9 @@ def _mla_combine_uv_kernel(
 # program merges its head's splits again, so many heads want fewer, wider programs), splits merged per step.
 UV_BV = {"few": 16, "many": 64}  # decode_speed --tune 2026-12-01: layer-v32 22 us faster at 64 than 32
 UV_SB = 4
+# Merge + W_UV reads every split's partial in one request when the splits (padded to a power of two) are at most
+# this many (ONE_READ; 8 warps above 32, to keep the [splits, L] fp32 tile at 128 registers a thread); 0: off.
+UV_ONE_READ_MAX = 64
 
 
 # Fewest cache rows one split of the dense kernel takes: short contexts use fewer, fuller splits.
@@ -170,6 +188,8 @@ DENSE_MIN_TOKENS_PER_SPLIT = 32  # 64 was 0.05 ms slower per lite-v32 step at 1K
 # head blocks ("one": H <= 16, lite; "many": V3.2's 128 heads). decode_speed --tune, 2026-12-01: lite 1K 36 us
 # faster at 32 than 64 (17 -> 33 splits); V3.2 18 us slower at 32 (its merge reads every split).
 DENSE_CAP_ROWS = {"one": 32, "many": 64}
+# The split kernel works out its rows before the PDL wait (_mla_split_kernel's EARLY); False: after it.
+SPLIT_ROWS_EARLY = True
 
 
 def _pick_splits(hblocks: int, sparse: bool, n_idx: int, max_tokens: int) -> int:
@@ -239,19 +259,22 @@ def mla_decode(
         row_start.stride(0) if row_start is not None and row_start.shape[0] > 1 else 0,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), scale * _LOG2E,
         NUM_SPLITS=S, MIN_TPS=min_tps, L=L, R=R, BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, SPARSE=sparse,
-        HAS_START=row_start is not None and not sparse, num_warps=8 if BLOCK_H >= 64 else 4, num_stages=2,
+        HAS_START=row_start is not None and not sparse, EARLY=SPLIT_ROWS_EARLY, num_warps=8 if BLOCK_H >= 64 else 4,
+        num_stages=2,
      **triton_pdl.kw())
     if uv is not None:
         kv_b, P, V, kvs = uv
         y = out if out is not None else torch.empty(n, H * V, device=q.device, dtype=q.dtype)
         BV = min(UV_BV["few" if H <= 32 else "many"], V)
         kgn, kgk = (1, 1) if kvs is None else (kv_b.shape[-2] // kvs.shape[-2], kv_b.shape[-1] // kvs.shape[-1])
+        bs = triton.next_power_of_2(S)
+        one_read = bs <= UV_ONE_READ_MAX
         _mla_combine_uv_kernel[(n, H, V // BV)](
             o_part, lse, kv_b, kvs if kvs is not None else kv_b, y, H, o_part.stride(0), o_part.stride(1),
             o_part.stride(2), y.stride(0), kvs.stride(0) if kvs is not None else 0,
             NUM_SPLITS=S, SB=min(UV_SB, triton.next_power_of_2(S)), L=L, P=P, V=V, BV=BV, HAS_SCALE=kvs is not None,
             KGN=kgn, KGK=kgk, ROW_UNIFORM=kgn % BV == 0 and P % BV == 0 and V % BV == 0,
-            BS=triton.next_power_of_2(S), num_warps=4, **triton_pdl.kw())
+            BS=bs, ONE_READ=one_read, num_warps=8 if one_read and bs > 32 else 4, **triton_pdl.kw())
         return y
     res = out if out is not None else torch.empty(n, H, L, device=q.device, dtype=q.dtype)
     BL = min(L, 128 if S <= 32 else 64)
