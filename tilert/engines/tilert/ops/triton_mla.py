@@ -33,7 +33,7 @@ def _mla_split_kernel(
     stride_on, stride_oh, stride_os, qk_scale,
     NUM_SPLITS: tl.constexpr, MIN_TPS: tl.constexpr,
     L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, SPARSE: tl.constexpr,
-    HAS_START: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+    HAS_START: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr, ALIGN: tl.constexpr = True):
     # EARLY: the split's rows (from positions / row_start, step inputs written before the step or several kernels
     # back, as mla_prep reads them) are worked out before the PDL wait: no L2 round trip for them after it.
     if not EARLY:
@@ -48,7 +48,10 @@ def _mla_split_kernel(
         total = tl.load(pos_ptr + i).to(tl.int32) + 1
         if HAS_START:
             first = tl.minimum(tl.load(start_ptr + i * stride_start).to(tl.int32), total)
-    tps = tl.maximum(tl.cdiv(tl.cdiv(total - first, NUM_SPLITS), BLOCK_T) * BLOCK_T, MIN_TPS)
+    if ALIGN:  # whole tiles a split
+        tps = tl.maximum(tl.cdiv(tl.cdiv(total - first, NUM_SPLITS), BLOCK_T) * BLOCK_T, MIN_TPS)
+    else:
+        tps = tl.maximum(tl.cdiv(total - first, NUM_SPLITS), MIN_TPS)
     start = first + pid_s * tps
     end = tl.minimum(start + tps, total)
     if EARLY:
@@ -125,13 +128,14 @@ def _mla_combine_uv_kernel(
     o_ptr, lse_ptr, kvb_ptr, kvs_ptr, y_ptr, H, stride_on, stride_oh, stride_os, stride_yn, stride_ks,
     NUM_SPLITS: tl.constexpr, SB: tl.constexpr, L: tl.constexpr, P: tl.constexpr, V: tl.constexpr,
     BV: tl.constexpr, HAS_SCALE: tl.constexpr, KGN: tl.constexpr, KGK: tl.constexpr, ROW_UNIFORM: tl.constexpr,
-    BS: tl.constexpr, ONE_READ: tl.constexpr, PDL: tl.constexpr):
+    BS: tl.constexpr, ONE_READ: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr):
     # grid (n, H, V / BV): merges head h's split partials into o~ (rounded to the activation dtype, as the combine
     # kernel writes it), then o[i, h*V + v] = W_UV_h[v] . o~ for its BV rows (mla_uv's math): one launch for both.
     # ONE_READ: every split's partial [BS, L] is requested right after the PDL wait, with the log-sum-exps (one
     # L2 round trip; the loop over SB splits at a time reads them only once the weights are known). Every split
     # row is written by the split kernel (an empty split's o is 0, its weight 0), so no row needs a mask but the
-    # padding's.
+    # padding's. TAIL > 0 (ONE_READ): splits BS.. are a second tile of TAIL rows (BS the largest power of two
+    # <= the splits, TAIL the rest padded to a power of two: 33 splits read as 32 + 2 rows, not 64).
     i = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -153,13 +157,24 @@ def _mla_combine_uv_kernel(
     if ONE_READ:
         o_all = tl.load(ob + offs_s[:, None] * stride_os + offs_l[None, :], mask=(offs_s < NUM_SPLITS)[:, None],
                         other=0.0)
+        if TAIL > 0:
+            offs_t = BS + tl.arange(0, TAIL)
+            o_tail = tl.load(ob + offs_t[:, None] * stride_os + offs_l[None, :],
+                             mask=(offs_t < NUM_SPLITS)[:, None], other=0.0)
+            lse_t = tl.load(lse_row + offs_t, mask=offs_t < NUM_SPLITS, other=float("-inf"))
     lse = tl.load(lse_row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
     mx = tl.max(lse, 0)
+    if ONE_READ and TAIL > 0:
+        mx = tl.maximum(mx, tl.max(lse_t, 0))
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     wsum = tl.sum(tl.exp2(lse - mx), 0)
+    if ONE_READ and TAIL > 0:
+        wsum += tl.sum(tl.exp2(lse_t - mx), 0)
     inv = 1.0 / tl.where(wsum > 0, wsum, 1.0)
     if ONE_READ:
         acc = tl.sum(o_all * (tl.exp2(lse - mx) * inv)[:, None], 0)
+        if TAIL > 0:
+            acc += tl.sum(o_tail * (tl.exp2(lse_t - mx) * inv)[:, None], 0)
     else:
         acc = tl.zeros([L], dtype=tl.float32)
         for s0 in tl.static_range(0, NUM_SPLITS, SB):
@@ -180,6 +195,9 @@ UV_SB = 4
 # Merge + W_UV reads every split's partial in one request when the splits (padded to a power of two) are at most
 # this many (ONE_READ; 8 warps above 32, to keep the [splits, L] fp32 tile at 128 registers a thread); 0: off.
 UV_ONE_READ_MAX = 64
+# ONE_READ over a split count that is not a power of two: the largest power of two below it in one tile and the
+# rest in a second (TAIL), not all of them padded to the next power of two; False: one padded tile.
+UV_TAIL = True
 
 
 # Fewest cache rows one split of the dense kernel takes: short contexts use fewer, fuller splits.
@@ -188,6 +206,9 @@ DENSE_MIN_TOKENS_PER_SPLIT = 32  # 64 was 0.05 ms slower per lite-v32 step at 1K
 # head blocks ("one": H <= 16, lite; "many": V3.2's 128 heads). decode_speed --tune, 2026-12-01: lite 1K 36 us
 # faster at 32 than 64 (17 -> 33 splits); V3.2 18 us slower at 32 (its merge reads every split).
 DENSE_CAP_ROWS = {"one": 32, "many": 64}
+# Dense: the split count rounded down to a power of two, each split's rows not rounded up to whole tiles
+# (_mla_split_kernel's ALIGN False); False: as _pick_splits gives it, whole tiles a split.
+DENSE_SPLIT_POW2 = False
 # The split kernel works out its rows before the PDL wait (_mla_split_kernel's EARLY); False: after it.
 SPLIT_ROWS_EARLY = True
 
@@ -200,7 +221,10 @@ def _pick_splits(hblocks: int, sparse: bool, n_idx: int, max_tokens: int) -> int
     want = max(1, (2 * sms) // hblocks)
     rows = DENSE_CAP_ROWS["one" if hblocks == 1 else "many"]
     cap = triton.cdiv(max(n_idx, 1), 64) if sparse else triton.cdiv(max(max_tokens, 1), rows)
-    return max(1, min(want, 128, cap))
+    s = max(1, min(want, 128, cap))
+    if DENSE_SPLIT_POW2 and not sparse:
+        s = 1 << (s.bit_length() - 1)
+    return s
 
 
 _WS: dict = {}
@@ -260,7 +284,7 @@ def mla_decode(
         o_part.stride(0), o_part.stride(1), o_part.stride(2), scale * _LOG2E,
         NUM_SPLITS=S, MIN_TPS=min_tps, L=L, R=R, BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, SPARSE=sparse,
         HAS_START=row_start is not None and not sparse, EARLY=SPLIT_ROWS_EARLY, num_warps=8 if BLOCK_H >= 64 else 4,
-        num_stages=2,
+        num_stages=2, ALIGN=sparse or not DENSE_SPLIT_POW2,
      **triton_pdl.kw())
     if uv is not None:
         kv_b, P, V, kvs = uv
@@ -269,12 +293,16 @@ def mla_decode(
         kgn, kgk = (1, 1) if kvs is None else (kv_b.shape[-2] // kvs.shape[-2], kv_b.shape[-1] // kvs.shape[-1])
         bs = triton.next_power_of_2(S)
         one_read = bs <= UV_ONE_READ_MAX
+        tail = 0
+        if one_read and UV_TAIL and bs != S:
+            bs //= 2
+            tail = max(2, triton.next_power_of_2(S - bs))
         _mla_combine_uv_kernel[(n, H, V // BV)](
             o_part, lse, kv_b, kvs if kvs is not None else kv_b, y, H, o_part.stride(0), o_part.stride(1),
             o_part.stride(2), y.stride(0), kvs.stride(0) if kvs is not None else 0,
             NUM_SPLITS=S, SB=min(UV_SB, triton.next_power_of_2(S)), L=L, P=P, V=V, BV=BV, HAS_SCALE=kvs is not None,
             KGN=kgn, KGK=kgk, ROW_UNIFORM=kgn % BV == 0 and P % BV == 0 and V % BV == 0,
-            BS=bs, ONE_READ=one_read, num_warps=8 if one_read and bs > 32 else 4, **triton_pdl.kw())
+            BS=bs, ONE_READ=one_read, TAIL=tail, num_warps=8 if one_read and bs > 32 else 4, **triton_pdl.kw())
         return y
     res = out if out is not None else torch.empty(n, H, L, device=q.device, dtype=q.dtype)
     BL = min(L, 128 if S <= 32 else 64)
