@@ -120,8 +120,8 @@ def check_mla(dev, small):
         out = poison(torch.empty(n, H, L, device=dev, dtype=DTYPE))
         triton_mla.mla_decode(q, kv, None, idx, scale, L, out=out)
         report(f"mla sparse n={n} H={H} S={S} topk={topk}", out, ref.mla_sparse_attention(q, kv, idx, scale, L))
-    # merge + W_UV at split counts that are not powers of two (UV_TAIL: a power-of-two tile, then the rest) and
-    # with the power-of-two split count of unaligned splits (DENSE_SPLIT_POW2), against the reference
+    # merge + W_UV at split counts that are not powers of two (UV_TAIL: a power-of-two tile, then the rest; 65: of
+    # 64 + 2 rows, 32 of them empty splits) and at 16 cache rows a split (DENSE_CAP_ROWS below 32: 16-row tiles)
     H, S, P_ = (16, 1040, 128) if not small else (4, 300, 16)
     kv = rnd(S, L + R, dev=dev)
     q = rnd(2, H, L + R, dev=dev)
@@ -130,16 +130,18 @@ def check_mla(dev, small):
     scale = (128 + 64) ** -0.5
     pos = torch.tensor([S - 16, S // 3], device=dev)
     want = ref.mla_uv(ref.mla_attention(q, kv, pos, scale, L).to(DTYPE), kvb, P_)
-    for ns in (33, 17, 5, None):
+    for ns in (65, 33, 17, 5, None):
         report(f"mla dense + W_UV splits={ns or 'default'} H={H} S={S}",
                triton_mla.mla_decode(q, kv, pos, None, scale, L, num_splits=ns, uv=uv), want)
-    saved = triton_mla.DENSE_SPLIT_POW2
+    saved = triton_mla.DENSE_CAP_ROWS["one"]
     try:
-        triton_mla.DENSE_SPLIT_POW2 = True
-        report(f"mla dense + W_UV power-of-two splits, unaligned H={H} S={S}",
+        triton_mla.DENSE_CAP_ROWS["one"] = 16
+        report(f"mla dense + W_UV 16 rows a split H={H} S={S}",
                triton_mla.mla_decode(q, kv, pos, None, scale, L, uv=uv), want)
+        report(f"mla dense 16 rows a split H={H} S={S}", triton_mla.mla_decode(q, kv, pos, None, scale, L),
+               ref.mla_attention(q, kv, pos, scale, L))
     finally:
-        triton_mla.DENSE_SPLIT_POW2 = saved
+        triton_mla.DENSE_CAP_ROWS["one"] = saved
 
 
 def check_indexer(dev, small):

@@ -216,11 +216,10 @@ TUNING_FP8 = (
     ("triton_mla", "UV_ONE_READ_MAX", (64, 0)),
     ("triton_fused", "PREP_A_EARLY", (True, False, True, False)),
     ("triton_mla", "UV_TAIL", (True, False, True, False)),
-    ("triton_mla", "DENSE_SPLIT_POW2", (False, True, False, True)),
-    ("triton_mla", ("UV_BV", "few"), (16, 32)),
+    ("triton_mla", ("UV_BV", "few"), (16, 8, 16, 8)),
     ("triton_mla", ("UV_BV", "many"), (64, 32)),
     ("triton_mla", "UV_SB", (4, 8)),
-    ("triton_mla", ("DENSE_CAP_ROWS", "one"), (32, 64)),
+    ("triton_mla", ("DENSE_CAP_ROWS", "one"), (32, 16, 32, 16)),
     ("triton_mla", ("DENSE_CAP_ROWS", "many"), (64, 32)),
     ("triton_moe", "ROUTER_WARPS", (0, 1)),
 )

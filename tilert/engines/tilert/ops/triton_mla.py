@@ -33,7 +33,7 @@ def _mla_split_kernel(
     stride_on, stride_oh, stride_os, qk_scale,
     NUM_SPLITS: tl.constexpr, MIN_TPS: tl.constexpr,
     L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, SPARSE: tl.constexpr,
-    HAS_START: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr, ALIGN: tl.constexpr = True):
+    HAS_START: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     # EARLY: the split's rows (from positions / row_start, step inputs written before the step or several kernels
     # back, as mla_prep reads them) are worked out before the PDL wait: no L2 round trip for them after it.
     if not EARLY:
@@ -48,10 +48,7 @@ def _mla_split_kernel(
         total = tl.load(pos_ptr + i).to(tl.int32) + 1
         if HAS_START:
             first = tl.minimum(tl.load(start_ptr + i * stride_start).to(tl.int32), total)
-    if ALIGN:  # whole tiles a split
-        tps = tl.maximum(tl.cdiv(tl.cdiv(total - first, NUM_SPLITS), BLOCK_T) * BLOCK_T, MIN_TPS)
-    else:
-        tps = tl.maximum(tl.cdiv(total - first, NUM_SPLITS), MIN_TPS)
+    tps = tl.maximum(tl.cdiv(tl.cdiv(total - first, NUM_SPLITS), BLOCK_T) * BLOCK_T, MIN_TPS)
     start = first + pid_s * tps
     end = tl.minimum(start + tps, total)
     if EARLY:
@@ -196,7 +193,8 @@ UV_SB = 4
 # this many (ONE_READ; 8 warps above 32, to keep the [splits, L] fp32 tile at 128 registers a thread); 0: off.
 UV_ONE_READ_MAX = 64
 # ONE_READ over a split count that is not a power of two: the largest power of two below it in one tile and the
-# rest in a second (TAIL), not all of them padded to the next power of two; False: one padded tile.
+# rest in a second (TAIL) when that is at most an eighth of the first (33 splits: 32 + 2 rows, not 64; 65: 64 + 2,
+# where the padded 128 would not be read at once at all); False: one padded tile.
 UV_TAIL = True
 
 
@@ -204,11 +202,9 @@ UV_TAIL = True
 DENSE_MIN_TOKENS_PER_SPLIT = 32  # 64 was 0.05 ms slower per lite-v32 step at 1K (decode_speed --tune)
 # Dense: at most one split per this many cache rows (of the whole cache: the graph serves every context); by
 # head blocks ("one": H <= 16, lite; "many": V3.2's 128 heads). decode_speed --tune, 2026-12-01: lite 1K 36 us
-# faster at 32 than 64 (17 -> 33 splits); V3.2 18 us slower at 32 (its merge reads every split).
+# faster at 32 than 64 (17 -> 33 splits); V3.2 18 us slower at 32 (its merge reads every split). Below 32 the
+# split's tile (BLOCK_T) and fewest rows (DENSE_MIN_TOKENS_PER_SPLIT) shrink to it.
 DENSE_CAP_ROWS = {"one": 32, "many": 64}
-# Dense: the split count rounded down to a power of two, each split's rows not rounded up to whole tiles
-# (_mla_split_kernel's ALIGN False); False: as _pick_splits gives it, whole tiles a split.
-DENSE_SPLIT_POW2 = False
 # The split kernel works out its rows before the PDL wait (_mla_split_kernel's EARLY); False: after it.
 SPLIT_ROWS_EARLY = True
 
@@ -221,10 +217,7 @@ def _pick_splits(hblocks: int, sparse: bool, n_idx: int, max_tokens: int) -> int
     want = max(1, (2 * sms) // hblocks)
     rows = DENSE_CAP_ROWS["one" if hblocks == 1 else "many"]
     cap = triton.cdiv(max(n_idx, 1), 64) if sparse else triton.cdiv(max(max_tokens, 1), rows)
-    s = max(1, min(want, 128, cap))
-    if DENSE_SPLIT_POW2 and not sparse:
-        s = 1 << (s.bit_length() - 1)
-    return s
+    return max(1, min(want, 128, cap))
 
 
 _WS: dict = {}
@@ -263,8 +256,9 @@ def mla_decode(
     hblocks = triton.cdiv(H, BLOCK_H)
     n_idx = indices.shape[-1] if indices is not None else 0
     S = num_splits or _pick_splits(hblocks, sparse, n_idx, kv.shape[0])
-    BLOCK_T = 32
-    min_tps = BLOCK_T if sparse else DENSE_MIN_TOKENS_PER_SPLIT
+    rows = DENSE_CAP_ROWS["one" if hblocks == 1 else "many"]
+    BLOCK_T = 32 if sparse else min(32, rows)
+    min_tps = BLOCK_T if sparse else min(DENSE_MIN_TOKENS_PER_SPLIT, rows)
     o_part = _workspace(("mla_o", q.device, n, H, S, L), (n, H, S, L), torch.float32, q.device)
     lse = _workspace(("mla_lse", q.device, n, H, S), (n, H, S), torch.float32, q.device)
     if indices is not None:
@@ -284,7 +278,7 @@ def mla_decode(
         o_part.stride(0), o_part.stride(1), o_part.stride(2), scale * _LOG2E,
         NUM_SPLITS=S, MIN_TPS=min_tps, L=L, R=R, BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, SPARSE=sparse,
         HAS_START=row_start is not None and not sparse, EARLY=SPLIT_ROWS_EARLY, num_warps=8 if BLOCK_H >= 64 else 4,
-        num_stages=2, ALIGN=sparse or not DENSE_SPLIT_POW2,
+        num_stages=2,
      **triton_pdl.kw())
     if uv is not None:
         kv_b, P, V, kvs = uv
@@ -292,11 +286,13 @@ def mla_decode(
         BV = min(UV_BV["few" if H <= 32 else "many"], V)
         kgn, kgk = (1, 1) if kvs is None else (kv_b.shape[-2] // kvs.shape[-2], kv_b.shape[-1] // kvs.shape[-1])
         bs = triton.next_power_of_2(S)
-        one_read = bs <= UV_ONE_READ_MAX
         tail = 0
-        if one_read and UV_TAIL and bs != S:
+        if UV_TAIL and bs != S and triton.next_power_of_2(S - bs // 2) <= max(2, bs // 16):
             bs //= 2
             tail = max(2, triton.next_power_of_2(S - bs))
+        one_read = bs <= UV_ONE_READ_MAX
+        if not one_read:  # the loop's weights come from one tile of every split's log-sum-exp
+            bs, tail = triton.next_power_of_2(S), 0
         _mla_combine_uv_kernel[(n, H, V // BV)](
             o_part, lse, kv_b, kvs if kvs is not None else kv_b, y, H, o_part.stride(0), o_part.stride(1),
             o_part.stride(2), y.stride(0), kvs.stride(0) if kvs is not None else 0,
