@@ -41,11 +41,7 @@ def _mla_prep_kernel(
     QL: tl.constexpr, L: tl.constexpr, R: tl.constexpr, P: tl.constexpr, V: tl.constexpr,
     DI: tl.constexpr, BC: tl.constexpr, HI_P2: tl.constexpr, HAS_INDEXER: tl.constexpr, PDL: tl.constexpr,
     HAS_SCALE: tl.constexpr = False, KGN: tl.constexpr = 128, KGK: tl.constexpr = 128,
-    ROW_UNIFORM: tl.constexpr = False, A_EARLY: tl.constexpr = False):
-    # A_EARLY: ``a`` was written two or more kernels back (W_a, then W_b's kernel, which passes its own PDL wait
-    # on W_a before this kernel can launch), so it is complete: the programs that read only ``a`` (the latent
-    # row, the indexer key and head weights) do all their work before the PDL wait, reading ``a`` from L2 (CG),
-    # and wait only at their end (the chain's rule: no program lets the next kernel launch before its wait).
+    ROW_UNIFORM: tl.constexpr = False):
     i = tl.program_id(0)
     p = tl.program_id(1)
     NC: tl.constexpr = L // BC
@@ -84,72 +80,48 @@ def _mla_prep_kernel(
             tl.store(qo + L + offs_r2, o1.to(q_ptr.dtype.element_ty))
             tl.store(qo + L + R2 + offs_r2, o2.to(q_ptr.dtype.element_ty))
     elif p == H * NC:
+        pdl_begin(PDL)
         # latent row: RMSNorm(c_kv) | RoPE(k_pe)  -> kv cache row pos
         offs_l = tl.arange(0, L)
-        if A_EARLY:
-            g = tl.load(kvn_ptr + offs_l).to(tl.float32)
-            ckv = tl.load(a_row + QL + offs_l, cache_modifier=".cg").to(tl.float32)
-            x1 = tl.load(a_row + QL + L + offs_r2, cache_modifier=".cg").to(tl.float32)
-            x2 = tl.load(a_row + QL + L + R2 + offs_r2, cache_modifier=".cg").to(tl.float32)
-        else:
-            pdl_begin(PDL)
-            ckv = tl.load(a_row + QL + offs_l).to(tl.float32)
-            g = tl.load(kvn_ptr + offs_l).to(tl.float32)
-            x1 = tl.load(a_row + QL + L + offs_r2).to(tl.float32)
-            x2 = tl.load(a_row + QL + L + R2 + offs_r2).to(tl.float32)
+        ckv = tl.load(a_row + QL + offs_l).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(ckv * ckv, 0) / L + eps)
+        g = tl.load(kvn_ptr + offs_l).to(tl.float32)
         ckv = (ckv * rstd).to(kv_ptr.dtype.element_ty).to(tl.float32) * g
         kv_row = kv_ptr + pos * stride_kv
         tl.store(kv_row + offs_l, ckv.to(kv_ptr.dtype.element_ty))
+        x1 = tl.load(a_row + QL + L + offs_r2).to(tl.float32)
+        x2 = tl.load(a_row + QL + L + R2 + offs_r2).to(tl.float32)
         o1, o2 = _rope_pair(x1, x2, cs, sn)
         tl.store(kv_row + L + offs_r2, o1.to(kv_ptr.dtype.element_ty))
         tl.store(kv_row + L + R2 + offs_r2, o2.to(kv_ptr.dtype.element_ty))
-        if A_EARLY:
-            pdl_begin(PDL)
     elif p == H * NC + 1:
-        if not A_EARLY:
-            pdl_begin(PDL)
+        pdl_begin(PDL)
         if HAS_INDEXER:
             # indexer key: LayerNorm then RoPE on its first R dims -> indexer cache row pos
             kbase = a_row + QL + L + R
             offs_d = tl.arange(0, DI)
-            offs_k = tl.arange(0, DI - R)
-            offs_hi = tl.arange(0, HI_P2)
-            himask = offs_hi < Hi
-            # the norm's weight / bias (static) and a's key and head-weight columns, all requested at once
-            w1 = tl.load(ikw_ptr + offs_r2).to(tl.float32)
-            w2 = tl.load(ikw_ptr + R2 + offs_r2).to(tl.float32)
-            wr = tl.load(ikw_ptr + R + offs_k).to(tl.float32)
-            b1 = tl.load(ikb_ptr + offs_r2).to(tl.float32)
-            b2 = tl.load(ikb_ptr + R2 + offs_r2).to(tl.float32)
-            br = tl.load(ikb_ptr + R + offs_k).to(tl.float32)
-            if A_EARLY:
-                kf = tl.load(kbase + offs_d, cache_modifier=".cg").to(tl.float32)
-                k1 = tl.load(kbase + offs_r2, cache_modifier=".cg").to(tl.float32)
-                k2 = tl.load(kbase + R2 + offs_r2, cache_modifier=".cg").to(tl.float32)
-                kr = tl.load(kbase + R + offs_k, cache_modifier=".cg").to(tl.float32)
-                wv = tl.load(kbase + DI + offs_hi, mask=himask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            else:
-                kf = tl.load(kbase + offs_d).to(tl.float32)
-                k1 = tl.load(kbase + offs_r2).to(tl.float32)
-                k2 = tl.load(kbase + R2 + offs_r2).to(tl.float32)
-                kr = tl.load(kbase + R + offs_k).to(tl.float32)
-                wv = tl.load(kbase + DI + offs_hi, mask=himask, other=0.0).to(tl.float32)
+            kf = tl.load(kbase + offs_d).to(tl.float32)
             mean = tl.sum(kf, 0) / DI
             var = tl.sum((kf - mean) * (kf - mean), 0) / DI
             rs = tl.rsqrt(var + eps)
             ik_row = ik_ptr + pos * stride_ik
-            y1 = ((k1 - mean) * rs * w1 + b1).to(ik_ptr.dtype.element_ty).to(tl.float32)
-            y2 = ((k2 - mean) * rs * w2 + b2).to(ik_ptr.dtype.element_ty).to(tl.float32)
-            yr = (kr - mean) * rs * wr + br
+            y1 = ((tl.load(kbase + offs_r2).to(tl.float32) - mean) * rs * tl.load(ikw_ptr + offs_r2).to(tl.float32)
+                  + tl.load(ikb_ptr + offs_r2).to(tl.float32)).to(ik_ptr.dtype.element_ty).to(tl.float32)
+            y2 = ((tl.load(kbase + R2 + offs_r2).to(tl.float32) - mean) * rs
+                  * tl.load(ikw_ptr + R2 + offs_r2).to(tl.float32)
+                  + tl.load(ikb_ptr + R2 + offs_r2).to(tl.float32)).to(ik_ptr.dtype.element_ty).to(tl.float32)
+            offs_k = tl.arange(0, DI - R)
+            yr = (tl.load(kbase + R + offs_k).to(tl.float32) - mean) * rs \
+                * tl.load(ikw_ptr + R + offs_k).to(tl.float32) + tl.load(ikb_ptr + R + offs_k).to(tl.float32)
             o1, o2 = _rope_pair(y1, y2, cs, sn)
             tl.store(ik_row + offs_r2, o1.to(ik_ptr.dtype.element_ty))
             tl.store(ik_row + R2 + offs_r2, o2.to(ik_ptr.dtype.element_ty))
             tl.store(ik_row + R + offs_k, yr.to(ik_ptr.dtype.element_ty))
             # head weights
-            tl.store(iw_ptr + i * stride_iw + offs_hi, wv * iw_scale, mask=himask)
-        if A_EARLY:
-            pdl_begin(PDL)
+            offs_hi = tl.arange(0, HI_P2)
+            himask = offs_hi < Hi
+            wv = tl.load(kbase + DI + offs_hi, mask=himask, other=0.0).to(tl.float32) * iw_scale
+            tl.store(iw_ptr + i * stride_iw + offs_hi, wv, mask=himask)
     else:
         pdl_begin(PDL)
         if HAS_INDEXER:
@@ -171,17 +143,11 @@ def _mla_prep_kernel(
 # Latent columns per W_UK program of mla_prep (programs: heads x L / BC): bf16 kv_b, FP8 kv_b.
 PREP_BC = 128
 PREP_BC_FP8 = 128  # 64: no better in the whole step (decode_speed --tune, 2026-12-01)
-# The latent-row and indexer-key programs work before the PDL wait when ``b`` is not ``a`` (the kernel's A_EARLY);
-# False: after it.
-PREP_A_EARLY = True
 
 
 def mla_prep(a, b, positions, kv_b, cos, sin, kv_norm_w, idx_k_norm_w, idx_k_norm_b,
              q_out, kv_cache, idx_cache, iq_out, iw_out, *, H, Hi, QL, L, R, P, V, DI, eps, iw_scale,
              kv_b_scale=None):
-    """One launch of :func:`_mla_prep_kernel` (grid ``n x (H * L / BC + 3)``). When ``b`` is not ``a`` itself, ``b``
-    must be written by a kernel launched after ``a``'s writer (the model's ``W_b`` GEMV on ``a``'s ``q_a``
-    columns), so ``a`` is complete when this kernel starts (``PREP_A_EARLY``)."""
     n = a.shape[0]
     BC = min(PREP_BC if kv_b_scale is None else PREP_BC_FP8, L)
     has_idx = idx_cache is not None
@@ -198,8 +164,7 @@ def mla_prep(a, b, positions, kv_b, cos, sin, kv_norm_w, idx_k_norm_w, idx_k_nor
         iq_out.stride(1) if has_idx else 0, iw_out.stride(0) if has_idx else 0, cos.stride(0), eps, iw_scale,
         QL=QL, L=L, R=R, P=P, V=V, DI=DI, BC=BC, HI_P2=triton.next_power_of_2(max(Hi, 1)),
         HAS_INDEXER=has_idx, HAS_SCALE=kv_b_scale is not None, KGN=kgn, KGK=kgk,
-        ROW_UNIFORM=(P + V) % kgn == 0 and P <= kgn, A_EARLY=PREP_A_EARLY and b.data_ptr() != a.data_ptr(),
-        num_warps=4,
+        ROW_UNIFORM=(P + V) % kgn == 0 and P <= kgn, num_warps=4,
      **triton_pdl.kw())
 
 
