@@ -495,6 +495,20 @@ def bench_transformers(name: str, args: ModelArgs, contexts: list[int], steps: i
     return out
 
 
+def _bench_child(job, opts, tune_only):
+    TUNE_ONLY[:] = tune_only
+    return bench_engine(*job, **opts)
+
+
+def _isolated(job, opts):
+    """``bench_engine(*job, **opts)`` in a fresh process (spawned: CUDA is initialised here already)."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(_bench_child, job, opts, list(TUNE_ONLY)).result()
+
+
 def main():
     if "--tp" in sys.argv[1:]:  # tensor parallel over several GPUs: benchmarks/tp_decode.py
         import tp_decode
@@ -517,6 +531,11 @@ def main():
                          "--contexts, lite-v32 unless --configs says otherwise")
     ap.add_argument("--capacity", type=int, default=32768 + 16, help="positions per sequence (--sequences)")
     ap.add_argument("--weights", default="bf16", help="bf16, fp8 or bf16,fp8 (each config in each, same run)")
+    ap.add_argument("--isolate", action="store_true",
+                    help="each (config, weights) engine in a fresh process of its own, one after another (the copy "
+                    "bandwidth is still measured once, here): no engine is timed in a process an earlier one "
+                    "built, timed and freed its model in (lite FP8 read 3-7 us a step slower after bf16 that way, "
+                    "h200-2026-12-01-fp8-f.md)")
     args = ap.parse_args()
     TUNE_ONLY[:] = [x for x in args.tune_only.split(",") if x]
     import triton
@@ -568,9 +587,12 @@ def main():
         for weights in args.weights.split(","):
             label = name if weights == "bf16" else f"{name}-{weights}"
             try:
-                rows, verify = bench_engine(label, replace(CONFIGS[name], fp8=weights == "fp8"), contexts, bw,
-                                            mtp=name == "lite-v32" and not args.no_mtp, profile=not args.no_breakdown,
-                                            tune=args.tune)
+                job = (label, replace(CONFIGS[name], fp8=weights == "fp8"), contexts, bw)
+                opts = dict(mtp=name == "lite-v32" and not args.no_mtp, profile=not args.no_breakdown, tune=args.tune)
+                if args.isolate:
+                    rows, verify = _isolated(job, opts)
+                else:
+                    rows, verify = bench_engine(*job, **opts)
                 RESULT["runs"] += rows
                 if verify:
                     RESULT["mtp_verify"][label] = verify
