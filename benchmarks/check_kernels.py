@@ -130,9 +130,15 @@ def check_mla(dev, small):
     scale = (128 + 64) ** -0.5
     pos = torch.tensor([S - 16, S // 3], device=dev)
     want = ref.mla_uv(ref.mla_attention(q, kv, pos, scale, L).to(DTYPE), kvb, P_)
-    for ns in (65, 33, 17, 5, None):
-        report(f"mla dense + W_UV splits={ns or 'default'} H={H} S={S}",
-               triton_mla.mla_decode(q, kv, pos, None, scale, L, num_splits=ns, uv=uv), want)
+    for ns in (128, 100, 65, 33, 17, 5, None):  # 128, 100: the loop over live splits (a long cache's graph)
+        got = triton_mla.mla_decode(q, kv, pos, None, scale, L, num_splits=ns, uv=uv)
+        report(f"mla dense + W_UV splits={ns or 'default'} H={H} S={S}", got, want)
+        alone = [triton_mla.mla_decode(q[j : j + 1], kv, pos[j : j + 1], None, scale, L, num_splits=ns, uv=uv)
+                 for j in range(q.shape[0])]  # fmt: skip
+        same = all(torch.equal(got[j : j + 1], a) for j, a in enumerate(alone))
+        RESULTS.append((f"mla dense + W_UV splits={ns} each query alone == batched", 0.0, 0.0, same))
+        print(f"{'PASS' if same else 'FAIL'}  mla dense + W_UV splits={ns or 'default'}: each query alone == batched "
+              "(bit for bit)", flush=True)
     saved = triton_mla.DENSE_CAP_ROWS["one"]
     try:
         triton_mla.DENSE_CAP_ROWS["one"] = 16
