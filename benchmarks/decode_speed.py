@@ -215,6 +215,7 @@ TUNING_FP8 = (
     ("triton_mla", "SPLIT_ROWS_EARLY", (True, False)),
     ("triton_mla", "UV_ONE_READ_MAX", (64, 0)),
     ("triton_mla", "UV_TAIL", (True, False)),
+    ("triton_mla", "UV_LIVE_LOOP", (True, False)),
     ("triton_mla", ("UV_BV", "few"), (8, 4, 8, 4, 16)),
     ("triton_mla", ("UV_BV", "many"), (64, 32)),
     ("triton_mla", "UV_SB", (4, 8)),

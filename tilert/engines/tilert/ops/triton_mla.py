@@ -125,7 +125,7 @@ def _mla_combine_uv_kernel(
     o_ptr, lse_ptr, kvb_ptr, kvs_ptr, y_ptr, H, stride_on, stride_oh, stride_os, stride_yn, stride_ks,
     NUM_SPLITS: tl.constexpr, SB: tl.constexpr, L: tl.constexpr, P: tl.constexpr, V: tl.constexpr,
     BV: tl.constexpr, HAS_SCALE: tl.constexpr, KGN: tl.constexpr, KGK: tl.constexpr, ROW_UNIFORM: tl.constexpr,
-    BS: tl.constexpr, ONE_READ: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr):
+    BS: tl.constexpr, ONE_READ: tl.constexpr, TAIL: tl.constexpr, LIVE_LOOP: tl.constexpr, PDL: tl.constexpr):
     # grid (n, H, V / BV): merges head h's split partials into o~ (rounded to the activation dtype, as the combine
     # kernel writes it), then o[i, h*V + v] = W_UV_h[v] . o~ for its BV rows (mla_uv's math): one launch for both.
     # ONE_READ: every split's partial [BS, L] is requested right after the PDL wait, with the log-sum-exps (one
@@ -177,14 +177,22 @@ def _mla_combine_uv_kernel(
         # splits empty: 32 live of 128 at 1K in a 32K-row engine). Those after it would add exact zeros, so the
         # bound changes no bit; it is this query's own, so alone or in a batch alike. The partials' loads do not
         # wait for their log-sum-exps (every split row is written, an empty one's as 0 with weight 0).
-        n_live = tl.max(tl.where(lse > float("-inf"), offs_s + 1, 0), 0)
         acc = tl.zeros([L], dtype=tl.float32)
-        for s0 in range(0, n_live, SB):
-            offs = s0 + tl.arange(0, SB)
-            inside = offs < NUM_SPLITS
-            ls = tl.load(lse_row + offs, mask=inside, other=float("-inf"))
-            o = tl.load(ob + offs[:, None] * stride_os + offs_l[None, :], mask=inside[:, None], other=0.0)
-            acc += tl.sum(o * (tl.exp2(ls - mx) * inv)[:, None], 0)
+        if LIVE_LOOP:
+            n_live = tl.max(tl.where(lse > float("-inf"), offs_s + 1, 0), 0)
+            for s0 in range(0, n_live, SB):
+                offs = s0 + tl.arange(0, SB)
+                inside = offs < NUM_SPLITS
+                ls = tl.load(lse_row + offs, mask=inside, other=float("-inf"))
+                o = tl.load(ob + offs[:, None] * stride_os + offs_l[None, :], mask=inside[:, None], other=0.0)
+                acc += tl.sum(o * (tl.exp2(ls - mx) * inv)[:, None], 0)
+        else:  # every split, each step's partials loaded once its log-sum-exps say which hold rows
+            for s0 in tl.static_range(0, NUM_SPLITS, SB):
+                offs = s0 + tl.arange(0, SB)
+                ls = tl.load(lse_row + offs, mask=offs < NUM_SPLITS, other=float("-inf"))
+                live = ls > float("-inf")
+                o = tl.load(ob + offs[:, None] * stride_os + offs_l[None, :], mask=live[:, None], other=0.0)
+                acc += tl.sum(o * (tl.exp2(ls - mx) * inv)[:, None], 0)
     ol = acc.to(y_ptr.dtype.element_ty).to(tl.float32) * cs
     y = tl.sum(wf * ol[None, :], 1)
     tl.store(y_ptr + i * stride_yn + h * V + offs_v, y.to(y_ptr.dtype.element_ty))
@@ -202,6 +210,9 @@ UV_ONE_READ_MAX = 64
 # rest in a second (TAIL) when that is at most an eighth of the first (33 splits: 32 + 2 rows, not 64; 65: 64 + 2,
 # where the padded 128 would not be read at once at all); False: one padded tile.
 UV_TAIL = True
+# Over UV_ONE_READ_MAX splits (an engine sized for a long cache): the merge loops only to the query's last split
+# with rows (LIVE_LOOP; bit-identical, h200-2026-12-01-capacity.md); False: over every split (the loop before).
+UV_LIVE_LOOP = True
 
 
 # Fewest cache rows one split of the dense kernel takes: short contexts use fewer, fuller splits.
@@ -304,7 +315,7 @@ def mla_decode(
             o_part.stride(2), y.stride(0), kvs.stride(0) if kvs is not None else 0,
             NUM_SPLITS=S, SB=min(UV_SB, triton.next_power_of_2(S)), L=L, P=P, V=V, BV=BV, HAS_SCALE=kvs is not None,
             KGN=kgn, KGK=kgk, ROW_UNIFORM=kgn % BV == 0 and P % BV == 0 and V % BV == 0,
-            BS=bs, ONE_READ=one_read, TAIL=tail, num_warps=8 if one_read and bs > 32 else 4, **triton_pdl.kw())
+            BS=bs, ONE_READ=one_read, TAIL=tail, LIVE_LOOP=UV_LIVE_LOOP, num_warps=8 if one_read and bs > 32 else 4, **triton_pdl.kw())
         return y
     res = out if out is not None else torch.empty(n, H, L, device=q.device, dtype=q.dtype)
     BL = min(L, 128 if S <= 32 else 64)
