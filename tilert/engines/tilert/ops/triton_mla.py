@@ -315,7 +315,8 @@ def mla_decode(
             o_part.stride(2), y.stride(0), kvs.stride(0) if kvs is not None else 0,
             NUM_SPLITS=S, SB=min(UV_SB, triton.next_power_of_2(S)), L=L, P=P, V=V, BV=BV, HAS_SCALE=kvs is not None,
             KGN=kgn, KGK=kgk, ROW_UNIFORM=kgn % BV == 0 and P % BV == 0 and V % BV == 0,
-            BS=bs, ONE_READ=one_read, TAIL=tail, LIVE_LOOP=UV_LIVE_LOOP, num_warps=8 if one_read and bs > 32 else 4, **triton_pdl.kw())
+            BS=bs, ONE_READ=one_read, TAIL=tail, LIVE_LOOP=UV_LIVE_LOOP,
+            num_warps=8 if one_read and bs > 32 else 4, **triton_pdl.kw())
         return y
     res = out if out is not None else torch.empty(n, H, L, device=q.device, dtype=q.dtype)
     BL = min(L, 128 if S <= 32 else 64)
