@@ -1269,8 +1269,8 @@ def parser() -> argparse.ArgumentParser:
                     help="CPUs of the decode node's engine thread (--engine-cpus; '' leaves it unpinned)")
     ap.add_argument("--prefill-compiled", action="store_true",
                     help="the stack's prefill vLLM compiled (tilert up --prefill-compiled), not --enforce-eager")
-    ap.add_argument("--engine-process", action="store_true",
-                    help="the decode node's engine in a process of its own (tilert up --engine-process)")
+    ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                    help="the decode node's engine in a process of its own (default: as tilert up, so on a CPU host)")
     ap.add_argument("--prefill-in-process", action="store_true",
                     help="the stack's prefill vLLM's model in its engine-core process (tilert up --prefill-in-process)")
     ap.add_argument("--decode-pin", choices=["engine", "process"], default="engine",
