@@ -472,3 +472,30 @@ def test_nixl_large_write_goes_in_pieces_over_several_agents() -> None:
     finally:
         sender.close()
         rx.close()
+
+
+@pytest.mark.timeout(60)
+def test_closed_mooncake_ends_its_engines_at_close_and_refuses_further_use() -> None:
+    """Closing a Mooncake sender or receiver ends its engine there and then (its destructor pauses the process
+    up to a second: left to the garbage collector, that pause once landed inside a later test's 1 s fault
+    deadline); a closed one refuses work with ``TransferError`` instead of touching a dead engine."""
+    import weakref
+
+    transport = load_transport("mooncake")
+    receiver = transport.receiver(host="127.0.0.1", options={})
+    sender = transport.sender(options={})
+    engines = [weakref.ref(receiver._engine), weakref.ref(sender._engine)]  # type: ignore[attr-defined]
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    region = receiver.register(buf)
+    target = receiver.grant(region, 0, 64)
+    sender.close()
+    receiver.close()
+    assert [e() for e in engines] == [None, None]
+    with pytest.raises(TransferError, match="closed"):
+        sender.write(target, torch.ones(64, dtype=torch.uint8))
+    with pytest.raises(TransferError, match="closed"):
+        receiver.grant(region, 0, 64)
+    with pytest.raises(TransferError, match="closed"):
+        receiver.register(torch.zeros(4096, dtype=torch.uint8))
+    sender.close()  # idempotent
+    receiver.close()

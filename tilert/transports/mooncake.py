@@ -178,6 +178,8 @@ class MooncakeReceiver(Receiver):
     def register(self, buffer: torch.Tensor) -> int:
         check_receive_buffer(buffer, "mooncake")
         with self._lock:
+            if self._closed:
+                raise TransferError("mooncake receiver is closed")
             if self.registration == "region":
                 rc = self._engine.register_memory(buffer.data_ptr(), buffer.numel())
                 if rc != 0:
@@ -274,6 +276,15 @@ class MooncakeReceiver(Receiver):
                     self._engine.unregister_memory(buf.data_ptr())
             self._grants.clear()
             self._closed = True
+            engine, self._engine = self._engine, None
+        _end(engine)
+
+
+def _end(engine: Any) -> None:
+    """Let a closed engine go now (the caller's reference was the last). Its destructor removes the engine's
+    segment from the metadata holding the GIL (up to ~0.6 s, ``removeSegmentDesc`` in its log): left to the
+    garbage collector, that pause landed in whatever ran next (once a test's 1 s fault deadline)."""
+    del engine
 
 
 class MooncakeSender(Sender):
@@ -293,6 +304,7 @@ class MooncakeSender(Sender):
         self._probe_timeout_s = min(0.5, timeout_s)
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
+        self._closed = False
 
     def register_source(self, buffer: torch.Tensor) -> None:
         if buffer.device.type != "cpu" or not buffer.is_contiguous():
@@ -302,12 +314,16 @@ class MooncakeSender(Sender):
             )
         start, n = buffer.data_ptr(), buffer.numel() * buffer.element_size()
         with self._lock:
+            if self._closed:
+                raise TransferError("mooncake sender is closed")
             rc = self._engine.register_memory(start, n)
             if rc != 0:
                 raise TransferError(f"mooncake refused to register the {n}-byte staging buffer: rc={rc}")
             self._staging.append((start, start + n))
 
     def write(self, target: dict[str, Any], data: torch.Tensor, offset: int = 0) -> None:
+        if self._closed:
+            raise TransferError("mooncake sender is closed")
         session, key = target_field(target, "session", str, NAME), target_field(target, "key", str, NAME)
         addr, nbytes = target_field(target, "addr", int, NAME), target_field(target, "nbytes", int, NAME)
         data = _cpu_bytes(data)
@@ -386,8 +402,8 @@ class MooncakeSender(Sender):
         if not self._register_source:
             return
         with self._lock:
-            if src not in self._sources:
-                return  # inside a staging buffer: registered once, for good
+            if src not in self._sources or self._closed:
+                return  # inside a staging buffer (registered once, for good), or the engine is gone
             left = self._sources[src] - 1
             if left:
                 self._sources[src] = left
@@ -398,13 +414,19 @@ class MooncakeSender(Sender):
             log.warning("mooncake_source_unregister_failed", rc=rc)
 
     def close(self) -> None:
-        """The engine stops with the process; nothing is pooled per peer. Staging buffers are unregistered."""
+        """Staging buffers are unregistered and the engine ends now (nothing is pooled per peer); a write after
+        this fails with ``TransferError``."""
         with self._lock:
+            if self._closed:
+                return
             staging, self._staging = self._staging, []
             for start, _ in staging:
                 rc = self._engine.unregister_memory(start)
                 if rc != 0:
                     log.warning("mooncake_source_unregister_failed", rc=rc)
+            self._closed = True
+            engine, self._engine = self._engine, None
+        _end(engine)
 
 
 class MooncakeTransport(Transport):
