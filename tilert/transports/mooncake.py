@@ -41,6 +41,11 @@ reconnecting to a dead peer for about a second per write, so later writes to it 
 under a millisecond. A write to a live but stuck peer (a stopped process) ends after ``MC_TRANSFER_TIMEOUT``
 (the library's own timeout, at least 5 s; set from ``timeout_s`` unless the environment sets it).
 
+Closing: ``close()`` ends the sender's or receiver's engine then and there (a closed one refuses work with
+``TransferError``). The engine's destructor removes its segment from the metadata and pauses the process for up to
+~1 s (``removeSegmentDesc`` in its log); left to the garbage collector, that pause landed in whatever ran next (once
+inside a test's 1 s fault deadline).
+
 Known limits of ``mooncake-transfer-engine-non-cuda==0.3.13.post1``: its RPC (``0.0.0.0``) and TCP data
 (``*``) listeners bind every interface whatever host is given (``MC_TCP_BIND_ADDRESS`` did not change that
 here), with no authentication: anyone who can reach them may write into a registered window. Grant
@@ -277,14 +282,7 @@ class MooncakeReceiver(Receiver):
             self._grants.clear()
             self._closed = True
             engine, self._engine = self._engine, None
-        _end(engine)
-
-
-def _end(engine: Any) -> None:
-    """Let a closed engine go now (the caller's reference was the last). Its destructor removes the engine's
-    segment from the metadata holding the GIL (up to ~0.6 s, ``removeSegmentDesc`` in its log): left to the
-    garbage collector, that pause landed in whatever ran next (once a test's 1 s fault deadline)."""
-    del engine
+        del engine  # the engine ends here (module docstring: "Closing")
 
 
 class MooncakeSender(Sender):
@@ -426,7 +424,7 @@ class MooncakeSender(Sender):
                     log.warning("mooncake_source_unregister_failed", rc=rc)
             self._closed = True
             engine, self._engine = self._engine, None
-        _end(engine)
+        del engine  # the engine ends here (module docstring: "Closing")
 
 
 class MooncakeTransport(Transport):
