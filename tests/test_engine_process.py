@@ -115,7 +115,7 @@ def test_a_cancel_reaches_the_engine_process_and_frees_the_sequence(model: Path,
         assert long.ended.wait(5) and long.result == Finish("cancelled")
         assert late.ended.wait(60) and late.ids == prompts[2].alone[:5]  # it got the freed sequence
         if proc._reader is not None and os.path.exists(f"/proc/self/task/{proc._reader.native_id}/status"):
-            # Nothing live: the node's reader sleeps until the engine speaks or a job comes (it used to wake every
+            # Nothing live: the node's reader sleeps until the engine speaks (it used to wake every
             # 5 ms to look for cancels, ~100 switches in this half second).
             time.sleep(0.1)
             before = _switches(proc._reader.native_id)

@@ -262,7 +262,7 @@ class BackgroundSender:
             phase = "offer"
             try:
                 accept = self._offer(sock, offer)
-            except (ConnectionError, BrokenPipeError) as exc:
+            except ConnectionError as exc:  # BrokenPipeError, ConnectionResetError among them
                 sock.close()
                 sock = None
                 if not kept:

@@ -27,13 +27,11 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
-import os
 import signal
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.connection import wait as mp_wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -167,9 +165,6 @@ class EngineProcess:
             raise EngineProcessError(f"the engine process said {type(ready).__name__} before it was ready")
         self.engine = RemoteEngine(ready, self._check)
         self._reader: threading.Thread | None = None
-        # A submit wakes the reader: with no job live it sleeps until the engine says something or one comes.
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_w, False)
 
     def attach(self, buffers: list[torch.Tensor]) -> None:
         """Hand the engine the receive buffers (shared memory: ``SlotTable(shared=True)``), slot by slot; then
@@ -201,7 +196,6 @@ class EngineProcess:
         with self._lock:
             self._jobs[key] = job
         self._send(msg)
-        self._wake()
 
     def close(self) -> None:
         self._closing = True
@@ -214,8 +208,6 @@ class EngineProcess:
         if self._reader is not None:
             self._reader.join(timeout=2)
         self._conn.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
 
     # ---- internals ----------------------------------------------------------------------------------
 
@@ -243,25 +235,17 @@ class EngineProcess:
         if answer[0] is not None:
             raise ValueError(answer[0])
 
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"w")
-        except OSError:  # closed, or the pipe is full of wake-ups the reader has not read yet: it is awake
-            pass
-
     def _read(self) -> None:
         """Events from the engine to each job's callbacks; cancelled jobs to the engine; the engine's end.
-        While jobs are live it looks for cancels every ``_POLL_S``; with none it sleeps until an event or a
-        submit (nothing can be cancelled then), so an idle node does not wake."""
+        While jobs are live it looks for cancels every ``_POLL_S``; with none it sleeps until the engine speaks
+        (a job submitted meanwhile is live from the engine's first event on, one step later; a cancel before that
+        costs the engine that step), so an idle node does not wake."""
         try:
             while True:
                 self._forward_cancels()
                 with self._lock:
                     live = bool(self._jobs)
-                ready = mp_wait([self._conn, self._wake_r], _POLL_S if live else None)
-                if self._wake_r in ready:
-                    os.read(self._wake_r, 4096)
-                if self._conn in ready:
+                if self._conn.poll(_POLL_S if live else None):
                     self._dispatch(c.parse_engine_event(self._conn.recv_bytes()))
         except (EOFError, OSError, c.ContractError, EngineProcessError) as exc:
             self._proc.join(timeout=1)
