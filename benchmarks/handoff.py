@@ -33,6 +33,13 @@ per token) with random prompts of the same lengths, ``max_tokens=1``: the HTTP l
 unclaimed (a plain request) and claimed (the request carries a signed claim; a decode node's transfer half
 in this process receives the KV), alternating, median of ``--vllm-reps``; and for the claimed ones when the
 state was ready on the decode node relative to vLLM's response (negative: before the client had it).
+
+By default vLLM's forward runs its OMP threads on every core (its "auto" binding) and the decode half here
+shares those cores, so every byte the decode half receives is CPU taken from the prefill: a worst case no
+deployment has (the decode node is another machine, or at least other cores). ``--split-cpus P:D`` runs the
+measurement as the stack runs on one machine: vLLM's OMP threads bound to CPUs ``P``
+(``VLLM_CPU_OMP_THREADS_BIND``, as ``benchmarks/e2e.py`` binds the stack's prefill) and this process, the decode
+half, on CPUs ``D``; the connector's sender threads stay free to run on any CPU, as in the stack.
 """
 
 from __future__ import annotations
@@ -313,8 +320,11 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 600) 
     raise RuntimeError(f"vLLM not healthy within {timeout_s:g}s")
 
 
-def run_vllm(transport: str, tokens: list[int], reps: int, model: Path | None) -> list[VllmResult]:
-    """One stock vLLM (connector on ``transport``) and a decode node's transfer half in this process."""
+def run_vllm(
+    transport: str, tokens: list[int], reps: int, model: Path | None, split: tuple[str, set[int]] | None = None
+) -> list[VllmResult]:
+    """One stock vLLM (connector on ``transport``) and a decode node's transfer half in this process; with
+    ``split`` = (vLLM's OMP CPU list, this process's CPUs) each on its own CPUs (``--split-cpus``)."""
     import httpx
     import psutil
 
@@ -329,6 +339,10 @@ def run_vllm(transport: str, tokens: list[int], reps: int, model: Path | None) -
     cfg = StackConfig(model=model, prefill_port=port, transport=transport, max_model_len=max_tokens + 64,
                       kv_cache_bytes=max(134_217_728, 2 * (max_tokens + 64) * TINY_BPT))  # fmt: skip
     env = {**child_env(secret_file), "UCX_NET_DEVICES": "lo", "VLLM_LOGGING_LEVEL": "WARNING"}
+    mine = os.sched_getaffinity(0)
+    if split is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = split[0]
+        os.sched_setaffinity(0, split[1])  # the receiver's threads, made below, inherit it
     log_path = Path(tempfile.gettempdir()) / f"handoff-vllm-{transport}-{os.getpid()}.log"
     print(f"(vLLM's log: {log_path})", flush=True)
     with open(log_path, "w") as log_file:
@@ -408,6 +422,7 @@ def run_vllm(transport: str, tokens: list[int], reps: int, model: Path | None) -
         except subprocess.TimeoutExpired:
             proc.kill()
         receiver.close()
+        os.sched_setaffinity(0, mine)
         import shutil
 
         shutil.rmtree(secret_file.parent, ignore_errors=True)
@@ -464,7 +479,14 @@ def main() -> None:
     ap.add_argument("--vllm-model", type=Path, default=None,
                     help="a tiny deepseek_v3 checkpoint with max_position_embeddings >= the longest prompt "
                     "(default: built into a temporary directory)")  # fmt: skip
+    ap.add_argument("--split-cpus", default="", metavar="P:D",
+                    help="vLLM's OMP threads on CPUs P, the decode half (this process) on CPUs D, e.g. 0:1 "
+                    "(default: both on every CPU; module docstring)")  # fmt: skip
     args = ap.parse_args()
+    split = None
+    if args.split_cpus:
+        p_cpus, _, d_cpus = args.split_cpus.partition(":")
+        split = (p_cpus, {int(x) for x in d_cpus.split(",")})
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and up
     tokens = [int(x) for x in args.tokens.split(",")]
     RECEIVER_OPTIONS.update(args.receiver_options)
@@ -477,10 +499,11 @@ def main() -> None:
             results += anyio.run(run_transport, transport, tokens, args.reps, args.prefill_tok_s)
     vllm_rows: list[VllmResult] = []
     if args.vllm or args.vllm_only:
+        where = f"; vLLM's OMP threads on CPUs {split[0]}, the decode half on {sorted(split[1])}" if split else ""
         print(f"\nstock vLLM prefill, tiny DeepSeek-V3 (float32, {TINY_BPT:,} bytes per token), median of "
-              f"{args.vllm_reps}\n\n{VLLM_HEADER}", flush=True)  # fmt: skip
+              f"{args.vllm_reps}{where}\n\n{VLLM_HEADER}", flush=True)  # fmt: skip
         for transport in transports:
-            vllm_rows += run_vllm(transport, tokens, args.vllm_reps, args.vllm_model)
+            vllm_rows += run_vllm(transport, tokens, args.vllm_reps, args.vllm_model, split)
     if args.out is not None:
         cmd = "python benchmarks/handoff.py " + " ".join(sys.argv[1:])
         title = f"# KV handoff on CPU: staging pool + layer-pipelined sending ({date.today()})"
@@ -494,7 +517,7 @@ def main() -> None:
         if vllm_rows:
             text += (
                 f"\nStock vLLM prefill (tiny DeepSeek-V3, float32, {TINY_BPT:,} bytes per token), median of "
-                f"{args.vllm_reps}:\n\n{VLLM_HEADER}\n" + "\n".join(r.row() for r in vllm_rows) + "\n"
+                f"{args.vllm_reps}{where}:\n\n{VLLM_HEADER}\n" + "\n".join(r.row() for r in vllm_rows) + "\n"
             )
         args.out.write_text(text)
         print(f"\nwritten: {args.out}")
