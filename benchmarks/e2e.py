@@ -395,8 +395,9 @@ def start_servers(
             model=model, port=free_port(), prefill_port=free_port(), ctrl_port=free_port(),
             decode_http_port=free_port(), dtype=args.dtype, max_model_len=MAX_MODEL_LEN, kv_cache_bytes=KV_CACHE_BYTES,
             prefill_compiled=args.prefill_compiled, prefill_in_process=args.prefill_in_process,
-            engine_process=args.engine_process,
+            engine_process=args.engine_process, engine_cpus=args.decode_cpus if args.stack_pin else None,
         )  # fmt: skip
+        rest = set(stack.cpu_plan(cfg).rest) if args.stack_pin else set()  # as tilert up --engine-cpus
         secret_file = stack.write_secret_file()
         args._cleanup.append(lambda: shutil.rmtree(secret_file.parent, ignore_errors=True))
         base = stack.child_env(secret_file)
@@ -411,7 +412,9 @@ def start_servers(
         if args.router_log_level:
             envs["router"]["TILERT_LOG_LEVEL"] = args.router_log_level
         for name in names:
-            pinned = {"router": parse_cpus(args.router_cpus)}
+            pinned = {n: rest for n in ("prefill", "decode", "router") if rest}
+            if parse_cpus(args.router_cpus):
+                pinned["router"] = parse_cpus(args.router_cpus)
             if args.decode_pin == "process":  # the whole node (its event loop too) on --decode-cpus
                 pinned["decode"] = parse_cpus(args.decode_cpus)
             cpus = pinned.get(name)
@@ -431,8 +434,12 @@ def start_servers(
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("TILERT_SECRET")},
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                **stack.IN_PROCESS_EXECUTOR_ENV, "VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus}  # fmt: skip
-        procs.start("vllm", cmd, env)
-        started["vllm"] = {"command": cmd,
+        # As the stack: the model's OMP thread on --vllm-cpus, the rest of vLLM (its API server, the engine core's
+        # other threads) kept off them.
+        usable = set(os.sched_getaffinity(0))
+        rest_vllm = usable - set(parse_cpus(args.vllm_cpus) or ()) if args.stack_pin else set()
+        procs.start("vllm", cmd, env, cpus=rest_vllm or None)
+        started["vllm"] = {"command": cmd, "cpus": sorted(rest_vllm) or None,
                            "env": {"VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus, **stack.IN_PROCESS_EXECUTOR_ENV}}
         out["vllm"] = Target("vllm", f"http://127.0.0.1:{port}", ["vllm"])
         health["vllm"] = out["vllm"].url
@@ -1281,7 +1288,10 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="the decode node's --max-sequences (default: the node's own, as `tilert up` runs it)",
     )
-    ap.add_argument("--router-cpus", default="", help="CPU set of the router process (default: unpinned)")
+    ap.add_argument("--router-cpus", default="", help="CPU set of the router process (default: as --stack-pin)")
+    ap.add_argument("--stack-pin", action="store_true",
+                    help="as tilert up --engine-cpus: the stack's processes (prefill, router, decode node) off the "
+                    "engine's --decode-cpus, and vLLM alone's processes off its --vllm-cpus (default: unpinned)")
     ap.add_argument("--router-log-level", default=None, help="TILERT_LOG_LEVEL of the router (default: its own)")
     ap.add_argument("--startup-timeout-s", type=float, default=900.0)
     ap.add_argument("--bench-timeout-s", type=float, default=1800.0)

@@ -9,12 +9,14 @@ import os
 import stat
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tilert import cli, stack
+from tilert.decode import config as decode_config
 from tilert.decode.config import DEFAULT_MAX_LEASE_S, DecodeConfig
 from tilert.router.config import (
     ConfigError,
@@ -343,6 +345,30 @@ def test_up_engine_process_reaches_the_decode_node(model: Path, monkeypatch: pyt
         default = stack.decode_command(stack.StackConfig(model=model))
         assert ("--engine-process" in default) is not cuda
 
+
+def test_up_engine_cpus_keeps_the_rest_of_the_stack_off_them(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--engine-cpus``: the engine's worker thread there, every other process of the stack (the prefill's OMP
+    threads included) on the other CPUs this process may use; unset, empty or in native mode nothing is pinned;
+    CPUs this process may not use are refused at start-up."""
+    monkeypatch.setattr(stack, "allowed_cpus", lambda: frozenset({0, 1, 2, 3}))
+    monkeypatch.setattr(decode_config, "allowed_cpus", lambda: frozenset({0, 1, 2, 3}))
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert cli.parser().parse_args(["up", "--model", "/m", "--engine-cpus", "3"]).engine_cpus == "3"
+    cfg = stack.StackConfig(model=model, engine_cpus="3")
+    assert stack.cpu_plan(cfg) == stack.CpuPlan(frozenset({3}), frozenset({0, 1, 2}))
+    cmd = stack.decode_command(cfg)
+    assert cmd[cmd.index("--engine-cpus") + 1] == "3" and decode_from_cli(cmd[3:]).engine_cpu_set == {3}
+    assert stack.Stack(cfg).extra_env("prefill")["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,2"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")  # the caller's own binding wins
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in stack.Stack(cfg).extra_env("prefill")
+    assert stack.cpu_plan(replace(cfg, engine_cpus="1-2")) == stack.CpuPlan(frozenset({1, 2}), frozenset({0, 3}))
+    for off in (replace(cfg, engine_cpus=None), replace(cfg, engine_cpus=""), replace(cfg, native=True)):
+        assert stack.cpu_plan(off) == stack.CpuPlan() and "--engine-cpus" not in stack.decode_command(off)
+    with pytest.raises(ValueError, match="may use CPUs 0,1,2,3"):
+        stack.cpu_plan(replace(cfg, engine_cpus="7"))
+    assert stack.run(replace(cfg, engine_cpus="7")) == 2  # refused before anything starts
+
+
 # -- metrics -------------------------------------------------------------------------------------------------
 
 
@@ -445,3 +471,17 @@ def test_uvicorn_target_is_still_the_asgi_app() -> None:
         "assert pkg.app is app\n"
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_allowed_cpus_is_the_cpuset_not_the_current_pinning() -> None:
+    """A process pinned to one CPU (as ``tilert up`` starts the decode node) may still pin its engine's thread to
+    another CPU of its cpuset: the node validates ``--engine-cpus`` against the cpuset."""
+    from tilert.cpus import allowed_cpus
+
+    every = allowed_cpus()
+    mine = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(every)})
+        assert allowed_cpus() == every and os.sched_getaffinity(0) == {min(every)}  # and it leaves the pinning
+    finally:
+        os.sched_setaffinity(0, mine)

@@ -78,7 +78,7 @@ def _up(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len, engine=args.engine, transport=args.transport,
             reserve_lease_s=args.reserve_lease_s, secret_file=args.secret_file, prefill_compiled=args.prefill_compiled,
             prefill_in_process=args.prefill_in_process, engine_process=args.engine_process,
-            native=args.native,
+            engine_cpus=args.engine_cpus, native=args.native,
             native_engine=args.native_engine,
             native_port=args.native_port, prefill_side_port=args.prefill_side_port,
             native_side_port=args.native_side_port, overflow_wait_s=args.overflow_wait_s,
@@ -200,6 +200,11 @@ def parser() -> argparse.ArgumentParser:
         help="run the decode node's engine in a process of its own (tilert decode --engine-process); default: so "
         "on a CPU host (one user decoded 1.29x vLLM alone's speed against 1.10x, "
         "benchmarks/results/cpu-e2e-2026-12-01.md)",
+    )  # fmt: skip
+    up.add_argument(
+        "--engine-cpus", default=None, metavar="LIST",
+        help="CPUs of the decode engine's worker thread ('1', '2-3'); the prefill (its OMP threads too), the "
+        "router and the node's own loops are kept off them. Default: nothing pinned",
     )  # fmt: skip
     up.add_argument(
         "--prefill-in-process", action="store_true",

@@ -20,6 +20,7 @@ that dies, SIGINT or SIGTERM stops all three and leaves no process behind.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import shutil
@@ -36,6 +37,7 @@ import httpx
 import structlog
 
 from tilert.auth import SECRET_ENV, SECRET_FILE_ENV, generate_secret
+from tilert.cpus import allowed_cpus, parse_cpu_list
 from tilert.decode.config import DEFAULT_MAX_LEASE_S
 from tilert.engines.vllm import NativeInstance
 from tilert.plugins import PluginError, load_native_pool
@@ -71,6 +73,9 @@ class StackConfig:
     # The decode node's engine in a process of its own (tilert decode --engine-process); None: so on a CPU host,
     # where the node's HTTP loop would otherwise hold the GIL the engine's step needs.
     engine_process: bool | None = None
+    # CPUs of the decode engine's worker thread (``tilert decode --engine-cpus``); every other process of the stack
+    # (the prefill with its OMP threads, the router, the node's own loops) is kept off them. None/"": nothing pinned.
+    engine_cpus: str | None = None
 
 
 def _url(host: str, port: int) -> str:
@@ -145,8 +150,14 @@ IN_PROCESS_EXECUTOR_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def prefill_env(cfg: StackConfig) -> dict[str, str]:
-    """What the prefill's environment needs beside the stack's own (:func:`child_env`)."""
-    return dict(IN_PROCESS_EXECUTOR_ENV) if cfg.prefill_in_process and not _has_cuda() else {}
+    """What the prefill's environment needs beside the stack's own (:func:`child_env`): the in-process executor,
+    and its OMP threads bound off the engine's CPUs (:func:`cpu_plan`; a ``VLLM_CPU_OMP_THREADS_BIND`` of the
+    caller's own wins)."""
+    env = dict(IN_PROCESS_EXECUTOR_ENV) if cfg.prefill_in_process and not _has_cuda() else {}
+    rest = cpu_plan(cfg).rest
+    if rest and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = CpuPlan.text(rest)
+    return env
 
 
 def _has_cuda() -> bool:
@@ -161,18 +172,54 @@ def leases(cfg: StackConfig) -> tuple[float, float]:
     return lease, max(DEFAULT_MAX_LEASE_S, lease)
 
 
+def engine_process(cfg: StackConfig) -> bool:
+    """Whether the decode node runs its engine in a process of its own: ``cfg.engine_process``, unset: on a CPU
+    host (one user decoded 1.29x vLLM alone's speed against 1.10x with the engine on the node's thread,
+    ``benchmarks/results/cpu-e2e-2026-12-01.md``)."""
+    return cfg.engine_process if cfg.engine_process is not None else not _has_cuda()
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    """Who runs where: the decode engine's worker thread on ``engine``, every other process of the stack on
+    ``rest`` (empty sets: not pinned)."""
+
+    engine: frozenset[int] = frozenset()
+    rest: frozenset[int] = frozenset()
+
+    @staticmethod
+    def text(cpus: frozenset[int]) -> str:
+        return ",".join(str(c) for c in sorted(cpus))
+
+
+def cpu_plan(cfg: StackConfig) -> CpuPlan:
+    """The stack's CPU placement (``StackConfig.engine_cpus``, ``tilert up --engine-cpus``): the engine's worker
+    thread on those CPUs, every other process of the stack on the rest of the CPUs this process may use; unset:
+    nothing pinned. Not the default: on the 2-core CPU demo it left one core to the prefill, the router and the
+    node together, and cost the first token 15-30 ms for no clear gain per token
+    (``benchmarks/results/cpu-e2e-2026-12-01.md``). Native mode pins its two vLLM instances itself and is left as
+    it is. ``ValueError`` for CPUs this process may not use."""
+    if cfg.native or not cfg.engine_cpus or not hasattr(os, "sched_setaffinity"):
+        return CpuPlan()
+    usable = allowed_cpus()
+    engine = parse_cpu_list(cfg.engine_cpus)
+    if not engine <= usable:
+        raise ValueError(f"--engine-cpus {cfg.engine_cpus!r}: this process may use CPUs {CpuPlan.text(usable)}")
+    return CpuPlan(engine, usable - engine)
+
+
 def decode_command(cfg: StackConfig) -> list[str]:
-    """The decode node; with ``engine_process`` (unset: on a CPU host) its engine runs in a process of its own
-    (``--engine-process``: on the CPU demo one user decoded 1.29x vLLM alone's speed against 1.10x with the engine on
-    the node's thread, ``benchmarks/results/cpu-e2e-2026-12-01.md``)."""
-    engine_process = cfg.engine_process if cfg.engine_process is not None else not _has_cuda()
+    """The decode node; with ``engine_process`` (unset: on a CPU host) its engine runs in a process of its own,
+    its worker thread on the CPUs of :func:`cpu_plan`."""
+    engine_cpus = cpu_plan(cfg).engine
     return [
         sys.executable, "-m", "tilert.cli", "decode",
         "--model", str(cfg.model), "--engine", cfg.engine, "--transport", cfg.transport,
         "--host", cfg.host, "--ctrl-port", str(cfg.ctrl_port), "--http-port", str(cfg.decode_http_port),
         "--dtype", cfg.dtype, "--max-seq-len", str(cfg.max_model_len),
         "--max-lease-s", str(leases(cfg)[1]),
-        *(["--engine-process"] if engine_process else []),
+        *(["--engine-process"] if engine_process(cfg) else []),
+        *(["--engine-cpus", CpuPlan.text(engine_cpus)] if engine_cpus else []),
     ]  # fmt: skip
 
 
@@ -270,11 +317,13 @@ class Stack:
 
     def start(self) -> None:
         env = self.child_env()
+        rest = cpu_plan(self.cfg).rest  # every child off the engine's CPUs (its worker thread pins itself there)
+        pin = functools.partial(os.sched_setaffinity, 0, rest) if rest else None
         for name, cmd in self.commands().items():
-            log.info("starting", process=name, command=" ".join(cmd))
+            log.info("starting", process=name, command=" ".join(cmd), cpus=CpuPlan.text(rest) or "any")
             # Children log to stderr: stdout carries only the URL lines, for people and scripts.
             self.children[name] = subprocess.Popen(cmd, env={**env, **self.extra_env(name)}, stdout=sys.stderr,
-                                                   start_new_session=True)  # fmt: skip
+                                                   start_new_session=True, preexec_fn=pin)  # fmt: skip
 
     def wait_healthy(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
@@ -342,6 +391,11 @@ def run(cfg: StackConfig) -> int:
         except PluginError as exc:
             print(f"tilert up: --native-engine: {exc}", file=sys.stderr)
             return 2
+    try:
+        cpu_plan(cfg)
+    except ValueError as exc:
+        print(f"tilert up: {exc}", file=sys.stderr)
+        return 2
     stack = Stack(cfg)
     stopping = False
 

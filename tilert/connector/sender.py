@@ -13,7 +13,7 @@ layer within ``timeout_s`` ends the transfer at once; the decode node is told wi
 whenever the control channel is up (its waiting request fails at once instead of timing out), and on every
 exit path the staging extent goes back to the pool (:meth:`Staged.release`, exactly once).
 
-CPU placement: the sender's threads run on every CPU this process may use (:func:`sender_cpus`), never on
+CPU placement: the sender's threads run on every CPU this process may use (:func:`tilert.cpus.allowed_cpus`), never on
 the one core vLLM's worker thread happens to be pinned to when the pool starts them. Threads inherit their
 creator's affinity, and the creator here is vLLM's forward thread: on CPU, ``VLLM_CPU_OMP_THREADS_BIND``
 pins it to the OpenMP cores, and vLLM's ``NixlConnector`` (a sibling under ``MultiConnector``) re-pins it to
@@ -42,6 +42,7 @@ from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_expo
 from tilert import contracts as p
 from tilert.connector.claims import Claim
 from tilert.connector.faults import Fault
+from tilert.cpus import allowed_cpus
 from tilert.plugins import load_transport
 from tilert.transports.base import TransferError
 
@@ -177,7 +178,7 @@ class BackgroundSender:
         self._transport = load_transport(transport).sender(options=options)
         self.timeout_s = timeout_s
         self._sender_id = f"prefill-{uuid.uuid4().hex[:8]}"
-        self.cpus = sender_cpus()
+        self.cpus = allowed_cpus()
         self._pool = ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix="tilert-send", initializer=_place_thread, initargs=(self.cpus,)
         )
@@ -322,21 +323,6 @@ class BackgroundSender:
                 p.send_msg(sock, p.Abort(claim.transfer_id, reason[: p.MAX_REASON_CHARS]))
         except (OSError, p.ContractError) as exc:
             log.error("abort_not_delivered", transfer_id=claim.transfer_id, error=str(exc))
-
-
-def sender_cpus() -> frozenset[int]:
-    """Every CPU this process may run on (its cpuset), whatever the calling thread is pinned to; empty where
-    the platform has no CPU affinity. The kernel intersects the request with the process's cpuset."""
-    if not hasattr(os, "sched_setaffinity"):
-        return frozenset()
-    mine = os.sched_getaffinity(0)
-    try:
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
-        return frozenset(os.sched_getaffinity(0))
-    except OSError:
-        return frozenset(mine)
-    finally:
-        os.sched_setaffinity(0, mine)  # the calling thread (vLLM's) keeps its own placement
 
 
 def _place_thread(cpus: frozenset[int]) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from tilert.auth import SECRET_ENV, SECRET_FILE_ENV
+from tilert.cpus import allowed_cpus, parse_cpu_list
 from tilert.router.config import (
     ConfigError,
     _port,
@@ -163,7 +164,7 @@ class DecodeConfig:
         need(self.dtype in DTYPES, f"{d('dtype')} must be one of {', '.join(DTYPES)} ({self.dtype!r})")
         try:
             cpus = self.engine_cpu_set
-            usable = _usable_cpus()
+            usable = allowed_cpus()
             need(cpus <= usable, f"{d('engine_cpus')} names CPUs this process may not use: "
                                  f"{sorted(cpus - usable)} (usable: {sorted(usable)})")  # fmt: skip
         except ValueError as exc:
@@ -182,27 +183,6 @@ def _int(value: Any) -> bool:
 
 def _num(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def parse_cpu_list(text: str) -> frozenset[int]:
-    """A Linux CPU list (``"1"``, ``"0,2-3"``) as a set; ``ValueError`` naming what is wrong."""
-    cpus: set[int] = set()
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
-        if m is None:
-            raise ValueError(f"{part!r} is not a CPU number or range (e.g. '1' or '2-3')")
-        lo, hi = int(m[1]), int(m[2] or m[1])
-        if hi < lo:
-            raise ValueError(f"empty CPU range {part!r}")
-        cpus.update(range(lo, hi + 1))
-    return frozenset(cpus)
-
-
-def _usable_cpus() -> frozenset[int]:
-    import os
-
-    getter = getattr(os, "sched_getaffinity", None)
-    return frozenset(getter(0)) if getter else frozenset(range(os.cpu_count() or 1))
 
 
 def load_decode_config(cli: Mapping[str, Any] | None = None) -> DecodeConfig:
@@ -239,7 +219,6 @@ __all__ = [
     "ConfigError",
     "DecodeConfig",
     "load_decode_config",
-    "parse_cpu_list",
     "resolve_device",
     "resolve_dtype",
 ]
