@@ -13,8 +13,8 @@ layer within ``timeout_s`` ends the transfer at once; the decode node is told wi
 whenever the control channel is up (its waiting request fails at once instead of timing out), and on every
 exit path the staging extent goes back to the pool (:meth:`Staged.release`, exactly once).
 
-CPU placement: the sender's threads run on every CPU this process may use (:func:`tilert.cpus.allowed_cpus`), never on
-the one core vLLM's worker thread happens to be pinned to when the pool starts them. Threads inherit their
+CPU placement: the sender's threads run on every CPU this process may use (:func:`~tilert.cpus.allowed_cpus`),
+never on the one core vLLM's worker thread happens to be pinned to when the pool starts them. Threads inherit their
 creator's affinity, and the creator here is vLLM's forward thread: on CPU, ``VLLM_CPU_OMP_THREADS_BIND``
 pins it to the OpenMP cores, and vLLM's ``NixlConnector`` (a sibling under ``MultiConnector``) re-pins it to
 the last core of each NUMA node in its worker's ``__init__``. On a small machine that core may be shared
@@ -327,7 +327,7 @@ class BackgroundSender:
 
 def _place_thread(cpus: frozenset[int]) -> None:
     """Each sender thread, as it starts: free to run on ``cpus`` (not on its creator's pinned core)."""
-    if cpus:
+    if cpus and hasattr(os, "sched_setaffinity"):
         try:
             os.sched_setaffinity(0, cpus)
         except OSError as exc:
