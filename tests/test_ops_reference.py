@@ -320,3 +320,33 @@ def test_cpu_kernels_agree_with_the_reference() -> None:
             cpu.moe_residual(h1, nw, 1e-6, zeros, ones, w13[:1], w2[:1])
             reference.moe_residual(h2, nw, 1e-6, zeros, ones, w13[:1], w2[:1])
             close(h1, h2)
+
+
+def test_cpu_router_and_experts_give_each_row_what_it_gets_alone() -> None:
+    """Row invariance of the CPU kernels' element-wise parts, at widths that are not a multiple of ATen's SIMD
+    block (8 expert scores; 40 and 96 intermediate units of a dense MLP, which runs over all rows at once): ATen
+    rounds a tensor's last partial block with scalar code, so a sigmoid or silu over several rows at once gave a
+    row other bits than alone (the router's scores on an AVX2 host: about one row in four). Float32, 1..5 rows,
+    each row bit for bit."""
+    from tilert.engines.tilert.ops import cpu
+
+    g = _gen(7)
+    d, e = 64, 8
+    for inter in (40, 96):  # the dense MLP (one expert, id 0, weight 1): one SwiGLU over every row
+        w13, w2 = torch.randn(1, 2 * inter, d, generator=g) * 0.1, torch.randn(1, d, inter, generator=g) * 0.1
+        x = torch.randn(5, d, generator=g)
+        for n in range(1, 6):
+            ones, zeros = torch.ones(n, 1), torch.zeros(n, 1, dtype=torch.int32)
+            out = cpu.moe_experts(x[:n], zeros, ones, w13, w2)
+            for i in range(n):
+                alone = cpu.moe_experts(x[i : i + 1], zeros[:1], ones[:1], w13, w2)
+                assert torch.equal(out[i], alone[0]), (inter, n, i)
+    gate, bias = torch.randn(e, d, generator=g), torch.randn(e, generator=g) * 0.1
+    norm = torch.ones(d)
+    for trial, (top_k, norm_topk) in enumerate([(8, False)] * 4 + [(2, True)] * 4):  # top 8 of 8: every score shows
+        h = torch.randn(5, d, generator=g)
+        for n in range(2, 6):
+            ids, weights = cpu.router(h[:n], norm, 1e-6, gate, bias, top_k, 1, 1, 2.5, norm_topk, 1)
+            for i in range(n):
+                ids1, weights1 = cpu.router(h[i : i + 1], norm, 1e-6, gate, bias, top_k, 1, 1, 2.5, norm_topk, 1)
+                assert torch.equal(ids[i], ids1[0]) and torch.equal(weights[i], weights1[0]), (trial, n, i)
