@@ -384,6 +384,7 @@ def start_servers(
 ) -> tuple[dict[str, Target], dict[str, Any], dict[str, str]]:
     """Start what the targets need, at once; returns the targets, what was started how, and each server's URL."""
     from tilert import stack
+    from tilert.cpus import allowed_cpus, parse_cpu_list
 
     targets = args.targets
     started: dict[str, Any] = {}
@@ -436,8 +437,7 @@ def start_servers(
                **stack.IN_PROCESS_EXECUTOR_ENV, "VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus}  # fmt: skip
         # As the stack: the model's OMP thread on --vllm-cpus, the rest of vLLM (its API server, the engine core's
         # other threads) kept off them.
-        usable = set(os.sched_getaffinity(0))
-        rest_vllm = usable - set(parse_cpus(args.vllm_cpus) or ()) if args.stack_pin else set()
+        rest_vllm = set(allowed_cpus() - parse_cpu_list(args.vllm_cpus)) if args.stack_pin else set()
         procs.start("vllm", cmd, env, cpus=rest_vllm or None)
         started["vllm"] = {"command": cmd, "cpus": sorted(rest_vllm) or None,
                            "env": {"VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus, **stack.IN_PROCESS_EXECUTOR_ENV}}

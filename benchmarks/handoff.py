@@ -74,6 +74,7 @@ from tilert import contracts as c  # noqa: E402
 from tilert.connector.scheduler import SchedulerSide  # noqa: E402
 from tilert.connector.sender import BackgroundSender, Staged  # noqa: E402
 from tilert.connector.worker import WorkerSide  # noqa: E402
+from tilert.cpus import parse_cpu_list  # noqa: E402
 from tilert.decode.control import ControlServer  # noqa: E402
 from tilert.decode.slots import SlotTable  # noqa: E402
 from tilert.plugins import load_transport  # noqa: E402
@@ -486,7 +487,10 @@ def main() -> None:
     split = None
     if args.split_cpus:
         p_cpus, _, d_cpus = args.split_cpus.partition(":")
-        split = (p_cpus, {int(x) for x in d_cpus.split(",")})
+        if not (parse_cpu_list(p_cpus) and parse_cpu_list(d_cpus)):
+            ap.error(f"--split-cpus {args.split_cpus!r}: want P:D, two CPU lists (e.g. 0:1)")
+        split = (p_cpus, set(parse_cpu_list(d_cpus)))
+    where = f"; vLLM's OMP threads on CPUs {split[0]}, the decode half on {sorted(split[1])}" if split else ""
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and up
     tokens = [int(x) for x in args.tokens.split(",")]
     RECEIVER_OPTIONS.update(args.receiver_options)
@@ -499,7 +503,6 @@ def main() -> None:
             results += anyio.run(run_transport, transport, tokens, args.reps, args.prefill_tok_s)
     vllm_rows: list[VllmResult] = []
     if args.vllm or args.vllm_only:
-        where = f"; vLLM's OMP threads on CPUs {split[0]}, the decode half on {sorted(split[1])}" if split else ""
         print(f"\nstock vLLM prefill, tiny DeepSeek-V3 (float32, {TINY_BPT:,} bytes per token), median of "
               f"{args.vllm_reps}{where}\n\n{VLLM_HEADER}", flush=True)  # fmt: skip
         for transport in transports:

@@ -325,9 +325,9 @@ def test_cpu_kernels_agree_with_the_reference() -> None:
 def test_cpu_router_and_experts_give_each_row_what_it_gets_alone() -> None:
     """Row invariance of the CPU kernels' element-wise parts, at widths that are not a multiple of ATen's SIMD
     block (8 expert scores; 40 and 96 intermediate units of a dense MLP, which runs over all rows at once): ATen
-    rounds a tensor's last partial block with scalar code, so a sigmoid or silu over several rows at once gave a
-    row other bits than alone (the router's scores on an AVX2 host: about one row in four). Float32, 1..5 rows,
-    each row bit for bit."""
+    rounds a tensor's last partial block with scalar code, so the router's sigmoid over the contiguous scores of
+    several rows gave a row other bits than alone (on an AVX2 host about one row in four); the SwiGLU's silu reads
+    a strided half, which ATen walks row by row. Float32, 1..5 rows, each row bit for bit."""
     from tilert.engines.tilert.ops import cpu
 
     g = _gen(7)

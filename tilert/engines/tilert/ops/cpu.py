@@ -21,11 +21,12 @@ is bit for bit each sequence's step alone. CPU BLAS is not batch-invariant acros
 1 row, of 2-3 rows and of 4+ rows round differently), so products with several rows run as a batch of one-row
 products (:func:`_linear`: ``bmm`` of ``[n, 1, K]`` rows against the weight broadcast, which MKL computes as
 ``n`` one-row products, the same rounding as ``F.linear`` of one row), and what reads a row's own cache rows
-(attention, the indexer) or its own experts loops over the rows. Transcendental element-wise functions
-(``sigmoid``, ``silu``) run row by row too (:func:`_per_row`): ATen computes a tensor's elements in SIMD blocks
-and its last, partial block with scalar code of another rounding, so over ``n`` rows of a width that is not a
-multiple of the block an element's value depends on ``n`` (the router's 8 scores on an AVX2 host: the
-sigmoid of one row is the scalar tail, of two rows one full block). Only a step of one sequence's several tokens
+(attention, the indexer) or its own experts loops over the rows. A transcendental element-wise function over a
+*contiguous* block of several rows runs row by row too (:func:`_each_row`; the router's sigmoid): ATen computes
+a tensor's elements in SIMD blocks and its last, partial block with scalar code of another rounding, so where a
+row's width is not a multiple of the block an element's value depends on ``n`` (the router's 8 scores on an AVX2
+host: one row is all scalar tail, two rows one full block). Over a strided view (the SwiGLU's gate half) ATen
+already walks row by row. Only a step of one sequence's several tokens
 (a prompt, an MTP verification) needs no such match; over ``ROWWISE_MAX`` rows (a prompt) the kernels batch.
 
 Block-FP8 weights (``fp8.py``) are dequantised exactly (``fp8.dequant``) right before use, one weight (one
@@ -86,13 +87,6 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     else:
         y = torch.bmm(x.unsqueeze(1), weight.t().expand(n, -1, -1)).squeeze(1)
     return y if bias is None else y.add_(bias)
-
-
-def _per_row(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
-    """``fn`` (element-wise) of each row of ``x [n, ...]`` on its own: the value a row gets alone (module
-    docstring); over ``ROWWISE_MAX`` rows at once."""
-    n = x.shape[0]
-    return fn(x) if n == 1 or n > ROWWISE_MAX else torch.cat([fn(x[i : i + 1]) for i in range(n)])
 
 
 def _each_row(n: int, row: Callable[[int], Tensor], batched: Callable[[], Tensor]) -> Tensor:
@@ -318,7 +312,7 @@ def _mlp(x: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
     """One SwiGLU expert over the rows of ``x`` (gate rows first in ``w13``), each row as alone."""
     inter = w13.shape[0] // 2
     gu = _linear(x, w13)
-    return _linear(_per_row(F.silu, gu[:, :inter]) * gu[:, inter:], w2)
+    return _linear(F.silu(gu[:, :inter]) * gu[:, inter:], w2)
 
 
 def _experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
@@ -389,7 +383,8 @@ def _router(
     mask is skipped when every group is kept (it is then all ones)."""
     n = x.shape[0]
     e, g = gate_weight.shape[0], n_group
-    scores = _per_row(torch.sigmoid, _linear(x, gate_weight))
+    logits = _linear(x, gate_weight)
+    scores = _each_row(n, lambda i: logits[i : i + 1].sigmoid(), logits.sigmoid)  # module docstring
     choice = scores + bias
     if topk_group < g:
         group_scores = choice.view(n, g, e // g).topk(2, dim=-1).values.sum(dim=-1)
