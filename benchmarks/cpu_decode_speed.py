@@ -15,10 +15,10 @@ shaped model) and thread count it prints:
 
 Usage: ``python benchmarks/cpu_decode_speed.py [--configs tiny,small-v32] [--threads 1,2] [--json FILE]``.
 ``--sequences 1,2,4,8`` prints only the several-sequences table instead: one decode step over the rows of ``n``
-sequences (``decode_step_greedy``) against the same rows one after the other, ms per step, per-user and total
-tokens/s, and whether both gave the same tokens.
+sequences (``decode_step_greedy``) with the native kernels and with ATen only, and the same rows one after the
+other, interleaved; ms per step, per-user and total tokens/s, and whether the arms gave the same tokens.
 Timings are medians over ``--steps`` steps, repeated ``--repeats`` times (the minimum of the medians is shown:
-a shared 2-core machine is noisy).
+a shared 2-core machine is noisy); the several-sequences table shows the best of the repeats' means.
 """
 
 from __future__ import annotations
@@ -204,10 +204,15 @@ def run_config(config: str, threads: int, a: argparse.Namespace, tiny_dir: Path)
     return res
 
 
+SEQ_ARMS = ("native, one call", "ATen, one call", "native, row by row")
+"""The several-sequences table's arms: the step over all rows with the native kernels (the engine's CPU path) and
+with ATen only (``cpu.aten_only``: the path without a C compiler), and the rows as ``n`` single-row steps."""
+
+
 def run_sequences(config: str, threads: int, a: argparse.Namespace, tiny_dir: Path) -> dict[str, Any]:
     """Several sequences per decode step (``decode_step_greedy``, one model call over the rows of ``n``
-    sequences, each at its own position) against the rows one after the other (``n`` single-row steps: the
-    engine before its CPU kernels were row-invariant); both must give the same tokens."""
+    sequences, each at its own position) in each of :data:`SEQ_ARMS`, interleaved (each repeat runs every arm
+    once); every arm must give the same tokens."""
     torch.set_num_threads(threads)
     ns = [int(x) for x in a.sequences.split(",")]
     model = build_model(config, a.max_seq_len, tiny_dir, max_sequences=max(ns))
@@ -219,49 +224,61 @@ def run_sequences(config: str, threads: int, a: argparse.Namespace, tiny_dir: Pa
         prompt = torch.randint(0, model.args.vocab_size, (ctx + s,), generator=gen)
         firsts.append(int(eng.forward(prompt, 0, seq=s)[-1].argmax()))
     rows = []
-    for n in ns:
-        seqs = list(range(n))
-        out: dict[str, Any] = {"config": config, "threads": threads, "sequences": n}
-        for label, batched in (("one call", True), ("row by row", False)):
-            toks, best = list(firsts[:n]), float("inf")
-            got: list[list[int]] = [[] for _ in seqs]
-            for rep in range(a.repeats):
-                toks = list(firsts[:n])
-                t0 = time.perf_counter()
-                for i in range(a.steps):
-                    pos = [ctx + s + i for s in seqs]
-                    if batched:
-                        toks = eng.decode_step_greedy(toks, pos, seqs)
-                    else:
-                        toks = [eng.decode_step_greedy([t], [p], [s])[0]
-                                for t, p, s in zip(toks, pos, seqs, strict=True)]  # fmt: skip
-                    if rep == 0:
+    try:
+        for n in ns:
+            seqs = list(range(n))
+            out: dict[str, Any] = {"config": config, "threads": threads, "sequences": n}
+            best = dict.fromkeys(SEQ_ARMS, float("inf"))
+            got: dict[str, list[list[int]]] = {}
+            for _ in range(a.repeats):
+                for arm in SEQ_ARMS:
+                    cpu_ops.aten_only(arm.startswith("ATen"))
+                    toks = list(firsts[:n])
+                    tokens: list[list[int]] = [[] for _ in seqs]
+                    t0 = time.perf_counter()
+                    for i in range(a.steps):
+                        pos = [ctx + s + i for s in seqs]
+                        if arm.endswith("one call"):
+                            toks = eng.decode_step_greedy(toks, pos, seqs)
+                        else:
+                            toks = [eng.decode_step_greedy([t], [p], [s])[0]
+                                    for t, p, s in zip(toks, pos, seqs, strict=True)]  # fmt: skip
                         for s in seqs:
-                            got[s].append(toks[s])
-                best = min(best, (time.perf_counter() - t0) / a.steps * 1e3)
-            out[f"step ms [{label}]"] = best
-            out[f"tokens [{label}]"] = got
-        out["same tokens"] = out["tokens [one call]"] == out["tokens [row by row]"]
-        rows.append(out)
-    base = rows[0]["step ms [one call]"] if rows and rows[0]["sequences"] == 1 else None
+                            tokens[s].append(toks[s])
+                    best[arm] = min(best[arm], (time.perf_counter() - t0) / a.steps * 1e3)
+                    got.setdefault(arm, tokens)
+            for arm in SEQ_ARMS:
+                out[f"step ms [{arm}]"] = best[arm]
+            native_tokens = got[SEQ_ARMS[0]]
+            out["same tokens"] = got[SEQ_ARMS[2]] == native_tokens
+            out["same tokens as ATen"] = got[SEQ_ARMS[1]] == native_tokens
+            rows.append(out)
+    finally:
+        cpu_ops.aten_only(False)
+    first = rows[0] if rows and rows[0]["sequences"] == 1 else None
     for r in rows:
-        ms = r["step ms [one call]"]
+        ms = r[f"step ms [{SEQ_ARMS[0]}]"]
         r["per-user tok/s"], r["total tok/s"] = 1e3 / ms, 1e3 * r["sequences"] / ms
-        r["step vs 1 sequence"] = ms / base if base else None
+        for arm in SEQ_ARMS[:2]:
+            r[f"step vs 1 sequence [{arm}]"] = r[f"step ms [{arm}]"] / first[f"step ms [{arm}]"] if first else None
     return {"config": config, "threads": threads, "context": ctx, "rows": rows}
 
 
 def print_sequences(r: dict[str, Any]) -> None:
     print(f"\n## {r['config']}: several sequences per step, threads={r['threads']}, decoding after ~{r['context']} "
-          "tokens")
-    print("| sequences | step ms (one call) | per-user tok/s | total tok/s | step vs 1 sequence | "
-          "step ms (row by row) | one call / row by row | same tokens |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---|")
+          "tokens (step ms: the best of the repeats' means, arms interleaved)")
+    print("| sequences | step ms: native, one call | ATen, one call | native, row by row | per-user tok/s (native) | "
+          "total tok/s (native) | step vs 1 sequence: native | ATen | same tokens (row by row / ATen) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+
+    def rel(x: float | None) -> str:
+        return f"{x:.2f}x" if x else ""
+
     for x in r["rows"]:
-        one, serial = x["step ms [one call]"], x["step ms [row by row]"]
-        rel = f"{x['step vs 1 sequence']:.2f}x" if x["step vs 1 sequence"] else ""
-        print(f"| {x['sequences']} | {one:.2f} | {x['per-user tok/s']:.0f} | {x['total tok/s']:.0f} | {rel} | "
-              f"{serial:.2f} | {one / serial:.2f}x | {x['same tokens']} |")
+        ms = [x[f"step ms [{arm}]"] for arm in SEQ_ARMS]
+        print(f"| {x['sequences']} | {ms[0]:.2f} | {ms[1]:.2f} | {ms[2]:.2f} | {x['per-user tok/s']:.0f} | "
+              f"{x['total tok/s']:.0f} | {rel(x[f'step vs 1 sequence [{SEQ_ARMS[0]}]'])} | "
+              f"{rel(x[f'step vs 1 sequence [{SEQ_ARMS[1]}]'])} | {x['same tokens']} / {x['same tokens as ATen']} |")
 
 
 def print_table(r: dict[str, Any]) -> None:

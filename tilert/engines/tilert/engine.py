@@ -24,10 +24,12 @@ and a :meth:`~TileRTEngine.decode_step` over ``n`` sequences. A speculative step
 verify + the verify's argmax) is one graph per ``(drafts, catch-up rows, dense/DSA)``: one launch and one host
 read per step. Prefill runs eagerly (the same functions).
 
-On CPU the model computes with :mod:`.ops.cpu` (the reference math called directly, over only the cache rows a
-step reads; ``TILERT_CPU_FAST=0`` or ``cpu_kernels=False`` keeps the dispatched reference ops) and reads each
-sequence through a view of its own rows; ``decode_step`` runs the sequences one after the other (CPU BLAS
-rounds a row differently in batches of different sizes, and each row must be bit for bit what it is alone).
+On CPU the model computes with :mod:`.ops.cpu` (the native row-invariant kernels of :mod:`.ops.native` where a C
+compiler is present, else ATen; over only the cache rows a step reads; ``TILERT_CPU_FAST=0`` or
+``cpu_kernels=False`` keeps the dispatched reference ops) and reads one sequence through a view of its own rows;
+``decode_step`` runs the rows of several sequences as one model call over flat cache rows (the kernels give each
+row the bits it gets alone). With the reference ops the sequences run one after the other (they round a row
+differently in batches of different sizes).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from . import layouts
 from .fast import CapturedFn
 from .model import Transformer
 from .ops import cpu as cpu_ops
-from .ops import register_device_kernels
+from .ops import native, register_device_kernels
 from .weights import load_model
 
 GRAPH_MAX_TOKENS = 16  # main-model steps of up to this many tokens are replayed as CUDA graphs
@@ -116,8 +118,10 @@ class TileRTEngine(DecodeEngine):
         self.flat = device.type == "cuda"
         self.use_graphs = device.type == "cuda"
         self.cpu_kernels = device.type == "cpu" and cpu_kernels_wanted(cpu_kernels)
+        self.cpu_native = False
         if self.cpu_kernels:
             model.use_kernels(cpu_ops)
+            self.cpu_native = native.kernels() is not None  # built now (about a second), not in a request's step
         self._graphs: dict[tuple[int, bool], CapturedFn | None] = {}
         self._spec_graphs: dict[tuple[int, int, bool], CapturedFn | None] = {}
         # greedy_stream's step: reads and advances these on the device (token, its cache row, its first row)
@@ -168,7 +172,8 @@ class TileRTEngine(DecodeEngine):
         if self.use_graphs:
             notes = [f"arch={a.arch}", f"CUDA-graph decode steps (1..{GRAPH_MAX_TOKENS} tokens)"]
         elif self.cpu_kernels:
-            notes = [f"arch={a.arch}", "CPU kernels (ops.cpu), sequences of a decode_step run one after the other"]
+            how = "native row-invariant kernels" if self.cpu_native else "ATen only (no native kernels)"
+            notes = [f"arch={a.arch}", f"CPU kernels (ops.cpu: {how}), a decode_step's sequences in one model call"]
         else:
             notes = [f"arch={a.arch}", "reference PyTorch kernels"]
         if a.dsa:

@@ -1,6 +1,6 @@
-"""CPU decode kernels for the ``tilert::*`` ops: the reference math (:mod:`.reference`) in fewer, larger ATen
-calls, called *directly* by the model on CPU (``Transformer.use_kernels(cpu)``, set by the engine), not through
-the ``torch.library`` dispatcher.
+"""CPU decode kernels for the ``tilert::*`` ops: the reference math (:mod:`.reference`) in native kernels
+(:mod:`.native`) and fewer, larger ATen calls, called *directly* by the model on CPU (``Transformer.use_kernels(cpu)``,
+set by the engine), not through the ``torch.library`` dispatcher.
 
 Why (measured on a 2-core CPU with the tiny DeepSeek-V3 checkpoint, ``benchmarks/cpu_decode_speed.py``): a
 decode step's real arithmetic is ~0.3 ms; the rest was overhead. The dispatcher costs ~25-30 us per custom-op
@@ -17,7 +17,12 @@ rounding (the engine's tests compare the fast path with transformers at 1e-4 and
 
 **Row-invariant**: every kernel gives each row exactly what it gives that row alone, whatever the row count, so a
 decode step over the rows of several sequences (``TileRTEngine.decode_step``: one model call, flat cache rows)
-is bit for bit each sequence's step alone. CPU BLAS is not batch-invariant across row counts (MKL's sgemm of
+is bit for bit each sequence's step alone. Up to ``ROWWISE_MAX`` rows the products, norms, attention, router and
+experts run in the native kernels (:mod:`.native`, ``native/rows.c``): one fixed floating-point chain per output,
+each weight read once for all rows, every sequence's attention in one call, each chosen expert once over the rows
+that chose it; they also replace most of a step's ~600 small ATen calls, which on a small model cost more than the
+arithmetic. Where the native kernels cannot be built (no C compiler, ``TILERT_CPU_NATIVE=0``) or the weights are
+FP8, ATen computes, row-invariant the slow way: CPU BLAS is not batch-invariant across row counts (MKL's sgemm of
 1 row, of 2-3 rows and of 4+ rows round differently), so products with several rows run as a batch of one-row
 products (:func:`_linear`: ``bmm`` of ``[n, 1, K]`` rows against the weight broadcast, which MKL computes as
 ``n`` one-row products, the same rounding as ``F.linear`` of one row), and what reads a row's own cache rows
@@ -42,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..fp8 import dequant
-from . import reference
+from . import native, reference
 
 __all__ = [
     "rms_norm",
@@ -73,16 +78,42 @@ def _fast(*ts: Tensor | None) -> bool:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """One ATen call (``F.rms_norm``) in float32; the same formula and rounding as the reference there."""
+    """The native kernel (or one ATen call, ``F.rms_norm``) in float32; the reference's formula."""
     if not _fast(x, weight):
         return reference.rms_norm(x, weight, eps)
+    return _rms(x, weight, eps)
+
+
+def _rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    nk = _native()
+    if nk is not None and x.dim() == 2 and x.shape[0] <= ROWWISE_MAX and x.stride(-1) == 1:
+        return nk.rms_norm(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+_aten_only = False
+
+
+def aten_only(flag: bool) -> None:
+    """Compute with ATen even where the native kernels are built (``benchmarks/cpu_decode_speed.py``'s A/B in one
+    process). Not for an engine that is decoding: a sequence must see one path from its first step to its last."""
+    global _aten_only
+    _aten_only = flag
+
+
+def _native() -> native.Kernels | None:
+    return None if _aten_only else native.kernels()
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x @ weight^T (+ bias)`` with each row rounded exactly as that row alone (module docstring)."""
     n = x.shape[0]
-    if n == 1 or n > ROWWISE_MAX:
+    nk = _native()
+    if n > ROWWISE_MAX:
+        y = F.linear(x, weight)
+    elif nk is not None and x.stride(-1) == 1 and weight.stride(-1) == 1:
+        y = nk.linear(x, weight)
+    elif n == 1:
         y = F.linear(x, weight)
     else:
         y = torch.bmm(x.unsqueeze(1), weight.t().expand(n, -1, -1)).squeeze(1)
@@ -115,7 +146,7 @@ def gemv(
     if not _fast(x, weight, norm_weight, bias):
         return reference.gemv(x, weight, norm_weight, eps, bias, fp32_out)
     if norm_weight is not None:
-        x = F.rms_norm(x, (x.shape[-1],), norm_weight, eps)
+        x = _rms(x, norm_weight, eps)
     return _linear(x, weight, bias)
 
 
@@ -156,6 +187,11 @@ def mla_prep(
                                   index_norm_bias, index_cache, num_heads, nope_dim, kv_offset, index_heads, eps,
                                   index_weight_scale)
     n = a.shape[0]
+    nk = _native()
+    if nk is not None and index_cache is None and n <= ROWWISE_MAX:
+        q_full = nk.mla_prep(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, num_heads, nope_dim,
+                             kv_offset, eps)  # fmt: skip
+        return q_full, a.new_empty(n, 0, 0), a.new_empty(n, 0, dtype=torch.float32)
     h, p = num_heads, nope_dim
     lat = kv_norm_weight.shape[0]
     r = kv_cache.shape[-1] - lat
@@ -179,13 +215,16 @@ def mla_prep(
     rot = torch.cat([x1 * cs - x2 * sn, x2 * cs + x1 * sn], dim=-1)
 
     w_uk = kv_b.view(h, -1, lat)[:, :p]  # [H, P, L]
-    q_abs = _each_row(  # [n, H, L]
-        n,
-        lambda i: torch.bmm(q[i, :, None, :p], w_uk).transpose(0, 1),
-        lambda: torch.bmm(q[..., :p].transpose(0, 1), w_uk).transpose(0, 1),
-    )
+    if nk is not None and n <= ROWWISE_MAX:
+        q_abs = nk.linear_kn(q[..., :p].transpose(0, 1), w_uk).transpose(0, 1)  # [n, H, L]
+    else:
+        q_abs = _each_row(
+            n,
+            lambda i: torch.bmm(q[i, :, None, :p], w_uk).transpose(0, 1),
+            lambda: torch.bmm(q[..., :p].transpose(0, 1), w_uk).transpose(0, 1),
+        )
     q_full = torch.cat([q_abs, rot[:, :h]], dim=-1)
-    c_kv = F.rms_norm(a[:, kv_offset:ko], (lat,), kv_norm_weight, eps)
+    c_kv = _rms(a[:, kv_offset:ko], kv_norm_weight, eps)
     kv_cache.index_copy_(0, positions, torch.cat([c_kv, rot[:, h]], dim=-1))
     if index_cache is None:
         return q_full, a.new_empty(n, 0, 0), a.new_empty(n, 0, dtype=torch.float32)
@@ -224,6 +263,12 @@ def mla_attention(
     one query per sequence (``row_start`` given): each row on its own. Several tokens of one sequence (a
     prompt, an MTP verification): the reference over the rows up to the last position."""
     n = q.shape[0]
+    nk = _native()
+    if nk is not None and n <= ROWWISE_MAX and _fast(q, kv_cache) and kv_cache.is_contiguous():
+        hi = positions.reshape(-1) + 1
+        lo = torch.zeros_like(hi) if row_start is None else torch.minimum(row_start.reshape(-1).expand(n), hi)
+        if bool((lo < hi).all()):
+            return nk.mla_attend(q, kv_cache, lo.contiguous(), hi, scale, kv_lora_rank)
     if (n == 1 or row_start is not None) and _fast(q, kv_cache):
         bounds = [_row_bounds(positions, row_start, i) for i in range(n)]
         if all(lo < end for lo, end in bounds):
@@ -283,6 +328,11 @@ def mla_attention_uv(
 def mla_uv(o_lat: Tensor, kv_b: Tensor, nope_dim: int, kv_b_scale: Tensor | None = None) -> Tensor:
     if kv_b_scale is not None:
         kv_b = dequant(kv_b, kv_b_scale, o_lat.dtype)
+    n, h, lat = o_lat.shape
+    nk = _native()
+    if nk is not None and n <= ROWWISE_MAX and _fast(o_lat, kv_b) and o_lat.stride(-1) == 1:
+        w_uv = kv_b.view(h, -1, lat)[:, nope_dim:]  # [H, V, L]
+        return nk.linear(o_lat.transpose(0, 1), w_uv).transpose(0, 1).reshape(n, -1)
     return _each_row(
         o_lat.shape[0],
         lambda i: reference.mla_uv(o_lat[i : i + 1], kv_b, nope_dim),
@@ -317,11 +367,16 @@ def _mlp(x: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
 
 def _experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
              s13: Tensor | None = None, s2: Tensor | None = None) -> Tensor:
-    """The experts of every row (float32): a dense MLP (one expert, id 0) over all rows at once, routed experts
-    token by token (each token reads its own experts in place)."""
+    """The experts of every row (float32). Up to ``ROWWISE_MAX`` rows with float32 weights: the native kernel
+    (each chosen expert once over the rows that chose it). Otherwise a dense MLP (one expert, id 0) over all rows
+    at once, routed experts token by token (each token reads its own experts in place)."""
+    n = x.shape[0]
+    nk = _native()
+    if nk is not None and n <= ROWWISE_MAX and s13 is None and s2 is None:
+        return nk.moe_experts(x, topk_ids, topk_weights, w13, w2)
     if w13.shape[0] == 1 and topk_ids.shape[1] == 1:
         return _mlp(x, _expert(w13, s13, 0, x.dtype), _expert(w2, s2, 0, x.dtype)).mul_(topk_weights)
-    if x.shape[0] > ROWWISE_MAX:
+    if n > ROWWISE_MAX:
         return reference.moe_experts(x, topk_ids, topk_weights, w13, w2, s13, s2)
     ids = topk_ids.tolist()
     return torch.cat([_expert_sum(x[i : i + 1], ids[i], topk_weights[i : i + 1], w13, w2, s13, s2)
@@ -382,6 +437,9 @@ def _router(
     """:func:`reference.router` on ``x = rms_norm(h)`` (computed once for the router and the experts); the group
     mask is skipped when every group is kept (it is then all ones)."""
     n = x.shape[0]
+    nk = _native()
+    if nk is not None and n <= ROWWISE_MAX:
+        return nk.moe_route(x, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared)
     e, g = gate_weight.shape[0], n_group
     logits = _linear(x, gate_weight)
     scores = _each_row(n, lambda i: logits[i : i + 1].sigmoid(), logits.sigmoid)  # module docstring
@@ -422,7 +480,7 @@ def moe_block(
     if not (_fast(h, norm_weight, gate_weight, bias) and _weights_fast(h, w13, s13) and _weights_fast(h, w2, s2)):
         return reference.moe_block(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
                                    norm_topk, n_shared, w13, w2, s13, s2)
-    x = F.rms_norm(h, (h.shape[-1],), norm_weight, eps)
+    x = _rms(h, norm_weight, eps)
     ids, weights = _router(x, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared)
     _experts_residual(h, x, ids, weights, w13, w2, s13, s2)
     return ids, weights
@@ -444,5 +502,5 @@ def router(
     if not _fast(h, norm_weight, gate_weight, bias):
         return reference.router(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
                                 norm_topk, n_shared)
-    x = F.rms_norm(h, (h.shape[-1],), norm_weight, eps)
+    x = _rms(h, norm_weight, eps)
     return _router(x, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared)

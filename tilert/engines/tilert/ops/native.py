@@ -1,0 +1,228 @@
+"""The CPU engine's row-invariant native kernels (``native/rows.c``): built on first use with the machine's C
+compiler, loaded with :mod:`ctypes`, called by :mod:`.cpu` for steps of up to ``cpu.ROWWISE_MAX`` rows.
+
+Why native code: a decode step over ``n`` sequences must give each row exactly the bits it gets alone. CPU BLAS
+does not (MKL's sgemm rounds one row, 2-3 rows and 4+ rows differently), so the ATen path computes ``n`` one-row
+products, reading every weight ``n`` times, and loops over rows elsewhere. The kernels here compute every output
+with one fixed floating-point chain and read each weight once for all rows; every sequence's attention, the
+router and the experts (each chosen expert once over the rows that chose it) are one call each. They also replace
+most of a step's small ATen calls (microseconds each, more than a tiny model's arithmetic). Measured side by side:
+``benchmarks/cpu_decode_speed.py --sequences`` (the native and ATen arms interleaved).
+
+Why not a ``torch.utils.cpp_extension``: it compiles torch's headers (a minute, and ninja); this file needs none,
+compiles in about a second, and is called through plain pointers (``Tensor.data_ptr``). Every wrapper checks the
+shapes, strides and cache rows the C code will touch before calling it.
+
+Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -ffp-contract=off`` into ``$TILERT_CACHE_DIR`` (default
+``~/.cache/tilert``; a private temp directory where home is read-only), named by a hash of the source, the flags
+and the CPU's flags, written atomically (several processes may build at once). No compiler, a failed build, or
+``TILERT_CPU_NATIVE=0``: :func:`kernels` is None (with a warning) and :mod:`.cpu` keeps its ATen path, which is
+row-invariant too, only slower. The choice is made once per process, so every step of an engine computes the
+same way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from torch import Tensor
+
+log = structlog.get_logger("tilert.ops.native")
+
+SOURCE = Path(__file__).with_name("native") / "rows.c"
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
+
+_I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+_SIGNATURES: dict[str, tuple[list[Any], Any]] = {  # rows.c's functions: argument types, return type
+    "tl_linear": ([_I64] * 4 + [_PTR, _I64, _I64] * 3, None),
+    "tl_linear_kn": ([_I64] * 4 + [_PTR, _I64, _I64] * 3, None),
+    "tl_mla_attend": ([_I64] * 4 + [_PTR] * 4 + [_F32, _PTR], _INT),
+    "tl_rms_norm": ([_I64, _I64, _PTR, _I64, _PTR, _F32, _PTR], None),
+    "tl_moe_route": ([_I64] * 3 + [_PTR] * 3 + [_I64] * 3 + [_F32, _INT, _I64, _PTR, _PTR], _INT),
+    "tl_moe_experts": ([_I64] * 5 + [_PTR] * 6, _INT),
+    "tl_mla_prep": ([_I64] * 7 + [_PTR, _I64, _PTR, _I64] + [_PTR] * 5 + [_F32, _PTR, _PTR], None),
+}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    """``$TILERT_CACHE_DIR``, else ``~/.cache/tilert``, else (a read-only home) a private directory in the temp
+    directory: this process loads code from there, so it must be this user's alone (mode 0700, owned)."""
+    first = Path(os.environ.get("TILERT_CACHE_DIR") or Path.home() / ".cache" / "tilert")
+    try:
+        first.mkdir(parents=True, exist_ok=True)
+        if os.access(first, os.W_OK):
+            return first
+    except OSError:
+        pass
+    private = Path(tempfile.gettempdir()) / f"tilert-{os.getuid()}"
+    private.mkdir(mode=0o700, exist_ok=True)
+    st = private.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise OSError(f"{private} is not this user's private directory")
+    return private
+
+
+def _build(cc: str) -> Path:
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), cc.encode(), _cpu_flags().encode(),
+                                     platform.machine().encode()])).hexdigest()[:16]  # fmt: skip
+    cache = _cache_dir()
+    lib = cache / f"rows-{key}.so"
+    if lib.exists():
+        return lib
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+class Kernels:
+    """The loaded library; every method takes float32 CPU tensors whose last dimension is contiguous."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        for name, (argtypes, restype) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
+        self._lib = lib
+
+    def linear(self, x: Tensor, w: Tensor) -> Tensor:
+        """``x [G, n, K] @ w[G, N, K]^T -> [G, n, N]`` (or without ``G``); any strides but the last."""
+        if x.dim() == 2:
+            return self.linear(x.unsqueeze(0), w.unsqueeze(0))[0]
+        G, n, K = x.shape
+        assert w.shape == (G, w.shape[1], K), (x.shape, w.shape)
+        return self._product(self._lib.tl_linear, x, w, w.shape[1])
+
+    def linear_kn(self, x: Tensor, w: Tensor) -> Tensor:
+        """``x [G, n, K] @ w[G, K, N] -> [G, n, N]`` (``w``'s rows of ``N`` contiguous)."""
+        G, n, K = x.shape
+        assert w.shape == (G, K, w.shape[2]), (x.shape, w.shape)
+        return self._product(self._lib.tl_linear_kn, x, w, w.shape[2])
+
+    @staticmethod
+    def _product(fn: Any, x: Tensor, w: Tensor, N: int) -> Tensor:
+        """``fn`` (``tl_linear`` / ``tl_linear_kn``) over ``x [G, n, K]`` and ``w``, into a new ``[G, n, N]``."""
+        G, n, K = x.shape
+        assert x.stride(2) == 1 and w.stride(2) == 1, (x.stride(), w.stride())
+        y = x.new_empty(G, n, N)
+        fn(G, n, N, K, x.data_ptr(), x.stride(0), x.stride(1), w.data_ptr(), w.stride(0), w.stride(1), y.data_ptr(),
+           n * N, N)  # fmt: skip
+        return y
+
+    def rms_norm(self, x: Tensor, w: Tensor, eps: float) -> Tensor:
+        """RMSNorm of each row of ``x [n, D]`` (rows of ``D`` contiguous) with ``w [D]``: a new ``[n, D]``."""
+        n, D = x.shape
+        assert x.stride(1) == 1 and w.is_contiguous() and w.shape == (D,), (x.shape, x.stride(), w.shape)
+        y = x.new_empty(n, D)
+        self._lib.tl_rms_norm(n, D, x.data_ptr(), x.stride(0), w.data_ptr(), eps, y.data_ptr())
+        return y
+
+    def moe_route(self, x: Tensor, gate: Tensor, bias: Tensor, top_k: int, n_group: int, topk_group: int,
+                  route_scale: float, norm_topk: bool, n_shared: int) -> tuple[Tensor, Tensor]:
+        """The router of each row of ``x [n, D]`` (normed): ids int32 and weights ``[n, top_k + n_shared]``."""
+        n, D = x.shape
+        E = gate.shape[0]
+        x, gate, bias = x.contiguous(), gate.contiguous(), bias.contiguous()
+        ids = torch.empty(n, top_k + n_shared, dtype=torch.int32)
+        wts = x.new_empty(n, top_k + n_shared)
+        if self._lib.tl_moe_route(n, D, E, x.data_ptr(), gate.data_ptr(), bias.data_ptr(), top_k, n_group,
+                                  topk_group, route_scale, int(norm_topk), n_shared, ids.data_ptr(),
+                                  wts.data_ptr()) != 0:  # fmt: skip
+            raise ValueError(f"tl_moe_route: {E} experts in {n_group} groups, top {top_k} of {topk_group} groups")
+        return ids, wts
+
+    def moe_experts(self, x: Tensor, ids: Tensor, wts: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+        """``sum_j wts[:, j] * expert_{ids[:, j]}(x)`` per row, slots in order (id -1 skipped): ``[n, D]``."""
+        n, D = x.shape
+        E, two_i, _ = w13.shape
+        k = ids.shape[1]
+        x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+        ids, wts = ids.to(torch.int32).contiguous(), wts.contiguous()
+        out = x.new_empty(n, D)
+        if self._lib.tl_moe_experts(n, D, two_i // 2, k, E, x.data_ptr(), ids.data_ptr(), wts.data_ptr(),
+                                    w13.data_ptr(), w2.data_ptr(), out.data_ptr()) != 0:  # fmt: skip
+            raise ValueError(f"tl_moe_experts: an expert id outside 0..{E - 1}, or out of memory")
+        return out
+
+    def mla_prep(self, a: Tensor, b: Tensor, rows: Tensor, kv_b: Tensor, cos: Tensor, sin: Tensor,
+                 kv_norm: Tensor, kv_cache: Tensor, num_heads: int, nope_dim: int, kv_offset: int,
+                 eps: float) -> Tensor:
+        """Dense MLA's preparation (``reference.mla_prep`` without an indexer): writes each token's cache row
+        ``[rms(c_kv) | rope(k_pe)]`` at ``rows`` and returns ``q_full [n, H, L + R]``."""
+        n = a.shape[0]
+        lat = kv_norm.shape[0]
+        width = kv_cache.shape[1]
+        r = width - lat
+        v = kv_b.shape[0] // num_heads - nope_dim
+        ok = (a.stride(1) == b.stride(1) == 1 and kv_b.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+              and kv_cache.is_contiguous() and kv_norm.is_contiguous() and cos.shape[1] * 2 == r and r % 2 == 0)
+        assert ok and b.shape[1] >= num_heads * (nope_dim + r) and a.shape[1] >= kv_offset + width, "mla_prep shapes"
+        rows = rows.to(torch.int64).contiguous()
+        lo, hi = rows.aminmax()  # the C code writes there
+        if int(lo) < 0 or int(hi) >= kv_cache.shape[0]:
+            raise IndexError(f"mla_prep: rows {int(lo)}..{int(hi)} outside the cache of {kv_cache.shape[0]} rows")
+        q_full = a.new_empty(n, num_heads, width)
+        self._lib.tl_mla_prep(n, num_heads, nope_dim, r, v, lat, kv_offset, a.data_ptr(), a.stride(0), b.data_ptr(),
+                              b.stride(0), rows.data_ptr(), kv_b.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                              kv_norm.data_ptr(), eps, kv_cache.data_ptr(), q_full.data_ptr())  # fmt: skip
+        return q_full
+
+    def mla_attend(self, q: Tensor, kv: Tensor, lo: Tensor, hi: Tensor, scale: float, lat: int) -> Tensor:
+        """Query ``i`` of ``q [n, H, D]`` over cache rows ``lo[i]..hi[i]-1`` of ``kv [S, D]`` (softmax of the
+        scaled scores), the first ``lat`` columns: ``[n, H, lat]``."""
+        n, H, D = q.shape
+        q = q.contiguous()
+        assert kv.shape[1] == D and kv.stride(1) == 1 and kv.stride(0) == D and lo.dtype == hi.dtype == torch.int64
+        if n and (int(lo.min()) < 0 or int(hi.max()) > kv.shape[0]):
+            bad = f"{int(lo.min())}..{int(hi.max()) - 1}"
+            raise IndexError(f"mla_attend: rows {bad} outside the cache of {kv.shape[0]} rows")
+        out = q.new_empty(n, H, lat)
+        if self._lib.tl_mla_attend(n, H, D, lat, q.data_ptr(), kv.data_ptr(), lo.data_ptr(), hi.data_ptr(), scale,
+                                   out.data_ptr()) != 0:  # fmt: skip
+            raise MemoryError("tl_mla_attend: out of memory for the scores")
+        return out
+
+
+@functools.cache
+def kernels() -> Kernels | None:
+    """The native kernels, built on the first call; None where they cannot be (see the module docstring)."""
+    if os.environ.get("TILERT_CPU_NATIVE", "1") == "0":
+        return None
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        log.warning("cpu_native_unavailable", reason="no C compiler (set CC)")
+        return None
+    try:
+        return Kernels(_build(cc))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = exc.stderr.decode(errors="replace")[-500:] if isinstance(exc, subprocess.CalledProcessError) else ""
+        log.warning("cpu_native_unavailable", reason=str(exc), compiler_output=detail)
+        return None
