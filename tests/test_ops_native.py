@@ -198,3 +198,21 @@ def test_no_native_kernels_when_switched_off_or_the_build_fails(
         assert built is not None and built.path.parent == tmp_path
     finally:
         native.kernels.cache_clear()
+
+
+def test_calls_that_do_not_fit_are_refused_before_the_c_code_runs() -> None:
+    """The C code trusts its sizes: another dtype, a shape that does not match, a cache row outside the cache are
+    refused with a ValueError / IndexError, not run (an out-of-bounds read or write would corrupt the process)."""
+    nk = _kernels()
+    x, w = torch.randn(2, 16), torch.randn(4, 16)
+    with pytest.raises(ValueError, match="float32"):
+        nk.linear(x.bfloat16(), w.bfloat16())
+    with pytest.raises(ValueError, match="linear"):
+        nk.linear(x, torch.randn(4, 15))
+    with pytest.raises(ValueError, match="rms_norm"):
+        nk.rms_norm(x, torch.ones(15), 1e-6)
+    with pytest.raises(ValueError, match="experts"):
+        nk.moe_experts(x, torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1), torch.randn(3, 8, 16),
+                       torch.randn(3, 16, 5))  # fmt: skip  # w2's width 5 is not w13's 8 / 2
+    with pytest.raises(ValueError, match="mla_attend"):
+        nk.mla_attend(torch.randn(1, 2, 16), torch.randn(10, 16), torch.tensor([0]), torch.tensor([5]), 0.3, 17)

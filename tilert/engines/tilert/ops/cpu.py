@@ -259,9 +259,10 @@ def _attend(q: Tensor, kv: Tensor, scale: float, kv_lora_rank: int) -> Tensor:
 def mla_attention(
     q: Tensor, kv_cache: Tensor, positions: Tensor, scale: float, kv_lora_rank: int, row_start: Tensor | None = None
 ) -> Tensor:
-    """Over rows ``row_start..positions[i]`` only (the reference masks the whole static cache). One query, or
-    one query per sequence (``row_start`` given): each row on its own. Several tokens of one sequence (a
-    prompt, an MTP verification): the reference over the rows up to the last position."""
+    """Over rows ``row_start..positions[i]`` only (the reference masks the whole static cache). Up to
+    ``ROWWISE_MAX`` queries with the native kernels: each query over its own rows in one call. Without them: one
+    query, or one query per sequence (``row_start`` given), each row on its own; several tokens of one sequence (a
+    prompt, an MTP verification), the reference over the rows up to the last position."""
     n = q.shape[0]
     nk = _native()
     if nk is not None and n <= ROWWISE_MAX and _fast(q, kv_cache) and kv_cache.is_contiguous():

@@ -102,6 +102,16 @@ def _build(cc: str) -> Path:
     return lib
 
 
+def _require(ok: bool, what: str) -> None:
+    """The C code trusts its sizes: a call that does not fit is refused here, not run."""
+    if not ok:
+        raise ValueError(f"native kernel refused: {what}")
+
+
+def _f32(*ts: Tensor) -> None:
+    _require(all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts), "float32 CPU tensors only")
+
+
 class Kernels:
     """The loaded library; every method takes float32 CPU tensors whose last dimension is contiguous."""
 
@@ -118,20 +128,21 @@ class Kernels:
         if x.dim() == 2:
             return self.linear(x.unsqueeze(0), w.unsqueeze(0))[0]
         G, n, K = x.shape
-        assert w.shape == (G, w.shape[1], K), (x.shape, w.shape)
+        _require(w.dim() == 3 and w.shape[0] == G and w.shape[2] == K, "linear: x [G, n, K], w [G, N, K]")
         return self._product(self._lib.tl_linear, x, w, w.shape[1])
 
     def linear_kn(self, x: Tensor, w: Tensor) -> Tensor:
         """``x [G, n, K] @ w[G, K, N] -> [G, n, N]`` (``w``'s rows of ``N`` contiguous)."""
         G, n, K = x.shape
-        assert w.shape == (G, K, w.shape[2]), (x.shape, w.shape)
+        _require(w.dim() == 3 and w.shape[:2] == (G, K), "linear_kn: x [G, n, K], w [G, K, N]")
         return self._product(self._lib.tl_linear_kn, x, w, w.shape[2])
 
     @staticmethod
     def _product(fn: Any, x: Tensor, w: Tensor, N: int) -> Tensor:
         """``fn`` (``tl_linear`` / ``tl_linear_kn``) over ``x [G, n, K]`` and ``w``, into a new ``[G, n, N]``."""
         G, n, K = x.shape
-        assert x.stride(2) == 1 and w.stride(2) == 1, (x.stride(), w.stride())
+        _f32(x, w)
+        _require(x.stride(2) == 1 and w.stride(2) == 1, "products need rows of K contiguous")
         y = x.new_empty(G, n, N)
         fn(G, n, N, K, x.data_ptr(), x.stride(0), x.stride(1), w.data_ptr(), w.stride(0), w.stride(1), y.data_ptr(),
            n * N, N)  # fmt: skip
@@ -140,7 +151,8 @@ class Kernels:
     def rms_norm(self, x: Tensor, w: Tensor, eps: float) -> Tensor:
         """RMSNorm of each row of ``x [n, D]`` (rows of ``D`` contiguous) with ``w [D]``: a new ``[n, D]``."""
         n, D = x.shape
-        assert x.stride(1) == 1 and w.is_contiguous() and w.shape == (D,), (x.shape, x.stride(), w.shape)
+        _f32(x, w)
+        _require(x.stride(1) == 1 and w.is_contiguous() and w.shape == (D,), "rms_norm: x [n, D], w [D]")
         y = x.new_empty(n, D)
         self._lib.tl_rms_norm(n, D, x.data_ptr(), x.stride(0), w.data_ptr(), eps, y.data_ptr())
         return y
@@ -150,6 +162,8 @@ class Kernels:
         """The router of each row of ``x [n, D]`` (normed): ids int32 and weights ``[n, top_k + n_shared]``."""
         n, D = x.shape
         E = gate.shape[0]
+        _f32(x, gate, bias)
+        _require(gate.shape == (E, D) and bias.shape == (E,), "router: gate [E, D], bias [E]")
         x, gate, bias = x.contiguous(), gate.contiguous(), bias.contiguous()
         ids = torch.empty(n, top_k + n_shared, dtype=torch.int32)
         wts = x.new_empty(n, top_k + n_shared)
@@ -164,6 +178,9 @@ class Kernels:
         n, D = x.shape
         E, two_i, _ = w13.shape
         k = ids.shape[1]
+        _f32(x, wts, w13, w2)
+        _require(w13.shape == (E, two_i, D) and w2.shape == (E, D, two_i // 2) and ids.shape == wts.shape == (n, k),
+                 "experts: x [n, D], w13 [E, 2I, D], w2 [E, D, I], ids / weights [n, k]")
         x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
         ids, wts = ids.to(torch.int32).contiguous(), wts.contiguous()
         out = x.new_empty(n, D)
@@ -182,12 +199,15 @@ class Kernels:
         width = kv_cache.shape[1]
         r = width - lat
         v = kv_b.shape[0] // num_heads - nope_dim
+        _f32(a, b, kv_b, cos, sin, kv_norm, kv_cache)
         ok = (a.stride(1) == b.stride(1) == 1 and kv_b.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
-              and kv_cache.is_contiguous() and kv_norm.is_contiguous() and cos.shape[1] * 2 == r and r % 2 == 0)
-        assert ok and b.shape[1] >= num_heads * (nope_dim + r) and a.shape[1] >= kv_offset + width, "mla_prep shapes"
+              and kv_cache.is_contiguous() and kv_norm.is_contiguous() and r > 0 and r % 2 == 0
+              and cos.shape == sin.shape == (cos.shape[0], r // 2) and kv_b.shape == (num_heads * (nope_dim + v), lat)
+              and b.shape[1] >= num_heads * (nope_dim + r) and a.shape[1] >= kv_offset + width and rows.shape == (n,))
+        _require(ok, "mla_prep: the shapes of a, b, kv_b, cos / sin and the cache")
         rows = rows.to(torch.int64).contiguous()
-        lo, hi = rows.aminmax()  # the C code writes there
-        if int(lo) < 0 or int(hi) >= kv_cache.shape[0]:
+        lo, hi = rows.aminmax()  # the C code writes there, and reads cos / sin there
+        if int(lo) < 0 or int(hi) >= min(kv_cache.shape[0], cos.shape[0]):
             raise IndexError(f"mla_prep: rows {int(lo)}..{int(hi)} outside the cache of {kv_cache.shape[0]} rows")
         q_full = a.new_empty(n, num_heads, width)
         self._lib.tl_mla_prep(n, num_heads, nope_dim, r, v, lat, kv_offset, a.data_ptr(), a.stride(0), b.data_ptr(),
@@ -200,7 +220,10 @@ class Kernels:
         scaled scores), the first ``lat`` columns: ``[n, H, lat]``."""
         n, H, D = q.shape
         q = q.contiguous()
-        assert kv.shape[1] == D and kv.stride(1) == 1 and kv.stride(0) == D and lo.dtype == hi.dtype == torch.int64
+        _f32(q, kv)
+        _require(kv.dim() == 2 and kv.shape[1] == D and kv.stride() == (D, 1) and 0 < lat <= D
+                 and lo.dtype == hi.dtype == torch.int64 and lo.shape == hi.shape == (n,) and lo.is_contiguous()
+                 and hi.is_contiguous(), "mla_attend: q [n, H, D], cache [S, D] contiguous, lo / hi int64 [n]")
         if n and (int(lo.min()) < 0 or int(hi.max()) > kv.shape[0]):
             bad = f"{int(lo.min())}..{int(hi.max()) - 1}"
             raise IndexError(f"mla_attend: rows {bad} outside the cache of {kv.shape[0]} rows")
