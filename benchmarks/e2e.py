@@ -217,12 +217,10 @@ def wait_healthy(procs: Procs, urls: dict[str, str], timeout_s: float) -> dict[s
 
 
 def parse_cpus(text: str) -> set[int] | None:
-    """``"1"``, ``"0-3"``, ``"0,2"`` -> a CPU set; ``""`` -> None (not pinned)."""
-    cpus: set[int] = set()
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus or None
+    """``"1"``, ``"0-3"``, ``"0,2"`` -> a CPU set (:func:`tilert.cpus.parse_cpu_list`); ``""`` -> None (not pinned)."""
+    from tilert.cpus import parse_cpu_list
+
+    return set(parse_cpu_list(text)) or None
 
 
 def process_cpu_s(pid: int) -> float:
