@@ -273,7 +273,8 @@ def _native_process(stack: Stack) -> psutil.Process:
 @pytest.mark.stack
 def test_zz_killing_native_decode_fails_its_stream_fast_and_spares_tilert(pools: Stack) -> None:
     """Runs last in this module: the native decode instance dies (SIGKILL) with a native stream and a TileRT
-    stream in flight. The native one ends with an error event within 1 s; the TileRT one is untouched (the same
+    stream in flight. The native one ends with an error event right after its last relayed token (within 5 s of
+    the kill: the tokens already buffered are relayed first); the TileRT one is untouched (the same
     tokens as the same request undisturbed, which the tests above tie to vLLM alone)."""
     n_tilert = 1200  # long enough that the decode still runs when the test looks (about 2-10 s here)
     tilert_body = {"model": str(pools.model), "prompt": "def main():", "max_tokens": n_tilert, "temperature": 0,
@@ -330,7 +331,13 @@ def test_zz_killing_native_decode_fails_its_stream_fast_and_spares_tilert(pools:
     assert last_data[-1] == "data: [DONE]"
     error = json.loads(last_data[0][6:])["error"]
     assert error["code"] == 502 and "native decode" in error["message"]
-    assert lines[-1][0] - t_kill < 1.0
+    # The error follows the last relayed token at once. Tokens already in the socket buffers when the instance died
+    # are relayed first (about a millisecond each on a slow 2-core host), so the end is bounded from the kill at
+    # 5 s: far below any read timeout a router that missed the death would wait for.
+    i_err = max(i for i, (_, line) in enumerate(lines) if line == last_data[0])
+    after_kill = sum(1 for t, _ in lines[:i_err] if t > t_kill)
+    assert lines[i_err][0] - lines[i_err - 1][0] < 1.0, f"{after_kill} lines relayed after the kill"
+    assert lines[-1][0] - t_kill < 5.0, f"{after_kill} lines relayed after the kill"
     events = results["tilert"]
     assert not any("error" in e for e in events)
     assert token_ids(events) == undisturbed
