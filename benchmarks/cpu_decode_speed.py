@@ -46,7 +46,7 @@ from tilert.engines.tilert import ops  # noqa: E402
 from tilert.engines.tilert.engine import TileRTEngine  # noqa: E402
 from tilert.engines.tilert.model import ModelArgs, Transformer  # noqa: E402
 from tilert.engines.tilert.ops import cpu as cpu_ops  # noqa: E402
-from tilert.engines.tilert.ops import reference  # noqa: E402
+from tilert.engines.tilert.ops import native, reference  # noqa: E402
 from tilert.engines.tilert.weights import load_model, random_model  # noqa: E402
 
 OP_NAMES = ("gemv", "gemv_residual", "mla_prep", "mla_attention", "mla_sparse_attention", "indexer_topk", "mla_uv",
@@ -206,7 +206,13 @@ def run_config(config: str, threads: int, a: argparse.Namespace, tiny_dir: Path)
 
 SEQ_ARMS = ("native, one call", "ATen, one call", "native, row by row")
 """The several-sequences table's arms: the step over all rows with the native kernels (the engine's CPU path) and
-with ATen only (``cpu.aten_only``: the path without a C compiler), and the rows as ``n`` single-row steps."""
+with ATen only (``TILERT_CPU_NATIVE=0``: the path without a C compiler), and the rows as ``n`` single-row steps."""
+
+
+def _use_native(on: bool) -> None:
+    """Switch the CPU kernels' path for the next steps (``native.kernels`` decides it once per process: re-ask)."""
+    os.environ["TILERT_CPU_NATIVE"] = "1" if on else "0"
+    native.kernels.cache_clear()
 
 
 def run_sequences(config: str, threads: int, a: argparse.Namespace, tiny_dir: Path) -> dict[str, Any]:
@@ -232,7 +238,7 @@ def run_sequences(config: str, threads: int, a: argparse.Namespace, tiny_dir: Pa
             got: dict[str, list[list[int]]] = {}
             for _ in range(a.repeats):
                 for arm in SEQ_ARMS:
-                    cpu_ops.aten_only(arm.startswith("ATen"))
+                    _use_native(not arm.startswith("ATen"))
                     toks = list(firsts[:n])
                     tokens: list[list[int]] = [[] for _ in seqs]
                     t0 = time.perf_counter()
@@ -254,7 +260,7 @@ def run_sequences(config: str, threads: int, a: argparse.Namespace, tiny_dir: Pa
             out["same tokens as ATen"] = got[SEQ_ARMS[1]] == native_tokens
             rows.append(out)
     finally:
-        cpu_ops.aten_only(False)
+        _use_native(True)
     first = rows[0] if rows and rows[0]["sequences"] == 1 else None
     for r in rows:
         ms = r[f"step ms [{SEQ_ARMS[0]}]"]

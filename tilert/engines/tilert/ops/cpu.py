@@ -85,30 +85,16 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def _rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    nk = _native()
+    nk = native.kernels()
     if nk is not None and x.dim() == 2 and x.shape[0] <= ROWWISE_MAX and x.stride(-1) == 1:
         return nk.rms_norm(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-_aten_only = False
-
-
-def aten_only(flag: bool) -> None:
-    """Compute with ATen even where the native kernels are built (``benchmarks/cpu_decode_speed.py``'s A/B in one
-    process). Not for an engine that is decoding: a sequence must see one path from its first step to its last."""
-    global _aten_only
-    _aten_only = flag
-
-
-def _native() -> native.Kernels | None:
-    return None if _aten_only else native.kernels()
-
-
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x @ weight^T (+ bias)`` with each row rounded exactly as that row alone (module docstring)."""
     n = x.shape[0]
-    nk = _native()
+    nk = native.kernels()
     if n > ROWWISE_MAX:
         y = F.linear(x, weight)
     elif nk is not None and x.stride(-1) == 1 and weight.stride(-1) == 1:
@@ -187,7 +173,7 @@ def mla_prep(
                                   index_norm_bias, index_cache, num_heads, nope_dim, kv_offset, index_heads, eps,
                                   index_weight_scale)
     n = a.shape[0]
-    nk = _native()
+    nk = native.kernels()
     if nk is not None and index_cache is None and n <= ROWWISE_MAX:
         q_full = nk.mla_prep(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, num_heads, nope_dim,
                              kv_offset, eps)  # fmt: skip
@@ -264,7 +250,7 @@ def mla_attention(
     query, or one query per sequence (``row_start`` given), each row on its own; several tokens of one sequence (a
     prompt, an MTP verification), the reference over the rows up to the last position."""
     n = q.shape[0]
-    nk = _native()
+    nk = native.kernels()
     if nk is not None and n <= ROWWISE_MAX and _fast(q, kv_cache) and kv_cache.is_contiguous():
         hi = positions.reshape(-1) + 1
         lo = torch.zeros_like(hi) if row_start is None else torch.minimum(row_start.reshape(-1).expand(n), hi)
@@ -330,7 +316,7 @@ def mla_uv(o_lat: Tensor, kv_b: Tensor, nope_dim: int, kv_b_scale: Tensor | None
     if kv_b_scale is not None:
         kv_b = dequant(kv_b, kv_b_scale, o_lat.dtype)
     n, h, lat = o_lat.shape
-    nk = _native()
+    nk = native.kernels()
     if nk is not None and n <= ROWWISE_MAX and _fast(o_lat, kv_b) and o_lat.stride(-1) == 1:
         w_uv = kv_b.view(h, -1, lat)[:, nope_dim:]  # [H, V, L]
         return nk.linear(o_lat.transpose(0, 1), w_uv).transpose(0, 1).reshape(n, -1)
@@ -372,7 +358,7 @@ def _experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2:
     (each chosen expert once over the rows that chose it). Otherwise a dense MLP (one expert, id 0) over all rows
     at once, routed experts token by token (each token reads its own experts in place)."""
     n = x.shape[0]
-    nk = _native()
+    nk = native.kernels()
     if nk is not None and n <= ROWWISE_MAX and s13 is None and s2 is None:
         return nk.moe_experts(x, topk_ids, topk_weights, w13, w2)
     if w13.shape[0] == 1 and topk_ids.shape[1] == 1:
@@ -438,7 +424,7 @@ def _router(
     """:func:`reference.router` on ``x = rms_norm(h)`` (computed once for the router and the experts); the group
     mask is skipped when every group is kept (it is then all ones)."""
     n = x.shape[0]
-    nk = _native()
+    nk = native.kernels()
     if nk is not None and n <= ROWWISE_MAX:
         return nk.moe_route(x, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared)
     e, g = gate_weight.shape[0], n_group
