@@ -85,16 +85,26 @@ def test_attention_over_each_querys_own_rows() -> None:
     kv[33] *= 6.0  # a row with large scores after the first blocks
     q = torch.randn(5, H, lat + r, generator=g)
     lo = torch.tensor([0, 3, 8, 30, 12])
-    hi = torch.tensor([1, 11, 17, 40, 36])
-    got = nk.mla_attend(q, kv, lo, hi, 0.3, lat)
+    pos = torch.tensor([0, 10, 16, 39, 35])
+
+    def attend(rows: slice) -> torch.Tensor:
+        out = nk.mla_attend(q[rows], kv, pos[rows], lo[rows], 0.3, lat)
+        assert out is not None
+        return out
+
+    got = attend(slice(0, 5))
     for i in range(5):
-        want = reference.mla_attention(q[i : i + 1], kv, hi[i : i + 1] - 1, 0.3, lat, lo[i : i + 1])
+        want = reference.mla_attention(q[i : i + 1], kv, pos[i : i + 1], 0.3, lat, lo[i : i + 1])
         _close(got[i : i + 1], want)
     for n in range(1, 6):
-        out = nk.mla_attend(q[:n], kv, lo[:n], hi[:n], 0.3, lat)
+        out = attend(slice(0, n))
         for i in range(n):
-            alone = nk.mla_attend(q[i : i + 1], kv, lo[i : i + 1], hi[i : i + 1], 0.3, lat)
-            assert torch.equal(out[i], alone[0]), (n, i)
+            assert torch.equal(out[i], attend(slice(i, i + 1))[0]), (n, i)
+    # one start for every query, or none (row 0); a start beyond a position: no rows, the caller's case
+    _close(nk.mla_attend(q[1:], kv, pos[1:], lo[1:2], 0.3, lat),  # type: ignore[arg-type]
+           reference.mla_attention(q[1:], kv, pos[1:], 0.3, lat, lo[1:2]))  # fmt: skip
+    _close(nk.mla_attend(q, kv, pos, None, 0.3, lat), reference.mla_attention(q, kv, pos, 0.3, lat))  # type: ignore[arg-type]
+    assert nk.mla_attend(q[:1], kv, pos[:1], torch.tensor([5]), 0.3, lat) is None
 
 
 def test_mla_prep_matches_reference_and_every_row_alone() -> None:
@@ -121,7 +131,9 @@ def test_mla_prep_matches_reference_and_every_row_alone() -> None:
     with pytest.raises(IndexError, match="outside the cache"):
         nk.mla_prep(a[:1], b[:1], torch.tensor([S]), kv_b, cos, sin, kvn, c1, h, p, ql, 1e-6)
     with pytest.raises(IndexError, match="outside the cache"):
-        nk.mla_attend(torch.randn(1, h, lat + r), c1, torch.tensor([0]), torch.tensor([S + 1]), 0.3, lat)
+        nk.mla_attend(torch.randn(1, h, lat + r), c1, torch.tensor([S]), None, 0.3, lat)
+    with pytest.raises(IndexError, match="outside the cache"):
+        nk.mla_attend(torch.randn(1, h, lat + r), c1, torch.tensor([3]), torch.tensor([-1]), 0.3, lat)
 
 
 def test_router_picks_the_reference_experts() -> None:
@@ -215,4 +227,4 @@ def test_calls_that_do_not_fit_are_refused_before_the_c_code_runs() -> None:
         nk.moe_experts(x, torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1), torch.randn(3, 8, 16),
                        torch.randn(3, 16, 5))  # fmt: skip  # w2's width 5 is not w13's 8 / 2
     with pytest.raises(ValueError, match="mla_attend"):
-        nk.mla_attend(torch.randn(1, 2, 16), torch.randn(10, 16), torch.tensor([0]), torch.tensor([5]), 0.3, 17)
+        nk.mla_attend(torch.randn(1, 2, 16), torch.randn(10, 16), torch.tensor([4]), None, 0.3, 17)

@@ -252,10 +252,9 @@ def mla_attention(
     n = q.shape[0]
     nk = native.kernels()
     if nk is not None and n <= ROWWISE_MAX and _fast(q, kv_cache) and kv_cache.is_contiguous():
-        hi = positions.reshape(-1) + 1
-        lo = torch.zeros_like(hi) if row_start is None else torch.minimum(row_start.reshape(-1).expand(n), hi)
-        if bool((lo < hi).all()):
-            return nk.mla_attend(q, kv_cache, lo.contiguous(), hi, scale, kv_lora_rank)
+        out = nk.mla_attend(q, kv_cache, positions, row_start, scale, kv_lora_rank)
+        if out is not None:
+            return out
     if (n == 1 or row_start is not None) and _fast(q, kv_cache):
         bounds = [_row_bounds(positions, row_start, i) for i in range(n)]
         if all(lo < end for lo, end in bounds):

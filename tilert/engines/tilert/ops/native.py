@@ -47,11 +47,11 @@ _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes
 _SIGNATURES: dict[str, tuple[list[Any], Any]] = {  # rows.c's functions: argument types, return type
     "tl_linear": ([_I64] * 4 + [_PTR, _I64, _I64] * 3, None),
     "tl_linear_kn": ([_I64] * 4 + [_PTR, _I64, _I64] * 3, None),
-    "tl_mla_attend": ([_I64] * 4 + [_PTR] * 4 + [_F32, _PTR], _INT),
+    "tl_mla_attend": ([_I64] * 4 + [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _F32, _PTR], _INT),
     "tl_rms_norm": ([_I64, _I64, _PTR, _I64, _PTR, _F32, _PTR], None),
     "tl_moe_route": ([_I64] * 3 + [_PTR] * 3 + [_I64] * 3 + [_F32, _INT, _I64, _PTR, _PTR], _INT),
     "tl_moe_experts": ([_I64] * 5 + [_PTR] * 6, _INT),
-    "tl_mla_prep": ([_I64] * 7 + [_PTR, _I64, _PTR, _I64] + [_PTR] * 5 + [_F32, _PTR, _PTR], None),
+    "tl_mla_prep": ([_I64] * 7 + [_PTR, _I64, _PTR, _I64, _PTR, _I64] + [_PTR] * 4 + [_F32, _PTR, _PTR], _INT),
 }
 
 
@@ -206,32 +206,37 @@ class Kernels:
               and b.shape[1] >= num_heads * (nope_dim + r) and a.shape[1] >= kv_offset + width and rows.shape == (n,))
         _require(ok, "mla_prep: the shapes of a, b, kv_b, cos / sin and the cache")
         rows = rows.to(torch.int64).contiguous()
-        lo, hi = rows.aminmax()  # the C code writes there, and reads cos / sin there
-        if int(lo) < 0 or int(hi) >= min(kv_cache.shape[0], cos.shape[0]):
-            raise IndexError(f"mla_prep: rows {int(lo)}..{int(hi)} outside the cache of {kv_cache.shape[0]} rows")
         q_full = a.new_empty(n, num_heads, width)
-        self._lib.tl_mla_prep(n, num_heads, nope_dim, r, v, lat, kv_offset, a.data_ptr(), a.stride(0), b.data_ptr(),
-                              b.stride(0), rows.data_ptr(), kv_b.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                              kv_norm.data_ptr(), eps, kv_cache.data_ptr(), q_full.data_ptr())  # fmt: skip
+        if self._lib.tl_mla_prep(n, num_heads, nope_dim, r, v, lat, kv_offset, a.data_ptr(), a.stride(0),
+                                 b.data_ptr(), b.stride(0), rows.data_ptr(), min(kv_cache.shape[0], cos.shape[0]),
+                                 kv_b.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_norm.data_ptr(), eps,
+                                 kv_cache.data_ptr(), q_full.data_ptr()) != 0:  # fmt: skip
+            raise IndexError(f"mla_prep: a row outside the cache of {kv_cache.shape[0]} rows")
         return q_full
 
-    def mla_attend(self, q: Tensor, kv: Tensor, lo: Tensor, hi: Tensor, scale: float, lat: int) -> Tensor:
-        """Query ``i`` of ``q [n, H, D]`` over cache rows ``lo[i]..hi[i]-1`` of ``kv [S, D]`` (softmax of the
-        scaled scores), the first ``lat`` columns: ``[n, H, lat]``."""
+    def mla_attend(self, q: Tensor, kv: Tensor, positions: Tensor, row_start: Tensor | None, scale: float,
+                   lat: int) -> Tensor | None:
+        """Query ``i`` of ``q [n, H, D]`` over cache rows ``row_start..positions[i]`` of ``kv [S, D]`` (``row_start``
+        int64 ``[1]`` or ``[n]``, None: row 0; softmax of the scaled scores), the first ``lat`` columns:
+        ``[n, H, lat]``. None when a query has no row (its start beyond its position: the caller's case)."""
         n, H, D = q.shape
         q = q.contiguous()
+        pos = positions.reshape(-1).contiguous()
+        start = None if row_start is None else row_start.reshape(-1).contiguous()
         _f32(q, kv)
-        _require(kv.dim() == 2 and kv.shape[1] == D and kv.stride() == (D, 1) and 0 < lat <= D
-                 and lo.dtype == hi.dtype == torch.int64 and lo.shape == hi.shape == (n,) and lo.is_contiguous()
-                 and hi.is_contiguous(), "mla_attend: q [n, H, D], cache [S, D] contiguous, lo / hi int64 [n]")
-        if n and (int(lo.min()) < 0 or int(hi.max()) > kv.shape[0]):
-            bad = f"{int(lo.min())}..{int(hi.max()) - 1}"
-            raise IndexError(f"mla_attend: rows {bad} outside the cache of {kv.shape[0]} rows")
+        starts_ok = start is None or (start.dtype == torch.int64 and start.numel() in (1, n))
+        _require(kv.dim() == 2 and kv.shape[1] == D and kv.stride() == (D, 1) and 0 < lat <= D and starts_ok
+                 and pos.dtype == torch.int64 and pos.shape == (n,),
+                 "mla_attend: q [n, H, D], cache [S, D] contiguous, positions / row_start int64")  # fmt: skip
         out = q.new_empty(n, H, lat)
-        if self._lib.tl_mla_attend(n, H, D, lat, q.data_ptr(), kv.data_ptr(), lo.data_ptr(), hi.data_ptr(), scale,
-                                   out.data_ptr()) != 0:  # fmt: skip
+        rc = self._lib.tl_mla_attend(n, H, D, lat, q.data_ptr(), kv.data_ptr(), kv.shape[0], pos.data_ptr(),
+                                     None if start is None else start.data_ptr(), 0 if start is None else start.numel(),
+                                     scale, out.data_ptr())  # fmt: skip
+        if rc == -2:
+            raise IndexError(f"mla_attend: a position or row_start outside the cache of {kv.shape[0]} rows")
+        if rc == -1:
             raise MemoryError("tl_mla_attend: out of memory for the scores")
-        return out
+        return None if rc == 1 else out
 
 
 @functools.cache

@@ -119,13 +119,20 @@ void tl_linear_kn(int64_t G, int64_t n, int64_t N, int64_t K, const float *x, in
         for (int64_t r = 0; r < n; r++) tl_row_kn(x + g * xg + r * xr, w + g * wg, wk, K, N, y + g * yg + r * yr);
 }
 
-/* Absorbed MLA decode for n queries, each over its own cache rows lo[i]..hi[i]-1:
+/* Absorbed MLA decode for n queries, query i over cache rows lo..pos[i] with lo = min(start, pos[i] + 1), start =
+ * start[i] (nstart == n), start[0] (nstart == 1) or 0 (start NULL):
  * s[h, t] = scale * q[i, h, :D] . kv[t, :D], p = softmax_t(s), out[i, h, :L] = sum_t p[h, t] * kv[t, :L].
  * One pass over the rows in blocks of 8 (an online softmax: a block's rows are read once, for the scores of
- * every head and for the output). q [n, H, D] contiguous, kv rows of D contiguous, out [n, H, L] contiguous.
- * Returns -1 when out of memory. */
-int tl_mla_attend(int64_t n, int64_t H, int64_t D, int64_t L, const float *q, const float *kv, const int64_t *lo,
-                  const int64_t *hi, float scale, float *out) {
+ * every head and for the output). q [n, H, D] contiguous, kv [S, D] contiguous, out [n, H, L] contiguous.
+ * Every index is checked before any work: returns -2 for a position or start outside 0..S-1, 1 when a query has
+ * no row (lo > pos: the caller decides), -1 when out of memory, 0 when done. */
+int tl_mla_attend(int64_t n, int64_t H, int64_t D, int64_t L, const float *q, const float *kv, int64_t S,
+                  const int64_t *pos, const int64_t *start, int64_t nstart, float scale, float *out) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t s0 = start ? start[nstart > 1 ? i : 0] : 0;
+        if (pos[i] < 0 || pos[i] >= S || s0 < 0) return -2;
+        if (s0 > pos[i]) return 1;
+    }
     float *st = (float *)malloc((size_t)(H * 10) * sizeof(float)); /* per head: 8 scores, max, sum */
     if (!st) return -1;
     for (int64_t i = 0; i < n; i++) {
@@ -136,8 +143,9 @@ int tl_mla_attend(int64_t n, int64_t H, int64_t D, int64_t L, const float *q, co
             st[h * 10 + 8] = -INFINITY;
             st[h * 10 + 9] = 0.0f;
         }
-        for (int64_t t0 = lo[i]; t0 < hi[i]; t0 += 8) {
-            int64_t nb = hi[i] - t0 < 8 ? hi[i] - t0 : 8;
+        int64_t hi = pos[i] + 1;
+        for (int64_t t0 = start ? start[nstart > 1 ? i : 0] : 0; t0 < hi; t0 += 8) {
+            int64_t nb = hi - t0 < 8 ? hi - t0 : 8;
             const float *blk = kv + t0 * D;
             for (int64_t h = 0; h < H; h++) {
                 float *sh = st + h * 10, bm = -INFINITY;
@@ -210,12 +218,15 @@ static void tl_rope(const float *x, const float *cs, const float *sn, int64_t ha
 /* MLA's preparation for n tokens at cache rows rows[i] (dense MLA, no indexer), as reference.mla_prep:
  * a [n, >= kv_offset + L + R] (rows as apart) = [q_a | c_kv | k_pe | ...], b [n, >= H * (P + R)] (rows bs apart)
  * = per head [q_nope | q_pe]; w_uk head h = kv_b rows h * (P + V) .. + P, each of L; cos / sin [rows, R / 2].
- * Writes q_full [n, H, L + R] = [q_nope . W_UK | rope(q_pe)] and the cache row [rms(c_kv) | rope(k_pe)]. */
-void tl_mla_prep(int64_t n, int64_t H, int64_t P, int64_t R, int64_t V, int64_t L, int64_t kv_offset,
-                 const float *a, int64_t as, const float *b, int64_t bs, const int64_t *rows, const float *kv_b,
-                 const float *cos_t, const float *sin_t, const float *kv_norm, float eps, float *kv_cache,
-                 float *q_full) {
+ * Writes q_full [n, H, L + R] = [q_nope . W_UK | rope(q_pe)] and the cache row [rms(c_kv) | rope(k_pe)]; S: the
+ * rows of the cache and of cos / sin. Returns -2 (nothing written) for a row outside 0..S-1, else 0. */
+int tl_mla_prep(int64_t n, int64_t H, int64_t P, int64_t R, int64_t V, int64_t L, int64_t kv_offset,
+                const float *a, int64_t as, const float *b, int64_t bs, const int64_t *rows, int64_t S,
+                const float *kv_b, const float *cos_t, const float *sin_t, const float *kv_norm, float eps,
+                float *kv_cache, float *q_full) {
     int64_t half = R / 2, W = L + R;
+    for (int64_t i = 0; i < n; i++)
+        if (rows[i] < 0 || rows[i] >= S) return -2; /* before any write */
     for (int64_t i = 0; i < n; i++) {
         const float *cs = cos_t + rows[i] * half, *sn = sin_t + rows[i] * half;
         const float *ai = a + i * as, *bi = b + i * bs;
@@ -229,6 +240,7 @@ void tl_mla_prep(int64_t n, int64_t H, int64_t P, int64_t R, int64_t V, int64_t 
         tl_rms_row(ai + kv_offset, kv_norm, L, eps, row);
         tl_rope(ai + kv_offset + L, cs, sn, half, row + L);
     }
+    return 0;
 }
 
 /* The DeepSeek router for each row of x [n, D] (already normed): logits = gate . x, scores = sigmoid, choice =
