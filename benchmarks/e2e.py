@@ -410,12 +410,13 @@ def start_servers(
         }
         if args.router_log_level:
             envs["router"]["TILERT_LOG_LEVEL"] = args.router_log_level
+        pinned = {n: rest for n in ("prefill", "decode", "router") if rest}
+        router_cpus, decode_cpus = parse_cpus(args.router_cpus), parse_cpus(args.decode_cpus)
+        if router_cpus:
+            pinned["router"] = router_cpus
+        if args.decode_pin == "process" and decode_cpus:  # the whole node (its event loop too) on --decode-cpus
+            pinned["decode"] = decode_cpus
         for name in names:
-            pinned = {n: rest for n in ("prefill", "decode", "router") if rest}
-            if parse_cpus(args.router_cpus):
-                pinned["router"] = parse_cpus(args.router_cpus)
-            if args.decode_pin == "process":  # the whole node (its event loop too) on --decode-cpus
-                pinned["decode"] = parse_cpus(args.decode_cpus)
             cpus = pinned.get(name)
             procs.start(name, commands[name], envs[name], cpus=cpus)
             started[name] = {"command": commands[name], "cpus": sorted(cpus) if cpus else None,
@@ -446,10 +447,11 @@ def start_servers(
 
 def _decode_env(args: argparse.Namespace) -> dict[str, str]:
     env: dict[str, str] = {}
-    if parse_cpus(args.decode_cpus) and args.decode_pin == "engine":  # as vLLM pins its OMP threads
+    decode_cpus = parse_cpus(args.decode_cpus)
+    if decode_cpus and args.decode_pin == "engine":  # as vLLM pins its OMP threads
         env["TILERT_DECODE_ENGINE_CPUS"] = args.decode_cpus
-    elif parse_cpus(args.decode_cpus):
-        env["OMP_NUM_THREADS"] = str(len(parse_cpus(args.decode_cpus) or ()))
+    elif decode_cpus:
+        env["OMP_NUM_THREADS"] = str(len(decode_cpus))
     if args.decode_max_sequences:
         env["TILERT_DECODE_MAX_SEQUENCES"] = str(args.decode_max_sequences)
     return env

@@ -487,9 +487,13 @@ def main() -> None:
     split = None
     if args.split_cpus:
         p_cpus, _, d_cpus = args.split_cpus.partition(":")
-        if not (parse_cpu_list(p_cpus) and parse_cpu_list(d_cpus)):
+        try:
+            prefill_set, decode_set = parse_cpu_list(p_cpus), parse_cpu_list(d_cpus)
+        except ValueError as exc:
+            ap.error(f"--split-cpus {args.split_cpus!r}: {exc}")
+        if not (prefill_set and decode_set):
             ap.error(f"--split-cpus {args.split_cpus!r}: want P:D, two CPU lists (e.g. 0:1)")
-        split = (p_cpus, set(parse_cpu_list(d_cpus)))
+        split = (p_cpus, set(decode_set))
     where = f"; vLLM's OMP threads on CPUs {split[0]}, the decode half on {sorted(split[1])}" if split else ""
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and up
     tokens = [int(x) for x in args.tokens.split(",")]
