@@ -109,7 +109,9 @@ def _require(ok: bool, what: str) -> None:
 
 
 def _f32(*ts: Tensor) -> None:
-    _require(all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts), "float32 CPU tensors only")
+    for t in ts:  # a plain loop: this runs some 40 times a decode step
+        if t.dtype != torch.float32 or not t.is_cpu:
+            raise ValueError("native kernel refused: float32 CPU tensors only")
 
 
 class Kernels:
@@ -125,8 +127,16 @@ class Kernels:
 
     def linear(self, x: Tensor, w: Tensor) -> Tensor:
         """``x [G, n, K] @ w[G, N, K]^T -> [G, n, N]`` (or without ``G``); any strides but the last."""
-        if x.dim() == 2:
-            return self.linear(x.unsqueeze(0), w.unsqueeze(0))[0]
+        if x.dim() == 2:  # the common case, without the views of a G of 1
+            n, K = x.shape
+            _require(w.dim() == 2 and w.shape[1] == K, "linear: x [n, K], w [N, K]")
+            _f32(x, w)
+            (xr, xk), (wj, wk) = x.stride(), w.stride()
+            _require(xk == 1 and wk == 1, "products need rows of K contiguous")
+            N = w.shape[0]
+            y = x.new_empty(n, N)
+            self._lib.tl_linear(1, n, N, K, x.data_ptr(), 0, xr, w.data_ptr(), 0, wj, y.data_ptr(), 0, N)
+            return y
         G, n, K = x.shape
         _require(w.dim() == 3 and w.shape[0] == G and w.shape[2] == K, "linear: x [G, n, K], w [G, N, K]")
         return self._product(self._lib.tl_linear, x, w, w.shape[1])
@@ -142,10 +152,10 @@ class Kernels:
         """``fn`` (``tl_linear`` / ``tl_linear_kn``) over ``x [G, n, K]`` and ``w``, into a new ``[G, n, N]``."""
         G, n, K = x.shape
         _f32(x, w)
-        _require(x.stride(2) == 1 and w.stride(2) == 1, "products need rows of K contiguous")
+        (xg, xr, xk), (wg, wj, wk) = x.stride(), w.stride()
+        _require(xk == 1 and wk == 1, "products need rows of K contiguous")
         y = x.new_empty(G, n, N)
-        fn(G, n, N, K, x.data_ptr(), x.stride(0), x.stride(1), w.data_ptr(), w.stride(0), w.stride(1), y.data_ptr(),
-           n * N, N)  # fmt: skip
+        fn(G, n, N, K, x.data_ptr(), xg, xr, w.data_ptr(), wg, wj, y.data_ptr(), n * N, N)
         return y
 
     def rms_norm(self, x: Tensor, w: Tensor, eps: float) -> Tensor:

@@ -170,18 +170,35 @@ int tl_mla_attend(int64_t n, int64_t H, int64_t D, int64_t L, const float *q, co
                 sh[8] = mn;
                 sh[9] += sum;
             }
-            for (int64_t j = 0; j < nb; j++) {  /* each row once for every head */
-                const float *row = blk + j * D;
-                for (int64_t h = 0; h < H; h++) {
-                    float pt = st[h * 10 + j];
-                    float *o = oi + h * L;
-                    int64_t l = 0;
+            /* out += p[h, j] * row_j for the block's rows j in order: each output element's chain of FMAs is
+             * the same whatever the blocking; the block's rows are added to a slice of out held in registers
+             * (loaded and stored once per block, not once per row). */
+            for (int64_t h = 0; h < H; h++) {
+                const float *ph = st + h * 10;
+                float *o = oi + h * L;
+                int64_t l = 0;
 #ifdef TL_VEC
-                    __m256 pv = _mm256_set1_ps(pt);
-                    for (; l + 8 <= L; l += 8)
-                        _mm256_storeu_ps(o + l, _mm256_fmadd_ps(pv, _mm256_loadu_ps(row + l), _mm256_loadu_ps(o + l)));
+                for (; l + 32 <= L; l += 32) {
+                    __m256 a0 = _mm256_loadu_ps(o + l), a1 = _mm256_loadu_ps(o + l + 8);
+                    __m256 a2 = _mm256_loadu_ps(o + l + 16), a3 = _mm256_loadu_ps(o + l + 24);
+                    for (int64_t j = 0; j < nb; j++) {
+                        const float *row = blk + j * D + l;
+                        __m256 pv = _mm256_set1_ps(ph[j]);
+                        a0 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(row), a0);
+                        a1 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(row + 8), a1);
+                        a2 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(row + 16), a2);
+                        a3 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(row + 24), a3);
+                    }
+                    _mm256_storeu_ps(o + l, a0);
+                    _mm256_storeu_ps(o + l + 8, a1);
+                    _mm256_storeu_ps(o + l + 16, a2);
+                    _mm256_storeu_ps(o + l + 24, a3);
+                }
 #endif
-                    for (; l < L; l++) o[l] = fmaf(pt, row[l], o[l]);
+                for (; l < L; l++) {
+                    float acc = o[l];
+                    for (int64_t j = 0; j < nb; j++) acc = fmaf(ph[j], blk[j * D + l], acc);
+                    o[l] = acc;
                 }
             }
         }
