@@ -77,10 +77,11 @@ def test_rms_norm_matches_reference_and_every_row_alone() -> None:
 
 def test_attention_over_each_querys_own_rows() -> None:
     """Each query over its own rows ``lo..hi-1`` (lengths across the 8-row block, a new maximum late in the rows:
-    the online softmax's rescale) equals the reference's masked softmax, and does not depend on the others."""
+    the online softmax's rescale) equals the reference's masked softmax, and does not depend on the others.
+    A latent width of 40: the output's 32-float register slices and the scalar tail after them."""
     nk = _kernels()
     g = _gen(2)
-    H, lat, r, S = 3, 16, 4, 40
+    H, lat, r, S = 3, 40, 4, 40
     kv = torch.randn(S, lat + r, generator=g)
     kv[33] *= 6.0  # a row with large scores after the first blocks
     q = torch.randn(5, H, lat + r, generator=g)
