@@ -85,12 +85,20 @@ void tl_linear(int64_t G, int64_t n, int64_t N, int64_t K, const float *x, int64
     }
 }
 
-/* out[:N] = sum_k xv[k] * w[k, :N] (w's rows of N contiguous, wk apart): the sum over k in order, lane by lane. */
-static void tl_row_kn(const float *xv, const float *w, int64_t wk, int64_t K, int64_t N, float *out) {
+/* out[:N] = init[:N] + sum_k xv[k] * w[k, :N] (w's rows of N contiguous, wk apart; init NULL: zeros; init may be
+ * out): the sum over k in order, lane by lane, 32 lanes held in registers over every k. */
+static void tl_row_kn(const float *xv, const float *w, int64_t wk, int64_t K, int64_t N, const float *init,
+                      float *out) {
     int64_t j = 0;
 #ifdef TL_VEC
     for (; j + 32 <= N; j += 32) {
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        if (init) {
+            a0 = _mm256_loadu_ps(init + j);
+            a1 = _mm256_loadu_ps(init + j + 8);
+            a2 = _mm256_loadu_ps(init + j + 16);
+            a3 = _mm256_loadu_ps(init + j + 24);
+        }
         for (int64_t k = 0; k < K; k++) {
             __m256 xk = _mm256_set1_ps(xv[k]);
             const float *wr = w + k * wk + j;
@@ -106,7 +114,7 @@ static void tl_row_kn(const float *xv, const float *w, int64_t wk, int64_t K, in
     }
 #endif
     for (; j < N; j++) {
-        float s = 0.0f;
+        float s = init ? init[j] : 0.0f;
         for (int64_t k = 0; k < K; k++) s = fmaf(xv[k], w[k * wk + j], s);
         out[j] = s;
     }
@@ -116,7 +124,8 @@ static void tl_row_kn(const float *xv, const float *w, int64_t wk, int64_t K, in
 void tl_linear_kn(int64_t G, int64_t n, int64_t N, int64_t K, const float *x, int64_t xg, int64_t xr,
                   const float *w, int64_t wg, int64_t wk, float *y, int64_t yg, int64_t yr) {
     for (int64_t g = 0; g < G; g++)
-        for (int64_t r = 0; r < n; r++) tl_row_kn(x + g * xg + r * xr, w + g * wg, wk, K, N, y + g * yg + r * yr);
+        for (int64_t r = 0; r < n; r++)
+            tl_row_kn(x + g * xg + r * xr, w + g * wg, wk, K, N, NULL, y + g * yg + r * yr);
 }
 
 /* Absorbed MLA decode for n queries, query i over cache rows lo..pos[i] with lo = min(start, pos[i] + 1), start =
@@ -170,37 +179,9 @@ int tl_mla_attend(int64_t n, int64_t H, int64_t D, int64_t L, const float *q, co
                 sh[8] = mn;
                 sh[9] += sum;
             }
-            /* out += p[h, j] * row_j for the block's rows j in order: each output element's chain of FMAs is
-             * the same whatever the blocking; the block's rows are added to a slice of out held in registers
-             * (loaded and stored once per block, not once per row). */
-            for (int64_t h = 0; h < H; h++) {
-                const float *ph = st + h * 10;
-                float *o = oi + h * L;
-                int64_t l = 0;
-#ifdef TL_VEC
-                for (; l + 32 <= L; l += 32) {
-                    __m256 a0 = _mm256_loadu_ps(o + l), a1 = _mm256_loadu_ps(o + l + 8);
-                    __m256 a2 = _mm256_loadu_ps(o + l + 16), a3 = _mm256_loadu_ps(o + l + 24);
-                    for (int64_t j = 0; j < nb; j++) {
-                        const float *row = blk + j * D + l;
-                        __m256 pv = _mm256_set1_ps(ph[j]);
-                        a0 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(row), a0);
-                        a1 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(row + 8), a1);
-                        a2 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(row + 16), a2);
-                        a3 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(row + 24), a3);
-                    }
-                    _mm256_storeu_ps(o + l, a0);
-                    _mm256_storeu_ps(o + l + 8, a1);
-                    _mm256_storeu_ps(o + l + 16, a2);
-                    _mm256_storeu_ps(o + l + 24, a3);
-                }
-#endif
-                for (; l < L; l++) {
-                    float acc = o[l];
-                    for (int64_t j = 0; j < nb; j++) acc = fmaf(ph[j], blk[j * D + l], acc);
-                    o[l] = acc;
-                }
-            }
+            /* out_h += sum_j p[h, j] * row_j over the block's rows in order (tl_row_kn from out_h: a slice of out_h
+             * held in registers over the block's rows, loaded and stored once per block, not once per row). */
+            for (int64_t h = 0; h < H; h++) tl_row_kn(st + h * 10, blk, D, nb, L, oi + h * L, oi + h * L);
         }
         for (int64_t h = 0; h < H; h++) {
             float inv = 1.0f / st[h * 10 + 9];
@@ -250,7 +231,7 @@ int tl_mla_prep(int64_t n, int64_t H, int64_t P, int64_t R, int64_t V, int64_t L
         for (int64_t h = 0; h < H; h++) {
             const float *q = bi + h * (P + R);
             float *out = q_full + (i * H + h) * W;
-            tl_row_kn(q, kv_b + h * (P + V) * L, L, P, L, out);
+            tl_row_kn(q, kv_b + h * (P + V) * L, L, P, L, NULL, out);
             tl_rope(q + P, cs, sn, half, out + L);
         }
         float *row = kv_cache + rows[i] * W;
