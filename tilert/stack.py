@@ -195,10 +195,11 @@ class CpuPlan:
 def cpu_plan(cfg: StackConfig) -> CpuPlan:
     """The stack's CPU placement (``StackConfig.engine_cpus``, ``tilert up --engine-cpus``): the engine's worker
     thread on those CPUs, every other process of the stack on the rest of the CPUs this process may use; unset:
-    nothing pinned. Not the default: on the 2-core CPU demo it left one core to the prefill, the router and the
-    node together, and cost the first token 15-30 ms for no clear gain per token
-    (``benchmarks/results/cpu-e2e-2026-12-01.md``). Native mode pins its two vLLM instances itself and is left as
-    it is. ``ValueError`` for CPUs this process may not use."""
+    nothing pinned. Not the default: on the 2-core CPU demo it leaves one core to the prefill, the router and the
+    node together, which costs the first token about 11 ms; with the native kernels it buys one user 2.8x vLLM
+    alone's per-user speed against about 1.6-1.75x unpinned (``benchmarks/results/cpu-native-2026-12-01-b.md``;
+    before them it bought nothing clear, ``cpu-e2e-2026-12-01.md``). Native mode pins its two vLLM instances itself
+    and is left as it is. ``ValueError`` for CPUs this process may not use."""
     if cfg.native or not cfg.engine_cpus or not hasattr(os, "sched_setaffinity"):
         return CpuPlan()
     usable = allowed_cpus()
