@@ -80,6 +80,18 @@ def _fast(*ts: Tensor | None) -> bool:
     return True
 
 
+def _native(n: int) -> native.Kernels | None:
+    """The native kernels for a step of ``n`` rows; None where ATen computes (no kernels, or more than
+    ``ROWWISE_MAX`` rows: a prompt, which the batched products compute faster)."""
+    return native.kernels() if n <= ROWWISE_MAX else None
+
+
+def _no_indexer(a: Tensor) -> tuple[Tensor, Tensor]:
+    """``mla_prep``'s indexer outputs for a layer without one (empty)."""
+    n = a.shape[0]
+    return a.new_empty(n, 0, 0), a.new_empty(n, 0, dtype=torch.float32)
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """The native kernel (or one ATen call, ``F.rms_norm``) in float32; the reference's formula."""
     if not _fast(x, weight):
@@ -88,8 +100,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def _rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    nk = native.kernels()
-    if nk is not None and x.dim() == 2 and x.shape[0] <= ROWWISE_MAX and x.stride(-1) == 1:
+    nk = _native(x.shape[0])
+    if nk is not None and x.dim() == 2 and x.stride(-1) == 1:
         return nk.rms_norm(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
@@ -97,7 +109,7 @@ def _rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x @ weight^T (+ bias)`` with each row rounded exactly as that row alone (module docstring)."""
     n = x.shape[0]
-    nk = native.kernels()
+    nk = _native(n)
     if n > ROWWISE_MAX:
         y = F.linear(x, weight)
     elif nk is not None and x.stride(-1) == 1 and weight.stride(-1) == 1:
@@ -176,11 +188,11 @@ def mla_prep(
                                   index_norm_bias, index_cache, num_heads, nope_dim, kv_offset, index_heads, eps,
                                   index_weight_scale)
     n = a.shape[0]
-    nk = native.kernels()
-    if nk is not None and index_cache is None and n <= ROWWISE_MAX:
+    nk = _native(n)
+    if nk is not None and index_cache is None:
         q_full = nk.mla_prep(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, num_heads, nope_dim,
                              kv_offset, eps)  # fmt: skip
-        return q_full, a.new_empty(n, 0, 0), a.new_empty(n, 0, dtype=torch.float32)
+        return q_full, *_no_indexer(a)
     h, p = num_heads, nope_dim
     lat = kv_norm_weight.shape[0]
     r = kv_cache.shape[-1] - lat
@@ -204,7 +216,7 @@ def mla_prep(
     rot = torch.cat([x1 * cs - x2 * sn, x2 * cs + x1 * sn], dim=-1)
 
     w_uk = kv_b.view(h, -1, lat)[:, :p]  # [H, P, L]
-    if nk is not None and n <= ROWWISE_MAX:
+    if nk is not None:
         q_abs = nk.linear_kn(q[..., :p].transpose(0, 1), w_uk).transpose(0, 1)  # [n, H, L]
     else:
         q_abs = _each_row(
@@ -216,7 +228,7 @@ def mla_prep(
     c_kv = _rms(a[:, kv_offset:ko], kv_norm_weight, eps)
     kv_cache.index_copy_(0, positions, torch.cat([c_kv, rot[:, h]], dim=-1))
     if index_cache is None:
-        return q_full, a.new_empty(n, 0, 0), a.new_empty(n, 0, dtype=torch.float32)
+        return q_full, *_no_indexer(a)
     assert k_idx is not None and iq is not None
     index_cache.index_copy_(0, positions, torch.cat([rot[:, -1], k_idx[:, r:]], dim=-1))
     o = ko + r
@@ -253,8 +265,8 @@ def mla_attention(
     query, or one query per sequence (``row_start`` given), each row on its own; several tokens of one sequence (a
     prompt, an MTP verification), the reference over the rows up to the last position."""
     n = q.shape[0]
-    nk = native.kernels()
-    if nk is not None and n <= ROWWISE_MAX and _fast(q, kv_cache) and kv_cache.is_contiguous():
+    nk = _native(n)
+    if nk is not None and _fast(q, kv_cache) and kv_cache.is_contiguous():
         out = nk.mla_attend(q, kv_cache, positions, row_start, scale, kv_lora_rank)
         if out is not None:
             return out
@@ -318,8 +330,8 @@ def mla_uv(o_lat: Tensor, kv_b: Tensor, nope_dim: int, kv_b_scale: Tensor | None
     if kv_b_scale is not None:
         kv_b = dequant(kv_b, kv_b_scale, o_lat.dtype)
     n, h, lat = o_lat.shape
-    nk = native.kernels()
-    if nk is not None and n <= ROWWISE_MAX and _fast(o_lat, kv_b) and o_lat.stride(-1) == 1:
+    nk = _native(n)
+    if nk is not None and _fast(o_lat, kv_b) and o_lat.stride(-1) == 1:
         w_uv = kv_b.view(h, -1, lat)[:, nope_dim:]  # [H, V, L]
         return nk.linear(o_lat.transpose(0, 1), w_uv).transpose(0, 1).reshape(n, -1)
     return _each_row(
@@ -360,8 +372,8 @@ def _experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2:
     (each chosen expert once over the rows that chose it). Otherwise a dense MLP (one expert, id 0) over all rows
     at once, routed experts token by token (each token reads its own experts in place)."""
     n = x.shape[0]
-    nk = native.kernels()
-    if nk is not None and n <= ROWWISE_MAX and s13 is None and s2 is None:
+    nk = _native(n)
+    if nk is not None and s13 is None and s2 is None:
         return nk.moe_experts(x, topk_ids, topk_weights, w13, w2)
     if w13.shape[0] == 1 and topk_ids.shape[1] == 1:
         return _mlp(x, _expert(w13, s13, 0, x.dtype), _expert(w2, s2, 0, x.dtype)).mul_(topk_weights)
@@ -426,8 +438,8 @@ def _router(
     """:func:`reference.router` on ``x = rms_norm(h)`` (computed once for the router and the experts); the group
     mask is skipped when every group is kept (it is then all ones)."""
     n = x.shape[0]
-    nk = native.kernels()
-    if nk is not None and n <= ROWWISE_MAX:
+    nk = _native(n)
+    if nk is not None:
         return nk.moe_route(x, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared)
     e, g = gate_weight.shape[0], n_group
     logits = _linear(x, gate_weight)

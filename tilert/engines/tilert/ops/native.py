@@ -126,35 +126,31 @@ class Kernels:
         self._lib = lib
 
     def linear(self, x: Tensor, w: Tensor) -> Tensor:
-        """``x [G, n, K] @ w[G, N, K]^T -> [G, n, N]`` (or without ``G``); any strides but the last."""
-        if x.dim() == 2:  # the common case, without the views of a G of 1
-            n, K = x.shape
-            _require(w.dim() == 2 and w.shape[1] == K, "linear: x [n, K], w [N, K]")
-            _f32(x, w)
-            (xr, xk), (wj, wk) = x.stride(), w.stride()
-            _require(xk == 1 and wk == 1, "products need rows of K contiguous")
-            N = w.shape[0]
-            y = x.new_empty(n, N)
-            self._lib.tl_linear(1, n, N, K, x.data_ptr(), 0, xr, w.data_ptr(), 0, wj, y.data_ptr(), 0, N)
-            return y
-        G, n, K = x.shape
-        _require(w.dim() == 3 and w.shape[0] == G and w.shape[2] == K, "linear: x [G, n, K], w [G, N, K]")
-        return self._product(self._lib.tl_linear, x, w, w.shape[1])
+        """``x [G, n, K] @ w[G, N, K]^T -> [G, n, N]`` (or ``x [n, K] @ w[N, K]^T -> [n, N]``); any strides but the
+        last."""
+        _require(w.dim() == x.dim() in (2, 3) and w.shape[:-2] == x.shape[:-2] and w.shape[-1] == x.shape[-1],
+                 "linear: x [G, n, K], w [G, N, K] (or without G)")  # fmt: skip
+        return self._product(self._lib.tl_linear, x, w, w.shape[-2])
 
     def linear_kn(self, x: Tensor, w: Tensor) -> Tensor:
         """``x [G, n, K] @ w[G, K, N] -> [G, n, N]`` (``w``'s rows of ``N`` contiguous)."""
-        G, n, K = x.shape
-        _require(w.dim() == 3 and w.shape[:2] == (G, K), "linear_kn: x [G, n, K], w [G, K, N]")
+        _require(x.dim() == 3 and w.dim() == 3 and w.shape[:2] == (x.shape[0], x.shape[2]),
+                 "linear_kn: x [G, n, K], w [G, K, N]")  # fmt: skip
         return self._product(self._lib.tl_linear_kn, x, w, w.shape[2])
 
     @staticmethod
     def _product(fn: Any, x: Tensor, w: Tensor, N: int) -> Tensor:
-        """``fn`` (``tl_linear`` / ``tl_linear_kn``) over ``x [G, n, K]`` and ``w``, into a new ``[G, n, N]``."""
-        G, n, K = x.shape
+        """``fn`` (``tl_linear`` / ``tl_linear_kn``) over ``x [G, n, K]`` (or ``[n, K]``, a G of 1 without the views
+        of one: the common case) and ``w``, into a new ``[G, n, N]`` (``[n, N]``)."""
         _f32(x, w)
-        (xg, xr, xk), (wg, wj, wk) = x.stride(), w.stride()
-        _require(xk == 1 and wk == 1, "products need rows of K contiguous")
-        y = x.new_empty(G, n, N)
+        xs, ws = x.stride(), w.stride()
+        _require(xs[-1] == 1 and ws[-1] == 1, "products need rows of K contiguous")
+        if x.dim() == 2:
+            (n, K), G, (xg, xr), (wg, wj) = x.shape, 1, (0, xs[0]), (0, ws[0])
+            y = x.new_empty(n, N)
+        else:
+            (G, n, K), (xg, xr, _), (wg, wj, _) = x.shape, xs, ws
+            y = x.new_empty(G, n, N)
         fn(G, n, N, K, x.data_ptr(), xg, xr, w.data_ptr(), wg, wj, y.data_ptr(), n * N, N)
         return y
 
