@@ -21,10 +21,11 @@ router / vLLM alone; then where the router path's time goes, from the router's o
 reserve, prefill leg, KV transfer + first decode step) and its CPU time per request and per token.
 Before the rounds, one greedy request to every target checks that they compute the same tokens.
 
-The two vLLM instances are pinned apart (``VLLM_CPU_OMP_THREADS_BIND``), each with 128 MiB of KV cache; the
-decode node's engine thread gets its own CPU set (``--decode-cpus``: the node's ``--engine-cpus``, the way vLLM pins
-its OMP threads; the HTTP loops of every server are not pinned). All servers run in their own process groups and are
-stopped at the end, on an error and on Ctrl-C / SIGTERM.
+The stack is placed on the CPUs the way ``tilert up`` places it (by default: the decode engine's thread on the last
+CPU, the prefill's OMP threads on the others, the HTTP loops of every server unpinned; ``--stack-pin`` as ``tilert
+up --engine-cpus``, ``--decode-cpus none`` as ``tilert up --engine-cpus none``); vLLM alone's OMP thread on
+``--vllm-cpus`` (the last CPU by default: where the engine runs), each vLLM with 128 MiB of KV cache. All servers run
+in their own process groups and are stopped at the end, on an error and on Ctrl-C / SIGTERM.
 
 **Router overhead** (``--router-overhead``): stand-in prefill and decode servers on loopback (real HTTP, this
 file's ``--standin`` mode: vLLM's non-streaming prefill reply with the TileRT ``kv_transfer_params``, the decode
@@ -394,7 +395,7 @@ def start_servers(
             model=model, port=free_port(), prefill_port=free_port(), ctrl_port=free_port(),
             decode_http_port=free_port(), dtype=args.dtype, max_model_len=MAX_MODEL_LEN, kv_cache_bytes=KV_CACHE_BYTES,
             prefill_compiled=args.prefill_compiled, prefill_in_process=args.prefill_in_process,
-            engine_process=args.engine_process, engine_cpus=args.decode_cpus if args.stack_pin else None,
+            engine_process=args.engine_process, engine_cpus=_stack_engine_cpus(args),
         )  # fmt: skip
         rest = set(stack.cpu_plan(cfg).rest) if args.stack_pin else set()  # as tilert up --engine-cpus
         secret_file = stack.write_secret_file()
@@ -404,14 +405,15 @@ def start_servers(
         commands = {"prefill": stack.prefill_command(cfg), "decode": stack.decode_command(cfg),
                     "router": stack.router_command(cfg)}  # fmt: skip
         envs = {
-            "prefill": {**base, **stack.prefill_env(cfg), "VLLM_CPU_OMP_THREADS_BIND": args.prefill_cpus},
+            "prefill": {**base, **stack.prefill_env(cfg),
+                        **({"VLLM_CPU_OMP_THREADS_BIND": args.prefill_cpus} if args.prefill_cpus else {})},
             "decode": {**base, **_decode_env(args)},
             "router": dict(base),
         }
         if args.router_log_level:
             envs["router"]["TILERT_LOG_LEVEL"] = args.router_log_level
         pinned = {n: rest for n in ("prefill", "decode", "router") if rest}
-        router_cpus, decode_cpus = parse_cpus(args.router_cpus), parse_cpus(args.decode_cpus)
+        router_cpus, decode_cpus = parse_cpus(args.router_cpus), _custom_decode_cpus(args)
         if router_cpus:
             pinned["router"] = router_cpus
         if args.decode_pin == "process" and decode_cpus:  # the whole node (its event loop too) on --decode-cpus
@@ -445,9 +447,27 @@ def start_servers(
     return out, started, health
 
 
+def _stack_engine_cpus(args: argparse.Namespace) -> str | None:
+    """The stack's ``engine_cpus`` (``tilert up --engine-cpus``): ``--stack-pin`` gives ``--decode-cpus`` (default:
+    the last CPU) to the engine alone; no ``--decode-cpus``: tilert up's default placement; otherwise the stack
+    pins nothing and :func:`_decode_env` pins the engine thread alone."""
+    from tilert.cpus import allowed_cpus
+
+    if args.stack_pin:
+        return args.decode_cpus if args.decode_cpus not in (None, "none") else str(max(allowed_cpus()))
+    return None if args.decode_cpus is None else "none"
+
+
+def _custom_decode_cpus(args: argparse.Namespace) -> set[int] | None:
+    """``--decode-cpus`` given as a CPU list without ``--stack-pin``: the engine thread there, nothing else."""
+    if args.stack_pin or args.decode_cpus in (None, "none"):
+        return None
+    return parse_cpus(args.decode_cpus)
+
+
 def _decode_env(args: argparse.Namespace) -> dict[str, str]:
     env: dict[str, str] = {}
-    decode_cpus = parse_cpus(args.decode_cpus)
+    decode_cpus = _custom_decode_cpus(args)
     if decode_cpus and args.decode_pin == "engine":  # as vLLM pins its OMP threads
         env["TILERT_DECODE_ENGINE_CPUS"] = args.decode_cpus
     elif decode_cpus:
@@ -1175,13 +1195,12 @@ def markdown(result: dict[str, Any], note: str | None) -> str:
             f"- {s['rounds']} interleaved round(s): for each round, for each concurrency, every target (order "
             "rotating each round); the table shows the median over rounds of each statistic `vllm bench serve` "
             "reports; tok/s per user = 1000 / median TPOT",
-            "- pinning: prefill vLLM `VLLM_CPU_OMP_THREADS_BIND="
-            + s["prefill_cpus"]
-            + "`, vLLM alone `="
-            + s["vllm_cpus"]
-            + "`, decode node CPUs `"
-            + (s["decode_cpus"] or "unpinned")
-            + "`; decode node "
+            "- placement (each server's CPUs and binding: Servers below): the stack "
+            + ("fenced, as `tilert up --engine-cpus`" if s["stack_pin"] else
+               "unpinned, as `tilert up --engine-cpus none`" if s["decode_cpus"] == "none" else
+               f"with the engine thread on CPUs `{s['decode_cpus']}`" if s["decode_cpus"] else
+               "as `tilert up` places it by default")
+            + f"; vLLM alone `VLLM_CPU_OMP_THREADS_BIND={s['vllm_cpus']}`; decode node "
             "max-sequences " + str(s["decode_max_sequences"] or "default (the node's --max-sequences)"),
             "- startup (s): " + ", ".join(f"{k} {val:.0f}" for k, val in result["startup_s"].items()),
             "- agreement (one greedy 32-token completion, vs "
@@ -1270,10 +1289,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--backend", choices=["openai", "openai-chat"], default="openai")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0, help="bench's dataset seed (the same prompts for every target)")
-    ap.add_argument("--prefill-cpus", default="0", help="VLLM_CPU_OMP_THREADS_BIND of the stack's prefill vLLM")
-    ap.add_argument("--vllm-cpus", default="1", help="VLLM_CPU_OMP_THREADS_BIND of vLLM alone")
-    ap.add_argument("--decode-cpus", default="1",
-                    help="CPUs of the decode node's engine thread (--engine-cpus; '' leaves it unpinned)")
+    ap.add_argument("--prefill-cpus", default=None,
+                    help="VLLM_CPU_OMP_THREADS_BIND of the stack's prefill vLLM (default: as tilert up places it)")
+    ap.add_argument("--vllm-cpus", default=None,
+                    help="VLLM_CPU_OMP_THREADS_BIND of vLLM alone (default: the last CPU, the stack engine's)")
+    ap.add_argument("--decode-cpus", default=None,
+                    help="CPUs of the decode node's engine thread (default: as tilert up places it, on the last CPU; "
+                    "'none': the stack pins nothing, as tilert up --engine-cpus none; with --stack-pin: the CPUs "
+                    "given to the engine alone, as tilert up --engine-cpus)")
     ap.add_argument("--prefill-compiled", action="store_true",
                     help="the stack's prefill vLLM compiled (tilert up --prefill-compiled), not --enforce-eager")
     ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
@@ -1322,6 +1345,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve_standin(args)
     if args.concurrency is None:
         args.concurrency = [1, 64, 512] if args.router_overhead else [1, 2, 4, 8]
+    if args.vllm_cpus is None:
+        from tilert.cpus import allowed_cpus
+
+        args.vllm_cpus = str(max(allowed_cpus()))
     args._cleanup = []
     model = ensure_model(args.model.resolve())
     args.model = model

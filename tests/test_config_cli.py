@@ -322,12 +322,12 @@ def test_up_prefill_in_process_runs_the_model_in_the_engine_core(monkeypatch: py
     monkeypatch.setattr(stack, "_has_cuda", lambda: False)
     args = cli.parser().parse_args(["up", "--model", "/m", "--prefill-in-process"])
     assert args.prefill_in_process
-    cfg = stack.StackConfig(model=Path("/m"), prefill_in_process=True)
+    cfg = stack.StackConfig(model=Path("/m"), prefill_in_process=True, engine_cpus="none")  # no OMP binding
     cmd = stack.prefill_command(cfg)
     assert cmd[cmd.index("--distributed-executor-backend") + 1] == "uni"
     st = stack.Stack(cfg)
     assert st.extra_env("prefill") == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} and st.extra_env("decode") == {}
-    plain = stack.StackConfig(model=Path("/m"))
+    plain = stack.StackConfig(model=Path("/m"), engine_cpus="none")
     assert "--distributed-executor-backend" not in stack.prefill_command(plain)
     assert stack.Stack(plain).extra_env("prefill") == {}
 
@@ -348,25 +348,49 @@ def test_up_engine_process_reaches_the_decode_node(model: Path, monkeypatch: pyt
 
 def test_up_engine_cpus_keeps_the_rest_of_the_stack_off_them(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--engine-cpus``: the engine's worker thread there, every other process of the stack (the prefill's OMP
-    threads included) on the other CPUs this process may use; unset, empty or in native mode nothing is pinned;
-    CPUs this process may not use are refused at start-up."""
+    threads included) on the other CPUs this process may use; "" / "none" or native mode: nothing pinned; CPUs
+    this process may not use, or all of them, are refused at start-up."""
     monkeypatch.setattr(stack, "allowed_cpus", lambda: frozenset({0, 1, 2, 3}))
     monkeypatch.setattr(decode_config, "allowed_cpus", lambda: frozenset({0, 1, 2, 3}))
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     assert cli.parser().parse_args(["up", "--model", "/m", "--engine-cpus", "3"]).engine_cpus == "3"
     cfg = stack.StackConfig(model=model, engine_cpus="3")
-    assert stack.cpu_plan(cfg) == stack.CpuPlan(frozenset({3}), frozenset({0, 1, 2}))
+    assert stack.cpu_plan(cfg) == stack.CpuPlan(frozenset({3}), frozenset({0, 1, 2}), fence=True)
+    assert stack.cpu_plan(cfg).children == {0, 1, 2}  # every process of the stack starts there
     cmd = stack.decode_command(cfg)
     assert cmd[cmd.index("--engine-cpus") + 1] == "3" and decode_from_cli(cmd[3:]).engine_cpu_set == {3}
     assert stack.Stack(cfg).extra_env("prefill")["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,2"
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")  # the caller's own binding wins
     assert "VLLM_CPU_OMP_THREADS_BIND" not in stack.Stack(cfg).extra_env("prefill")
-    assert stack.cpu_plan(replace(cfg, engine_cpus="1-2")) == stack.CpuPlan(frozenset({1, 2}), frozenset({0, 3}))
-    for off in (replace(cfg, engine_cpus=None), replace(cfg, engine_cpus=""), replace(cfg, native=True)):
+    assert stack.cpu_plan(replace(cfg, engine_cpus="1-2")) == stack.CpuPlan(frozenset({1, 2}), frozenset({0, 3}), True)
+    for off in (replace(cfg, engine_cpus=""), replace(cfg, engine_cpus="none"), replace(cfg, native=True)):
         assert stack.cpu_plan(off) == stack.CpuPlan() and "--engine-cpus" not in stack.decode_command(off)
     with pytest.raises(ValueError, match="may use CPUs 0,1,2,3"):
         stack.cpu_plan(replace(cfg, engine_cpus="7"))
+    with pytest.raises(ValueError, match="leaves no CPU for the rest of the stack"):
+        stack.cpu_plan(replace(cfg, engine_cpus="0-3"))
     assert stack.run(replace(cfg, engine_cpus="7")) == 2  # refused before anything starts
+
+
+def test_up_default_placement_on_a_cpu_host(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``--engine-cpus`` on a CPU host: the engine's worker thread on the last CPU this process may use, the
+    prefill's OMP threads on the others (unpinned, vLLM binds them to every CPU, the engine's too), every process
+    started where the kernel likes; on a GPU host or with one CPU, nothing pinned."""
+    monkeypatch.setattr(stack, "allowed_cpus", lambda: frozenset({0, 2, 5}))
+    monkeypatch.setattr(decode_config, "allowed_cpus", lambda: frozenset({0, 2, 5}))
+    monkeypatch.setattr(stack, "_has_cuda", lambda: False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    cfg = stack.StackConfig(model=model)
+    plan = stack.cpu_plan(cfg)
+    assert plan == stack.CpuPlan(frozenset({5}), frozenset({0, 2}), fence=False) and plan.children == frozenset()
+    cmd = stack.decode_command(cfg)
+    assert cmd[cmd.index("--engine-cpus") + 1] == "5" and decode_from_cli(cmd[3:]).engine_cpu_set == {5}
+    assert stack.Stack(cfg).extra_env("prefill")["VLLM_CPU_OMP_THREADS_BIND"] == "0,2"
+    monkeypatch.setattr(stack, "_has_cuda", lambda: True)
+    assert stack.cpu_plan(cfg) == stack.CpuPlan() and "--engine-cpus" not in stack.decode_command(cfg)
+    monkeypatch.setattr(stack, "_has_cuda", lambda: False)
+    monkeypatch.setattr(stack, "allowed_cpus", lambda: frozenset({3}))
+    assert stack.cpu_plan(cfg) == stack.CpuPlan()
 
 
 # -- metrics -------------------------------------------------------------------------------------------------

@@ -179,3 +179,29 @@ def test_decode_params_cross_the_pipe_field_for_field() -> None:
 
     assert params_from_wire(wire.params) == params
     assert [f.name for f in dataclasses.fields(DecodeParams)] == list(c.EngineParams.__struct_fields__)
+
+
+def test_a_steps_tokens_cross_the_pipe_as_one_message() -> None:
+    """Inside ``EventSender.step`` the tokens of the step's sequences go as one ``EngineStep`` at its end (one
+    pipe write for the engine's thread), in emit order; a lone token and every other event go at once."""
+    import multiprocessing
+
+    from tilert.decode.engine_process import EventSender
+
+    mine, theirs = multiprocessing.Pipe()
+    send = EventSender(mine)
+    send(c.EngineTokens(1, [5]))
+    assert c.parse_engine_event(theirs.recv_bytes()) == c.EngineTokens(1, [5])
+    with send.step():
+        send(c.EngineTokens(1, [6]))
+        send(c.EngineCheckResult(9))  # not a token: goes at once, as from the node's serving thread
+        send(c.EngineTokens(2, [7], "length"))
+        assert c.parse_engine_event(theirs.recv_bytes()) == c.EngineCheckResult(9) and not theirs.poll(0.05)
+    got = c.parse_engine_event(theirs.recv_bytes())
+    assert got == c.EngineStep([c.EngineTokens(1, [6]), c.EngineTokens(2, [7], "length")]) and not theirs.poll(0.05)
+    with send.step():
+        send(c.EngineTokens(3, [8]))
+    assert c.parse_engine_event(theirs.recv_bytes()) == c.EngineTokens(3, [8])  # one token: no wrapper
+    with send.step():
+        pass
+    assert not theirs.poll(0.05)  # an empty step sends nothing

@@ -203,8 +203,10 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     up.add_argument(
         "--engine-cpus", default=None, metavar="LIST",
-        help="CPUs of the decode engine's worker thread ('1', '2-3'); the prefill (its OMP threads too), the "
-        "router and the node's own loops are kept off them. Default: nothing pinned",
+        help="CPUs given to the decode engine's worker thread alone ('1', '2-3'): the prefill (its OMP threads "
+        "too), the router and the node's own loops are kept off them (one user's fastest decode, a slower first "
+        "token). Default on a CPU host: the engine's thread on the last CPU, the prefill's OMP threads on the "
+        "others, the rest unpinned; 'none': nothing pinned",
     )  # fmt: skip
     up.add_argument(
         "--prefill-in-process", action="store_true",

@@ -570,6 +570,13 @@ class EngineTokens(_EngineMsg, tag="tokens"):
     stop_token_id: TokenId | None = None
 
 
+class EngineStep(_EngineMsg, tag="step"):
+    """The new tokens of the jobs one engine step advanced together, in one message (one pipe write a step, not
+    one a job: the engine's thread makes them)."""
+
+    tokens: list[EngineTokens]
+
+
 class EngineJobDone(_EngineMsg, tag="done"):
     """``job`` left the engine: finished (``finish``) or failed (``error``, the engine's exception)."""
 
@@ -585,7 +592,7 @@ class EngineCheckResult(_EngineMsg, tag="check_result"):
 
 
 EngineCommand = EngineSubmit | EngineCancel | EngineCheck | EngineStop
-EngineEvent = EngineReady | EngineTokens | EngineJobDone | EngineCheckResult
+EngineEvent = EngineReady | EngineTokens | EngineStep | EngineJobDone | EngineCheckResult
 _engine_commands = msgspec.msgpack.Decoder(EngineCommand)
 _engine_events = msgspec.msgpack.Decoder(EngineEvent)
 _engine_encoder = msgspec.msgpack.Encoder()

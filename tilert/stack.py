@@ -73,8 +73,9 @@ class StackConfig:
     # The decode node's engine in a process of its own (tilert decode --engine-process); None: so on a CPU host,
     # where the node's HTTP loop would otherwise hold the GIL the engine's step needs.
     engine_process: bool | None = None
-    # CPUs of the decode engine's worker thread (``tilert decode --engine-cpus``); every other process of the stack
-    # (the prefill with its OMP threads, the router, the node's own loops) is kept off them. None/"": nothing pinned.
+    # CPUs of the decode engine's worker thread (``tilert decode --engine-cpus``), given to it alone: every other
+    # process of the stack (the prefill with its OMP threads, the router, the node's own loops) is kept off them.
+    # None: the default placement of :func:`cpu_plan`; "" or "none": nothing pinned.
     engine_cpus: str | None = None
 
 
@@ -181,32 +182,59 @@ def engine_process(cfg: StackConfig) -> bool:
 
 @dataclass(frozen=True)
 class CpuPlan:
-    """Who runs where: the decode engine's worker thread on ``engine``, every other process of the stack on
-    ``rest`` (empty sets: not pinned)."""
+    """Who runs where: the decode engine's worker thread on ``engine``, the prefill's OMP threads on ``rest``;
+    ``fence``: every other process of the stack kept on ``rest`` too (else the kernel places them). Empty sets:
+    not pinned."""
 
     engine: frozenset[int] = frozenset()
     rest: frozenset[int] = frozenset()
+    fence: bool = False
+
+    @property
+    def children(self) -> frozenset[int]:
+        """The CPUs the stack's processes start on (empty: any); the engine's worker thread then pins itself."""
+        return self.rest if self.fence else frozenset()
 
     @staticmethod
     def text(cpus: frozenset[int]) -> str:
         return ",".join(str(c) for c in sorted(cpus))
 
 
+ENGINE_CPUS_OFF = ("", "none")
+
+
 def cpu_plan(cfg: StackConfig) -> CpuPlan:
-    """The stack's CPU placement (``StackConfig.engine_cpus``, ``tilert up --engine-cpus``): the engine's worker
-    thread on those CPUs, every other process of the stack on the rest of the CPUs this process may use; unset:
-    nothing pinned. Not the default: on the 2-core CPU demo it leaves one core to the prefill, the router and the
-    node together, which costs the first token about 11 ms; with the native kernels it buys one user 2.8x vLLM
-    alone's per-user speed against about 1.6-1.75x unpinned (``benchmarks/results/cpu-native-2026-12-01-b.md``;
-    before them it bought nothing clear, ``cpu-e2e-2026-12-01.md``). Native mode pins its two vLLM instances itself
-    and is left as it is. ``ValueError`` for CPUs this process may not use."""
-    if cfg.native or not cfg.engine_cpus or not hasattr(os, "sched_setaffinity"):
+    """The stack's CPU placement.
+
+    - **Default** (``engine_cpus`` None) on a CPU host with two CPUs or more: the engine's worker thread on the last
+      CPU this process may use, the prefill's OMP threads on the others, the rest of the stack (the router, the
+      node's loops, vLLM's API server) left to the kernel. Left unpinned instead, vLLM binds its OMP threads to every
+      CPU, the engine's too: on the 2-core CPU demo that cost one user's TPOT about 1.2x and four users' first token
+      2-4x (``benchmarks/results/cpu-placement-2026-12-01.md``). This is the placement ``benchmarks/e2e.py`` measures.
+    - **``--engine-cpus LIST``**: those CPUs are the engine's alone; every other process of the stack is fenced off
+      them. On the CPU demo one user's decode is fastest so (2.8x vLLM alone against about 1.6-1.75x), at about
+      11 ms more time to first token: the prefill, the router and the node share the rest
+      (``benchmarks/results/cpu-native-2026-12-01-b.md``).
+    - ``""``/``"none"``, a GPU host, one CPU, or native mode (it pins its two vLLM instances itself): nothing pinned.
+
+    ``ValueError`` for CPUs this process may not use, or for all of them (nothing would be left for the rest)."""
+    if cfg.native or not hasattr(os, "sched_setaffinity"):
+        return CpuPlan()
+    if cfg.engine_cpus is not None and cfg.engine_cpus.strip().lower() in ENGINE_CPUS_OFF:
         return CpuPlan()
     usable = allowed_cpus()
+    if cfg.engine_cpus is None:
+        if len(usable) < 2 or _has_cuda():
+            return CpuPlan()
+        engine = frozenset({max(usable)})
+        return CpuPlan(engine, usable - engine, fence=False)
     engine = parse_cpu_list(cfg.engine_cpus)
     if not engine <= usable:
         raise ValueError(f"--engine-cpus {cfg.engine_cpus!r}: this process may use CPUs {CpuPlan.text(usable)}")
-    return CpuPlan(engine, usable - engine)
+    if engine == usable:
+        raise ValueError(f"--engine-cpus {cfg.engine_cpus!r} leaves no CPU for the rest of the stack "
+                         f"(this process may use CPUs {CpuPlan.text(usable)})")  # fmt: skip
+    return CpuPlan(engine, usable - engine, fence=True)
 
 
 def decode_command(cfg: StackConfig) -> list[str]:
@@ -318,7 +346,7 @@ class Stack:
 
     def start(self) -> None:
         env = self.child_env()
-        rest = cpu_plan(self.cfg).rest  # every child off the engine's CPUs (its worker thread pins itself there)
+        rest = cpu_plan(self.cfg).children
         pin = functools.partial(os.sched_setaffinity, 0, rest) if rest else None
         for name, cmd in self.commands().items():
             log.info("starting", process=name, command=" ".join(cmd), cpus=CpuPlan.text(rest) or "any")

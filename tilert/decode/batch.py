@@ -21,6 +21,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import structlog
@@ -51,9 +52,11 @@ class Job:
 class DecodeBatch:
     def __init__(
         self, engine: DecodeEngine, eos_token_ids: frozenset[int], num_draft: int = 0,
-        cpus: frozenset[int] = frozenset(),
+        cpus: frozenset[int] = frozenset(), step_scope: Callable[[], AbstractContextManager[object]] = nullcontext,
     ) -> None:  # fmt: skip
         self.engine = engine
+        # Around the emits of one step of several sequences: the engine process sends them as one message.
+        self._step_scope = step_scope
         self.cpus = cpus  # the worker thread's CPUs (empty: not pinned)
         self.eos = eos_token_ids
         self.num_draft = num_draft
@@ -165,5 +168,6 @@ class DecodeBatch:
         else:
             logits = self.engine.decode_step(tokens, positions, seqs)
             new = [run.sample(logits[i]) for i, (_, run) in enumerate(items)]
-        for (_, run), token in zip(items, new, strict=True):
-            run.accept([token])
+        with self._step_scope():
+            for (_, run), token in zip(items, new, strict=True):
+                run.accept([token])
