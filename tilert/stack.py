@@ -209,8 +209,9 @@ def cpu_plan(cfg: StackConfig) -> CpuPlan:
     - **Default** (``engine_cpus`` None) on a CPU host with two CPUs or more: the engine's worker thread on the last
       CPU this process may use, the prefill's OMP threads on the others, the rest of the stack (the router, the
       node's loops, vLLM's API server) left to the kernel. Left unpinned instead, vLLM binds its OMP threads to every
-      CPU, the engine's too: on the 2-core CPU demo that cost one user's TPOT about 1.2x and four users' first token
-      2-4x (``benchmarks/results/cpu-placement-2026-12-01.md``). This is the placement ``benchmarks/e2e.py`` measures.
+      CPU, the engine's too: on the 2-core CPU demo one user then decoded at 1.52x vLLM alone's speed against
+      1.64x-2.31x placed, its first token 28 ms after vLLM alone's against 17-23 ms
+      (``benchmarks/results/cpu-placement-2026-12-01.md``). This is the placement ``benchmarks/e2e.py`` measures.
     - **``--engine-cpus LIST``**: those CPUs are the engine's alone; every other process of the stack is fenced off
       them. On the CPU demo one user's decode is fastest so (2.8x vLLM alone against about 1.6-1.75x), at about
       11 ms more time to first token: the prefill, the router and the node share the rest
