@@ -347,7 +347,11 @@ class Stack:
 
     def start(self) -> None:
         env = self.child_env()
-        rest = cpu_plan(self.cfg).children
+        plan = cpu_plan(self.cfg)
+        omp = prefill_env(self.cfg).get("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
+        log.info("placement", engine=CpuPlan.text(plan.engine) or "any", prefill_omp=omp or "vLLM's own",
+                 others=CpuPlan.text(plan.children) or "any")  # fmt: skip
+        rest = plan.children
         pin = functools.partial(os.sched_setaffinity, 0, rest) if rest else None
         for name, cmd in self.commands().items():
             log.info("starting", process=name, command=" ".join(cmd), cpus=CpuPlan.text(rest) or "any")
