@@ -451,10 +451,10 @@ def _stack_engine_cpus(args: argparse.Namespace) -> str | None:
     """The stack's ``engine_cpus`` (``tilert up --engine-cpus``): ``--stack-pin`` gives ``--decode-cpus`` (default:
     the last CPU) to the engine alone; no ``--decode-cpus``: tilert up's default placement; otherwise the stack
     pins nothing and :func:`_decode_env` pins the engine thread alone."""
-    from tilert.cpus import allowed_cpus
+    from tilert import stack
 
     if args.stack_pin:
-        return args.decode_cpus if args.decode_cpus not in (None, "none") else str(max(allowed_cpus()))
+        return args.decode_cpus if args.decode_cpus not in (None, "none") else str(stack.default_engine_cpu())
     return None if args.decode_cpus is None else "none"
 
 
@@ -1345,10 +1345,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve_standin(args)
     if args.concurrency is None:
         args.concurrency = [1, 64, 512] if args.router_overhead else [1, 2, 4, 8]
-    if args.vllm_cpus is None:
-        from tilert.cpus import allowed_cpus
+    if args.vllm_cpus is None:  # where tilert up's default placement puts the decode engine
+        from tilert import stack
 
-        args.vllm_cpus = str(max(allowed_cpus()))
+        args.vllm_cpus = str(stack.default_engine_cpu())
     args._cleanup = []
     model = ensure_model(args.model.resolve())
     args.model = model

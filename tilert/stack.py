@@ -150,17 +150,18 @@ def prefill_command(cfg: StackConfig) -> list[str]:
 IN_PROCESS_EXECUTOR_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
-def prefill_env(cfg: StackConfig) -> dict[str, str]:
+def prefill_env(cfg: StackConfig, plan: CpuPlan | None = None) -> dict[str, str]:
     """What the prefill's environment needs beside the stack's own (:func:`child_env`): the in-process executor,
-    and its OMP threads bound off the engine's CPUs (:func:`cpu_plan`; a ``VLLM_CPU_OMP_THREADS_BIND`` of the
-    caller's own wins)."""
+    and its OMP threads bound off the engine's CPUs (``plan``, unset: :func:`cpu_plan`; a
+    ``VLLM_CPU_OMP_THREADS_BIND`` of the caller's own wins)."""
     env = dict(IN_PROCESS_EXECUTOR_ENV) if cfg.prefill_in_process and not _has_cuda() else {}
-    rest = cpu_plan(cfg).rest
+    rest = (plan if plan is not None else cpu_plan(cfg)).rest
     if rest and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         env["VLLM_CPU_OMP_THREADS_BIND"] = CpuPlan.text(rest)
     return env
 
 
+@functools.cache
 def _has_cuda() -> bool:
     import torch
 
@@ -227,7 +228,7 @@ def cpu_plan(cfg: StackConfig) -> CpuPlan:
     if cfg.engine_cpus is None:
         if len(usable) < 2 or _has_cuda():
             return CpuPlan()
-        engine = frozenset({max(usable)})
+        engine = frozenset({default_engine_cpu(usable)})
         return CpuPlan(engine, usable - engine, fence=False)
     engine = parse_cpu_list(cfg.engine_cpus)
     if not engine <= usable:
@@ -238,10 +239,16 @@ def cpu_plan(cfg: StackConfig) -> CpuPlan:
     return CpuPlan(engine, usable - engine, fence=True)
 
 
-def decode_command(cfg: StackConfig) -> list[str]:
+def default_engine_cpu(usable: frozenset[int] | None = None) -> int:
+    """The engine's CPU in the default placement (:func:`cpu_plan`): the last of ``usable`` (unset: of the CPUs
+    this process may use)."""
+    return max(usable if usable is not None else allowed_cpus())
+
+
+def decode_command(cfg: StackConfig, plan: CpuPlan | None = None) -> list[str]:
     """The decode node; with ``engine_process`` (unset: on a CPU host) its engine runs in a process of its own,
-    its worker thread on the CPUs of :func:`cpu_plan`."""
-    engine_cpus = cpu_plan(cfg).engine
+    its worker thread on the CPUs of ``plan`` (unset: :func:`cpu_plan`)."""
+    engine_cpus = (plan if plan is not None else cpu_plan(cfg)).engine
     return [
         sys.executable, "-m", "tilert.cli", "decode",
         "--model", str(cfg.model), "--engine", cfg.engine, "--transport", cfg.transport,
@@ -299,7 +306,9 @@ ESSENTIAL = ("prefill", "decode", "router")  # the death of one of these stops t
 
 class Stack:
     def __init__(self, cfg: StackConfig) -> None:
+        """``ValueError`` for an ``engine_cpus`` this host cannot honour (:func:`cpu_plan`)."""
         self.cfg = cfg
+        self.plan = cpu_plan(cfg)
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         self.secret_file: Path | None = cfg.secret_file
         self._owns_secret = cfg.secret_file is None
@@ -316,14 +325,14 @@ class Stack:
         out = {"prefill": prefill_command(self.cfg)}
         if self.cfg.native:
             out["native"] = native_command(self.cfg)
-        out["decode"] = decode_command(self.cfg)
+        out["decode"] = decode_command(self.cfg, self.plan)
         out["router"] = router_command(self.cfg)
         return out
 
     def extra_env(self, name: str) -> dict[str, str]:
         """Per child: the prefill's executor; in native mode both vLLM instances get the native pool's environment
         (NIXL side channel)."""
-        own = prefill_env(self.cfg) if name == "prefill" else {}
+        own = prefill_env(self.cfg, self.plan) if name == "prefill" else {}
         if not self.cfg.native or name not in ("prefill", "native"):
             return own
         prefill, native = native_instances(self.cfg)
@@ -347,8 +356,8 @@ class Stack:
 
     def start(self) -> None:
         env = self.child_env()
-        plan = cpu_plan(self.cfg)
-        omp = prefill_env(self.cfg).get("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
+        plan = self.plan
+        omp = prefill_env(self.cfg, plan).get("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
         log.info("placement", engine=CpuPlan.text(plan.engine) or "any", prefill_omp=omp or "vLLM's own",
                  others=CpuPlan.text(plan.children) or "any")  # fmt: skip
         rest = plan.children
@@ -426,11 +435,10 @@ def run(cfg: StackConfig) -> int:
             print(f"tilert up: --native-engine: {exc}", file=sys.stderr)
             return 2
     try:
-        cpu_plan(cfg)
+        stack = Stack(cfg)
     except ValueError as exc:
         print(f"tilert up: {exc}", file=sys.stderr)
         return 2
-    stack = Stack(cfg)
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
