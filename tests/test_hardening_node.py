@@ -15,6 +15,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,12 +160,14 @@ def test_silent_and_idle_connections_are_bounded(node: Node) -> None:
 
 # ---- the HTTP API --------------------------------------------------------------------------------
 def test_api_refuses_a_client_without_the_secret(node: Node) -> None:
-    """Nobody without the deployment's secret can reserve, decode or release a slot."""
+    """Nobody without the deployment's secret can reserve, decode or release a slot, or watch the node."""
     for path, body in (("/v1/reserve", {"transfer_id": "a"}), ("/v1/release", {"transfer_id": "a"}),
                        ("/v1/decode", {"transfer_id": "a", "first_token_id": 1, "prompt_tokens": 3})):  # fmt: skip
         for headers in ({}, {"authorization": "Bearer " + auth.node_api_token(b"not the secret, but 32 bytes!!")}):
             resp = httpx.post(node.http + path, json=body, headers=headers, timeout=5)
             assert resp.status_code == 401 and "token" in resp.json()["error"]["message"]
+        resp = httpx.get(node.http + "/v1/watch", headers=headers, timeout=5)
+        assert resp.status_code == 401 and "token" in resp.json()["error"]["message"]
     node.assert_intact()
 
 
@@ -297,3 +300,23 @@ def test_after_fuzzing_the_node_is_whole_and_memory_is_bounded(node: Node) -> No
         httpx.post(node.http + "/v1/reserve", content=b"[" * 5000, headers=node.headers, timeout=5)
     node.assert_intact()
     assert node.rss() - before < 64 << 20, "memory grew by more than 64 MiB over 400 malformed inputs"
+
+
+def test_zz_the_watch_beats_until_the_node_stops(node: Node) -> None:
+    """Runs last (it stops the node): the watch stream (``GET /v1/watch``) beats with the node's id, at once and
+    every ``NODE_BEAT_S``; a SIGTERM ends it, so the node's graceful shutdown (uvicorn waits for every open
+    response) is not held by the routers watching it."""
+    node_id = node.health()["node_id"]
+    with httpx.stream("GET", node.http + "/v1/watch", headers=node.headers, timeout=10) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("application/x-ndjson")
+        lines = resp.iter_lines()
+        t0 = time.monotonic()
+        beats = [c.parse(c.NodeBeat, next(lines)) for _ in range(2)]
+        assert [b.node_id for b in beats] == [node_id] * 2
+        assert 0.5 * c.NODE_BEAT_S < time.monotonic() - t0 < 3 * c.NODE_BEAT_S
+        node.proc.terminate()
+        deadline = time.monotonic() + 10
+        for line in lines:  # the stream ends (a beat may still come first)
+            assert time.monotonic() < deadline, "the watch stream outlived the node's SIGTERM by 10 s"
+            assert c.parse(c.NodeBeat, line).node_id == node_id
+    node.proc.wait(timeout=10)

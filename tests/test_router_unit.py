@@ -108,6 +108,7 @@ class World:
     script: list[int] = field(default_factory=list)
     prefill_mode: str = "ok"  # ok | no_kv | http_500
     decode_mode: str = "ok"  # ok | error_after | hang | refuse
+    watch_silent: bool = False  # the node's watch stream stays open but stops beating (a hung node)
     error_after: int = 2
     hold: bool = False
     prefill_delay: float = 0.0
@@ -134,7 +135,7 @@ class World:
     def reset(self) -> None:
         self.script = self.tokenizer.encode(MODEL_TEXT).ids + [self.eos_id]
         self.prefill_mode, self.decode_mode, self.error_after = "ok", "ok", 2
-        self.prefill_delay = 0.0
+        self.prefill_delay, self.watch_silent = 0.0, False
         self.hold, self.token_delay, self.tokens_per_line, self.slots_total = False, 0.002, 1, 2
         self.max_seq_len, self.reserve_refusal, self.decode_gate, self.max_lease_s = 4096, None, None, None
         for coll in (self.reservations, self.prefill_bodies, self.prompts, self.transfers, self.decode_calls,
@@ -299,6 +300,18 @@ def decode_standin(world: World) -> Starlette:
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
+    async def watch(request: Request) -> Response:
+        if not authorised(request):
+            return error("missing or invalid node API token", 401)
+
+        async def beats() -> Any:
+            while True:
+                if not world.watch_silent:
+                    yield c.dump(c.NodeBeat("standin")) + b"\n"
+                await anyio.sleep(0.2)
+
+        return StreamingResponse(beats(), media_type="application/x-ndjson")
+
     async def health(request: Request) -> Response:
         with world.lock:
             used = len(world.reservations)
@@ -312,6 +325,7 @@ def decode_standin(world: World) -> Starlette:
         Route("/v1/reserve", reserve, methods=["POST"]),
         Route("/v1/release", release, methods=["POST"]),
         Route("/v1/decode", decode, methods=["POST"]),
+        Route("/v1/watch", watch),
         Route("/health", health),
     ])
 
@@ -670,6 +684,31 @@ def test_decode_error_mid_stream_error_event_then_done(router: RouterHandle, wor
     r2 = httpx.post(router.url + "/v1/completions", timeout=10, json={"model": "tiny", "prompt": "x", "max_tokens": 50})
     assert r2.status_code == 502
     assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)
+
+
+def test_a_node_gone_silent_is_lost_and_a_prefill_aimed_at_it_fails_fast(
+    make_router: Callable[..., RouterHandle], world: World
+) -> None:
+    """A hung node (its watch stream open, its beats stopped; a real node dies faster: its stream closes, as
+    ``test_e2e_transports``' peer-killed test shows) is lost after node_silence_s: the prefill aimed at it is
+    cancelled, the request moves on (no node left: 503 at once, not when the prefill returns), the slot it
+    reserved there is released, and the node comes back once it beats again."""
+    router = make_router(node_silence_s=1.5)
+    world.prefill_delay = 8.0
+    t0 = time.monotonic()
+    world.watch_silent = True
+    r = httpx.post(router.url + "/v1/completions", timeout=15, json={"model": "tiny", "prompt": "x", "max_tokens": 9})
+    elapsed = time.monotonic() - t0
+    assert r.status_code == 503 and "no healthy decode node" in r.json()["error"]["message"], r.text
+    assert elapsed < 1.5 + 2.0, elapsed  # the silence limit, then at once (the prefill would take 8 s)
+    assert world.decode_calls == [] and world.releases and not world.reservations
+    node = httpx.get(router.url + "/health", timeout=5).json()["decode"][0]
+    assert not node["ok"] and "watch stream is not open" in node["error"], node  # its /health alone is not enough
+    world.watch_silent, world.prefill_delay = False, 0.0
+    assert _wait_for(lambda: httpx.get(router.url + "/health", timeout=5).json()["status"] == "ok", timeout=10)
+    text, _ = _expected(world)
+    out = router.client().completions.create(model="tiny", prompt="x", max_tokens=100)
+    assert out.choices[0].text == text
 
 
 def test_decode_refusal_4xx(router: RouterHandle, world: World) -> None:

@@ -326,6 +326,14 @@ def expect(msg: Message, cls: type[M]) -> M:
 
 NODE_AUTH_HEADER = "authorization"  # "Bearer " + auth.node_api_token(secret)
 NODE_KEEPALIVE_S = 30.0  # how long the node keeps an idle connection open (its clients drop theirs sooner)
+NODE_BEAT_S = 1.0  # how often a node's watch stream (``GET /v1/watch``) says it is alive
+
+
+class NodeBeat(_Strict):
+    """One line of a decode node's watch stream: the node is alive. Sent when the stream opens, then every
+    ``NODE_BEAT_S``; the stream ends only when the node stops (or dies: its router sees the connection close)."""
+
+    node_id: Name
 
 
 class Sampling(_Strict):

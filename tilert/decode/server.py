@@ -11,6 +11,11 @@ HTTP API (bodies and replies are the types of ``tilert.contracts``; every 4xx/5x
   stop ids, ``max_tokens``, the end of the context), or an ``ErrorLine``. It waits for the transfer first (an abort
   from prefill fails it at once). Parameters are checked before the stream starts (4xx/501). Closing the
   stream cancels the decode.
+- ``GET /v1/watch`` -> 200 ``application/x-ndjson``: a ``NodeBeat`` line at once and every ``NODE_BEAT_S``,
+  for as long as the node runs. Each router keeps one open: its closing (the node died, even by SIGKILL: the
+  kernel closes the socket) or its silence (a hung or unreachable node) tells the router at once, which then
+  stops sending requests here and moves the ones whose prefill is still running (``router.lease``). The node
+  ends the streams when it begins to shut down, so that they do not hold its graceful shutdown.
 - ``GET /health`` ``NodeHealth``; ``GET /metrics`` Prometheus text.
 
 ``/v1/*`` needs ``Authorization: Bearer <tilert.auth.node_api_token(secret)>``: only a router holding the
@@ -26,6 +31,7 @@ import math
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
+from types import FrameType
 from typing import TypeVar
 
 import anyio
@@ -120,11 +126,13 @@ class DecodeNode:
         else:
             self.batch = DecodeBatch(engine, self.eos, config.num_speculative_tokens, config.engine_cpu_set)
         self.decodes_completed = 0
+        self._stopping: anyio.Event | None = None  # set when the HTTP server begins to shut down (serve())
         self.app = Starlette(
             routes=[
                 Route("/v1/reserve", _handler(self.reserve), methods=["POST"]),
                 Route("/v1/release", _handler(self.release), methods=["POST"]),
                 Route("/v1/decode", _handler(self.decode), methods=["POST"]),
+                Route("/v1/watch", self.watch, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.render_metrics, methods=["GET"]),
             ],
@@ -188,6 +196,23 @@ class DecodeNode:
                 max_lease_s=self.config.max_lease_s,
             )
         )  # fmt: skip
+
+    async def watch(self, request: Request) -> Response:
+        beat = c.dump(c.NodeBeat(self.node_id)) + b"\n"
+        stopping = self._stopping
+
+        async def beats() -> AsyncIterator[bytes]:
+            while True:
+                yield beat
+                if stopping is None:
+                    await anyio.sleep(c.NODE_BEAT_S)
+                    continue
+                with anyio.move_on_after(c.NODE_BEAT_S):
+                    await stopping.wait()
+                if stopping.is_set():
+                    return
+
+        return StreamingResponse(beats(), media_type="application/x-ndjson")
 
     async def render_metrics(self, request: Request) -> Response:
         self.metrics.slots(len(self.table.slots), self.table.free)
@@ -325,11 +350,14 @@ class DecodeNode:
 
     async def serve(self) -> None:
         cfg = self.config
-        server = uvicorn.Server(
+        self._stopping = stopping = anyio.Event()
+        loop = asyncio.get_running_loop()
+        server = _Server(
             uvicorn.Config(
                 self, host=cfg.host, port=cfg.http_port, log_level="warning", lifespan="off",
                 limit_concurrency=cfg.max_http_connections, timeout_keep_alive=int(c.NODE_KEEPALIVE_S),
-            )
+            ),
+            on_exit=lambda: loop.call_soon_threadsafe(stopping.set),
         )  # fmt: skip
         try:
             async with anyio.create_task_group() as tg:
@@ -344,6 +372,19 @@ class DecodeNode:
         finally:
             self.batch.close()
             self.receiver.close()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the node when a signal starts its shutdown (uvicorn waits for open responses
+    before it stops; the node's watch streams would otherwise never end)."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], object]) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        self._on_exit()  # in a signal handler: it only schedules the event's set on the loop
 
 
 def build_node(config: DecodeConfig) -> DecodeNode:

@@ -1,4 +1,4 @@
-"""The Starlette app: routes, lifespan (config, clients, health loop) and the flow-running response."""
+"""The Starlette app: routes, lifespan (config, clients, background work) and the flow-running response."""
 
 from __future__ import annotations
 
@@ -195,7 +195,7 @@ def build_app(config: RouterConfig | None = None) -> Starlette:
             raise RuntimeError(f"tilert router refused to start: {exc}") from exc
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(holder.ctx.health_loop)
+                await tg.start(holder.ctx.run)
                 try:
                     yield
                 finally:

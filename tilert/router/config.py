@@ -37,6 +37,7 @@ from typing import Any, ClassVar
 from urllib.parse import urlparse
 
 from tilert.auth import MIN_SECRET_BYTES, SECRET_ENV, SECRET_FILE_ENV, SecretError, load_secret
+from tilert.contracts import NODE_BEAT_S
 
 CONFIG_ENV = "TILERT_ROUTER_CONFIG"
 ENV_PREFIX = "TILERT_ROUTER_"
@@ -526,6 +527,11 @@ class RouterConfig:
     control_timeout_s: float = setting(5.0, help="reserve / release / cancel calls to a decode node")
     health_interval_s: float = setting(2.0, help="decode node health probe period")
     health_timeout_s: float = setting(2.0, help="decode node / prefill health probe timeout")
+    node_silence_s: float = setting(
+        5.0, help=f"a decode node whose watch stream (a beat every {NODE_BEAT_S:g} s) is silent this long is lost: "
+        "no new requests go there and those whose prefill is running move to another node (a node that dies "
+        "closes the stream, which counts at once)",
+    )  # fmt: skip
     native_url: str | None = setting(
         None, metavar="URL",
         help=f"the native decode pool ('{NATIVE_POOL}'): a stock vLLM decode instance's server root, fed by vLLM's "
@@ -614,6 +620,9 @@ class RouterConfig:
             value = getattr(self, name)
             if not _is_number(value) or value <= 0:
                 problems.append(f"{d(name)} must be a positive number, got {value!r}")
+        if not _is_number(self.node_silence_s) or self.node_silence_s <= NODE_BEAT_S:
+            problems.append(f"{d('node_silence_s')} must be a number above the nodes' beat ({NODE_BEAT_S:g} s), "
+                            f"got {self.node_silence_s!r}")  # fmt: skip
         for name in ("max_queue", "retry_after_s"):
             value = getattr(self, name)
             if not _is_int(value) or value < 0:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import anyio
 import structlog
+from anyio.abc import TaskStatus
 
 from tilert.router.config import RouterConfig
 from tilert.router.detokenize import TokenizerBundle, load_tokenizer
@@ -16,6 +18,7 @@ from tilert.router.metrics import RouterMetrics
 from tilert.router.node_client import NodeClient
 from tilert.router.pool import DecodePool, PooledNode
 from tilert.router.prefill import prefill_session, vllm_session
+from tilert.router.watch import NodeWatch
 
 if TYPE_CHECKING:
     from tilert.engines.vllm import VllmNativePool
@@ -30,6 +33,7 @@ class RouterContext:
     pool: DecodePool
     prefill: aiohttp.ClientSession
     nodes: dict[str, NodeClient]
+    watches: dict[str, NodeWatch]
     tokenizer: TokenizerBundle
     started_at: int = field(default_factory=lambda: int(time.time()))
     # The native decode pool (config.native_url): a stock vLLM decode instance, and the plugin that speaks to it.
@@ -53,7 +57,9 @@ class RouterContext:
         pool = DecodePool(
             config.decode_nodes, max_queue=config.max_queue, retry_after_s=config.retry_after_s, metrics=metrics
         )
-        ctx = cls(config=config, metrics=metrics, pool=pool, prefill=prefill, nodes=nodes, tokenizer=tokenizer)
+        watches = {name: NodeWatch() for name in nodes}
+        ctx = cls(config=config, metrics=metrics, pool=pool, prefill=prefill, nodes=nodes, watches=watches,
+                  tokenizer=tokenizer)  # fmt: skip
         if config.native_url:
             from tilert.plugins import PluginError, load_native_pool
 
@@ -65,20 +71,32 @@ class RouterContext:
             # No total timeout: a native decode streams as long as it needs; reads are bounded per event.
             ctx.native = vllm_session(config.native_url,
                                       aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s))
-        await ctx.check_nodes()
-        await ctx.check_native()
-        log.info(
-            "router_started",
-            prefill_url=config.prefill_url,
-            decode=[n.name for n in pool.nodes],
-            healthy=[n.name for n in pool.nodes if n.healthy],
-            model=config.model_name,
-            native=config.native_url,
-            native_healthy=ctx.native_healthy if config.native_url else None,
-            default_pool=config.default_pool,
-            overflow_wait_s=config.overflow_wait_s,
-        )
         return ctx
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """The router's background work, for its life: a watch on every decode node (``router.watch``), the
+        first health check (``task_status.started()`` after it: the router serves from then on), then the
+        periodic one."""
+        config = self.config
+        async with anyio.create_task_group() as tg:
+            for node in self.pool.nodes:
+                tg.start_soon(self.watches[node.name].run, self.node_client(node), config.node_silence_s,
+                              config.health_interval_s, partial(self._lost, node))  # fmt: skip
+            await self.check_nodes()
+            await self.check_native()
+            log.info(
+                "router_started",
+                prefill_url=config.prefill_url,
+                decode=[n.name for n in self.pool.nodes],
+                healthy=[n.name for n in self.pool.nodes if n.healthy],
+                model=config.model_name,
+                native=config.native_url,
+                native_healthy=self.native_healthy if config.native_url else None,
+                default_pool=config.default_pool,
+                overflow_wait_s=config.overflow_wait_s,
+            )
+            task_status.started()
+            await self.health_loop()
 
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):
@@ -87,6 +105,9 @@ class RouterContext:
                 await self.native.close()
             for client in self.nodes.values():
                 await client.aclose()
+
+    def _lost(self, node: PooledNode, reason: str) -> None:
+        self.pool.mark_unhealthy(node, f"lost: {reason}")
 
     def node_client(self, node: PooledNode) -> NodeClient:
         return self.nodes[node.name]
@@ -97,6 +118,9 @@ class RouterContext:
 
         async def probe(node: PooledNode) -> None:
             health = await self.node_client(node).health(self.config.health_timeout_s)
+            watch = self.watches[node.name]
+            if health.ok and not await watch.opened(self.config.health_timeout_s):  # admitted only while watched
+                health = replace(health, ok=False, error=f"its watch stream is not open: {watch.reason}")
             self.pool.update_health(
                 node, health.ok, slots_total=health.slots_total, slots_free=health.slots_free, error=health.error
             )

@@ -183,7 +183,7 @@ class RequestFlow:
             cfg.queue_timeout_s)  # fmt: skip
         self._to(FlowState.QUEUED, queue_depth=self.ctx.pool.queue_depth)
         sampling = self._sampling()
-        lease = NodeLease(self.ctx.pool, self.ctx.nodes, self.transfer_id, queue_timeout_s=wait,
+        lease = NodeLease(self.ctx.pool, self.ctx.nodes, self.ctx.watches, self.transfer_id, queue_timeout_s=wait,
                           lease_s=cfg.lease_s, log=self.log, sampling=sampling)  # fmt: skip
         async with AsyncExitStack() as held:
             try:

@@ -4,11 +4,13 @@
 ``await lease.reserve_while(work)`` reserves the slot on that node *while* ``work`` (the prefill, whose claim
 names the node) runs, so the reserve's round trip is off the request's critical path: a prefill takes longer
 than a reserve, and a sender whose offer reaches the node first waits there for the reservation
-(``decode.slots``). Should the node refuse (full, unreachable), the work is cancelled and both run again on
-another node under a new transfer id. Leaving the block releases the slot exactly once, whatever happened
-inside (answer, error, timeout, client gone); the node's one release call also cancels a decode still running
-there, so there is no separate cancel to forget. :meth:`NodeLease.release` may be called earlier (before the
-response's last byte, so a client that has its answer also sees the slot free); later calls do nothing.
+(``decode.slots``). Should the node refuse (full, unreachable) or be lost meanwhile (its watch stream ended:
+``router.watch``), the work is cancelled and both run again on another node under a new transfer id (vLLM's
+prefix cache makes the second prefill cheap), or the request fails at once when no node is left. Leaving the
+block releases the slot exactly once, whatever happened inside (answer, error, timeout, client gone); the
+node's one release call also cancels a decode still running there, so there is no separate cancel to forget.
+:meth:`NodeLease.release` may be called earlier (before the response's last byte, so a client that has its
+answer also sees the slot free); later calls do nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tilert import contracts as c
 from tilert.router.errors import RouterError
 from tilert.router.node_client import NodeClient, NodeFull, NodeUnreachable
 from tilert.router.pool import DecodePool, PooledNode
+from tilert.router.watch import NodeWatch
 
 RELEASE_BUDGET_S = 1.0
 
@@ -36,6 +39,7 @@ class NodeLease:
         self,
         pool: DecodePool,
         clients: dict[str, NodeClient],
+        watches: dict[str, NodeWatch],
         transfer_id: str,
         *,
         queue_timeout_s: float,
@@ -46,6 +50,7 @@ class NodeLease:
         self._pool = pool
         self._sampling = sampling  # the node checks it with the reserve
         self._clients = clients
+        self._watches = watches
         self.transfer_id = transfer_id
         self._queue_timeout_s = queue_timeout_s
         self._lease_s = lease_s
@@ -86,13 +91,16 @@ class NodeLease:
             self.node = await self._pool.acquire(self._deadline, front=True)
 
     async def _attempt(self, node: PooledNode, work: Callable[[PooledNode, str], Awaitable[T]]) -> tuple[T] | None:
-        """Reserve on ``node`` while the work runs: ``(its result,)``, or None when the node refused (the work
-        is then cancelled). The work goes out first (it is the longer of the two). Its failure cancels the
-        reserve and is raised as it is, as is the node's refusal of the request's sampling (anyio's task group
-        would wrap either in an exception group)."""
+        """Reserve on ``node`` while the work runs: ``(its result,)``, or None when the node refused or was
+        lost meanwhile (its watch stream ended: it died, stopped or hung; the work is then cancelled). The work
+        goes out first (it is the longer of the two). Its failure cancels the reserve and is raised as it is, as
+        is the node's refusal of the request's sampling (anyio's task group would wrap either in an exception
+        group)."""
         result: list[T] = []
         failed: list[Exception] = []
         refused: list[bool] = []
+        reserved = anyio.Event()
+        lost = self._watches[node.name].lost
 
         async def reserve() -> None:
             try:
@@ -102,17 +110,38 @@ class NodeLease:
             except RouterError as exc:
                 failed.append(exc)
                 tg.cancel_scope.cancel()
+            finally:
+                reserved.set()
+
+        async def watch() -> None:
+            await lost.wait()
+            refused.append(True)
+            tg.cancel_scope.cancel()
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(reserve)
+            tg.start_soon(watch)
             try:
                 result.append(await work(node, self.transfer_id))
+                await reserved.wait()
             except Exception as exc:  # noqa: BLE001 - raised below, outside the task group
                 failed.append(exc)
-                tg.cancel_scope.cancel()
+            tg.cancel_scope.cancel()
+        if lost.is_set():
+            await self._lost(node)
+            return None
         if failed:
             raise failed[0]
         return None if refused else (result[0],)
+
+    async def _lost(self, node: PooledNode) -> None:
+        """The node was lost while the request's prefill ran (the pool already knows): give it back; a slot the
+        reserve may have taken there is released (tombstoned) should the node be alive after all (hung)."""
+        self._log.warning("decode_node_lost_during_prefill", node=node.name)
+        if self.node is node:
+            self._pool.give_back(node)
+            self.node = None
+            await self._forget(node)
 
     async def _reserve(self, node: PooledNode) -> bool:
         """The node's reservation; True when it refused (the node is given back, ``self.node`` is unset).

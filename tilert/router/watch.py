@@ -1,0 +1,77 @@
+"""The router's watch on one decode node: a ``GET /v1/watch`` stream kept open for the router's life.
+
+A node that dies (even by SIGKILL: the kernel closes its sockets), stops, or stays silent past
+``node_silence_s`` (hung, or its host unreachable) ends the stream. The router then knows at once, not at its
+next health probe nor when a request's prefill comes back: :attr:`NodeWatch.lost` is set, and every request
+holding a reservation on the node moves on (``router.lease``). The health probe admits a node only while its
+watch is open (:meth:`NodeWatch.opened`), so no request is leased on a node the router could not see die.
+
+States: closed (opening it is tried every ``retry_s``, or at once when :meth:`opened` asks) -> open -> lost
+(``lost`` is set and replaced by a fresh event for the next open stream) -> closed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import anyio
+import structlog
+
+from tilert.router.node_client import NodeClient, NodeUnreachable
+
+log = structlog.get_logger("tilert.router")
+
+
+class NodeWatch:
+    def __init__(self) -> None:
+        self.lost = anyio.Event()  # set when the stream open now (or the next one) ends
+        self.is_open = False
+        self.reason = "not opened yet"  # why the stream is not open
+        self._opened = anyio.Event()
+        self._wake = anyio.Event()
+
+    async def run(self, client: NodeClient, silence_s: float, retry_s: float, on_lost: Callable[[str], None]) -> None:
+        """Keep the node's stream open, forever; ``on_lost(reason)`` runs when an open one ends, before
+        ``lost`` is set (the pool stops granting the node before the requests on it look elsewhere)."""
+        told: str | None = None
+        while True:
+            try:
+                async with client.watch(silence_s) as beats:
+                    async for _ in beats:
+                        if not self.is_open:  # open from its first beat (a hung node answers no beat)
+                            self._to_open()
+                            told = None
+                reason = "the node closed its watch stream"
+            except NodeUnreachable as exc:
+                reason = str(exc)
+            self.reason = reason
+            if self.is_open:
+                self._to_lost(on_lost)
+            elif reason != told:  # once per new reason (the health probe reports an unreachable node)
+                log.info("decode_node_watch_refused", node=client.spec.name, reason=reason)
+                told = reason
+            with anyio.move_on_after(retry_s):
+                await self._wake.wait()
+            self._wake = anyio.Event()
+
+    def _to_open(self) -> None:
+        self.is_open = True
+        self._opened.set()
+
+    def _to_lost(self, on_lost: Callable[[str], None]) -> None:
+        self.is_open = False
+        self._opened = anyio.Event()
+        on_lost(self.reason)
+        lost, self.lost = self.lost, anyio.Event()
+        lost.set()
+
+    async def opened(self, timeout_s: float) -> bool:
+        """Whether the stream is open, asking the loop to open it now (waiting up to ``timeout_s``) if not."""
+        if not self.is_open:
+            self._wake.set()
+            with anyio.move_on_after(timeout_s):
+                await self._opened.wait()
+        return self.is_open
+
+
+__all__ = ["NodeWatch"]
