@@ -5,7 +5,8 @@ token, streaming and not, for prompts up to about 500 tokens.
 
 Fail fast through each transport (issue 7, item 5), at the router, with the real OpenAI client: handshake
 refused, extraction error, transport error, peer gone (the decode node killed mid-transfer) and timeout
-each reach the client as a terminal error in under a second, and afterwards the connector's staging pool
+each reach the client as a terminal error in under a second (the node tells the router on its watch stream, or
+the stream closes, while vLLM still computes the prefill), and afterwards the connector's staging pool
 is whole again on vLLM's own ``/metrics`` (``tilert:staging_pool_used_bytes`` 0, no transfer in flight) and
 every receive slot is free on the decode node's ``/health``. The three stacks are this module's (tcp: the
 session stack), one vLLM each. Handshake refused and peer gone use other decode nodes + routers on the same
@@ -184,13 +185,24 @@ def _prompt(stack: Stack, n: int = 100) -> str:
     return _source_text(n, stack.model, offset=1200)
 
 
+def _ended_on_the_nodes_report(router: str) -> float:
+    """Requests the router ended when the node reported their transfer failed on its watch stream (before the
+    prefill returned), from the router's ``tilert:requests_total{outcome="transfer_failed"}``."""
+    text = httpx.get(router + "/metrics", timeout=10).text
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               if family.name == "tilert:requests" for sample in family.samples
+               if sample.name.endswith("_total") and sample.labels.get("outcome") == "transfer_failed")  # fmt: skip
+
+
 @pytest.mark.parametrize("fault", ["extraction_error", "transport_error"])
 def test_fault_in_the_transfer_reaches_the_client_at_once(transport_stack: Stack, fault: str) -> None:
     assert transport_stack.fault_dir is not None
     faults.arm(transport_stack.fault_dir, fault)
+    before = _ended_on_the_nodes_report(transport_stack.router)
     err, error_at = _fails_fast(transport_stack.router, transport_stack.model, _prompt(transport_stack), SANITY_S)
     assert f"injected {fault.replace('_', ' ')}" in str(err.body), err.body  # the prefill side's reason
     _after_fault(transport_stack, error_at)
+    assert _ended_on_the_nodes_report(transport_stack.router) == before + 1
     _pools_whole(transport_stack.prefill, transport_stack.decode)
     assert not (transport_stack.fault_dir / "next").exists()  # that transfer took it
 
@@ -199,17 +211,21 @@ def test_timeout_reaches_the_client_at_once(transport_stack: Stack) -> None:
     """The forward stalls past the sender's wait for the next layer: abort, then a terminal error."""
     assert transport_stack.fault_dir is not None
     faults.arm(transport_stack.fault_dir, "timeout")
+    before = _ended_on_the_nodes_report(transport_stack.router)
     err, error_at = _fails_fast(transport_stack.router, transport_stack.model, _prompt(transport_stack), SANITY_S)
     assert f"no layer was staged within {faults.TIMEOUT_S:g}s" in str(err.body), err.body
     _after_fault(transport_stack, error_at, fired_after_s=faults.TIMEOUT_S)  # from the timeout firing
+    assert _ended_on_the_nodes_report(transport_stack.router) == before + 1  # during the stall, not after it
     _pools_whole(transport_stack.prefill, transport_stack.decode)
 
 
 def test_handshake_refused_reaches_the_client_at_once(transport_stack: Stack, refusing_spare: Spare) -> None:
     """The node refuses the offer (its engine cannot take the layouts): a real refusal at the handshake."""
     failed_before = _transfers_failed(refusing_spare.decode_url)
+    before = _ended_on_the_nodes_report(refusing_spare.router_url)
     err, _ = _fails_fast(refusing_spare.router_url, transport_stack.model, _prompt(transport_stack), FAIL_LIMIT_S)
     assert "mla layout has 3 layers, model has 2" in str(err.body), err.body  # the node's own reason
+    assert _ended_on_the_nodes_report(refusing_spare.router_url) == before + 1
     _pools_whole(transport_stack.prefill, refusing_spare.decode_url)
     assert _transfers_failed(refusing_spare.decode_url) == failed_before + 1
 

@@ -109,6 +109,7 @@ class World:
     prefill_mode: str = "ok"  # ok | no_kv | http_500
     decode_mode: str = "ok"  # ok | error_after | hang | refuse
     watch_silent: bool = False  # the node's watch stream stays open but stops beating (a hung node)
+    fail_transfers: str | None = None  # the node reports every reserved transfer failed, with this reason
     error_after: int = 2
     hold: bool = False
     prefill_delay: float = 0.0
@@ -135,7 +136,7 @@ class World:
     def reset(self) -> None:
         self.script = self.tokenizer.encode(MODEL_TEXT).ids + [self.eos_id]
         self.prefill_mode, self.decode_mode, self.error_after = "ok", "ok", 2
-        self.prefill_delay, self.watch_silent = 0.0, False
+        self.prefill_delay, self.watch_silent, self.fail_transfers = 0.0, False, None
         self.hold, self.token_delay, self.tokens_per_line, self.slots_total = False, 0.002, 1, 2
         self.max_seq_len, self.reserve_refusal, self.decode_gate, self.max_lease_s = 4096, None, None, None
         for coll in (self.reservations, self.prefill_bodies, self.prompts, self.transfers, self.decode_calls,
@@ -305,10 +306,15 @@ def decode_standin(world: World) -> Starlette:
             return error("missing or invalid node API token", 401)
 
         async def beats() -> Any:
+            told: set[str] = set()
             while True:
                 if not world.watch_silent:
                     yield c.dump(c.NodeBeat("standin")) + b"\n"
-                await anyio.sleep(0.2)
+                for tid in list(world.reservations) if world.fail_transfers else []:
+                    if tid not in told:
+                        told.add(tid)
+                        yield c.dump(c.TransferFailed(tid, world.fail_transfers)) + b"\n"
+                await anyio.sleep(0.05)
 
         return StreamingResponse(beats(), media_type="application/x-ndjson")
 
@@ -709,6 +715,22 @@ def test_a_node_gone_silent_is_lost_and_a_prefill_aimed_at_it_fails_fast(
     text, _ = _expected(world)
     out = router.client().completions.create(model="tiny", prompt="x", max_tokens=100)
     assert out.choices[0].text == text
+
+
+def test_a_transfer_the_node_reports_failed_ends_the_request_before_the_prefill_returns(
+    router: RouterHandle, world: World
+) -> None:
+    """The node says on its watch stream that the request's transfer failed: the client gets the node's reason at
+    once (the prefill, 8 s here, is cancelled), the decode is never asked for, and the slot is released."""
+    world.prefill_delay, world.fail_transfers = 8.0, "injected: the sender aborted"
+    t0 = time.monotonic()
+    r = httpx.post(router.url + "/v1/completions", timeout=15, json={"model": "tiny", "prompt": "x", "max_tokens": 9})
+    assert r.status_code == 502 and r.json()["error"]["message"] == "KV transfer failed: injected: the sender aborted"
+    assert time.monotonic() - t0 < 2.0
+    assert world.decode_calls == []
+    assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)
+    metrics = httpx.get(router.url + "/metrics", timeout=5).text
+    assert 'outcome="transfer_failed"' in metrics
 
 
 def test_decode_refusal_4xx(router: RouterHandle, world: World) -> None:

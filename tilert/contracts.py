@@ -26,7 +26,8 @@ Three conversations, all covered by :data:`PROTOCOL_VERSION`:
    carrying the request's :class:`Sampling` to be checked up front), :class:`ReleaseRequest`
    (one idempotent release that also cancels a running decode), :class:`DecodeRequest` answered by an
    NDJSON stream of :data:`DecodeLine` (token lines (:class:`TokenLine`), the last one with its
-   ``finish_reason``, or an :class:`ErrorLine`), :class:`NodeHealth`, and :class:`ErrorBody` for every 4xx/5xx.
+   ``finish_reason``, or an :class:`ErrorLine`), the watch stream's :data:`WatchLine` (:class:`NodeBeat`,
+   :class:`TransferFailed`), :class:`NodeHealth`, and :class:`ErrorBody` for every 4xx/5xx.
 
 5. **Engine process** (decode node <-> its engine process, ``tilert decode --engine-process``): msgpack
    messages over a local pipe, :data:`EngineCommand` from the node (:class:`EngineSubmit`,
@@ -326,14 +327,29 @@ def expect(msg: Message, cls: type[M]) -> M:
 
 NODE_AUTH_HEADER = "authorization"  # "Bearer " + auth.node_api_token(secret)
 NODE_KEEPALIVE_S = 30.0  # how long the node keeps an idle connection open (its clients drop theirs sooner)
-NODE_BEAT_S = 1.0  # how often a node's watch stream (``GET /v1/watch``) says it is alive
+NODE_BEAT_S = 1.0  # a node's watch stream (``GET /v1/watch``) is never silent longer than this while it runs
 
 
-class NodeBeat(_Strict):
-    """One line of a decode node's watch stream: the node is alive. Sent when the stream opens, then every
-    ``NODE_BEAT_S``; the stream ends only when the node stops (or dies: its router sees the connection close)."""
+class _WatchLine(_Strict, tag_field="type"):
+    pass
+
+
+class NodeBeat(_WatchLine, tag="beat"):
+    """The node is alive: the watch stream's first line, then one whenever ``NODE_BEAT_S`` passed without a line.
+    The stream ends only when the node stops (or dies: its router sees the connection close)."""
 
     node_id: Name
+
+
+class TransferFailed(_WatchLine, tag="transfer_failed"):
+    """A transfer to this node failed (the sender's ``Abort``, a refused offer, a transport error), told at once to
+    every router watching: the one holding its reservation fails the request then, not when the prefill returns."""
+
+    transfer_id: TransferId
+    reason: Reason
+
+
+WatchLine = NodeBeat | TransferFailed
 
 
 class Sampling(_Strict):
@@ -657,6 +673,10 @@ def parse(cls: type[T], raw: bytes | str, *, limit: int = MAX_API_BODY_BYTES) ->
 
 def parse_line(raw: bytes | str) -> TokenLine | ErrorLine:
     return parse(DecodeLine, raw)  # type: ignore[arg-type]
+
+
+def parse_watch_line(raw: bytes | str) -> NodeBeat | TransferFailed:
+    return parse(WatchLine, raw)  # type: ignore[arg-type]
 
 
 def dump(msg: msgspec.Struct) -> bytes:

@@ -11,11 +11,13 @@ HTTP API (bodies and replies are the types of ``tilert.contracts``; every 4xx/5x
   stop ids, ``max_tokens``, the end of the context), or an ``ErrorLine``. It waits for the transfer first (an abort
   from prefill fails it at once). Parameters are checked before the stream starts (4xx/501). Closing the
   stream cancels the decode.
-- ``GET /v1/watch`` -> 200 ``application/x-ndjson``: a ``NodeBeat`` line at once and every ``NODE_BEAT_S``,
-  for as long as the node runs. Each router keeps one open: its closing (the node died, even by SIGKILL: the
-  kernel closes the socket) or its silence (a hung or unreachable node) tells the router at once, which then
-  stops sending requests here and moves the ones whose prefill is still running (``router.lease``). The node
-  ends the streams when it begins to shut down, so that they do not hold its graceful shutdown.
+- ``GET /v1/watch`` -> 200 ``application/x-ndjson`` of ``WatchLine``: a ``NodeBeat`` at once and whenever
+  ``NODE_BEAT_S`` passed without a line, and a ``TransferFailed`` the moment a transfer to this node fails, for as
+  long as the node runs. Each router keeps one open (``router.watch``): its closing (the node died, even by SIGKILL:
+  the kernel closes the socket) or its silence (a hung or unreachable node) tells the router at once, which then
+  stops sending requests here and moves the ones whose prefill is still running; a ``TransferFailed`` ends its
+  request at once, while vLLM may still be computing the prefill. The node ends the streams when it begins to shut
+  down, so that they do not hold its graceful shutdown.
 - ``GET /health`` ``NodeHealth``; ``GET /metrics`` Prometheus text.
 
 ``/v1/*`` needs ``Authorization: Bearer <tilert.auth.node_api_token(secret)>``: only a router holding the
@@ -37,7 +39,7 @@ from typing import TypeVar
 import anyio
 import structlog
 import uvicorn
-from anyio.streams.memory import MemoryObjectReceiveStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -62,6 +64,7 @@ from tilert.plugins import load_transport
 log = structlog.get_logger("tilert.decode.server")
 
 B = TypeVar("B")
+_WATCH_BUFFER = 1024  # watch lines a slow watcher may fall behind by (failures are rare; beats are not queued)
 
 
 def _error(message: str, status: int, headers: dict[str, str] | None = None) -> Response:
@@ -126,7 +129,8 @@ class DecodeNode:
         else:
             self.batch = DecodeBatch(engine, self.eos, config.num_speculative_tokens, config.engine_cpu_set)
         self.decodes_completed = 0
-        self._stopping: anyio.Event | None = None  # set when the HTTP server begins to shut down (serve())
+        self._watchers: set[MemoryObjectSendStream[bytes]] = set()  # one per open watch stream
+        self._stopping = False  # the HTTP server began to shut down: the watch streams end
         self.app = Starlette(
             routes=[
                 Route("/v1/reserve", _handler(self.reserve), methods=["POST"]),
@@ -152,11 +156,22 @@ class DecodeNode:
     async def _http_error(request: Request, exc: HTTPException) -> Response:
         return _error(str(exc.detail), exc.status_code)
 
-    def _on_transfer(self, ok: bool, reason: str) -> None:
+    def _on_transfer(self, tid: str, ok: bool, reason: str) -> None:
         if ok:
             self.metrics.transfer_received()
-        else:
-            self.metrics.transfer_failed(reason)
+            return
+        self.metrics.transfer_failed("failed")
+        line = c.dump(c.TransferFailed(tid, reason[: c.MAX_REASON_CHARS])) + b"\n"
+        for send in list(self._watchers):
+            try:
+                send.send_nowait(line)
+            except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
+                log.warning("watch_line_dropped", transfer_id=tid)  # a watcher far behind: it learns at decode
+
+    def _stop_watches(self) -> None:
+        self._stopping = True
+        for send in list(self._watchers):
+            send.close()
 
     # ---- HTTP handlers ----------------------------------------------------------------------
 
@@ -198,21 +213,28 @@ class DecodeNode:
         )  # fmt: skip
 
     async def watch(self, request: Request) -> Response:
+        if self._stopping:
+            return _error("the node is stopping", 503)
         beat = c.dump(c.NodeBeat(self.node_id)) + b"\n"
-        stopping = self._stopping
+        send, receive = anyio.create_memory_object_stream[bytes](_WATCH_BUFFER)
+        self._watchers.add(send)
 
-        async def beats() -> AsyncIterator[bytes]:
-            while True:
-                yield beat
-                if stopping is None:
-                    await anyio.sleep(c.NODE_BEAT_S)
-                    continue
-                with anyio.move_on_after(c.NODE_BEAT_S):
-                    await stopping.wait()
-                if stopping.is_set():
-                    return
+        async def lines() -> AsyncIterator[bytes]:
+            try:
+                line = beat
+                while True:
+                    yield line
+                    line = beat
+                    with anyio.move_on_after(c.NODE_BEAT_S):
+                        line = await receive.receive()
+            except anyio.EndOfStream:  # the node is stopping
+                return
+            finally:
+                self._watchers.discard(send)
+                send.close()
+                receive.close()
 
-        return StreamingResponse(beats(), media_type="application/x-ndjson")
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     async def render_metrics(self, request: Request) -> Response:
         self.metrics.slots(len(self.table.slots), self.table.free)
@@ -350,14 +372,13 @@ class DecodeNode:
 
     async def serve(self) -> None:
         cfg = self.config
-        self._stopping = stopping = anyio.Event()
         loop = asyncio.get_running_loop()
         server = _Server(
             uvicorn.Config(
                 self, host=cfg.host, port=cfg.http_port, log_level="warning", lifespan="off",
                 limit_concurrency=cfg.max_http_connections, timeout_keep_alive=int(c.NODE_KEEPALIVE_S),
             ),
-            on_exit=lambda: loop.call_soon_threadsafe(stopping.set),
+            on_exit=lambda: loop.call_soon_threadsafe(self._stop_watches),
         )  # fmt: skip
         try:
             async with anyio.create_task_group() as tg:
@@ -384,7 +405,7 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
-        self._on_exit()  # in a signal handler: it only schedules the event's set on the loop
+        self._on_exit()  # in a signal handler: it only schedules the work on the loop
 
 
 def build_node(config: DecodeConfig) -> DecodeNode:

@@ -120,8 +120,9 @@ class SlotTable:
                 buf.share_memory_()
             self.slots.append(Slot(i, buf, receiver.register(buf)))
         self._by_tid: dict[str, Slot] = {}
-        # Told of every transfer that lands (True) or fails (False, and why): the node's metrics.
-        self.on_transfer: Callable[[bool, str], None] = lambda ok, reason: None
+        # Told of every transfer that lands (its id, True, "") or fails (its id, False, why): the node's metrics, and
+        # the routers watching the node (a failure ends the request at once).
+        self.on_transfer: Callable[[str, bool, str], None] = lambda tid, ok, reason: None
         self._tombstones: OrderedDict[str, str] = OrderedDict()
         self._awaited: dict[str, anyio.Event] = {}  # ids an early offer waits to see reserved
         self.transfers_received = 0
@@ -227,7 +228,7 @@ class SlotTable:
         self._revoke(slot)
         slot.state = SlotState.READY
         self.transfers_received += 1
-        self.on_transfer(True, "")
+        self.on_transfer(tid, True, "")
         slot.notify()
         log.info("transfer_received", transfer_id=tid, nbytes=nbytes, tokens=slot.offer.num_tokens)
 
@@ -237,7 +238,7 @@ class SlotTable:
             return
         self._revoke(slot)
         slot.state, slot.error = SlotState.FAILED, reason
-        self.on_transfer(False, "failed")
+        self.on_transfer(tid, False, reason)
         slot.notify()
         log.warning("transfer_failed", transfer_id=tid, reason=reason)
 

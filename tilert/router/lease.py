@@ -94,13 +94,14 @@ class NodeLease:
         """Reserve on ``node`` while the work runs: ``(its result,)``, or None when the node refused or was
         lost meanwhile (its watch stream ended: it died, stopped or hung; the work is then cancelled). The work
         goes out first (it is the longer of the two). Its failure cancels the reserve and is raised as it is, as
-        is the node's refusal of the request's sampling (anyio's task group would wrap either in an exception
-        group)."""
+        are the node's refusal of the request's sampling and its report that the transfer failed (anyio's task
+        group would wrap any of them in an exception group)."""
         result: list[T] = []
         failed: list[Exception] = []
         refused: list[bool] = []
         reserved = anyio.Event()
-        lost = self._watches[node.name].lost
+        watch = self._watches[node.name]
+        lost = watch.lost
 
         async def reserve() -> None:
             try:
@@ -113,20 +114,27 @@ class NodeLease:
             finally:
                 reserved.set()
 
-        async def watch() -> None:
+        async def watch_node() -> None:
             await lost.wait()
             refused.append(True)
             tg.cancel_scope.cancel()
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(reserve)
-            tg.start_soon(watch)
-            try:
-                result.append(await work(node, self.transfer_id))
-                await reserved.wait()
-            except Exception as exc:  # noqa: BLE001 - raised below, outside the task group
-                failed.append(exc)
+        async def watch_transfer() -> None:
+            await failure.event.wait()
+            failed.append(RouterError(502, f"KV transfer failed: {failure.reason}", outcome="transfer_failed"))
             tg.cancel_scope.cancel()
+
+        with watch.transfer(self.transfer_id) as failure:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(reserve)
+                tg.start_soon(watch_node)
+                tg.start_soon(watch_transfer)
+                try:
+                    result.append(await work(node, self.transfer_id))
+                    await reserved.wait()
+                except Exception as exc:  # noqa: BLE001 - raised below, outside the task group
+                    failed.append(exc)
+                tg.cancel_scope.cancel()
         if lost.is_set():
             await self._lost(node)
             return None

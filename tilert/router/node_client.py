@@ -137,8 +137,8 @@ class NodeClient:
         return HealthView(ok=True, slots_total=health.slots_total, slots_free=health.slots_free)
 
     @asynccontextmanager
-    async def watch(self, silence_s: float) -> AsyncIterator[AsyncIterator[c.NodeBeat]]:
-        """Open the node's watch stream; yields its beats. :class:`NodeUnreachable` when it cannot be opened,
+    async def watch(self, silence_s: float) -> AsyncIterator[AsyncIterator[c.NodeBeat | c.TransferFailed]]:
+        """Open the node's watch stream; yields its lines. :class:`NodeUnreachable` when it cannot be opened,
         or when it breaks or stays silent ``silence_s``; the iteration ends when the node closes it."""
         timeout = aiohttp.ClientTimeout(total=None, sock_read=silence_s)
         try:
@@ -148,7 +148,7 @@ class NodeClient:
         try:
             if resp.status != 200:
                 raise NodeUnreachable(f"watch answered HTTP {resp.status}: {node_message(await resp.read(), '')}")
-            yield _beats(resp, silence_s)
+            yield _watch_lines(resp, silence_s)
         finally:
             resp.close()
 
@@ -175,10 +175,10 @@ class NodeClient:
                 resp.close()  # left early: closing the connection tells the node to stop
 
 
-async def _beats(resp: aiohttp.ClientResponse, silence_s: float) -> AsyncIterator[c.NodeBeat]:
+async def _watch_lines(resp: aiohttp.ClientResponse, silence_s: float) -> AsyncIterator[c.NodeBeat | c.TransferFailed]:
     try:
         while line := await resp.content.readline():
-            yield c.parse(c.NodeBeat, line)
+            yield c.parse_watch_line(line)
     except c.ContractError as exc:
         raise NodeUnreachable(f"watch sent a line outside the contract: {exc}") from None
     except TimeoutError:

@@ -6,20 +6,33 @@ next health probe nor when a request's prefill comes back: :attr:`NodeWatch.lost
 holding a reservation on the node moves on (``router.lease``). The health probe admits a node only while its
 watch is open (:meth:`NodeWatch.opened`), so no request is leased on a node the router could not see die.
 
+The node also says on it when a transfer fails (``TransferFailed``): a request expecting that transfer
+(:meth:`NodeWatch.transfer`) learns it at once, while vLLM may still be computing its prefill.
+
 States: closed (opening it is tried every ``retry_s``, or at once when :meth:`opened` asks) -> open -> lost
 (``lost`` is set and replaced by a fresh event for the next open stream) -> closed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import anyio
 import structlog
 
+from tilert import contracts as c
 from tilert.router.node_client import NodeClient, NodeUnreachable
 
 log = structlog.get_logger("tilert.router")
+
+
+class TransferFailure:
+    """Set when the node reports the transfer failed: ``reason`` is the node's."""
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+        self.reason = ""
 
 
 class NodeWatch:
@@ -29,6 +42,21 @@ class NodeWatch:
         self.reason = "not opened yet"  # why the stream is not open
         self._opened = anyio.Event()
         self._wake = anyio.Event()
+        self._expected: dict[str, TransferFailure] = {}
+
+    @contextmanager
+    def transfer(self, transfer_id: str) -> Iterator[TransferFailure]:
+        """While inside, a ``TransferFailed`` the node reports for ``transfer_id`` sets the failure's event."""
+        failure = self._expected[transfer_id] = TransferFailure()
+        try:
+            yield failure
+        finally:
+            self._expected.pop(transfer_id, None)
+
+    def _told(self, line: c.NodeBeat | c.TransferFailed) -> None:
+        if isinstance(line, c.TransferFailed) and (failure := self._expected.get(line.transfer_id)) is not None:
+            failure.reason = line.reason
+            failure.event.set()
 
     async def run(self, client: NodeClient, silence_s: float, retry_s: float, on_lost: Callable[[str], None]) -> None:
         """Keep the node's stream open, forever; ``on_lost(reason)`` runs when an open one ends, before
@@ -36,11 +64,12 @@ class NodeWatch:
         told: str | None = None
         while True:
             try:
-                async with client.watch(silence_s) as beats:
-                    async for _ in beats:
-                        if not self.is_open:  # open from its first beat (a hung node answers no beat)
+                async with client.watch(silence_s) as lines:
+                    async for line in lines:
+                        if not self.is_open:  # open from its first line (a hung node sends none)
                             self._to_open()
                             told = None
+                        self._told(line)
                 reason = "the node closed its watch stream"
             except NodeUnreachable as exc:
                 reason = str(exc)
