@@ -116,6 +116,24 @@ def test_decode_precedence_flag_env_default(model: Path, monkeypatch: pytest.Mon
     assert cfg.secret == SECRET.encode()
 
 
+def test_decode_sequences_default_follows_the_device(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``--max-sequences``: 8 on a CPU host, 4 on a GPU (``auto`` asks CUDA); given, it wins; the receive
+    slots follow (one more); out of range is refused."""
+    import torch
+
+    monkeypatch.setenv("TILERT_DECODE_MODEL", str(model))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu = decode_from_cli(["decode"])
+    assert cpu.max_sequences is None and cpu.sequences == 8 and cpu.slots == 9
+    assert decode_from_cli(["decode", "--device", "cuda"]).sequences == 4  # as given, checked when loading
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert decode_from_cli(["decode"]).sequences == 4 and decode_from_cli(["decode", "--device", "cpu"]).sequences == 8
+    given = decode_from_cli(["decode", "--max-sequences", "3"])
+    assert given.sequences == 3 and given.slots == 4
+    with pytest.raises(ConfigError, match="must be in 1..64"):
+        decode_from_cli(["decode", "--max-sequences", "0"])
+
+
 def _help(command: str, capsys: pytest.CaptureFixture[str]) -> str:
     with pytest.raises(SystemExit):
         cli.parser().parse_args([command, "--help"])

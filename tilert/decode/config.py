@@ -60,11 +60,12 @@ class DecodeConfig:
     device: str = setting("auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     dtype: str = setting("auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
     max_seq_len: int = setting(4096, help="longest prompt + completion a slot holds")
-    max_sequences: int = setting(
-        4, help="sequences decoded together in one engine step (each at its own position, bit-identical to "
-        "decoding it alone); more requests wait for a free one in arrival order. Default 4: on the CPU demo no "
-        "request waits for another's whole decode; on a MoE GPU model several sequences buy total, not "
-        "per-user, speed (benchmarks/results/h200-2026-11-30-multiseq.md)",
+    max_sequences: int | None = setting(
+        None, help="sequences decoded together in one engine step (each at its own position, bit-identical to "
+        "decoding it alone); more requests wait for a free one in arrival order. Default: 8 on a CPU host (on the "
+        "CPU demo eight users got their first token at 329 ms against 1197 ms with 4, four users' speed "
+        "unchanged: benchmarks/results/cpu-placement-2026-12-01.md), 4 on a GPU (on a MoE model several "
+        "sequences buy total, not per-user, speed: benchmarks/results/h200-2026-11-30-multiseq.md)",
     )
     num_slots: int | None = setting(
         None, flag="--slots", aliases=("--num-slots",),
@@ -116,8 +117,15 @@ class DecodeConfig:
 
     @property
     def slots(self) -> int:
-        """Receive slots: ``num_slots``, or one more than ``max_sequences``."""
-        return self.num_slots if self.num_slots is not None else self.max_sequences + 1
+        """Receive slots: ``num_slots``, or one more than :attr:`sequences`."""
+        return self.num_slots if self.num_slots is not None else self.sequences + 1
+
+    @property
+    def sequences(self) -> int:
+        """``max_sequences``, or its default for the device: 8 on a CPU host, 4 on a GPU."""
+        if self.max_sequences is not None:
+            return self.max_sequences
+        return DEFAULT_GPU_SEQUENCES if _on_cuda(self.device) else DEFAULT_CPU_SEQUENCES
 
     def validate(self) -> DecodeConfig:
         """Raise :class:`ConfigError` naming every setting the node cannot start with; returns ``self``."""
@@ -129,7 +137,7 @@ class DecodeConfig:
                 problems.append(message)
 
         need((Path(self.model) / "config.json").is_file(), f"{d('model')} must hold a config.json ({self.model})")
-        need(_int(self.max_sequences) and 1 <= self.max_sequences <= 64,
+        need(self.max_sequences is None or (_int(self.max_sequences) and 1 <= self.max_sequences <= 64),
              f"{d('max_sequences')} must be in 1..64 ({self.max_sequences})")  # fmt: skip
         need(self.num_slots is None or (_int(self.num_slots) and self.num_slots >= 1),
              f"{d('num_slots')} must be >= 1 ({self.num_slots})")  # fmt: skip
@@ -191,6 +199,19 @@ def load_decode_config(cli: Mapping[str, Any] | None = None) -> DecodeConfig:
     values = merge_values(DecodeConfig, [env_values(DecodeConfig), cli or {}])
     secret = try_load_secret(values.get("secret_file"))
     return build_config(DecodeConfig, values, secret=secret).validate()
+
+
+DEFAULT_CPU_SEQUENCES = 8
+DEFAULT_GPU_SEQUENCES = 4
+
+
+def _on_cuda(device: str) -> bool:
+    """Whether ``device`` (as given: auto, cpu, cuda, cuda:N) means a GPU."""
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
 
 
 def resolve_device(device: str) -> str:

@@ -410,7 +410,7 @@ def spec_for(config: DecodeConfig, eos: frozenset[int]) -> EngineSpec:
     """The engine process's spec from a :class:`~tilert.decode.config.DecodeConfig`."""
     return EngineSpec(
         engine=config.engine, model=str(config.model), device=config.device, dtype=config.dtype,
-        max_seq_len=config.max_seq_len, max_sequences=config.max_sequences, eos_token_ids=tuple(sorted(eos)),
+        max_seq_len=config.max_seq_len, max_sequences=config.sequences, eos_token_ids=tuple(sorted(eos)),
         num_draft=config.num_speculative_tokens, cpus=tuple(sorted(config.engine_cpu_set)),
     )  # fmt: skip
 

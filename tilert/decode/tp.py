@@ -331,7 +331,7 @@ def serve_tp(config: DecodeConfig) -> None:
         ctx.Process(
             target=_follower_main, name=f"tilert-tp-rank{r}", daemon=True,
             args=(str(config.model), r, config.tp, port, device, names[dtype], config.max_seq_len,
-                  config.max_sequences, config.tp_allreduce),
+                  config.sequences, config.tp_allreduce),
         )  # fmt: skip
         for r in range(1, config.tp)
     ]
@@ -340,7 +340,7 @@ def serve_tp(config: DecodeConfig) -> None:
     leader: LeaderEngine | None = None
     try:
         engine, channel = start_rank(config.model, 0, config.tp, port, device, dtype, config.max_seq_len,
-                                     config.max_sequences, config.tp_allreduce)  # fmt: skip
+                                     config.sequences, config.tp_allreduce)  # fmt: skip
         leader = LeaderEngine(engine, channel)
         node = DecodeNode(config, leader)
         log.info("tilert decode: rank 0 of %d serving (pid %d)", config.tp, os.getpid())
