@@ -187,7 +187,9 @@ def _prompt(stack: Stack, n: int = 100) -> str:
 
 def _ended_on_the_nodes_report(router: str) -> float:
     """Requests the router ended when the node reported their transfer failed on its watch stream (before the
-    prefill returned), from the router's ``tilert:requests_total{outcome="transfer_failed"}``."""
+    prefill returned), from the router's ``tilert:requests_total{outcome="transfer_failed"}``. (A fault that
+    strikes near the end of a short prefill may lose that race: the decode request then fails with the same
+    reason, so only the timeout test, whose forward stalls 0.2 s past the abort, counts on it.)"""
     text = httpx.get(router + "/metrics", timeout=10).text
     return sum(sample.value for family in text_string_to_metric_families(text)
                if family.name == "tilert:requests" for sample in family.samples
@@ -198,11 +200,9 @@ def _ended_on_the_nodes_report(router: str) -> float:
 def test_fault_in_the_transfer_reaches_the_client_at_once(transport_stack: Stack, fault: str) -> None:
     assert transport_stack.fault_dir is not None
     faults.arm(transport_stack.fault_dir, fault)
-    before = _ended_on_the_nodes_report(transport_stack.router)
     err, error_at = _fails_fast(transport_stack.router, transport_stack.model, _prompt(transport_stack), SANITY_S)
     assert f"injected {fault.replace('_', ' ')}" in str(err.body), err.body  # the prefill side's reason
     _after_fault(transport_stack, error_at)
-    assert _ended_on_the_nodes_report(transport_stack.router) == before + 1
     _pools_whole(transport_stack.prefill, transport_stack.decode)
     assert not (transport_stack.fault_dir / "next").exists()  # that transfer took it
 
@@ -222,10 +222,8 @@ def test_timeout_reaches_the_client_at_once(transport_stack: Stack) -> None:
 def test_handshake_refused_reaches_the_client_at_once(transport_stack: Stack, refusing_spare: Spare) -> None:
     """The node refuses the offer (its engine cannot take the layouts): a real refusal at the handshake."""
     failed_before = _transfers_failed(refusing_spare.decode_url)
-    before = _ended_on_the_nodes_report(refusing_spare.router_url)
     err, _ = _fails_fast(refusing_spare.router_url, transport_stack.model, _prompt(transport_stack), FAIL_LIMIT_S)
     assert "mla layout has 3 layers, model has 2" in str(err.body), err.body  # the node's own reason
-    assert _ended_on_the_nodes_report(refusing_spare.router_url) == before + 1
     _pools_whole(transport_stack.prefill, refusing_spare.decode_url)
     assert _transfers_failed(refusing_spare.decode_url) == failed_before + 1
 

@@ -114,21 +114,12 @@ class NodeLease:
             finally:
                 reserved.set()
 
-        async def watch_node() -> None:
-            await lost.wait()
-            refused.append(True)
-            tg.cancel_scope.cancel()
-
-        async def watch_transfer() -> None:
-            await failure.event.wait()
-            failed.append(RouterError(502, f"KV transfer failed: {failure.reason}", outcome="transfer_failed"))
-            tg.cancel_scope.cancel()
-
         with watch.transfer(self.transfer_id) as failure:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(reserve)
-                tg.start_soon(watch_node)
-                tg.start_soon(watch_transfer)
+                tg.start_soon(_stop_on, lost, tg.cancel_scope, lambda: refused.append(True))
+                tg.start_soon(_stop_on, failure.event, tg.cancel_scope, lambda: failed.append(
+                    RouterError(502, f"KV transfer failed: {failure.reason}", outcome="transfer_failed")))
                 try:
                     result.append(await work(node, self.transfer_id))
                     await reserved.wait()
@@ -207,6 +198,13 @@ class NodeLease:
                 await self._clients[node.name].release(self.transfer_id)
             except Exception:  # noqa: BLE001 - best effort; the node is already marked unhealthy
                 pass
+
+
+async def _stop_on(event: anyio.Event, scope: anyio.CancelScope, then: Callable[[], None]) -> None:
+    """Once ``event`` is set: ``then()``, and cancel ``scope``."""
+    await event.wait()
+    then()
+    scope.cancel()
 
 
 __all__ = ["NodeLease"]
