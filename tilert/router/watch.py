@@ -3,8 +3,9 @@
 A node that dies (even by SIGKILL: the kernel closes its sockets), stops, or stays silent past
 ``node_silence_s`` (hung, or its host unreachable) ends the stream. The router then knows at once, not at its
 next health probe nor when a request's prefill comes back: :attr:`NodeWatch.lost` is set, and every request
-holding a reservation on the node moves on (``router.lease``). The health probe admits a node only while its
-watch is open (:meth:`NodeWatch.opened`), so no request is leased on a node the router could not see die.
+whose prefill runs for the node moves on (``router.lease``; one already decoding there sees its stream break).
+The health probe admits a node only while its watch is open (:meth:`NodeWatch.opened`), so no request is leased
+on a node the router could not see die.
 
 The node also says on it when a transfer fails (``TransferFailed``): a request expecting that transfer
 (:meth:`NodeWatch.transfer`) learns it at once, while vLLM may still be computing its prefill.
