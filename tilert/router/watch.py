@@ -39,9 +39,8 @@ class TransferFailure:
 class NodeWatch:
     def __init__(self) -> None:
         self.lost = anyio.Event()  # set when the stream open now (or the next one) ends
-        self.is_open = False
         self.reason = "not opened yet"  # why the stream is not open
-        self._opened = anyio.Event()
+        self._opened = anyio.Event()  # set while the stream is open (a fresh one once it is lost)
         self._wake = anyio.Event()
         self._expected: dict[str, TransferFailure] = {}
 
@@ -85,15 +84,17 @@ class NodeWatch:
             self._wake = anyio.Event()
 
     def _to_open(self) -> None:
-        self.is_open = True
         self._opened.set()
 
     def _to_lost(self, on_lost: Callable[[str], None]) -> None:
-        self.is_open = False
         self._opened = anyio.Event()
         on_lost(self.reason)
         lost, self.lost = self.lost, anyio.Event()
         lost.set()
+
+    @property
+    def is_open(self) -> bool:
+        return self._opened.is_set()
 
     async def opened(self, timeout_s: float) -> bool:
         """Whether the stream is open, asking the loop to open it now (waiting up to ``timeout_s``) if not."""
