@@ -22,9 +22,10 @@ reserve, prefill leg, KV transfer + first decode step) and its CPU time per requ
 Before the rounds, one greedy request to every target checks that they compute the same tokens.
 
 The stack is placed on the CPUs the way ``tilert up`` places it (by default: the decode engine's thread on the last
-CPU, the prefill's OMP threads on the others, the HTTP loops of every server unpinned; ``--stack-pin`` as ``tilert
-up --engine-cpus``, ``--decode-cpus none`` as ``tilert up --engine-cpus none``); vLLM alone's OMP thread on
-``--vllm-cpus`` (the last CPU by default: where the engine runs), each vLLM with 128 MiB of KV cache. All servers run
+CPU, the prefill in-process with one OpenMP thread per other CPU, the rest unpinned; ``--stack-pin`` as ``tilert
+up --engine-cpus``, ``--decode-cpus none`` as ``tilert up --engine-cpus none``); vLLM alone unpinned (``--stack-pin``:
+off ``--vllm-cpus``, the engine's CPU), with its default OpenMP threads (``vllm``) or one (``vllm1``), each vLLM
+with 128 MiB of KV cache. All servers run
 in their own process groups and are stopped at the end, on an error and on Ctrl-C / SIGTERM.
 
 **Router overhead** (``--router-overhead``): stand-in prefill and decode servers on loopback (real HTTP, this
@@ -77,10 +78,11 @@ LAUNCHER = Path(__file__).resolve().parent / "vllm_bench.py"
 DEFAULT_MODEL_DIR = Path(tempfile.gettempdir()) / "tilert-bench" / "tiny-deepseek-v3"
 KV_CACHE_BYTES = 134_217_728
 MAX_MODEL_LEN = 2048
-TARGETS = ("router", "vllm", "prefill")
+TARGETS = ("router", "vllm", "vllm1", "prefill")
 TARGET_LABELS = {
     "router": "tilert router (prefill vLLM + decode node)",
     "vllm": "vLLM alone (compiled, in-process executor)",
+    "vllm1": "vLLM alone (compiled, in-process executor, one OpenMP thread: OMP_NUM_THREADS=1)",
     "prefill": "stack's prefill vLLM alone (eager)",
 }
 BENCH_KEYS = (
@@ -430,20 +432,24 @@ def start_servers(
             out["router"] = Target("router", urls["router"], names)
         if "prefill" in targets:
             out["prefill"] = Target("prefill", urls["prefill"], ["prefill"])
-    if "vllm" in targets:
+    # vLLM alone twice over: its defaults, and one OpenMP thread. In-process, vLLM 0.32 neither sizes nor binds its
+    # model's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND only binds a worker process's), so the compiled kernels take
+    # one thread per CPU; one thread was faster per user at one user on the CPU demo, slower to the first token at four.
+    for name, own in (("vllm", {}), ("vllm1", {"OMP_NUM_THREADS": "1"})):
+        if name not in targets:
+            continue
         port = free_port()
         cmd = vllm_alone_command(model, port, args.dtype)
-        env = {**{k: v for k, v in os.environ.items() if not k.startswith("TILERT_SECRET")},
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith(("TILERT_SECRET", "OMP_NUM_THREADS"))},
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-               **stack.IN_PROCESS_EXECUTOR_ENV, "VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus}  # fmt: skip
-        # As the stack: the model's OMP thread on --vllm-cpus, the rest of vLLM (its API server, the engine core's
-        # other threads) kept off them.
+               **stack.IN_PROCESS_EXECUTOR_ENV, **own}  # fmt: skip
+        # --stack-pin: vLLM's processes kept off --vllm-cpus (the CPU the stack gives its engine alone).
         rest_vllm = set(allowed_cpus() - parse_cpu_list(args.vllm_cpus)) if args.stack_pin else set()
-        procs.start("vllm", cmd, env, cpus=rest_vllm or None)
-        started["vllm"] = {"command": cmd, "cpus": sorted(rest_vllm) or None,
-                           "env": {"VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus, **stack.IN_PROCESS_EXECUTOR_ENV}}
-        out["vllm"] = Target("vllm", f"http://127.0.0.1:{port}", ["vllm"])
-        health["vllm"] = out["vllm"].url
+        procs.start(name, cmd, env, cpus=rest_vllm or None)
+        started[name] = {"command": cmd, "cpus": sorted(rest_vllm) or None,
+                         "env": {**stack.IN_PROCESS_EXECUTOR_ENV, **own}}
+        out[name] = Target(name, f"http://127.0.0.1:{port}", [name])
+        health[name] = out[name].url
     return out, started, health
 
 
@@ -606,6 +612,26 @@ def _f(v: float | None, digits: int = 1) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
+def _ratio_table(agg: dict[tuple[str, int], dict[str, Any]], ref: str, concurrencies: list[int]) -> list[str]:
+    lines = [
+        "",
+        f"Router / {TARGET_LABELS[ref]} (latencies above 1x: the router path is slower; tok/s below 1x: slower; an "
+        "ITL ratio is left out where vLLM's median ITL is under 0.1 ms, i.e. its tokens came in bursts):",
+        "",
+        "| C | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | ITL p50 | ITL p99 | tok/s per user | e2e tok/s per user |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in concurrencies:
+        r, v = agg.get(("router", c)), agg.get((ref, c))
+        if r is None or v is None:
+            continue
+        cells = [_ratio(r[k], v[k]) if k not in ("median_itl_ms", "p99_itl_ms") or (v[k] or 0) >= 0.1 else None
+                 for k in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms",
+                           "p99_itl_ms", "tok_s_per_user", "e2e_tok_s_per_user")]  # fmt: skip
+        lines.append(f"| {c} | " + " | ".join(f"{_f(x, 2)}x" if x is not None else "-" for x in cells) + " |")
+    return lines
+
+
 def e2e_tables(agg: dict[tuple[str, int], dict[str, Any]], targets: list[str], concurrencies: list[int]) -> str:
     lines = [
         "`tok/s per user` = 1000 / median TPOT; `e2e` = output tokens / median end-to-end latency (prompt included; "
@@ -629,24 +655,9 @@ def e2e_tables(agg: dict[tuple[str, int], dict[str, Any]], targets: list[str], c
                 f"| {_f(a['e2e_tok_s_per_user'])} | {_pct_str(a['burst_share'])} "
                 f"| {_f(a['output_throughput'])} | {a['completed']} | {a['failed']} |"
             )
-    if "router" in targets and "vllm" in targets:
-        lines += [
-            "",
-            "Router / vLLM alone (latencies above 1x: the router path is slower; tok/s below 1x: slower; an ITL "
-            "ratio is left out where vLLM's median ITL is under 0.1 ms, i.e. its tokens came in bursts):",
-            "",
-            "| C | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | ITL p50 | ITL p99 | tok/s per user "
-            "| e2e tok/s per user |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for c in concurrencies:
-            r, v = agg.get(("router", c)), agg.get(("vllm", c))
-            if r is None or v is None:
-                continue
-            cells = [_ratio(r[k], v[k]) if k not in ("median_itl_ms", "p99_itl_ms") or (v[k] or 0) >= 0.1 else None
-                     for k in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms",
-                               "p99_itl_ms", "tok_s_per_user", "e2e_tok_s_per_user")]  # fmt: skip
-            lines.append(f"| {c} | " + " | ".join(f"{_f(x, 2)}x" if x is not None else "-" for x in cells) + " |")
+    for ref in ("vllm", "vllm1"):
+        if "router" in targets and ref in targets:
+            lines += _ratio_table(agg, ref, concurrencies)
     if "router" in targets:
         lines += [
             "",
@@ -1200,7 +1211,7 @@ def markdown(result: dict[str, Any], note: str | None) -> str:
                "unpinned, as `tilert up --engine-cpus none`" if s["decode_cpus"] == "none" else
                f"with the engine thread on CPUs `{s['decode_cpus']}`" if s["decode_cpus"] else
                "as `tilert up` places it by default")
-            + f"; vLLM alone `VLLM_CPU_OMP_THREADS_BIND={s['vllm_cpus']}`; decode node "
+            + "; vLLM alone unpinned (in-process, vLLM binds no OpenMP thread); decode node "
             "max-sequences " + str(s["decode_max_sequences"] or "default (the node's --max-sequences)"),
             "- startup (s): " + ", ".join(f"{k} {val:.0f}" for k, val in result["startup_s"].items()),
             "- agreement (one greedy 32-token completion, vs "
@@ -1285,7 +1296,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-prompts", type=int, default=None, help="prompts per bench run (default max(8, 4 x C))")
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--targets", type=_targets, default=list(TARGETS), help="comma list of router,vllm,prefill")
+    ap.add_argument("--targets", type=_targets, default=list(TARGETS), help="comma list of " + ",".join(TARGETS))
     ap.add_argument("--backend", choices=["openai", "openai-chat"], default="openai")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0, help="bench's dataset seed (the same prompts for every target)")
@@ -1301,8 +1312,9 @@ def parser() -> argparse.ArgumentParser:
                     help="the stack's prefill vLLM compiled (tilert up --prefill-compiled), not --enforce-eager")
     ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                     help="the decode node's engine in a process of its own (default: as tilert up, so on a CPU host)")
-    ap.add_argument("--prefill-in-process", action="store_true",
-                    help="the stack's prefill vLLM's model in its engine-core process (tilert up --prefill-in-process)")
+    ap.add_argument("--prefill-in-process", action=argparse.BooleanOptionalAction, default=None,
+                    help="the stack's prefill vLLM's model in its engine-core process (tilert up --prefill-in-process; "
+                    "default: tilert up's)")
     ap.add_argument("--decode-pin", choices=["engine", "process"], default="engine",
                     help="pin the node's engine thread to --decode-cpus (its event loop free), or the whole process")
     ap.add_argument(

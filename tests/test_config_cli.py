@@ -335,19 +335,32 @@ def test_up_lease_option_moves_the_node_cap() -> None:
 
 
 def test_up_prefill_in_process_runs_the_model_in_the_engine_core(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``tilert up --prefill-in-process``: vLLM's in-process executor, and on CPU the variable vLLM needs for it
-    (the benchmark ``benchmarks/e2e.py --prefill-in-process`` runs the real thing)."""
+    """On a CPU host ``tilert up`` runs the prefill's model in vLLM's engine-core process (the in-process executor
+    and the variable vLLM needs for it), with one OpenMP thread per CPU not the engine's; ``--no-prefill-in-process``
+    keeps vLLM's worker process, whose OpenMP threads vLLM binds itself; native mode and a GPU host keep vLLM's
+    default. The session stack of the e2e tests runs the default for real."""
     monkeypatch.setattr(stack, "_has_cuda", lambda: False)
-    args = cli.parser().parse_args(["up", "--model", "/m", "--prefill-in-process"])
-    assert args.prefill_in_process
-    cfg = stack.StackConfig(model=Path("/m"), prefill_in_process=True, engine_cpus="none")  # no OMP binding
+    monkeypatch.setattr(stack, "allowed_cpus", lambda: frozenset({0, 1, 2}))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert cli.parser().parse_args(["up", "--model", "/m"]).prefill_in_process is None
+    assert cli.parser().parse_args(["up", "--model", "/m", "--no-prefill-in-process"]).prefill_in_process is False
+    cfg = stack.StackConfig(model=Path("/m"))
     cmd = stack.prefill_command(cfg)
     assert cmd[cmd.index("--distributed-executor-backend") + 1] == "uni"
     st = stack.Stack(cfg)
-    assert st.extra_env("prefill") == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} and st.extra_env("decode") == {}
-    plain = stack.StackConfig(model=Path("/m"), engine_cpus="none")
-    assert "--distributed-executor-backend" not in stack.prefill_command(plain)
-    assert stack.Stack(plain).extra_env("prefill") == {}
+    assert st.extra_env("prefill") == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "2"}
+    assert st.extra_env("decode") == {}
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the caller's own count wins
+    assert "OMP_NUM_THREADS" not in st.extra_env("prefill")
+    unpinned = stack.StackConfig(model=Path("/m"), engine_cpus="none")  # no plan: vLLM's own thread count
+    assert stack.Stack(unpinned).extra_env("prefill") == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    worker = stack.StackConfig(model=Path("/m"), prefill_in_process=False)
+    assert "--distributed-executor-backend" not in stack.prefill_command(worker)
+    assert stack.Stack(worker).extra_env("prefill") == {"VLLM_CPU_OMP_THREADS_BIND": "0,1"}
+    assert not stack.prefill_in_process(stack.StackConfig(model=Path("/m"), native=True))
+    monkeypatch.setattr(stack, "_has_cuda", lambda: True)
+    assert not stack.prefill_in_process(cfg) and stack.prefill_env(cfg) == {}
 
 
 def test_up_engine_process_reaches_the_decode_node(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -368,6 +381,8 @@ def test_up_engine_cpus_keeps_the_rest_of_the_stack_off_them(model: Path, monkey
     """``--engine-cpus``: the engine's worker thread there, every other process of the stack (the prefill's OMP
     threads included) on the other CPUs this process may use; "" / "none" or native mode: nothing pinned; CPUs
     this process may not use, or all of them, are refused at start-up."""
+    monkeypatch.setattr(stack, "_has_cuda", lambda: False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(stack, "allowed_cpus", lambda: frozenset({0, 1, 2, 3}))
     monkeypatch.setattr(decode_config, "allowed_cpus", lambda: frozenset({0, 1, 2, 3}))
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
@@ -377,9 +392,11 @@ def test_up_engine_cpus_keeps_the_rest_of_the_stack_off_them(model: Path, monkey
     assert stack.cpu_plan(cfg).children == {0, 1, 2}  # every process of the stack starts there
     cmd = stack.decode_command(cfg)
     assert cmd[cmd.index("--engine-cpus") + 1] == "3" and decode_from_cli(cmd[3:]).engine_cpu_set == {3}
-    assert stack.Stack(cfg).extra_env("prefill")["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,2"
+    assert stack.Stack(cfg).extra_env("prefill")["OMP_NUM_THREADS"] == "3"  # in-process: a thread per CPU of its own
+    worker = replace(cfg, prefill_in_process=False)
+    assert stack.Stack(worker).extra_env("prefill")["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,2"
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")  # the caller's own binding wins
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in stack.Stack(cfg).extra_env("prefill")
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in stack.Stack(worker).extra_env("prefill")
     assert stack.cpu_plan(replace(cfg, engine_cpus="1-2")) == stack.CpuPlan(frozenset({1, 2}), frozenset({0, 3}), True)
     for off in (replace(cfg, engine_cpus=""), replace(cfg, engine_cpus="none"), replace(cfg, native=True)):
         assert stack.cpu_plan(off) == stack.CpuPlan() and "--engine-cpus" not in stack.decode_command(off)
@@ -392,18 +409,21 @@ def test_up_engine_cpus_keeps_the_rest_of_the_stack_off_them(model: Path, monkey
 
 def test_up_default_placement_on_a_cpu_host(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No ``--engine-cpus`` on a CPU host: the engine's worker thread on the last CPU this process may use, the
-    prefill's OMP threads on the others (unpinned, vLLM binds them to every CPU, the engine's too), every process
-    started where the kernel likes; on a GPU host or with one CPU, nothing pinned."""
+    prefill's OpenMP threads as many as the other CPUs (a worker process's bound to them), every process started
+    where the kernel likes; on a GPU host or with one CPU, nothing pinned."""
+    monkeypatch.setattr(stack, "_has_cuda", lambda: False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(stack, "allowed_cpus", lambda: frozenset({0, 2, 5}))
     monkeypatch.setattr(decode_config, "allowed_cpus", lambda: frozenset({0, 2, 5}))
-    monkeypatch.setattr(stack, "_has_cuda", lambda: False)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     cfg = stack.StackConfig(model=model)
     plan = stack.cpu_plan(cfg)
     assert plan == stack.CpuPlan(frozenset({5}), frozenset({0, 2}), fence=False) and plan.children == frozenset()
     cmd = stack.decode_command(cfg)
     assert cmd[cmd.index("--engine-cpus") + 1] == "5" and decode_from_cli(cmd[3:]).engine_cpu_set == {5}
-    assert stack.Stack(cfg).extra_env("prefill")["VLLM_CPU_OMP_THREADS_BIND"] == "0,2"
+    assert stack.Stack(cfg).extra_env("prefill")["OMP_NUM_THREADS"] == "2"
+    worker = replace(cfg, prefill_in_process=False)
+    assert stack.Stack(worker).extra_env("prefill")["VLLM_CPU_OMP_THREADS_BIND"] == "0,2"
     monkeypatch.setattr(stack, "_has_cuda", lambda: True)
     assert stack.cpu_plan(cfg) == stack.CpuPlan() and "--engine-cpus" not in stack.decode_command(cfg)
     monkeypatch.setattr(stack, "_has_cuda", lambda: False)

@@ -69,7 +69,9 @@ class StackConfig:
     overflow_wait_s: float | None = None  # the router's overflow from the TileRT pool to the native pool
     secret_file: Path | None = None  # None: a fresh secret in a private temp file, removed at exit
     prefill_compiled: bool = False  # vLLM's compiled model in the prefill (slower start, faster prefill)
-    prefill_in_process: bool = False  # the prefill's model in its engine-core process (no worker process)
+    # The prefill's model in vLLM's engine-core process (no worker process); None: so on a CPU host outside native
+    # mode (:func:`prefill_in_process`).
+    prefill_in_process: bool | None = None
     # The decode node's engine in a process of its own (tilert decode --engine-process); None: so on a CPU host,
     # where the node's HTTP loop would otherwise hold the GIL the engine's step needs.
     engine_process: bool | None = None
@@ -138,9 +140,22 @@ def prefill_command(cfg: StackConfig) -> list[str]:
     ]  # fmt: skip
     if not _has_cuda():
         cmd += ["--compilation-config", json.dumps(CPU_PREFILL_COMPILATION_CONFIG)]
-    if cfg.prefill_in_process:
+    if prefill_in_process(cfg):
         cmd += ["--distributed-executor-backend", "uni"]
     return cmd
+
+
+def prefill_in_process(cfg: StackConfig) -> bool:
+    """Whether the prefill runs its model in vLLM's engine-core process: ``cfg.prefill_in_process``; unset, so on a
+    CPU host outside native mode. vLLM's CPU platform otherwise runs the model in a worker process that spins on
+    ``sched_yield`` for a second after every step: under load it never rests, and the kernel then moves the router,
+    the node and the client onto the decode engine's CPU. On the 2-core CPU demo, four users' TPOT was 9.9 ms with
+    the worker and 5.5 ms in-process, their first token 153 against 98 ms
+    (``benchmarks/results/cpu-e2e-2026-12-02-inproc.md``). Native mode keeps vLLM's default: its two vLLM
+    instances are placed by the native pool plugin."""
+    if cfg.prefill_in_process is not None:
+        return cfg.prefill_in_process
+    return not cfg.native and not _has_cuda()
 
 
 # vLLM's CPU platform runs the model in a worker process that spins on ``sched_yield`` for a second after every
@@ -151,14 +166,27 @@ IN_PROCESS_EXECUTOR_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def prefill_env(cfg: StackConfig, plan: CpuPlan | None = None) -> dict[str, str]:
-    """What the prefill's environment needs beside the stack's own (:func:`child_env`): the in-process executor,
-    and its OMP threads bound off the engine's CPUs (``plan``, unset: :func:`cpu_plan`; a
-    ``VLLM_CPU_OMP_THREADS_BIND`` of the caller's own wins)."""
-    env = dict(IN_PROCESS_EXECUTOR_ENV) if cfg.prefill_in_process and not _has_cuda() else {}
+    """What the prefill's environment needs beside the stack's own (:func:`child_env`), on a CPU host with the CPUs
+    of ``plan`` (unset: :func:`cpu_plan`) not the engine's (``rest``):
+
+    - in-process (:func:`prefill_in_process`): vLLM's switch for it, and ``OMP_NUM_THREADS``, one OpenMP thread per
+      CPU of ``rest``. vLLM sizes (and binds) its model's OpenMP threads only when it starts a worker process; in
+      its engine-core process the compiled kernels take one thread per CPU, the engine's too, and they busy-wait
+      between parallel regions. On the CPU demo four users' first token then took 0.2-0.7 s, against 98 ms.
+    - a worker process: ``VLLM_CPU_OMP_THREADS_BIND``, the CPUs vLLM binds that worker's OpenMP threads to.
+
+    A variable of the caller's own wins."""
+    if _has_cuda():
+        return {}
     rest = (plan if plan is not None else cpu_plan(cfg)).rest
+    if prefill_in_process(cfg):
+        env = dict(IN_PROCESS_EXECUTOR_ENV)
+        if rest and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = str(len(rest))
+        return env
     if rest and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = CpuPlan.text(rest)
-    return env
+        return {"VLLM_CPU_OMP_THREADS_BIND": CpuPlan.text(rest)}
+    return {}
 
 
 @functools.cache
@@ -301,6 +329,7 @@ def child_env(secret_file: Path, base: dict[str, str] | None = None) -> dict[str
     }
 
 
+_OMP_VARIABLES = ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")
 ESSENTIAL = ("prefill", "decode", "router")  # the death of one of these stops the stack; "native" may die alone
 
 
@@ -357,9 +386,10 @@ class Stack:
     def start(self) -> None:
         env = self.child_env()
         plan = self.plan
-        omp = prefill_env(self.cfg, plan).get("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
-        log.info("placement", engine=CpuPlan.text(plan.engine) or "any", prefill_omp=omp or "vLLM's own",
-                 others=CpuPlan.text(plan.children) or "any")  # fmt: skip
+        own = prefill_env(self.cfg, plan)
+        omp = {k: v for k, v in {**os.environ, **own}.items() if k in _OMP_VARIABLES}
+        log.info("placement", engine=CpuPlan.text(plan.engine) or "any", others=CpuPlan.text(plan.children) or "any",
+                 prefill_in_process=prefill_in_process(self.cfg), prefill_omp=omp or "vLLM's own")  # fmt: skip
         rest = plan.children
         pin = functools.partial(os.sched_setaffinity, 0, rest) if rest else None
         for name, cmd in self.commands().items():
