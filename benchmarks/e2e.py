@@ -361,8 +361,8 @@ class Target:
 # vLLM alone runs its model in the engine-core process (the in-process executor, the default on one GPU), not in
 # the worker process its CPU platform picks: that worker spins on ``sched_yield`` for a second after every step
 # (``shm_broadcast.SpinCondition``), and in-process vLLM alone was as fast or faster here (TTFT 45 ms against
-# 61 at concurrency 4; results/cpu-e2e-2026-11-30-e.md). The stack's prefill does the same with
-# ``--prefill-in-process`` (``tilert up --prefill-in-process``). Both need ``stack.IN_PROCESS_EXECUTOR_ENV``.
+# 61 at concurrency 4; results/cpu-e2e-2026-11-30-e.md). ``tilert up`` runs the stack's prefill so too on a CPU
+# host (``--no-prefill-in-process``: the worker). Both need ``stack.IN_PROCESS_EXECUTOR_ENV``.
 
 
 def vllm_alone_command(model: Path, port: int, dtype: str) -> list[str]:

@@ -212,7 +212,7 @@ def parser() -> argparse.ArgumentParser:
         "--prefill-in-process", action=argparse.BooleanOptionalAction, default=None,
         help="run the prefill vLLM's model in its engine-core process (--distributed-executor-backend uni) instead "
         "of a worker process that spins on a CPU core after every step; default: so on a CPU host outside "
-        "--native (on the CPU demo four users' TPOT 5.5 against 9.9 ms, "
+        "--native (on the CPU demo four users' TPOT 6.8 against 10.0 ms, "
         "benchmarks/results/cpu-e2e-2026-12-02-inproc.md)",
     )  # fmt: skip
     up.set_defaults(func=_up)

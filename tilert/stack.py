@@ -149,10 +149,10 @@ def prefill_in_process(cfg: StackConfig) -> bool:
     """Whether the prefill runs its model in vLLM's engine-core process: ``cfg.prefill_in_process``; unset, so on a
     CPU host outside native mode. vLLM's CPU platform otherwise runs the model in a worker process that spins on
     ``sched_yield`` for a second after every step: under load it never rests, and the kernel then moves the router,
-    the node and the client onto the decode engine's CPU. On the 2-core CPU demo, four users' TPOT was 9.9 ms with
-    the worker and 5.5 ms in-process, their first token 153 against 98 ms
-    (``benchmarks/results/cpu-e2e-2026-12-02-inproc.md``). Native mode keeps vLLM's default: its two vLLM
-    instances are placed by the native pool plugin."""
+    the node and the client onto the decode engine's CPU. On the 2-core CPU demo four users' TPOT was 9.98 ms with
+    the worker (``benchmarks/results/cpu-e2e-2026-12-02-defaults.md``) and 6.83 ms in-process, their first token
+    143.8 against 107.5 ms (``cpu-e2e-2026-12-02-inproc.md``, an hour apart). Native mode keeps vLLM's default:
+    its two vLLM instances are placed by the native pool plugin."""
     if cfg.prefill_in_process is not None:
         return cfg.prefill_in_process
     return not cfg.native and not _has_cuda()
@@ -236,11 +236,12 @@ def cpu_plan(cfg: StackConfig) -> CpuPlan:
     """The stack's CPU placement.
 
     - **Default** (``engine_cpus`` None) on a CPU host with two CPUs or more: the engine's worker thread on the last
-      CPU this process may use, the prefill's OMP threads on the others, the rest of the stack (the router, the
-      node's loops, vLLM's API server) left to the kernel. Left unpinned instead, vLLM binds its OMP threads to every
-      CPU, the engine's too: on the 2-core CPU demo one user then decoded at 1.52x vLLM alone's speed against
-      1.64x-2.31x placed, its first token 28 ms after vLLM alone's against 17-23 ms
-      (``benchmarks/results/cpu-placement-2026-12-01.md``). This is the placement ``benchmarks/e2e.py`` measures.
+      CPU this process may use, the prefill's OMP threads as many as the others (:func:`prefill_env`), the rest of
+      the stack (the router, the node's loops, vLLM's API server) left to the kernel. Left unpinned instead (with
+      vLLM's worker process, as measured then), vLLM binds its OMP threads to every CPU, the engine's too: on the
+      2-core CPU demo one user then decoded at 1.52x vLLM alone's speed against 1.64x-2.31x placed, its first token
+      28 ms after vLLM alone's against 17-23 ms (``benchmarks/results/cpu-placement-2026-12-01.md``). This is the
+      placement ``benchmarks/e2e.py`` measures.
     - **``--engine-cpus LIST``**: those CPUs are the engine's alone; every other process of the stack is fenced off
       them. On the CPU demo one user's decode is fastest so (2.8x vLLM alone against about 1.6-1.75x), at about
       11 ms more time to first token: the prefill, the router and the node share the rest
