@@ -25,8 +25,8 @@ The stack is placed on the CPUs the way ``tilert up`` places it (by default: the
 CPU, the prefill in-process with one OpenMP thread per other CPU, the rest unpinned; ``--stack-pin`` as ``tilert
 up --engine-cpus``, ``--decode-cpus none`` as ``tilert up --engine-cpus none``); vLLM alone unpinned (``--stack-pin``:
 off ``--vllm-cpus``, the engine's CPU), with its default OpenMP threads (``vllm``) or one (``vllm1``), each vLLM
-with 128 MiB of KV cache. All servers run
-in their own process groups and are stopped at the end, on an error and on Ctrl-C / SIGTERM.
+with 128 MiB of KV cache. All servers run in their own process groups and are stopped at the end, on an error and
+on Ctrl-C / SIGTERM.
 
 **Router overhead** (``--router-overhead``): stand-in prefill and decode servers on loopback (real HTTP, this
 file's ``--standin`` mode: vLLM's non-streaming prefill reply with the TileRT ``kv_transfer_params``, the decode
@@ -1301,9 +1301,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0, help="bench's dataset seed (the same prompts for every target)")
     ap.add_argument("--prefill-cpus", default=None,
-                    help="VLLM_CPU_OMP_THREADS_BIND of the stack's prefill vLLM (default: as tilert up places it)")
+                    help="VLLM_CPU_OMP_THREADS_BIND of the stack's prefill vLLM: it binds only a worker process's "
+                    "threads (--no-prefill-in-process; default: as tilert up places it)")
     ap.add_argument("--vllm-cpus", default=None,
-                    help="VLLM_CPU_OMP_THREADS_BIND of vLLM alone (default: the last CPU, the stack engine's)")
+                    help="with --stack-pin, the CPUs vLLM alone is kept off (default: the last CPU, the stack "
+                    "engine's)")
     ap.add_argument("--decode-cpus", default=None,
                     help="CPUs of the decode node's engine thread (default: as tilert up places it, on the last CPU; "
                     "'none': the stack pins nothing, as tilert up --engine-cpus none; with --stack-pin: the CPUs "
