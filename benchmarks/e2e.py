@@ -83,7 +83,7 @@ TARGET_LABELS = {
     "router": "tilert router (prefill vLLM + decode node)",
     "vllm": "vLLM alone (compiled, in-process executor)",
     "vllm1": "vLLM alone (compiled, in-process executor, one OpenMP thread: OMP_NUM_THREADS=1)",
-    "prefill": "stack's prefill vLLM alone (eager)",
+    "prefill": "the stack's prefill vLLM answering by itself (eager unless --prefill-compiled)",
 }
 BENCH_KEYS = (
     "completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "output_throughput",
