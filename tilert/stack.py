@@ -158,10 +158,8 @@ def prefill_in_process(cfg: StackConfig) -> bool:
     return not cfg.native and not _has_cuda()
 
 
-# vLLM's CPU platform runs the model in a worker process that spins on ``sched_yield`` for a second after every
-# step (``shm_broadcast``), beside whatever else the machine runs (on the CPU demo: the decode node's engine).
-# ``--distributed-executor-backend uni`` runs the model in the engine-core process instead; on CPU vLLM
-# accepts it only with this variable, which changes nothing else for its OpenAI server.
+# ``--distributed-executor-backend uni`` (the model in the engine-core process: :func:`prefill_in_process`) is
+# accepted by vLLM on CPU only with this variable, which changes nothing else for its OpenAI server.
 IN_PROCESS_EXECUTOR_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
@@ -385,19 +383,19 @@ class Stack:
             self.secret_file = None
 
     def start(self) -> None:
-        env = self.child_env()
+        env, commands = self.child_env(), self.commands()
+        envs = {name: {**env, **self.extra_env(name)} for name in commands}
         plan = self.plan
-        own = prefill_env(self.cfg, plan)
-        omp = {k: v for k, v in {**os.environ, **own}.items() if k in _OMP_VARIABLES}
+        omp = {k: v for k, v in envs["prefill"].items() if k in _OMP_VARIABLES}
         log.info("placement", engine=CpuPlan.text(plan.engine) or "any", others=CpuPlan.text(plan.children) or "any",
                  prefill_in_process=prefill_in_process(self.cfg), prefill_omp=omp or "vLLM's own")  # fmt: skip
         rest = plan.children
         pin = functools.partial(os.sched_setaffinity, 0, rest) if rest else None
-        for name, cmd in self.commands().items():
+        for name, cmd in commands.items():
             log.info("starting", process=name, command=" ".join(cmd), cpus=CpuPlan.text(rest) or "any")
             # Children log to stderr: stdout carries only the URL lines, for people and scripts.
-            self.children[name] = subprocess.Popen(cmd, env={**env, **self.extra_env(name)}, stdout=sys.stderr,
-                                                   start_new_session=True, preexec_fn=pin)  # fmt: skip
+            self.children[name] = subprocess.Popen(cmd, env=envs[name], stdout=sys.stderr, start_new_session=True,
+                                                   preexec_fn=pin)  # fmt: skip
 
     def wait_healthy(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
