@@ -604,11 +604,15 @@ def test_a_step_that_only_polls_waits_for_a_transfer_to_end_and_no_longer() -> N
     """While a connector has work pending (our extents out: ``has_pending_push_work``) vLLM keeps stepping. A
     step with no token scheduled is marked ``poll`` and the worker waits in it until the sender frees an extent,
     at most ``poll_wait_s``: vLLM no longer runs empty steps back to back, burning the CPU the transfer needs
-    (issue 8). Steps with tokens never wait."""
+    (issue 8). Steps with tokens never wait, nor the one that tells the workers of finished requests: vLLM runs it
+    once after every request, and a request sent meanwhile would wait behind it."""
     sched = SchedulerSide(BLOCK, SECRET, bytes_per_token=BPT, pool_bytes=POOL)
     cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
-    idle = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={})
+    idle = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={},
+                           finished_req_ids=set())  # fmt: skip
     assert sched.build_meta(idle).poll and not sched.has_pending_work()  # vLLM steps idle for another connector
+    finished = SimpleNamespace(**{**vars(idle), "finished_req_ids": {"r0"}})
+    assert not sched.build_meta(finished).poll  # the step after a request finished
     meta = sched.build_meta(_output([("r1", _claim("t1", 1), 30, [1, 2])]))
     assert [s.req_id for s in meta.saves] == ["r1"] and not meta.poll
     assert sched.build_meta(idle).poll and sched.has_pending_work()

@@ -57,9 +57,10 @@ class SaveRequest:
 
 @dataclass
 class TileRTConnectorMetadata(KVConnectorMetadata):
-    """``saves``: the prompts to stage in this step. ``poll``: the step schedules no token at all: vLLM runs it
-    only because a connector has work pending (our transfers in flight, ``has_pending_push_work``, or
-    NixlConnector's blocks held for a remote decode); the worker paces such steps (see ``WorkerSide.flush``)."""
+    """``saves``: the prompts to stage in this step. ``poll``: the step schedules no token and tells the workers of
+    no finished request: vLLM runs it only because a connector has work pending (our transfers in flight,
+    ``has_pending_push_work``, or NixlConnector's blocks held for a remote decode); the worker paces such steps
+    (see ``WorkerSide.flush``)."""
 
     saves: list[SaveRequest] = field(default_factory=list)
     poll: bool = False

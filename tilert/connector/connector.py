@@ -15,7 +15,7 @@ at 4 GiB but never below one), ``tilert_staging_device`` (``cpu``: host memory, 
 (transfers shipped at once), ``tilert_busy_retry_after_s`` (the ``Retry-After`` the router gives a client
 whose claim found the pool full), ``tilert_poll_wait_s`` (the longest a vLLM step that schedules no token
 waits, for one of our transfers to end: vLLM runs such steps back to back while a connector has work
-pending; default 0.05), ``tilert_secret_file``.
+pending; default 0.01), ``tilert_secret_file``.
 
 It claims only requests whose ``kv_transfer_params`` carry a ``tilert_*`` claim signed with the
 deployment's shared secret (read from ``$TILERT_SECRET_FILE`` / ``$TILERT_SECRET``, or the file named by
@@ -38,7 +38,7 @@ from tilert.connector.scheduler import SchedulerSide
 from tilert.connector.sender import BackgroundSender
 from tilert.connector.staging import bytes_per_token, pool_bytes
 from tilert.connector.stats import TileRTConnectorStats, TileRTPromMetrics
-from tilert.connector.worker import WorkerSide
+from tilert.connector.worker import DEFAULT_POLL_WAIT_S, WorkerSide
 
 log = structlog.get_logger("tilert.connector")
 
@@ -89,7 +89,7 @@ class TileRTConnector(KVConnectorBase_V1):
                 vllm_config.model_config.hf_config, sender, staging_bytes=staging_bytes,
                 max_model_len=max_model_len, expected_bytes_per_token=per_token,
                 staging_device=str(extra.get("tilert_staging_device", "cpu")),
-                poll_wait_s=float(extra.get("tilert_poll_wait_s", 0.05)),
+                poll_wait_s=float(extra.get("tilert_poll_wait_s", DEFAULT_POLL_WAIT_S)),
             )  # fmt: skip
             _warn_cpu_rope(vllm_config)
 

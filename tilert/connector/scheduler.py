@@ -111,7 +111,10 @@ class SchedulerSide:
                 else:
                     pending.block_ids.extend(new_blocks[0])
             self._maybe_save(meta, req_id, cached.num_computed_tokens[i], out)
-        meta.poll = not meta.saves and not any(out.num_scheduled_tokens.values())
+        # A step that schedules no token and finishes no request runs only because a connector has work pending:
+        # paced (WorkerSide.flush). The one after a request finished tells the workers so, and is not: nothing
+        # holds it back, and a request arriving meanwhile must not wait behind it (unclaimed ones included).
+        meta.poll = not meta.saves and not any(out.num_scheduled_tokens.values()) and not out.finished_req_ids
         return meta
 
     def _maybe_save(self, meta: TileRTConnectorMetadata, req_id: str, computed: int, out: SchedulerOutput) -> None:

@@ -113,6 +113,11 @@ def layouts_bytes_per_token(layouts: dict[str, KVLayout]) -> int:
     return sum(lay.num_layers * lay.row_bytes for lay in layouts.values())
 
 
+# The longest a step that only polls waits (``tilert_poll_wait_s``): a request that arrives meanwhile waits as long to be
+# scheduled. 10 ms keeps vLLM to at most 100 such steps a second (issue 8 was thousands).
+DEFAULT_POLL_WAIT_S = 0.01
+
+
 class WorkerSide:
     def __init__(
         self,
@@ -123,7 +128,7 @@ class WorkerSide:
         max_model_len: int = 0,
         expected_bytes_per_token: int | None = None,
         staging_device: str = "cpu",
-        poll_wait_s: float = 0.05,
+        poll_wait_s: float = DEFAULT_POLL_WAIT_S,
     ) -> None:
         """``staging_bytes`` (``tilert_staging_bytes``) / ``max_model_len`` size the pool (see
         ``staging.pool_bytes``); ``expected_bytes_per_token`` is the scheduler's figure (from vLLM's KV cache
@@ -315,7 +320,9 @@ class WorkerSide:
         decode instance's NIXL read), so a transfer stalled until a timeout ended it, which ended the spin
         (issue 8). Such a step therefore waits here: until the sender frees one of our extents (the step then
         reports it at once), at most ``poll_wait_s``; so vLLM runs at most ``1 / poll_wait_s`` empty steps a
-        second, and new requests wait at most ``poll_wait_s`` longer to be scheduled."""
+        second, and new requests wait at most ``poll_wait_s`` longer to be scheduled. The empty step that tells
+        the workers of finished requests is not one of them (``meta.poll`` is off): vLLM runs it once after every
+        request, and pacing it held back the next request, claimed or not, by ``poll_wait_s`` (50 ms then)."""
         for save in meta.saves if meta is not None else ():
             if save.req_id not in self._seen:
                 log.error("staging_never_started", transfer_id=save.claim.transfer_id)
