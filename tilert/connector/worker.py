@@ -113,7 +113,7 @@ def layouts_bytes_per_token(layouts: dict[str, KVLayout]) -> int:
     return sum(lay.num_layers * lay.row_bytes for lay in layouts.values())
 
 
-# The longest a step that only polls waits (``tilert_poll_wait_s``): a request that arrives meanwhile waits as long to be
+# The longest a step that only polls waits (``tilert_poll_wait_s``): a request arriving meanwhile waits as long to be
 # scheduled. 10 ms keeps vLLM to at most 100 such steps a second (issue 8 was thousands).
 DEFAULT_POLL_WAIT_S = 0.01
 
