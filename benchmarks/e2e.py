@@ -1211,7 +1211,8 @@ def markdown(result: dict[str, Any], note: str | None) -> str:
                "unpinned, as `tilert up --engine-cpus none`" if s["decode_cpus"] == "none" else
                f"with the engine thread on CPUs `{s['decode_cpus']}`" if s["decode_cpus"] else
                "as `tilert up` places it by default")
-            + "; vLLM alone unpinned (in-process, vLLM binds no OpenMP thread); decode node "
+            + (f"; vLLM alone kept off CPUs `{s['vllm_cpus']}`" if s["stack_pin"] else "; vLLM alone unpinned")
+            + " (in-process: vLLM binds no OpenMP thread); decode node "
             "max-sequences " + str(s["decode_max_sequences"] or "default (the node's --max-sequences)"),
             "- startup (s): " + ", ".join(f"{k} {val:.0f}" for k, val in result["startup_s"].items()),
             "- agreement (one greedy 32-token completion, vs "
