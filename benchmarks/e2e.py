@@ -240,12 +240,22 @@ ROUTER_SERIES = {
 }
 
 
-def scrape_router(url: str) -> dict[str, float]:
-    """``_sum`` / ``_count`` of the router's histograms and its token counter, summed over labels."""
+# vLLM's own timings of a request (its ``/metrics``), as the router's above: from its arrival in the engine to its
+# first token, waiting to be scheduled, and its prefill forward (scheduled to first token).
+VLLM_SERIES = {
+    "ttft_ms": "vllm:time_to_first_token_seconds",
+    "queue_ms": "vllm:request_queue_time_seconds",
+    "forward_ms": "vllm:request_prefill_time_seconds",
+}
+
+
+def scrape_metrics(url: str, prefix: str = "tilert:") -> dict[str, float]:
+    """``_sum`` / ``_count`` of the histograms named ``prefix...`` (the router's: and its token counter), summed
+    over labels."""
     text = httpx.get(url + "/metrics", timeout=10.0).text
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("tilert:") and (
+        if line.startswith(prefix) and (
             "_sum" in line or "_count" in line or line.startswith("tilert:generation_tokens_total")
         ):
             name, _, value = line.rpartition(" ")
@@ -260,12 +270,12 @@ class RouterProbe:
 
     def __init__(self, url: str, pid: int) -> None:
         self.url, self.pid = url, pid
-        self.metrics = scrape_router(url)
+        self.metrics = scrape_metrics(url)
         self.cpu = process_cpu_s(pid)
 
     def finish(self) -> dict[str, float | None]:
         cpu = process_cpu_s(self.pid) - self.cpu
-        after = scrape_router(self.url)
+        after = scrape_metrics(self.url)
 
         def delta(key: str) -> float:
             return after.get(key, 0.0) - self.metrics.get(key, 0.0)
@@ -281,6 +291,23 @@ class RouterProbe:
         for name, series in ROUTER_SERIES.items():
             n = delta(series + "_count")
             out["router_" + name] = 1000 * delta(series + "_sum") / n if n else None
+        return out
+
+
+class VllmProbe:
+    """Where the first tokens' time went inside the vLLM that computed them (the router's: the stack's prefill):
+    the means of its own TTFT, queue and prefill-forward timings over one run (``VLLM_SERIES``)."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.metrics = url, scrape_metrics(url, "vllm:")
+
+    def finish(self) -> dict[str, float | None]:
+        after = scrape_metrics(self.url, "vllm:")
+        out: dict[str, float | None] = {}
+        for name, series in VLLM_SERIES.items():
+            n = after.get(series + "_count", 0.0) - self.metrics.get(series + "_count", 0.0)
+            total = after.get(series + "_sum", 0.0) - self.metrics.get(series + "_sum", 0.0)
+            out["vllm_" + name] = 1000 * total / n if n else None
         return out
 
 
@@ -356,6 +383,7 @@ class Target:
     name: str
     url: str
     processes: list[str]
+    vllm_url: str  # the vLLM that computes this target's first tokens (the router's: the stack's prefill)
 
 
 # vLLM alone runs its model in the engine-core process (the in-process executor, the default on one GPU), not in
@@ -429,9 +457,9 @@ def start_servers(
         urls = stack.Stack(cfg).urls
         health.update({n: urls[n] for n in names})
         if "router" in targets:
-            out["router"] = Target("router", urls["router"], names)
+            out["router"] = Target("router", urls["router"], names, urls["prefill"])
         if "prefill" in targets:
-            out["prefill"] = Target("prefill", urls["prefill"], ["prefill"])
+            out["prefill"] = Target("prefill", urls["prefill"], ["prefill"], urls["prefill"])
     # vLLM alone twice over: its defaults, and one OpenMP thread. In-process, vLLM 0.32 neither sizes nor binds its
     # model's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND only binds a worker process's), so the compiled kernels take
     # one thread per CPU; one thread was faster per user at one user on the CPU demo, slower to the first token at four.
@@ -448,7 +476,7 @@ def start_servers(
         procs.start(name, cmd, env, cpus=rest_vllm or None)
         started[name] = {"command": cmd, "cpus": sorted(rest_vllm) or None,
                          "env": {**stack.IN_PROCESS_EXECUTOR_ENV, **own}}
-        out[name] = Target(name, f"http://127.0.0.1:{port}", [name])
+        out[name] = Target(name, f"http://127.0.0.1:{port}", [name], f"http://127.0.0.1:{port}")
         health[name] = out[name].url
     return out, started, health
 
@@ -536,6 +564,7 @@ def run_bench(args: argparse.Namespace, procs: Procs, target: Target, model: Pat
     env = {k: v for k, v in os.environ.items() if not k.startswith("TILERT_SECRET")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
     probe = RouterProbe(target.url, procs.procs["router"].pid) if target.name == "router" else None
+    inside = VllmProbe(target.vllm_url)
     procs.start(name, cmd, env)
     proc = procs.procs[name]
     try:
@@ -561,7 +590,8 @@ def run_bench(args: argparse.Namespace, procs: Procs, target: Target, model: Pat
     mean_out = (row["total_output_tokens"] or 0) / row["completed"] if row.get("completed") else None
     e2el = row.get("median_e2el_ms")
     row["e2e_tok_s_per_user"] = 1000.0 * mean_out / e2el if mean_out and e2el else None
-    if probe is not None:  # (bench's ready-check and warm-up requests are in these means too)
+    row.update(inside.finish())  # (bench's ready-check and warm-up requests are in these means too)
+    if probe is not None:
         row.update(probe.finish())
     for t in target.processes:  # a server that died during the run makes the run meaningless
         procs.check([t])
@@ -582,7 +612,7 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any
     for key, group in groups.items():
         a: dict[str, Any] = {
             k: _median([r.get(k) for r in group])
-            for k in BENCH_KEYS + ROUTER_KEYS + ("burst_share", "e2e_tok_s_per_user")
+            for k in BENCH_KEYS + ROUTER_KEYS + VLLM_KEYS + ("burst_share", "e2e_tok_s_per_user")
         }
         a["failed"] = sum(int(r.get("failed") or 0) for r in group)
         a["completed"] = sum(int(r.get("completed") or 0) for r in group)
@@ -598,6 +628,7 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any
 BURST_S = 0.0005  # a token that reaches the client within 0.5 ms of the previous one came in the same burst
 ROUTER_KEYS = ("router_queue_ms", "router_prefill_ms", "router_transfer_wait_ms", "router_ttft_ms",
                "router_cpu_ms_per_request", "router_cpu_us_per_token")  # fmt: skip
+VLLM_KEYS = tuple("vllm_" + name for name in VLLM_SERIES)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -680,7 +711,33 @@ def e2e_tables(agg: dict[tuple[str, int], dict[str, Any]], targets: list[str], c
                 f"| {_f(r['router_transfer_wait_ms'])} ms | {_f(r['router_cpu_ms_per_request'], 2)} ms "
                 f"| {_f(r['router_cpu_us_per_token'], 0)} us |"
             )
+    lines += _first_token_table(agg, targets, concurrencies)
     return "\n".join(lines)
+
+
+def _first_token_table(agg: dict[tuple[str, int], dict[str, Any]], targets: list[str],
+                       concurrencies: list[int]) -> list[str]:  # fmt: skip
+    """Each target's first token split at the vLLM that computed it (the router's: the stack's prefill)."""
+    lines = [
+        "",
+        "Where the first token's time goes, from the `/metrics` of the vLLM that computed it (means over each run; "
+        "`router`: the stack's prefill; `outside vLLM`: the client's TTFT p50 less vLLM's own TTFT: HTTP, "
+        "tokenizing, and the router's hops):",
+        "",
+        "| C | target | client TTFT p50 | vLLM TTFT (mean) | queue | prefill forward | outside vLLM |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for c in concurrencies:
+        for t in targets:
+            a = agg.get((t, c))
+            if a is None or a.get("vllm_ttft_ms") is None:
+                continue
+            client, inside = a.get("median_ttft_ms"), a["vllm_ttft_ms"]
+            lines.append(
+                f"| {c} | {t} | {_f(client)} ms | {_f(inside)} ms | {_f(a.get('vllm_queue_ms'))} ms "
+                f"| {_f(a.get('vllm_forward_ms'))} ms | {_f(client - inside if client is not None else None)} ms |"
+            )
+    return lines
 
 
 def run_e2e(args: argparse.Namespace, procs: Procs, model: Path, cond: dict[str, Any]) -> dict[str, Any]:
