@@ -18,7 +18,9 @@ rotates each round), so machine noise hits all targets alike. Results come from 
 median and p99 TTFT, TPOT and ITL, per-user tok/s (1000 / median TPOT), per-user tok/s from the end-to-end
 latency (robust to servers that send tokens in bursts: the share of such tokens is shown too) and the ratios
 router / vLLM alone; then where the router path's time goes, from the router's own ``/metrics`` (slot wait +
-reserve, prefill leg, KV transfer + first decode step) and its CPU time per request and per token.
+reserve, prefill leg, KV transfer + first decode step) and its CPU time per request and per token; then each
+target's first token split at the vLLM that computed it (the router's: the stack's prefill), from that vLLM's own
+``/metrics`` (its TTFT, queue and prefill forward; the rest of the client's TTFT is outside vLLM).
 Before the rounds, one greedy request to every target checks that they compute the same tokens.
 
 The stack is placed on the CPUs the way ``tilert up`` places it (by default: the decode engine's thread on the last
