@@ -251,18 +251,28 @@ VLLM_SERIES = {
 }
 
 
-def scrape_metrics(url: str, prefix: str = "tilert:") -> dict[str, float]:
-    """``_sum`` / ``_count`` of the histograms named ``prefix...`` (the router's: and its token counter), summed
-    over labels."""
+def scrape_metrics(url: str, prefix: str) -> dict[str, float]:
+    """The ``_sum`` / ``_count`` series of the histograms named ``prefix...`` and the ``_total`` of its counters,
+    summed over labels."""
     text = httpx.get(url + "/metrics", timeout=10.0).text
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith(prefix) and (
-            "_sum" in line or "_count" in line or line.startswith("tilert:generation_tokens_total")
-        ):
-            name, _, value = line.rpartition(" ")
-            key = name.split("{", 1)[0]
+        name, _, value = line.rpartition(" ")
+        key = name.split("{", 1)[0]
+        if line.startswith(prefix) and key.endswith(("_sum", "_count", "_total")):
             out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def series_means(before: dict[str, float], after: dict[str, float], series: dict[str, str],
+                 label: str) -> dict[str, float | None]:  # fmt: skip
+    """``label + name``: the mean in ms of each histogram of ``series`` over what it recorded between two
+    :func:`scrape_metrics` (None: it recorded nothing)."""
+    out: dict[str, float | None] = {}
+    for name, metric in series.items():
+        n = after.get(metric + "_count", 0.0) - before.get(metric + "_count", 0.0)
+        total = after.get(metric + "_sum", 0.0) - before.get(metric + "_sum", 0.0)
+        out[label + name] = 1000 * total / n if n else None
     return out
 
 
@@ -272,12 +282,12 @@ class RouterProbe:
 
     def __init__(self, url: str, pid: int) -> None:
         self.url, self.pid = url, pid
-        self.metrics = scrape_metrics(url)
+        self.metrics = scrape_metrics(url, "tilert:")
         self.cpu = process_cpu_s(pid)
 
     def finish(self) -> dict[str, float | None]:
         cpu = process_cpu_s(self.pid) - self.cpu
-        after = scrape_metrics(self.url)
+        after = scrape_metrics(self.url, "tilert:")
 
         def delta(key: str) -> float:
             return after.get(key, 0.0) - self.metrics.get(key, 0.0)
@@ -290,10 +300,7 @@ class RouterProbe:
             "router_cpu_ms_per_request": 1000 * cpu / requests if requests else None,
             "router_cpu_us_per_token": 1e6 * cpu / tokens if tokens else None,
         }
-        for name, series in ROUTER_SERIES.items():
-            n = delta(series + "_count")
-            out["router_" + name] = 1000 * delta(series + "_sum") / n if n else None
-        return out
+        return out | series_means(self.metrics, after, ROUTER_SERIES, "router_")
 
 
 class VllmProbe:
@@ -304,13 +311,7 @@ class VllmProbe:
         self.url, self.metrics = url, scrape_metrics(url, "vllm:")
 
     def finish(self) -> dict[str, float | None]:
-        after = scrape_metrics(self.url, "vllm:")
-        out: dict[str, float | None] = {}
-        for name, series in VLLM_SERIES.items():
-            n = after.get(series + "_count", 0.0) - self.metrics.get(series + "_count", 0.0)
-            total = after.get(series + "_sum", 0.0) - self.metrics.get(series + "_sum", 0.0)
-            out["vllm_" + name] = 1000 * total / n if n else None
-        return out
+        return series_means(self.metrics, scrape_metrics(self.url, "vllm:"), VLLM_SERIES, "vllm_")
 
 
 # ---------------------------------------------------------------------------------------------------

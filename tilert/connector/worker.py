@@ -320,9 +320,8 @@ class WorkerSide:
         decode instance's NIXL read), so a transfer stalled until a timeout ended it, which ended the spin
         (issue 8). Such a step therefore waits here: until the sender frees one of our extents (the step then
         reports it at once), at most ``poll_wait_s``; so vLLM runs at most ``1 / poll_wait_s`` empty steps a
-        second, and new requests wait at most ``poll_wait_s`` longer to be scheduled. The empty step that tells
-        the workers of finished requests is not one of them (``meta.poll`` is off): vLLM runs it once after every
-        request, and pacing it held back the next request, claimed or not, by ``poll_wait_s`` (50 ms then)."""
+        second, and new requests wait at most ``poll_wait_s`` longer to be scheduled. Which steps are ``poll``
+        (not the one after a request finished): ``SchedulerSide.build_meta``."""
         for save in meta.saves if meta is not None else ():
             if save.req_id not in self._seen:
                 log.error("staging_never_started", transfer_id=save.claim.transfer_id)
