@@ -1,7 +1,9 @@
 """Every message that crosses a process boundary in tilert: one module, one version, strict types.
 
-Three conversations, all covered by :data:`PROTOCOL_VERSION`:
+The conversations, all covered by :data:`PROTOCOL_VERSION`:
 
+0. **Connector settings** (whoever starts vLLM -> the connector inside it): :class:`ConnectorSettings`, the
+   ``tilert_*`` keys of ``kv_connector_extra_config`` in vLLM's ``--kv-transfer-config``.
 1. **Claim** (router -> vLLM -> connector, and back): the ``tilert_*`` keys of vLLM's pass-through
    ``kv_transfer_params``. :class:`Claim` goes in with the request (signed with the shared secret, see
    :mod:`tilert.auth`); :class:`ClaimResult` comes back in vLLM's non-streaming response.
@@ -80,9 +82,55 @@ class _Strict(msgspec.Struct, forbid_unknown_fields=True):
     pass
 
 
-# ---- 1. the claim in kv_transfer_params ------------------------------------------------------
+# ---- 0. the connector's settings (the prefill's --kv-transfer-config) ------------------------------
 
-CLAIM_PREFIX = "tilert_"
+CLAIM_PREFIX = "tilert_"  # every key of ours in vLLM's kv_connector_extra_config and kv_transfer_params
+
+TransportOption = str | int | float | bool | list[str] | None
+# The longest a vLLM step that schedules no token waits for one of the connector's transfers to end (vLLM runs
+# such steps back to back while a connector has work pending): a request arriving meanwhile waits as long to be
+# scheduled, and it keeps vLLM to at most 1 / wait such steps a second.
+DEFAULT_POLL_WAIT_S = 0.01
+
+
+class ConnectorSettings(_Strict, kw_only=True, omit_defaults=True, rename=lambda name: CLAIM_PREFIX + name):
+    """``TileRTConnector``'s ``kv_connector_extra_config``, every key ``tilert_``-prefixed; a key it does not
+    know, or a value of the wrong type or range, stops vLLM's start-up with the reason.
+
+    ``transport`` and ``transport_options``: the transport plugin the sender uses and what it is given;
+    ``timeout_s``: the control channel's timeout and the longest wait for the next staged layer;
+    ``staging_bytes``: the bounded staging pool (unset: room for a few prompts of ``max_model_len``, capped,
+    never below one); ``staging_device``: ``cpu`` (host memory, pinned on GPU machines) or ``cache`` (the
+    caches' device, for a transport that reads device memory); ``sender_threads``: transfers shipped at once;
+    ``busy_retry_after_s``: the ``Retry-After`` a client gets when its claim found the pool full;
+    ``poll_wait_s``: see :data:`DEFAULT_POLL_WAIT_S`; ``secret_file``: the deployment's shared secret
+    (unset: ``$TILERT_SECRET_FILE`` / ``$TILERT_SECRET``)."""
+
+    transport: Name = "tcp"
+    transport_options: dict[Annotated[str, msgspec.Meta(max_length=128)], TransportOption] = {}
+    timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 10.0
+    staging_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 40)] | None = None
+    staging_device: Literal["cpu", "cache"] = "cpu"
+    sender_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
+    busy_retry_after_s: Annotated[int, msgspec.Meta(ge=0, le=3600)] = 1
+    poll_wait_s: Annotated[float, msgspec.Meta(ge=0, le=10)] = DEFAULT_POLL_WAIT_S
+    secret_file: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] | None = None
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+        """The settings in ``kv_connector_extra_config``; ``ContractError`` naming the key that is wrong."""
+        return _convert(dict(extra or {}), cls, "TileRTConnector's kv_connector_extra_config")
+
+    def to_extra(self) -> dict[str, Any]:
+        """The ``kv_connector_extra_config`` that sets these, defaults left out."""
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(CLAIM_PREFIX + name for name in cls.__struct_fields__)
+
+
+# ---- 1. the claim in kv_transfer_params ------------------------------------------------------
 
 
 class Claim(_Strict, rename={"transfer_id": "tilert_transfer_id", "host": "tilert_host",

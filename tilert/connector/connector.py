@@ -7,15 +7,8 @@ Load it with::
                            "kv_role": "kv_producer",
                            "kv_connector_extra_config": {"tilert_transport": "tcp"}}'
 
-Settings in ``kv_connector_extra_config``: ``tilert_transport`` (``tcp`` | ``mooncake`` | ``nixl``),
-``tilert_transport_options``, ``tilert_timeout_s`` (control channel, and the longest wait for the next
-staged layer), ``tilert_staging_bytes`` (the staging pool; default: 4 prompts of ``max_model_len``, capped
-at 4 GiB but never below one), ``tilert_staging_device`` (``cpu``: host memory, pinned on GPU machines;
-``cache``: the caches' device, for a transport that reads device memory), ``tilert_sender_threads``
-(transfers shipped at once), ``tilert_busy_retry_after_s`` (the ``Retry-After`` the router gives a client
-whose claim found the pool full), ``tilert_poll_wait_s`` (the longest a vLLM step that schedules no token
-waits, for one of our transfers to end: vLLM runs such steps back to back while a connector has work
-pending; default 0.01), ``tilert_secret_file``.
+Settings in ``kv_connector_extra_config``: :class:`tilert.contracts.ConnectorSettings` (``tilert_transport``,
+``tilert_staging_bytes``, ...); an unknown key or a wrong value stops vLLM's start-up with the reason.
 
 It claims only requests whose ``kv_transfer_params`` carry a ``tilert_*`` claim signed with the
 deployment's shared secret (read from ``$TILERT_SECRET_FILE`` / ``$TILERT_SECRET``, or the file named by
@@ -38,7 +31,8 @@ from tilert.connector.scheduler import SchedulerSide
 from tilert.connector.sender import BackgroundSender
 from tilert.connector.staging import bytes_per_token, pool_bytes
 from tilert.connector.stats import TileRTConnectorStats, TileRTPromMetrics
-from tilert.connector.worker import DEFAULT_POLL_WAIT_S, WorkerSide
+from tilert.connector.worker import WorkerSide
+from tilert.contracts import ConnectorSettings
 
 log = structlog.get_logger("tilert.connector")
 
@@ -60,38 +54,48 @@ class TileRTConnector(KVConnectorBase_V1):
         cfg = self._kv_transfer_config
         if not cfg.is_kv_producer or cfg.is_kv_consumer:
             raise ValueError('TileRTConnector is a pure producer: set "kv_role": "kv_producer"')
-        extra = dict(cfg.kv_connector_extra_config or {})
-        secret = load_secret(extra.get("tilert_secret_file"))  # refuses start-up when none is configured
+        settings = self.settings(dict(cfg.kv_connector_extra_config or {}))
+        secret = load_secret(settings.secret_file)  # refuses start-up when none is configured
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         max_model_len = int(vllm_config.model_config.max_model_len)
-        staging_bytes = extra.get("tilert_staging_bytes")
+        staging_bytes = settings.staging_bytes
         # One figure on both sides, from the same config: the worker checks its cache tensors against it.
         per_token = bytes_per_token(kv_cache_config) if kv_cache_config is not None else None
         if role == KVConnectorRole.SCHEDULER:
             if per_token is None:
                 raise ValueError("TileRTConnector needs vLLM's kv_cache_config to account its staging pool")
             self._scheduler = SchedulerSide(
-                _block_size(vllm_config, kv_cache_config), secret,
-                bytes_per_token=per_token, pool_bytes=pool_bytes(staging_bytes, per_token, max_model_len),
+                _block_size(vllm_config, kv_cache_config),
+                secret,
+                bytes_per_token=per_token,
+                pool_bytes=pool_bytes(staging_bytes, per_token, max_model_len),
                 workers=int(vllm_config.parallel_config.world_size),
-                retry_after_s=int(extra.get("tilert_busy_retry_after_s", 1)),
-            )  # fmt: skip
+                retry_after_s=settings.busy_retry_after_s,
+            )
         else:
             sender = BackgroundSender(
-                str(extra.get("tilert_transport", "tcp")),
-                dict(extra.get("tilert_transport_options", {})),
+                settings.transport,
+                dict(settings.transport_options),
                 secret,
-                timeout_s=float(extra.get("tilert_timeout_s", 10.0)),
-                workers=int(extra.get("tilert_sender_threads", 4)),
+                timeout_s=settings.timeout_s,
+                workers=settings.sender_threads,
             )
             self._worker = WorkerSide(
-                vllm_config.model_config.hf_config, sender, staging_bytes=staging_bytes,
-                max_model_len=max_model_len, expected_bytes_per_token=per_token,
-                staging_device=str(extra.get("tilert_staging_device", "cpu")),
-                poll_wait_s=float(extra.get("tilert_poll_wait_s", DEFAULT_POLL_WAIT_S)),
-            )  # fmt: skip
+                vllm_config.model_config.hf_config,
+                sender,
+                staging_bytes=staging_bytes,
+                max_model_len=max_model_len,
+                expected_bytes_per_token=per_token,
+                staging_device=settings.staging_device,
+                poll_wait_s=settings.poll_wait_s,
+            )
             _warn_cpu_rope(vllm_config)
+
+    @classmethod
+    def settings(cls, extra: dict[str, Any]) -> ConnectorSettings:
+        """Our settings from ``kv_connector_extra_config`` (``ContractError`` stops vLLM's start-up)."""
+        return ConnectorSettings.from_extra(extra)
 
     # ---- worker side -------------------------------------------------------------------------
 

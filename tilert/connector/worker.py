@@ -29,7 +29,7 @@ from tilert.connector.claims import SaveRequest, TileRTConnectorMetadata, TileRT
 from tilert.connector.faults import Fault, FaultHook
 from tilert.connector.sender import BackgroundSender, Staged
 from tilert.connector.staging import ExtentAllocator, pool_bytes
-from tilert.contracts import KVLayout
+from tilert.contracts import DEFAULT_POLL_WAIT_S, KVLayout
 from tilert.transports.base import TransferError
 
 log = structlog.get_logger("tilert.connector.worker")
@@ -111,11 +111,6 @@ class _Open:
 def layouts_bytes_per_token(layouts: dict[str, KVLayout]) -> int:
     """What the detected layouts stage per token: must equal the scheduler's ``staging.bytes_per_token``."""
     return sum(lay.num_layers * lay.row_bytes for lay in layouts.values())
-
-
-# The longest a step that only polls waits (``tilert_poll_wait_s``): a request arriving meanwhile waits as long to be
-# scheduled. 10 ms keeps vLLM to at most 100 such steps a second (issue 8 was thousands).
-DEFAULT_POLL_WAIT_S = 0.01
 
 
 class WorkerSide:
@@ -317,8 +312,8 @@ class WorkerSide:
         reads them. vLLM runs such empty steps back to back, as fast as it can: its EngineCore and this worker
         process then take a whole core each, for as long as the pending work lasts. On a small machine that
         starved exactly what the pending work waited for (the sender, the decode node, the router; the native
-        decode instance's NIXL read), so a transfer stalled until a timeout ended it, which ended the spin
-        (issue 8). Such a step therefore waits here: until the sender frees one of our extents (the step then
+        decode instance's NIXL read), so a transfer stalled until a timeout ended it, which ended the spin.
+        Such a step therefore waits here: until the sender frees one of our extents (the step then
         reports it at once), at most ``poll_wait_s``; so vLLM runs at most ``1 / poll_wait_s`` empty steps a
         second, and new requests wait at most ``poll_wait_s`` longer to be scheduled. Which steps are ``poll``
         (not the one after a request finished): ``SchedulerSide.build_meta``."""
