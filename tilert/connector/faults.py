@@ -1,6 +1,6 @@
 """TEST-ONLY fault injection for the connector's fail-fast paths. Off unless ``TILERT_TEST_FAULTS`` is set.
 
-Some failures of issue 7's item 5 cannot be made to happen on demand by the real parts in a whole stack:
+Some failures the connector must handle cannot be made to happen on demand by the real parts in a whole stack:
 an extraction error inside vLLM's forward, a transport error in the middle of a transfer, a forward that
 stalls past the sender's timeout, a forward slow enough to kill the decode node between two layers. The
 stack tests arm them one transfer at a time through this hook; every other path they exercise is real.

@@ -21,7 +21,7 @@ Registration (option ``registration``) decides what the library itself refuses:
   grant fails in the library (``-1`` at the sender) and no byte lands. The library checks addresses, not
   keys: once the same window is granted again (a slot's next transfer), a late writer of the old grant
   lands, and only its notification tells (``verify`` then refuses the new grant). Registration is
-  bookkeeping on TCP (~80 us for 64 MiB).
+  cheap bookkeeping on TCP.
 - ``"region"`` (the default with RDMA): each buffer is registered once, up front, as one memory region (an
   RDMA registration pins memory and costs too much per transfer). The library then refuses only writes
   outside the buffer; the sender refuses writes larger than its grant, and the receiver's completion
@@ -42,9 +42,9 @@ under a millisecond. A write to a live but stuck peer (a stopped process) ends a
 (the library's own timeout, at least 5 s; set from ``timeout_s`` unless the environment sets it).
 
 Closing: ``close()`` ends the sender's or receiver's engine then and there (a closed one refuses work with
-``TransferError``). The engine's destructor removes its segment from the metadata and pauses the process for up to
-~1 s (``removeSegmentDesc`` in its log); left to the garbage collector, that pause landed in whatever ran next (once
-inside a test's 1 s fault deadline).
+``TransferError``). The engine's destructor removes its segment from the metadata and pauses the process for a
+noticeable time (``removeSegmentDesc`` in its log); left to the garbage collector, that pause would land in
+whatever ran next.
 
 Known limits of ``mooncake-transfer-engine-non-cuda==0.3.13.post1``: its RPC (``0.0.0.0``) and TCP data
 (``*``) listeners bind every interface whatever host is given (``MC_TCP_BIND_ADDRESS`` did not change that

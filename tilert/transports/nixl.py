@@ -4,10 +4,9 @@ Each end owns one NIXL agent (agent-level locking ``NIXL_THREAD_SYNC_STRICT`` be
 it) without NIXL's progress thread: NIXL's Python API fixes that thread's delay at 0, so it spins on a core
 for the agent's whole life, which on a 2-core machine halved the write rate and slowed the prefill beside it.
 UCX progresses inside our own bounded polls instead (the sender's transfer and verdict polls, the receiver's
-poller: 50 us apart after a grant or a notification, backing off to 1 ms apart while a live grant sees nothing,
-as through a long prefill: polling every 50 us took 16% of a core for the whole prefill, which the prefill
-beside it lost). The receiver registers every buffer once, up front, as NIXL
-``DRAM`` memory.
+poller: briefly apart after a grant or a notification, backing off while a live grant sees nothing, as through
+a long prefill, so that idle polling does not take a core the prefill beside it needs). The receiver registers
+every buffer once, up front, as NIXL ``DRAM`` memory.
 
 Grant and target. A grant is a window of a registered buffer; its target is ``{"transport": "nixl",
 "agent": receiver agent name, "md": base64 of the agent's *partial* metadata for that buffer (connection
@@ -17,7 +16,7 @@ travels inside ``Accept``. The sender loads it once per buffer (``add_remote_age
 metadata), registers its source for the write (unless it lies in a staging buffer registered once with
 ``register_source``: host memory as ``DRAM``, a CUDA buffer as ``VRAM``), posts ``WRITE`` with a notification
 carrying the grant key, the write's offset in the grant and byte count, and its own connection metadata
-(~310 bytes), and polls the transfer with 20 us sleeps. A grant may be filled by several writes at
+(a few hundred bytes), and polls the transfer with short sleeps. A grant may be filled by several writes at
 offsets (one per prefill layer); the receiver vouches for it once completed writes covered every byte.
 
 Revocation. UCX cannot withdraw a window from a peer that holds its metadata (a CMA or TCP put lands
@@ -33,7 +32,7 @@ larger than its grant.
 
 Every NIXL call that raises (``nixl*Error``) or answers ``"ERR"`` becomes ``TransferError`` with the reason;
 every wait has a deadline (``timeout_s``, ``verdict_timeout_s``). A receiver whose process died fails the
-write at once (``NIXL_ERR_REMOTE_DISCONNECT`` or a refused reconnect: 0.5-20 ms on loopback); one that
+write at once (``NIXL_ERR_REMOTE_DISCONNECT`` or a refused reconnect); one that
 dies between the data and its verdict fails it after ``verdict_timeout_s``; a stopped one after ``timeout_s``.
 
 Where UCX listens is UCX's business: the receiver sets ``UCX_NET_DEVICES=lo`` when it serves a loopback
@@ -316,10 +315,10 @@ class NixlSender(Sender):
     per lane, written side by side (the calling thread takes the first piece).
 
     Why: without RDMA, UCX copies between two processes of one host with the kernel's cross-process copy, one
-    copy per UCX worker, and on the development VM one such copy runs at ~7.5 GiB/s against ~19 GiB/s for a
-    plain memcpy; two, on two cores, at ~13 GiB/s (``benchmarks/results/cpu-handoff-2026-12-01.md``). With an
-    RDMA NIC the pieces are simply two work requests. Each piece is an ordinary write at its offset in the
-    grant (its own notification and verdict), so the receiver needs nothing new."""
+    copy per UCX worker, well below a plain memcpy, and two such copies on two cores move more than one
+    (the handoff benchmark, ``benchmarks/handoff.py``, measures it). With an RDMA NIC the pieces are simply two
+    work requests. Each piece is an ordinary write at its offset in the grant (its own notification and verdict),
+    so the receiver needs nothing new."""
 
     def __init__(
         self, *, timeout_s: float = 30.0, verdict_timeout_s: float = 5.0, net_devices: str | None = None,
