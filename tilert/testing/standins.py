@@ -368,32 +368,35 @@ class DecodeStandin(NodeBehaviour):
         )
         stop_ids = set(sampling.stop_token_ids)
 
-        async def wait(seconds: float) -> bool:
-            """Sleep ``seconds`` (0: only yield to the loop); True when the decode was cancelled meanwhile."""
+        async def cancelled_after(seconds: float) -> bool:
+            """Sleep ``seconds`` (a release cuts it short); True when the decode was cancelled."""
             with anyio.move_on_after(seconds):
                 await cancelled.wait()
             return cancelled.is_set()
 
+        cancel_line = c.dump_line(c.ErrorLine(500, "decode cancelled"))
         try:
             while self.hold:
-                if await wait(0.005):
-                    yield c.dump_line(c.ErrorLine(500, "decode cancelled"))
+                if await cancelled_after(0.005):
+                    yield cancel_line
                     return
             pending: list[int] = []
             for step in range(limit):
                 if self.error_after is not None and step >= self.error_after:
                     yield c.dump_line(c.ErrorLine(500, "injected decode failure"))
                     return
-                if self.hang_after is not None and step >= self.hang_after and await wait(3600):
-                    yield c.dump_line(c.ErrorLine(500, "decode cancelled"))
+                if self.hang_after is not None and step >= self.hang_after and await cancelled_after(3600):
+                    yield cancel_line
                     return
                 tok = self.script.decoded(step)
                 pending.append(tok)
                 eos = tok == self.script.eos_id and not sampling.ignore_eos
                 last = eos or tok in stop_ids or step == limit - 1
                 if last or len(pending) >= self.tokens_per_line:
-                    if await wait(self.token_gap_s):
-                        yield c.dump_line(c.ErrorLine(500, "decode cancelled"))
+                    if self.token_gap_s:
+                        await anyio.sleep(self.token_gap_s)  # cheaper than a cancellable wait; a release is seen after it
+                    if cancelled.is_set():
+                        yield cancel_line
                         return
                     finish: c.FinishReason | None = ("stop" if eos or tok in stop_ids else "length") if last else None
                     yield c.dump_line(c.TokenLine(pending, finish, tok if finish == "stop" and not eos else None))
