@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, TypeVar
 
 import anyio
+import msgspec
 import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -149,17 +150,21 @@ class PrefillStandin(PrefillBehaviour):
             return _json({"error": {"message": message, "type": "NotFoundError", "param": "model", "code": 404}}, 404)
         if self.mode == "http_500":
             return _json({"error": {"message": "engine dead", "code": 500}}, 500)
-        fault = self._protocol_fault(body)
-        try:
-            claim = c.Claim.from_params(body.get("kv_transfer_params"))
-        except c.ContractError as exc:
-            fault = str(exc)
-        else:
-            if claim is None or not claim.verified(self.secret):
-                fault = fault or "the prefill leg carries a claim signed with the deployment's secret"
-        if fault is not None or claim is None:
+        claim, fault = self._claim(body.get("kv_transfer_params"))
+        fault = self._protocol_fault(body) or fault
+        if claim is None or fault is not None:
             return _json({"error": {"message": fault, "type": "BadRequestError", "code": 400}}, 400)
         return _json(self._reply(body, chat, claim.transfer_id))
+
+    def _claim(self, params: dict[str, Any] | None) -> tuple[c.Claim | None, str | None]:
+        """The request's claim, or why there is none the router would send (it signs every claim)."""
+        try:
+            claim = c.Claim.from_params(params)
+        except c.ContractError as exc:
+            return None, str(exc)
+        if claim is None or not claim.verified(self.secret):
+            return None, "the prefill leg carries a claim signed with the deployment's secret"
+        return claim, None
 
     def _reply(self, body: dict[str, Any], chat: bool, tid: str) -> dict[str, Any]:
         prompt = " ".join(str(m.get("content", "")) for m in body.get("messages", [])) if chat else body.get("prompt")
@@ -304,7 +309,7 @@ class DecodeStandin(NodeBehaviour):
         body = await self._body(request, c.ReserveRequest)
         if isinstance(body, Response):
             return body
-        self.reserve_bodies.append(c.msgspec.to_builtins(body))
+        self.reserve_bodies.append(msgspec.to_builtins(body))
         if self.max_lease_s is not None and body.lease_s is not None and body.lease_s > self.max_lease_s:
             return _error(f"lease_s must be at most {self.max_lease_s:g} on this node", 400)
         if self.reserve_refusal is not None:
@@ -353,7 +358,7 @@ class DecodeStandin(NodeBehaviour):
             self._free(req.transfer_id)
             return _error(refused[1], refused[0])
         self.decode_calls.append(req.transfer_id)
-        self.decode_bodies.append(c.msgspec.to_builtins(req))
+        self.decode_bodies.append(msgspec.to_builtins(req))
         self.transfers += 1
         cancelled = self._running[req.transfer_id] = anyio.Event()
         return StreamingResponse(self._lines(req, cancelled), media_type="application/x-ndjson")
@@ -394,7 +399,7 @@ class DecodeStandin(NodeBehaviour):
                 last = eos or tok in stop_ids or step == limit - 1
                 if last or len(pending) >= self.tokens_per_line:
                     if self.token_gap_s:
-                        await anyio.sleep(self.token_gap_s)  # cheaper than a cancellable wait; a release is seen after it
+                        await anyio.sleep(self.token_gap_s)  # cheaper than a cancellable wait: seen after the gap
                     if cancelled.is_set():
                         yield cancel_line
                         return
