@@ -4,9 +4,8 @@ For each configuration (the tiny ``deepseek_v3`` checkpoint the stack serves, an
 shaped model) and thread count it prints:
 
 - the decode step (one token, ``max_seq_len`` static cache, decoding after a ``--context``-token prompt):
-  eager with the dispatched reference ops (the engine before ``ops.cpu``), eager with ``ops.cpu`` (the engine's
-  CPU path now), each under ``torch.no_grad`` and ``torch.inference_mode``; the engine's own ``forward()`` step
-  and ``greedy_stream`` tokens/s;
+  eager with the dispatched reference ops, eager with ``ops.cpu`` (the engine's CPU path), each under
+  ``torch.no_grad`` and ``torch.inference_mode``; the engine's own ``forward()`` step and ``greedy_stream`` tokens/s;
 - ``torch.compile`` of the same step (default inductor, static shapes; ``--compile`` off skips it): with the
   dispatched custom ops (opaque to inductor), with the reference kernels inlined (inductor sees every op), and
   with ``ops.cpu`` inlined; compile time (first call) and step time;
@@ -18,7 +17,7 @@ Usage: ``python benchmarks/cpu_decode_speed.py [--configs tiny,small-v32] [--thr
 sequences (``decode_step_greedy``) with the native kernels and with ATen only, and the same rows one after the
 other, interleaved; ms per step, per-user and total tokens/s, and whether the arms gave the same tokens.
 Timings are medians over ``--steps`` steps, repeated ``--repeats`` times (the minimum of the medians is shown:
-a shared 2-core machine is noisy); the several-sequences table shows the best of the repeats' means.
+a shared machine is noisy); the several-sequences table shows the best of the repeats' means.
 """
 
 from __future__ import annotations
@@ -49,9 +48,19 @@ from tilert.engines.tilert.ops import cpu as cpu_ops  # noqa: E402
 from tilert.engines.tilert.ops import native, reference  # noqa: E402
 from tilert.engines.tilert.weights import load_model, random_model  # noqa: E402
 
-OP_NAMES = ("gemv", "gemv_residual", "mla_prep", "mla_attention", "mla_sparse_attention", "indexer_topk", "mla_uv",
-            "mla_attention_uv",
-            "moe_block", "moe_residual", "rms_norm")
+OP_NAMES = (
+    "gemv",
+    "gemv_residual",
+    "mla_prep",
+    "mla_attention",
+    "mla_sparse_attention",
+    "indexer_topk",
+    "mla_uv",
+    "mla_attention_uv",
+    "moe_block",
+    "moe_residual",
+    "rms_norm",
+)
 
 
 def small_v32() -> ModelArgs:
@@ -60,9 +69,28 @@ def small_v32() -> ModelArgs:
     sys.path.insert(0, os.path.dirname(__file__))
     import engine_configs as ec
 
-    return ec.v32_args(hidden=1024, layers=4, heads=8, experts=32, top_k=4, n_shared=1, moe_inter=256,
-                       dense_inter=2816, vocab=16384, idx_heads=8, idx_dim=64, idx_topk=256, q_lora=384,
-                       kv_lora=512, rope=64, nope=64, v=64, n_group=4, topk_group=2, route_scale=2.5)
+    return ec.v32_args(
+        hidden=1024,
+        layers=4,
+        heads=8,
+        experts=32,
+        top_k=4,
+        n_shared=1,
+        moe_inter=256,
+        dense_inter=2816,
+        vocab=16384,
+        idx_heads=8,
+        idx_dim=64,
+        idx_topk=256,
+        q_lora=384,
+        kv_lora=512,
+        rope=64,
+        nope=64,
+        v=64,
+        n_group=4,
+        topk_group=2,
+        route_scale=2.5,
+    )
 
 
 def build_model(config: str, max_seq_len: int, tiny_dir: Path, max_sequences: int = 1) -> Transformer:
@@ -71,11 +99,13 @@ def build_model(config: str, max_seq_len: int, tiny_dir: Path, max_sequences: in
             from tilert.models.tiny import build_tiny_model
 
             build_tiny_model("deepseek_v3", tiny_dir, seed=0)
-        return load_model(tiny_dir, device="cpu", dtype=torch.float32, max_seq_len=max_seq_len,
-                          max_sequences=max_sequences)  # fmt: skip
+        return load_model(
+            tiny_dir, device="cpu", dtype=torch.float32, max_seq_len=max_seq_len, max_sequences=max_sequences
+        )
     if config == "small-v32":
-        return random_model(small_v32(), device="cpu", dtype=torch.float32, max_seq_len=max_seq_len, seed=0,
-                            max_sequences=max_sequences)  # fmt: skip
+        return random_model(
+            small_v32(), device="cpu", dtype=torch.float32, max_seq_len=max_seq_len, seed=0, max_sequences=max_sequences
+        )
     raise SystemExit(f"unknown config {config!r} (tiny, small-v32)")
 
 
@@ -124,14 +154,21 @@ def run_config(config: str, threads: int, a: argparse.Namespace, tiny_dir: Path)
     args = model.args
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, args.vocab_size, (a.context,), generator=gen)
-    res: dict[str, Any] = {"config": config, "threads": threads, "arch": args.arch, "layers": args.num_layers,
-                           "hidden": args.hidden_size, "max_seq_len": a.max_seq_len, "context": a.context}
+    res: dict[str, Any] = {
+        "config": config,
+        "threads": threads,
+        "arch": args.arch,
+        "layers": args.num_layers,
+        "hidden": args.hidden_size,
+        "max_seq_len": a.max_seq_len,
+        "context": a.context,
+    }
     ctx = a.context
     use_indexer = args.dsa and ctx + 1 > args.index_topk
     steps, reps = a.steps, a.repeats
 
-    # -------- the engine, as the decode node runs it (forward() per step, greedy_stream), before / after
-    for label, fast in (("reference ops (before)", False), ("ops.cpu (now)", True)):
+    # -------- the engine, as the decode node runs it (forward() per step, greedy_stream), reference ops vs ops.cpu
+    for label, fast in (("reference ops", False), ("ops.cpu", True)):
         eng = TileRTEngine(model, torch.device("cpu"), torch.float32, a.max_seq_len, cpu_kernels=fast)
         if not fast:
             model.use_kernels(ops)
@@ -179,8 +216,11 @@ def run_config(config: str, threads: int, a: argparse.Namespace, tiny_dir: Path)
 
     # -------- torch.compile of the step
     if a.compile:
-        for kname, kernels in (("dispatched custom ops", ops), ("reference inlined", reference),
-                               ("ops.cpu inlined", cpu_ops)):
+        for kname, kernels in (
+            ("dispatched custom ops", ops),
+            ("reference inlined", reference),
+            ("ops.cpu inlined", cpu_ops),
+        ):
             model.use_kernels(kernels)
             torch._dynamo.reset()
             step = torch.compile(model_step(model, use_indexer), dynamic=False)
@@ -247,8 +287,10 @@ def run_sequences(config: str, threads: int, a: argparse.Namespace, tiny_dir: Pa
                         if arm.endswith("one call"):
                             toks = eng.decode_step_greedy(toks, pos, seqs)
                         else:
-                            toks = [eng.decode_step_greedy([t], [p], [s])[0]
-                                    for t, p, s in zip(toks, pos, seqs, strict=True)]  # fmt: skip
+                            toks = [
+                                eng.decode_step_greedy([t], [p], [s])[0]
+                                for t, p, s in zip(toks, pos, seqs, strict=True)
+                            ]
                         for s in seqs:
                             tokens[s].append(toks[s])
                     best[arm] = min(best[arm], (time.perf_counter() - t0) / a.steps * 1e3)
@@ -271,10 +313,14 @@ def run_sequences(config: str, threads: int, a: argparse.Namespace, tiny_dir: Pa
 
 
 def print_sequences(r: dict[str, Any]) -> None:
-    print(f"\n## {r['config']}: several sequences per step, threads={r['threads']}, decoding after ~{r['context']} "
-          "tokens (step ms: the best of the repeats' means, arms interleaved)")
-    print("| sequences | step ms: native, one call | ATen, one call | native, row by row | per-user tok/s (native) | "
-          "total tok/s (native) | step vs 1 sequence: native | ATen | same tokens (row by row / ATen) |")
+    print(
+        f"\n## {r['config']}: several sequences per step, threads={r['threads']}, decoding after ~{r['context']} "
+        "tokens (step ms: the best of the repeats' means, arms interleaved)"
+    )
+    print(
+        "| sequences | step ms: native, one call | ATen, one call | native, row by row | per-user tok/s (native) | "
+        "total tok/s (native) | step vs 1 sequence: native | ATen | same tokens (row by row / ATen) |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 
     def rel(x: float | None) -> str:
@@ -282,24 +328,27 @@ def print_sequences(r: dict[str, Any]) -> None:
 
     for x in r["rows"]:
         ms = [x[f"step ms [{arm}]"] for arm in SEQ_ARMS]
-        print(f"| {x['sequences']} | {ms[0]:.2f} | {ms[1]:.2f} | {ms[2]:.2f} | {x['per-user tok/s']:.0f} | "
-              f"{x['total tok/s']:.0f} | {rel(x[f'step vs 1 sequence [{SEQ_ARMS[0]}]'])} | "
-              f"{rel(x[f'step vs 1 sequence [{SEQ_ARMS[1]}]'])} | {x['same tokens']} / {x['same tokens as ATen']} |")
+        print(
+            f"| {x['sequences']} | {ms[0]:.2f} | {ms[1]:.2f} | {ms[2]:.2f} | {x['per-user tok/s']:.0f} | "
+            f"{x['total tok/s']:.0f} | {rel(x[f'step vs 1 sequence [{SEQ_ARMS[0]}]'])} | "
+            f"{rel(x[f'step vs 1 sequence [{SEQ_ARMS[1]}]'])} | {x['same tokens']} / {x['same tokens as ATen']} |"
+        )
 
 
 def print_table(r: dict[str, Any]) -> None:
-    print(f"\n## {r['config']} ({r['arch']}, {r['layers']} layers, hidden {r['hidden']}), threads={r['threads']}, "
-          f"max_seq_len={r['max_seq_len']}, decoding after {r['context']} tokens")
+    print(
+        f"\n## {r['config']} ({r['arch']}, {r['layers']} layers, hidden {r['hidden']}), threads={r['threads']}, "
+        f"max_seq_len={r['max_seq_len']}, decoding after {r['context']} tokens"
+    )
     print("| measurement | value |\n|---|---|")
     for k, v in r.items():
         if k.startswith(("engine", "greedy_stream", "eager", "compiled", "compile s")):
             unit = "" if isinstance(v, str) else (f"{v:.1f}" if "tok/s" in k or "compile s" in k else f"{v:.3f}")
             print(f"| {k} | {unit or v} |")
-    print(f"| same greedy tokens before/after | {r['same greedy tokens']} |")
+    print(f"| same greedy tokens, reference ops and ops.cpu | {r['same greedy tokens']} |")
     for kname in ("reference ops (dispatched)", "ops.cpu"):
         per = r[f"per-op ms [{kname}]"]
-        print(f"\nper-op ms per step [{kname}, inference_mode]: "
-              + ", ".join(f"{k} {v:.3f}" for k, v in per.items()))
+        print(f"\nper-op ms per step [{kname}, inference_mode]: " + ", ".join(f"{k} {v:.3f}" for k, v in per.items()))
 
 
 def main() -> None:
@@ -313,11 +362,17 @@ def main() -> None:
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--tiny-dir", default="")
     p.add_argument("--json", default="")
-    p.add_argument("--sequences", default="", metavar="NS",
-                   help="only the several-sequences table: decode steps over n = NS sequences (comma list)")
+    p.add_argument(
+        "--sequences",
+        default="",
+        metavar="NS",
+        help="only the several-sequences table: decode steps over n = NS sequences (comma list)",
+    )
     a = p.parse_args()
-    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-          f"python {platform.python_version()}")
+    print(
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"python {platform.python_version()}"
+    )
     results = []
     with contextlib.ExitStack() as stack:
         tiny_dir = Path(a.tiny_dir) if a.tiny_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))

@@ -11,19 +11,19 @@ copies), placed by its own ``SchedulerSide``, and shipped by its ``BackgroundSen
 
 Per transport and prompt length, the median over ``--reps`` of:
 
-- ``bulk``: the old behaviour, shipping only after the last layer: the whole extent in one write after the
+- ``bulk``: shipping only after the last layer is staged: the whole extent in one write after the
   handshake. ``tail`` = last layer staged -> state ready on the decode node (its ``Done`` verified, the slot
   ``READY``); ``GiB/s`` = bytes / tail, next to a plain in-process copy of the same bytes (``memcpy``: one libc
   ``memcpy`` of the staging extent into the node's slot buffer, measured in the same run) and the ratio of the
   two; ``torch copy_`` is the same copy through torch's intra-op threads (both cores), shown beside it;
   ``CMA`` the same bytes through the kernel's cross-process copy (``process_vm_writev``), the path UCX takes
   between two processes of one host without RDMA: what bounds NIXL on such a host.
-- ``pipelined``: the connector as it is: handshake at the first layer, each layer written as soon as it is
+- ``pipelined``: the connector's own path: handshake at the first layer, each layer written as soon as it is
   staged, ``Done`` after the last. A stand-in for the forward paces the layers as a prefill of
   ``--prefill-tok-s`` tokens/s would (a sleep before each layer's staging; the gathers come on top). ``tail`` as above;
   ``total`` = first layer staged -> ready (the forward's length included).
 
-Both ends share this process and its CPUs (2 cores on the development machines): the numbers are an upper
+Both ends share this process and its CPUs: the numbers are an upper
 bound on the protocol's own cost, not a network measurement. Mooncake runs over TCP (no RDMA NIC), NIXL over
 UCX on loopback (shared memory / CMA between processes; here one process).
 
@@ -124,9 +124,12 @@ HEADER = (
 
 def _output(rid: str, claim: c.Claim, n: int, blocks: list[int]) -> Any:
     new = SimpleNamespace(
-        req_id=rid, sampling_params=SimpleNamespace(extra_args={"kv_transfer_params": claim.to_params()}),
-        prompt_token_ids=range(n), block_ids=(blocks,), num_computed_tokens=0,
-    )  # fmt: skip
+        req_id=rid,
+        sampling_params=SimpleNamespace(extra_args={"kv_transfer_params": claim.to_params()}),
+        prompt_token_ids=range(n),
+        block_ids=(blocks,),
+        num_computed_tokens=0,
+    )
     cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
     return SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached, num_scheduled_tokens={rid: n})
 
@@ -163,7 +166,7 @@ class Bench:
         assert meta.saves, "the pool refused the claim"
         real_submit = self.sender.submit
         held: list[Staged] = []
-        if not pipelined:  # the old path: nothing leaves before the last layer is staged
+        if not pipelined:  # bulk: nothing leaves before the last layer is staged
             self.sender.submit = held.append  # type: ignore[method-assign,assignment]
         layer_s = n / self.prefill_tok_s / LAYERS if pipelined else 0.0
         try:
@@ -209,9 +212,11 @@ class Bench:
         what UCX uses between two processes of one host without RDMA, so the most NIXL can reach here."""
         assert self.worker.pool is not None
         src, dst = self.worker.pool[:nbytes], self.table.slots[0].buffer[:nbytes]
-        copy = {"memcpy": lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes),
-                "torch": lambda: dst.copy_(src),
-                "cma": lambda: _cma_copy(dst.data_ptr(), src.data_ptr(), nbytes)}[how]  # fmt: skip
+        copy = {
+            "memcpy": lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes),
+            "torch": lambda: dst.copy_(src),
+            "cma": lambda: _cma_copy(dst.data_ptr(), src.data_ptr(), nbytes),
+        }[how]
         times = []
         for _ in range(reps + 1):
             t0 = time.perf_counter()
@@ -258,8 +263,19 @@ async def run_transport(transport: str, tokens: list[int], reps: int, prefill_to
                     writes.append(len(staged.writes))
                 copy, copy2, cma = (bench.memcpy_s(nbytes, reps, how) for how in ("memcpy", "torch", "cma"))
                 med = statistics.median
-                r = Result(transport, n, nbytes, copy, copy2, cma, med(bulk), med(tails), med(totals), int(med(writes)),
-                           med(forwards))  # fmt: skip
+                r = Result(
+                    transport,
+                    n,
+                    nbytes,
+                    copy,
+                    copy2,
+                    cma,
+                    med(bulk),
+                    med(tails),
+                    med(totals),
+                    int(med(writes)),
+                    med(forwards),
+                )
                 print(r.row(), flush=True)
                 results.append(r)
             tg.cancel_scope.cancel()
@@ -337,8 +353,13 @@ def run_vllm(
     secret_file = write_secret_file()
     secret = load_secret(secret_file)
     port = _free_port()
-    cfg = StackConfig(model=model, prefill_port=port, transport=transport, max_model_len=max_tokens + 64,
-                      kv_cache_bytes=max(134_217_728, 2 * (max_tokens + 64) * TINY_BPT))  # fmt: skip
+    cfg = StackConfig(
+        model=model,
+        prefill_port=port,
+        transport=transport,
+        max_model_len=max_tokens + 64,
+        kv_cache_bytes=max(134_217_728, 2 * (max_tokens + 64) * TINY_BPT),
+    )
     env = {**child_env(secret_file), "UCX_NET_DEVICES": "lo", "VLLM_LOGGING_LEVEL": "WARNING"}
     mine = os.sched_getaffinity(0)
     if split is not None:
@@ -350,8 +371,7 @@ def run_vllm(
         proc = subprocess.Popen(prefill_command(cfg), env=env, stdout=log_file, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     receiver = load_transport(transport).receiver(host="127.0.0.1", options=RECEIVER_OPTIONS)
-    table = SlotTable(1, {"mla": c.KVLayout("mla_dense", "float32", TINY_ROW, TINY_LAYERS)}, max_tokens + 1,
-                      receiver)  # fmt: skip
+    table = SlotTable(1, {"mla": c.KVLayout("mla_dense", "float32", TINY_ROW, TINY_LAYERS)}, max_tokens + 1, receiver)
     control = ControlServer(table, transport, "bench-node", secret)
     results: list[VllmResult] = []
     gen = torch.Generator().manual_seed(0)
@@ -407,12 +427,16 @@ def run_vllm(
                         after.append(ready_after or 0.0)
                         cpu_claimed.append(cpu)
                 except httpx.HTTPStatusError as exc:  # vLLM could not prefill it: say so, go on
-                    print(f"| {transport} | {n} | vLLM answered {exc.response.status_code}: "
-                          f"{exc.response.text[:200]!r} (see {log_path}) |", flush=True)  # fmt: skip
+                    print(
+                        f"| {transport} | {n} | vLLM answered {exc.response.status_code}: "
+                        f"{exc.response.text[:200]!r} (see {log_path}) |",
+                        flush=True,
+                    )
                     continue
                 med = statistics.median
-                row = VllmResult(transport, n, nbytes, med(plain), med(claimed_s), med(after), med(cpu_plain),
-                                 med(cpu_claimed))
+                row = VllmResult(
+                    transport, n, nbytes, med(plain), med(claimed_s), med(after), med(cpu_plain), med(cpu_claimed)
+                )
                 print(row.row(), flush=True)
                 results.append(row)
             serving.cancel()  # the control server runs until cancelled; the portal waits for its tasks
@@ -443,8 +467,14 @@ def conditions() -> str:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = "?"
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())  # fmt: skip
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     versions = []
     for mod in ("torch", "mooncake", "nixl_cu12"):
         try:
@@ -469,20 +499,36 @@ def main() -> None:
     ap.add_argument("--tokens", default="1024,8192,32768")
     ap.add_argument("--transports", default="tcp,mooncake,nixl")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--prefill-tok-s", type=float, default=16000.0,
-                    help="the stand-in forward's pace (tokens/s of the whole prefill)")  # fmt: skip
+    ap.add_argument(
+        "--prefill-tok-s",
+        type=float,
+        default=16000.0,
+        help="the stand-in forward's pace (tokens/s of the whole prefill)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="write the table with its conditions (markdown)")
     ap.add_argument("--vllm", action="store_true", help="also: stock vLLM's prefill latency, claimed vs unclaimed")
     ap.add_argument("--vllm-only", action="store_true", help="only the stock vLLM measurement")
     ap.add_argument("--vllm-reps", type=int, default=3)
-    ap.add_argument("--receiver-options", type=json.loads, default={},
-                    help='the decode side\'s transport options as JSON (e.g. \'{"registration": "region"}\')')
-    ap.add_argument("--vllm-model", type=Path, default=None,
-                    help="a tiny deepseek_v3 checkpoint with max_position_embeddings >= the longest prompt "
-                    "(default: built into a temporary directory)")  # fmt: skip
-    ap.add_argument("--split-cpus", default="", metavar="P:D",
-                    help="vLLM's OMP threads on CPUs P, the decode half (this process) on CPUs D, e.g. 0:1 "
-                    "(default: both on every CPU; module docstring)")  # fmt: skip
+    ap.add_argument(
+        "--receiver-options",
+        type=json.loads,
+        default={},
+        help='the decode side\'s transport options as JSON (e.g. \'{"registration": "region"}\')',
+    )
+    ap.add_argument(
+        "--vllm-model",
+        type=Path,
+        default=None,
+        help="a tiny deepseek_v3 checkpoint with max_position_embeddings >= the longest prompt "
+        "(default: built into a temporary directory)",
+    )
+    ap.add_argument(
+        "--split-cpus",
+        default="",
+        metavar="P:D",
+        help="vLLM's OMP threads on CPUs P, the decode half (this process) on CPUs D, e.g. 0:1 "
+        "(default: both on every CPU; module docstring)",
+    )
     args = ap.parse_args()
     split = None
     if args.split_cpus:
@@ -498,8 +544,11 @@ def main() -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # warnings and up
     tokens = [int(x) for x in args.tokens.split(",")]
     RECEIVER_OPTIONS.update(args.receiver_options)
-    print(f"layout: {LAYERS} layers x {WIDTH} bf16 = {BPT:,} bytes per token; stand-in prefill "
-          f"{args.prefill_tok_s:g} tok/s; median of {args.reps}\n\n{HEADER}", flush=True)  # fmt: skip
+    print(
+        f"layout: {LAYERS} layers x {WIDTH} bf16 = {BPT:,} bytes per token; stand-in prefill "
+        f"{args.prefill_tok_s:g} tok/s; median of {args.reps}\n\n{HEADER}",
+        flush=True,
+    )
     results: list[Result] = []
     transports = args.transports.split(",")
     if not args.vllm_only:
@@ -507,8 +556,11 @@ def main() -> None:
             results += anyio.run(run_transport, transport, tokens, args.reps, args.prefill_tok_s)
     vllm_rows: list[VllmResult] = []
     if args.vllm or args.vllm_only:
-        print(f"\nstock vLLM prefill, tiny DeepSeek-V3 (float32, {TINY_BPT:,} bytes per token), median of "
-              f"{args.vllm_reps}{where}\n\n{VLLM_HEADER}", flush=True)  # fmt: skip
+        print(
+            f"\nstock vLLM prefill, tiny DeepSeek-V3 (float32, {TINY_BPT:,} bytes per token), median of "
+            f"{args.vllm_reps}{where}\n\n{VLLM_HEADER}",
+            flush=True,
+        )
         for transport in transports:
             vllm_rows += run_vllm(transport, tokens, args.vllm_reps, args.vllm_model, split)
     if args.out is not None:
@@ -519,7 +571,8 @@ def main() -> None:
             text += (
                 f"- layout: DeepSeek-V3 MLA, {LAYERS} layers x {WIDTH} bf16 = {BPT:,} bytes per token; stand-in "
                 f"prefill {args.prefill_tok_s:g} tok/s; median of {args.reps}\n\n{HEADER}\n"
-                + "\n".join(r.row() for r in results) + "\n"
+                + "\n".join(r.row() for r in results)
+                + "\n"
             )
         if vllm_rows:
             text += (

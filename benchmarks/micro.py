@@ -2,9 +2,12 @@
 
     python3 benchmarks/micro.py [--out DIR]
 
-Each kernel is captured 20x in a CUDA graph rotating over enough weight copies to defeat the 60 MB L2;
+Each kernel is captured 20x in a CUDA graph rotating over enough weight copies to defeat the GPU's L2 cache;
 time per call = graph time / 20. cuBLAS (``x @ w.T``) is timed the same way for the dense GEMVs.
 """
+
+# Every closure made in a loop here is called (captured in a CUDA graph) within the iteration that makes it.
+# ruff: noqa: B023
 
 from __future__ import annotations
 
@@ -17,9 +20,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
-
 from decode_speed import time_replays  # noqa: E402
-from tilert.engines.tilert.ops import triton_gemv, triton_mla, triton_moe
+
+from tilert.engines.tilert.ops import triton_fused, triton_gemv, triton_mla, triton_moe
 
 DEV = torch.device("cuda")
 OUT: dict = {}
@@ -50,10 +53,27 @@ def copies(nbytes):
 
 
 def bench_gemv():
-    shapes = [(2256, 2048), (5120, 1536), (2048, 2048), (64, 2048), (129280, 2048), (2304, 7168), (32768, 1536),
-              (7168, 16384), (2048, 4096)]
-    cfgs = [None, (4, 512, 4, 3), (8, 512, 4, 3), (8, 256, 4, 4), (16, 512, 8, 3), (16, 256, 4, 4), (32, 512, 8, 3),
-            (2, 1024, 4, 3)]
+    shapes = [
+        (2256, 2048),
+        (5120, 1536),
+        (2048, 2048),
+        (64, 2048),
+        (129280, 2048),
+        (2304, 7168),
+        (32768, 1536),
+        (7168, 16384),
+        (2048, 4096),
+    ]
+    cfgs = [
+        None,
+        (4, 512, 4, 3),
+        (8, 512, 4, 3),
+        (8, 256, 4, 4),
+        (16, 512, 8, 3),
+        (16, 256, 4, 4),
+        (32, 512, 8, 3),
+        (2, 1024, 4, 3),
+    ]
     res = []
     for N, K in shapes:
         nb = N * K * 2
@@ -61,12 +81,14 @@ def bench_gemv():
         ws = [torch.randn(N, K, device=DEV).to(torch.bfloat16) for _ in range(c)]
         x = torch.randn(1, K, device=DEV).to(torch.bfloat16)
         outs = [torch.empty(1, N, device=DEV, dtype=torch.bfloat16) for _ in range(c)]
-        t_cublas = graph_time([lambda w=w, o=o: torch.matmul(x, w.T, out=o) for w, o in zip(ws, outs)])
+        t_cublas = graph_time([lambda w=w, o=o: torch.matmul(x, w.T, out=o) for w, o in zip(ws, outs, strict=True)])
         row = dict(N=N, K=K, MB=nb / 1e6, cublas_us=t_cublas * 1e6, cublas_tbs=nb / t_cublas / 1e12)
         best = None
         for cfg in cfgs:
             try:
-                t = graph_time([lambda w=w, o=o: triton_gemv.gemv(x, w, out=o, cfg=cfg) for w, o in zip(ws, outs)])
+                t = graph_time(
+                    [lambda w=w, o=o: triton_gemv.gemv(x, w, out=o, cfg=cfg) for w, o in zip(ws, outs, strict=True)]
+                )
             except Exception as exc:  # e.g. too many resources
                 print("cfg", cfg, "failed", repr(exc)[:100])
                 continue
@@ -77,14 +99,21 @@ def bench_gemv():
         # n = 4 (MTP verify) with the heuristic
         x4 = torch.randn(4, K, device=DEV).to(torch.bfloat16)
         o4 = [torch.empty(4, N, device=DEV, dtype=torch.bfloat16) for _ in range(c)]
-        row["triton_n4_us"] = graph_time([lambda w=w, o=o: triton_gemv.gemv(x4, w, out=o) for w, o in zip(ws, o4)]) * 1e6
-        row["cublas_n4_us"] = graph_time([lambda w=w, o=o: torch.matmul(x4, w.T, out=o) for w, o in zip(ws, o4)]) * 1e6
+        row["triton_n4_us"] = (
+            graph_time([lambda w=w, o=o: triton_gemv.gemv(x4, w, out=o) for w, o in zip(ws, o4, strict=True)]) * 1e6
+        )
+        row["cublas_n4_us"] = (
+            graph_time([lambda w=w, o=o: torch.matmul(x4, w.T, out=o) for w, o in zip(ws, o4, strict=True)]) * 1e6
+        )
         row["best"] = best[0]
         row["best_us"] = best[1] * 1e6
         row["best_tbs"] = nb / best[1] / 1e12
-        print(f"gemv N={N:>6} K={K:>5} {nb / 1e6:7.1f}MB cublas {t_cublas * 1e6:7.1f}us ({row['cublas_tbs']:.2f}TB/s) "
-              f"heur {row.get('heur_us', 0):7.1f}us best {best[0]} {best[1] * 1e6:7.1f}us ({row['best_tbs']:.2f}TB/s) "
-              f"| n=4 triton {row['triton_n4_us']:.1f}us cublas {row['cublas_n4_us']:.1f}us", flush=True)
+        print(
+            f"gemv N={N:>6} K={K:>5} {nb / 1e6:7.1f}MB cublas {t_cublas * 1e6:7.1f}us ({row['cublas_tbs']:.2f}TB/s) "
+            f"heur {row.get('heur_us', 0):7.1f}us best {best[0]} {best[1] * 1e6:7.1f}us ({row['best_tbs']:.2f}TB/s) "
+            f"| n=4 triton {row['triton_n4_us']:.1f}us cublas {row['cublas_n4_us']:.1f}us",
+            flush=True,
+        )
         res.append(row)
         del ws, outs, o4
         torch.cuda.empty_cache()
@@ -93,10 +122,10 @@ def bench_gemv():
 
 def bench_moe():
     res = []
-    for name, E, S, k, D, I in (("lite", 64, 2, 6, 2048, 1408), ("v32", 256, 1, 8, 7168, 2048),
-                                ("lite-dense", 1, 0, 1, 2048, 11264)):
-        w13 = torch.empty(E + S, 2 * I, D, device=DEV, dtype=torch.bfloat16).normal_(0, D ** -0.5)
-        w2 = torch.empty(E + S, D, I, device=DEV, dtype=torch.bfloat16).normal_(0, I ** -0.5)
+    moe_shapes = (("lite", 64, 2, 6, 2048, 1408), ("v32", 256, 1, 8, 7168, 2048), ("lite-dense", 1, 0, 1, 2048, 11264))
+    for name, E, S, k, D, I in moe_shapes:  # noqa: E741 (I: the MoE intermediate size, as in the kernels)
+        w13 = torch.empty(E + S, 2 * I, D, device=DEV, dtype=torch.bfloat16).normal_(0, D**-0.5)
+        w2 = torch.empty(E + S, D, I, device=DEV, dtype=torch.bfloat16).normal_(0, I**-0.5)
         x = torch.randn(1, D, device=DEV).to(torch.bfloat16)
         g = torch.ones(D, device=DEV, dtype=torch.bfloat16)
         sets = []
@@ -109,30 +138,45 @@ def bench_moe():
         r = torch.zeros(1, D, device=DEV, dtype=torch.bfloat16)
         t_up = graph_time([lambda ids=ids: triton_moe.moe_up(x, ids, w13, norm_w=g, out=act) for ids, _ in sets])
         t_dn = graph_time([lambda ids=ids, w=w: triton_moe.moe_down(act, ids, w, w2, residual=r) for ids, w in sets])
-        row = dict(cfg=name, up_us=t_up * 1e6, up_tbs=nb_up / t_up / 1e12, down_us=t_dn * 1e6,
-                   down_tbs=nb_dn / t_dn / 1e12)
+        row = dict(
+            cfg=name, up_us=t_up * 1e6, up_tbs=nb_up / t_up / 1e12, down_us=t_dn * 1e6, down_tbs=nb_dn / t_dn / 1e12
+        )
         # cuBLAS-equivalent lower bound: one bmm over the gathered experts is not possible without a copy;
         # time a plain GEMV over the same bytes instead (dense [ (k+S)*2I, D ]).
-        print(f"moe {name}: up {t_up * 1e6:.1f}us {row['up_tbs']:.2f}TB/s  down {t_dn * 1e6:.1f}us "
-              f"{row['down_tbs']:.2f}TB/s  ({(nb_up + nb_dn) / 1e6:.1f} MB)", flush=True)
+        print(
+            f"moe {name}: up {t_up * 1e6:.1f}us {row['up_tbs']:.2f}TB/s  down {t_dn * 1e6:.1f}us "
+            f"{row['down_tbs']:.2f}TB/s  ({(nb_up + nb_dn) / 1e6:.1f} MB)",
+            flush=True,
+        )
         for cfg in ((8, 512, 4, 4), (4, 512, 4, 4), (8, 1024, 8, 3), (16, 512, 8, 4), (4, 1024, 4, 3)):
             try:
-                t = graph_time([lambda ids=ids: triton_moe.moe_up(x, ids, w13, norm_w=g, out=act, cfg=cfg)
-                                for ids, _ in sets])
+                t = graph_time(
+                    [lambda ids=ids: triton_moe.moe_up(x, ids, w13, norm_w=g, out=act, cfg=cfg) for ids, _ in sets]
+                )
                 row[f"up{cfg}_us"] = t * 1e6
             except Exception as exc:
                 print("moe_up cfg", cfg, "failed", repr(exc)[:80])
-        for cfg in ((4, 256, 4, 3), (4, 512, 4, 4), (8, 512, 8, 3), (8, 512, 8, 4), (8, 512, 4, 4), (16, 512, 8, 4),
-                    (8, 1024, 8, 3), (16, 256, 4, 4), (2, 1024, 4, 3)):
+        for cfg in (
+            (4, 256, 4, 3),
+            (4, 512, 4, 4),
+            (8, 512, 8, 3),
+            (8, 512, 8, 4),
+            (8, 512, 4, 4),
+            (16, 512, 8, 4),
+            (8, 1024, 8, 3),
+            (16, 256, 4, 4),
+            (2, 1024, 4, 3),
+        ):
             try:
-                t = graph_time([lambda ids=ids, w=w: triton_moe.moe_down(act, ids, w, w2, residual=r, cfg=cfg)
-                                for ids, w in sets])
+                t = graph_time(
+                    [lambda ids=ids, w=w: triton_moe.moe_down(act, ids, w, w2, residual=r, cfg=cfg) for ids, w in sets]
+                )
                 row[f"down{cfg}_us"] = t * 1e6
             except Exception as exc:
                 print("moe_down cfg", cfg, "failed", repr(exc)[:80])
         print("   sweep:", {k_: round(v, 1) for k_, v in row.items() if k_.startswith(("up(", "down("))}, flush=True)
         res.append(row)
-        del w13, w2
+        w13 = w2 = None  # the next shape's weights need the memory
         torch.cuda.empty_cache()
     OUT["moe"] = res
 
@@ -164,13 +208,14 @@ def bench_attn():
             t1 = graph_time([lambda: triton_mla.indexer_scores(qi, w, k, pos, out=sc)])
             t2 = graph_time([lambda: torch.topk(sc, 2048, dim=-1, sorted=False)])
             t3 = graph_time([lambda: triton_mla.indexer_topk(qi, w, k, pos, 2048, scores_out=sc)])
-            print(f"indexer Hi={Hi} ctx={ctx}: scores {t1 * 1e6:.1f}us  torch.topk {t2 * 1e6:.1f}us  "
-                  f"all {t3 * 1e6:.1f}us", flush=True)
+            print(
+                f"indexer Hi={Hi} ctx={ctx}: scores {t1 * 1e6:.1f}us  torch.topk {t2 * 1e6:.1f}us  "
+                f"all {t3 * 1e6:.1f}us",
+                flush=True,
+            )
             res.append(dict(kind="indexer", Hi=Hi, ctx=ctx, scores_us=t1 * 1e6, topk_us=t2 * 1e6, all_us=t3 * 1e6))
     # prep + uv (lite and V3.2 attention shapes)
-    from tilert.engines.tilert.ops import triton_fused
-
-    for H, Hi, D in ((16, 16, 2048), (128, 64, 7168)):
+    for H, Hi, _D in ((16, 16, 2048), (128, 64, 7168)):
         QL, L, R, P, V, DI, S = 1536, 512, 64, 128, 128, 128, 4096
         a = torch.randn(1, QL + L + R + DI + Hi, device=DEV).to(torch.bfloat16)
         b = torch.randn(1, H * (P + R) + Hi * DI, device=DEV).to(torch.bfloat16)
@@ -184,8 +229,36 @@ def bench_attn():
         iq = torch.empty(1, Hi, DI, device=DEV, dtype=torch.bfloat16)
         iw = torch.empty(1, Hi, device=DEV)
         pos = torch.tensor([100], device=DEV)
-        t = graph_time([lambda: triton_fused.mla_prep(a, b, pos, kvb, cs, cs, g, gi, gi, qo, kv, ik, iq, iw, H=H, Hi=Hi,
-                                                      QL=QL, L=L, R=R, P=P, V=V, DI=DI, eps=1e-6, iw_scale=0.1)])
+        t = graph_time(
+            [
+                lambda: triton_fused.mla_prep(
+                    a,
+                    b,
+                    pos,
+                    kvb,
+                    cs,
+                    cs,
+                    g,
+                    gi,
+                    gi,
+                    qo,
+                    kv,
+                    ik,
+                    iq,
+                    iw,
+                    H=H,
+                    Hi=Hi,
+                    QL=QL,
+                    L=L,
+                    R=R,
+                    P=P,
+                    V=V,
+                    DI=DI,
+                    eps=1e-6,
+                    iw_scale=0.1,
+                )
+            ]
+        )
         ol = torch.randn(1, H, L, device=DEV).to(torch.bfloat16)
         t2 = graph_time([lambda: triton_fused.mla_uv(ol, kvb, P=P, V=V)])
         print(f"mla_prep H={H}: {t * 1e6:.1f}us   mla_uv H={H}: {t2 * 1e6:.1f}us", flush=True)
@@ -193,13 +266,23 @@ def bench_attn():
     # router select alone
     part = torch.randn(8, 1, 256, device=DEV)
     bias = torch.randn(256, device=DEV)
-    t = graph_time([lambda: triton_moe.router_select(part, bias, top_k=8, n_group=8, topk_group=4, route_scale=2.5,
-                                                     n_shared_slots=1)])
+    t = graph_time(
+        [
+            lambda: triton_moe.router_select(
+                part, bias, top_k=8, n_group=8, topk_group=4, route_scale=2.5, n_shared_slots=1
+            )
+        ]
+    )
     print(f"router_select E=256: {t * 1e6:.1f}us", flush=True)
     part = torch.randn(8, 1, 64, device=DEV)
     bias = torch.randn(64, device=DEV)
-    t = graph_time([lambda: triton_moe.router_select(part, bias, top_k=6, n_group=1, topk_group=1, route_scale=1.0,
-                                                     n_shared_slots=2)])
+    t = graph_time(
+        [
+            lambda: triton_moe.router_select(
+                part, bias, top_k=6, n_group=1, topk_group=1, route_scale=1.0, n_shared_slots=2
+            )
+        ]
+    )
     print(f"router_select E=64: {t * 1e6:.1f}us", flush=True)
     res.append(dict(kind="router_select", us=t * 1e6))
     # empty-kernel floor: a trivial launch in a graph

@@ -1,11 +1,14 @@
 """FP8 kernel timings at the lite / V3.2 shapes (H200): the kernels of ``ops/triton_fp8.py`` at several launch
 configs, and against a baseline kernel file when one lies beside this script as ``_fp8_old.py`` (not kept in the
-repo; e.g. the kernels before the 2026-11-30 rework: ``git show 9b3b81a:tilert/engines/tilert/ops/triton_fp8.py >
+repo: any other version of the file, e.g. ``git show REV:tilert/engines/tilert/ops/triton_fp8.py >
 benchmarks/_fp8_old.py``), in CUDA graphs of PDL-chained calls rotating over weight copies (> L2). Prints one line
 per (kernel, shape, variant).
 
     python3 benchmarks/micro_fp8.py [--out DIR] [--only gemv,up,down]
 """
+
+# Every closure made in a loop here is called (captured in a CUDA graph) within the iteration that makes it.
+# ruff: noqa: B023
 
 from __future__ import annotations
 
@@ -55,33 +58,46 @@ def bench(kind, shape, variant, fns, nbytes):
 
 def gemvs():
     # name, N, K, row-group (1: per-row scales), tail rows, residual, new-variants
-    shapes = [("lite wa+tail", 2240, 2048, 1, 16, False), ("lite wb", 5120, 1536, 1, 0, False),
-              ("lite wo", 2048, 2048, 128, 0, True), ("v32 wa+tail", 2240, 7168, 1, 64, False),
-              ("v32 wb", 32768, 1536, 1, 0, False), ("v32 wo", 7168, 16384, 128, 0, True)]
+    shapes = [
+        ("lite wa+tail", 2240, 2048, 1, 16, False),
+        ("lite wb", 5120, 1536, 1, 0, False),
+        ("lite wo", 2048, 2048, 128, 0, True),
+        ("v32 wa+tail", 2240, 7168, 1, 64, False),
+        ("v32 wb", 32768, 1536, 1, 0, False),
+        ("v32 wo", 7168, 16384, 128, 0, True),
+    ]
     small = [(2, 2048, 4), (4, 1024, 4), (2, 1024, 4), (8, 1024, 4), (8, 512, 4), (4, 2048, 8)]
     large = [(8, 1024, 4), (8, 512, 4), (16, 512, 8), (16, 1024, 8), (4, 1024, 4), (16, 256, 4), (8, 2048, 8)]
     for name, N, K, gn, nt, res in shapes:
         nb = N * K + 4 * (N // gn) * (K // 128) + 2 * nt * K
         c = copies(nb)
-        ws = [(q(N, K), sc(N // gn, K // 128), torch.randn(max(nt, 1), K, device=DEV).to(torch.bfloat16))
-              for _ in range(c)]
+        ws = [
+            (q(N, K), sc(N // gn, K // 128), torch.randn(max(nt, 1), K, device=DEV).to(torch.bfloat16))
+            for _ in range(c)
+        ]
         x = torch.randn(1, K, device=DEV).to(torch.bfloat16)
         g = torch.ones(K, device=DEV, dtype=torch.bfloat16)
         h = torch.zeros(1, N, device=DEV, dtype=torch.bfloat16)
         tl_ = (lambda t: t) if nt else (lambda t: None)
-        for cfg in (small if K * N < (48 << 20) else large):
+        for cfg in small if K * N < (48 << 20) else large:
             if res:
                 fns = [lambda w=w, s=s, cfg=cfg: triton_fp8.gemv_fp8(x, w, s, residual=h, cfg=cfg) for w, s, _ in ws]
             else:
-                fns = [lambda w=w, s=s, t=t, cfg=cfg: triton_fp8.gemv_fp8(x, w, s, norm_w=g, tail=tl_(t), cfg=cfg)
-                       for w, s, t in ws]
+                fns = [
+                    lambda w=w, s=s, t=t, cfg=cfg: triton_fp8.gemv_fp8(x, w, s, norm_w=g, tail=tl_(t), cfg=cfg)
+                    for w, s, t in ws
+                ]
             bench("gemv", name, cfg, fns, nb)
         if old is not None:
             if res:
                 fns = [lambda w=w, s=s: old.gemv_fp8(x, w, s, residual=h) for w, s, _ in ws]
             elif nt:
-                fns = [lambda w=w, s=s, t=t: torch.cat([old.gemv_fp8(x, w, s, norm_w=g),
-                                                        triton_gemv.gemv(x, t, norm_w=g)], -1) for w, s, t in ws]
+                fns = [
+                    lambda w=w, s=s, t=t: torch.cat(
+                        [old.gemv_fp8(x, w, s, norm_w=g), triton_gemv.gemv(x, t, norm_w=g)], -1
+                    )
+                    for w, s, t in ws
+                ]
             else:
                 fns = [lambda w=w, s=s: old.gemv_fp8(x, w, s, norm_w=g) for w, s, _ in ws]
             bench("gemv", name, "old" + ("+gemv+cat" if nt else ""), fns, nb)
@@ -92,45 +108,99 @@ def gemvs():
     ws = [torch.randn(N, K, device=DEV).to(torch.bfloat16) for _ in range(copies(N * K * 2))]
     x = torch.randn(1, K, device=DEV).to(torch.bfloat16)
     h = torch.zeros(1, N, device=DEV, dtype=torch.bfloat16)
-    bench("gemv", "v32 wo bf16", "bf16 LARGE_CFG", [lambda w=w: triton_gemv.gemv(x, w, residual=h) for w in ws],
-          N * K * 2)
+    bench(
+        "gemv", "v32 wo bf16", "bf16 LARGE_CFG", [lambda w=w: triton_gemv.gemv(x, w, residual=h) for w in ws], N * K * 2
+    )
     del ws
     torch.cuda.empty_cache()
 
 
 def moes(only):
     shapes = [("lite", 64, 8, 2048, 1408), ("v32", 32, 9, 7168, 2048)]
-    ups = [(16, 256, 4, 1), (16, 256, 4, 2), (8, 256, 4, 2), (16, 512, 8, 2), (16, 256, 4, 4), (8, 512, 4, 2),
-           (8, 1024, 4, 1), (8, 1024, 4, 2), (8, 512, 4, 1)]
-    downs = {"lite": [(4, 4, 512, 8, False), (16, 1, 512, 4, True), (8, 1, 1024, 4, True), (16, 2, 512, 8, True),
-                      (32, 1, 512, 8, True), (8, 1, 2048, 8, True), (4, 1, 2048, 4, True), (16, 1, 256, 4, True)],
-             "v32": [(8, 1, 1024, 8, False), (4, 1, 1024, 4, False), (16, 1, 1024, 8, True), (8, 2, 1024, 8, True),
-                     (8, 1, 1024, 4, True)]}
+    ups = [
+        (16, 256, 4, 1),
+        (16, 256, 4, 2),
+        (8, 256, 4, 2),
+        (16, 512, 8, 2),
+        (16, 256, 4, 4),
+        (8, 512, 4, 2),
+        (8, 1024, 4, 1),
+        (8, 1024, 4, 2),
+        (8, 512, 4, 1),
+    ]
+    downs = {
+        "lite": [
+            (4, 4, 512, 8, False),
+            (16, 1, 512, 4, True),
+            (8, 1, 1024, 4, True),
+            (16, 2, 512, 8, True),
+            (32, 1, 512, 8, True),
+            (8, 1, 2048, 8, True),
+            (4, 1, 2048, 4, True),
+            (16, 1, 256, 4, True),
+        ],
+        "v32": [
+            (8, 1, 1024, 8, False),
+            (4, 1, 1024, 4, False),
+            (16, 1, 1024, 8, True),
+            (8, 2, 1024, 8, True),
+            (8, 1, 1024, 4, True),
+        ],
+    }
     for name, E, KK, D, I in shapes:  # noqa: E741  (I: the MoE intermediate size)
         w13, s13 = q(E, 2 * I, D), sc(E, 2 * I // 128, D // 128)
         w2, s2 = q(E, D, I), sc(E, D // 128, I // 128)
         x = torch.randn(1, D, device=DEV).to(torch.bfloat16)
         g = torch.ones(D, device=DEV, dtype=torch.bfloat16)
-        sets = [(torch.randperm(E, device=DEV)[:KK].int()[None].contiguous(), torch.rand(1, KK, device=DEV))
-                for _ in range(8)]
+        sets = [
+            (torch.randperm(E, device=DEV)[:KK].int()[None].contiguous(), torch.rand(1, KK, device=DEV))
+            for _ in range(8)
+        ]
         act = triton_fp8.moe_up_fp8(x, sets[0][0], w13, s13, norm_w=g)
         h = torch.zeros(1, D, device=DEV, dtype=torch.bfloat16)
         nb_up, nb_dn = KK * 2 * I * D, KK * I * D
         if "up" in only:
             for cfg in ups:
-                bench("up", name, cfg, [lambda ids=ids, cfg=cfg: triton_fp8.moe_up_fp8(x, ids, w13, s13, norm_w=g,
-                                                                                       cfg=cfg) for ids, _ in sets],
-                      nb_up)
+                bench(
+                    "up",
+                    name,
+                    cfg,
+                    [
+                        lambda ids=ids, cfg=cfg: triton_fp8.moe_up_fp8(x, ids, w13, s13, norm_w=g, cfg=cfg)
+                        for ids, _ in sets
+                    ],
+                    nb_up,
+                )
             if old is not None:
-                bench("up", name, "old", [lambda ids=ids: old.moe_up_fp8(x, ids, w13, s13, norm_w=g)
-                                          for ids, _ in sets], nb_up)
+                bench(
+                    "up",
+                    name,
+                    "old",
+                    [lambda ids=ids: old.moe_up_fp8(x, ids, w13, s13, norm_w=g) for ids, _ in sets],
+                    nb_up,
+                )
         if "down" in only:
             for cfg in downs[name]:
-                bench("down", name, cfg, [lambda ids=ids, wts=wts, cfg=cfg: triton_fp8.moe_down_fp8(
-                    act, ids, wts, w2, s2, residual=h, cfg=cfg) for ids, wts in sets], nb_dn)
+                bench(
+                    "down",
+                    name,
+                    cfg,
+                    [
+                        lambda ids=ids, wts=wts, cfg=cfg: triton_fp8.moe_down_fp8(
+                            act, ids, wts, w2, s2, residual=h, cfg=cfg
+                        )
+                        for ids, wts in sets
+                    ],
+                    nb_dn,
+                )
             if old is not None:
-                bench("down", name, "old", [lambda ids=ids, wts=wts: old.moe_down_fp8(act, ids, wts, w2, s2, residual=h)
-                                            for ids, wts in sets], nb_dn)
+                bench(
+                    "down",
+                    name,
+                    "old",
+                    [lambda ids=ids, wts=wts: old.moe_down_fp8(act, ids, wts, w2, s2, residual=h) for ids, wts in sets],
+                    nb_dn,
+                )
         w13 = w2 = None
         torch.cuda.empty_cache()
 
@@ -154,10 +224,11 @@ def main():
             best[k] = r
     print("\nbest per (kernel, shape):")
     for (kind, shape), r in best.items():
-        o = next((x for x in ROWS if (x["kind"], x["shape"]) == (kind, shape) and x["variant"].startswith("old")),
-                 None)
-        print(f"  {kind:<5} {shape:<26} {r['variant']:<22} {r['us']:8.2f} us {r['tbs']:5.2f} TB/s"
-              + (f"   (old {o['us']:.2f} us)" if o else ""))
+        o = next((x for x in ROWS if (x["kind"], x["shape"]) == (kind, shape) and x["variant"].startswith("old")), None)
+        print(
+            f"  {kind:<5} {shape:<26} {r['variant']:<22} {r['us']:8.2f} us {r['tbs']:5.2f} TB/s"
+            + (f"   (old {o['us']:.2f} us)" if o else "")
+        )
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Router unit tests: real HTTP on loopback, the real openai client against the router.
 
-The prefill and decode servers here are STAND-INS for protocol and fault tests: small in-process
-Starlette apps that speak the vLLM prefill protocol (``max_tokens=1`` + TileRT ``kv_transfer_params``)
-and the decode node's HTTP protocol (reserve/release/cancel/decode NDJSON/health). The real vLLM and
-the real decode server are integration-tested elsewhere.
+The prefill and decode servers here are the stand-ins of :mod:`tilert.testing.standins` (the benchmarks' too),
+run in-process: they speak the router's prefill leg (``max_tokens=1`` + TileRT ``kv_transfer_params``) and the
+decode node's HTTP API (reserve / release / decode NDJSON / watch / health) on the types of ``tilert.contracts``,
+and each test sets the faults it needs. The real vLLM and the real decode node are tested elsewhere.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,15 +24,11 @@ import openai
 import orjson
 import pytest
 import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
-from tilert import auth
 from tilert import contracts as c
 from tilert.router import ConfigError, RouterConfig, build_app, load_config, parse_decode_spec
 from tilert.router.config import DecodeNodeSpec
+from tilert.testing.standins import Script, Standins
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,7 +37,7 @@ SECRET = b"router-unit-test-secret-0123456789"
 
 
 # ----------------------------------------------------------------------------------------------
-# Fixtures: tokenizer model dir, loopback servers
+# Fixtures: tokenizer model dir, loopback servers, the stand-ins
 # ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -51,13 +47,25 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny_tok")
     tok = train_tokenizer()
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>",
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }))
-    (out / "config.json").write_text(json.dumps({
-        "eos_token_id": tok.token_to_id("<|eos|>"), "bos_token_id": tok.token_to_id("<|bos|>"), "model_type": "tiny",
-    }))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|bos|>",
+                "eos_token": "<|eos|>",
+                "pad_token": "<|pad|>",
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
+    (out / "config.json").write_text(
+        json.dumps(
+            {
+                "eos_token_id": tok.token_to_id("<|eos|>"),
+                "bos_token_id": tok.token_to_id("<|bos|>"),
+                "model_type": "tiny",
+            }
+        )
+    )
     return out
 
 
@@ -95,265 +103,23 @@ def _wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
     return cond()
 
 
-# ----------------------------------------------------------------------------------------------
-# Stand-ins (protocol/fault tests only)
-# ----------------------------------------------------------------------------------------------
-@dataclass
-class World:
-    """Shared state of the stand-in prefill and decode servers."""
-
-    tokenizer: Any
-    eos_id: int
-    model_name: str = "tiny"
-    script: list[int] = field(default_factory=list)
-    prefill_mode: str = "ok"  # ok | no_kv | http_500
-    decode_mode: str = "ok"  # ok | error_after | hang | refuse
-    watch_silent: bool = False  # the node's watch stream stays open but stops beating (a hung node)
-    fail_transfers: str | None = None  # the node reports every reserved transfer failed, with this reason
-    error_after: int = 2
-    hold: bool = False
-    prefill_delay: float = 0.0
-    token_delay: float = 0.002
-    tokens_per_line: int = 1
-    slots_total: int = 2
-    max_seq_len: int = 4096  # the node's context, as its reserve answers it
-    max_lease_s: float | None = None  # the longest lease the node grants, as its health says (None: not said)
-    reserve_refusal: tuple[int, str] | None = None  # the node refuses the request's sampling at reserve time
-    reserve_bodies: list[dict[str, Any]] = field(default_factory=list)
-    decode_gate: threading.Event | None = None  # set: the decode answers only once the test opens it
-    reservations: dict[str, int] = field(default_factory=dict)
-    prefill_bodies: list[dict[str, Any]] = field(default_factory=list)
-    prompts: dict[str, str] = field(default_factory=dict)
-    transfers: dict[str, list[int]] = field(default_factory=dict)
-    decode_calls: list[str] = field(default_factory=list)
-    decode_bodies: list[dict[str, Any]] = field(default_factory=list)
-    cancels: list[str] = field(default_factory=list)
-    releases: list[str] = field(default_factory=list)
-    closed_streams: list[str] = field(default_factory=list)
-    decoding: set[str] = field(default_factory=set)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def reset(self) -> None:
-        self.script = self.tokenizer.encode(MODEL_TEXT).ids + [self.eos_id]
-        self.prefill_mode, self.decode_mode, self.error_after = "ok", "ok", 2
-        self.prefill_delay, self.watch_silent, self.fail_transfers = 0.0, False, None
-        self.hold, self.token_delay, self.tokens_per_line, self.slots_total = False, 0.002, 1, 2
-        self.max_seq_len, self.reserve_refusal, self.decode_gate, self.max_lease_s = 4096, None, None, None
-        for coll in (self.reservations, self.prefill_bodies, self.prompts, self.transfers, self.decode_calls,
-                     self.decode_bodies, self.cancels, self.releases, self.closed_streams, self.decoding):
-            coll.clear()
-
-    def text(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def prefill_standin(world: World) -> Starlette:
-    async def generate(request: Request) -> Response:
-        body = await request.json()
-        chat = request.url.path.endswith("/chat/completions")
-        world.prefill_bodies.append(body)
-        if world.prefill_delay:
-            await anyio.sleep(world.prefill_delay)
-        if body.get("model") != world.model_name:
-            return JSONResponse(
-                {"error": {"message": f"The model `{body.get('model')}` does not exist.", "type": "NotFoundError",
-                           "param": "model", "code": 404}},
-                status_code=404,
-            )
-        if world.prefill_mode == "http_500":
-            return JSONResponse({"error": {"message": "engine dead", "code": 500}}, status_code=500)
-        assert body["max_tokens"] == 1 and body["stream"] is False and body["return_token_ids"] is True
-        assert "max_completion_tokens" not in body and "stream_options" not in body
-        claim = c.Claim.from_params(body["kv_transfer_params"])
-        assert claim is not None and claim.verified(SECRET)  # the router signs every claim
-        prompt = " ".join(m["content"] for m in body["messages"]) if chat else body["prompt"]
-        prompt_ids = world.tokenizer.encode(prompt).ids
-        first = world.script[0]
-        text = world.text([first])
-        finish, stop_reason = "length", None
-        if first == world.eos_id:
-            finish = "stop"
-        stops = body.get("stop") or []
-        for s in [stops] if isinstance(stops, str) else stops:
-            if s in text:
-                text, finish, stop_reason = text[: text.index(s)], "stop", s
-                break
-        tid = claim.transfer_id
-        world.prompts[tid] = prompt
-        world.transfers[tid] = world.script[1:]
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason,
-                                  "token_ids": [first]}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-            choice["prompt_token_ids"] = prompt_ids
-        resp: dict[str, Any] = {
-            "id": "chatcmpl-standin" if chat else "cmpl-standin",
-            "object": "chat.completion" if chat else "text_completion",
-            "created": 1700000000,
-            "model": body["model"],
-            "choices": [choice],
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": 1, "total_tokens": len(prompt_ids) + 1},
-        }
-        if chat:
-            resp["prompt_token_ids"] = prompt_ids
-        if world.prefill_mode != "no_kv":
-            resp["kv_transfer_params"] = c.ClaimResult(tid, first, len(prompt_ids)).to_params()
-        return JSONResponse(resp)
-
-    async def health(request: Request) -> Response:
-        return Response(status_code=200)
-
-    return Starlette(routes=[
-        Route("/v1/chat/completions", generate, methods=["POST"]),
-        Route("/v1/completions", generate, methods=["POST"]),
-        Route("/health", health),
-    ])
-
-
-def decode_standin(world: World) -> Starlette:
-    """The decode node's API on the contract types (``tilert.contracts``), as the real node answers it."""
-    token = ("Bearer " + auth.node_api_token(SECRET)).encode()
-
-    def free(tid: str) -> bool:
-        with world.lock:
-            return world.reservations.pop(tid, None) is not None
-
-    def error(message: str, status: int) -> Response:
-        return Response(c.error_body(message, status), status, media_type="application/json")
-
-    def authorised(request: Request) -> bool:
-        return request.headers.get("authorization", "").encode() == token
-
-    async def reserve(request: Request) -> Response:
-        if not authorised(request):
-            return error("missing or invalid node API token", 401)
-        body = c.parse(c.ReserveRequest, await request.body())
-        world.reserve_bodies.append(c.msgspec.to_builtins(body))
-        if world.reserve_refusal is not None:
-            return error(world.reserve_refusal[1], world.reserve_refusal[0])
-        with world.lock:
-            if len(world.reservations) >= world.slots_total:
-                return error("all decode slots are taken", 429)
-            slot = len(world.reservations)
-            world.reservations[body.transfer_id] = slot
-        return Response(c.dump(c.ReserveResponse(body.transfer_id, slot, world.max_seq_len)),
-                        media_type="application/json")  # fmt: skip
-
-    async def release(request: Request) -> Response:
-        if not authorised(request):
-            return error("missing or invalid node API token", 401)
-        tid = c.parse(c.ReleaseRequest, await request.body()).transfer_id
-        world.releases.append(tid)
-        if tid in world.decoding:
-            world.cancels.append(tid)  # (the real node cancels a running decode on release too)
-        return Response(c.dump(c.ReleaseResponse(free(tid))), media_type="application/json")
-
-    async def decode(request: Request) -> Response:
-        if not authorised(request):
-            return error("missing or invalid node API token", 401)
-        body = c.parse(c.DecodeRequest, await request.body())
-        tid = body.transfer_id
-        if tid not in world.reservations:
-            return error("unknown transfer: reserve a slot first", 404)
-        if world.decode_gate is not None:
-            await anyio.to_thread.run_sync(world.decode_gate.wait, 10.0)
-        if world.decode_mode == "refuse":
-            return error("top_k too large", 400)
-        world.decode_calls.append(tid)
-        world.decode_bodies.append(c.msgspec.to_builtins(body))
-        script, stop_ids = world.transfers[tid], set(body.sampling.stop_token_ids)
-        limit = len(script) if body.sampling.max_tokens is None else body.sampling.max_tokens
-
-        async def lines() -> Any:
-            world.decoding.add(tid)
-            try:
-                while world.hold:
-                    await anyio.sleep(0.005)
-                produced: list[int] = []
-                pending: list[int] = []
-                for tok in script[:limit]:
-                    if world.decode_mode == "error_after" and len(produced) >= world.error_after:
-                        yield c.dump_line(c.ErrorLine(500, "injected decode failure"))
-                        return
-                    if world.decode_mode == "hang" and len(produced) >= world.error_after:
-                        await anyio.sleep(3600)
-                    produced.append(tok)
-                    pending.append(tok)
-                    eos = tok == world.eos_id and not body.sampling.ignore_eos
-                    if eos or tok in stop_ids:
-                        await anyio.sleep(world.token_delay)
-                        yield c.dump_line(c.TokenLine(pending, "stop", None if eos else tok))
-                        return
-                    if len(pending) >= world.tokens_per_line:
-                        await anyio.sleep(world.token_delay)
-                        last = len(produced) == limit
-                        yield c.dump_line(c.TokenLine(pending, "length" if last else None))
-                        pending = []
-                        if last:
-                            return
-                yield c.dump_line(c.TokenLine(pending, "length"))
-            finally:
-                world.decoding.discard(tid)
-                world.closed_streams.append(tid)
-                free(tid)
-
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
-
-    async def watch(request: Request) -> Response:
-        if not authorised(request):
-            return error("missing or invalid node API token", 401)
-
-        async def beats() -> Any:
-            told: set[str] = set()
-            while True:
-                if not world.watch_silent:
-                    yield c.dump(c.NodeBeat("standin")) + b"\n"
-                for tid in list(world.reservations) if world.fail_transfers else []:
-                    if tid not in told:
-                        told.add(tid)
-                        yield c.dump(c.TransferFailed(tid, world.fail_transfers)) + b"\n"
-                await anyio.sleep(0.05)
-
-        return StreamingResponse(beats(), media_type="application/x-ndjson")
-
-    async def health(request: Request) -> Response:
-        with world.lock:
-            used = len(world.reservations)
-        caps = c.EngineInfo(True, True, True, False)
-        return Response(c.dump(c.NodeHealth("ok", "standin", "standin", c.PROTOCOL_VERSION, "tcp", 1, 4096,
-                                            world.slots_total, world.slots_total - used, 0, 0, 0, 0, caps,
-                                            world.max_lease_s)),
-                        media_type="application/json")  # fmt: skip
-
-    return Starlette(routes=[
-        Route("/v1/reserve", reserve, methods=["POST"]),
-        Route("/v1/release", release, methods=["POST"]),
-        Route("/v1/decode", decode, methods=["POST"]),
-        Route("/v1/watch", watch),
-        Route("/health", health),
-    ])
-
-
 @pytest.fixture(scope="module")
-def standins(model_dir: Path) -> Iterator[tuple[World, _Server, _Server]]:
+def standins(model_dir: Path) -> Iterator[tuple[Standins, _Server, _Server]]:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     eos = tok.token_to_id("<|eos|>")
     assert eos is not None
-    world = World(tokenizer=tok, eos_id=eos)
-    world.reset()
-    prefill = _Server(prefill_standin(world), lifespan="off").start()
-    decode = _Server(decode_standin(world), lifespan="off").start()
+    world = Standins.build(Script(tok, tok.encode(MODEL_TEXT).ids + [eos], eos), SECRET, "tiny")
+    prefill = _Server(world.prefill.app, lifespan="off").start()
+    decode = _Server(world.node.app, lifespan="off").start()
     yield world, prefill, decode
     prefill.stop()
     decode.stop()
 
 
 @pytest.fixture
-def world(standins: tuple[World, _Server, _Server]) -> World:
+def world(standins: tuple[Standins, _Server, _Server]) -> Standins:
     standins[0].reset()
     return standins[0]
 
@@ -372,7 +138,7 @@ class RouterHandle:
 
 
 @pytest.fixture
-def make_router(standins: tuple[World, _Server, _Server], model_dir: Path) -> Iterator[Callable[..., RouterHandle]]:
+def make_router(standins: tuple[Standins, _Server, _Server], model_dir: Path) -> Iterator[Callable[..., RouterHandle]]:
     _, prefill, decode = standins
     started: list[_Server] = []
 
@@ -406,14 +172,14 @@ def _slots_in_use(router: RouterHandle) -> int:
     return sum(n["router_in_use"] for n in data["decode"])
 
 
-def _expected(world: World) -> tuple[str, list[int]]:
-    return world.text(world.script[:-1]), list(world.script)
+def _expected(world: Standins) -> tuple[str, list[int]]:
+    return world.script.text(world.script.ids[:-1]), list(world.script.ids)
 
 
 # ----------------------------------------------------------------------------------------------
 # Happy paths
 # ----------------------------------------------------------------------------------------------
-def test_chat_streaming_text_token_ids_usage(router: RouterHandle, world: World) -> None:
+def test_chat_streaming_text_token_ids_usage(router: RouterHandle, world: Standins) -> None:
     text, ids = _expected(world)
     stream = router.client().chat.completions.create(
         model="tiny",
@@ -432,25 +198,27 @@ def test_chat_streaming_text_token_ids_usage(router: RouterHandle, world: World)
     assert finishes == ["stop"]
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
-    prompt_tokens = len(world.tokenizer.encode("hi").ids)
+    prompt_tokens = len(world.script.tokenizer.encode("hi").ids)
     assert chunks[-1].usage.prompt_tokens == prompt_tokens
     assert chunks[-1].usage.completion_tokens == len(ids)
     assert chunks[-1].usage.total_tokens == prompt_tokens + len(ids)
     # The decode node got the rest of the budget and the claim went to vLLM with a router-minted id.
-    assert world.decode_bodies[0]["sampling"]["max_tokens"] == 99
-    assert world.decode_bodies[0]["first_token_id"] == ids[0]
-    kv = world.prefill_bodies[0]["kv_transfer_params"]
+    assert world.node.decode_bodies[0]["sampling"]["max_tokens"] == 99
+    assert world.node.decode_bodies[0]["first_token_id"] == ids[0]
+    kv = world.prefill.bodies[0]["kv_transfer_params"]
     assert kv["tilert_host"] == "127.0.0.1" and kv["tilert_ctrl_port"] == 1 and len(kv["tilert_transfer_id"]) == 32
     assert _wait_for(lambda: _slots_in_use(router) == 0)
-    assert not world.reservations
-    assert world.releases == []  # the node freed the slot as its stream ended: no release call was needed
+    assert not world.node.reservations
+    assert world.node.releases == []  # the node freed the slot as its stream ended: no release call was needed
 
 
-def test_chat_non_streaming(router: RouterHandle, world: World) -> None:
+def test_chat_non_streaming(router: RouterHandle, world: Standins) -> None:
     text, ids = _expected(world)
-    world.tokens_per_line = 3  # MTP-style multi-token lines
+    world.node.tokens_per_line = 3  # MTP-style multi-token lines
     resp = router.client().chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "hello"}], max_completion_tokens=64,
+        model="tiny",
+        messages=[{"role": "user", "content": "hello"}],
+        max_completion_tokens=64,
         extra_body={"return_token_ids": True},
     )
     assert resp.object == "chat.completion"
@@ -458,53 +226,61 @@ def test_chat_non_streaming(router: RouterHandle, world: World) -> None:
     assert resp.choices[0].finish_reason == "stop"
     assert (resp.choices[0].model_extra or {})["token_ids"] == ids
     assert resp.usage is not None and resp.usage.completion_tokens == len(ids)
-    assert "max_completion_tokens" not in world.prefill_bodies[0]
+    assert "max_completion_tokens" not in world.prefill.bodies[0]
 
 
-def test_completions_streaming_and_length(router: RouterHandle, world: World) -> None:
+def test_completions_streaming_and_length(router: RouterHandle, world: Standins) -> None:
     client = router.client()
-    ids = world.script
-    stream = client.completions.create(model="tiny", prompt="def f():", max_tokens=5, stream=True,
-                                       extra_body={"return_token_ids": True})
+    ids = world.script.ids
+    stream = client.completions.create(
+        model="tiny", prompt="def f():", max_tokens=5, stream=True, extra_body={"return_token_ids": True}
+    )
     chunks = list(stream)
-    assert "".join(c.choices[0].text for c in chunks) == world.text(ids[:5])
+    assert "".join(c.choices[0].text for c in chunks) == world.script.text(ids[:5])
     assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
     got = [t for c in chunks for t in (c.choices[0].model_extra or {}).get("token_ids", [])]
     assert got == ids[:5]
 
     resp = client.completions.create(model="tiny", prompt="def f():", max_tokens=300)
     assert resp.object == "text_completion"
-    assert resp.choices[0].text == world.text(ids[:-1])
+    assert resp.choices[0].text == world.script.text(ids[:-1])
     assert resp.choices[0].finish_reason == "stop"
     assert resp.usage is not None and resp.usage.completion_tokens == len(ids)
     assert _wait_for(lambda: _slots_in_use(router) == 0)
 
 
-def test_router_side_stop_string_spanning_tokens(router: RouterHandle, world: World) -> None:
-    full = world.text(world.script[:-1])
+def test_router_side_stop_string_spanning_tokens(router: RouterHandle, world: Standins) -> None:
+    full = world.script.text(world.script.ids[:-1])
     stop = "return bar"
     expected = full[: full.index(stop)]
     stream = router.client().chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=100, stream=True, stop=[stop],
+        model="tiny",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=100,
+        stream=True,
+        stop=[stop],
     )
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
     resp = router.client().chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=100, stop=stop,
+        model="tiny",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=100,
+        stop=stop,
     )
     # router-side stop: the decode stream was closed (the node stops) and the slot freed before the answer ended
-    assert not world.reservations and world.closed_streams and world.releases
+    assert not world.node.reservations and world.node.closed_streams and world.node.releases
     assert resp.choices[0].message.content == expected
     assert (resp.choices[0].model_extra or {}).get("stop_reason") == stop
-    assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)
+    assert _wait_for(lambda: not world.node.reservations and _slots_in_use(router) == 0)
 
 
-def test_first_token_stop_answered_from_prefill(router: RouterHandle, world: World) -> None:
-    world.script = [world.eos_id]
+def test_first_token_stop_answered_from_prefill(router: RouterHandle, world: Standins) -> None:
+    world.script.ids = [world.script.eos_id]
     client = router.client()
     resp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "q"}], max_tokens=50)
-    assert not world.reservations  # released before the answer's last byte
+    assert not world.node.reservations  # released before the answer's last byte
     assert resp.choices[0].finish_reason == "stop"
     assert resp.choices[0].message.content == ""
     assert resp.usage is not None and resp.usage.completion_tokens == 1
@@ -514,10 +290,10 @@ def test_first_token_stop_answered_from_prefill(router: RouterHandle, world: Wor
     world.reset()
     resp2 = client.completions.create(model="tiny", prompt="q", max_tokens=1)
     assert resp2.choices[0].finish_reason == "length"
-    assert resp2.choices[0].text == world.text(world.script[:1])
-    assert world.decode_calls == []
-    assert len(world.releases) >= 1
-    assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)
+    assert resp2.choices[0].text == world.script.text(world.script.ids[:1])
+    assert world.node.decode_calls == []
+    assert len(world.node.releases) >= 1
+    assert _wait_for(lambda: not world.node.reservations and _slots_in_use(router) == 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -536,58 +312,57 @@ def _stream_in_thread(router: RouterHandle, prompt: str, results: dict[str, Any]
     return t
 
 
-def test_full_then_queue_timeout_429_retry_after(make_router: Callable[..., RouterHandle], world: World) -> None:
-    world.slots_total = 1
-    world.hold = True
+def test_full_then_queue_timeout_429_retry_after(make_router: Callable[..., RouterHandle], world: Standins) -> None:
+    world.node.slots = 1
+    world.node.hold = True
     router = make_router(queue_timeout_s=0.3, retry_after_s=2)
     results: dict[str, Any] = {}
     t = _stream_in_thread(router, "holder", results)
-    assert _wait_for(lambda: len(world.decode_calls) == 1)
-    r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "late", "max_tokens": 3},
-                   timeout=5)
+    assert _wait_for(lambda: len(world.node.decode_calls) == 1)
+    r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "late", "max_tokens": 3}, timeout=5)
     assert r.status_code == 429
     assert r.headers["retry-after"] == "2"
     assert "decode slot" in r.json()["error"]["message"]
-    world.hold = False
+    world.node.hold = False
     t.join(10)
     assert isinstance(results["holder"], str)
 
 
-def test_queue_full_429_at_once(make_router: Callable[..., RouterHandle], world: World) -> None:
-    world.slots_total = 1
-    world.hold = True
+def test_queue_full_429_at_once(make_router: Callable[..., RouterHandle], world: Standins) -> None:
+    world.node.slots = 1
+    world.node.hold = True
     router = make_router(queue_timeout_s=5, max_queue=0)
     results: dict[str, Any] = {}
     t = _stream_in_thread(router, "holder", results)
-    assert _wait_for(lambda: len(world.decode_calls) == 1)
+    assert _wait_for(lambda: len(world.node.decode_calls) == 1)
     t0 = time.monotonic()
     with pytest.raises(openai.RateLimitError):
         router.client().completions.create(model="tiny", prompt="x", max_tokens=3)
     assert time.monotonic() - t0 < 2
-    world.hold = False
+    world.node.hold = False
     t.join(10)
 
 
-def test_fifo_order(make_router: Callable[..., RouterHandle], world: World) -> None:
-    world.slots_total = 1
-    world.hold = True
+def test_fifo_order(make_router: Callable[..., RouterHandle], world: Standins) -> None:
+    world.node.slots = 1
+    world.node.hold = True
     router = make_router(queue_timeout_s=20)
     results: dict[str, Any] = {}
     threads = [_stream_in_thread(router, "A", results)]
-    assert _wait_for(lambda: len(world.decode_calls) == 1)
+    assert _wait_for(lambda: len(world.node.decode_calls) == 1)
     for name in ("B", "C", "D"):
         threads.append(_stream_in_thread(router, name, results))
         depth = ord(name) - ord("A")
         assert _wait_for(lambda d=depth: httpx.get(router.url + "/health", timeout=5).json()["queue_depth"] == d)
-    world.hold = False
+    world.node.hold = False
     for t in threads:
         t.join(20)
-    order = [world.prompts[tid] for tid in world.decode_calls]
+    order = [world.prefill.prompts[tid] for tid in world.node.decode_calls]
     assert order == ["A", "B", "C", "D"]
     assert all(isinstance(v, str) for v in results.values())
 
 
-def test_no_healthy_node_503(make_router: Callable[..., RouterHandle], world: World) -> None:
+def test_no_healthy_node_503(make_router: Callable[..., RouterHandle], world: Standins) -> None:
     dead = socket.socket()
     dead.bind(("127.0.0.1", 0))
     port = dead.getsockname()[1]
@@ -620,60 +395,66 @@ def test_no_healthy_node_503(make_router: Callable[..., RouterHandle], world: Wo
         {"stop": [1, 2]},
     ],
 )
-def test_unsupported_options_400(router: RouterHandle, world: World, extra: dict[str, Any]) -> None:
+def test_unsupported_options_400(router: RouterHandle, world: Standins, extra: dict[str, Any]) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], **extra}
     r = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=5)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"]
-    assert world.prefill_bodies == []
+    assert world.prefill.bodies == []
 
 
-def test_completions_only_refusals_and_bad_json(router: RouterHandle, world: World) -> None:
+def test_completions_only_refusals_and_bad_json(router: RouterHandle, world: Standins) -> None:
     for extra in ({"echo": True}, {"best_of": 3}, {"logprobs": 2}, {"prompt": ["a", "b"]}):
         r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x", **extra}, timeout=5)
         assert r.status_code == 400, (extra, r.text)
-    r = httpx.post(router.url + "/v1/completions", content=b"{not json", timeout=5,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        router.url + "/v1/completions", content=b"{not json", timeout=5, headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError):
         router.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=2)
-    assert world.prefill_bodies == []
+    assert world.prefill.bodies == []
 
 
-def test_vllm_4xx_propagated(router: RouterHandle, world: World) -> None:
+def test_vllm_4xx_propagated(router: RouterHandle, world: Standins) -> None:
     with pytest.raises(openai.NotFoundError) as err:
         router.client().chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     assert "The model `nope` does not exist." in str(err.value)
-    assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)
-    assert world.releases  # the reservation was released
+    assert _wait_for(lambda: not world.node.reservations and _slots_in_use(router) == 0)
+    assert world.node.releases  # the reservation was released
 
 
-def test_prefill_5xx_is_502(router: RouterHandle, world: World) -> None:
-    world.prefill_mode = "http_500"
+def test_prefill_5xx_is_502(router: RouterHandle, world: Standins) -> None:
+    world.prefill.mode = "http_500"
     r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=5)
     assert r.status_code == 502 and "HTTP 500" in r.json()["error"]["message"]
-    assert _wait_for(lambda: not world.reservations)
+    assert _wait_for(lambda: not world.node.reservations)
 
 
-def test_missing_kv_transfer_params_502(router: RouterHandle, world: World) -> None:
-    world.prefill_mode = "no_kv"
-    r = httpx.post(router.url + "/v1/chat/completions",
-                   json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True}, timeout=5)
+def test_missing_kv_transfer_params_502(router: RouterHandle, world: Standins) -> None:
+    world.prefill.mode = "no_kv"
+    r = httpx.post(
+        router.url + "/v1/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True},
+        timeout=5,
+    )
     assert r.status_code == 502
     assert "kv_transfer_params" in r.json()["error"]["message"]
-    assert world.decode_calls == []
-    assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)
+    assert world.node.decode_calls == []
+    assert _wait_for(lambda: not world.node.reservations and _slots_in_use(router) == 0)
 
 
 def _sse_events(text: str) -> list[str]:
-    return [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in text.split("\n") if line.startswith("data: ")]
 
 
-def test_decode_error_mid_stream_error_event_then_done(router: RouterHandle, world: World) -> None:
-    world.decode_mode = "error_after"
-    world.error_after = 2
-    r = httpx.post(router.url + "/v1/chat/completions", timeout=10, json={
-        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True, "max_tokens": 50})
+def test_decode_error_mid_stream_error_event_then_done(router: RouterHandle, world: Standins) -> None:
+    world.node.error_after = 2
+    r = httpx.post(
+        router.url + "/v1/chat/completions",
+        timeout=10,
+        json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True, "max_tokens": 50},
+    )
     assert r.status_code == 200
     events = _sse_events(r.text)
     assert events[-1] == "[DONE]"
@@ -684,33 +465,36 @@ def test_decode_error_mid_stream_error_event_then_done(router: RouterHandle, wor
     assert len(content) in (2, 3)
     # The openai client surfaces it as an APIError.
     with pytest.raises(openai.APIError):
-        list(router.client().chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "x"}], stream=True, max_tokens=50))
+        list(
+            router.client().chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "x"}], stream=True, max_tokens=50
+            )
+        )
     # Non-streaming: a plain 502.
     r2 = httpx.post(router.url + "/v1/completions", timeout=10, json={"model": "tiny", "prompt": "x", "max_tokens": 50})
     assert r2.status_code == 502
-    assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)
+    assert _wait_for(lambda: not world.node.reservations and _slots_in_use(router) == 0)
 
 
 def test_a_node_gone_silent_is_lost_and_a_prefill_aimed_at_it_fails_fast(
-    make_router: Callable[..., RouterHandle], world: World
+    make_router: Callable[..., RouterHandle], world: Standins
 ) -> None:
     """A hung node (its watch stream open, its beats stopped; a real node dies faster: its stream closes, as
     ``test_e2e_transports``' peer-killed test shows) is lost after node_silence_s: the prefill aimed at it is
     cancelled, the request moves on (no node left: 503 at once, not when the prefill returns), the slot it
     reserved there is released, and the node comes back once it beats again."""
     router = make_router(node_silence_s=1.5)
-    world.prefill_delay = 8.0
+    world.prefill.delay_s = 8.0
     t0 = time.monotonic()
-    world.watch_silent = True
+    world.node.watch_silent = True
     r = httpx.post(router.url + "/v1/completions", timeout=15, json={"model": "tiny", "prompt": "x", "max_tokens": 9})
     elapsed = time.monotonic() - t0
     assert r.status_code == 503 and "no healthy decode node" in r.json()["error"]["message"], r.text
     assert elapsed < 1.5 + 2.0, elapsed  # the silence limit, then at once (the prefill would take 8 s)
-    assert world.decode_calls == [] and world.releases and not world.reservations
+    assert world.node.decode_calls == [] and world.node.releases and not world.node.reservations
     node = httpx.get(router.url + "/health", timeout=5).json()["decode"][0]
     assert not node["ok"] and "watch stream is not open" in node["error"], node  # its /health alone is not enough
-    world.watch_silent, world.prefill_delay = False, 0.0
+    world.node.watch_silent, world.prefill.delay_s = False, 0.0
     assert _wait_for(lambda: httpx.get(router.url + "/health", timeout=5).json()["status"] == "ok", timeout=10)
     text, _ = _expected(world)
     out = router.client().completions.create(model="tiny", prompt="x", max_tokens=100)
@@ -718,35 +502,36 @@ def test_a_node_gone_silent_is_lost_and_a_prefill_aimed_at_it_fails_fast(
 
 
 def test_a_transfer_the_node_reports_failed_ends_the_request_before_the_prefill_returns(
-    router: RouterHandle, world: World
+    router: RouterHandle, world: Standins
 ) -> None:
     """The node says on its watch stream that the request's transfer failed: the client gets the node's reason at
     once (the prefill, 8 s here, is cancelled), the decode is never asked for, and the slot is released."""
-    world.prefill_delay, world.fail_transfers = 8.0, "injected: the sender aborted"
+    world.prefill.delay_s, world.node.fail_transfers = 8.0, "injected: the sender aborted"
     t0 = time.monotonic()
     r = httpx.post(router.url + "/v1/completions", timeout=15, json={"model": "tiny", "prompt": "x", "max_tokens": 9})
     assert r.status_code == 502 and r.json()["error"]["message"] == "KV transfer failed: injected: the sender aborted"
     assert time.monotonic() - t0 < 2.0
-    assert world.decode_calls == []
-    assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)
+    assert world.node.decode_calls == []
+    assert _wait_for(lambda: not world.node.reservations and _slots_in_use(router) == 0)
     metrics = httpx.get(router.url + "/metrics", timeout=5).text
     assert 'outcome="transfer_failed"' in metrics
 
 
-def test_decode_refusal_4xx(router: RouterHandle, world: World) -> None:
-    world.decode_mode = "refuse"
+def test_decode_refusal_4xx(router: RouterHandle, world: Standins) -> None:
+    world.node.decode_refusal = (400, "top_k too large")
     r = httpx.post(router.url + "/v1/completions", timeout=10, json={"model": "tiny", "prompt": "x", "max_tokens": 9})
     assert r.status_code == 400 and "top_k too large" in r.json()["error"]["message"]
-    assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)
+    assert _wait_for(lambda: not world.node.reservations and _slots_in_use(router) == 0)
 
 
-def test_client_disconnect_cancels_decode_and_releases(router: RouterHandle, world: World) -> None:
-    world.decode_mode = "hang"
-    world.error_after = 1
+def test_client_disconnect_cancels_decode_and_releases(router: RouterHandle, world: Standins) -> None:
+    world.node.hang_after = 1
     with httpx.Client(timeout=10) as client:
-        with client.stream("POST", router.url + "/v1/chat/completions", json={
-                "model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True,
-                "max_tokens": 50}) as resp:
+        with client.stream(
+            "POST",
+            router.url + "/v1/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True, "max_tokens": 50},
+        ) as resp:
             assert resp.status_code == 200
             lines = resp.iter_lines()
             got = 0
@@ -755,9 +540,9 @@ def test_client_disconnect_cancels_decode_and_releases(router: RouterHandle, wor
                     got += 1
                 if got == 2:  # the prefill token and one decode token
                     break
-            tid = world.decode_calls[0]
-    assert _wait_for(lambda: tid in world.closed_streams, timeout=5)  # closing the stream stops the decode
-    assert _wait_for(lambda: tid in world.releases and not world.reservations, timeout=5)
+            tid = world.node.decode_calls[0]
+    assert _wait_for(lambda: tid in world.node.closed_streams, timeout=5)  # closing the stream stops the decode
+    assert _wait_for(lambda: tid in world.node.releases and not world.node.reservations, timeout=5)
     assert _wait_for(lambda: _slots_in_use(router) == 0)
     metrics = httpx.get(router.url + "/metrics", timeout=5).text
     assert 'outcome="client_disconnected"' in metrics
@@ -766,18 +551,23 @@ def test_client_disconnect_cancels_decode_and_releases(router: RouterHandle, wor
 # ----------------------------------------------------------------------------------------------
 # Surface: request id, models, auth, metrics, health, config
 # ----------------------------------------------------------------------------------------------
-def test_request_id_echo_and_mint(router: RouterHandle, world: World) -> None:
-    r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
-                   headers={"X-Request-Id": "abc-123"}, timeout=5)
+def test_request_id_echo_and_mint(router: RouterHandle, world: Standins) -> None:
+    r = httpx.post(
+        router.url + "/v1/completions",
+        json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+        headers={"X-Request-Id": "abc-123"},
+        timeout=5,
+    )
     assert r.status_code == 200 and r.headers["x-request-id"] == "abc-123"
     r2 = httpx.get(router.url + "/v1/models", timeout=5)
     assert len(r2.headers["x-request-id"]) == 32
-    r3 = httpx.post(router.url + "/v1/completions", json={"n": 3, "prompt": "x"}, headers={"X-Request-Id": "e-1"},
-                    timeout=5)
+    r3 = httpx.post(
+        router.url + "/v1/completions", json={"n": 3, "prompt": "x"}, headers={"X-Request-Id": "e-1"}, timeout=5
+    )
     assert r3.status_code == 400 and r3.headers["x-request-id"] == "e-1"
 
 
-def test_models_health_metrics(router: RouterHandle, world: World) -> None:
+def test_models_health_metrics(router: RouterHandle, world: Standins) -> None:
     models = router.client().models.list()
     assert [m.id for m in models.data] == ["tiny"]
     h = httpx.get(router.url + "/health", timeout=5)
@@ -786,12 +576,17 @@ def test_models_health_metrics(router: RouterHandle, world: World) -> None:
     router.client().completions.create(model="tiny", prompt="x", max_tokens=3, stream=True).close()
     list(router.client().completions.create(model="tiny", prompt="x", max_tokens=3, stream=True))
     text = httpx.get(router.url + "/metrics", timeout=5).text
-    for name in ("tilert:time_to_first_token_seconds", "tilert:inter_token_latency_seconds",
-                 "tilert:num_requests_waiting", "tilert:e2e_request_latency_seconds", "tilert:requests_total"):
-        assert f'{name}' in text and 'model_name="tiny"' in text
+    for name in (
+        "tilert:time_to_first_token_seconds",
+        "tilert:inter_token_latency_seconds",
+        "tilert:num_requests_waiting",
+        "tilert:e2e_request_latency_seconds",
+        "tilert:requests_total",
+    ):
+        assert f"{name}" in text and 'model_name="tiny"' in text
 
 
-def test_auth_when_api_key_set(make_router: Callable[..., RouterHandle], world: World) -> None:
+def test_auth_when_api_key_set(make_router: Callable[..., RouterHandle], world: Standins) -> None:
     router = make_router(api_key="s3cret")
     with pytest.raises(openai.AuthenticationError):
         router.client("wrong").models.list()
@@ -844,107 +639,113 @@ def test_env_app_refuses_start_without_config(monkeypatch: pytest.MonkeyPatch) -
     anyio.run(main)
 
 
-def test_stop_token_ids_and_split_utf8(router: RouterHandle, world: World) -> None:
-    text_ids = world.tokenizer.encode("ok naïve 世界 ✓ end").ids
-    world.script = text_ids + [world.eos_id]
+def test_stop_token_ids_and_split_utf8(router: RouterHandle, world: Standins) -> None:
+    text_ids = world.script.tokenizer.encode("ok naïve 世界 ✓ end").ids
+    world.script.ids = text_ids + [world.script.eos_id]
     stream = router.client().completions.create(model="tiny", prompt="u", max_tokens=64, stream=True)
     assert "".join(c.choices[0].text for c in stream) == "ok naïve 世界 ✓ end"
     # A stop token id ends the request: its id counts and is returned, its text is not.
     stop_id = text_ids[3]
-    resp = router.client().completions.create(model="tiny", prompt="u", max_tokens=64,
-                                              extra_body={"stop_token_ids": [stop_id], "return_token_ids": True})
+    resp = router.client().completions.create(
+        model="tiny", prompt="u", max_tokens=64, extra_body={"stop_token_ids": [stop_id], "return_token_ids": True}
+    )
     assert resp.choices[0].finish_reason == "stop"
     assert (resp.choices[0].model_extra or {})["stop_reason"] == stop_id
     assert (resp.choices[0].model_extra or {})["token_ids"] == text_ids[:4]
-    assert resp.choices[0].text == world.text(text_ids[:3])
-    assert world.decode_bodies[-1]["sampling"]["stop_token_ids"] == [stop_id]
+    assert resp.choices[0].text == world.script.text(text_ids[:3])
+    assert world.node.decode_bodies[-1]["sampling"]["stop_token_ids"] == [stop_id]
 
 
-def test_node_full_elsewhere_waits_then_proceeds(make_router: Callable[..., RouterHandle], world: World) -> None:
-    world.slots_total = 1
+def test_node_full_elsewhere_waits_then_proceeds(make_router: Callable[..., RouterHandle], world: Standins) -> None:
+    world.node.slots = 1
     router = make_router(queue_timeout_s=10)
-    world.reservations["someone-else"] = 0  # a slot held by another router: our view says free
+    world.node.reservations["someone-else"] = 0  # a slot held by another router: our view says free
     results: dict[str, Any] = {}
     t = _stream_in_thread(router, "patient", results)
     assert _wait_for(lambda: httpx.get(router.url + "/health", timeout=5).json()["queue_depth"] == 1)
     # The reserve runs alongside the prefill: a prefill may have started for the refused reserve (it was
     # cancelled), but nothing decodes without a reservation.
-    assert world.decode_calls == []
-    with world.lock:
-        world.reservations.pop("someone-else")
+    assert world.node.decode_calls == []
+    with world.node.lock:
+        world.node.reservations.pop("someone-else")
     t.join(10)
     assert isinstance(results["patient"], str) and results["patient"]
-    tids = [c.Claim.from_params(b["kv_transfer_params"]).transfer_id for b in world.prefill_bodies]  # type: ignore[union-attr]
-    assert world.decode_calls == [tids[-1]] and len(set(tids)) == len(tids)  # each attempt under a new transfer id
+    tids = [c.Claim.from_params(b["kv_transfer_params"]).transfer_id for b in world.prefill.bodies]  # type: ignore[union-attr]
+    assert world.node.decode_calls == [tids[-1]] and len(set(tids)) == len(tids)  # each attempt under a new transfer id
 
 
 def test_disconnect_while_queued_or_prefilling_leaks_nothing(
-    make_router: Callable[..., RouterHandle], world: World
+    make_router: Callable[..., RouterHandle], world: Standins
 ) -> None:
-    world.slots_total = 1
-    world.hold = True
+    world.node.slots = 1
+    world.node.hold = True
     router = make_router(queue_timeout_s=20)
     results: dict[str, Any] = {}
     holder = _stream_in_thread(router, "holder", results)
-    assert _wait_for(lambda: len(world.decode_calls) == 1)
+    assert _wait_for(lambda: len(world.node.decode_calls) == 1)
     with pytest.raises(httpx.ReadTimeout):  # the client gives up while queued
         httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "q"}, timeout=0.3)
     assert _wait_for(lambda: httpx.get(router.url + "/health", timeout=5).json()["queue_depth"] == 0)
-    world.hold = False
+    world.node.hold = False
     holder.join(10)
-    world.prefill_delay = 2.0
+    world.prefill.delay_s = 2.0
     with pytest.raises(httpx.ReadTimeout):  # the client gives up during prefill
         httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "p"}, timeout=0.5)
-    assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0, timeout=5)
-    assert world.decode_calls == [world.decode_calls[0]]  # nothing decoded for the abandoned requests
+    assert _wait_for(lambda: not world.node.reservations and _slots_in_use(router) == 0, timeout=5)
+    assert world.node.decode_calls == [world.node.decode_calls[0]]  # nothing decoded for the abandoned requests
 
 
-def test_context_limit_is_the_nodes_to_decide(router: RouterHandle, world: World) -> None:
+def test_context_limit_is_the_nodes_to_decide(router: RouterHandle, world: Standins) -> None:
     """The router asks for no max_tokens of its own when the client set none (the node runs to the end of the
     context), and relays the node's context-length refusal as the 400 it is, before any byte was sent: with a
     context the prompt does not fit, the router waits for the node's answer before it streams."""
     router.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a b"}])
-    assert world.decode_bodies[-1]["sampling"]["max_tokens"] is None
-    world.decode_mode, world.max_seq_len = "refuse", 2
+    assert world.node.decode_bodies[-1]["sampling"]["max_tokens"] is None
+    world.node.decode_refusal, world.node.max_seq_len = (400, "top_k too large"), 2
     with pytest.raises(openai.BadRequestError, match="top_k too large"):
-        router.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a b"}],
-                                                stream=True)  # fmt: skip
-    assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)
+        router.client().chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "a b"}], stream=True
+        )
+    assert _wait_for(lambda: not world.node.reservations and _slots_in_use(router) == 0)
 
 
-def test_stream_starts_before_the_decode_node_answers(router: RouterHandle, world: World) -> None:
+def test_stream_starts_before_the_decode_node_answers(router: RouterHandle, world: Standins) -> None:
     """The node checked the sampling with the reserve and its context holds the request: prefill's token is
     streamed while the decode request is still unanswered (the stand-in answers it only after the client has
     read that first event; a router that waited for the node would stall here until the gate's timeout)."""
-    world.decode_gate = gate = threading.Event()
+    world.node.gate = gate = threading.Event()
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 5, "stream": True}
     with httpx.Client(timeout=20) as client, client.stream("POST", router.url + "/v1/completions", json=body) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
-        assert not gate.is_set() and world.decode_calls == []
+        assert not gate.is_set() and world.node.decode_calls == []
         assert orjson.loads(first.removeprefix("data: "))["choices"][0]["index"] == 0
         gate.set()
         rest = [line for line in lines if line.startswith("data: ")]
-    assert rest[-1] == "data: [DONE]" and len(world.decode_calls) == 1
-    sampling = world.reserve_bodies[-1]["sampling"]
-    assert sampling["max_tokens"] == 4 and sampling == world.decode_bodies[-1]["sampling"]
-    assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)
+    assert rest[-1] == "data: [DONE]" and len(world.node.decode_calls) == 1
+    sampling = world.node.reserve_bodies[-1]["sampling"]
+    assert sampling["max_tokens"] == 4 and sampling == world.node.decode_bodies[-1]["sampling"]
+    assert _wait_for(lambda: not world.node.reservations and _slots_in_use(router) == 0)
 
 
 @pytest.mark.parametrize(("node_status", "client_status"), [(501, 501), (422, 400)])
-def test_sampling_refused_at_reserve_is_the_clients_error(router: RouterHandle, world: World, node_status: int,
-                                                          client_status: int) -> None:  # fmt: skip
+def test_sampling_refused_at_reserve_is_the_clients_error(
+    router: RouterHandle, world: Standins, node_status: int, client_status: int
+) -> None:
     """A node that cannot honour the sampling (501) or finds it wrong for its model (422, the client's 400)
     refuses the reserve: the client gets that before any byte (the prefill is cancelled or its answer dropped),
     and no slot stays held. (A plain 400 from the reserve is the router's own fault, its lease or its body: that
     takes the node out of the pool as before.)"""
-    world.reserve_refusal = (node_status, "the stand-in engine cannot honour top_k")
+    world.node.reserve_refusal = (node_status, "the stand-in engine cannot honour top_k")
     with pytest.raises(openai.APIStatusError) as refused:
-        list(router.client().completions.create(model="tiny", prompt="x", max_tokens=5, stream=True,
-                                                extra_body={"top_k": 3}))  # fmt: skip
+        list(
+            router.client().completions.create(
+                model="tiny", prompt="x", max_tokens=5, stream=True, extra_body={"top_k": 3}
+            )
+        )
     assert refused.value.status_code == client_status and "cannot honour top_k" in str(refused.value)
-    assert world.decode_calls == []
-    assert _wait_for(lambda: not world.reservations and _slots_in_use(router) == 0)
+    assert world.node.decode_calls == []
+    assert _wait_for(lambda: not world.node.reservations and _slots_in_use(router) == 0)
 
 
 def test_node_client_repeats_an_idempotent_call_once_over_a_fresh_connection() -> None:
@@ -967,8 +768,10 @@ def test_node_client_repeats_an_idempotent_call_once_over_a_fresh_connection() -
                 writer.close()
                 return
             reply = c.dump(c.ReserveResponse(body.transfer_id, 0, 4096))
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                         % (len(reply), reply))  # fmt: skip
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                % (len(reply), reply)
+            )
             await writer.drain()
             writer.close()
 
@@ -991,13 +794,13 @@ def test_node_client_repeats_an_idempotent_call_once_over_a_fresh_connection() -
 
 
 def test_a_node_granting_shorter_leases_than_the_router_asks_is_unhealthy(
-    make_router: Callable[..., RouterHandle], world: World
+    make_router: Callable[..., RouterHandle], world: Standins
 ) -> None:
     """A router whose lease exceeds what a node grants would have every reserve refused: the node is reported
     unhealthy with the reason (on /health) and requests get a 503 instead of a stream of refusals."""
-    world.max_lease_s = 30.0
+    world.node.max_lease_s = 30.0
     router = make_router()  # its default lease: prefill + transfer timeouts + 30 s
     node = httpx.get(router.url + "/health", timeout=5).json()["decode"][0]
     assert not node["ok"] and f"at most 30 s, this router asks {router.config.lease_s:g} s" in node["error"]
-    world.max_lease_s = router.config.lease_s
+    world.node.max_lease_s = router.config.lease_s
     assert _wait_for(lambda: httpx.get(router.url + "/health", timeout=5).json()["decode"][0]["ok"])
