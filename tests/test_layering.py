@@ -196,6 +196,16 @@ def test_no_import_goes_up_a_layer() -> None:
     assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
 
 
+def test_the_product_never_imports_the_stand_ins() -> None:
+    """``tilert.testing`` serves tests and benchmarks; no module of the product may depend on it."""
+    users = [f"{e.source}:{e.line}" for e in edges() if layer_of_testing(e.target) and not layer_of_testing(e.source)]
+    assert not users, f"the product imports tilert.testing: {users}"
+
+
+def layer_of_testing(module: str) -> bool:
+    return module == "tilert.testing" or module.startswith("tilert.testing.")
+
+
 def test_no_import_cycles() -> None:
     found = cycles(graph())
     assert not found, f"import cycles inside tilert/ (imports inside functions count): {found}"
