@@ -147,32 +147,6 @@ def test_decode_sequences_default_follows_the_device(model: Path, monkeypatch: p
         decode_from_cli(["decode", "--max-sequences", "0"])
 
 
-def _help(command: str, capsys: pytest.CaptureFixture[str]) -> str:
-    with pytest.raises(SystemExit):
-        cli.parser().parse_args([command, "--help"])
-    return capsys.readouterr().out
-
-
-def test_every_setting_has_its_flag_and_env_in_help(capsys: pytest.CaptureFixture[str]) -> None:
-    router_help, decode_help = _help("router", capsys), _help("decode", capsys)
-    for flag, var in [
-        ("--max-body-bytes", "TILERT_ROUTER_MAX_BODY_BYTES"),
-        ("--default-max-tokens", "TILERT_ROUTER_DEFAULT_MAX_TOKENS"),
-        ("--reserve-lease-s", "TILERT_ROUTER_RESERVE_LEASE_S"),
-        ("--decode-idle-timeout-s", "TILERT_ROUTER_DECODE_IDLE_TIMEOUT_S"),
-        ("--api-key-file", "TILERT_ROUTER_API_KEY_FILE"),
-        ("--secret-file", "TILERT_SECRET_FILE"),
-    ]:
-        assert flag in router_help and var in router_help, flag
-    for flag, var in [
-        ("--slots", "TILERT_DECODE_NUM_SLOTS"),
-        ("--max-lease-s", "TILERT_DECODE_MAX_LEASE_S"),
-        ("--secret-file", "TILERT_SECRET_FILE"),
-    ]:
-        assert flag in decode_help and var in decode_help, flag
-    assert "--api-key " not in router_help and "--api-key\n" not in router_help
-
-
 # -- secrets ----------------------------------------------------------------------------------------
 
 
