@@ -19,12 +19,12 @@ from tilert import cli, stack
 from tilert.decode import config as decode_config
 from tilert.decode.config import DEFAULT_MAX_LEASE_S, DecodeConfig
 from tilert.router.config import (
-    ConfigError,
     RouterConfig,
     default_reserve_lease_s,
     load_config,
     load_config_from_env,
 )
+from tilert.settings import ConfigError
 
 SECRET = "s" * 40
 REPO = Path(__file__).resolve().parents[1]

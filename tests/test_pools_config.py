@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tilert.router.config import ConfigError, RouterConfig
+from tilert.router.config import RouterConfig
 from tilert.router.errors import RouterError
 from tilert.router.routing import choose_pool
+from tilert.settings import ConfigError
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 
