@@ -19,12 +19,12 @@ from tilert import cli, stack
 from tilert.decode import config as decode_config
 from tilert.decode.config import DEFAULT_MAX_LEASE_S, DecodeConfig
 from tilert.router.config import (
-    ConfigError,
     RouterConfig,
     default_reserve_lease_s,
     load_config,
     load_config_from_env,
 )
+from tilert.settings import ConfigError
 
 SECRET = "s" * 40
 REPO = Path(__file__).resolve().parents[1]
@@ -48,8 +48,16 @@ def model(tmp_path: Path) -> Path:
 
 
 def router_args(model: Path, *extra: str) -> list[str]:
-    return ["router", "--prefill-url", "http://127.0.0.1:8000", "--decode", "127.0.0.1:5556:5557",
-            "--model", str(model), *extra]  # fmt: skip
+    return [
+        "router",
+        "--prefill-url",
+        "http://127.0.0.1:8000",
+        "--decode",
+        "127.0.0.1:5556:5557",
+        "--model",
+        str(model),
+        *extra,
+    ]
 
 
 def router_from_cli(argv: list[str]) -> RouterConfig:
@@ -60,10 +68,15 @@ def decode_from_cli(argv: list[str]) -> DecodeConfig:
     return cli.decode_config(cli.parser().parse_args(argv))
 
 
+def up_from_cli(argv: list[str]) -> stack.StackConfig:
+    return cli.up_config(cli.parser().parse_args(argv))
+
+
 def write_toml(tmp_path: Path, model: Path, body: str = "") -> Path:
     p = tmp_path / "router.toml"
-    p.write_text(f'prefill_url = "http://127.0.0.1:8000"\nmodel_dir = "{model}"\ndecode = ["127.0.0.1:5556:5557"]\n'
-                 + body)  # fmt: skip
+    p.write_text(
+        f'prefill_url = "http://127.0.0.1:8000"\nmodel_dir = "{model}"\ndecode = ["127.0.0.1:5556:5557"]\n' + body
+    )
     return p
 
 
@@ -132,27 +145,6 @@ def test_decode_sequences_default_follows_the_device(model: Path, monkeypatch: p
     assert given.sequences == 3 and given.slots == 4
     with pytest.raises(ConfigError, match="must be in 1..64"):
         decode_from_cli(["decode", "--max-sequences", "0"])
-
-
-def _help(command: str, capsys: pytest.CaptureFixture[str]) -> str:
-    with pytest.raises(SystemExit):
-        cli.parser().parse_args([command, "--help"])
-    return capsys.readouterr().out
-
-
-def test_every_setting_has_its_flag_and_env_in_help(capsys: pytest.CaptureFixture[str]) -> None:
-    router_help, decode_help = _help("router", capsys), _help("decode", capsys)
-    for flag, var in [("--max-body-bytes", "TILERT_ROUTER_MAX_BODY_BYTES"),
-                      ("--default-max-tokens", "TILERT_ROUTER_DEFAULT_MAX_TOKENS"),
-                      ("--reserve-lease-s", "TILERT_ROUTER_RESERVE_LEASE_S"),
-                      ("--decode-idle-timeout-s", "TILERT_ROUTER_DECODE_IDLE_TIMEOUT_S"),
-                      ("--api-key-file", "TILERT_ROUTER_API_KEY_FILE"),
-                      ("--secret-file", "TILERT_SECRET_FILE")]:  # fmt: skip
-        assert flag in router_help and var in router_help, flag
-    for flag, var in [("--slots", "TILERT_DECODE_NUM_SLOTS"), ("--max-lease-s", "TILERT_DECODE_MAX_LEASE_S"),
-                      ("--secret-file", "TILERT_SECRET_FILE")]:  # fmt: skip
-        assert flag in decode_help and var in decode_help, flag
-    assert "--api-key " not in router_help and "--api-key\n" not in router_help
 
 
 # -- secrets ----------------------------------------------------------------------------------------
@@ -233,14 +225,22 @@ def test_secret_file_flag(tmp_path: Path, model: Path, monkeypatch: pytest.Monke
 
 @pytest.mark.parametrize(
     "command,var,value",
-    [("router", "TILERT_ROUTER_MAX_QUEUE", "lots"), ("router", "TILERT_ROUTER_PREFILL_TIMEOUT_S", "soon"),
-     ("router", "TILERT_ROUTER_DECODE_NODES", "host:5556"), ("decode", "TILERT_DECODE_NUM_SLOTS", "two"),
-     ("decode", "TILERT_DECODE_TRANSPORT_OPTIONS", "[1]")],
-)  # fmt: skip
+    [
+        ("router", "TILERT_ROUTER_MAX_QUEUE", "lots"),
+        ("router", "TILERT_ROUTER_PREFILL_TIMEOUT_S", "soon"),
+        ("router", "TILERT_ROUTER_DECODE_NODES", "host:5556"),
+        ("decode", "TILERT_DECODE_NUM_SLOTS", "two"),
+        ("decode", "TILERT_DECODE_TRANSPORT_OPTIONS", "[1]"),
+    ],
+)
 def test_bad_env_value_exits_2_naming_the_variable(
-    command: str, var: str, value: str, model: Path, monkeypatch: pytest.MonkeyPatch,
+    command: str,
+    var: str,
+    value: str,
+    model: Path,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+) -> None:
     monkeypatch.setenv(var, value)
     argv = router_args(model) if command == "router" else ["decode", "--model", str(model)]
     assert cli.main(argv) == 2
@@ -333,7 +333,6 @@ def test_up_lease_option_moves_the_node_cap() -> None:
     assert cmd[cmd.index("--max-lease-s") + 1] == "5000.0"
 
 
-
 def test_up_prefill_in_process_runs_the_model_in_the_engine_core(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a CPU host ``tilert up`` runs the prefill's model in vLLM's engine-core process (the in-process executor
     and the variable vLLM needs for it), with one OpenMP thread per CPU not the engine's; ``--no-prefill-in-process``
@@ -343,8 +342,8 @@ def test_up_prefill_in_process_runs_the_model_in_the_engine_core(monkeypatch: py
     monkeypatch.setattr(stack, "allowed_cpus", lambda: frozenset({0, 1, 2}))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    assert cli.parser().parse_args(["up", "--model", "/m"]).prefill_in_process is None
-    assert cli.parser().parse_args(["up", "--model", "/m", "--no-prefill-in-process"]).prefill_in_process is False
+    assert up_from_cli(["up", "--model", "/m"]).prefill_in_process is None
+    assert up_from_cli(["up", "--model", "/m", "--no-prefill-in-process"]).prefill_in_process is False
     cfg = stack.StackConfig(model=Path("/m"))
     cmd = stack.prefill_command(cfg)
     assert cmd[cmd.index("--distributed-executor-backend") + 1] == "uni"
@@ -365,9 +364,9 @@ def test_up_prefill_in_process_runs_the_model_in_the_engine_core(monkeypatch: py
 
 def test_up_engine_process_reaches_the_decode_node(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On by default on a CPU host, off by default with a GPU; either way the flag decides."""
-    assert cli.parser().parse_args(["up", "--model", "/m", "--engine-process"]).engine_process is True
-    assert cli.parser().parse_args(["up", "--model", "/m", "--no-engine-process"]).engine_process is False
-    assert cli.parser().parse_args(["up", "--model", "/m"]).engine_process is None
+    assert up_from_cli(["up", "--model", "/m", "--engine-process"]).engine_process is True
+    assert up_from_cli(["up", "--model", "/m", "--no-engine-process"]).engine_process is False
+    assert up_from_cli(["up", "--model", "/m"]).engine_process is None
     cmd = stack.decode_command(stack.StackConfig(model=model, engine_process=True))
     assert "--engine-process" in cmd and decode_from_cli(cmd[3:]).engine_process
     assert "--engine-process" not in stack.decode_command(stack.StackConfig(model=model, engine_process=False))
@@ -386,7 +385,8 @@ def test_up_engine_cpus_keeps_the_rest_of_the_stack_off_them(model: Path, monkey
     monkeypatch.setattr(stack, "allowed_cpus", lambda: frozenset({0, 1, 2, 3}))
     monkeypatch.setattr(decode_config, "allowed_cpus", lambda: frozenset({0, 1, 2, 3}))
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    assert cli.parser().parse_args(["up", "--model", "/m", "--engine-cpus", "3"]).engine_cpus == "3"
+    assert up_from_cli(["up", "--model", "/m", "--engine-cpus", "3"]).engine_cpus == "3"
+    assert up_from_cli(["up", "--model", "/m", "--engine-cpus", "none"]).engine_cpus == "none"  # not "unset"
     cfg = stack.StackConfig(model=model, engine_cpus="3")
     assert stack.cpu_plan(cfg) == stack.CpuPlan(frozenset({3}), frozenset({0, 1, 2}), fence=True)
     assert stack.cpu_plan(cfg).children == {0, 1, 2}  # every process of the stack starts there
@@ -459,13 +459,23 @@ def test_router_metrics_follow_vllm_names() -> None:
     m.slots_in_use("127.0.0.1:5556:5557", 1)
     m.node_healthy("127.0.0.1:5556:5557", True)
     samples = _families(m.render())
-    for name in ["tilert:time_to_first_token_seconds_count", "tilert:e2e_request_latency_seconds_count",
-                 "tilert:request_time_per_output_token_seconds_count", "tilert:inter_token_latency_seconds_count",
-                 "tilert:num_requests_running", "tilert:num_requests_waiting", "tilert:request_success_total",
-                 "tilert:prompt_tokens_total", "tilert:generation_tokens_total", "tilert:requests_total",
-                 "tilert:request_queue_time_seconds_count", "tilert:request_prefill_time_seconds_count",
-                 "tilert:kv_transfer_wait_seconds_count", "tilert:decode_slots_in_use",
-                 "tilert:decode_node_healthy"]:  # fmt: skip
+    for name in [
+        "tilert:time_to_first_token_seconds_count",
+        "tilert:e2e_request_latency_seconds_count",
+        "tilert:request_time_per_output_token_seconds_count",
+        "tilert:inter_token_latency_seconds_count",
+        "tilert:num_requests_running",
+        "tilert:num_requests_waiting",
+        "tilert:request_success_total",
+        "tilert:prompt_tokens_total",
+        "tilert:generation_tokens_total",
+        "tilert:requests_total",
+        "tilert:request_queue_time_seconds_count",
+        "tilert:request_prefill_time_seconds_count",
+        "tilert:kv_transfer_wait_seconds_count",
+        "tilert:decode_slots_in_use",
+        "tilert:decode_node_healthy",
+    ]:
         assert name in samples, name
         assert all(labels.get("model_name") == "tiny" for _, labels in samples[name]), name
     assert samples["tilert:request_success_total"][0][1]["finished_reason"] == "stop"
@@ -490,12 +500,21 @@ def test_decode_metrics_follow_vllm_names() -> None:
     m.request_done(0.5, "length", 0.005)
     m.lease_expired()
     samples = _families(m.render())
-    for name in ["tilert:num_requests_running", "tilert:num_requests_waiting", "tilert:decode_slots_total",
-                 "tilert:decode_slots_free", "tilert:kv_transfers_received_total",
-                 "tilert:kv_transfers_failed_total", "tilert:generation_tokens_total",
-                 "tilert:inter_token_latency_seconds_count", "tilert:request_time_per_output_token_seconds_count",
-                 "tilert:e2e_request_latency_seconds_count", "tilert:request_success_total",
-                 "tilert:kv_transfer_wait_seconds_count", "tilert:decode_leases_expired_total"]:  # fmt: skip
+    for name in [
+        "tilert:num_requests_running",
+        "tilert:num_requests_waiting",
+        "tilert:decode_slots_total",
+        "tilert:decode_slots_free",
+        "tilert:kv_transfers_received_total",
+        "tilert:kv_transfers_failed_total",
+        "tilert:generation_tokens_total",
+        "tilert:inter_token_latency_seconds_count",
+        "tilert:request_time_per_output_token_seconds_count",
+        "tilert:e2e_request_latency_seconds_count",
+        "tilert:request_success_total",
+        "tilert:kv_transfer_wait_seconds_count",
+        "tilert:decode_leases_expired_total",
+    ]:
         assert name in samples, name
         assert all(labels.get("model_name") == "tiny" for _, labels in samples[name]), name
     text = m.render().decode()
@@ -509,13 +528,12 @@ def test_decode_metrics_follow_vllm_names() -> None:
 
 def _python(code: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TILERT_")}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
-                          env=env)  # fmt: skip
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
 
 
 def test_importing_the_config_builds_no_app() -> None:
     proc = _python(
-        "import sys, tilert.router.config, tilert.decode.config, tilert.cli\n"
+        "import sys, tilert.settings, tilert.router.config, tilert.decode.config, tilert.stack, tilert.cli\n"
         "loaded = [m for m in ('tilert.router.app', 'starlette.applications', 'torch') if m in sys.modules]\n"
         "assert not loaded, loaded\n"
     )

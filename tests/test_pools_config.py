@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from tilert.router.config import ConfigError, RouterConfig
+from tilert.router.config import RouterConfig
 from tilert.router.errors import RouterError
 from tilert.router.routing import choose_pool
+from tilert.settings import ConfigError
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 
 
 def _config(tmp_path: Path, **kw: object) -> RouterConfig:
-    cfg = RouterConfig(prefill_url="http://127.0.0.1:1", decode_nodes=[], model_dir=str(tmp_path), secret=SECRET,
-                       **kw)  # type: ignore[arg-type]  # fmt: skip
+    cfg = RouterConfig(prefill_url="http://127.0.0.1:1", decode_nodes=[], model_dir=str(tmp_path), secret=SECRET, **kw)  # type: ignore[arg-type]
     from tilert.router.config import parse_decode_nodes
 
     cfg.decode_nodes = parse_decode_nodes("127.0.0.1:1:2")
@@ -27,8 +27,13 @@ def _config(tmp_path: Path, **kw: object) -> RouterConfig:
 
 
 def test_header_then_model_then_default(tmp_path: Path) -> None:
-    cfg = _config(tmp_path, native_url="http://127.0.0.1:9", pool_models={"fast": "tilert", "bulk": "vllm"},
-                  default_pool="vllm", overflow_wait_s=0.5)  # fmt: skip
+    cfg = _config(
+        tmp_path,
+        native_url="http://127.0.0.1:9",
+        pool_models={"fast": "tilert", "bulk": "vllm"},
+        default_pool="vllm",
+        overflow_wait_s=0.5,
+    )
     assert (choose_pool(cfg, "tilert", "bulk").pool, choose_pool(cfg, "tilert", "bulk").reason) == ("tilert", "header")
     assert choose_pool(cfg, " VLLM ", "fast").pool == "vllm"
     assert (choose_pool(cfg, None, "fast").pool, choose_pool(cfg, None, "fast").reason) == ("tilert", "model")
@@ -68,8 +73,9 @@ def test_bad_pool_settings_are_refused(tmp_path: Path, kw: dict[str, object], re
 
 def _refused(args: list[str]) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TILERT_")} | {"TILERT_SECRET": SECRET.decode()}
-    proc = subprocess.run([sys.executable, "-m", "tilert.cli", *args], capture_output=True, text=True, timeout=120,
-                          env=env)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "tilert.cli", *args], capture_output=True, text=True, timeout=120, env=env
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     return proc.stderr
 
@@ -90,8 +96,14 @@ def test_native_plugin_and_stack_commands(tmp_path: Path) -> None:
 
     assert {"tilert", "vllm"} <= set(available("tilert.engines"))
     plugin = load_native_pool("vllm")
-    cfg = StackConfig(model=tmp_path, native=True, native_port=8201, prefill_side_port=5611, native_side_port=5612,
-                      overflow_wait_s=0.25)  # fmt: skip
+    cfg = StackConfig(
+        model=tmp_path,
+        native=True,
+        native_port=8201,
+        prefill_side_port=5611,
+        native_side_port=5612,
+        overflow_wait_s=0.25,
+    )
     stack = Stack(cfg)
     cmds = stack.commands()
     assert list(cmds) == ["prefill", "native", "decode", "router"]
@@ -107,22 +119,32 @@ def test_native_plugin_and_stack_commands(tmp_path: Path) -> None:
     assert cmds["router"][cmds["router"].index("--overflow-wait-s") + 1] == "0.25"
     assert stack.extra_env("prefill")["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5611"
     assert stack.extra_env("native")["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5612"
-    assert stack.extra_env("prefill")["VLLM_CPU_OMP_THREADS_BIND"] != stack.extra_env("native")[
-        "VLLM_CPU_OMP_THREADS_BIND"]  # fmt: skip
+    assert (
+        stack.extra_env("prefill")["VLLM_CPU_OMP_THREADS_BIND"]
+        != stack.extra_env("native")["VLLM_CPU_OMP_THREADS_BIND"]
+    )
     assert stack.extra_env("decode") == {}
     assert plugin.prefill_params()["do_remote_decode"] is True
     plain = Stack(StackConfig(model=tmp_path)).commands()
     assert list(plain) == ["prefill", "decode", "router"] and "--native-url" not in plain["router"]
     assert json.loads(plain["prefill"][plain["prefill"].index("--kv-transfer-config") + 1])["kv_connector"] == (
-        "TileRTConnector")  # fmt: skip
+        "TileRTConnector"
+    )
 
 
 def test_native_handoff_contract() -> None:
     from tilert.contracts import ContractError, NativeHandoff
 
-    answer = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[3, 4]],
-              "remote_engine_id": "e1", "remote_request_id": "cmpl-x", "remote_host": "127.0.0.1",
-              "remote_port": 5600, "tp_size": 1}  # fmt: skip
+    answer = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [[3, 4]],
+        "remote_engine_id": "e1",
+        "remote_request_id": "cmpl-x",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+        "tp_size": 1,
+    }
     handoff = NativeHandoff.from_params(answer)
     assert handoff is not None and handoff.raw == answer
     assert NativeHandoff.from_params(None) is None and NativeHandoff.from_params({"tilert_error": "x"}) is None

@@ -11,23 +11,22 @@ Ctrl-C reaches ``tilert up`` (same foreground process group), which stops every 
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-from tilert.router.config import API_KEY_ENV, API_KEY_FILE_ENV, ConfigError, read_key_file
+from tilert.router.config import RouterConfig
+from tilert.settings import UP_ROUTER_PORT, ConfigError, env_values, read_key_file
 
 
 def _client_api_key() -> str:
-    """The key the router will ask for (the same variables it reads), or a placeholder when it asks none."""
-    path = os.environ.get(API_KEY_FILE_ENV, "").strip()
-    if path:
-        try:
-            return read_key_file(path, "the API key file")
-        except ConfigError:
-            return "unused"  # the router refuses to start with the same reason; `tilert up` reports it
-    return os.environ.get(API_KEY_ENV, "").strip() or "unused"
+    """The key the router will ask for (read from the variables it reads), or a placeholder when it asks none."""
+    try:
+        given = env_values(RouterConfig)
+        path = given.get("api_key_file")
+        return read_key_file(path, "the API key file") if path else given.get("api_key") or "unused"
+    except ConfigError:
+        return "unused"  # the router refuses to start with the same reason; `tilert up` reports it
 
 
 QUESTION = "Write a Python function that adds two numbers."
@@ -41,9 +40,13 @@ def _ask(router: str, model: str, pool: str | None) -> None:
     headers = {"x-tilert-pool": pool} if pool else None
     print(f"\n[{pool or 'default'} pool] user: {QUESTION}\nassistant: ", end="", flush=True)
     raw = client.chat.completions.with_raw_response.create(
-        model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=48, temperature=0, stream=True,
+        model=model,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=48,
+        temperature=0,
+        stream=True,
         extra_headers=headers,
-    )  # fmt: skip
+    )
     for chunk in raw.parse():
         if chunk.choices and chunk.choices[0].delta.content:
             print(chunk.choices[0].delta.content, end="", flush=True)
@@ -53,7 +56,7 @@ def _ask(router: str, model: str, pool: str | None) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", required=True, type=Path)
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--port", type=int, default=UP_ROUTER_PORT)
     ap.add_argument("--native", action="store_true", help="both pools: TileRT and native vLLM decode")
     args = ap.parse_args()
 

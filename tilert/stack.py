@@ -29,56 +29,149 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, ClassVar
 
 import httpx
 import structlog
 
 from tilert.auth import SECRET_ENV, SECRET_FILE_ENV, generate_secret
 from tilert.cpus import allowed_cpus, parse_cpu_list
-from tilert.decode.config import DEFAULT_MAX_LEASE_S
+from tilert.decode.config import CTRL_PORT, DEFAULT_MAX_LEASE_S, DTYPES, ENGINE, HTTP_PORT, TRANSPORT
 from tilert.engines.vllm import NativeInstance
 from tilert.plugins import PluginError, load_native_pool
-from tilert.router.config import default_reserve_lease_s
+from tilert.router.config import NATIVE_ENGINE, OVERFLOW_WAIT_S, RESERVE_LEASE_S, default_reserve_lease_s
+from tilert.settings import (
+    LOOPBACK,
+    NATIVE_PORT,
+    NATIVE_SIDE_PORT,
+    PREFILL_SIDE_PORT,
+    UP_PREFILL_PORT,
+    UP_ROUTER_PORT,
+    ConfigError,
+    build_config,
+    check_port,
+    describe,
+    env_values,
+    is_int,
+    is_number,
+    merge_values,
+    setting,
+)
 
 log = structlog.get_logger("tilert.stack")
 
 
+ENV_PREFIX = "TILERT_UP_"
+
+
 @dataclass
 class StackConfig:
-    model: Path
-    port: int = 8000
-    prefill_port: int = 8100
-    ctrl_port: int = 5556
-    decode_http_port: int = 5557
-    host: str = "127.0.0.1"
-    dtype: str = "float32"
-    max_model_len: int = 2048
-    kv_cache_bytes: int = 134_217_728
-    engine: str = "tilert"
-    transport: str = "tcp"
-    startup_timeout_s: float = 600.0
-    reserve_lease_s: float | None = None  # None: the router's default (prefill + transfer timeouts + 30 s)
-    native: bool = False  # also the native decode pool (MultiConnector in the prefill + a vLLM decode instance)
-    native_engine: str = "vllm"
-    native_port: int = 8200
-    prefill_side_port: int = 5600  # the prefill's NIXL side channel (native mode)
-    native_side_port: int = 5601  # the native decode's NIXL side channel
-    overflow_wait_s: float | None = None  # the router's overflow from the TileRT pool to the native pool
-    secret_file: Path | None = None  # None: a fresh secret in a private temp file, removed at exit
-    prefill_compiled: bool = False  # vLLM's compiled model in the prefill (slower start, faster prefill)
-    # The prefill's model in vLLM's engine-core process (no worker process); None: so on a CPU host outside native
-    # mode (:func:`prefill_in_process`).
-    prefill_in_process: bool | None = None
-    # The decode node's engine in a process of its own (tilert decode --engine-process); None: so on a CPU host,
-    # where the node's HTTP loop would otherwise hold the GIL the engine's step needs.
-    engine_process: bool | None = None
-    # CPUs of the decode engine's worker thread (``tilert decode --engine-cpus``), given to it alone: every other
-    # process of the stack (the prefill with its OMP threads, the router, the node's own loops) is kept off them.
-    # None: the default placement of :func:`cpu_plan`; "" or "none": nothing pinned.
-    engine_cpus: str | None = None
+    """``tilert up``'s settings: flag ``--field-name``, environment variable ``TILERT_UP_FIELD_NAME``; the settings
+    it passes on to the router or the decode node are theirs (:mod:`tilert.router.config`,
+    :mod:`tilert.decode.config`)."""
+
+    ENV_PREFIX: ClassVar[str] = ENV_PREFIX
+
+    model: Path = setting(help="checkpoint directory the prefill vLLM and the decode node both load", metavar="DIR")
+    port: int = setting(UP_ROUTER_PORT, help="the router's port")
+    prefill_port: int = setting(UP_PREFILL_PORT, help="the prefill vLLM's port")
+    ctrl_port: int = CTRL_PORT.field()
+    decode_http_port: int = HTTP_PORT.field()
+    host: str = setting(LOOPBACK, help="bind address of every process of the stack")
+    dtype: str = setting("float32", help="dtype of the prefill vLLM and the decode node: float32 or bfloat16")
+    max_model_len: int = setting(
+        2048, help="longest prompt + completion (the prefill's --max-model-len, the decode node's --max-seq-len)"
+    )
+    kv_cache_bytes: int = setting(128 << 20, help="KV cache memory of each vLLM instance (--kv-cache-memory-bytes)")
+    engine: str = ENGINE.field()
+    transport: str = TRANSPORT.field()
+    startup_timeout_s: float = setting(600.0, help="how long the processes may take to answer /health at start-up")
+    reserve_lease_s: float | None = RESERVE_LEASE_S.field()
+    native: bool = setting(
+        False,
+        help="also the native decode pool: the prefill runs MultiConnector (TileRTConnector beside vLLM's "
+        "NixlConnector) and a stock vLLM decode instance serves requests the router sends the native way",
+    )
+    native_engine: str = NATIVE_ENGINE.field()
+    native_port: int = setting(NATIVE_PORT, help="the native vLLM decode instance's port (--native)")
+    prefill_side_port: int = setting(PREFILL_SIDE_PORT, help="the prefill's NIXL side channel (--native)")
+    native_side_port: int = setting(NATIVE_SIDE_PORT, help="the native decode instance's NIXL side channel (--native)")
+    overflow_wait_s: float | None = OVERFLOW_WAIT_S.field()
+    secret_file: Path | None = setting(
+        None,
+        metavar="PATH",
+        help="use this deployment secret (a file only you can read) instead of a fresh one, so that more decode "
+        "nodes and routers can join the stack; it is left in place at exit (unset: a fresh secret in a private "
+        "temporary file, removed at exit)",
+    )
+    prefill_compiled: bool = setting(
+        False,
+        help="run the prefill vLLM compiled (vLLM's default) instead of --enforce-eager: a longer start, a faster "
+        "prefill",
+    )
+    prefill_in_process: bool | None = setting(
+        None,
+        help="run the prefill vLLM's model in its engine-core process (--distributed-executor-backend uni) instead "
+        "of a worker process that spins on a CPU core after every step (unset: so on a CPU host outside --native)",
+    )
+    engine_process: bool | None = setting(
+        None,
+        help="run the decode node's engine in a process of its own (tilert decode --engine-process; unset: so on a "
+        "CPU host, where the node's HTTP loop would otherwise hold the GIL the engine's step needs)",
+    )
+    engine_cpus: str | None = setting(
+        None,
+        metavar="LIST",
+        parse=str,
+        help="CPUs given to the decode engine's worker thread alone ('1', '2-3'): every other process of the stack "
+        "(the prefill with its OMP threads, the router, the node's own loops) is kept off them. Unset: on a CPU "
+        "host the engine's thread on the last CPU, the prefill's OMP threads on the others, the rest unpinned; "
+        "'none': nothing pinned",
+    )
+
+    def validate(self) -> StackConfig:
+        """Raise :class:`ConfigError` naming every setting the stack cannot start with; returns ``self``."""
+        d = lambda name: describe(StackConfig, name)  # noqa: E731
+        problems: list[str] = []
+        if not (Path(self.model) / "config.json").is_file():
+            problems.append(f"{d('model')}: {self.model} holds no config.json (build one with `tilert tiny-model`)")
+        ports = ["port", "prefill_port", "ctrl_port", "decode_http_port"]
+        if self.native:
+            ports += ["native_port", "prefill_side_port", "native_side_port"]
+        for name in ports:
+            try:
+                check_port(getattr(self, name), d(name))
+            except ConfigError as exc:
+                problems.append(str(exc))
+        values = [getattr(self, name) for name in ports]
+        if len(set(values)) != len(values):
+            problems.append(f"the stack's ports must differ: {', '.join(f'{n} {getattr(self, n)}' for n in ports)}")
+        if self.dtype not in DTYPES:
+            problems.append(f"{d('dtype')} must be one of {', '.join(DTYPES)} ({self.dtype!r})")
+        for name, low in (("max_model_len", 2), ("kv_cache_bytes", 1)):
+            if not is_int(getattr(self, name)) or getattr(self, name) < low:
+                problems.append(f"{d(name)} must be an integer >= {low} ({getattr(self, name)!r})")
+        for name in ("startup_timeout_s", "reserve_lease_s"):
+            value = getattr(self, name)
+            if value is not None and (not is_number(value) or value <= 0):
+                problems.append(f"{d(name)} must be a positive number ({value!r})")
+        if self.overflow_wait_s is not None:
+            if not is_number(self.overflow_wait_s) or self.overflow_wait_s < 0:
+                problems.append(f"{d('overflow_wait_s')} must be a number >= 0 ({self.overflow_wait_s!r})")
+            elif not self.native:
+                problems.append(f"{d('overflow_wait_s')} overflows to the native pool: add --native")
+        if problems:
+            raise ConfigError("; ".join(problems))
+        return self
+
+
+def load_stack_config(cli: Mapping[str, Any] | None = None) -> StackConfig:
+    """``tilert up``'s config: flags (``cli``, from :func:`tilert.settings.cli_values`) > ``TILERT_UP_*`` >
+    defaults (:func:`run` validates it)."""
+    return build_config(StackConfig, merge_values(StackConfig, [env_values(StackConfig), cli or {}]))
 
 
 def _url(host: str, port: int) -> str:
@@ -113,10 +206,18 @@ def kv_transfer_config(cfg: StackConfig) -> dict[str, object]:
 
 def native_instances(cfg: StackConfig) -> tuple[NativeInstance, NativeInstance]:
     """(the prefill, the native decode) as the native pool plugin sees them; pinned to different cores."""
+
     def instance(port: int, side_port: int, cpu_bind: str) -> NativeInstance:
-        return NativeInstance(model=cfg.model, host=cfg.host, port=port, side_channel_port=side_port,
-                              dtype=cfg.dtype, max_model_len=cfg.max_model_len, kv_cache_bytes=cfg.kv_cache_bytes,
-                              cpu_bind=cpu_bind)  # fmt: skip
+        return NativeInstance(
+            model=cfg.model,
+            host=cfg.host,
+            port=port,
+            side_channel_port=side_port,
+            dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len,
+            kv_cache_bytes=cfg.kv_cache_bytes,
+            cpu_bind=cpu_bind,
+        )
 
     return instance(cfg.prefill_port, cfg.prefill_side_port, "0"), instance(cfg.native_port, cfg.native_side_port, "1")
 
@@ -129,15 +230,25 @@ def prefill_command(cfg: StackConfig) -> list[str]:
     """Stock vLLM's OpenAI server with the connector configured (no patch, no wrapper)."""
     kv_config = kv_transfer_config(cfg)
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(cfg.model),
-        "--host", cfg.host, "--port", str(cfg.prefill_port),
-        "--dtype", cfg.dtype,
-        "--max-model-len", str(cfg.max_model_len),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(cfg.model),
+        "--host",
+        cfg.host,
+        "--port",
+        str(cfg.prefill_port),
+        "--dtype",
+        cfg.dtype,
+        "--max-model-len",
+        str(cfg.max_model_len),
         *([] if cfg.prefill_compiled else ["--enforce-eager"]),
-        "--kv-cache-memory-bytes", str(cfg.kv_cache_bytes),
-        "--kv-transfer-config", json.dumps(kv_config),
-    ]  # fmt: skip
+        "--kv-cache-memory-bytes",
+        str(cfg.kv_cache_bytes),
+        "--kv-transfer-config",
+        json.dumps(kv_config),
+    ]
     if not _has_cuda():
         cmd += ["--compilation-config", json.dumps(CPU_PREFILL_COMPILATION_CONFIG)]
     if prefill_in_process(cfg):
@@ -149,9 +260,7 @@ def prefill_in_process(cfg: StackConfig) -> bool:
     """Whether the prefill runs its model in vLLM's engine-core process: ``cfg.prefill_in_process``; unset, so on a
     CPU host outside native mode. vLLM's CPU platform otherwise runs the model in a worker process that spins on
     ``sched_yield`` for a second after every step: under load it never rests, and the kernel then moves the router,
-    the node and the client onto the decode engine's CPU. On the 2-core CPU demo four users' TPOT was 9.98 ms with
-    the worker (``benchmarks/results/cpu-e2e-2026-12-02-defaults.md``) and 6.83 ms in-process, their first token
-    143.8 against 107.5 ms (``cpu-e2e-2026-12-02-inproc.md``, an hour apart). Native mode keeps vLLM's default:
+    the node and the client onto the decode engine's CPU. Native mode keeps vLLM's default:
     its two vLLM instances are placed by the native pool plugin."""
     if cfg.prefill_in_process is not None:
         return cfg.prefill_in_process
@@ -170,7 +279,7 @@ def prefill_env(cfg: StackConfig, plan: CpuPlan | None = None) -> dict[str, str]
     - in-process (:func:`prefill_in_process`): vLLM's switch for it, and ``OMP_NUM_THREADS``, one OpenMP thread per
       CPU of ``rest``. vLLM sizes (and binds) its model's OpenMP threads only when it starts a worker process; in
       its engine-core process the compiled kernels take one thread per CPU, the engine's too, and they busy-wait
-      between parallel regions. On the CPU demo four users' first token then took 0.2-0.7 s, against 98 ms.
+      between parallel regions, against every other process of the stack.
     - a worker process: ``VLLM_CPU_OMP_THREADS_BIND``, the CPUs vLLM binds that worker's OpenMP threads to.
 
     A variable of the caller's own wins."""
@@ -202,8 +311,7 @@ def leases(cfg: StackConfig) -> tuple[float, float]:
 
 def engine_process(cfg: StackConfig) -> bool:
     """Whether the decode node runs its engine in a process of its own: ``cfg.engine_process``, unset: on a CPU
-    host (one user decoded 1.29x vLLM alone's speed against 1.10x with the engine on the node's thread,
-    ``benchmarks/results/cpu-e2e-2026-12-01.md``)."""
+    host, where the node's HTTP loop would otherwise hold the GIL the engine's step needs."""
     return cfg.engine_process if cfg.engine_process is not None else not _has_cuda()
 
 
@@ -235,15 +343,11 @@ def cpu_plan(cfg: StackConfig) -> CpuPlan:
 
     - **Default** (``engine_cpus`` None) on a CPU host with two CPUs or more: the engine's worker thread on the last
       CPU this process may use, the prefill's OMP threads as many as the others (:func:`prefill_env`), the rest of
-      the stack (the router, the node's loops, vLLM's API server) left to the kernel. Left unpinned instead (with
-      vLLM's worker process, as measured then), vLLM binds its OMP threads to every CPU, the engine's too: on the
-      2-core CPU demo one user then decoded at 1.52x vLLM alone's speed against 1.64x-2.31x placed, its first token
-      28 ms after vLLM alone's against 17-23 ms (``benchmarks/results/cpu-placement-2026-12-01.md``). This is the
-      placement ``benchmarks/e2e.py`` measures.
+      the stack (the router, the node's loops, vLLM's API server) left to the kernel. Left unpinned instead, vLLM
+      binds its worker's OMP threads to every CPU, the engine's too.
     - **``--engine-cpus LIST``**: those CPUs are the engine's alone; every other process of the stack is fenced off
-      them. On the CPU demo one user's decode is fastest so (2.8x vLLM alone against about 1.6-1.75x), at about
-      11 ms more time to first token: the prefill, the router and the node share the rest
-      (``benchmarks/results/cpu-native-2026-12-01-b.md``).
+      them: the fastest decode for one user, a slower first token (the prefill, the router and the node share the
+      rest).
     - ``""``/``"none"``, a GPU host, one CPU, or native mode (it pins its two vLLM instances itself): nothing pinned.
 
     ``ValueError`` for CPUs this process may not use, or for all of them (nothing would be left for the rest)."""
@@ -261,8 +365,10 @@ def cpu_plan(cfg: StackConfig) -> CpuPlan:
     if not engine <= usable:
         raise ValueError(f"--engine-cpus {cfg.engine_cpus!r}: this process may use CPUs {CpuPlan.text(usable)}")
     if engine == usable:
-        raise ValueError(f"--engine-cpus {cfg.engine_cpus!r} leaves no CPU for the rest of the stack "
-                         f"(this process may use CPUs {CpuPlan.text(usable)})")  # fmt: skip
+        raise ValueError(
+            f"--engine-cpus {cfg.engine_cpus!r} leaves no CPU for the rest of the stack "
+            f"(this process may use CPUs {CpuPlan.text(usable)})"
+        )
     return CpuPlan(engine, usable - engine, fence=True)
 
 
@@ -277,24 +383,52 @@ def decode_command(cfg: StackConfig, plan: CpuPlan | None = None) -> list[str]:
     its worker thread on the CPUs of ``plan`` (unset: :func:`cpu_plan`)."""
     engine_cpus = (plan if plan is not None else cpu_plan(cfg)).engine
     return [
-        sys.executable, "-m", "tilert.cli", "decode",
-        "--model", str(cfg.model), "--engine", cfg.engine, "--transport", cfg.transport,
-        "--host", cfg.host, "--ctrl-port", str(cfg.ctrl_port), "--http-port", str(cfg.decode_http_port),
-        "--dtype", cfg.dtype, "--max-seq-len", str(cfg.max_model_len),
-        "--max-lease-s", str(leases(cfg)[1]),
+        sys.executable,
+        "-m",
+        "tilert.cli",
+        "decode",
+        "--model",
+        str(cfg.model),
+        "--engine",
+        cfg.engine,
+        "--transport",
+        cfg.transport,
+        "--host",
+        cfg.host,
+        "--ctrl-port",
+        str(cfg.ctrl_port),
+        "--http-port",
+        str(cfg.decode_http_port),
+        "--dtype",
+        cfg.dtype,
+        "--max-seq-len",
+        str(cfg.max_model_len),
+        "--max-lease-s",
+        str(leases(cfg)[1]),
         *(["--engine-process"] if engine_process(cfg) else []),
         *(["--engine-cpus", CpuPlan.text(engine_cpus)] if engine_cpus else []),
-    ]  # fmt: skip
+    ]
 
 
 def router_command(cfg: StackConfig) -> list[str]:
     cmd = [
-        sys.executable, "-m", "tilert.cli", "router",
-        "--prefill-url", _url(cfg.host, cfg.prefill_port),
-        "--decode", f"{'[' + cfg.host + ']' if ':' in cfg.host else cfg.host}:{cfg.ctrl_port}:{cfg.decode_http_port}",
-        "--model", str(cfg.model), "--host", cfg.host, "--port", str(cfg.port),
-        "--reserve-lease-s", str(leases(cfg)[0]),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "tilert.cli",
+        "router",
+        "--prefill-url",
+        _url(cfg.host, cfg.prefill_port),
+        "--decode",
+        f"{'[' + cfg.host + ']' if ':' in cfg.host else cfg.host}:{cfg.ctrl_port}:{cfg.decode_http_port}",
+        "--model",
+        str(cfg.model),
+        "--host",
+        cfg.host,
+        "--port",
+        str(cfg.port),
+        "--reserve-lease-s",
+        str(leases(cfg)[0]),
+    ]
     if cfg.native:
         cmd += ["--native-url", _url(cfg.host, cfg.native_port)]
         if cfg.overflow_wait_s is not None:
@@ -346,8 +480,12 @@ class Stack:
             "router": _url(cfg.host, cfg.port),
         }
         if cfg.native:
-            self.urls = {"prefill": self.urls["prefill"], "native": _url(cfg.host, cfg.native_port),
-                         "decode": self.urls["decode"], "router": self.urls["router"]}  # fmt: skip
+            self.urls = {
+                "prefill": self.urls["prefill"],
+                "native": _url(cfg.host, cfg.native_port),
+                "decode": self.urls["decode"],
+                "router": self.urls["router"],
+            }
 
     def commands(self) -> dict[str, list[str]]:
         out = {"prefill": prefill_command(self.cfg)}
@@ -387,15 +525,21 @@ class Stack:
         envs = {name: {**env, **self.extra_env(name)} for name in commands}
         plan = self.plan
         omp = {k: v for k, v in envs["prefill"].items() if k in _OMP_VARIABLES}
-        log.info("placement", engine=CpuPlan.text(plan.engine) or "any", others=CpuPlan.text(plan.children) or "any",
-                 prefill_in_process=prefill_in_process(self.cfg), prefill_omp=omp or "vLLM's own")  # fmt: skip
+        log.info(
+            "placement",
+            engine=CpuPlan.text(plan.engine) or "any",
+            others=CpuPlan.text(plan.children) or "any",
+            prefill_in_process=prefill_in_process(self.cfg),
+            prefill_omp=omp or "vLLM's own",
+        )
         rest = plan.children
         pin = functools.partial(os.sched_setaffinity, 0, rest) if rest else None
         for name, cmd in commands.items():
             log.info("starting", process=name, command=" ".join(cmd), cpus=CpuPlan.text(rest) or "any")
             # Children log to stderr: stdout carries only the URL lines, for people and scripts.
-            self.children[name] = subprocess.Popen(cmd, env=envs[name], stdout=sys.stderr, start_new_session=True,
-                                                   preexec_fn=pin)  # fmt: skip
+            self.children[name] = subprocess.Popen(
+                cmd, env=envs[name], stdout=sys.stderr, start_new_session=True, preexec_fn=pin
+            )
 
     def wait_healthy(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
@@ -451,11 +595,10 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
 
 def run(cfg: StackConfig) -> int:
     """Start, report the three URLs, serve until a signal or a child's death, then stop everything."""
-    if not (cfg.model / "config.json").exists():
-        print(f"tilert up: {cfg.model} holds no config.json (build one with `tilert tiny-model`)", file=sys.stderr)
-        return 2
-    if cfg.overflow_wait_s is not None and not cfg.native:
-        print("tilert up: --overflow-wait-s overflows to the native pool: add --native", file=sys.stderr)
+    try:
+        cfg.validate()
+    except ConfigError as exc:
+        print(f"tilert up: {exc}", file=sys.stderr)
         return 2
     if cfg.native:
         try:
@@ -493,8 +636,11 @@ def run(cfg: StackConfig) -> int:
             native = stack.children.get("native")
             if native is not None and native.poll() is not None and not native_reported:
                 native_reported = True
-                log.warning("native_decode_exited", status=native.returncode,
-                            effect="the TileRT pool keeps serving; the router answers 503 for the native pool")
+                log.warning(
+                    "native_decode_exited",
+                    status=native.returncode,
+                    effect="the TileRT pool keeps serving; the router answers 503 for the native pool",
+                )
             time.sleep(0.2)
         return 0
     finally:

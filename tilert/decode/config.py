@@ -1,9 +1,8 @@
-"""Decode node configuration: one dataclass field per setting.
+"""Decode node configuration: :class:`DecodeConfig`, one dataclass field per setting (:mod:`tilert.settings`).
 
-Each field of :class:`DecodeConfig` with :func:`~tilert.router.config.setting` metadata has a flag
-``--field-name`` on ``tilert decode`` (``num_slots`` keeps its historical ``--slots``) and an environment
-variable ``TILERT_DECODE_FIELD_NAME``; the flag wins over the variable, the variable over the default.
-An empty variable counts as unset. :func:`load_decode_config` is the one loader.
+Each setting has a flag ``--field-name`` on ``tilert decode`` (``num_slots`` keeps its historical ``--slots``) and
+an environment variable ``TILERT_DECODE_FIELD_NAME``; the flag wins over the variable, the variable over the
+default. :func:`load_decode_config` is the one loader.
 
 The deployment's shared secret (:mod:`tilert.auth`) comes from ``--secret-file`` / ``$TILERT_SECRET_FILE`` /
 ``$TILERT_SECRET`` into ``DecodeConfig.secret``; the node refuses to start without one.
@@ -20,14 +19,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from tilert.auth import SECRET_ENV, SECRET_FILE_ENV
 from tilert.cpus import allowed_cpus, parse_cpu_list
-from tilert.router.config import (
+from tilert.settings import (
+    LOOPBACK,
+    NODE_CTRL_PORT,
+    NODE_HTTP_PORT,
+    SECRET_FILE,
     ConfigError,
-    _port,
+    Setting,
     build_config,
+    check_port,
     describe,
     env_values,
+    is_int,
+    is_number,
     merge_values,
     secret_problem,
     setting,
@@ -41,7 +46,20 @@ ENV_PREFIX = "TILERT_DECODE_"
 DEFAULT_MAX_LEASE_S = 3600.0
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TP_ALLREDUCE = ("nccl", "symm_one_shot", "symm_two_shot")  # tilert.engines.tilert.parallel.ALLREDUCE_KINDS
+DEFAULT_CPU_SEQUENCES = 8
+DEFAULT_GPU_SEQUENCES = 4
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+# Settings `tilert up` (tilert.stack.StackConfig) passes on to its decode node: declared once, here.
+ENGINE = Setting(default="tilert", help="the decode engine plugin (tilert.engines group)")
+TRANSPORT = Setting(default="tcp", help="the KV transfer transport plugin (tilert.transports group)")
+CTRL_PORT = Setting(
+    default=NODE_CTRL_PORT, help="the decode node's control port: transfer handshakes from the prefill side"
+)
+HTTP_PORT = Setting(
+    default=NODE_HTTP_PORT, help="the decode node's HTTP port: the router's reserve / decode / release API"
+)
 
 
 @dataclass(frozen=True)
@@ -49,64 +67,64 @@ class DecodeConfig:
     ENV_PREFIX: ClassVar[str] = ENV_PREFIX
 
     model: Path = setting(help="checkpoint directory (config.json, weights, tokenizer)", metavar="DIR")
-    engine: str = setting("tilert", help="decode engine plugin")
-    transport: str = setting("tcp", help="KV transfer transport plugin")
+    engine: str = ENGINE.field()
+    transport: str = TRANSPORT.field()
     transport_options: dict[str, Any] = setting(
         default_factory=dict, help="JSON object passed to the transport", metavar="JSON"
     )
-    host: str = setting("127.0.0.1", help="bind address of the control and HTTP ports (loopback by default)")
-    ctrl_port: int = setting(5556, help="control port: transfer handshakes from the prefill side")
-    http_port: int = setting(5557, help="HTTP port: the router's reserve / decode / release API")
+    host: str = setting(LOOPBACK, help="bind address of the control and HTTP ports")
+    ctrl_port: int = CTRL_PORT.field()
+    http_port: int = HTTP_PORT.field()
     device: str = setting("auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     dtype: str = setting("auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
     max_seq_len: int = setting(4096, help="longest prompt + completion a slot holds")
     max_sequences: int | None = setting(
-        None, help="sequences decoded together in one engine step (each at its own position, bit-identical to "
-        "decoding it alone); more requests wait for a free one in arrival order. Default: 8 on a CPU host (on the "
-        "CPU demo eight users got their first token at 329 ms against 1197 ms with 4, four users' speed "
-        "unchanged: benchmarks/results/cpu-placement-2026-12-01.md), 4 on a GPU (on a MoE model several "
-        "sequences buy total, not per-user, speed: benchmarks/results/h200-2026-11-30-multiseq.md)",
+        None,
+        help="sequences decoded together in one engine step (each at its own position, bit-identical to decoding it "
+        f"alone); more requests wait for a free one in arrival order. Default: {DEFAULT_CPU_SEQUENCES} on a CPU host, "
+        f"{DEFAULT_GPU_SEQUENCES} on a GPU",
     )
     num_slots: int | None = setting(
-        None, flag="--slots", aliases=("--num-slots",),
+        None,
+        flag="--slots",
+        aliases=("--num-slots",),
         help="receive buffers, each held by one request from reserve to the end of its decode (default: "
         "max_sequences + 1, so the next transfer lands while the others decode); the router admits this many",
-    )  # fmt: skip
+    )
     lease_s: float = setting(30.0, help="slot lease when a reserve names none")
     max_lease_s: float = setting(
         DEFAULT_MAX_LEASE_S, help="longest lease a reserve may ask for (the router's reserve_lease_s must fit)"
     )
     transfer_timeout_s: float = setting(15.0, help="a decode request waits this long for its KV transfer")
     num_speculative_tokens: int = setting(
-        1,
-        help="MTP drafts per step for greedy requests when the checkpoint has an MTP layer (0: off; on the "
-        "H200 one draft pays once more than ~0.9 tokens per step are accepted, see benchmarks/results)",
+        1, help="MTP drafts per step for greedy requests when the checkpoint has an MTP layer (0: off)"
     )
     engine_cpus: str | None = setting(
-        None, metavar="LIST",
+        None,
+        metavar="LIST",
         help="CPUs the engine's worker thread (and its torch threads) run on, e.g. '1' or '2-3' (Linux; like "
         "vLLM's VLLM_CPU_OMP_THREADS_BIND: the node's HTTP and control loop stay free to run elsewhere). "
         "Default: no pinning",
-    )  # fmt: skip
+    )
     engine_process: bool = setting(
-        False, help="run the engine (and its decode batch) in a process of its own, as vLLM runs its EngineCore, so "
+        False,
+        help="run the engine (and its decode batch) in a process of its own, as vLLM runs its EngineCore, so "
         "the node's HTTP loop never holds the engine's GIL (tilert.decode.engine_process); not with --tp",
     )
     tp: int = setting(
-        1, help="ranks (one process per GPU: cuda:0..N-1) that share the model, tensor parallel; rank 0 "
+        1,
+        help="ranks (one process per GPU: cuda:0..N-1) that share the model, tensor parallel; rank 0 "
         "serves the ports and the others follow its steps (tilert.decode.tp)",
     )
     tp_allreduce: str = setting(
-        "nccl", help="the all-reduce inside the captured steps with --tp > 1: nccl (the process group's own; gloo "
+        "nccl",
+        help="the all-reduce inside the captured steps with --tp > 1: nccl (the process group's own; gloo "
         "on CPU), symm_one_shot or symm_two_shot (PyTorch symmetric memory, CUDA only)",
     )
     max_http_connections: int = setting(
         1024, help="concurrent HTTP connections the node serves (uvicorn's limit_concurrency; 503 beyond)"
     )
-    secret_file: str | None = setting(
-        None, env=SECRET_FILE_ENV, metavar="PATH",
-        help=f"file holding the deployment's shared secret (else ${SECRET_ENV})",
-    )  # fmt: skip
+    secret_file: str | None = SECRET_FILE.field()
     # Filled at load time from secret_file / $TILERT_SECRET_FILE / $TILERT_SECRET (tilert.auth.load_secret).
     secret: bytes = field(default=b"", repr=False)
 
@@ -137,44 +155,63 @@ class DecodeConfig:
                 problems.append(message)
 
         need((Path(self.model) / "config.json").is_file(), f"{d('model')} must hold a config.json ({self.model})")
-        need(self.max_sequences is None or (_int(self.max_sequences) and 1 <= self.max_sequences <= 64),
-             f"{d('max_sequences')} must be in 1..64 ({self.max_sequences})")  # fmt: skip
-        need(self.num_slots is None or (_int(self.num_slots) and self.num_slots >= 1),
-             f"{d('num_slots')} must be >= 1 ({self.num_slots})")  # fmt: skip
-        need(_int(self.max_seq_len) and self.max_seq_len >= 2, f"{d('max_seq_len')} must be >= 2 ({self.max_seq_len})")
         need(
-            _int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= 8,
+            self.max_sequences is None or (is_int(self.max_sequences) and 1 <= self.max_sequences <= 64),
+            f"{d('max_sequences')} must be in 1..64 ({self.max_sequences})",
+        )
+        need(
+            self.num_slots is None or (is_int(self.num_slots) and self.num_slots >= 1),
+            f"{d('num_slots')} must be >= 1 ({self.num_slots})",
+        )
+        need(
+            is_int(self.max_seq_len) and self.max_seq_len >= 2, f"{d('max_seq_len')} must be >= 2 ({self.max_seq_len})"
+        )
+        need(
+            is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= 8,
             f"{d('num_speculative_tokens')} must be in 0..8 ({self.num_speculative_tokens})",
         )
         for name in ("lease_s", "max_lease_s", "transfer_timeout_s"):
             value = getattr(self, name)
-            need(_num(value) and value > 0, f"{d(name)} must be > 0 ({value})")
-        if _num(self.lease_s) and _num(self.max_lease_s):
+            need(is_number(value) and value > 0, f"{d(name)} must be > 0 ({value})")
+        if is_number(self.lease_s) and is_number(self.max_lease_s):
             need(self.lease_s <= self.max_lease_s, f"{d('lease_s')} must not exceed max_lease_s ({self.max_lease_s})")
-        need(_int(self.max_http_connections) and self.max_http_connections >= 1,
-             f"{d('max_http_connections')} must be >= 1 ({self.max_http_connections})")  # fmt: skip
+        need(
+            is_int(self.max_http_connections) and self.max_http_connections >= 1,
+            f"{d('max_http_connections')} must be >= 1 ({self.max_http_connections})",
+        )
         for name in ("ctrl_port", "http_port"):
             try:
-                _port(getattr(self, name), d(name))
+                check_port(getattr(self, name), d(name))
             except ConfigError as exc:
                 problems.append(str(exc))
         need(self.ctrl_port != self.http_port, f"ctrl_port and http_port must differ ({self.ctrl_port})")
         need(isinstance(self.transport_options, dict), f"{d('transport_options')} must be a JSON object")
-        need(isinstance(self.device, str) and bool(_DEVICE_RE.match(self.device)),
-             f"{d('device')} must be auto, cpu, cuda or cuda:N ({self.device!r})")  # fmt: skip
-        need(_int(self.tp) and 1 <= self.tp <= 64, f"{d('tp')} must be in 1..64 ({self.tp})")
-        need(not (self.engine_process and self.tp > 1),
-             f"{d('engine_process')} runs one engine; with {d('tp')} {self.tp} rank 0 serves in the node's process")
-        need(self.tp_allreduce in TP_ALLREDUCE,
-             f"{d('tp_allreduce')} must be one of {', '.join(TP_ALLREDUCE)} ({self.tp_allreduce!r})")  # fmt: skip
-        need(self.tp_allreduce == "nccl" or self.device != "cpu",
-             f"{d('tp_allreduce')} {self.tp_allreduce} needs CUDA devices")  # fmt: skip
+        need(
+            isinstance(self.device, str) and bool(_DEVICE_RE.match(self.device)),
+            f"{d('device')} must be auto, cpu, cuda or cuda:N ({self.device!r})",
+        )
+        need(is_int(self.tp) and 1 <= self.tp <= 64, f"{d('tp')} must be in 1..64 ({self.tp})")
+        need(
+            not (self.engine_process and self.tp > 1),
+            f"{d('engine_process')} runs one engine; with {d('tp')} {self.tp} rank 0 serves in the node's process",
+        )
+        need(
+            self.tp_allreduce in TP_ALLREDUCE,
+            f"{d('tp_allreduce')} must be one of {', '.join(TP_ALLREDUCE)} ({self.tp_allreduce!r})",
+        )
+        need(
+            self.tp_allreduce == "nccl" or self.device != "cpu",
+            f"{d('tp_allreduce')} {self.tp_allreduce} needs CUDA devices",
+        )
         need(self.dtype in DTYPES, f"{d('dtype')} must be one of {', '.join(DTYPES)} ({self.dtype!r})")
         try:
             cpus = self.engine_cpu_set
             usable = allowed_cpus()
-            need(cpus <= usable, f"{d('engine_cpus')} names CPUs this process may not use: "
-                                 f"{sorted(cpus - usable)} (usable: {sorted(usable)})")  # fmt: skip
+            need(
+                cpus <= usable,
+                f"{d('engine_cpus')} names CPUs this process may not use: "
+                f"{sorted(cpus - usable)} (usable: {sorted(usable)})",
+            )
         except ValueError as exc:
             problems.append(f"{d('engine_cpus')}: {exc}")
         problem = secret_problem(self.secret, self.secret_file)
@@ -185,24 +222,12 @@ class DecodeConfig:
         return self
 
 
-def _int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _num(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def load_decode_config(cli: Mapping[str, Any] | None = None) -> DecodeConfig:
-    """The node's config: flags (``cli``, from :func:`tilert.router.config.cli_values`) > environment >
+    """The node's config: flags (``cli``, from :func:`tilert.settings.cli_values`) > environment >
     defaults, with the shared secret loaded; validated."""
     values = merge_values(DecodeConfig, [env_values(DecodeConfig), cli or {}])
     secret = try_load_secret(values.get("secret_file"))
     return build_config(DecodeConfig, values, secret=secret).validate()
-
-
-DEFAULT_CPU_SEQUENCES = 8
-DEFAULT_GPU_SEQUENCES = 4
 
 
 def _on_cuda(device: str) -> bool:

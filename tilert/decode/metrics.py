@@ -35,7 +35,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from tilert.router.metrics import INTER_TOKEN_LATENCY_BUCKETS, PREFIX, REQUEST_LATENCY_BUCKETS, WAIT_BUCKETS
+from tilert.metric_conventions import INTER_TOKEN_LATENCY_BUCKETS, PREFIX, REQUEST_LATENCY_BUCKETS, WAIT_BUCKETS
 
 
 class DecodeMetrics:
@@ -48,33 +48,59 @@ class DecodeMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r, m = self.registry, ["model_name"]
         self._running = Gauge(PREFIX + "num_requests_running", "Decodes running on the engine.", m, registry=r)
-        self._waiting = Gauge(PREFIX + "num_requests_waiting", "Decodes whose KV landed, waiting for the engine.",
-                              m, registry=r)  # fmt: skip
-        self._slots_total = Gauge(PREFIX + "decode_slots_total", "Receive slots (KV buffers) of the node.", m,
-                                  registry=r)  # fmt: skip
+        self._waiting = Gauge(
+            PREFIX + "num_requests_waiting", "Decodes whose KV landed, waiting for the engine.", m, registry=r
+        )
+        self._slots_total = Gauge(
+            PREFIX + "decode_slots_total", "Receive slots (KV buffers) of the node.", m, registry=r
+        )
         self._slots_free = Gauge(PREFIX + "decode_slots_free", "Receive slots free to reserve.", m, registry=r)
         self._received = Counter(PREFIX + "kv_transfers_received", "KV transfers received whole.", m, registry=r)
-        self._failed = Counter(PREFIX + "kv_transfers_failed", "KV transfers that failed, by reason.",
-                               m + ["reason"], registry=r)  # fmt: skip
-        self._transfer_wait = Histogram(PREFIX + "kv_transfer_wait_seconds",
-                                        "/v1/decode arrival to its KV being ready.", m, buckets=WAIT_BUCKETS,
-                                        registry=r)  # fmt: skip
+        self._failed = Counter(
+            PREFIX + "kv_transfers_failed", "KV transfers that failed, by reason.", m + ["reason"], registry=r
+        )
+        self._transfer_wait = Histogram(
+            PREFIX + "kv_transfer_wait_seconds",
+            "/v1/decode arrival to its KV being ready.",
+            m,
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
         self._generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens the node generated.", m, registry=r)
-        self._itl = Histogram(PREFIX + "inter_token_latency_seconds",
-                              "Time between generated tokens (a step's gap split over its tokens).", m,
-                              buckets=INTER_TOKEN_LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self._tpot = Histogram(PREFIX + "request_time_per_output_token_seconds",
-                               "Per decode: mean time per generated token.", m,
-                               buckets=INTER_TOKEN_LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self._e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
-                              "A decode request on the node: arrival to its last line.", m,
-                              buckets=REQUEST_LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self._success = Counter(PREFIX + "request_success", "Finished decodes by finished_reason.",
-                                m + ["finished_reason"], registry=r)  # fmt: skip
-        self._expired = Counter(PREFIX + "decode_leases_expired", "Reservations whose lease ran out.", m,
-                                registry=r)  # fmt: skip
-        for metric in (self._running, self._waiting, self._slots_total, self._slots_free, self._received,
-                       self._generation_tokens, self._expired):  # fmt: skip
+        self._itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between generated tokens (a step's gap split over its tokens).",
+            m,
+            buckets=INTER_TOKEN_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._tpot = Histogram(
+            PREFIX + "request_time_per_output_token_seconds",
+            "Per decode: mean time per generated token.",
+            m,
+            buckets=INTER_TOKEN_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "A decode request on the node: arrival to its last line.",
+            m,
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._success = Counter(
+            PREFIX + "request_success", "Finished decodes by finished_reason.", m + ["finished_reason"], registry=r
+        )
+        self._expired = Counter(PREFIX + "decode_leases_expired", "Reservations whose lease ran out.", m, registry=r)
+        for metric in (
+            self._running,
+            self._waiting,
+            self._slots_total,
+            self._slots_free,
+            self._received,
+            self._generation_tokens,
+            self._expired,
+        ):
             metric.labels(model_name)
 
     def requests(self, running: int, waiting: int) -> None:

@@ -296,7 +296,7 @@ def check_tp(config: DecodeConfig, device: str) -> None:
     """``ConfigError`` when ``config.tp`` ranks cannot run this model on this machine (before any rank starts)."""
     from tilert.engines.tilert import parallel
     from tilert.engines.tilert.weights import args_from_hf_config, checkpoint_keys, load_hf_config
-    from tilert.router.config import ConfigError
+    from tilert.settings import ConfigError
 
     if config.engine != "tilert":
         raise ConfigError(f"--tp {config.tp} needs the tilert engine (got {config.engine!r})")

@@ -38,20 +38,37 @@ from typing import Any
 
 import structlog
 
+from tilert.settings import NODE_CTRL_PORT, NODE_HTTP_PORT, ROUTER_PORT
+
 log = structlog.get_logger("tilert.pd_vllm")
 
 # Published model names (and the obvious spellings) -> config.json model_type.
 MODEL_NAMES: dict[str, str] = {
-    "glm5": "glm_moe_dsa", "glm-5": "glm_moe_dsa", "glm5.1": "glm_moe_dsa", "glm-5.1": "glm_moe_dsa",
+    "glm5": "glm_moe_dsa",
+    "glm-5": "glm_moe_dsa",
+    "glm5.1": "glm_moe_dsa",
+    "glm-5.1": "glm_moe_dsa",
     "glm_moe_dsa": "glm_moe_dsa",
-    "deepseek-v3.2": "deepseek_v32", "deepseek_v32": "deepseek_v32", "dsv32": "deepseek_v32",
-    "deepseek-v3": "deepseek_v3", "deepseek_v3": "deepseek_v3", "dsv3": "deepseek_v3",
-}  # fmt: skip
+    "deepseek-v3.2": "deepseek_v32",
+    "deepseek_v32": "deepseek_v32",
+    "dsv32": "deepseek_v32",
+    "deepseek-v3": "deepseek_v3",
+    "deepseek_v3": "deepseek_v3",
+    "dsv3": "deepseek_v3",
+}
 # kv_connector_extra_config keys: the published ones, then tilert's own (connector/connector.py).
 PUBLISHED_EXTRA_KEYS = ("tilert_host", "tilert_ctrl_port", "tilert_model", "tilert_max_seq_len")
-TILERT_EXTRA_KEYS = ("tilert_transport", "tilert_transport_options", "tilert_timeout_s", "tilert_staging_bytes",
-                     "tilert_staging_device", "tilert_sender_threads", "tilert_busy_retry_after_s",
-                     "tilert_poll_wait_s", "tilert_secret_file")
+TILERT_EXTRA_KEYS = (
+    "tilert_transport",
+    "tilert_transport_options",
+    "tilert_timeout_s",
+    "tilert_staging_bytes",
+    "tilert_staging_device",
+    "tilert_sender_threads",
+    "tilert_busy_retry_after_s",
+    "tilert_poll_wait_s",
+    "tilert_secret_file",
+)
 
 
 class AliasError(ValueError):
@@ -104,17 +121,28 @@ def decode_server_args(argv: list[str]) -> list[str]:
     ap.add_argument("--with-mtp", action="store_true", help="MTP speculative decoding (off without it)")
     ap.add_argument("--max-seq-len", type=int, default=None)
     ap.add_argument("--kv-cache-dtype", default="auto")
-    ap.add_argument("--ctrl-port", type=int, default=5556)
-    ap.add_argument("--http-port", type=int, default=5557)
+    ap.add_argument("--ctrl-port", type=int, default=NODE_CTRL_PORT)
+    ap.add_argument("--http-port", type=int, default=NODE_HTTP_PORT)
     ns, rest = ap.parse_known_args(argv)
     check_family(ns.model, "--model", ns.model_weights_dir)
     if ns.kv_cache_dtype in ("fp8", "fp8_e4m3", "fp8_ds_mla"):
-        _warn(f"--kv-cache-dtype {ns.kv_cache_dtype}: the decode engine keeps its latent cache in the model dtype; "
-              "vLLM's fp8_ds_mla handoff is still accepted and converted on arrival")
+        _warn(
+            f"--kv-cache-dtype {ns.kv_cache_dtype}: the decode engine keeps its latent cache in the model dtype; "
+            "vLLM's fp8_ds_mla handoff is still accepted and converted on arrival"
+        )
     elif ns.kv_cache_dtype not in ("auto", "bf16", "bfloat16", "float32", "fp32"):
         raise AliasError(f"--kv-cache-dtype {ns.kv_cache_dtype!r} is not supported (fp8, auto, bfloat16)")
-    out = ["decode", "--engine", ns.engine, "--model", str(ns.model_weights_dir),
-           "--ctrl-port", str(ns.ctrl_port), "--http-port", str(ns.http_port)]
+    out = [
+        "decode",
+        "--engine",
+        ns.engine,
+        "--model",
+        str(ns.model_weights_dir),
+        "--ctrl-port",
+        str(ns.ctrl_port),
+        "--http-port",
+        str(ns.http_port),
+    ]
     if ns.max_seq_len is not None:
         out += ["--max-seq-len", str(ns.max_seq_len)]
     if not ns.with_mtp:
@@ -130,10 +158,17 @@ def pd_router_args(argv: list[str]) -> list[str]:
     ap.add_argument("--vllm-url", required=True, help="the vLLM prefill server")
     ap.add_argument("--decode", action="append", required=True, metavar="HOST:CTRL:HTTP")
     ap.add_argument("--model-path", required=True, help="checkpoint with the tokenizer")
-    ap.add_argument("--port", type=int, default=23333)
+    ap.add_argument("--port", type=int, default=ROUTER_PORT)
     ns, rest = ap.parse_known_args(argv)
-    out = ["router", "--prefill-url", ns.vllm_url.rstrip("/").removesuffix("/v1"), "--model", ns.model_path,
-           "--port", str(ns.port)]
+    out = [
+        "router",
+        "--prefill-url",
+        ns.vllm_url.rstrip("/").removesuffix("/v1"),
+        "--model",
+        ns.model_path,
+        "--port",
+        str(ns.port),
+    ]
     for d in ns.decode:
         out += ["--decode", d]
     if "--host" not in rest:
@@ -163,8 +198,10 @@ def check_connector_extra(extra: Mapping[str, Any], model_type: str, max_model_l
     if "tilert_model" in extra:
         want = model_type_of(str(extra["tilert_model"]), "tilert_model")
         if want != model_type:
-            raise AliasError(f"tilert_model {extra['tilert_model']!r} means model_type {want!r}, but vLLM serves a "
-                             f"{model_type!r} model")
+            raise AliasError(
+                f"tilert_model {extra['tilert_model']!r} means model_type {want!r}, but vLLM serves a "
+                f"{model_type!r} model"
+            )
     if "tilert_max_seq_len" in extra:
         try:
             limit = int(extra["tilert_max_seq_len"])
@@ -173,11 +210,15 @@ def check_connector_extra(extra: Mapping[str, Any], model_type: str, max_model_l
         if limit < 2:
             raise AliasError(f"tilert_max_seq_len must be >= 2 ({limit})")
         if max_model_len > limit:
-            warnings.append(f"vLLM accepts prompts of up to {max_model_len} tokens but tilert_max_seq_len is "
-                            f"{limit}: the decode node refuses longer ones")
+            warnings.append(
+                f"vLLM accepts prompts of up to {max_model_len} tokens but tilert_max_seq_len is "
+                f"{limit}: the decode node refuses longer ones"
+            )
     if "tilert_host" in extra or "tilert_ctrl_port" in extra:
-        warnings.append("tilert_host / tilert_ctrl_port are accepted; each request goes to the decode node the "
-                        "router names in its signed claim")
+        warnings.append(
+            "tilert_host / tilert_ctrl_port are accepted; each request goes to the decode node the "
+            "router names in its signed claim"
+        )
     unknown = sorted(k for k in extra if k not in PUBLISHED_EXTRA_KEYS + TILERT_EXTRA_KEYS)
     if unknown:
         warnings.append(f"kv_connector_extra_config keys ignored (unknown): {unknown}")

@@ -4,8 +4,8 @@
 variables over the TOML file named by ``$TILERT_ROUTER_CONFIG`` (see :mod:`tilert.router.config`);
 ``build_app(RouterConfig(...))`` builds one from arguments (the ``tilert router`` CLI does that).
 
-``app`` and ``build_app`` are resolved on first access, so importing the config (the CLI, the decode
-node, ``tilert up``) neither builds the Starlette app nor imports its dependencies. ``tilert.router.app``
+``app`` and ``build_app`` are resolved on first access, so importing the config (the CLI, ``tilert up``)
+neither builds the Starlette app nor imports its dependencies. ``tilert.router.app``
 always names the ASGI app, even once the submodule of the same name is loaded (the import system's
 binding of the submodule to the package is ignored; the submodule stays in ``sys.modules``).
 """

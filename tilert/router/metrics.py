@@ -49,21 +49,14 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-PREFIX = "tilert:"
-
-# vLLM's bucket families (vllm/v1/metrics/buckets.py); inter-token latency gets a finer low end, since a
-# decode node steps in a few milliseconds.
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
-TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                               7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-INTER_TOKEN_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04,
-                               0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                               20.0, 40.0, 80.0)  # fmt: skip
-WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0,
-                60.0, 120.0, 300.0, 600.0)  # fmt: skip
-TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000,
-                       200000, 500000, 1000000)  # fmt: skip
+from tilert.metric_conventions import (
+    INTER_TOKEN_LATENCY_BUCKETS,
+    PREFIX,
+    REQUEST_LATENCY_BUCKETS,
+    TIME_TO_FIRST_TOKEN_BUCKETS,
+    TOKEN_COUNT_BUCKETS,
+    WAIT_BUCKETS,
+)
 
 
 class RouterMetrics:
@@ -75,55 +68,106 @@ class RouterMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         r, m = self.registry, ["model_name"]
-        self._ttft = Histogram(PREFIX + "time_to_first_token_seconds",
-                               "Arrival at the router to the first token sent to the client.",
-                               m + ["route", "pool"], buckets=TIME_TO_FIRST_TOKEN_BUCKETS, registry=r)  # fmt: skip
-        self._e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
-                              "Arrival at the router to the request's end, failures included.",
-                              m + ["route", "pool"], buckets=REQUEST_LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self._tpot = Histogram(PREFIX + "request_time_per_output_token_seconds",
-                               "Per request: (e2e - ttft) / (generation tokens - 1), as vLLM defines it.",
-                               m, buckets=INTER_TOKEN_LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self._itl = Histogram(PREFIX + "inter_token_latency_seconds",
-                              "Time between decode tokens arriving at the router (a batch's gap split evenly).",
-                              m, buckets=INTER_TOKEN_LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self._running = Gauge(PREFIX + "num_requests_running",
-                              "Requests admitted and not finished (queued for a slot, prefilling or decoding).",
-                              m, registry=r)  # fmt: skip
+        self._ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Arrival at the router to the first token sent to the client.",
+            m + ["route", "pool"],
+            buckets=TIME_TO_FIRST_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self._e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Arrival at the router to the request's end, failures included.",
+            m + ["route", "pool"],
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._tpot = Histogram(
+            PREFIX + "request_time_per_output_token_seconds",
+            "Per request: (e2e - ttft) / (generation tokens - 1), as vLLM defines it.",
+            m,
+            buckets=INTER_TOKEN_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between decode tokens arriving at the router (a batch's gap split evenly).",
+            m,
+            buckets=INTER_TOKEN_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._running = Gauge(
+            PREFIX + "num_requests_running",
+            "Requests admitted and not finished (queued for a slot, prefilling or decoding).",
+            m,
+            registry=r,
+        )
         self._waiting = Gauge(PREFIX + "num_requests_waiting", "Requests queued for a decode slot.", m, registry=r)
-        self._success = Counter(PREFIX + "request_success",
-                                "Finished requests by finished_reason (stop, length, abort, error).",
-                                m + ["finished_reason"], registry=r)  # fmt: skip
-        self._requests = Counter(PREFIX + "requests", "Every request by route and outcome (failures included).",
-                                 m + ["route", "outcome", "pool"], registry=r)  # fmt: skip
+        self._success = Counter(
+            PREFIX + "request_success",
+            "Finished requests by finished_reason (stop, length, abort, error).",
+            m + ["finished_reason"],
+            registry=r,
+        )
+        self._requests = Counter(
+            PREFIX + "requests",
+            "Every request by route and outcome (failures included).",
+            m + ["route", "outcome", "pool"],
+            registry=r,
+        )
         self._prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", m, registry=r)
-        self._generation_tokens = Counter(PREFIX + "generation_tokens", "Completion tokens sent to clients.", m,
-                                          registry=r)  # fmt: skip
-        self._prompt_hist = Histogram(PREFIX + "request_prompt_tokens", "Prompt tokens per finished request.", m,
-                                      buckets=TOKEN_COUNT_BUCKETS, registry=r)  # fmt: skip
-        self._generation_hist = Histogram(PREFIX + "request_generation_tokens",
-                                          "Completion tokens per finished request.", m,
-                                          buckets=TOKEN_COUNT_BUCKETS, registry=r)  # fmt: skip
-        self._queue = Histogram(PREFIX + "request_queue_time_seconds", "Wait for a decode slot.", m,
-                                buckets=WAIT_BUCKETS, registry=r)  # fmt: skip
-        self._prefill = Histogram(PREFIX + "request_prefill_time_seconds",
-                                  "Prefill round trip to vLLM (max_tokens=1).", m,
-                                  buckets=TIME_TO_FIRST_TOKEN_BUCKETS, registry=r)  # fmt: skip
-        self._transfer = Histogram(PREFIX + "kv_transfer_wait_seconds",
-                                   "Decode request sent to its first line (KV transfer wait + first step).", m,
-                                   buckets=WAIT_BUCKETS, registry=r)  # fmt: skip
-        self._slots = Gauge(PREFIX + "decode_slots_in_use", "Decode slots this router holds, per node.",
-                            m + ["node"], registry=r)  # fmt: skip
-        self._healthy = Gauge(PREFIX + "decode_node_healthy", "1 while the decode node passes its health probe.",
-                              m + ["node"], registry=r)  # fmt: skip
+        self._generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Completion tokens sent to clients.", m, registry=r
+        )
+        self._prompt_hist = Histogram(
+            PREFIX + "request_prompt_tokens",
+            "Prompt tokens per finished request.",
+            m,
+            buckets=TOKEN_COUNT_BUCKETS,
+            registry=r,
+        )
+        self._generation_hist = Histogram(
+            PREFIX + "request_generation_tokens",
+            "Completion tokens per finished request.",
+            m,
+            buckets=TOKEN_COUNT_BUCKETS,
+            registry=r,
+        )
+        self._queue = Histogram(
+            PREFIX + "request_queue_time_seconds", "Wait for a decode slot.", m, buckets=WAIT_BUCKETS, registry=r
+        )
+        self._prefill = Histogram(
+            PREFIX + "request_prefill_time_seconds",
+            "Prefill round trip to vLLM (max_tokens=1).",
+            m,
+            buckets=TIME_TO_FIRST_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self._transfer = Histogram(
+            PREFIX + "kv_transfer_wait_seconds",
+            "Decode request sent to its first line (KV transfer wait + first step).",
+            m,
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
+        self._slots = Gauge(
+            PREFIX + "decode_slots_in_use", "Decode slots this router holds, per node.", m + ["node"], registry=r
+        )
+        self._healthy = Gauge(
+            PREFIX + "decode_node_healthy", "1 while the decode node passes its health probe.", m + ["node"], registry=r
+        )
         self._overflows = self._overflow_counter()
         # Series that exist from the start (a dashboard sees 0, not "no data").
         for metric in (self._running, self._waiting, self._prompt_tokens, self._generation_tokens, self._overflows):
             metric.labels(model_name)
 
     def _overflow_counter(self) -> Counter:
-        return Counter(PREFIX + "pool_overflows", "TileRT-pool requests sent to the native pool for want of a "
-                       "decode slot.", ["model_name"], registry=self.registry)  # fmt: skip
+        return Counter(
+            PREFIX + "pool_overflows",
+            "TileRT-pool requests sent to the native pool for want of a decode slot.",
+            ["model_name"],
+            registry=self.registry,
+        )
 
     # -- per request -------------------------------------------------------------------------------
     def first_token(self, route: str, seconds: float, pool: str = "tilert") -> None:
