@@ -4,7 +4,7 @@ Layers, lowest first (a module may import its own layer and those below):
 
 ====  ===========================================================================================
 0     ``tilert`` itself, ``contracts``, ``auth``, ``netio``, ``cpus``, ``logs``, ``settings``,
-      ``metrics_buckets``: what every process shares
+      ``metric_conventions``: what every process shares
 1     ``transports/`` (byte movers), ``models/`` (checkpoints and tiny models)
 2     ``engines/`` (compute only), ``plugins`` (finds transports and engines by entry point)
 3     ``connector/`` (inside vLLM), ``decode/`` (the decode node)

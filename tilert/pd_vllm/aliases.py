@@ -56,19 +56,8 @@ MODEL_NAMES: dict[str, str] = {
     "deepseek_v3": "deepseek_v3",
     "dsv3": "deepseek_v3",
 }
-# kv_connector_extra_config keys: the published ones, then tilert's own (connector/connector.py).
+# The published kv_connector_extra_config keys; every other key is the connector's own (ConnectorSettings).
 PUBLISHED_EXTRA_KEYS = ("tilert_host", "tilert_ctrl_port", "tilert_model", "tilert_max_seq_len")
-TILERT_EXTRA_KEYS = (
-    "tilert_transport",
-    "tilert_transport_options",
-    "tilert_timeout_s",
-    "tilert_staging_bytes",
-    "tilert_staging_device",
-    "tilert_sender_threads",
-    "tilert_busy_retry_after_s",
-    "tilert_poll_wait_s",
-    "tilert_secret_file",
-)
 
 
 class AliasError(ValueError):
@@ -219,7 +208,10 @@ def check_connector_extra(extra: Mapping[str, Any], model_type: str, max_model_l
             "tilert_host / tilert_ctrl_port are accepted; each request goes to the decode node the "
             "router names in its signed claim"
         )
-    unknown = sorted(k for k in extra if k not in PUBLISHED_EXTRA_KEYS + TILERT_EXTRA_KEYS)
-    if unknown:
-        warnings.append(f"kv_connector_extra_config keys ignored (unknown): {unknown}")
     return warnings
+
+
+def connector_extra(extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``extra`` without the published keys (checked by :func:`check_connector_extra`): what the connector reads
+    as its :class:`~tilert.contracts.ConnectorSettings`, where any other unknown key is refused."""
+    return {k: v for k, v in extra.items() if k not in PUBLISHED_EXTRA_KEYS}

@@ -1,7 +1,8 @@
 """``"kv_connector_module_path": "tilert.pd_vllm.prefill_connector"``: the published module path of the prefill
 connector. ``TileRTConnector`` here is :class:`tilert.connector.TileRTConnector` that first checks the published
 ``kv_connector_extra_config`` keys (``tilert_host``, ``tilert_ctrl_port``, ``tilert_model``,
-``tilert_max_seq_len``; :func:`tilert.pd_vllm.aliases.check_connector_extra`)."""
+``tilert_max_seq_len``; :func:`tilert.pd_vllm.aliases.check_connector_extra`); any other key is one of the
+connector's own settings (:class:`tilert.contracts.ConnectorSettings`), an unknown one stops vLLM's start-up."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from tilert.connector import TileRTConnector as _TileRTConnector
-from tilert.pd_vllm.aliases import check_connector_extra
+from tilert.contracts import ConnectorSettings
+from tilert.pd_vllm.aliases import check_connector_extra, connector_extra
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -28,3 +30,8 @@ class TileRTConnector(_TileRTConnector):
         for warning in check_connector_extra(extra, str(model.hf_config.model_type), int(model.max_model_len)):
             log.warning("published_extra_config", detail=warning)
         super().__init__(vllm_config, role, kv_cache_config)
+
+    @classmethod
+    def settings(cls, extra: dict[str, Any]) -> ConnectorSettings:
+        """The connector's own settings: the published keys (checked above) set none of them."""
+        return super().settings(connector_extra(extra))
