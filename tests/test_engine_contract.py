@@ -171,9 +171,13 @@ def test_optional_paths_follow_the_declared_capabilities(tiny: Tiny) -> None:
             return {}
 
         def inject(
-            self, state: dict[str, torch.Tensor], layouts: dict[str, KVLayout], num_tokens: int, seq: int = 0,
+            self,
+            state: dict[str, torch.Tensor],
+            layouts: dict[str, KVLayout],
+            num_tokens: int,
+            seq: int = 0,
             last_token_id: int | None = None,
-        ) -> None:  # fmt: skip
+        ) -> None:
             pass
 
         def forward(self, token_ids: torch.Tensor, start_pos: int, seq: int = 0) -> torch.Tensor:
@@ -193,8 +197,9 @@ def test_optional_paths_follow_the_declared_capabilities(tiny: Tiny) -> None:
         bare.speculative_greedy_step(0, 0, 1)
     # run_decode takes the per-step path (num_draft > 0 asks for MTP, which Bare does not declare) ...
     out: list[int] = []
-    finish = run_decode(bare, {}, {}, 1, Params(0, 3), frozenset(), lambda ids, fin: out.extend(ids),
-                        threading.Event(), 2)
+    finish = run_decode(
+        bare, {}, {}, 1, Params(0, 3), frozenset(), lambda ids, fin: out.extend(ids), threading.Event(), 2
+    )
     assert finish == Finish("length") and out == [1, 2, 3]
     # ... and needs max_tokens when the engine declares no cache size.
     with pytest.raises(ValueError, match="max_tokens"):

@@ -39,8 +39,8 @@ import structlog
 from tilert.auth import SECRET_ENV, SECRET_FILE_ENV, generate_secret
 from tilert.cpus import allowed_cpus, parse_cpu_list
 from tilert.decode.config import DEFAULT_MAX_LEASE_S
-from tilert.engines.vllm import NativeInstance
-from tilert.plugins import PluginError, load_native_pool
+from tilert.engines.plugin import NativeInstance, load_native_pool
+from tilert.plugins import PluginError
 from tilert.router.config import default_reserve_lease_s
 
 log = structlog.get_logger("tilert.stack")
