@@ -296,7 +296,7 @@ def test_client_leaving_a_native_stream_aborts_the_native_decode(pools: Stack) -
             if events == 3:
                 assert _vllm_running(pools.native) >= 1
                 break
-    deadline = time.monotonic() + 30  # vLLM publishes its gauges with its periodic stats (about 10 s)
+    deadline = time.monotonic() + 30  # vLLM publishes its gauges with its periodic stats
     while _vllm_running(pools.native) > 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _vllm_running(pools.native) == 0
@@ -317,7 +317,7 @@ def test_zz_killing_native_decode_fails_its_stream_fast_and_spares_tilert(pools:
     stream in flight. The native one ends with an error event right after the instance has exited and its last
     token is relayed (within 5 s of the kill: the tokens already buffered are relayed first); the TileRT one is
     untouched (the same tokens as the same request undisturbed, which the tests above tie to vLLM alone)."""
-    n_tilert = 1200  # long enough that the decode still runs when the test looks (about 2-10 s here)
+    n_tilert = 1200  # long enough that the decode still runs when the test looks
     tilert_body = {
         "model": str(pools.model),
         "prompt": "def main():",
@@ -360,8 +360,7 @@ def test_zz_killing_native_decode_fails_its_stream_fast_and_spares_tilert(pools:
     def watch_exit() -> None:
         """When the killed instance's sockets are closed: its port refuses connections. (Not when its main thread
         is a zombie: the other threads of a SIGKILLed process may take a second more to exit on a slow host, and
-        its sockets stay open until the last one has; the router and tilert up both saw the death 1.7 s after
-        the main thread showed as a zombie.)"""
+        its sockets stay open until the last one has, and the router and tilert up see the death only then.)"""
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
@@ -401,9 +400,9 @@ def test_zz_killing_native_decode_fails_its_stream_fast_and_spares_tilert(pools:
     assert last_data[-1] == "data: [DONE]"
     error = json.loads(last_data[0][6:])["error"]
     assert error["code"] == 502 and "native decode" in error["message"]
-    # The error follows at once whichever comes later: the instance's sockets closing (a SIGKILLed vLLM took 0.56 s
-    # to over a second to exit on a slow 2-core host, where the router noticed within milliseconds) or the last
-    # relayed token (tokens already in the socket buffers when it died are relayed first, about a millisecond each).
+    # The error follows at once whichever comes later: the instance's sockets closing (a SIGKILLed vLLM is slow to
+    # exit on a busy host, its sockets closing only with its last thread) or the last relayed token (tokens already
+    # in the socket buffers when it died are relayed first).
     # The end is bounded from the kill at 5 s: far below any read timeout a router that missed the death would wait for.
     watcher.join(35)
     assert t_gone, "the killed native instance did not exit"

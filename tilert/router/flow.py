@@ -4,7 +4,7 @@
         \\          \\           \\            \\----> FAILED | CANCELLED
          \\          \\           \\-> FINISHED (prefill's single token already ends the request)
           \\          \\-> (no TileRT slot within overflow_wait_s) -> the native pool's PREFILLING
-           \\-> PREFILLING (the native pool: no slot to wait for; its steps are :mod:`tilert.router.native`'s)
+           \\-> PREFILLING (the native pool: no slot to wait for; see :mod:`tilert.router.native`)
 
 The pool is chosen before the flow starts (:mod:`tilert.router.routing`); the one that served is in the
 response's ``x-tilert-pool`` header, in the metrics' ``pool`` label and in the request's log lines.
