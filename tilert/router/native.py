@@ -15,8 +15,8 @@ The router always asks the decode instance for the usage chunk (its token counts
 it when the client did not ask for it.
 
 The request's state machine is the flow's (:mod:`tilert.router.flow`): it calls :func:`available_pool`,
-:func:`native_prefill` and :func:`native_decode` in turn, and they report the request's token counts, finish reason and
-first token through :class:`NativeRequest`. The pool itself is reached only through the
+:func:`native_prefill` and :func:`native_decode` in turn, and they report the request's token counts, finish
+reason and first token through :class:`NativeRequest`. The pool itself is reached only through the
 :class:`~tilert.engines.plugin.NativePool` contract of the plugin the router was configured with.
 """
 
