@@ -5,12 +5,21 @@ A real tiny engine (one-layer seeded ``deepseek_v3`` checkpoint, CPU float32, an
 (``max_tokens=None``), with "stop" on EOS (``stop_token_id`` None) or on a stop id (the id), EOS winning
 when a token is both, and "cancelled"; on the pipelined greedy path, the plain per-step path and the
 sampled path alike. The loop calls an optional method only when ``capabilities()`` declares it.
+
+The ``tilert.engines`` group's plugin contract: each plugin is loaded by the kind it declares, and one of the
+other kind, of no kind or of an unknown kind is refused with the reason; the router reaches the native pool
+through that contract, its modules importing one another in no cycle.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import os
+import subprocess
+import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,10 +27,14 @@ from typing import Any
 import pytest
 import torch
 
+import tilert.plugins
 from tilert.decode.generate import Finish, run_decode
 from tilert.engines.base import Capabilities, DecodeEngine, KVLayout
+from tilert.engines.plugin import KINDS, NATIVE_POOL, NODE_ENGINE, NativePool, load_engine, load_native_pool
 from tilert.engines.tilert import layouts
 from tilert.engines.tilert.engine import TileRTEngine, greedy_generate
+from tilert.engines.vllm import VllmNativePool
+from tilert.plugins import ENGINES_GROUP, PluginError, names_of_kind
 
 PROMPT = 8
 MAX_SEQ = 24
@@ -171,9 +184,13 @@ def test_optional_paths_follow_the_declared_capabilities(tiny: Tiny) -> None:
             return {}
 
         def inject(
-            self, state: dict[str, torch.Tensor], layouts: dict[str, KVLayout], num_tokens: int, seq: int = 0,
+            self,
+            state: dict[str, torch.Tensor],
+            layouts: dict[str, KVLayout],
+            num_tokens: int,
+            seq: int = 0,
             last_token_id: int | None = None,
-        ) -> None:  # fmt: skip
+        ) -> None:
             pass
 
         def forward(self, token_ids: torch.Tensor, start_pos: int, seq: int = 0) -> torch.Tensor:
@@ -193,9 +210,180 @@ def test_optional_paths_follow_the_declared_capabilities(tiny: Tiny) -> None:
         bare.speculative_greedy_step(0, 0, 1)
     # run_decode takes the per-step path (num_draft > 0 asks for MTP, which Bare does not declare) ...
     out: list[int] = []
-    finish = run_decode(bare, {}, {}, 1, Params(0, 3), frozenset(), lambda ids, fin: out.extend(ids),
-                        threading.Event(), 2)
+    finish = run_decode(
+        bare, {}, {}, 1, Params(0, 3), frozenset(), lambda ids, fin: out.extend(ids), threading.Event(), 2
+    )
     assert finish == Finish("length") and out == [1, 2, 3]
     # ... and needs max_tokens when the engine declares no cache size.
     with pytest.raises(ValueError, match="max_tokens"):
         run_decode(bare, {}, {}, 1, Params(0, None), frozenset(), lambda ids, fin: out.extend(ids), threading.Event())
+
+
+# ---------------------------------------------------------------------------------------------- plugin kinds
+
+
+def test_each_plugin_loads_by_its_declared_kind() -> None:
+    assert TileRTEngine.kind == NODE_ENGINE and VllmNativePool.kind == NATIVE_POOL
+    assert load_engine("tilert") is TileRTEngine
+    assert load_native_pool("vllm") is VllmNativePool
+    assert names_of_kind(ENGINES_GROUP, NODE_ENGINE, KINDS) == ["tilert"]
+    assert names_of_kind(ENGINES_GROUP, NATIVE_POOL, KINDS) == ["vllm"]
+
+
+def test_a_plugin_of_the_other_kind_is_refused_with_what_it_is() -> None:
+    with pytest.raises(PluginError) as exc:
+        load_engine("vllm")
+    msg = str(exc.value)
+    assert "'vllm'" in msg and "'native-pool' plugin" in msg and "native decode pool" in msg
+    assert msg.endswith("'node-engine' plugins: tilert")
+    with pytest.raises(PluginError) as exc:
+        load_native_pool("tilert")
+    msg = str(exc.value)
+    assert "'node-engine' plugin" in msg and "decode node runs" in msg and msg.endswith("'native-pool' plugins: vllm")
+    with pytest.raises(PluginError, match="no plugin 'nope' in tilert.engines; installed: tilert, vllm"):
+        load_engine("nope")
+
+
+class _NoKind:
+    name = "nokind"
+
+
+class _OddKind:
+    name = "odd"
+    kind = "gpu-engine"
+
+
+class _PoolNotNativePool:  # declares the kind but does not implement the contract
+    name = "fake"
+    kind = "native-pool"
+
+
+@dataclass(frozen=True)
+class _EntryPoint:
+    """Stands in for ``importlib.metadata.EntryPoint``: what ``tilert.plugins`` reads of one."""
+
+    name: str
+    value: str
+    target: Callable[[], Any]
+
+    def load(self) -> Any:
+        return self.target()
+
+
+def _broken() -> Any:
+    raise ImportError("No module named 'missing_dependency'")
+
+
+@pytest.fixture
+def extra_plugins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The installed engine plugins plus five faulty ones."""
+    real = tilert.plugins.entry_points
+    fakes = [
+        _EntryPoint("nokind", "x:_NoKind", lambda: _NoKind),
+        _EntryPoint("odd", "x:_OddKind", lambda: _OddKind),
+        _EntryPoint("fake", "x:_PoolNotNativePool", lambda: _PoolNotNativePool),
+        _EntryPoint("broken", "x:Broken", _broken),
+        _EntryPoint("func", "x:func", lambda: _broken),
+    ]
+
+    def entry_points(*, group: str) -> list[Any]:
+        return [*real(group=group), *(fakes if group == ENGINES_GROUP else [])]
+
+    monkeypatch.setattr(tilert.plugins, "entry_points", entry_points)
+
+
+@pytest.mark.usefixtures("extra_plugins")
+def test_a_plugin_of_no_known_kind_is_refused_and_listing_skips_it() -> None:
+    with pytest.raises(PluginError, match=r"'nokind' of tilert.engines declares no kind \(class attribute 'kind'"):
+        load_engine("nokind")
+    with pytest.raises(
+        PluginError,
+        match="'odd' of tilert.engines declares the unknown kind 'gpu-engine' "
+        r"\(known: node-engine, native-pool\)",
+    ):
+        load_native_pool("odd")
+    with pytest.raises(PluginError, match="'fake' of tilert.engines declares kind 'native-pool' but is no NativePool"):
+        load_native_pool("fake")
+    with pytest.raises(PluginError, match="'broken' of tilert.engines cannot be loaded: ImportError: No module"):
+        load_engine("broken")
+    with pytest.raises(PluginError, match=r"'func' of tilert.engines is not a class \(x:func\)"):
+        load_engine("func")
+    # Listing one kind loads each plugin's class; a faulty one is left out and the others are still listed.
+    assert names_of_kind(ENGINES_GROUP, NODE_ENGINE, KINDS) == ["tilert"]
+    assert names_of_kind(ENGINES_GROUP, NATIVE_POOL, KINDS) == ["fake", "vllm"]
+    with pytest.raises(PluginError) as exc:
+        load_engine("vllm")
+    assert str(exc.value).endswith("'node-engine' plugins: tilert")
+
+
+def test_native_pool_contract_is_abstract() -> None:
+    """A native pool implements every step the router and ``tilert up`` take (a missing one fails at once)."""
+    assert issubclass(VllmNativePool, NativePool)
+    assert {name for name in dir(NativePool) if getattr(getattr(NativePool, name), "__isabstractmethod__", False)} == {
+        "prefill_connector",
+        "decode_connector",
+        "prefill_params",
+        "handoff",
+        "decode_params",
+        "env",
+        "decode_command",
+    }
+    assert not getattr(VllmNativePool, "__abstractmethods__", None)
+
+
+def test_decode_node_refuses_a_native_pool_engine(tmp_path: Path) -> None:
+    """``tilert decode --engine vllm``: exit 2 with the reason, before the node starts anything."""
+    (tmp_path / "config.json").write_text("{}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TILERT_")}
+    env["TILERT_SECRET"] = "0123456789abcdef0123456789abcdef"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tilert.cli", "decode", "--model", str(tmp_path), "--engine", "vllm"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "tilert decode: plugin 'vllm' of tilert.engines is a 'native-pool' plugin" in proc.stderr
+    assert "'node-engine' plugins: tilert" in proc.stderr
+
+
+def _router_imports() -> dict[str, set[str]]:
+    """Each ``tilert.router`` module and the ``tilert.router`` modules it imports, at any depth of its code
+    (inside functions and ``TYPE_CHECKING`` blocks too)."""
+    root = Path(tilert.plugins.__file__).parent / "router"
+    modules = {f"tilert.router.{p.stem}": p for p in root.glob("*.py") if p.stem != "__init__"}
+    modules["tilert.router"] = root / "__init__.py"
+    graph: dict[str, set[str]] = {}
+    for mod, path in modules.items():
+        package = mod if path.stem == "__init__" else mod.rsplit(".", 1)[0]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], base]).strip(".")
+                for a in node.names:  # ``from pkg import submodule`` imports the submodule
+                    deps.add(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base)
+        graph[mod] = {d for d in deps if d in modules and d != mod}
+    return graph
+
+
+def test_router_modules_import_in_no_cycle() -> None:
+    graph = _router_imports()
+    assert "tilert.router.native" in graph["tilert.router.flow"]  # the flow calls the native leg ...
+    assert "tilert.router.flow" not in graph["tilert.router.native"]  # ... which knows nothing of the flow
+    done: set[str] = set()
+
+    def visit(mod: str, path: list[str]) -> None:
+        if mod in path:
+            raise AssertionError(f"import cycle: {' -> '.join(path[path.index(mod) :] + [mod])}")
+        if mod not in done:
+            for dep in sorted(graph[mod]):
+                visit(dep, [*path, mod])
+            done.add(mod)
+
+    for mod in sorted(graph):
+        visit(mod, [])

@@ -40,8 +40,17 @@ POOL = "x-tilert-pool"
 def pools(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     ports = [str(free_port()) for _ in range(3)]
     log = tmp_path_factory.mktemp("logs") / "pools.log"
-    handle = start_stack(tiny_model, log, "--native", "--native-port", ports[0], "--prefill-side-port", ports[1],
-                         "--native-side-port", ports[2])  # fmt: skip
+    handle = start_stack(
+        tiny_model,
+        log,
+        "--native",
+        "--native-port",
+        ports[0],
+        "--prefill-side-port",
+        ports[1],
+        "--native-side-port",
+        ports[2],
+    )
     assert handle.native is not None
     yield handle
     stop_stack(handle)
@@ -71,8 +80,13 @@ def _prompts(model: Path) -> list[tuple[str, Any]]:
 def _alone(stack: Stack, kind: str, prompt: Any, max_tokens: int = MAX_TOKENS) -> tuple[list[int], str]:
     """The prefill instance serving the request itself: the oracle."""
     key, path = ("messages", "/v1/chat/completions") if kind == "chat" else ("prompt", "/v1/completions")
-    body = {"model": str(stack.model), key: prompt, "max_tokens": max_tokens, "temperature": 0,
-            "return_token_ids": True}  # fmt: skip
+    body = {
+        "model": str(stack.model),
+        key: prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     data = httpx.post(stack.prefill + path, json=body, timeout=120).json()
     assert data["kv_transfer_params"] is None, "a plain request must be left alone by both connectors"
     choice = data["choices"][0]
@@ -85,9 +99,13 @@ def _call(
     """Through the router with the OpenAI client: (token ids, text, usage, the x-tilert-pool header)."""
     client = OpenAI(base_url=url + "/v1", api_key="unused", timeout=120, max_retries=0)
     kwargs: dict[str, Any] = {
-        "model": str(model), "max_tokens": max_tokens, "temperature": 0, "stream": stream,
-        "extra_body": {"return_token_ids": True}, "extra_headers": {POOL: pool} if pool else None,
-    }  # fmt: skip
+        "model": str(model),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+        "extra_body": {"return_token_ids": True},
+        "extra_headers": {POOL: pool} if pool else None,
+    }
     if stream:
         kwargs["stream_options"] = {"include_usage": True}
     api = client.chat.completions if kind == "chat" else client.completions
@@ -139,10 +157,15 @@ def test_marked_native_and_plain_requests_at_once(pools: Stack) -> None:
     prompts = [_prompts(pools.model)[i] for i in (0, 2)]
     solo = [_alone(pools, kind, p) for kind, p in prompts]
     with ThreadPoolExecutor(max_workers=9) as ex:
-        jobs = [(ex.submit(_call, pools.router, pools.model, kind, p, stream, pool), i)
-                for i, (kind, p) in enumerate(prompts) for pool, stream in (("tilert", True), ("vllm", False))]
-        jobs += [(ex.submit(_call, pools.router, pools.model, kind, p, True, "vllm"), i)
-                 for i, (kind, p) in enumerate(prompts)]  # fmt: skip
+        jobs = [
+            (ex.submit(_call, pools.router, pools.model, kind, p, stream, pool), i)
+            for i, (kind, p) in enumerate(prompts)
+            for pool, stream in (("tilert", True), ("vllm", False))
+        ]
+        jobs += [
+            (ex.submit(_call, pools.router, pools.model, kind, p, True, "vllm"), i)
+            for i, (kind, p) in enumerate(prompts)
+        ]
         plain = [(ex.submit(_alone, pools, kind, p), i) for i, (kind, p) in enumerate(prompts)]
         for job, i in jobs:
             assert job.result()[:2] == solo[i]
@@ -166,9 +189,23 @@ def _router(stack: Stack, *flags: str) -> Iterator[str]:
     router_proc = next(p for p in psutil.Process(stack.proc.pid).children(recursive=True) if "router" in p.cmdline())
     env = {**os.environ, "TILERT_SECRET_FILE": router_proc.environ()["TILERT_SECRET_FILE"]}
     port = free_port()
-    cmd = [sys.executable, "-m", "tilert.cli", "router", "--prefill-url", stack.prefill,
-           "--decode", f"{decode.hostname}:{ctrl}:{decode.port}", "--model", str(stack.model),
-           "--port", str(port), "--native-url", str(stack.native), *flags]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "tilert.cli",
+        "router",
+        "--prefill-url",
+        stack.prefill,
+        "--decode",
+        f"{decode.hostname}:{ctrl}:{decode.port}",
+        "--model",
+        str(stack.model),
+        "--port",
+        str(port),
+        "--native-url",
+        str(stack.native),
+        *flags,
+    ]
     proc = subprocess.Popen(cmd, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -207,8 +244,10 @@ def test_routing_by_model_and_overflow_to_native(pools: Stack) -> None:
     kind, prompt = _prompts(pools.model)[0]
     want = _alone(pools, kind, prompt)
     models = json.dumps({str(pools.model): "vllm"})
-    with _router(pools, "--pool-models", models, "--overflow-wait-s", "0.5", "--queue-timeout-s", "120") as a, \
-            _router(pools, "--queue-timeout-s", "0.5") as b:  # fmt: skip
+    with (
+        _router(pools, "--pool-models", models, "--overflow-wait-s", "0.5", "--queue-timeout-s", "120") as a,
+        _router(pools, "--queue-timeout-s", "0.5") as b,
+    ):
         ids, text, _, served = _call(a, pools.model, kind, prompt, True, None)
         assert (ids, text, served) == (*want, "vllm")
         ids, text, _, served = _call(a, pools.model, kind, prompt, False, "tilert")
@@ -257,7 +296,7 @@ def test_client_leaving_a_native_stream_aborts_the_native_decode(pools: Stack) -
             if events == 3:
                 assert _vllm_running(pools.native) >= 1
                 break
-    deadline = time.monotonic() + 30  # vLLM publishes its gauges with its periodic stats (about 10 s)
+    deadline = time.monotonic() + 30  # vLLM publishes its gauges with its periodic stats
     while _vllm_running(pools.native) > 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _vllm_running(pools.native) == 0
@@ -267,8 +306,9 @@ def test_client_leaving_a_native_stream_aborts_the_native_decode(pools: Stack) -
 
 def _native_process(stack: Stack) -> psutil.Process:
     port = str(urlparse(str(stack.native)).port)
-    return next(p for p in psutil.Process(stack.proc.pid).children()
-                if "vllm" in " ".join(p.cmdline()) and port in p.cmdline())  # fmt: skip
+    return next(
+        p for p in psutil.Process(stack.proc.pid).children() if "vllm" in " ".join(p.cmdline()) and port in p.cmdline()
+    )
 
 
 @pytest.mark.stack
@@ -277,15 +317,22 @@ def test_zz_killing_native_decode_fails_its_stream_fast_and_spares_tilert(pools:
     stream in flight. The native one ends with an error event right after the instance has exited and its last
     token is relayed (within 5 s of the kill: the tokens already buffered are relayed first); the TileRT one is
     untouched (the same tokens as the same request undisturbed, which the tests above tie to vLLM alone)."""
-    n_tilert = 1200  # long enough that the decode still runs when the test looks (about 2-10 s here)
-    tilert_body = {"model": str(pools.model), "prompt": "def main():", "max_tokens": n_tilert, "temperature": 0,
-                   "stream": True, "return_token_ids": True}  # fmt: skip
+    n_tilert = 1200  # long enough that the decode still runs when the test looks
+    tilert_body = {
+        "model": str(pools.model),
+        "prompt": "def main():",
+        "max_tokens": n_tilert,
+        "temperature": 0,
+        "stream": True,
+        "return_token_ids": True,
+    }
     native = _native_process(pools)
 
     def tilert_stream(hold: threading.Event | None, started: threading.Event | None) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
-        with httpx.stream("POST", pools.router + "/v1/completions", json=tilert_body, headers={POOL: "tilert"},
-                          timeout=120) as r:  # fmt: skip
+        with httpx.stream(
+            "POST", pools.router + "/v1/completions", json=tilert_body, headers={POOL: "tilert"}, timeout=120
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     events.append(json.loads(line[6:]))
@@ -313,8 +360,7 @@ def test_zz_killing_native_decode_fails_its_stream_fast_and_spares_tilert(pools:
     def watch_exit() -> None:
         """When the killed instance's sockets are closed: its port refuses connections. (Not when its main thread
         is a zombie: the other threads of a SIGKILLed process may take a second more to exit on a slow host, and
-        its sockets stay open until the last one has; the router and tilert up both saw the death 1.7 s after
-        the main thread showed as a zombie.)"""
+        its sockets stay open until the last one has, and the router and tilert up see the death only then.)"""
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
@@ -335,8 +381,7 @@ def test_zz_killing_native_decode_fails_its_stream_fast_and_spares_tilert(pools:
         assert started.wait(60)
         health = httpx.get(pools.decode + "/health", timeout=10).json()
         assert health["slots_free"] < health["slots_total"], "the TileRT decode must be in flight"
-        with httpx.stream("POST", pools.router + "/v1/completions", json=body, headers={POOL: "vllm"},
-                          timeout=60) as r:  # fmt: skip
+        with httpx.stream("POST", pools.router + "/v1/completions", json=body, headers={POOL: "vllm"}, timeout=60) as r:
             assert r.headers[POOL] == "vllm"
             for line in r.iter_lines():
                 if not line:
@@ -355,9 +400,9 @@ def test_zz_killing_native_decode_fails_its_stream_fast_and_spares_tilert(pools:
     assert last_data[-1] == "data: [DONE]"
     error = json.loads(last_data[0][6:])["error"]
     assert error["code"] == 502 and "native decode" in error["message"]
-    # The error follows at once whichever comes later: the instance's sockets closing (a SIGKILLed vLLM took 0.56 s
-    # to over a second to exit on a slow 2-core host, where the router noticed within milliseconds) or the last
-    # relayed token (tokens already in the socket buffers when it died are relayed first, about a millisecond each).
+    # The error follows at once whichever comes later: the instance's sockets closing (a SIGKILLed vLLM is slow to
+    # exit on a busy host, its sockets closing only with its last thread) or the last relayed token (tokens already
+    # in the socket buffers when it died are relayed first).
     # The end is bounded from the kill at 5 s: far below any read timeout a router that missed the death would wait for.
     watcher.join(35)
     assert t_gone, "the killed native instance did not exit"
@@ -375,7 +420,11 @@ def test_zz_killing_native_decode_fails_its_stream_fast_and_spares_tilert(pools:
     kind, prompt = _prompts(pools.model)[0]
     assert _call(pools.router, pools.model, kind, prompt, True, "tilert")[:2] == _alone(pools, kind, prompt)
     t0 = time.monotonic()
-    r2 = httpx.post(pools.router + "/v1/completions", json={"model": str(pools.model), "prompt": "x", "max_tokens": 4},
-                    headers={POOL: "vllm"}, timeout=30)  # fmt: skip
+    r2 = httpx.post(
+        pools.router + "/v1/completions",
+        json={"model": str(pools.model), "prompt": "x", "max_tokens": 4},
+        headers={POOL: "vllm"},
+        timeout=30,
+    )
     assert r2.status_code == 503 and time.monotonic() - t0 < 5
     assert httpx.get(pools.router + "/health", timeout=10).json()["status"] == "degraded"

@@ -91,7 +91,8 @@ def test_start_up_refusals(tmp_path: Path) -> None:
 
 def test_native_plugin_and_stack_commands(tmp_path: Path) -> None:
     """The plugin is found through the entry-point group; the stack wires MultiConnector and both sides' NIXL."""
-    from tilert.plugins import available, load_native_pool
+    from tilert.engines.plugin import load_native_pool
+    from tilert.plugins import available
     from tilert.stack import Stack, StackConfig
 
     assert {"tilert", "vllm"} <= set(available("tilert.engines"))

@@ -40,8 +40,8 @@ import structlog
 from tilert.auth import SECRET_ENV, SECRET_FILE_ENV, generate_secret
 from tilert.cpus import allowed_cpus, parse_cpu_list
 from tilert.decode.config import CTRL_PORT, DEFAULT_MAX_LEASE_S, DTYPES, ENGINE, HTTP_PORT, TRANSPORT
-from tilert.engines.vllm import NativeInstance
-from tilert.plugins import PluginError, load_native_pool
+from tilert.engines.plugin import NativeInstance, load_native_pool
+from tilert.plugins import PluginError
 from tilert.router.config import NATIVE_ENGINE, OVERFLOW_WAIT_S, RESERVE_LEASE_S, default_reserve_lease_s
 from tilert.settings import (
     LOOPBACK,

@@ -47,6 +47,7 @@ from tilert.decode.generate import Finish
 from tilert.decode.sampling import DecodeParams
 from tilert.decode.slots import state_views
 from tilert.engines.base import Capabilities, DecodeEngine, KVLayout
+from tilert.engines.plugin import load_engine
 
 if TYPE_CHECKING:
     from tilert.decode.config import DecodeConfig
@@ -79,7 +80,6 @@ class EngineSpec:
     def load(self) -> DecodeEngine:
         """The engine, loaded in the calling process (the node's own, or the engine process)."""
         from tilert.decode.config import resolve_device, resolve_dtype
-        from tilert.plugins import load_engine
 
         device = resolve_device(self.device)
         return load_engine(self.engine).load(

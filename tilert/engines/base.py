@@ -6,8 +6,8 @@ load, one slot per sequence, ``seq in range(max_sequences)``), accepts a prompt'
 (converting it to its own layout) into one slot, and runs forward steps that return logits: for one
 sequence (``forward``) or one new token for each of several sequences at once (``decode_step``).
 
-Engines are plugins: registered under the ``tilert.engines`` entry-point group and looked up there
-(see ``tilert.plugins``).
+Engines are plugins of kind ``node-engine``: registered under the ``tilert.engines`` entry-point group and
+loaded with ``tilert.engines.plugin.load_engine``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
@@ -100,6 +100,7 @@ class DecodeEngine(ABC):
     """
 
     name: ClassVar[str]
+    kind: ClassVar[Literal["node-engine"]]  # what a plugin class declares (tilert.engines.plugin.NODE_ENGINE)
 
     @classmethod
     @abstractmethod
@@ -189,9 +190,7 @@ class DecodeEngine(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not declare Capabilities.pipelined_greedy")
 
-    def speculative_greedy_step(
-        self, next_token: int, start_pos: int, num_draft: int, seq: int = 0
-    ) -> SpecStepResult:
+    def speculative_greedy_step(self, next_token: int, start_pos: int, num_draft: int, seq: int = 0) -> SpecStepResult:
         """One greedy speculative step of sequence ``seq`` (``Capabilities.mtp``).
 
         Precondition: positions ``0..start_pos-1`` are in the cache and ``next_token`` is the greedy token

@@ -1,8 +1,9 @@
 """The native decode pool (engine plugin ``vllm``): a stock vLLM decode instance, fed by vLLM's own P/D.
 
-Where the ``tilert`` engine is loaded by our decode node, this plugin describes a pool that needs no code of
-ours at all: stock vLLM on both sides, joined by vLLM's built-in ``NixlConnector``. The prefill instance runs
-it as a child of ``MultiConnector`` beside ``TileRTConnector``; the decode instance runs it as a consumer.
+A plugin of kind ``native-pool`` (:class:`~tilert.engines.plugin.NativePool`). Where the ``tilert`` engine is
+loaded by our decode node, this plugin describes a pool that needs no code of ours at all: stock vLLM on both
+sides, joined by vLLM's built-in ``NixlConnector``. The prefill instance runs it as a child of
+``MultiConnector`` beside ``TileRTConnector``; the decode instance runs it as a consumer.
 The router's native leg (:mod:`tilert.router.native`) then follows vLLM's standard request flow: prefill with
 :class:`~tilert.contracts.NativePrefillParams` and ``max_tokens=1``, then the original request, carrying the
 prefill's :class:`~tilert.contracts.NativeHandoff`, to the decode instance, which pulls the KV and decodes.
@@ -19,37 +20,22 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from tilert.contracts import NativeHandoff, NativePrefillParams
+from tilert.engines.plugin import NativeInstance, NativePool
 
-__all__ = ["NativeInstance", "VllmNativePool"]
+__all__ = ["VllmNativePool"]
 
 CPU_COMPILATION_CONFIG = {"custom_ops": ["-rotary_embedding"]}  # vLLM 0.32's CPU rotary kernel and MLA
 
 
-@dataclass(frozen=True)
-class NativeInstance:
-    """One stock vLLM instance of a native pool (its HTTP and NIXL side-channel ports)."""
-
-    model: Path
-    host: str
-    port: int
-    side_channel_port: int
-    dtype: str = "float32"
-    max_model_len: int = 2048
-    kv_cache_bytes: int = 134_217_728
-    cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND (two vLLM CPU instances: pin them apart)
-
-
-class VllmNativePool:
+class VllmNativePool(NativePool):
     """Plugin ``vllm`` of the ``tilert.engines`` group: a pool of stock vLLM decode instances."""
 
-    name: ClassVar[str] = "vllm"
-    kind: ClassVar[str] = "native-pool"  # not a DecodeEngine: nothing of ours runs on its decode side
-    connector: ClassVar[str] = "NixlConnector"
+    name = "vllm"
+    kind = "native-pool"  # nothing of ours runs on its decode side
+    connector = "NixlConnector"
 
     @classmethod
     def prefill_connector(cls) -> dict[str, Any]:
@@ -58,6 +44,7 @@ class VllmNativePool:
 
     @classmethod
     def decode_connector(cls) -> dict[str, Any]:
+        """The decode instance's: a consumer of the same connector."""
         return {"kv_connector": cls.connector, "kv_role": "kv_consumer"}
 
     # -- the request flow (the router's native leg) ---------------------------------------------------
@@ -94,16 +81,29 @@ class VllmNativePool:
     def decode_command(cls, inst: NativeInstance, *, cpu: bool) -> list[str]:
         """Stock vLLM's OpenAI server as a native decode instance (no patch, no wrapper)."""
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(inst.model), "--host", inst.host, "--port", str(inst.port),
-            "--dtype", inst.dtype, "--max-model-len", str(inst.max_model_len), "--enforce-eager",
-            "--kv-cache-memory-bytes", str(inst.kv_cache_bytes),
-            "--kv-transfer-config", json.dumps(cls.decode_connector()),
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(inst.model),
+            "--host",
+            inst.host,
+            "--port",
+            str(inst.port),
+            "--dtype",
+            inst.dtype,
+            "--max-model-len",
+            str(inst.max_model_len),
+            "--enforce-eager",
+            "--kv-cache-memory-bytes",
+            str(inst.kv_cache_bytes),
+            "--kv-transfer-config",
+            json.dumps(cls.decode_connector()),
             # NIXL's handshake hashes whether the hybrid KV cache manager is on; the prefill runs without it
             # (TileRTConnector is not SupportsHMA, and MultiConnector enables it only if every child is), so the
             # decode side must match, or every transfer fails with "NIXL compatibility hash mismatch".
             "--disable-hybrid-kv-cache-manager",
-        ]  # fmt: skip
+        ]
         if cpu:
             cmd += ["--compilation-config", json.dumps(CPU_COMPILATION_CONFIG)]
         return cmd

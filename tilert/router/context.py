@@ -5,13 +5,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 import anyio
 import structlog
 from anyio.abc import TaskStatus
 
+from tilert.engines.plugin import NativePool, load_native_pool
+from tilert.plugins import PluginError
 from tilert.router.config import RouterConfig
 from tilert.router.detokenize import TokenizerBundle, load_tokenizer
 from tilert.router.metrics import RouterMetrics
@@ -19,9 +21,6 @@ from tilert.router.node_client import NodeClient
 from tilert.router.pool import DecodePool, PooledNode
 from tilert.router.prefill import prefill_session, vllm_session
 from tilert.router.watch import NodeWatch
-
-if TYPE_CHECKING:
-    from tilert.engines.vllm import VllmNativePool
 
 log = structlog.get_logger("tilert.router")
 
@@ -38,7 +37,7 @@ class RouterContext:
     started_at: int = field(default_factory=lambda: int(time.time()))
     # The native decode pool (config.native_url): a stock vLLM decode instance, and the plugin that speaks to it.
     native: aiohttp.ClientSession | None = None
-    native_plugin: type[VllmNativePool] | None = None
+    native_plugin: type[NativePool] | None = None
     native_healthy: bool = False
 
     @classmethod
@@ -50,27 +49,34 @@ class RouterContext:
             raise RuntimeError(f"router cannot load the tokenizer from model_dir {config.model_dir!r}: {exc}") from exc
         prefill = prefill_session(config.prefill_url, config.prefill_timeout_s, config.connect_timeout_s)
         nodes = {
-            spec.name: NodeClient(spec, config.connect_timeout_s, config.control_timeout_s, config.secret,
-                                  config.lease_s)
+            spec.name: NodeClient(
+                spec, config.connect_timeout_s, config.control_timeout_s, config.secret, config.lease_s
+            )
             for spec in config.decode_nodes
         }
         pool = DecodePool(
             config.decode_nodes, max_queue=config.max_queue, retry_after_s=config.retry_after_s, metrics=metrics
         )
         watches = {name: NodeWatch() for name in nodes}
-        ctx = cls(config=config, metrics=metrics, pool=pool, prefill=prefill, nodes=nodes, watches=watches,
-                  tokenizer=tokenizer)  # fmt: skip
+        ctx = cls(
+            config=config,
+            metrics=metrics,
+            pool=pool,
+            prefill=prefill,
+            nodes=nodes,
+            watches=watches,
+            tokenizer=tokenizer,
+        )
         if config.native_url:
-            from tilert.plugins import PluginError, load_native_pool
-
             try:
                 ctx.native_plugin = load_native_pool(config.native_engine)
             except PluginError as exc:
                 await ctx.aclose()
                 raise RuntimeError(f"native_engine: {exc}") from exc
             # No total timeout: a native decode streams as long as it needs; reads are bounded per event.
-            ctx.native = vllm_session(config.native_url,
-                                      aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s))
+            ctx.native = vllm_session(
+                config.native_url, aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s)
+            )
         return ctx
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -80,8 +86,13 @@ class RouterContext:
         config = self.config
         async with anyio.create_task_group() as tg:
             for node in self.pool.nodes:
-                tg.start_soon(self.watches[node.name].run, self.node_client(node), config.node_silence_s,
-                              config.health_interval_s, partial(self._lost, node))  # fmt: skip
+                tg.start_soon(
+                    self.watches[node.name].run,
+                    self.node_client(node),
+                    config.node_silence_s,
+                    config.health_interval_s,
+                    partial(self._lost, node),
+                )
             await self.check_nodes()
             await self.check_native()
             log.info(

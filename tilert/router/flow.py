@@ -28,30 +28,25 @@ from typing import Any
 import anyio
 import orjson
 import structlog
-from starlette.types import Message, Send
+from starlette.types import Send
 
 from tilert import contracts as c
 from tilert.router.config import NATIVE_POOL
 from tilert.router.context import RouterContext
 from tilert.router.errors import RouterError
 from tilert.router.lease import NodeLease
-from tilert.router.native import run_native
+from tilert.router.native import available_pool, native_decode, native_prefill
 from tilert.router.openai_format import DONE, ResponseShape, sse, usage
+from tilert.router.output import SSE_HEADERS, ClientOutput
 from tilert.router.pool import PooledNode
 from tilert.router.prefill import PrefillResult, run_prefill
-from tilert.router.routing import POOL_HEADER, PoolChoice
+from tilert.router.routing import PoolChoice
 from tilert.router.token_loop import TokenLoop
 from tilert.router.validation import RequestPlan
 
 _log = structlog.get_logger("tilert.router.flow")
 
 NO_SLOT_OUTCOMES = ("queue_full", "queue_timeout")  # the pool's 429s: what overflow to the native pool answers
-
-SSE_HEADERS = [
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),
-]
 
 
 class FlowState(enum.Enum):
@@ -64,42 +59,16 @@ class FlowState(enum.Enum):
     CANCELLED = "cancelled"
 
 
-class ClientOutput:
-    """The ASGI response of one request, remembering how far it got."""
-
-    def __init__(self, send: Send, pool: str | None = None) -> None:
-        self._send = send
-        self.started = False
-        self.done = False
-        self.pool = pool  # the x-tilert-pool header of the response (the pool serving the request)
-        self._head: Message | None = None  # the response start, held until the first body goes with it
-
-    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        """Begin the response; its head goes out with the first body (one write to the client, not two)."""
-        self.started = True
-        if self.pool is not None:
-            headers = [*headers, (POOL_HEADER.encode(), self.pool.encode())]
-        self._head = {"type": "http.response.start", "status": status, "headers": headers}
-
-    async def body(self, data: bytes, more: bool = True) -> None:
-        self.done = not more
-        if self._head is not None:
-            head, self._head = self._head, None
-            await self._send(head)
-        await self._send({"type": "http.response.body", "body": data, "more_body": more})
-
-    async def json(self, status: int, payload: bytes, extra: dict[str, str] | None = None) -> None:
-        headers = [(b"content-type", b"application/json")]
-        headers += [(k.lower().encode(), v.encode()) for k, v in (extra or {}).items()]
-        await self.start(status, headers)
-        await self.body(payload, more=False)
-
-
 class RequestFlow:
     def __init__(
-        self, ctx: RouterContext, plan: RequestPlan, request_id: str, arrived: float, choice: PoolChoice,
+        self,
+        ctx: RouterContext,
+        plan: RequestPlan,
+        request_id: str,
+        arrived: float,
+        choice: PoolChoice,
         client_body: bytes = b"",
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.ctx = ctx
         self.plan = plan
         self.choice = choice
@@ -116,8 +85,13 @@ class RequestFlow:
         self.prompt_tokens = self.completion_tokens = 0
         self.ttft_s: float | None = None
         self.node_name: str | None = None
-        self.log = _log.bind(transfer_id=self.transfer_id, route=plan.route, stream=plan.stream, pool=self.pool,
-                             pool_reason=choice.reason)  # fmt: skip
+        self.log = _log.bind(
+            transfer_id=self.transfer_id,
+            route=plan.route,
+            stream=plan.stream,
+            pool=self.pool,
+            pool_reason=choice.reason,
+        )
 
     @property
     def response_done(self) -> bool:
@@ -125,8 +99,9 @@ class RequestFlow:
 
     def _to(self, state: FlowState, **fields: Any) -> None:
         final = state in (FlowState.FINISHED, FlowState.FAILED, FlowState.CANCELLED)
-        (self.log.info if final else self.log.debug)("request_state", state=state.value,
-                                                      previous=self.state.value, **fields)  # fmt: skip
+        (self.log.info if final else self.log.debug)(
+            "request_state", state=state.value, previous=self.state.value, **fields
+        )
         self.state = state
 
     def _elapsed(self) -> float:
@@ -158,11 +133,23 @@ class RequestFlow:
         e2e = self._elapsed()
         self.ctx.metrics.running(-1)
         self.ctx.metrics.request_finished(
-            self.plan.route, self.outcome, self.finish_reason, self.prompt_tokens, self.completion_tokens,
-            e2e, self.ttft_s, pool=self.pool,
-        )  # fmt: skip
-        self.log.info("request_done", outcome=self.outcome, node=self.node_name, pool=self.pool,
-                      completion_tokens=self.completion_tokens, seconds=round(e2e, 4))  # fmt: skip
+            self.plan.route,
+            self.outcome,
+            self.finish_reason,
+            self.prompt_tokens,
+            self.completion_tokens,
+            e2e,
+            self.ttft_s,
+            pool=self.pool,
+        )
+        self.log.info(
+            "request_done",
+            outcome=self.outcome,
+            node=self.node_name,
+            pool=self.pool,
+            completion_tokens=self.completion_tokens,
+            seconds=round(e2e, 4),
+        )
 
     async def _report(self, out: ClientOutput, exc: RouterError) -> None:
         if self.client_gone or out.done:
@@ -175,16 +162,27 @@ class RequestFlow:
     # -- states ------------------------------------------------------------------------------------
     async def _run(self, out: ClientOutput) -> None:
         if self.choice.native:
-            await run_native(self, out)
+            await self._native(out)
             return
         cfg = self.ctx.config
         overflow = self.choice.overflow and self.ctx.native_healthy and cfg.overflow_wait_s is not None
-        wait = min(cfg.overflow_wait_s, cfg.queue_timeout_s) if overflow and cfg.overflow_wait_s is not None else (
-            cfg.queue_timeout_s)  # fmt: skip
+        wait = (
+            min(cfg.overflow_wait_s, cfg.queue_timeout_s)
+            if overflow and cfg.overflow_wait_s is not None
+            else (cfg.queue_timeout_s)
+        )
         self._to(FlowState.QUEUED, queue_depth=self.ctx.pool.queue_depth)
         sampling = self._sampling()
-        lease = NodeLease(self.ctx.pool, self.ctx.nodes, self.ctx.watches, self.transfer_id, queue_timeout_s=wait,
-                          lease_s=cfg.lease_s, log=self.log, sampling=sampling)  # fmt: skip
+        lease = NodeLease(
+            self.ctx.pool,
+            self.ctx.nodes,
+            self.ctx.watches,
+            self.transfer_id,
+            queue_timeout_s=wait,
+            lease_s=cfg.lease_s,
+            log=self.log,
+            sampling=sampling,
+        )
         async with AsyncExitStack() as held:
             try:
                 await held.enter_async_context(lease)
@@ -205,12 +203,23 @@ class RequestFlow:
             if finish is not None:
                 await self.answer_from_prefill(out, lease, shape, pre, finish)
                 return
-            self._to(FlowState.DECODING, node=self.node_name, slot=lease.slot, first_token_id=pre.first_token_id,
-                     prompt_tokens=pre.prompt_tokens)  # fmt: skip
+            self._to(
+                FlowState.DECODING,
+                node=self.node_name,
+                slot=lease.slot,
+                first_token_id=pre.first_token_id,
+                prompt_tokens=pre.prompt_tokens,
+            )
             request = c.DecodeRequest(self.transfer_id, pre.first_token_id, pre.prompt_tokens, sampling)
-            loop = TokenLoop(self.ctx.tokenizer.tokenizer, pre.prompt_token_ids, pre.first_token_id, pre.text,
-                             self.plan.stop, self.plan.include_stop_str_in_output,
-                             self.plan.skip_special_tokens)  # fmt: skip
+            loop = TokenLoop(
+                self.ctx.tokenizer.tokenizer,
+                pre.prompt_token_ids,
+                pre.first_token_id,
+                pre.text,
+                self.plan.stop,
+                self.plan.include_stop_str_in_output,
+                self.plan.skip_special_tokens,
+            )
             # The node checked the sampling with the reserve; when its context also holds the request, it cannot
             # refuse the decode request for anything the client sent: stream prefill's token before asking.
             early = lease.fits(pre.prompt_tokens, sampling.max_tokens)
@@ -227,15 +236,29 @@ class RequestFlow:
         self.ctx.metrics.overflowed()
         self.pool = out.pool = NATIVE_POOL
         self.log = self.log.bind(pool=self.pool, pool_reason="overflow")
-        await run_native(self, out)
+        await self._native(out)
+
+    async def _native(self, out: ClientOutput) -> None:
+        """The native pool's leg: vLLM's own P/D request flow (:mod:`tilert.router.native`), in this flow's states."""
+        plugin = await available_pool(self.ctx)
+        self._to(FlowState.PREFILLING, pool=self.pool)
+        got = await native_prefill(self.ctx, self, plugin)
+        if isinstance(got, PrefillResult):  # no handoff: the prefill's one token already ended the request
+            self.prompt_tokens, self.completion_tokens = got.prompt_tokens, 1
+            await self.answer_from_prefill(out, None, self.shape(got), got, "stop")
+            return
+        self._to(FlowState.DECODING, pool=self.pool, remote_engine_id=got.remote_engine_id)
+        await native_decode(self.ctx, self, plugin, got, out)
+        self._to(FlowState.FINISHED, finish_reason=self.finish_reason, completion_tokens=self.completion_tokens)
 
     async def _prefill(self, node: PooledNode, transfer_id: str) -> PrefillResult:
         """vLLM's prefill (``max_tokens=1``) with a claim that sends its KV to ``node`` as ``transfer_id``."""
         spec = node.spec
         claim = c.Claim.signed(self.ctx.config.secret, transfer_id, spec.host, spec.ctrl_port)
         t0 = anyio.current_time()
-        pre = await run_prefill(self.ctx.prefill, self.plan, claim, request_id=self.request_id,
-                                api_key=self.ctx.config.prefill_api_key)  # fmt: skip
+        pre = await run_prefill(
+            self.ctx.prefill, self.plan, claim, request_id=self.request_id, api_key=self.ctx.config.prefill_api_key
+        )
         self.ctx.metrics.prefill(anyio.current_time() - t0)
         self.prompt_tokens, self.completion_tokens = pre.prompt_tokens, 1
         return pre
@@ -243,16 +266,25 @@ class RequestFlow:
     def shape(self, pre: PrefillResult) -> ResponseShape:
         route = self.plan.route
         rid = pre.response_id or f"{'chatcmpl' if route == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        return ResponseShape(route, rid, pre.created or int(time.time()), pre.model or self.ctx.config.model_name,
-                             self.plan.return_token_ids)  # fmt: skip
+        return ResponseShape(
+            route,
+            rid,
+            pre.created or int(time.time()),
+            pre.model or self.ctx.config.model_name,
+            self.plan.return_token_ids,
+        )
 
     def _sampling(self) -> c.Sampling:
         plan = self.plan
         return c.Sampling(
             max_tokens=None if plan.max_tokens is None else plan.max_tokens - 1,
-            temperature=plan.temperature, top_p=plan.top_p, top_k=plan.top_k, seed=plan.seed,
-            stop_token_ids=list(plan.stop_token_ids), ignore_eos=bool(plan.ignore_eos),
-        )  # fmt: skip
+            temperature=plan.temperature,
+            top_p=plan.top_p,
+            top_k=plan.top_k,
+            seed=plan.seed,
+            stop_token_ids=list(plan.stop_token_ids),
+            ignore_eos=bool(plan.ignore_eos),
+        )
 
     def first_token(self) -> None:
         self.ttft_s = self._elapsed()
@@ -287,9 +319,14 @@ class RequestFlow:
         self.first_token()
 
     async def _relay(
-        self, out: ClientOutput, lease: NodeLease, shape: ResponseShape, pre: PrefillResult, loop: TokenLoop,
+        self,
+        out: ClientOutput,
+        lease: NodeLease,
+        shape: ResponseShape,
+        pre: PrefillResult,
+        loop: TokenLoop,
         lines: AsyncIterator[c.TokenLine | c.ErrorLine],
-    ) -> None:  # fmt: skip
+    ) -> None:
         plan = self.plan
         sent_at, first = anyio.current_time(), True
         line: c.TokenLine | None = None
@@ -303,24 +340,31 @@ class RequestFlow:
             sent_at, self.completion_tokens = anyio.current_time(), len(loop.token_ids)
             if plan.stream and (delta.text or delta.finish_reason or (delta.token_ids and plan.return_token_ids)):
                 now = usage(pre.prompt_tokens, len(loop.token_ids)) if plan.continuous_usage else None
-                await out.body(sse(shape.chunk(delta.text, delta.token_ids, delta.finish_reason,
-                                               delta.stop_reason, now)))  # fmt: skip
+                await out.body(
+                    sse(shape.chunk(delta.text, delta.token_ids, delta.finish_reason, delta.stop_reason, now))
+                )
         # The node's last line came: reading to EOF keeps the connection for reuse, and at EOF the node has
         # already freed the slot (it does so before its stream ends), so no release call is needed.
         node_freed = line is not None and line.finish_reason is not None and await _drain(lines)
         await self._finish(out, lease, shape, pre, loop, node_freed)
 
     async def _finish(
-        self, out: ClientOutput, lease: NodeLease, shape: ResponseShape, pre: PrefillResult, loop: TokenLoop,
+        self,
+        out: ClientOutput,
+        lease: NodeLease,
+        shape: ResponseShape,
+        pre: PrefillResult,
+        loop: TokenLoop,
         node_freed: bool,
-    ) -> None:  # fmt: skip
+    ) -> None:
         use = usage(pre.prompt_tokens, len(loop.token_ids))
         await lease.release(node_freed)  # before the last byte: a client that has its answer sees the slot free
         if self.plan.stream:
             await out.body((sse(shape.usage_chunk(use)) if self.plan.include_usage else b"") + DONE, more=False)
         else:
-            body = shape.final(loop.text, loop.token_ids, loop.finish_reason, loop.stop_reason, use,
-                               pre.prompt_token_ids)  # fmt: skip
+            body = shape.final(
+                loop.text, loop.token_ids, loop.finish_reason, loop.stop_reason, use, pre.prompt_token_ids
+            )
             await out.json(200, orjson.dumps(body))
         self.finish_reason = loop.finish_reason
         self._to(FlowState.FINISHED, finish_reason=loop.finish_reason, completion_tokens=len(loop.token_ids))
@@ -333,8 +377,9 @@ class RequestFlow:
                 line = await lines.__anext__()
         except TimeoutError:
             what = "waiting for the KV transfer and first decode step" if first else "between decode tokens"
-            raise RouterError(504, f"decode node sent nothing for {limit:g} s ({what})",
-                              outcome="decode_timeout") from None  # fmt: skip
+            raise RouterError(
+                504, f"decode node sent nothing for {limit:g} s ({what})", outcome="decode_timeout"
+            ) from None
         except StopAsyncIteration:
             raise RouterError(502, "decode stream ended without a finish_reason", outcome="decode_error") from None
         if isinstance(line, c.ErrorLine):

@@ -118,8 +118,14 @@ class NodeLease:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(reserve)
                 tg.start_soon(_stop_on, lost, tg.cancel_scope, lambda: refused.append(True))
-                tg.start_soon(_stop_on, failure.event, tg.cancel_scope, lambda: failed.append(
-                    RouterError(502, f"KV transfer failed: {failure.reason}", outcome="transfer_failed")))
+                tg.start_soon(
+                    _stop_on,
+                    failure.event,
+                    tg.cancel_scope,
+                    lambda: failed.append(
+                        RouterError(502, f"KV transfer failed: {failure.reason}", outcome="transfer_failed")
+                    ),
+                )
                 try:
                     result.append(await work(node, self.transfer_id))
                     await reserved.wait()

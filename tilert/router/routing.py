@@ -36,8 +36,9 @@ def choose_pool(config: RouterConfig, header: str | None, model: object) -> Pool
         if pool not in POOLS:
             raise bad_request(f"{POOL_HEADER} must be one of {', '.join(POOLS)}, got {header[:64]!r}")
         if pool == NATIVE_POOL and not config.has_native_pool:
-            raise bad_request(f"{POOL_HEADER}: {NATIVE_POOL!r}: this router has no native decode pool "
-                              f"(pools: {TILERT_POOL})")  # fmt: skip
+            raise bad_request(
+                f"{POOL_HEADER}: {NATIVE_POOL!r}: this router has no native decode pool (pools: {TILERT_POOL})"
+            )
     elif isinstance(model, str) and model in config.pool_models:
         pool, reason = config.pool_models[model], "model"
     else:

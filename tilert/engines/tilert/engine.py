@@ -90,6 +90,7 @@ class TileRTEngine(DecodeEngine):
     """Plain-PyTorch MLA/DSA/MoE decoder for ``deepseek_v3``, ``deepseek_v32`` and ``glm_moe_dsa``."""
 
     name = "tilert"
+    kind = "node-engine"
 
     def __init__(
         self,

@@ -1,0 +1,46 @@
+"""The ASGI response of one client request, as the router's legs write it."""
+
+from __future__ import annotations
+
+from starlette.types import Message, Send
+
+from tilert.router.routing import POOL_HEADER
+
+__all__ = ["SSE_HEADERS", "ClientOutput"]
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+class ClientOutput:
+    """The ASGI response of one request, remembering how far it got."""
+
+    def __init__(self, send: Send, pool: str | None = None) -> None:
+        self._send = send
+        self.started = False
+        self.done = False
+        self.pool = pool  # the x-tilert-pool header of the response (the pool serving the request)
+        self._head: Message | None = None  # the response start, held until the first body goes with it
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """Begin the response; its head goes out with the first body (one write to the client, not two)."""
+        self.started = True
+        if self.pool is not None:
+            headers = [*headers, (POOL_HEADER.encode(), self.pool.encode())]
+        self._head = {"type": "http.response.start", "status": status, "headers": headers}
+
+    async def body(self, data: bytes, more: bool = True) -> None:
+        self.done = not more
+        if self._head is not None:
+            head, self._head = self._head, None
+            await self._send(head)
+        await self._send({"type": "http.response.body", "body": data, "more_body": more})
+
+    async def json(self, status: int, payload: bytes, extra: dict[str, str] | None = None) -> None:
+        headers = [(b"content-type", b"application/json")]
+        headers += [(k.lower().encode(), v.encode()) for k, v in (extra or {}).items()]
+        await self.start(status, headers)
+        await self.body(payload, more=False)
