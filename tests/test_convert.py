@@ -205,14 +205,19 @@ def test_tp_shards_are_what_the_tensor_parallel_engine_gives_each_rank(small: tu
         convert.convert(src, tmp_path / "tp3", tp=3, progress=False)
 
 
-def test_tp_conversion_of_an_fp8_checkpoint_is_refused_as_the_engine_refuses_it(small: tuple[Path, Path],
-                                                                                tmp_path: Path) -> None:
-    """The converter shards only what the tensor-parallel engine can load: FP8 across ranks is refused by the
-    same rule (``parallel.check_degree``), before anything is written."""
+def test_fp8_tp_that_cuts_scale_blocks_is_refused_as_the_engine_refuses_it(small: tuple[Path, Path],
+                                                                          tmp_path: Path) -> None:
+    """The converter shards only what the tensor-parallel engine can load: FP8 shards that would cut the 128x128
+    scale blocks are refused by the same rule (``sharding.check_degree``), with the reason, before anything is
+    written; the engine refuses the same degree at load."""
+    from tilert.engines.tilert import weights
     from tilert.models.quantize import quantize_checkpoint
 
     src, _ = small
     q = quantize_checkpoint(src, tmp_path / "fp8")
-    with pytest.raises(ValueError, match="block-FP8 weights is not supported yet"):
+    says = "cut the checkpoint's 128x128 FP8 scale blocks .*expert width 32 per rank, dense MLP width 64 per rank"
+    with pytest.raises(ValueError, match=says):
         convert.convert(q, tmp_path / "tp2", tp=2, progress=False)
     assert not (tmp_path / "tp2").exists()
+    with pytest.raises(ValueError, match=says):
+        weights.load_model(q, device="cpu", dtype=torch.float32, max_seq_len=16, tp=(0, 2))

@@ -24,7 +24,7 @@ from conftest import free_port, wait_healthy
 
 from tilert import auth
 from tilert.engines.base import DecodeEngine, KVLayout
-from tilert.engines.tilert import layouts, parallel
+from tilert.engines.tilert import layouts, parallel, sharding
 from tilert.engines.tilert.engine import TileRTEngine
 from tilert.engines.tilert.model import ModelArgs
 from tilert.models.tiny import add_mtp_layer
@@ -186,10 +186,10 @@ def _args(**over: Any) -> ModelArgs:
 def test_degree_that_does_not_divide_is_refused(size: int, over: dict[str, Any], says: str | None) -> None:
     args = _args(**over)
     if says is None:
-        assert parallel.local_args(args, 1, size).num_heads == args.num_heads // size
+        assert sharding.local_args(args, 1, size).num_heads == args.num_heads // size
         return
     with pytest.raises(ValueError, match=says):
-        parallel.local_args(args, 0, size)
+        sharding.local_args(args, 0, size)
 
 
 def test_decode_refuses_tp_that_does_not_divide(
@@ -268,7 +268,7 @@ def test_decode_tp2_serves_a_request(ckpts: dict[str, Path], tmp_path: Path) -> 
 def test_width_split_moe_ops(kernels: str) -> None:
     """The ops the tensor-parallel MoE uses: ``router`` is ``moe_block``'s routing; ``moe_partial`` writes
     ``residual + experts`` (or the experts alone) into an output apart from its input; two ranks' halves of every
-    expert's width (``parallel.shard_state_dict``) sum to the whole block."""
+    expert's width (``sharding.shard_state_dict``) sum to the whole block."""
     from tilert.engines.tilert import ops
     from tilert.engines.tilert.ops import cpu, reference
 
@@ -288,7 +288,7 @@ def test_width_split_moe_ops(kernels: str) -> None:
                  mlp_layer_types=["sparse"], num_layers=1)  # fmt: skip
     total = torch.zeros(1, d)
     for rank in range(2):
-        local = parallel.shard_state_dict({"l.mlp.w13": w13, "l.mlp.w2": w2}, args, rank, 2)
+        local = sharding.shard_state_dict({"l.mlp.w13": w13, "l.mlp.w2": w2}, args, rank, 2)
         out = torch.full_like(h, float("nan"))
         k.moe_partial(out, h, norm, 1e-6, ids, wts, local["l.mlp.w13"], local["l.mlp.w2"], h if rank == 0 else None)
         total += out

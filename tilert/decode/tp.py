@@ -294,7 +294,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def check_tp(config: DecodeConfig, device: str) -> None:
     """``ConfigError`` when ``config.tp`` ranks cannot run this model on this machine (before any rank starts)."""
-    from tilert.engines.tilert import parallel
+    from tilert.engines.tilert import sharding
     from tilert.engines.tilert.weights import args_from_hf_config, checkpoint_keys, load_hf_config
     from tilert.router.config import ConfigError
 
@@ -309,7 +309,7 @@ def check_tp(config: DecodeConfig, device: str) -> None:
             raise ConfigError(f"--tp {config.tp} needs {config.tp} GPUs; this machine has {torch.cuda.device_count()}")
     args = args_from_hf_config(load_hf_config(config.model), checkpoint_keys(config.model))
     try:
-        parallel.check_degree(args, config.tp)
+        sharding.check_degree(args, config.tp)
     except ValueError as exc:
         raise ConfigError(f"--tp {config.tp}: {exc}") from None
 

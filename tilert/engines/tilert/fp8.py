@@ -170,8 +170,22 @@ class QTensor:
     def dtype(self) -> torch.dtype:
         return self.weight.dtype
 
+    @classmethod
+    def from_engine(cls, weight: Tensor, scale: Tensor) -> QTensor:
+        """An engine-layout FP8 weight (``weight`` e4m3, ``scale`` in ``(gn, gk)`` groups) with per-row scales."""
+        gn, _ = groups(weight, scale)
+        return cls(weight, scale.repeat_interleave(gn, -2))
+
     def col_group(self) -> int:
         return self.weight.shape[-1] // self.scale.shape[-1]
+
+    def narrow_cols(self, start: int, length: int) -> QTensor:
+        """Columns ``start .. start + length - 1`` of both tensors; the column groups shrink to
+        ``gcd(group, start, length)`` where the slice does not fall on group boundaries (the scales stay exact)."""
+        gk = self.col_group()
+        g = math.gcd(gk, start, length)
+        s = self.scale if g == gk else self.scale.repeat_interleave(gk // g, -1)
+        return QTensor(self.weight.narrow(-1, start, length), s.narrow(-1, start // g, length // g))
 
     def map_rows(self, fn: Any) -> QTensor:
         """Apply a row operation (one that moves whole rows, leaving the last dim alone) to both tensors."""

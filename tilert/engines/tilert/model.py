@@ -68,7 +68,7 @@ feed the layer output ``h'`` (before ``shared_head.norm``) back in as ``h``. The
 dense over its valid rows ``valid_from..i`` (rows before ``valid_from``, e.g. of a prompt whose MTP KV was
 not handed over, are skipped); its indexer keys, if any, are still written.
 
-Tensor parallelism over ``N`` ranks (``parallel.py`` shards the weights and holds the collectives,
+Tensor parallelism over ``N`` ranks (``sharding.py`` shards the weights, ``parallel.py`` holds the collectives,
 ``Transformer.use_group``; every rank runs this same code with rank-local :class:`ModelArgs`):
 
 - attention: each rank holds ``H/N`` heads (its rows of ``q_b`` and ``kv_b``, its columns of ``o_proj``).
@@ -140,7 +140,7 @@ class ModelArgs:
     mtp_indexer: bool = False
     mtp_own_embed: bool = False
     mtp_own_head: bool = False
-    # Tensor parallelism (``parallel.py``): this rank of ``tp_size``; the args are then rank-local
+    # Tensor parallelism (``sharding.py``): this rank of ``tp_size``; the args are then rank-local
     # (``num_heads``, ``intermediate_size`` and ``moe_intermediate_size`` are this rank's share; see the module
     # docstring).
     tp_rank: int = 0
@@ -179,6 +179,10 @@ class ModelArgs:
     def wb_rows(self, has_indexer: bool) -> int:
         """Rows of the fused ``W_b = [q_b | idx_wq_b]`` (q_lora models only)."""
         return self.q_width + (self.index_n_heads * self.index_head_dim if has_indexer else 0)
+
+
+# Tensors transformers keeps in float32 whatever the model dtype.
+FP32_SUFFIXES = ("gate_bias",)  # e_score_correction_bias (fp32 in transformers too)
 
 
 def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -334,7 +338,8 @@ class MoE(nn.Module):
         else:
             ids, weights = _one_slot(n, h.device)
         out, base = self.tp.partial(h)  # the experts read rms(h) before the share is written (out may be h)
-        k.moe_partial(out, h, self.ffn_norm, eps, ids, weights, self.w13, self.w2, base)
+        k.moe_partial(out, h, self.ffn_norm, eps, ids, weights, self.w13, self.w2, base, self.w13_scale,
+                      self.w2_scale)
         self.tp.reduce_into(h, out)
 
 
@@ -522,3 +527,21 @@ class Transformer(nn.Module):
         m.block(h, positions, rope, self._rows(self.mtp_kv_cache, seq)[0], index_cache, None, False, valid_from)
         head = m.head if m.head is not None else self.lm_head
         return h, self.tp.all_gather(k.gemv(h, head, m.head_norm, eps, fp32_out=True))
+
+
+def finish_model(model: Transformer, sd: dict[str, Tensor], device: torch.device | str, dtype: torch.dtype,
+                 max_seq_len: int, max_sequences: int = 1) -> Transformer:
+    """Load ``sd`` (the fused layout of ``model``'s args) into ``model`` (built on the meta device): weights on
+    ``device`` in ``dtype`` (block-FP8 weights stay e4m3, their scales and :data:`FP32_SUFFIXES` float32), then
+    the caches for ``max_sequences`` sequences of ``max_seq_len`` positions. Refuses a state dict that does not
+    match the model, naming the tensors."""
+    for k, t in sd.items():
+        keep_fp32 = k.endswith(FP32_SUFFIXES + (fp8.SCALE_SUFFIX,))
+        keep = t.dtype in fp8.FP8_DTYPES
+        sd[k] = t.to(device=device, dtype=t.dtype if keep else torch.float32 if keep_fp32 else dtype).contiguous()
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the model: missing={missing} unexpected={unexpected}")
+    model.eval()
+    model.setup_caches(max_seq_len, device, dtype, max_sequences)
+    return model

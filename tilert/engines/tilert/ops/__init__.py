@@ -238,16 +238,18 @@ def moe_partial(
     w13: Tensor,
     w2: Tensor,
     residual: Tensor | None,
+    s13: Tensor | None = None,
+    s2: Tensor | None = None,
 ) -> None:
     """``out = residual + moe_experts(rms_norm(x) or x, ...)`` (``residual`` ``None``: the experts' sum alone;
     ``out`` may be ``x`` or ``residual``): :func:`moe_residual` with the output apart from the input (a
     tensor-parallel rank writes its share, rank 0's with ``h``, into its all-reduce buffer); see
     :func:`reference.moe_partial`."""
-    reference.moe_partial(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2, residual)
+    reference.moe_partial(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2, residual, s13, s2)
 
 
 @moe_partial.register_fake
-def _(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2, residual):
+def _(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2, residual, s13=None, s2=None):
     return None
 
 

@@ -419,9 +419,11 @@ def moe_partial(
     w13: Tensor,
     w2: Tensor,
     residual: Tensor | None,
+    s13: Tensor | None = None,
+    s2: Tensor | None = None,
 ) -> None:
     xn = x if norm_weight is None else rms_norm(x, norm_weight, eps)
-    reference.write_residual(out, moe_experts(xn, topk_ids, topk_weights, w13, w2), residual)
+    reference.write_residual(out, moe_experts(xn, topk_ids, topk_weights, w13, w2, s13, s2), residual)
 
 
 def _router(

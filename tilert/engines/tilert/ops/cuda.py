@@ -137,11 +137,11 @@ def _gemv_cuda(x, weight, norm_weight=None, eps=1e-6, bias=None, fp32_out=False,
 
 def _gemv_residual_cuda(out, x, weight, residual, scale=None):
     if scale is not None:
-        if not (_gemv_fp8_ok(x, weight, scale) and out.dtype == x.dtype and out.is_contiguous() and residual is out):
+        if not (_gemv_fp8_ok(x, weight, scale) and _out_ok(out, x, residual)):
             return reference.gemv_residual(out, x, weight, residual, scale)
         from . import triton_fp8
 
-        triton_fp8.gemv_fp8(x, weight, scale, residual=out)
+        triton_fp8.gemv_fp8(x, weight, scale, residual=residual, out=out)
         return None
     if not (_gemv_ok(x, weight) and _out_ok(out, x, residual)) or x.shape[0] == 0:
         return reference.gemv_residual(out, x, weight, residual)
@@ -194,14 +194,24 @@ def _moe_residual_cuda(h, norm_weight, eps, topk_ids, topk_weights, w13, w2, s13
     triton_moe.moe_down(act, ids, topk_weights.float().contiguous(), w2.contiguous(), residual=h)
 
 
-def _moe_partial_cuda(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2, residual):
+def _moe_partial_cuda(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2, residual, s13=None, s2=None):
+    nw = None if norm_weight is None else norm_weight.to(x.dtype).contiguous()
+    if s13 is not None or s2 is not None:
+        if not (_moe_fp8_ok(x, w13, w2, s13, s2) and _out_ok(out, x, residual)):
+            return reference.moe_partial(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2, residual, s13, s2)
+        from . import triton_fp8
+
+        ids = topk_ids.to(torch.int32).contiguous()
+        act = triton_fp8.moe_up_fp8(x, ids, w13.contiguous(), s13.contiguous(), norm_w=nw, eps=eps)  # reads x first
+        triton_fp8.moe_down_fp8(act, ids, topk_weights.float().contiguous(), w2.contiguous(), s2.contiguous(),
+                                residual=residual, out=out)
+        return None
     if (x.dtype not in _FAST_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype or not _out_ok(out, x, residual)
             or x.shape[0] > 16 or not x.is_contiguous() or x.shape[0] == 0):
         return reference.moe_partial(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2, residual)
     from . import triton_moe
 
     ids = topk_ids.to(torch.int32).contiguous()
-    nw = None if norm_weight is None else norm_weight.to(x.dtype).contiguous()
     act = triton_moe.moe_up(x, ids, w13.contiguous(), norm_w=nw, eps=eps)  # reads x before out is written
     triton_moe.moe_down(act, ids, topk_weights.float().contiguous(), w2.contiguous(), residual=residual, out=out)
 

@@ -325,12 +325,14 @@ def moe_partial(
     w13: torch.Tensor,
     w2: torch.Tensor,
     residual: torch.Tensor | None,
+    s13: torch.Tensor | None = None,
+    s2: torch.Tensor | None = None,
 ) -> None:
     """``out = residual + moe_experts(rms_norm(x; norm_weight), ...)`` (``x`` as it is without ``norm_weight``;
     ``residual`` ``None``: the experts' sum alone); ``out`` may be ``x`` or ``residual`` (``moe_partial(h, h,
     norm, ..., h)`` is :func:`moe_residual`)."""
     xn = x if norm_weight is None else rms_norm(x, norm_weight, eps)
-    write_residual(out, moe_experts(xn, topk_ids, topk_weights, w13, w2), residual)
+    write_residual(out, moe_experts(xn, topk_ids, topk_weights, w13, w2, s13, s2), residual)
 
 
 def moe_block(

@@ -386,9 +386,9 @@ def _gemv_fp8_kernel(
     if OUT_F32:
         tl.store(y_ptr + row * stride_ym + offs_o, out, mask=omask)
     else:
-        if HAS_RES:
-            rp = res_ptr + row * stride_rm + offs_o
-            tl.store(rp, (r + out.to(res_ptr.dtype.element_ty).to(tl.float32)).to(res_ptr.dtype.element_ty), mask=omask)
+        if HAS_RES:  # into y: the residual itself (in place) or an output apart from it
+            yp = y_ptr + row * stride_ym + offs_o
+            tl.store(yp, (r + out.to(y_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty), mask=omask)
         else:
             tl.store(y_ptr + row * stride_ym + offs_o, out.to(y_ptr.dtype.element_ty), mask=omask)
 
@@ -404,10 +404,11 @@ def gemv_fp8(
     out_f32: bool = False,
     tail: torch.Tensor | None = None,
     cfg: tuple[int, int, int] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``rms(x)[n, K] @ (w * scale)[N, K]^T`` (``w`` e4m3), then ``rms(x) @ tail[NT, K]^T`` (plain rows in
-    ``x``'s dtype) in columns ``N ... N + NT - 1`` when ``tail`` is given; into ``residual`` in place when given
-    (no tail then)."""
+    ``x``'s dtype) in columns ``N ... N + NT - 1`` when ``tail`` is given; plus ``residual`` when given (no tail
+    then), into ``out`` (default: ``residual``, in place; a tensor-parallel rank's all-reduce buffer)."""
     assert x.dim() == 2 and x.stride(-1) == 1 and w.stride(-1) == 1 and scale.stride(-1) == 1
     nt, K = x.shape
     N = w.shape[0]
@@ -418,8 +419,11 @@ def gemv_fp8(
     v = min(VEC, gk)
     bk = max(min(bk, triton.next_power_of_2(K)), v)
     NT = 0 if tail is None else tail.shape[0]
+    assert out is None or (not out_f32 and tail is None and out.shape == (nt, N) and out.stride(-1) == 1)
     if out_f32:
         y = torch.empty(nt, N + NT, device=x.device, dtype=torch.float32)
+    elif out is not None:
+        y = out
     elif residual is not None:
         y = residual
     else:
@@ -684,14 +688,21 @@ def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None, static=None
     return act
 
 
-def moe_down_fp8(act, ids, wts, w2, s2, *, residual=None, cfg=None):
-    """``y[n, D] (+)= sum_j w_j * w2[e_j] @ act_j`` (e4m3 ``w2`` with ``s2``). ``ids`` / ``wts`` must come from
-    a kernel before the one that wrote ``act`` (the router before ``moe_up``): they are read before the PDL wait."""
+def moe_down_fp8(act, ids, wts, w2, s2, *, residual=None, out=None, cfg=None):
+    """``y[n, D] = (residual +) sum_j w_j * w2[e_j] @ act_j`` (e4m3 ``w2`` with ``s2``) into ``out`` (default:
+    ``residual``, in place). ``ids`` / ``wts`` must come from a kernel before the one that wrote ``act`` (the router
+    before ``moe_up``): they are read before the PDL wait."""
     n, KK, I = act.shape
     D = w2.shape[1]
     assert w2.shape[2] == I and w2.stride(-1) == 1 and s2.stride(-1) == 1
     gn, gk = groups(w2, s2)
-    y = residual if residual is not None else torch.empty(n, D, device=act.device, dtype=act.dtype)
+    if out is not None and residual is not None and out is not residual:
+        out.copy_(residual)  # the kernel adds in place (a tensor-parallel rank 0's share on top of h)
+        residual = out
+    if out is not None:
+        y = out
+    else:
+        y = residual if residual is not None else torch.empty(n, D, device=act.device, dtype=act.dtype)
     BD, SB, BI, nw, split = cfg or FP8_DOWN_CFG["large" if D >= 4096 else "small"]
     BD = min(BD, _pow2_floor(gn))
     SB = min(SB, triton.next_power_of_2(KK))
