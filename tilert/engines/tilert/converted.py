@@ -40,13 +40,22 @@ def read_manifest(model_dir: Path) -> dict[str, Any]:
     if missing:
         raise ValueError(f"{path}: manifest lacks {missing}")
     if m.get("layout_version") != LAYOUT_VERSION:
-        raise ValueError(f"{path}: layout version {m.get('layout_version')!r}, this engine reads version "
-                         f"{LAYOUT_VERSION}: convert the checkpoint again with this tilert")
+        raise ValueError(
+            f"{path}: layout version {m.get('layout_version')!r}, this engine reads version "
+            f"{LAYOUT_VERSION}: convert the checkpoint again with this tilert"
+        )
     return m
 
 
-def load_converted(model_dir: Path, *, device: str | torch.device, dtype: torch.dtype, max_seq_len: int,
-                   max_sequences: int = 1, tp: tuple[int, int] = (0, 1)) -> Transformer:
+def load_converted(
+    model_dir: Path,
+    *,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    max_seq_len: int,
+    max_sequences: int = 1,
+    tp: tuple[int, int] = (0, 1),
+) -> Transformer:
     """A ready :class:`Transformer` from a converted directory (shards memory-mapped), after checking the manifest
     against the model it describes and every shard against the manifest; ``tp = (rank, size)``: that rank's
     shard of a directory converted with ``--tp size``."""
@@ -55,10 +64,13 @@ def load_converted(model_dir: Path, *, device: str | torch.device, dtype: torch.
     rank, size = tp
     made = m.get("tp", 1)
     if made != size:
-        raise ValueError(f"{model_dir} was converted for {made} tensor-parallel rank(s), this engine runs {size}: "
-                         f"convert the checkpoint again with --tp {size}" if size > 1 else
-                         f"{model_dir} was converted with --tp {made}: its per-rank shards are for the "
-                         "tensor-parallel engine; convert without --tp to serve on one device")
+        raise ValueError(
+            f"{model_dir} was converted for {made} tensor-parallel rank(s), this engine runs {size}: "
+            f"convert the checkpoint again with --tp {size}"
+            if size > 1
+            else f"{model_dir} was converted with --tp {made}: its per-rank shards are for the "
+            "tensor-parallel engine; convert without --tp to serve on one device"
+        )
     try:
         args = ModelArgs(**m["args"])
     except TypeError as exc:
@@ -81,8 +93,7 @@ def load_converted(model_dir: Path, *, device: str | torch.device, dtype: torch.
         raise ValueError(f"{model_dir}: unexpected tensor(s) {extra[:8]} for this model")
     for k, p in want.items():
         if tuple(listed[k]["shape"]) != tuple(p.shape):
-            raise ValueError(f"{model_dir}: tensor {k} has shape {listed[k]['shape']}, the model needs "
-                             f"{list(p.shape)}")
+            raise ValueError(f"{model_dir}: tensor {k} has shape {listed[k]['shape']}, the model needs {list(p.shape)}")
     sd: dict[str, torch.Tensor] = {}
     by_file: dict[str, list[str]] = {}
     for k, info in listed.items():
@@ -99,7 +110,8 @@ def load_converted(model_dir: Path, *, device: str | torch.device, dtype: torch.
                     raise ValueError(f"{path}: missing tensor {k}")
                 t = f.get_tensor(k)
                 if tuple(t.shape) != tuple(listed[k]["shape"]):
-                    raise ValueError(f"{path}: tensor {k} has shape {list(t.shape)}, the manifest says "
-                                     f"{listed[k]['shape']}")
+                    raise ValueError(
+                        f"{path}: tensor {k} has shape {list(t.shape)}, the manifest says {listed[k]['shape']}"
+                    )
                 sd[k] = t
     return finish_model(model, sd, device, dtype, max_seq_len, max_sequences)

@@ -61,9 +61,11 @@ def check_degree(args: ModelArgs, size: int) -> None:
         raise ValueError(f"tensor-parallel degree {size} does not divide {', '.join(problems)}")
     cut = [f"{what} {n} per rank" for what, n in fp8_shares(args, size).items() if n % fp8.BLOCK]
     if cut:
-        raise ValueError(f"tensor-parallel degree {size} would cut the checkpoint's {fp8.BLOCK}x{fp8.BLOCK} FP8 scale "
-                         f"blocks ({', '.join(cut)}: not a multiple of {fp8.BLOCK}); block-FP8 weights are split only "
-                         "on whole blocks: choose a degree that leaves each rank whole blocks")
+        raise ValueError(
+            f"tensor-parallel degree {size} would cut the checkpoint's {fp8.BLOCK}x{fp8.BLOCK} FP8 scale "
+            f"blocks ({', '.join(cut)}: not a multiple of {fp8.BLOCK}); block-FP8 weights are split only "
+            "on whole blocks: choose a degree that leaves each rank whole blocks"
+        )
 
 
 def fp8_shares(args: ModelArgs, size: int) -> dict[str, int]:
@@ -206,5 +208,6 @@ def shard_model(model: Transformer, rank: int, size: int) -> Transformer:
     with torch.device("meta"):
         local = Transformer(args)
     device, dtype = model.embed.device, model.embed.dtype
-    return finish_model(local, shard_state_dict(sd, model.args, rank, size), device, dtype, model.max_seq_len,
-                        model.max_sequences)
+    return finish_model(
+        local, shard_state_dict(sd, model.args, rank, size), device, dtype, model.max_seq_len, model.max_sequences
+    )
