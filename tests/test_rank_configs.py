@@ -85,3 +85,28 @@ def test_reduced_ranks_run_on_the_cpu(tmp_path: Path) -> None:
         assert all(k in r for k in ROW_FIELDS), r.keys()
         assert r["weights"] == "fp8" and r["tp"] == 8 and math.isclose(r["tok_s"] * r["ms_per_step"], 1e3)
     assert len(rows) == len(saved)
+
+
+def test_projection_adds_the_collectives_of_each_step(tmp_path: Path) -> None:
+    """``project_tp.py``: a plain step pays two all-reduces per layer and one all-gather; a speculative step of K
+    drafts its verify's and K + 1 MTP passes'; rows marked projected."""
+    import json
+
+    import project_tp
+
+    runs = [
+        dict(config="v32-tp8-rank", context=c, weights="fp8", ms_per_step=ms) for c, ms in ((1024, 4.0), (32768, 6.0))
+    ]
+    steps = {str(k): dict(graph_ms=4.0 + k) for k in (1, 2, 3)}
+    src = tmp_path / "rank.json"
+    src.write_text(json.dumps(dict(runs=runs, mtp_verify={"v32-tp8-rank": dict(ctx=1024, steps=steps)})))
+    rows = project_tp.main(["--rank-json", str(src), "--allreduce-us", "10", "--allgather-us", "20",
+                            "--out", str(tmp_path)])  # fmt: skip
+    saved = json.loads((tmp_path / "tp_projected.json").read_text())["rows"]
+    assert saved == rows and all(r["projected"] for r in rows)
+    plain = {r["context"]: r for r in rows if r["mtp"] == "off"}
+    assert math.isclose(plain[1024]["ms_per_step"], 4.0 + 122 * 0.01 + 0.02)
+    spec = {(r["context"], r["accepted_len"]): r for r in rows if r["mtp"] != "off"}
+    k3 = spec[(32768, 4.0)]  # K = 3: t_spec(3) measured at 1K, plus the plain step's growth to 32K
+    assert k3["mtp"] == 3 and math.isclose(k3["ms_per_step"], 7.0 + 2.0 + (122 + 8) * 0.01 + 5 * 0.02)
+    assert math.isclose(k3["tok_s"], 4.0 * 1e3 / k3["ms_per_step"])
