@@ -161,9 +161,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if not rows:
         ap.error(f"{opts.rank_json} has no rows of {', '.join(MODELS)}")
     os.makedirs(opts.out, exist_ok=True)
-    doc = dict(conditions="projected from a measured rank step without collectives plus the collectives' latency "
-                          "(model in benchmarks/project_tp.py's docstring)", rank_json=opts.rank_json,
-               collectives=source, gpu=rank.get("gpu"), rows=rows)  # fmt: skip
+    doc = dict(
+        conditions="projected from a measured rank step without collectives plus the collectives' latency "
+        "(model in benchmarks/project_tp.py's docstring)",
+        rank_json=opts.rank_json,
+        collectives=source,
+        gpu=rank.get("gpu"),
+        rows=rows,
+    )
     with open(os.path.join(opts.out, "tp_projected.json"), "w") as f:
         json.dump(doc, f, indent=1)
     print(f"{'config':<9} {'ctx':>6} {'MTP':>4} {'A':>4} {'rank ms':>8} {'coll ms':>8} {'ms/step':>8} {'tok/s':>7}")

@@ -116,10 +116,20 @@ def test_full_dimension_fp8_checkpoint_converts_to_tp8_in_bounded_memory(tmp_pat
     made = time.perf_counter() - t0
     args = weights.args_from_hf_config(weights.load_hf_config(src), weights.checkpoint_keys(src))
     assert args.fp8 and args.hidden_size == 7168 and args.num_heads == 128 and args.num_mtp_layers == 1
-    assert sharding.fp8_shares(args, TP) == {"query rows": 3072, "kv_b rows": 4096, "o_proj columns": 2048,
-                                             "expert width": 256, "dense MLP width": 2304}  # fmt: skip
-    res = subprocess.run([sys.executable, "-c", _MEASURE, str(src), str(out), str(TP)], check=True,
-                         capture_output=True, text=True, timeout=480)  # fmt: skip
+    assert sharding.fp8_shares(args, TP) == {
+        "query rows": 3072,
+        "kv_b rows": 4096,
+        "o_proj columns": 2048,
+        "expert width": 256,
+        "dense MLP width": 2304,
+    }
+    res = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(src), str(out), str(TP)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=480,
+    )
     m = json.loads(res.stdout.strip().splitlines()[-1])
     grew = (m["peak_kb"] - m["base_kb"]) * 1024
     written = sum(f.stat().st_size for f in out.rglob("*.safetensors"))
@@ -136,12 +146,15 @@ def test_full_dimension_fp8_checkpoint_converts_to_tp8_in_bounded_memory(tmp_pat
 
     # What the engine makes of the original for each rank (weights.load_model with tp: the fused layout of the
     # whole, stored, then sharded), one fused group at a time here to keep the test's own memory bounded.
-    ranks = [converted.load_converted(out, device="cpu", dtype=torch.bfloat16, max_seq_len=8, tp=(r, TP)).state_dict()
-             for r in range(TP)]  # fmt: skip
+    ranks = [
+        converted.load_converted(out, device="cpu", dtype=torch.bfloat16, max_seq_len=8, tp=(r, TP)).state_dict()
+        for r in range(TP)
+    ]
     seen: set[str] = set()
     for group in weights.fused_groups(LazyCheckpoint(src, args), args):
-        whole = weights.store_fp8({k: v.materialize() if isinstance(v, weights.ExpertStack) else v
-                                   for k, v in group.items()}, args)  # fmt: skip
+        whole = weights.store_fp8(
+            {k: v.materialize() if isinstance(v, weights.ExpertStack) else v for k, v in group.items()}, args
+        )
         for r in range(TP):
             for k, want in sharding.shard_state_dict(whole, args, r, TP).items():
                 have = ranks[r][k]

@@ -100,8 +100,9 @@ def test_projection_adds_the_collectives_of_each_step(tmp_path: Path) -> None:
     steps = {str(k): dict(graph_ms=4.0 + k) for k in (1, 2, 3)}
     src = tmp_path / "rank.json"
     src.write_text(json.dumps(dict(runs=runs, mtp_verify={"v32-tp8-rank": dict(ctx=1024, steps=steps)})))
-    rows = project_tp.main(["--rank-json", str(src), "--allreduce-us", "10", "--allgather-us", "20",
-                            "--out", str(tmp_path)])  # fmt: skip
+    rows = project_tp.main(
+        ["--rank-json", str(src), "--allreduce-us", "10", "--allgather-us", "20", "--out", str(tmp_path)]
+    )
     saved = json.loads((tmp_path / "tp_projected.json").read_text())["rows"]
     assert saved == rows and all(r["projected"] for r in rows)
     plain = {r["context"]: r for r in rows if r["mtp"] == "off"}

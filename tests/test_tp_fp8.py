@@ -27,8 +27,9 @@ from tilert.engines.tilert.weights import args_from_hf_config, checkpoint_keys, 
 pytestmark = pytest.mark.timeout(400)
 
 # Per rank at TP 2: query rows 2 x 128, kv_b rows 2 x 128, o_proj columns 128, expert / dense width 128.
-ALIGNED: dict[str, Any] = dict(qk_nope_head_dim=64, v_head_dim=64, moe_intermediate_size=256, intermediate_size=256,
-                               index_topk=16, vocab_size=2048)  # fmt: skip
+ALIGNED: dict[str, Any] = dict(
+    qk_nope_head_dim=64, v_head_dim=64, moe_intermediate_size=256, intermediate_size=256, index_topk=16, vocab_size=2048
+)
 PREFILL = 40  # prompt of each sequence (past index_topk: the sparse path runs from the first step)
 STEPS = 96  # greedy steps of the two sequences (MTP off)
 LOGIT_STEPS = 8  # of which the first ones return logits
@@ -103,8 +104,9 @@ def _rank(rank: int, port: int, paths: dict[str, str], results: Any) -> None:
         assert dict(eng.model.named_parameters())["layers.1.mlp.w13"].dtype == fp8.E4M3
         if rank == 0:
             leader = LeaderEngine(eng, channel)
-            got[name] = {k: v.tolist() if isinstance(v, torch.Tensor) else v
-                         for k, v in scenario(leader, eng.vocab_size).items()}  # fmt: skip
+            got[name] = {
+                k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in scenario(leader, eng.vocab_size).items()
+            }
             leader.close()
         else:
             assert follow(eng, channel) is FollowerState.STOPPED
@@ -136,8 +138,7 @@ def test_fp8_two_ranks_equal_one_rank(cases: dict[str, tuple[Path, Path]]) -> No
     assert [p.exitcode for p in procs] == [0, 0]
     torch.set_num_threads(1)
     for name in CASES:
-        one = TileRTEngine.load(cases[name][0], device="cpu", dtype=torch.float32, max_seq_len=MAX_SEQ,
-                                max_sequences=2)  # fmt: skip
+        one = TileRTEngine.load(cases[name][0], device="cpu", dtype=torch.float32, max_seq_len=MAX_SEQ, max_sequences=2)
         assert one.model.args.fp8 and one.model.args.tp_size == 1
         ref = scenario(one, one.vocab_size)
         two = got[name]
@@ -161,8 +162,13 @@ def test_fp8_degree_that_cuts_scale_blocks_is_refused(cases: dict[str, tuple[Pat
     engine, ``tilert decode --tp`` and ``tilert convert`` share."""
     q = cases["glm_moe_dsa"][0]
     args = args_from_hf_config(load_hf_config(q), checkpoint_keys(q))
-    assert sharding.fp8_shares(args, 2) == {"query rows": 256, "kv_b rows": 256, "o_proj columns": 128,
-                                            "expert width": 128, "dense MLP width": 128}  # fmt: skip
+    assert sharding.fp8_shares(args, 2) == {
+        "query rows": 256,
+        "kv_b rows": 256,
+        "o_proj columns": 128,
+        "expert width": 128,
+        "dense MLP width": 128,
+    }
     sharding.check_degree(args, 2)
     with pytest.raises(
         ValueError,

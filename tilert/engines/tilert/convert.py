@@ -165,8 +165,13 @@ class Progress:
             self._bar.set_postfix_str(f"{self.tensors}/{self.total_tensors} tensors", refresh=False)
         elif time.monotonic() - self._last > 0.5 or self.done >= self.total:
             self._last = time.monotonic()
-            print(f"\rconvert: {self.tensors}/{self.total_tensors} tensors, {self.done / 2**30:.2f}/"
-                  f"{self.total / 2**30:.2f} GiB", end="", file=sys.stderr, flush=True)
+            print(
+                f"\rconvert: {self.tensors}/{self.total_tensors} tensors, {self.done / 2**30:.2f}/"
+                f"{self.total / 2**30:.2f} GiB",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def close(self) -> None:
         if self._bar is not None:
@@ -187,8 +192,10 @@ def _write_group(paths: list[Path], group: dict[str, Any], args: ModelArgs) -> l
         return t if tp == 1 else sharding.shard(name, t, args, r, tp)
 
     stacks = {k: v for k, v in group.items() if isinstance(v, weights.ExpertStack)}
-    plain = [weights.store_fp8({k: share(k, v, r) for k, v in group.items() if k not in stacks}, args)
-             for r in range(tp)]  # fmt: skip
+    plain = [
+        weights.store_fp8({k: share(k, v, r) for k, v in group.items() if k not in stacks}, args) for r in range(tp)
+    ]
+
     def stored(name: str, slot: Any) -> list[dict[str, torch.Tensor]]:
         """One expert as each rank stores it."""
         return [weights.store_fp8({name: share(name, slot, r)}, args) for r in range(tp)]
@@ -214,14 +221,20 @@ def _write_group(paths: list[Path], group: dict[str, Any], args: ModelArgs) -> l
                     for k, t in parts[r].items():
                         dtype, shape = specs[r][k]
                         if t.dtype != dtype or tuple(t.shape) != shape[1:]:
-                            raise ValueError(f"{k}: expert slot {j} is {t.dtype} {tuple(t.shape)}, slot 0 is "
-                                             f"{dtype} {shape[1:]}")
+                            raise ValueError(
+                                f"{k}: expert slot {j} is {t.dtype} {tuple(t.shape)}, slot 0 is {dtype} {shape[1:]}"
+                            )
                         w.write(k, t, offset=j * t.numel() * t.element_size())
     finally:
         for w in writers:
             w.close()
-    return [{k: {"file": path.name, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
-             for k, (dtype, shape) in spec.items()} for path, spec in zip(paths, specs, strict=True)]
+    return [
+        {
+            k: {"file": path.name, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
+            for k, (dtype, shape) in spec.items()
+        }
+        for path, spec in zip(paths, specs, strict=True)
+    ]
 
 
 def convert(model_dir: Path | str, out: Path | str, tp: int = 1, progress: bool = True) -> Path:
@@ -263,8 +276,9 @@ def convert(model_dir: Path | str, out: Path | str, tp: int = 1, progress: bool 
         "tp": tp,
         "tp_rule": "sharding.py: experts split along their width; heads H/tp; lm_head V/tp; rest replicated",
         "args": dataclasses.asdict(args),
-        "ranks": [{"dir": d.relative_to(out).as_posix() or ".", "tensors": t}
-                  for d, t in zip(rank_dirs, tensors, strict=True)],
+        "ranks": [
+            {"dir": d.relative_to(out).as_posix() or ".", "tensors": t} for d, t in zip(rank_dirs, tensors, strict=True)
+        ],
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return out

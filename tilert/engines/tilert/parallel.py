@@ -150,9 +150,13 @@ def init_process_group(
         torch.cuda.set_device(dev)
     backend = "nccl" if dev.type == "cuda" else "gloo"
     dist.init_process_group(
-        backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=size, timeout=timedelta(minutes=10),
+        backend,
+        init_method=f"tcp://{host}:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(minutes=10),
         device_id=dev if dev.type == "cuda" else None,
-    )  # fmt: skip
+    )
     assert dist.group.WORLD is not None
     ctrl = dist.new_group(backend="gloo", timeout=timedelta(days=365))
     # One eager collective, so that the NCCL communicator exists before any CUDA graph captures one.

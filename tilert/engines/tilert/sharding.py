@@ -74,8 +74,11 @@ def fp8_shares(args: ModelArgs, size: int) -> dict[str, int]:
     if not args.fp8 or size == 1:
         return {}
     h = args.num_heads // size
-    out = {"query rows": h * args.qk_head_dim, "kv_b rows": h * (args.qk_nope_head_dim + args.v_head_dim),
-           "o_proj columns": h * args.v_head_dim}  # fmt: skip
+    out = {
+        "query rows": h * args.qk_head_dim,
+        "kv_b rows": h * (args.qk_nope_head_dim + args.v_head_dim),
+        "o_proj columns": h * args.v_head_dim,
+    }
     if _has_routed(args):
         out["expert width"] = args.moe_intermediate_size // size
     if _has_dense(args):

@@ -279,8 +279,11 @@ def _expert_stacks(sd: MutableMapping[str, Any], mp: str, args: ModelArgs) -> tu
         pat = re.compile(re.escape(mp) + r"experts\.(\d+)\.gate_proj\.weight$")
         ids = sorted(int(m.group(1)) for k in sd.keys() if (m := pat.match(k)))
         if ids != list(range(args.n_routed_experts)):
-            raise ValueError(f"{mp}experts: found experts {ids[:8]}{'...' if len(ids) > 8 else ''} "
-                             f"({len(ids)}), expected 0..{args.n_routed_experts - 1}")
+            raise ValueError(
+                f"{mp}experts: found experts {ids[:8]}{'...' if len(ids) > 8 else ''} "
+                f"({len(ids)}), expected 0..{args.n_routed_experts - 1}"
+            )
+
         def gate_up(ex: str) -> Any:
             return fp8.cat_rows([_need(sd, ex + "gate_proj.weight"), _need(sd, ex + "up_proj.weight")], ex[:-1])
 
@@ -404,8 +407,10 @@ def store_fp8(sd: dict[str, Any], args: ModelArgs) -> dict[str, torch.Tensor]:
     for name, t in sd.items():
         leaf = name.rsplit(".", 1)[-1]
         if args.fp8 and leaf in fp8.FUSED_LEAVES and not isinstance(t, QTensor):
-            raise ValueError(f"{name}: the checkpoint is FP8 but this weight is {t.dtype} (expected e4m3 with "
-                             "weight_scale_inv, as DeepSeek's FP8 checkpoints store it)")
+            raise ValueError(
+                f"{name}: the checkpoint is FP8 but this weight is {t.dtype} (expected e4m3 with "
+                "weight_scale_inv, as DeepSeek's FP8 checkpoints store it)"
+            )
         if not isinstance(t, QTensor):
             out[name] = t
         elif leaf in fp8.FUSED_LEAVES:
@@ -441,9 +446,14 @@ def fused_groups(sd: MutableMapping[str, Any], args: ModelArgs) -> Iterator[dict
         yield _fuse_layer(sd, f"layers.{i}.", args, args.mlp_layer_types[i] == "sparse", i in index_layers)
     if args.num_mtp_layers:
         out = _fuse_layer(sd, "mtp.0.block.", args, args.mtp_moe, args.mtp_indexer)
-        for src, dst in (("enorm.weight", "enorm"), ("hnorm.weight", "hnorm"), ("eh_proj.weight", "eh_proj"),
-                         ("shared_head.norm.weight", "head_norm"), ("embed_tokens.weight", "embed"),
-                         ("shared_head.head.weight", "head")):
+        for src, dst in (
+            ("enorm.weight", "enorm"),
+            ("hnorm.weight", "hnorm"),
+            ("eh_proj.weight", "eh_proj"),
+            ("shared_head.norm.weight", "head_norm"),
+            ("embed_tokens.weight", "embed"),
+            ("shared_head.head.weight", "head"),
+        ):
             if "mtp.0." + src in sd:
                 out["mtp.0." + dst] = sd.pop("mtp.0." + src)
         yield out
@@ -476,8 +486,9 @@ def load_model(
     converted with ``--tp size`` gives the rank its own shard)."""
     model_dir = Path(model_dir)
     if converted.is_converted(model_dir):  # with tp: this rank's shard of a directory converted with --tp
-        return converted.load_converted(model_dir, device=device, dtype=dtype, max_seq_len=max_seq_len,
-                                        max_sequences=max_sequences, tp=tp)
+        return converted.load_converted(
+            model_dir, device=device, dtype=dtype, max_seq_len=max_seq_len, max_sequences=max_sequences, tp=tp
+        )
     cfg = load_hf_config(model_dir)
     keys = checkpoint_keys(model_dir)
     args = args_from_hf_config(cfg, keys)
