@@ -633,7 +633,8 @@ def check_engine_model(dev, small):
     from tilert.engines.tilert.engine import TileRTEngine
     from tilert.engines.tilert.model import Transformer
     from tilert.engines.tilert.ops import register_device_kernels
-    from tilert.engines.tilert.weights import finish_model, random_model
+    from tilert.engines.tilert.model import finish_model
+    from tilert.engines.tilert.weights import random_model
 
     register_device_kernels()
     S = 3000

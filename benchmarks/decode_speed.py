@@ -16,6 +16,13 @@ in place of the radix top-k; for lite-v32 (with its MTP module) the speculative 
 verify, one CUDA graph) for K = 1, 2, 3 and the tok/s at mean accepted lengths 1.0-4.0; transformers' eager
 speed on the same shapes in the same run (``--transformers CTXS``).
 
+Rank configs (``--configs v32-tp8-rank,glm5-tp8-rank``, ``engine_configs.RANK_CONFIGS``): one TP-8 rank of
+full-size DeepSeek-V3.2 / GLM-5 (dimensions from transformers' config classes; every layer and the MTP layer;
+block-FP8), timed alone: the rank's step without its collectives, bytes per step counting the rank's share, and
+the rank's speculative step. Rows carry ``config``, ``context``, ``weights``, ``ms_per_step``, ``tok_s``,
+``bytes_per_step`` and ``pct_roofline`` (``benchmarks/project_tp.py`` reads them). ``--cpu-smoke`` runs those
+configurations reduced on the CPU (no GPU), checking the code path.
+
 ``--weights bf16,fp8`` runs every config twice in the same process: bf16 weights, then block-FP8 weights
 (``ModelArgs.fp8``: e4m3 with 128x128-block scales, read by ``ops/triton_fp8.py``; rows ``<config>-fp8``), bytes
 per token counting 1 byte per FP8 weight plus its scales.
@@ -37,7 +44,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
 
-from engine_configs import CONFIGS  # noqa: E402
+from engine_configs import CONFIGS, CPU_REDUCE, RANK_CONFIGS, config_args, rank_args  # noqa: E402
 from tilert.engines.tilert.fast import CapturedFn  # noqa: E402
 from tilert.engines.tilert.model import ModelArgs  # noqa: E402
 
@@ -115,25 +122,50 @@ def _wbytes(a, leaf: str, *shape: int) -> int:
 
 
 def bytes_per_token(args, ctx: int, sparse: bool) -> dict:
-    """Bytes one decode step reads (weights actually touched + KV rows), counted from the engine's args."""
+    """Bytes one decode step reads (weights actually touched + KV rows), counted from the engine's args (rank-local
+    args: that rank's share, its ``V / tp`` rows of ``lm_head``). Per layer: attention (the indexer's weights in
+    layers that run their own), then the router and the top-k + shared experts of a MoE layer or the dense MLP;
+    the MTP layer is not read by a plain step."""
     a, el = args, 2
     d, h = a.hidden_size, a.num_heads
-    attn = (_wbytes(a, "wa", a.wa_rows(True), d) + _wbytes(a, "wb", a.wb_rows(True), a.q_lora_rank)
-            + _wbytes(a, "wkv_b", h * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)
-            + _wbytes(a, "wo", d, h * a.v_head_dim) + (a.index_n_heads * d * el if a.fp8 else 0))
+    index_layers = set(a.index_layers)
+
+    def attn(has_indexer: bool) -> int:
+        b = (_wbytes(a, "wa", a.wa_rows(has_indexer), d)
+             + _wbytes(a, "wkv_b", h * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)
+             + _wbytes(a, "wo", d, h * a.v_head_dim))
+        if a.q_lora_rank is not None:
+            b += _wbytes(a, "wb", a.wb_rows(has_indexer), a.q_lora_rank)
+        if has_indexer and a.fp8:  # indexer.weights_proj, kept bf16 apart from W_a
+            b += a.index_n_heads * d * el
+        return b
+
     i = a.moe_intermediate_size
-    slot = _wbytes(a, "w13", 2 * i, d) + _wbytes(a, "w2", d, i)
+    slot = _wbytes(a, "w13", 1, 2 * i, d) + _wbytes(a, "w2", 1, d, i)
     moe = (a.num_experts_per_tok + a.n_shared_experts) * slot + a.n_routed_experts * d * el
-    dense = _wbytes(a, "w13", 2 * a.intermediate_size, d) + _wbytes(a, "w2", d, a.intermediate_size)
-    n_dense = a.mlp_layer_types.count("dense")
-    weights = a.num_layers * attn + (a.num_layers - n_dense) * moe + n_dense * dense
-    head = d * el + a.vocab_size * d * el
+    dense = _wbytes(a, "w13", 1, 2 * a.intermediate_size, d) + _wbytes(a, "w2", 1, d, a.intermediate_size)
+    weights = sum(attn(j in index_layers) + (moe if a.mlp_layer_types[j] == "sparse" else dense)
+                  for j in range(a.num_layers))
+    head = d * el + (a.vocab_size // a.tp_size) * d * el  # the embedding row and this rank's lm_head rows
     row = a.latent_dim * el
     if sparse:
-        kv = a.num_layers * (min(ctx, a.index_topk) * row + ctx * a.index_head_dim * el)
+        kv = a.num_layers * min(ctx, a.index_topk) * row + len(index_layers) * ctx * a.index_head_dim * el
     else:
         kv = a.num_layers * ctx * row
     return dict(weights=weights, head=head, kv=kv, total=weights + head + kv)
+
+
+def step_row(name: str, args, ctx: int, sparse: bool, seconds: float, bw: float | None) -> dict:
+    """One JSON row of the table: ``config``, ``context``, ``weights`` (bf16 / fp8), ``ms_per_step``, ``tok_s``,
+    ``bytes_per_step`` and ``pct_roofline`` (the step's bytes at the copy bandwidth ``bw`` measured in the same run,
+    over the step's time; ``None`` without a bandwidth), plus the earlier names of these fields."""
+    b = bytes_per_token(args, ctx, sparse)
+    roof = bw / b["total"] if bw else None  # roofline: the measured copy bandwidth (2 x bytes / time) over bytes
+    pct = 100 / seconds / roof if roof else None
+    return dict(config=name, context=ctx, weights="fp8" if args.fp8 else "bf16", ms_per_step=seconds * 1e3,
+                tok_s=1 / seconds, bytes_per_step=b["total"], pct_roofline=pct, tp=args.tp_size,
+                ctx=ctx, sparse=sparse, ms=seconds * 1e3, bytes_gb=b["total"] / 1e9, bytes=b, roof_tok_s=roof,
+                pct_roof=pct, achieved_tbs=b["total"] / seconds / 1e12)
 
 
 def wall_per_call(fn, iters=30, reps=3) -> float:
@@ -294,7 +326,7 @@ def bench_engine(name, args, contexts, bw, mtp=True, profile=True, topk_compare=
     from tilert.engines.tilert.weights import random_model
 
     register_device_kernels()
-    if mtp:
+    if mtp and not args.num_mtp_layers:
         args = replace(args, num_mtp_layers=1)  # DeepSeek-V3.2's one MTP module (not read by the plain step)
     max_seq = max(contexts) + 16
     t0 = time.time()
@@ -313,13 +345,10 @@ def bench_engine(name, args, contexts, bw, mtp=True, profile=True, topk_compare=
         step = eng._graphs[(1, sparse)]
         assert step is not None, "the engine fell back to eager"
         t = time_graph(step)
-        b = bytes_per_token(args, ctx, sparse)
-        roof = bw / b["total"]  # roofline: the measured copy bandwidth (2 x bytes / time) over bytes read
-        r = dict(config=name, ctx=ctx, sparse=sparse, ms=t * 1e3, tok_s=1 / t, bytes_gb=b["total"] / 1e9,
-                 bytes=b, roof_tok_s=roof, pct_roof=100 / t / roof, achieved_tbs=b["total"] / t / 1e12,
-                 model="engine (tilert.engines.tilert.model via TileRTEngine CUDA graph)")
+        r = step_row(name, args, ctx, sparse, t, bw)
+        r["model"] = "engine (tilert.engines.tilert.model via TileRTEngine CUDA graph)"
         log(f"[{name}] ctx={ctx} {'DSA' if sparse else 'dense'}: {t * 1e3:.3f} ms  {1 / t:.1f} tok/s  "
-            f"{b['total'] / 1e9:.3f} GB/tok  roofline {roof:.0f} tok/s  {r['pct_roof']:.1f}%")
+            f"{r['bytes_gb']:.3f} GB/tok  roofline {r['roof_tok_s']:.0f} tok/s  {r['pct_roof']:.1f}%")
         if profile and ctx in (contexts[0], contexts[-1]):
             positions = torch.tensor([ctx], device=DEV)
 
@@ -510,6 +539,40 @@ def _isolated(job, opts):
         return pool.submit(_bench_child, job, opts, list(TUNE_ONLY)).result()
 
 
+@torch.no_grad()
+def cpu_smoke(out_dir: str, reduce: dict | None = None) -> list:
+    """Each rank configuration, reduced (``reduce``, default ``engine_configs.CPU_REDUCE``), built as the GPU run
+    builds it (random FP8 weights, random cache rows, ``TileRTEngine``) on the CPU in float32, one step timed at
+    each context and one speculative step: writes ``decode_speed_cpu_smoke.json`` rows of the GPU table's fields
+    (no roofline: no bandwidth measured)."""
+    from tilert.engines.tilert.engine import TileRTEngine
+    from tilert.engines.tilert.weights import random_model
+
+    cpu = torch.device("cpu")
+    rows = []
+    for name in RANK_CONFIGS:
+        a = rank_args(name, **(CPU_REDUCE if reduce is None else reduce))
+        contexts = [64, a.index_topk + 64]
+        cap = max(contexts) + 8
+        model = random_model(a, device=cpu, dtype=torch.float32, max_seq_len=cap, seed=0)
+        model.kv_cache.normal_()
+        model.index_cache.normal_()
+        eng = TileRTEngine(model, cpu, torch.float32, cap)
+        for ctx in contexts:
+            t0 = time.perf_counter()
+            logits = eng.forward(torch.tensor([77]), ctx)
+            t = time.perf_counter() - t0
+            assert logits.shape == (1, a.vocab_size // a.tp_size) and bool(logits.isfinite().all())
+            rows.append(step_row(name + "-cpu-smoke", a, ctx, ctx + 1 > a.index_topk, t, None))
+            log(f"[{name} reduced, CPU] ctx={ctx}: {t * 1e3:.1f} ms, {rows[-1]['bytes_per_step'] / 1e9:.3f} GB/step")
+        spec = eng.speculative_greedy_step(77, contexts[-1], 2)  # the MTP layer's rank share runs
+        assert 1 <= len(spec.tokens) <= 3
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "decode_speed_cpu_smoke.json"), "w") as f:
+        json.dump({"runs": rows}, f, indent=1, default=str)
+    return rows
+
+
 def main():
     if "--tp" in sys.argv[1:]:  # tensor parallel over several GPUs: benchmarks/tp_decode.py
         import tp_decode
@@ -537,7 +600,13 @@ def main():
                     "bandwidth is still measured once, here): no engine is timed in a process an earlier one "
                     "built, timed and freed its model in (lite FP8 read 3-7 us a step slower after bf16 that way, "
                     "h200-2026-12-01-fp8-f.md)")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="no GPU: the rank configurations reduced (engine_configs.CPU_REDUCE) through the same engine "
+                         "and the same JSON rows on the CPU, at contexts 64 and past the DSA top-k (checks the code, "
+                         "times nothing worth recording)")
     args = ap.parse_args()
+    if args.cpu_smoke:
+        return cpu_smoke(args.out)
     TUNE_ONLY[:] = [x for x in args.tune_only.split(",") if x]
     import triton
     import transformers
@@ -585,11 +654,13 @@ def main():
     from dataclasses import replace
 
     for name in args.configs.split(","):
-        for weights in args.weights.split(","):
-            label = name if weights == "bf16" else f"{name}-{weights}"
+        rank = name in RANK_CONFIGS  # one rank of a full-size model: block-FP8 only, its MTP layer built
+        for weights in ["fp8"] if rank else args.weights.split(","):
+            label = name if weights == "bf16" or rank else f"{name}-{weights}"
             try:
-                job = (label, replace(CONFIGS[name], fp8=weights == "fp8"), contexts, bw)
-                opts = dict(mtp=name == "lite-v32" and not args.no_mtp, profile=not args.no_breakdown, tune=args.tune)
+                job = (label, replace(config_args(name), fp8=weights == "fp8"), contexts, bw)
+                opts = dict(mtp=(rank or name == "lite-v32") and not args.no_mtp, profile=not args.no_breakdown,
+                            tune=args.tune)
                 if args.isolate:
                     rows, verify = _isolated(job, opts)
                 else:

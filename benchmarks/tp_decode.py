@@ -18,7 +18,7 @@ Sections, all in one run (rank 0 prints; ``tp_decode.json`` in ``--out``):
    collective; the logits all-gather (fp32 ``[1, V/N]``) the same way.
 2. **output, TP vs one GPU** (lite-v32 random weights, bf16, caches of random rows at 1K and 32K context, MTP off
    and on): the one-GPU engine greedy-decodes ``--tokens`` tokens on GPU 0; then every GPU holds its shard of the
-   same weights (``parallel.shard_model``) and the same caches, and the TP engine decodes the same tokens through
+   same weights (``sharding.shard_model``) and the same caches, and the TP engine decodes the same tokens through
    the decode node's own leader / follower protocol (``tilert.decode.tp``). Reported: differing tokens (count and
    first index), the first step's logits max |diff| relative to max |logit| (bf16 reductions add in another order).
 3. **prompt state to every rank**: the 32K-token prompt state (vLLM's layouts) broadcast over NCCL from the rank
@@ -49,7 +49,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from engine_configs import LAYER_V32, LITE_V32, v32_args  # noqa: E402
 
-from tilert.engines.tilert import parallel  # noqa: E402
+from tilert.engines.tilert import parallel, sharding  # noqa: E402
 from tilert.engines.tilert.model import ModelArgs  # noqa: E402
 
 RESULT: dict = {}
@@ -282,7 +282,7 @@ def check_output(pg, ctrl, dev, args, contexts, n_tokens, num_draft, kind, opts_
                 one_gpu_ms[ctx] = step_ms(eng1, ctx, dev, alone=True)
         del eng1
     dist.barrier()
-    local = parallel.shard_model(full, rank, size)
+    local = sharding.shard_model(full, rank, size)
     del full
     gc.collect()
     if dev.type == "cuda":
@@ -612,7 +612,7 @@ def bench_real(pg, dev, layers_tp, layers_one, contexts, bw, kinds, profile=Fals
         args = replace(base, num_layers=n_layers, mlp_layer_types=["sparse"] * n_layers,
                        indexer_types=["full"] * n_layers)
         t0 = time.time()
-        m = random_model(parallel.local_args(args, rank, size), device=dev, dtype=dtype, max_seq_len=cap, seed=rank)
+        m = random_model(sharding.local_args(args, rank, size), device=dev, dtype=dtype, max_seq_len=cap, seed=rank)
         m.kv_cache.normal_()
         m.index_cache.normal_()
         for name in ("kv_cache", "index_cache"):

@@ -21,11 +21,27 @@ from tilert.engines.tilert.engine import TileRTEngine
 # ~0.97 GB of bf16 in 1,000+ tensors: DeepSeek-V3 layout, 64 experts per MoE layer; the largest tensors are the
 # embedding and the head (65.5 MB each).
 BIG: dict[str, Any] = dict(
-    vocab_size=32000, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512, num_hidden_layers=5,
-    num_attention_heads=8, num_key_value_heads=8, n_shared_experts=1, n_routed_experts=64, num_experts_per_tok=4,
-    n_group=4, topk_group=2, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=512, qk_rope_head_dim=64,
-    qk_nope_head_dim=64, v_head_dim=64, max_position_embeddings=4096, tie_word_embeddings=False,
-)  # fmt: skip
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=2048,
+    moe_intermediate_size=512,
+    num_hidden_layers=5,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    n_shared_experts=1,
+    n_routed_experts=64,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    first_k_dense_replace=1,
+    kv_lora_rank=512,
+    q_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=64,
+    v_head_dim=64,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
 
 
 def write_synthetic_checkpoint(out: Path, files: int = 4, **cfg_kw: Any) -> int:
@@ -55,9 +71,10 @@ def write_synthetic_checkpoint(out: Path, files: int = 4, **cfg_kw: Any) -> int:
     gen = torch.Generator().manual_seed(0)
     for f in range(files):
         chunk = names[f * per : (f + 1) * per]
-        w = st_io.ShardWriter(out / f"model-{f:05d}.safetensors",
-                              {n: (torch.float32 if n.endswith("correction_bias") else torch.bfloat16, specs[n])
-                               for n in chunk})
+        w = st_io.ShardWriter(
+            out / f"model-{f:05d}.safetensors",
+            {n: (torch.float32 if n.endswith("correction_bias") else torch.bfloat16, specs[n]) for n in chunk},
+        )
         for n in chunk:
             shape = specs[n]
             t = torch.randn(shape, generator=gen) * (0.02 if len(shape) > 1 else 1.0)
@@ -87,8 +104,13 @@ def test_convert_peak_memory_is_bounded_by_the_largest_tensors(tmp_path: Path) -
     largest = write_synthetic_checkpoint(src, **BIG)
     total = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     assert total > 0.9e9 and total > 12 * largest
-    res = subprocess.run([sys.executable, "-c", _MEASURE, str(src), str(tmp_path / "out")], check=True,
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(src), str(tmp_path / "out")],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     m = json.loads(res.stdout.strip().splitlines()[-1])
     grew = (m["peak_kb"] - m["base_kb"]) * 1024
     assert grew < 2 * largest, f"peak RSS grew by {grew / 2**20:.0f} MiB, largest tensor {largest / 2**20:.0f} MiB"
@@ -100,11 +122,25 @@ def test_convert_peak_memory_is_bounded_by_the_largest_tensors(tmp_path: Path) -
 def small(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(source, converted) of a small synthetic checkpoint."""
     root = tmp_path_factory.mktemp("small")
-    write_synthetic_checkpoint(root / "src", files=2, **{**BIG, "vocab_size": 512, "hidden_size": 256,
-                                                         "n_routed_experts": 8, "moe_intermediate_size": 64,
-                                                         "intermediate_size": 128, "num_hidden_layers": 2})
-    res = subprocess.run([sys.executable, "-m", "tilert.cli", "convert", "--model-dir", str(root / "src"),
-                          "--out", str(root / "out")], capture_output=True, text=True, timeout=300)
+    write_synthetic_checkpoint(
+        root / "src",
+        files=2,
+        **{
+            **BIG,
+            "vocab_size": 512,
+            "hidden_size": 256,
+            "n_routed_experts": 8,
+            "moe_intermediate_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+        },
+    )
+    res = subprocess.run(
+        [sys.executable, "-m", "tilert.cli", "convert", "--model-dir", str(root / "src"), "--out", str(root / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     assert "tensors" in res.stderr  # the progress bar
     return root / "src", root / "out"
@@ -171,13 +207,18 @@ def test_corrupt_or_mismatched_directories_are_refused(small: tuple[Path, Path],
 
 def test_convert_refuses_a_non_empty_destination(small: tuple[Path, Path]) -> None:
     src, out = small
-    res = subprocess.run([sys.executable, "-m", "tilert.cli", "convert", "--model-dir", str(src), "--out", str(out)],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "tilert.cli", "convert", "--model-dir", str(src), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2 and "exists and is not empty" in res.stderr
 
 
-def test_tp_shards_are_what_the_tensor_parallel_engine_gives_each_rank(small: tuple[Path, Path],
-                                                                        tmp_path: Path) -> None:
+def test_tp_shards_are_what_the_tensor_parallel_engine_gives_each_rank(
+    small: tuple[Path, Path], tmp_path: Path
+) -> None:
     """``tilert convert --tp 2``: rank ``r``'s shard loads (``load_model(tp=(r, 2))``, as ``tilert decode --tp 2``
     does) into exactly the weights the engine gives rank ``r`` when it shards the HF checkpoint itself."""
     from tilert.engines.tilert import weights
@@ -205,14 +246,20 @@ def test_tp_shards_are_what_the_tensor_parallel_engine_gives_each_rank(small: tu
         convert.convert(src, tmp_path / "tp3", tp=3, progress=False)
 
 
-def test_tp_conversion_of_an_fp8_checkpoint_is_refused_as_the_engine_refuses_it(small: tuple[Path, Path],
-                                                                                tmp_path: Path) -> None:
-    """The converter shards only what the tensor-parallel engine can load: FP8 across ranks is refused by the
-    same rule (``parallel.check_degree``), before anything is written."""
+def test_fp8_tp_that_cuts_scale_blocks_is_refused_as_the_engine_refuses_it(
+    small: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The converter shards only what the tensor-parallel engine can load: FP8 shards that would cut the 128x128
+    scale blocks are refused by the same rule (``sharding.check_degree``), with the reason, before anything is
+    written; the engine refuses the same degree at load."""
+    from tilert.engines.tilert import weights
     from tilert.models.quantize import quantize_checkpoint
 
     src, _ = small
     q = quantize_checkpoint(src, tmp_path / "fp8")
-    with pytest.raises(ValueError, match="block-FP8 weights is not supported yet"):
+    says = "cut the checkpoint's 128x128 FP8 scale blocks .*expert width 32 per rank, dense MLP width 64 per rank"
+    with pytest.raises(ValueError, match=says):
         convert.convert(q, tmp_path / "tp2", tp=2, progress=False)
     assert not (tmp_path / "tp2").exists()
+    with pytest.raises(ValueError, match=says):
+        weights.load_model(q, device="cpu", dtype=torch.float32, max_seq_len=16, tp=(0, 2))

@@ -24,7 +24,7 @@ from conftest import free_port, wait_healthy
 
 from tilert import auth
 from tilert.engines.base import DecodeEngine, KVLayout
-from tilert.engines.tilert import layouts, parallel
+from tilert.engines.tilert import layouts, parallel, sharding
 from tilert.engines.tilert.engine import TileRTEngine
 from tilert.engines.tilert.model import ModelArgs
 from tilert.models.tiny import add_mtp_layer
@@ -74,8 +74,9 @@ def _prompt_state(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, KVLayo
     return state, eng.expected_layouts(), first
 
 
-def scenario(eng: DecodeEngine, vocab: int, state: dict[str, torch.Tensor], lay: dict[str, KVLayout],
-             first: int) -> dict[str, Any]:  # fmt: skip
+def scenario(
+    eng: DecodeEngine, vocab: int, state: dict[str, torch.Tensor], lay: dict[str, KVLayout], first: int
+) -> dict[str, Any]:
     """Every call the decode node makes: a long forward, an injection, batched steps (logits and greedy), a
     refused call, speculative steps when the model has MTP. Returns the logits and tokens it saw."""
     ids = torch.randint(8, vocab, (PREFILL,), generator=torch.Generator().manual_seed(3))
@@ -119,8 +120,10 @@ def _rank(rank: int, port: int, paths: dict[str, str], states: dict[str, Any], r
         if rank == 0:
             leader = LeaderEngine(eng, channel)
             state, lay, first = states[name]
-            got[name] = {k: v.tolist() if isinstance(v, torch.Tensor) else v
-                         for k, v in scenario(leader, eng.vocab_size, state, lay, first).items()}  # fmt: skip
+            got[name] = {
+                k: v.tolist() if isinstance(v, torch.Tensor) else v
+                for k, v in scenario(leader, eng.vocab_size, state, lay, first).items()
+            }
             leader.close()
         else:
             assert follow(eng, channel) is FollowerState.STOPPED
@@ -163,12 +166,34 @@ def test_two_ranks_equal_one_rank(ckpts: dict[str, Path]) -> None:
 
 
 def _args(**over: Any) -> ModelArgs:
-    base = dict(arch="deepseek_v3", vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                num_layers=2, num_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                v_head_dim=8, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
-                topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0, mlp_layer_types=["dense", "sparse"],
-                rms_norm_eps=1e-6, attention_bias=False, rope_interleave=True, softmax_scale=0.25,
-                rope_inv_freq=[1.0] * 4, rope_attention_scaling=1.0)  # fmt: skip
+    base = dict(
+        arch="deepseek_v3",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_layers=2,
+        num_heads=4,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
+        mlp_layer_types=["dense", "sparse"],
+        rms_norm_eps=1e-6,
+        attention_bias=False,
+        rope_interleave=True,
+        softmax_scale=0.25,
+        rope_inv_freq=[1.0] * 4,
+        rope_attention_scaling=1.0,
+    )
     return ModelArgs(**{**base, **over})  # type: ignore[arg-type]
 
 
@@ -186,10 +211,10 @@ def _args(**over: Any) -> ModelArgs:
 def test_degree_that_does_not_divide_is_refused(size: int, over: dict[str, Any], says: str | None) -> None:
     args = _args(**over)
     if says is None:
-        assert parallel.local_args(args, 1, size).num_heads == args.num_heads // size
+        assert sharding.local_args(args, 1, size).num_heads == args.num_heads // size
         return
     with pytest.raises(ValueError, match=says):
-        parallel.local_args(args, 0, size)
+        sharding.local_args(args, 0, size)
 
 
 def test_decode_refuses_tp_that_does_not_divide(
@@ -225,9 +250,28 @@ def test_decode_tp2_serves_a_request(ckpts: dict[str, Path], tmp_path: Path) -> 
     log = tmp_path / "decode.log"
     env = {**os.environ, auth.SECRET_ENV: SECRET, "OMP_NUM_THREADS": "1"}
     env.pop(auth.SECRET_FILE_ENV, None)
-    cmd = [sys.executable, "-m", "tilert.cli", "decode", "--model", str(path), "--tp", "2", "--device", "cpu",
-           "--ctrl-port", str(ctrl), "--http-port", str(http), "--max-seq-len", str(MAX_SEQ), "--max-sequences",
-           "1", "--slots", "1"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "tilert.cli",
+        "decode",
+        "--model",
+        str(path),
+        "--tp",
+        "2",
+        "--device",
+        "cpu",
+        "--ctrl-port",
+        str(ctrl),
+        "--http-port",
+        str(http),
+        "--max-seq-len",
+        str(MAX_SEQ),
+        "--max-sequences",
+        "1",
+        "--slots",
+        "1",
+    ]
     with open(log, "wb") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=err, stderr=err)
     sender = BackgroundSender("tcp", {}, SECRET.encode())
@@ -242,8 +286,12 @@ def test_decode_tp2_serves_a_request(ckpts: dict[str, Path], tmp_path: Path) -> 
         assert _post(url, "/v1/reserve", {"transfer_id": "tp-1"}).status_code == 200
         claim = Claim.signed(SECRET.encode(), "tp-1", "127.0.0.1", ctrl)
         sender.submit(Staged.whole(claim, PROMPT, lay, state["mla"].reshape(-1).contiguous())).result(timeout=60)
-        body = {"transfer_id": "tp-1", "first_token_id": first, "prompt_tokens": PROMPT,
-                "sampling": {"max_tokens": 12, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+        body = {
+            "transfer_id": "tp-1",
+            "first_token_id": first,
+            "prompt_tokens": PROMPT,
+            "sampling": {"max_tokens": 12, "temperature": 0, "ignore_eos": True},
+        }
         resp = _post(url, "/v1/decode", body)
         assert resp.status_code == 200, resp.text
         lines = [json.loads(x) for x in resp.text.splitlines() if x.strip()]
@@ -268,7 +316,7 @@ def test_decode_tp2_serves_a_request(ckpts: dict[str, Path], tmp_path: Path) -> 
 def test_width_split_moe_ops(kernels: str) -> None:
     """The ops the tensor-parallel MoE uses: ``router`` is ``moe_block``'s routing; ``moe_partial`` writes
     ``residual + experts`` (or the experts alone) into an output apart from its input; two ranks' halves of every
-    expert's width (``parallel.shard_state_dict``) sum to the whole block."""
+    expert's width (``sharding.shard_state_dict``) sum to the whole block."""
     from tilert.engines.tilert import ops
     from tilert.engines.tilert.ops import cpu, reference
 
@@ -284,11 +332,17 @@ def test_width_split_moe_ops(kernels: str) -> None:
     whole = h.clone()
     want_ids, _ = reference.moe_block(whole, norm, 1e-6, gate, bias, *route, s, w13, w2)
     assert torch.equal(ids, want_ids)
-    args = _args(hidden_size=d, moe_intermediate_size=i, n_routed_experts=e, n_shared_experts=s,
-                 mlp_layer_types=["sparse"], num_layers=1)  # fmt: skip
+    args = _args(
+        hidden_size=d,
+        moe_intermediate_size=i,
+        n_routed_experts=e,
+        n_shared_experts=s,
+        mlp_layer_types=["sparse"],
+        num_layers=1,
+    )
     total = torch.zeros(1, d)
     for rank in range(2):
-        local = parallel.shard_state_dict({"l.mlp.w13": w13, "l.mlp.w2": w2}, args, rank, 2)
+        local = sharding.shard_state_dict({"l.mlp.w13": w13, "l.mlp.w2": w2}, args, rank, 2)
         out = torch.full_like(h, float("nan"))
         k.moe_partial(out, h, norm, 1e-6, ids, wts, local["l.mlp.w13"], local["l.mlp.w2"], h if rank == 0 else None)
         total += out

@@ -75,8 +75,15 @@ class Channel:
         self.ctrl = ctrl
         self.device = device
 
-    def send(self, op: Op, seq: int = 0, start_pos: int = 0, num_draft: int = 0, rows: list[list[int]] | None = None,
-             n: int = 0) -> None:  # fmt: skip
+    def send(
+        self,
+        op: Op,
+        seq: int = 0,
+        start_pos: int = 0,
+        num_draft: int = 0,
+        rows: list[list[int]] | None = None,
+        n: int = 0,
+    ) -> None:
         """(rank 0) Announce ``op``; ``rows``: up to three int lists of length ``n`` (tokens, positions, seqs)."""
         head = torch.zeros(HEADER_LEN, dtype=torch.int64)
         head[:5] = torch.tensor([int(op), seq, start_pos, n, num_draft])
@@ -133,8 +140,9 @@ class LeaderEngine(DecodeEngine):
         self._closed = False
 
     @classmethod
-    def load(cls, model_dir: Path, *, device: str, dtype: torch.dtype, max_seq_len: int,
-             max_sequences: int = 1) -> DecodeEngine:  # fmt: skip
+    def load(
+        cls, model_dir: Path, *, device: str, dtype: torch.dtype, max_seq_len: int, max_sequences: int = 1
+    ) -> DecodeEngine:
         raise NotImplementedError("a tensor-parallel engine is started by `tilert decode --tp N` (tilert.decode.tp)")
 
     @property
@@ -153,9 +161,13 @@ class LeaderEngine(DecodeEngine):
         self.engine.check_layouts(layouts)
 
     def inject(
-        self, state: dict[str, torch.Tensor], layouts: dict[str, KVLayout], num_tokens: int, seq: int = 0,
+        self,
+        state: dict[str, torch.Tensor],
+        layouts: dict[str, KVLayout],
+        num_tokens: int,
+        seq: int = 0,
         last_token_id: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         with self._lock:
             rows = None if last_token_id is None else [[last_token_id]]  # the prompt's last token, when known
             self.channel.send(Op.INJECT, seq, rows=rows, n=0 if rows is None else 1)
@@ -243,9 +255,15 @@ def rank_device(device: str, rank: int) -> torch.device:
 
 
 def load_rank(
-    model: Path, pg: Any, ctrl: Any, dev: torch.device, dtype: torch.dtype, max_seq_len: int, max_sequences: int,
+    model: Path,
+    pg: Any,
+    ctrl: Any,
+    dev: torch.device,
+    dtype: torch.dtype,
+    max_seq_len: int,
+    max_sequences: int,
     allreduce: str = "nccl",
-) -> tuple[TileRTEngine, Channel]:  # fmt: skip
+) -> tuple[TileRTEngine, Channel]:
     """This rank's share of the model in a ready engine, and its channel (the process group joined already)."""
     from tilert.engines.tilert import parallel
     from tilert.engines.tilert.engine import GRAPH_MAX_TOKENS, TileRTEngine
@@ -255,18 +273,27 @@ def load_rank(
     rank, size = torch.distributed.get_rank(pg), torch.distributed.get_world_size(pg)
     if dev.type == "cuda":
         register_device_kernels()
-    m = load_model(model, device=dev, dtype=dtype, max_seq_len=max_seq_len, max_sequences=max_sequences,
-                   tp=(rank, size))  # fmt: skip
-    group = parallel.Group(pg, allreduce=allreduce, device=dev, dtype=dtype,
-                           max_numel=GRAPH_MAX_TOKENS * m.args.hidden_size)  # fmt: skip
+    m = load_model(
+        model, device=dev, dtype=dtype, max_seq_len=max_seq_len, max_sequences=max_sequences, tp=(rank, size)
+    )
+    group = parallel.Group(
+        pg, allreduce=allreduce, device=dev, dtype=dtype, max_numel=GRAPH_MAX_TOKENS * m.args.hidden_size
+    )
     m.use_group(group)
     return TileRTEngine(m, dev, dtype, max_seq_len), Channel(group, ctrl, dev)
 
 
 def start_rank(
-    model: Path, rank: int, size: int, port: int, device: str, dtype: torch.dtype, max_seq_len: int,
-    max_sequences: int, allreduce: str = "nccl",
-) -> tuple[TileRTEngine, Channel]:  # fmt: skip
+    model: Path,
+    rank: int,
+    size: int,
+    port: int,
+    device: str,
+    dtype: torch.dtype,
+    max_seq_len: int,
+    max_sequences: int,
+    allreduce: str = "nccl",
+) -> tuple[TileRTEngine, Channel]:
     """Join the group of ``size`` ranks at ``port``, then :func:`load_rank`."""
     from tilert.engines.tilert import parallel
 
@@ -275,13 +302,23 @@ def start_rank(
     return load_rank(model, pg, ctrl, dev, dtype, max_seq_len, max_sequences, allreduce)
 
 
-def _follower_main(model: str, rank: int, size: int, port: int, device: str, dtype: str, max_seq_len: int,
-                   max_sequences: int, allreduce: str) -> None:  # fmt: skip
+def _follower_main(
+    model: str,
+    rank: int,
+    size: int,
+    port: int,
+    device: str,
+    dtype: str,
+    max_seq_len: int,
+    max_sequences: int,
+    allreduce: str,
+) -> None:
     from tilert.logs import configure
 
     configure()
-    engine, channel = start_rank(Path(model), rank, size, port, device, getattr(torch, dtype), max_seq_len,
-                                 max_sequences, allreduce)  # fmt: skip
+    engine, channel = start_rank(
+        Path(model), rank, size, port, device, getattr(torch, dtype), max_seq_len, max_sequences, allreduce
+    )
     follow(engine, channel)
     torch.distributed.destroy_process_group()
 
@@ -294,7 +331,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def check_tp(config: DecodeConfig, device: str) -> None:
     """``ConfigError`` when ``config.tp`` ranks cannot run this model on this machine (before any rank starts)."""
-    from tilert.engines.tilert import parallel
+    from tilert.engines.tilert import sharding
     from tilert.engines.tilert.weights import args_from_hf_config, checkpoint_keys, load_hf_config
     from tilert.settings import ConfigError
 
@@ -309,7 +346,7 @@ def check_tp(config: DecodeConfig, device: str) -> None:
             raise ConfigError(f"--tp {config.tp} needs {config.tp} GPUs; this machine has {torch.cuda.device_count()}")
     args = args_from_hf_config(load_hf_config(config.model), checkpoint_keys(config.model))
     try:
-        parallel.check_degree(args, config.tp)
+        sharding.check_degree(args, config.tp)
     except ValueError as exc:
         raise ConfigError(f"--tp {config.tp}: {exc}") from None
 
@@ -329,18 +366,30 @@ def serve_tp(config: DecodeConfig) -> None:
     names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
     followers = [
         ctx.Process(
-            target=_follower_main, name=f"tilert-tp-rank{r}", daemon=True,
-            args=(str(config.model), r, config.tp, port, device, names[dtype], config.max_seq_len,
-                  config.sequences, config.tp_allreduce),
-        )  # fmt: skip
+            target=_follower_main,
+            name=f"tilert-tp-rank{r}",
+            daemon=True,
+            args=(
+                str(config.model),
+                r,
+                config.tp,
+                port,
+                device,
+                names[dtype],
+                config.max_seq_len,
+                config.sequences,
+                config.tp_allreduce,
+            ),
+        )
         for r in range(1, config.tp)
     ]
     for p in followers:
         p.start()
     leader: LeaderEngine | None = None
     try:
-        engine, channel = start_rank(config.model, 0, config.tp, port, device, dtype, config.max_seq_len,
-                                     config.sequences, config.tp_allreduce)  # fmt: skip
+        engine, channel = start_rank(
+            config.model, 0, config.tp, port, device, dtype, config.max_seq_len, config.sequences, config.tp_allreduce
+        )
         leader = LeaderEngine(engine, channel)
         node = DecodeNode(config, leader)
         log.info("tilert decode: rank 0 of %d serving (pid %d)", config.tp, os.getpid())

@@ -21,8 +21,12 @@ from safetensors.torch import save_file
 
 from tilert.engines.tilert import fp8
 
-QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                       "weight_block_size": [fp8.BLOCK, fp8.BLOCK]}
+QUANTIZATION_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [fp8.BLOCK, fp8.BLOCK],
+}
 
 
 def is_quantized_linear(name: str, t: torch.Tensor) -> bool:

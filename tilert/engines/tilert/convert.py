@@ -12,17 +12,18 @@ Output directory::
     config.json, tokenizer...   copied from the source (the decode node and router read them)
     [rank{r}/]NNN-group.safetensors
 
-The manifest records the converter version, :data:`LAYOUT_VERSION` (bumped whenever ``weights.py`` changes the
-fused layout), the SHA-256 of the source's ``config.json`` + safetensors index (or headers), the weights' dtypes
-and the :class:`ModelArgs`. :func:`load_converted` (the decode node, through ``weights.load_model``) memory-maps
+The manifest (``converted.py``, which also reads these directories back) records the converter version, the
+layout version, the SHA-256 of the source's ``config.json`` + safetensors index (or headers), the weights' dtypes
+and the :class:`ModelArgs`. The decode node (``weights.load_model`` -> ``converted.load_converted``) memory-maps
 the shards and refuses a directory whose manifest, layout version, files, tensor names or shapes do not match,
 naming what is wrong.
 
 Tensor parallelism (``--tp N``): each rank's shard holds exactly what the tensor-parallel engine gives that rank
-(``parallel.shard``, the engine's one rule: every expert split along its
-width, attention heads in ranges of ``H/N``, the vocabulary of ``lm_head`` in ranges of ``V/N``, the rest
-replicated), and ``tilert decode --tp N`` loads rank ``r``'s shard directly. The ranks' shards of a group are
-written side by side, each expert read once and split as it streams, so memory stays bounded as without ``--tp``.
+(``sharding.shard``, the engine's one rule: every expert split along its width, attention heads in ranges of
+``H/N``, the vocabulary of ``lm_head`` in ranges of ``V/N``, the rest replicated; block-FP8 weights with their
+scales, on whole 128x128 blocks only), and ``tilert decode --tp N`` loads rank ``r``'s shard directly. The ranks'
+shards of a group are written side by side, each expert read once and split as it streams, so memory stays
+bounded as without ``--tp``.
 """
 
 from __future__ import annotations
@@ -39,14 +40,12 @@ from typing import Any
 
 import torch
 
-from . import fp8, parallel, st_io, weights
+from . import fp8, sharding, st_io, weights
+from .converted import FORMAT, LAYOUT_VERSION, MANIFEST
 from .fp8 import QTensor
-from .model import ModelArgs, Transformer
+from .model import ModelArgs
 
 CONVERTER_VERSION = "1.0"
-LAYOUT_VERSION = 1
-MANIFEST = "tilert_manifest.json"
-FORMAT = "tilert-converted"
 
 
 # ------------------------------------------------------------------------------------------- the source side
@@ -133,8 +132,8 @@ def source_hash(model_dir: Path) -> str:
 
 
 def check_tp(tp: int, args: ModelArgs) -> None:
-    """The engine's own check (``parallel.check_degree``): what it cannot shard is not converted for it."""
-    parallel.check_degree(args, tp)
+    """The engine's own check (``sharding.check_degree``): what it cannot shard is not converted for it."""
+    sharding.check_degree(args, tp)
 
 
 # ------------------------------------------------------------------------------------------------ progress
@@ -166,8 +165,13 @@ class Progress:
             self._bar.set_postfix_str(f"{self.tensors}/{self.total_tensors} tensors", refresh=False)
         elif time.monotonic() - self._last > 0.5 or self.done >= self.total:
             self._last = time.monotonic()
-            print(f"\rconvert: {self.tensors}/{self.total_tensors} tensors, {self.done / 2**30:.2f}/"
-                  f"{self.total / 2**30:.2f} GiB", end="", file=sys.stderr, flush=True)
+            print(
+                f"\rconvert: {self.tensors}/{self.total_tensors} tensors, {self.done / 2**30:.2f}/"
+                f"{self.total / 2**30:.2f} GiB",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def close(self) -> None:
         if self._bar is not None:
@@ -185,11 +189,13 @@ def _write_group(paths: list[Path], group: dict[str, Any], args: ModelArgs) -> l
     tp = len(paths)
 
     def share(name: str, t: Any, r: int) -> Any:
-        return t if tp == 1 else parallel.shard(name, t, args, r, tp)
+        return t if tp == 1 else sharding.shard(name, t, args, r, tp)
 
     stacks = {k: v for k, v in group.items() if isinstance(v, weights.ExpertStack)}
-    plain = [weights.store_fp8({k: share(k, v, r) for k, v in group.items() if k not in stacks}, args)
-             for r in range(tp)]  # fmt: skip
+    plain = [
+        weights.store_fp8({k: share(k, v, r) for k, v in group.items() if k not in stacks}, args) for r in range(tp)
+    ]
+
     def stored(name: str, slot: Any) -> list[dict[str, torch.Tensor]]:
         """One expert as each rank stores it."""
         return [weights.store_fp8({name: share(name, slot, r)}, args) for r in range(tp)]
@@ -215,14 +221,20 @@ def _write_group(paths: list[Path], group: dict[str, Any], args: ModelArgs) -> l
                     for k, t in parts[r].items():
                         dtype, shape = specs[r][k]
                         if t.dtype != dtype or tuple(t.shape) != shape[1:]:
-                            raise ValueError(f"{k}: expert slot {j} is {t.dtype} {tuple(t.shape)}, slot 0 is "
-                                             f"{dtype} {shape[1:]}")
+                            raise ValueError(
+                                f"{k}: expert slot {j} is {t.dtype} {tuple(t.shape)}, slot 0 is {dtype} {shape[1:]}"
+                            )
                         w.write(k, t, offset=j * t.numel() * t.element_size())
     finally:
         for w in writers:
             w.close()
-    return [{k: {"file": path.name, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
-             for k, (dtype, shape) in spec.items()} for path, spec in zip(paths, specs, strict=True)]
+    return [
+        {
+            k: {"file": path.name, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
+            for k, (dtype, shape) in spec.items()
+        }
+        for path, spec in zip(paths, specs, strict=True)
+    ]
 
 
 def convert(model_dir: Path | str, out: Path | str, tp: int = 1, progress: bool = True) -> Path:
@@ -262,96 +274,11 @@ def convert(model_dir: Path | str, out: Path | str, tp: int = 1, progress: bool 
         "fp8": args.fp8,
         "dtypes": dtypes,
         "tp": tp,
-        "tp_rule": "parallel.py: experts split along their width; heads H/tp; lm_head V/tp; rest replicated",
+        "tp_rule": "sharding.py: experts split along their width; heads H/tp; lm_head V/tp; rest replicated",
         "args": dataclasses.asdict(args),
-        "ranks": [{"dir": d.relative_to(out).as_posix() or ".", "tensors": t}
-                  for d, t in zip(rank_dirs, tensors, strict=True)],
+        "ranks": [
+            {"dir": d.relative_to(out).as_posix() or ".", "tensors": t} for d, t in zip(rank_dirs, tensors, strict=True)
+        ],
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return out
-
-
-# ------------------------------------------------------------------------------------------------- loading
-
-
-def is_converted(model_dir: Path) -> bool:
-    return (Path(model_dir) / MANIFEST).exists()
-
-
-def read_manifest(model_dir: Path) -> dict[str, Any]:
-    path = Path(model_dir) / MANIFEST
-    try:
-        m = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: unreadable manifest ({exc})") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a tilert converted-weights manifest (format {m.get('format')!r})")
-    missing = [k for k in ("converter_version", "layout_version", "tp", "args", "ranks") if k not in m]
-    if missing:
-        raise ValueError(f"{path}: manifest lacks {missing}")
-    if m.get("layout_version") != LAYOUT_VERSION:
-        raise ValueError(f"{path}: layout version {m.get('layout_version')!r}, this engine reads version "
-                         f"{LAYOUT_VERSION}: convert the checkpoint again with this tilert")
-    return m
-
-
-def load_converted(model_dir: Path, *, device: str | torch.device, dtype: torch.dtype, max_seq_len: int,
-                   max_sequences: int = 1, tp: tuple[int, int] = (0, 1)) -> Transformer:
-    """A ready :class:`Transformer` from a converted directory (shards memory-mapped), after checking the manifest
-    against the model it describes and every shard against the manifest; ``tp = (rank, size)``: that rank's
-    shard of a directory converted with ``--tp size``."""
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
-    m = read_manifest(model_dir)
-    rank, size = tp
-    made = m.get("tp", 1)
-    if made != size:
-        raise ValueError(f"{model_dir} was converted for {made} tensor-parallel rank(s), this engine runs {size}: "
-                         f"convert the checkpoint again with --tp {size}" if size > 1 else
-                         f"{model_dir} was converted with --tp {made}: its per-rank shards are for the "
-                         "tensor-parallel engine; convert without --tp to serve on one device")
-    try:
-        args = ModelArgs(**m["args"])
-    except TypeError as exc:
-        raise ValueError(f"{model_dir / MANIFEST}: model arguments do not match this engine ({exc})") from None
-    if size > 1:
-        args = parallel.local_args(args, rank, size)
-    with torch.device("meta"):
-        model = Transformer(args)
-    want = {k: p for k, p in model.named_parameters()}
-    try:
-        listed: dict[str, Any] = m["ranks"][rank]["tensors"]
-        model_dir = model_dir / m["ranks"][rank]["dir"]
-    except (IndexError, KeyError, TypeError):
-        raise ValueError(f"{model_dir / MANIFEST}: no tensor list for rank {rank}") from None
-    missing = [k for k in want if k not in listed]
-    if missing:
-        raise ValueError(f"{model_dir}: missing tensor(s) {missing[:8]} (the manifest does not list them)")
-    extra = [k for k in listed if k not in want]
-    if extra:
-        raise ValueError(f"{model_dir}: unexpected tensor(s) {extra[:8]} for this model")
-    for k, p in want.items():
-        if tuple(listed[k]["shape"]) != tuple(p.shape):
-            raise ValueError(f"{model_dir}: tensor {k} has shape {listed[k]['shape']}, the model needs "
-                             f"{list(p.shape)}")
-    sd: dict[str, torch.Tensor] = {}
-    by_file: dict[str, list[str]] = {}
-    for k, info in listed.items():
-        by_file.setdefault(info["file"], []).append(k)
-    for fname, names in by_file.items():
-        path = model_dir / fname
-        if not path.exists():
-            raise ValueError(f"{model_dir}: shard {fname} is missing (holds {names[:4]}...)")
-        st_io.read_header(path)  # a truncated or corrupt shard is refused here, naming it
-        with safe_open(str(path), framework="pt") as f:
-            have = set(f.keys())
-            for k in names:
-                if k not in have:
-                    raise ValueError(f"{path}: missing tensor {k}")
-                t = f.get_tensor(k)
-                if tuple(t.shape) != tuple(listed[k]["shape"]):
-                    raise ValueError(f"{path}: tensor {k} has shape {list(t.shape)}, the manifest says "
-                                     f"{listed[k]['shape']}")
-                sd[k] = t
-    return weights.finish_model(model, sd, device, dtype, max_seq_len, max_sequences)

@@ -54,9 +54,22 @@ from .weights import load_model
 GRAPH_MAX_TOKENS = 16  # main-model steps of up to this many tokens are replayed as CUDA graphs
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_OP_NAMES = ("rms_norm", "gemv", "gemv_residual", "mla_prep", "mla_attention", "mla_sparse_attention",
-             "indexer_topk", "mla_uv", "mla_attention_uv", "moe_experts", "moe_residual", "moe_block", "router",
-             "moe_partial")
+_OP_NAMES = (
+    "rms_norm",
+    "gemv",
+    "gemv_residual",
+    "mla_prep",
+    "mla_attention",
+    "mla_sparse_attention",
+    "indexer_topk",
+    "mla_uv",
+    "mla_attention_uv",
+    "moe_experts",
+    "moe_residual",
+    "moe_block",
+    "router",
+    "moe_partial",
+)
 
 log = logging.getLogger(__name__)
 

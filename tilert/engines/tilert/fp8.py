@@ -45,8 +45,14 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIX = "_scale"  # engine layout: ``X`` and ``X_scale``
 CKPT_SCALE_SUFFIX = ".weight_scale_inv"  # checkpoint: ``X.weight`` and ``X.weight_scale_inv``
 # Linears that the published FP8 checkpoints keep in bf16 (name suffixes, HF naming).
-BF16_LINEARS = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "indexer.weights_proj.weight",
-                "eh_proj.weight", "shared_head.head.weight")
+BF16_LINEARS = (
+    "embed_tokens.weight",
+    "lm_head.weight",
+    "mlp.gate.weight",
+    "indexer.weights_proj.weight",
+    "eh_proj.weight",
+    "shared_head.head.weight",
+)
 
 
 def check_quantization_config(qc: Any) -> None:
@@ -108,8 +114,9 @@ def groups(weight: Tensor, scale: Tensor) -> tuple[int, int]:
     n, k = weight.shape[-2:]
     sn, sk = scale.shape[-2:]
     if sn == 0 or sk == 0 or n % sn or k % sk or BLOCK % (n // sn) or BLOCK % (k // sk):
-        raise ValueError(f"scale {tuple(scale.shape)} does not tile weight {tuple(weight.shape)} in groups dividing "
-                         f"{BLOCK}")
+        raise ValueError(
+            f"scale {tuple(scale.shape)} does not tile weight {tuple(weight.shape)} in groups dividing {BLOCK}"
+        )
     return n // sn, k // sk
 
 
@@ -170,8 +177,22 @@ class QTensor:
     def dtype(self) -> torch.dtype:
         return self.weight.dtype
 
+    @classmethod
+    def from_engine(cls, weight: Tensor, scale: Tensor) -> QTensor:
+        """An engine-layout FP8 weight (``weight`` e4m3, ``scale`` in ``(gn, gk)`` groups) with per-row scales."""
+        gn, _ = groups(weight, scale)
+        return cls(weight, scale.repeat_interleave(gn, -2))
+
     def col_group(self) -> int:
         return self.weight.shape[-1] // self.scale.shape[-1]
+
+    def narrow_cols(self, start: int, length: int) -> QTensor:
+        """Columns ``start .. start + length - 1`` of both tensors; the column groups shrink to
+        ``gcd(group, start, length)`` where the slice does not fall on group boundaries (the scales stay exact)."""
+        gk = self.col_group()
+        g = math.gcd(gk, start, length)
+        s = self.scale if g == gk else self.scale.repeat_interleave(gk // g, -1)
+        return QTensor(self.weight.narrow(-1, start, length), s.narrow(-1, start // g, length // g))
 
     def map_rows(self, fn: Any) -> QTensor:
         """Apply a row operation (one that moves whole rows, leaving the last dim alone) to both tensors."""
@@ -201,8 +222,9 @@ class QTensor:
         grouped = s.reshape(*s.shape[:-2], n // gn, gn, s.shape[-1])
         out = grouped[..., 0, :]
         if not torch.equal(grouped, out.unsqueeze(-2).expand_as(grouped)):
-            raise ValueError(f"{name}: the checkpoint's block scales are not constant over {gn}-row groups of the "
-                             "fused layout")
+            raise ValueError(
+                f"{name}: the checkpoint's block scales are not constant over {gn}-row groups of the fused layout"
+            )
         return out.contiguous()
 
 
@@ -213,8 +235,10 @@ def cat_rows(parts: list[Any], name: str) -> Any:
         return torch.cat(parts, -2 if parts[0].dim() > 1 else 0)
     if not all(isinstance(p, QTensor) for p in parts):
         kinds = ["fp8" if isinstance(p, QTensor) else str(p.dtype) for p in parts]
-        raise ValueError(f"{name}: cannot fuse FP8 and non-FP8 parts ({kinds}); the checkpoint quantises "
-                         "different tensors than DeepSeek's")
+        raise ValueError(
+            f"{name}: cannot fuse FP8 and non-FP8 parts ({kinds}); the checkpoint quantises "
+            "different tensors than DeepSeek's"
+        )
     return QTensor(torch.cat([p.weight for p in parts], -2), torch.cat([p.scale for p in parts], -2))
 
 

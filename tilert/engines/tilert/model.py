@@ -68,7 +68,7 @@ feed the layer output ``h'`` (before ``shared_head.norm``) back in as ``h``. The
 dense over its valid rows ``valid_from..i`` (rows before ``valid_from``, e.g. of a prompt whose MTP KV was
 not handed over, are skipped); its indexer keys, if any, are still written.
 
-Tensor parallelism over ``N`` ranks (``parallel.py`` shards the weights and holds the collectives,
+Tensor parallelism over ``N`` ranks (``sharding.py`` shards the weights, ``parallel.py`` holds the collectives,
 ``Transformer.use_group``; every rank runs this same code with rank-local :class:`ModelArgs`):
 
 - attention: each rank holds ``H/N`` heads (its rows of ``q_b`` and ``kv_b``, its columns of ``o_proj``).
@@ -140,7 +140,7 @@ class ModelArgs:
     mtp_indexer: bool = False
     mtp_own_embed: bool = False
     mtp_own_head: bool = False
-    # Tensor parallelism (``parallel.py``): this rank of ``tp_size``; the args are then rank-local
+    # Tensor parallelism (``sharding.py``): this rank of ``tp_size``; the args are then rank-local
     # (``num_heads``, ``intermediate_size`` and ``moe_intermediate_size`` are this rank's share; see the module
     # docstring).
     tp_rank: int = 0
@@ -179,6 +179,10 @@ class ModelArgs:
     def wb_rows(self, has_indexer: bool) -> int:
         """Rows of the fused ``W_b = [q_b | idx_wq_b]`` (q_lora models only)."""
         return self.q_width + (self.index_n_heads * self.index_head_dim if has_indexer else 0)
+
+
+# Tensors transformers keeps in float32 whatever the model dtype.
+FP32_SUFFIXES = ("gate_bias",)  # e_score_correction_bias (fp32 in transformers too)
 
 
 def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -247,18 +251,34 @@ class MLAttention(nn.Module):
         qa = a.q_lora_rank if a.q_lora_rank is not None else a.q_width
         # a = [q_a | c_kv | k_pe | idx_k | idx_w] = W_a rms(h);  b = [q | idx_q] = W_b rms(q_a).
         # FP8: the bf16 indexer head weights (index_wproj) are W_a's plain tail rows (a keeps its layout)
-        wa = k.gemv(h, self.wa, self.attn_norm, a.rms_norm_eps, self.wa_bias, scale=self.wa_scale,
-                    tail=self.index_wproj)
+        wa = k.gemv(
+            h, self.wa, self.attn_norm, a.rms_norm_eps, self.wa_bias, scale=self.wa_scale, tail=self.index_wproj
+        )
         if a.q_lora_rank is not None:
             b = k.gemv(wa[:, :qa], self.wb, self.q_norm, 1e-6, scale=self.wb_scale)
         else:
             b = wa
         index_scale = (a.index_n_heads**-0.5 * a.index_head_dim**-0.5) if self.has_indexer else 1.0
         q, index_q, index_w = k.mla_prep(
-            wa, b, positions, self.wkv_b, rope[0], rope[1], self.kv_norm, kv_cache,
-            self.index_k_norm if self.has_indexer else None, self.index_k_bias if self.has_indexer else None,
-            index_cache, a.num_heads, a.qk_nope_head_dim, qa, a.index_n_heads, 1e-6, index_scale, self.wkv_b_scale,
-        )  # fmt: skip
+            wa,
+            b,
+            positions,
+            self.wkv_b,
+            rope[0],
+            rope[1],
+            self.kv_norm,
+            kv_cache,
+            self.index_k_norm if self.has_indexer else None,
+            self.index_k_bias if self.has_indexer else None,
+            index_cache,
+            a.num_heads,
+            a.qk_nope_head_dim,
+            qa,
+            a.index_n_heads,
+            1e-6,
+            index_scale,
+            self.wkv_b_scale,
+        )
 
         lat = a.kv_lora_rank
         if self.has_indexer and use_indexer:
@@ -267,8 +287,18 @@ class MLAttention(nn.Module):
             topk = None
         # o = [W_UV_h o~_h]_h with o~ the attention output (dense over row_start..positions, or over the top-k
         # rows), one op; then h += W_o o (several ranks: each rank's share, rank 0's with h, all-reduced).
-        o = k.mla_attention_uv(q, kv_cache, positions if topk is None else None, topk, a.softmax_scale, lat,
-                               row_start if topk is None else None, self.wkv_b, a.qk_nope_head_dim, self.wkv_b_scale)
+        o = k.mla_attention_uv(
+            q,
+            kv_cache,
+            positions if topk is None else None,
+            topk,
+            a.softmax_scale,
+            lat,
+            row_start if topk is None else None,
+            self.wkv_b,
+            a.qk_nope_head_dim,
+            self.wkv_b_scale,
+        )
         out, base = self.tp.partial(h)
         if self.wo_bias is not None:
             ops.reference.write_residual(out, k.gemv(o, self.wo, None, 0.0, self.wo_bias, scale=self.wo_scale), base)
@@ -312,14 +342,27 @@ class MoE(nn.Module):
             self._forward_parallel(h)
         elif self.routed:
             self.k.moe_block(
-                h, self.ffn_norm, a.rms_norm_eps, self.gate, self.gate_bias, a.num_experts_per_tok, a.n_group,
-                a.topk_group, a.routed_scaling_factor, a.norm_topk_prob, a.n_shared_experts, self.w13, self.w2,
-                self.w13_scale, self.w2_scale,
-            )  # fmt: skip
+                h,
+                self.ffn_norm,
+                a.rms_norm_eps,
+                self.gate,
+                self.gate_bias,
+                a.num_experts_per_tok,
+                a.n_group,
+                a.topk_group,
+                a.routed_scaling_factor,
+                a.norm_topk_prob,
+                a.n_shared_experts,
+                self.w13,
+                self.w2,
+                self.w13_scale,
+                self.w2_scale,
+            )
         else:
             ids, weights = _one_slot(n, h.device)
-            self.k.moe_residual(h, self.ffn_norm, a.rms_norm_eps, ids, weights, self.w13, self.w2, self.w13_scale,
-                                self.w2_scale)
+            self.k.moe_residual(
+                h, self.ffn_norm, a.rms_norm_eps, ids, weights, self.w13, self.w2, self.w13_scale, self.w2_scale
+            )
 
     def _forward_parallel(self, h: Tensor) -> None:
         """Several ranks: the one-GPU MoE over this rank's slice of every expert's width, written as ``h`` plus
@@ -328,20 +371,28 @@ class MoE(nn.Module):
         n = h.shape[0]
         if self.routed:
             ids, weights = k.router(
-                h, self.ffn_norm, eps, self.gate, self.gate_bias, a.num_experts_per_tok, a.n_group, a.topk_group,
-                a.routed_scaling_factor, a.norm_topk_prob, a.n_shared_experts,
-            )  # fmt: skip
+                h,
+                self.ffn_norm,
+                eps,
+                self.gate,
+                self.gate_bias,
+                a.num_experts_per_tok,
+                a.n_group,
+                a.topk_group,
+                a.routed_scaling_factor,
+                a.norm_topk_prob,
+                a.n_shared_experts,
+            )
         else:
             ids, weights = _one_slot(n, h.device)
         out, base = self.tp.partial(h)  # the experts read rms(h) before the share is written (out may be h)
-        k.moe_partial(out, h, self.ffn_norm, eps, ids, weights, self.w13, self.w2, base)
+        k.moe_partial(out, h, self.ffn_norm, eps, ids, weights, self.w13, self.w2, base, self.w13_scale, self.w2_scale)
         self.tp.reduce_into(h, out)
 
 
 def _one_slot(n: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """The routing of a dense MLP (a one-slot MoE): slot 0, weight 1, for each of ``n`` tokens."""
-    return (torch.zeros(n, 1, dtype=torch.int32, device=device),
-            torch.ones(n, 1, dtype=torch.float32, device=device))  # fmt: skip
+    return (torch.zeros(n, 1, dtype=torch.int32, device=device), torch.ones(n, 1, dtype=torch.float32, device=device))
 
 
 class DecoderLayer(nn.Module):
@@ -423,8 +474,10 @@ class Transformer(nn.Module):
     def use_group(self, group: Any) -> None:
         """Compute as one rank of ``group`` (a :class:`parallel.Group` whose size is ``args.tp_size``)."""
         if group.size != self.args.tp_size or group.rank != self.args.tp_rank:
-            raise ValueError(f"rank {group.rank} of {group.size} cannot run a model sharded for rank "
-                             f"{self.args.tp_rank} of {self.args.tp_size}")
+            raise ValueError(
+                f"rank {group.rank} of {group.size} cannot run a model sharded for rank "
+                f"{self.args.tp_rank} of {self.args.tp_size}"
+            )
         for mod in self.modules():
             if isinstance(mod, (MLAttention, MoE, Transformer)):
                 mod.tp = group
@@ -522,3 +575,27 @@ class Transformer(nn.Module):
         m.block(h, positions, rope, self._rows(self.mtp_kv_cache, seq)[0], index_cache, None, False, valid_from)
         head = m.head if m.head is not None else self.lm_head
         return h, self.tp.all_gather(k.gemv(h, head, m.head_norm, eps, fp32_out=True))
+
+
+def finish_model(
+    model: Transformer,
+    sd: dict[str, Tensor],
+    device: torch.device | str,
+    dtype: torch.dtype,
+    max_seq_len: int,
+    max_sequences: int = 1,
+) -> Transformer:
+    """Load ``sd`` (the fused layout of ``model``'s args) into ``model`` (built on the meta device): weights on
+    ``device`` in ``dtype`` (block-FP8 weights stay e4m3, their scales and :data:`FP32_SUFFIXES` float32), then
+    the caches for ``max_sequences`` sequences of ``max_seq_len`` positions. Refuses a state dict that does not
+    match the model, naming the tensors."""
+    for k, t in sd.items():
+        keep_fp32 = k.endswith(FP32_SUFFIXES + (fp8.SCALE_SUFFIX,))
+        keep = t.dtype in fp8.FP8_DTYPES
+        sd[k] = t.to(device=device, dtype=t.dtype if keep else torch.float32 if keep_fp32 else dtype).contiguous()
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the model: missing={missing} unexpected={unexpected}")
+    model.eval()
+    model.setup_caches(max_seq_len, device, dtype, max_sequences)
+    return model

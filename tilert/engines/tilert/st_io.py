@@ -22,10 +22,19 @@ from pathlib import Path
 import torch
 
 DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}  # fmt: skip
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 << 20
 
@@ -71,8 +80,10 @@ def read_header(path: Path) -> dict[str, Entry]:
         shape = tuple(int(d) for d in info["shape"])
         lo, hi = info["data_offsets"]
         if hi - lo != math.prod(shape) * dtype.itemsize or base + hi > size:
-            raise ValueError(f"{path}: tensor {name} ({info['dtype']} {list(shape)}) does not fit its bytes "
-                             f"[{lo}, {hi}) of a {size - base}-byte data section (truncated or corrupt file)")
+            raise ValueError(
+                f"{path}: tensor {name} ({info['dtype']} {list(shape)}) does not fit its bytes "
+                f"[{lo}, {hi}) of a {size - base}-byte data section (truncated or corrupt file)"
+            )
         out[name] = Entry(path, name, dtype, shape, base + lo, base + hi)
     return out
 
@@ -93,8 +104,9 @@ class ShardWriter:
 
     ``specs``: ``name -> (dtype, shape)`` in file order; ``metadata``: the header's ``__metadata__``."""
 
-    def __init__(self, path: Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, path: Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None
+    ) -> None:
         self.path = path
         header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
         self.offsets: dict[str, tuple[int, int]] = {}

@@ -1,5 +1,5 @@
 """Reading HF checkpoints (config.json + *.safetensors: bf16/fp16/fp32, or block-FP8) into :class:`model.Transformer`
-(a directory written by ``tilert convert`` is read by :mod:`.convert` instead, through :func:`load_model`).
+(a directory written by ``tilert convert`` is read by :mod:`.converted` instead, through :func:`load_model`).
 
 Config parsing goes through transformers' own config classes (``AutoConfig``), so the engine reads
 exactly what transformers reads (e.g. ``rope_scaling`` standardised into ``rope_parameters``) and the
@@ -44,13 +44,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from . import fp8, layouts
+from . import converted, fp8, layouts, sharding
 from .fp8 import QTensor
-from .model import ModelArgs, Transformer
+from .model import FP32_SUFFIXES, ModelArgs, Transformer, finish_model
 
 SUPPORTED_ARCHS = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
-# Tensors transformers keeps in float32 whatever the model dtype.
-_FP32_SUFFIXES = ("gate_bias",)  # e_score_correction_bias (fp32 in transformers too)
 _MTP_OWN = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
 _FUSED_RE = re.compile(r"^(.*\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 
@@ -281,8 +279,11 @@ def _expert_stacks(sd: MutableMapping[str, Any], mp: str, args: ModelArgs) -> tu
         pat = re.compile(re.escape(mp) + r"experts\.(\d+)\.gate_proj\.weight$")
         ids = sorted(int(m.group(1)) for k in sd.keys() if (m := pat.match(k)))
         if ids != list(range(args.n_routed_experts)):
-            raise ValueError(f"{mp}experts: found experts {ids[:8]}{'...' if len(ids) > 8 else ''} "
-                             f"({len(ids)}), expected 0..{args.n_routed_experts - 1}")
+            raise ValueError(
+                f"{mp}experts: found experts {ids[:8]}{'...' if len(ids) > 8 else ''} "
+                f"({len(ids)}), expected 0..{args.n_routed_experts - 1}"
+            )
+
         def gate_up(ex: str) -> Any:
             return fp8.cat_rows([_need(sd, ex + "gate_proj.weight"), _need(sd, ex + "up_proj.weight")], ex[:-1])
 
@@ -406,8 +407,10 @@ def store_fp8(sd: dict[str, Any], args: ModelArgs) -> dict[str, torch.Tensor]:
     for name, t in sd.items():
         leaf = name.rsplit(".", 1)[-1]
         if args.fp8 and leaf in fp8.FUSED_LEAVES and not isinstance(t, QTensor):
-            raise ValueError(f"{name}: the checkpoint is FP8 but this weight is {t.dtype} (expected e4m3 with "
-                             "weight_scale_inv, as DeepSeek's FP8 checkpoints store it)")
+            raise ValueError(
+                f"{name}: the checkpoint is FP8 but this weight is {t.dtype} (expected e4m3 with "
+                "weight_scale_inv, as DeepSeek's FP8 checkpoints store it)"
+            )
         if not isinstance(t, QTensor):
             out[name] = t
         elif leaf in fp8.FUSED_LEAVES:
@@ -443,9 +446,14 @@ def fused_groups(sd: MutableMapping[str, Any], args: ModelArgs) -> Iterator[dict
         yield _fuse_layer(sd, f"layers.{i}.", args, args.mlp_layer_types[i] == "sparse", i in index_layers)
     if args.num_mtp_layers:
         out = _fuse_layer(sd, "mtp.0.block.", args, args.mtp_moe, args.mtp_indexer)
-        for src, dst in (("enorm.weight", "enorm"), ("hnorm.weight", "hnorm"), ("eh_proj.weight", "eh_proj"),
-                         ("shared_head.norm.weight", "head_norm"), ("embed_tokens.weight", "embed"),
-                         ("shared_head.head.weight", "head")):
+        for src, dst in (
+            ("enorm.weight", "enorm"),
+            ("hnorm.weight", "hnorm"),
+            ("eh_proj.weight", "eh_proj"),
+            ("shared_head.norm.weight", "head_norm"),
+            ("embed_tokens.weight", "embed"),
+            ("shared_head.head.weight", "head"),
+        ):
             if "mtp.0." + src in sd:
                 out["mtp.0." + dst] = sd.pop("mtp.0." + src)
         yield out
@@ -462,20 +470,6 @@ def fuse_state_dict(sd: dict[str, Any], args: ModelArgs) -> dict[str, torch.Tens
     return store_fp8(out, args)
 
 
-def finish_model(model: Transformer, sd: dict[str, torch.Tensor], device: torch.device | str, dtype: torch.dtype,
-                 max_seq_len: int, max_sequences: int = 1) -> Transformer:
-    for k, t in sd.items():
-        keep_fp32 = k.endswith(_FP32_SUFFIXES + (fp8.SCALE_SUFFIX,))
-        keep = t.dtype in fp8.FP8_DTYPES  # block-FP8 weights stay e4m3
-        sd[k] = t.to(device=device, dtype=t.dtype if keep else torch.float32 if keep_fp32 else dtype).contiguous()
-    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
-    if missing or unexpected:
-        raise ValueError(f"checkpoint does not match the model: missing={missing} unexpected={unexpected}")
-    model.eval()
-    model.setup_caches(max_seq_len, device, dtype, max_sequences)
-    return model
-
-
 def load_model(
     model_dir: Path,
     *,
@@ -488,14 +482,13 @@ def load_model(
     """Read ``model_dir`` (an HF checkpoint, or a directory written by ``tilert convert``) and return a ready
     :class:`Transformer` (weights in ``dtype``, FP8 weights kept e4m3; caches allocated for ``max_sequences``
     sequences of ``max_seq_len`` positions); ``tp = (rank, size)``: that rank's share of the model
-    (``parallel.py``; of an HF checkpoint the whole is read, then sharded before it reaches the device; a directory
+    (``sharding.py``; of an HF checkpoint the whole is read, then sharded before it reaches the device; a directory
     converted with ``--tp size`` gives the rank its own shard)."""
     model_dir = Path(model_dir)
-    from . import convert  # (imports this module)
-
-    if convert.is_converted(model_dir):  # with tp: this rank's shard of a directory converted with --tp
-        return convert.load_converted(model_dir, device=device, dtype=dtype, max_seq_len=max_seq_len,
-                                      max_sequences=max_sequences, tp=tp)
+    if converted.is_converted(model_dir):  # with tp: this rank's shard of a directory converted with --tp
+        return converted.load_converted(
+            model_dir, device=device, dtype=dtype, max_seq_len=max_seq_len, max_sequences=max_sequences, tp=tp
+        )
     cfg = load_hf_config(model_dir)
     keys = checkpoint_keys(model_dir)
     args = args_from_hf_config(cfg, keys)
@@ -507,9 +500,7 @@ def load_model(
                     tensors[k] = sf.get_tensor(k)
     sd = fuse_state_dict(convert_state_dict(tensors, args), args)
     if tp[1] > 1:
-        from . import parallel
-
-        sd, args = parallel.shard_state_dict(sd, args, *tp), parallel.local_args(args, *tp)
+        sd, args = sharding.shard_state_dict(sd, args, *tp), sharding.local_args(args, *tp)
     with torch.device("meta"):
         model = Transformer(args)
     return finish_model(model, sd, device, dtype, max_seq_len, max_sequences)
@@ -536,7 +527,7 @@ def random_model(
     sd: dict[str, torch.Tensor] = {}
     params = dict(model.named_parameters())
     for name, p in params.items():
-        keep_fp32 = name.endswith(_FP32_SUFFIXES + (fp8.SCALE_SUFFIX,))
+        keep_fp32 = name.endswith(FP32_SUFFIXES + (fp8.SCALE_SUFFIX,))
         t = torch.empty(p.shape, device=device, dtype=torch.float32 if keep_fp32 else dtype)
         leaf = name.rsplit(".", 1)[-1]
         if p.dtype == fp8.E4M3:  # FP8 weights: N(0, 1) in e4m3 (their scale carries fan_in^-0.5)

@@ -67,8 +67,9 @@ def mla_attention(
 
 
 @mla_attention.register_fake
-def _(q: Tensor, kv_cache: Tensor, positions: Tensor, scale: float, kv_lora_rank: int,
-      row_start: Tensor | None = None) -> Tensor:
+def _(
+    q: Tensor, kv_cache: Tensor, positions: Tensor, scale: float, kv_lora_rank: int, row_start: Tensor | None = None
+) -> Tensor:
     return q.new_empty((q.shape[0], q.shape[1], kv_lora_rank))
 
 
@@ -95,24 +96,38 @@ def indexer_topk(
 
 
 @indexer_topk.register_fake
-def _(q: Tensor, weights: Tensor, k_cache: Tensor, positions: Tensor, topk: int,
-      row_start: Tensor | None = None) -> Tensor:
+def _(
+    q: Tensor, weights: Tensor, k_cache: Tensor, positions: Tensor, topk: int, row_start: Tensor | None = None
+) -> Tensor:
     return q.new_empty((q.shape[0], topk), dtype=torch.int32)
 
 
 @torch.library.custom_op("tilert::moe_experts", mutates_args=())
-def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
-                s13: Tensor | None = None, s2: Tensor | None = None) -> Tensor:
+def moe_experts(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    s13: Tensor | None = None,
+    s2: Tensor | None = None,
+) -> Tensor:
     """Routed SwiGLU experts, ``out = sum_j w_j * w2[e_j] @ (silu(gate) * up)``; see
     :func:`reference.moe_experts`."""
     return reference.moe_experts(x, topk_ids, topk_weights, w13, w2, s13, s2)
 
 
 @moe_experts.register_fake
-def _(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
-      s13: Tensor | None = None, s2: Tensor | None = None) -> Tensor:
+def _(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    s13: Tensor | None = None,
+    s2: Tensor | None = None,
+) -> Tensor:
     return torch.empty_like(x)
-
 
 
 # ------------------------------------------------------------------------------------------------
@@ -155,8 +170,15 @@ def _(out, x, weight, residual, scale=None):
 
 @torch.library.custom_op("tilert::moe_residual", mutates_args=("h",))
 def moe_residual(
-    h: Tensor, norm_weight: Tensor, eps: float, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
-    s13: Tensor | None = None, s2: Tensor | None = None,
+    h: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    s13: Tensor | None = None,
+    s2: Tensor | None = None,
 ) -> None:
     """In place ``h += moe_experts(rms_norm(h), ...)``; see :func:`reference.moe_residual`."""
     reference.moe_residual(h, norm_weight, eps, topk_ids, topk_weights, w13, w2, s13, s2)
@@ -187,14 +209,44 @@ def moe_block(
 ) -> tuple[Tensor, Tensor]:
     """A routed MoE block in place (``router`` then ``moe_residual``); returns the routing it used (what
     the GPU checks record); see :func:`reference.moe_block`."""
-    ids, weights = reference.moe_block(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group,
-                                       route_scale, norm_topk, n_shared, w13, w2, s13, s2)
+    ids, weights = reference.moe_block(
+        h,
+        norm_weight,
+        eps,
+        gate_weight,
+        bias,
+        top_k,
+        n_group,
+        topk_group,
+        route_scale,
+        norm_topk,
+        n_shared,
+        w13,
+        w2,
+        s13,
+        s2,
+    )
     return ids, weights
 
 
 @moe_block.register_fake
-def _(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared, w13, w2,
-      s13=None, s2=None):
+def _(
+    h,
+    norm_weight,
+    eps,
+    gate_weight,
+    bias,
+    top_k,
+    n_group,
+    topk_group,
+    route_scale,
+    norm_topk,
+    n_shared,
+    w13,
+    w2,
+    s13=None,
+    s2=None,
+):
     k = top_k + n_shared
     return h.new_empty((h.shape[0], k), dtype=torch.int32), h.new_empty((h.shape[0], k), dtype=torch.float32)
 
@@ -216,8 +268,9 @@ def router(
     """The routing of :func:`moe_block` alone (``ids int32 [n, k+S]``, ``weights fp32``); the tensor-parallel
     MoE runs it on every rank, then :func:`moe_partial` over the rank's slice of every expert; see
     :func:`reference.router`."""
-    ids, weights = reference.router(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
-                                    norm_topk, n_shared)
+    ids, weights = reference.router(
+        h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared
+    )
     return ids, weights
 
 
@@ -238,16 +291,18 @@ def moe_partial(
     w13: Tensor,
     w2: Tensor,
     residual: Tensor | None,
+    s13: Tensor | None = None,
+    s2: Tensor | None = None,
 ) -> None:
     """``out = residual + moe_experts(rms_norm(x) or x, ...)`` (``residual`` ``None``: the experts' sum alone;
     ``out`` may be ``x`` or ``residual``): :func:`moe_residual` with the output apart from the input (a
     tensor-parallel rank writes its share, rank 0's with ``h``, into its all-reduce buffer); see
     :func:`reference.moe_partial`."""
-    reference.moe_partial(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2, residual)
+    reference.moe_partial(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2, residual, s13, s2)
 
 
 @moe_partial.register_fake
-def _(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2, residual):
+def _(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2, residual, s13=None, s2=None):
     return None
 
 
@@ -274,15 +329,50 @@ def mla_prep(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Query absorption + RoPE, latent / indexer cache rows, indexer queries and weights; see
     :func:`reference.mla_prep`."""
-    q, iq, iw = reference.mla_prep(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, index_norm_weight,
-                                   index_norm_bias, index_cache, num_heads, nope_dim, kv_offset, index_heads, eps,
-                                   index_weight_scale, kv_b_scale)
+    q, iq, iw = reference.mla_prep(
+        a,
+        b,
+        positions,
+        kv_b,
+        cos,
+        sin,
+        kv_norm_weight,
+        kv_cache,
+        index_norm_weight,
+        index_norm_bias,
+        index_cache,
+        num_heads,
+        nope_dim,
+        kv_offset,
+        index_heads,
+        eps,
+        index_weight_scale,
+        kv_b_scale,
+    )
     return q, iq, iw
 
 
 @mla_prep.register_fake
-def _(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, index_norm_weight, index_norm_bias, index_cache,
-      num_heads, nope_dim, kv_offset, index_heads, eps, index_weight_scale, kv_b_scale=None):
+def _(
+    a,
+    b,
+    positions,
+    kv_b,
+    cos,
+    sin,
+    kv_norm_weight,
+    kv_cache,
+    index_norm_weight,
+    index_norm_bias,
+    index_cache,
+    num_heads,
+    nope_dim,
+    kv_offset,
+    index_heads,
+    eps,
+    index_weight_scale,
+    kv_b_scale=None,
+):
     n = a.shape[0]
     q = kv_cache.new_empty((n, num_heads, kv_cache.shape[-1]))
     if index_cache is None:
@@ -302,7 +392,6 @@ def _(o_lat, kv_b, nope_dim, kv_b_scale=None):
     return o_lat.new_empty((n, kv_b.shape[0] - h * nope_dim))
 
 
-
 @torch.library.custom_op("tilert::mla_attention_uv", mutates_args=())
 def mla_attention_uv(
     q: Tensor,
@@ -318,8 +407,9 @@ def mla_attention_uv(
 ) -> Tensor:
     """``mla_uv(mla_attention(...))`` (``indices is None``) or ``mla_uv(mla_sparse_attention(...))``: attention
     straight to ``o [n, H*V]`` (one kernel fewer on CUDA); see :func:`reference.mla_attention_uv`."""
-    return reference.mla_attention_uv(q, kv_cache, positions, indices, scale, kv_lora_rank, row_start, kv_b, nope_dim,
-                                      kv_b_scale)
+    return reference.mla_attention_uv(
+        q, kv_cache, positions, indices, scale, kv_lora_rank, row_start, kv_b, nope_dim, kv_b_scale
+    )
 
 
 @mla_attention_uv.register_fake

@@ -140,8 +140,10 @@ def gemv(
     tail: Tensor | None = None,
 ) -> Tensor:
     if tail is not None:  # reference.gemv's tail: plain rows after weight's
-        return torch.cat([gemv(x, weight, norm_weight, eps, bias, fp32_out, scale),
-                          gemv(x, tail, norm_weight, eps, None, fp32_out)], -1)
+        return torch.cat(
+            [gemv(x, weight, norm_weight, eps, bias, fp32_out, scale), gemv(x, tail, norm_weight, eps, None, fp32_out)],
+            -1,
+        )
     if scale is not None:
         weight = dequant(weight, scale, x.dtype)
     if not _fast(x, weight, norm_weight, bias):
@@ -184,14 +186,31 @@ def mla_prep(
     if kv_b_scale is not None:
         kv_b = dequant(kv_b, kv_b_scale, a.dtype)
     if not _fast(a, b, kv_b, cos, kv_norm_weight, kv_cache, index_norm_weight, index_cache):
-        return reference.mla_prep(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, index_norm_weight,
-                                  index_norm_bias, index_cache, num_heads, nope_dim, kv_offset, index_heads, eps,
-                                  index_weight_scale)
+        return reference.mla_prep(
+            a,
+            b,
+            positions,
+            kv_b,
+            cos,
+            sin,
+            kv_norm_weight,
+            kv_cache,
+            index_norm_weight,
+            index_norm_bias,
+            index_cache,
+            num_heads,
+            nope_dim,
+            kv_offset,
+            index_heads,
+            eps,
+            index_weight_scale,
+        )
     n = a.shape[0]
     nk = _native(n)
     if nk is not None and index_cache is None:
-        q_full = nk.mla_prep(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, num_heads, nope_dim,
-                             kv_offset, eps)  # fmt: skip
+        q_full = nk.mla_prep(
+            a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, num_heads, nope_dim, kv_offset, eps
+        )
         return q_full, *_no_indexer(a)
     h, p = num_heads, nope_dim
     lat = kv_norm_weight.shape[0]
@@ -273,8 +292,9 @@ def mla_attention(
     if (n == 1 or row_start is not None) and _fast(q, kv_cache):
         bounds = [_row_bounds(positions, row_start, i) for i in range(n)]
         if all(lo < end for lo, end in bounds):
-            return torch.cat([_attend(q[i], kv_cache[lo:end], scale, kv_lora_rank) for i, (lo, end) in
-                              enumerate(bounds)])  # fmt: skip
+            return torch.cat(
+                [_attend(q[i], kv_cache[lo:end], scale, kv_lora_rank) for i, (lo, end) in enumerate(bounds)]
+            )
     return reference.mla_attention(q, kv_cache[: _rows_upto(positions)], positions, scale, kv_lora_rank, row_start)
 
 
@@ -346,8 +366,15 @@ def _expert(w: Tensor, s: Tensor | None, e: int, dtype: torch.dtype) -> Tensor:
     return w[e] if s is None else dequant(w[e], s[e], dtype)
 
 
-def _expert_sum(x: Tensor, ids: list[int], weights: Tensor, w13: Tensor, w2: Tensor,
-                s13: Tensor | None = None, s2: Tensor | None = None) -> Tensor:
+def _expert_sum(
+    x: Tensor,
+    ids: list[int],
+    weights: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    s13: Tensor | None = None,
+    s2: Tensor | None = None,
+) -> Tensor:
     """``sum_j weights[j] * expert_{ids[j]}(x)`` for one token ``x [1, D]``: each expert's weights read in place
     (the reference gathers them by copy), the sum in float32 in slot order; ids ``-1`` are skipped."""
     out: Tensor | None = None
@@ -366,8 +393,15 @@ def _mlp(x: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
     return _linear(F.silu(gu[:, :inter]) * gu[:, inter:], w2)
 
 
-def _experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
-             s13: Tensor | None = None, s2: Tensor | None = None) -> Tensor:
+def _experts(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    s13: Tensor | None = None,
+    s2: Tensor | None = None,
+) -> Tensor:
     """The experts of every row (float32). Up to ``ROWWISE_MAX`` rows with float32 weights: the native kernel
     (each chosen expert once over the rows that chose it). Otherwise a dense MLP (one expert, id 0) over all rows
     at once, routed experts token by token (each token reads its own experts in place)."""
@@ -380,8 +414,9 @@ def _experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2:
     if n > ROWWISE_MAX:
         return reference.moe_experts(x, topk_ids, topk_weights, w13, w2, s13, s2)
     ids = topk_ids.tolist()
-    return torch.cat([_expert_sum(x[i : i + 1], ids[i], topk_weights[i : i + 1], w13, w2, s13, s2)
-                      for i in range(len(ids))])  # fmt: skip
+    return torch.cat(
+        [_expert_sum(x[i : i + 1], ids[i], topk_weights[i : i + 1], w13, w2, s13, s2) for i in range(len(ids))]
+    )
 
 
 def _weights_fast(x: Tensor, w: Tensor, s: Tensor | None) -> bool:
@@ -389,22 +424,44 @@ def _weights_fast(x: Tensor, w: Tensor, s: Tensor | None) -> bool:
     return _fast(w) or (s is not None and _fast(x))
 
 
-def moe_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
-                s13: Tensor | None = None, s2: Tensor | None = None) -> Tensor:
+def moe_experts(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    s13: Tensor | None = None,
+    s2: Tensor | None = None,
+) -> Tensor:
     if not (_fast(x, topk_weights) and _weights_fast(x, w13, s13) and _weights_fast(x, w2, s2)):
         return reference.moe_experts(x, topk_ids, topk_weights, w13, w2, s13, s2)
     return _experts(x, topk_ids, topk_weights, w13, w2, s13, s2)
 
 
-def _experts_residual(h: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
-                      s13: Tensor | None = None, s2: Tensor | None = None) -> None:
+def _experts_residual(
+    h: Tensor,
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    s13: Tensor | None = None,
+    s2: Tensor | None = None,
+) -> None:
     """``h += moe_experts(x, ...)`` with ``x = rms_norm(h)`` already computed."""
     h.add_(moe_experts(x, topk_ids, topk_weights, w13, w2, s13, s2))
 
 
 def moe_residual(
-    h: Tensor, norm_weight: Tensor, eps: float, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
-    s13: Tensor | None = None, s2: Tensor | None = None,
+    h: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    s13: Tensor | None = None,
+    s2: Tensor | None = None,
 ) -> None:
     _experts_residual(h, rms_norm(h, norm_weight, eps), topk_ids, topk_weights, w13, w2, s13, s2)
 
@@ -419,9 +476,11 @@ def moe_partial(
     w13: Tensor,
     w2: Tensor,
     residual: Tensor | None,
+    s13: Tensor | None = None,
+    s2: Tensor | None = None,
 ) -> None:
     xn = x if norm_weight is None else rms_norm(x, norm_weight, eps)
-    reference.write_residual(out, moe_experts(xn, topk_ids, topk_weights, w13, w2), residual)
+    reference.write_residual(out, moe_experts(xn, topk_ids, topk_weights, w13, w2, s13, s2), residual)
 
 
 def _router(
@@ -479,8 +538,23 @@ def moe_block(
     s2: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     if not (_fast(h, norm_weight, gate_weight, bias) and _weights_fast(h, w13, s13) and _weights_fast(h, w2, s2)):
-        return reference.moe_block(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
-                                   norm_topk, n_shared, w13, w2, s13, s2)
+        return reference.moe_block(
+            h,
+            norm_weight,
+            eps,
+            gate_weight,
+            bias,
+            top_k,
+            n_group,
+            topk_group,
+            route_scale,
+            norm_topk,
+            n_shared,
+            w13,
+            w2,
+            s13,
+            s2,
+        )
     x = _rms(h, norm_weight, eps)
     ids, weights = _router(x, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared)
     _experts_residual(h, x, ids, weights, w13, w2, s13, s2)
@@ -501,7 +575,8 @@ def router(
     n_shared: int,
 ) -> tuple[Tensor, Tensor]:
     if not _fast(h, norm_weight, gate_weight, bias):
-        return reference.router(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
-                                norm_topk, n_shared)
+        return reference.router(
+            h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared
+        )
     x = _rms(h, norm_weight, eps)
     return _router(x, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared)

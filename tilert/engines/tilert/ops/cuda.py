@@ -53,8 +53,7 @@ def _mla_attention_cuda(q, kv_cache, positions, scale, kv_lora_rank, row_start=N
         return reference.mla_attention(q, kv_cache, positions, scale, kv_lora_rank, row_start)
     from .triton_mla import mla_decode
 
-    return mla_decode(q.contiguous(), kv_cache, positions.contiguous(), None, scale, kv_lora_rank,
-                      row_start=row_start)
+    return mla_decode(q.contiguous(), kv_cache, positions.contiguous(), None, scale, kv_lora_rank, row_start=row_start)
 
 
 def _mla_sparse_attention_cuda(q, kv_cache, indices, scale, kv_lora_rank):
@@ -70,13 +69,21 @@ def _indexer_topk_cuda(q, weights, k_cache, positions, topk, row_start=None):
         return reference.indexer_topk(q, weights, k_cache, positions, topk, row_start)
     from .triton_mla import indexer_topk
 
-    return indexer_topk(q.contiguous(), weights.float().contiguous(), k_cache, positions.contiguous(), topk,
-                        row_start=row_start)
+    return indexer_topk(
+        q.contiguous(), weights.float().contiguous(), k_cache, positions.contiguous(), topk, row_start=row_start
+    )
 
 
 def _moe_fp8_ok(x, w13, w2, s13, s2) -> bool:
-    return (s13 is not None and s2 is not None and x.dtype in _FAST_DTYPES and w13.dtype == _E4M3
-            and w2.dtype == _E4M3 and 0 < x.shape[0] <= 16 and x.is_contiguous())
+    return (
+        s13 is not None
+        and s2 is not None
+        and x.dtype in _FAST_DTYPES
+        and w13.dtype == _E4M3
+        and w2.dtype == _E4M3
+        and 0 < x.shape[0] <= 16
+        and x.is_contiguous()
+    )
 
 
 def _moe_experts_cuda(x, topk_ids, topk_weights, w13, w2, s13=None, s2=None):
@@ -104,16 +111,33 @@ def _gemv_ok(x, w) -> bool:
 
 
 def _gemv_fp8_ok(x, w, scale) -> bool:
-    return (x.dtype in _FAST_DTYPES and w.dtype == _E4M3 and x.dim() == 2 and 0 < x.shape[0] <= 16
-            and _rows_ok(x, w, scale) and scale.dim() == 2)
+    return (
+        x.dtype in _FAST_DTYPES
+        and w.dtype == _E4M3
+        and x.dim() == 2
+        and 0 < x.shape[0] <= 16
+        and _rows_ok(x, w, scale)
+        and scale.dim() == 2
+    )
 
 
 def _gemv_cuda(x, weight, norm_weight=None, eps=1e-6, bias=None, fp32_out=False, scale=None, tail=None):
     if tail is not None:
-        if not (scale is not None and bias is None and _gemv_fp8_ok(x, weight, scale) and tail.dtype == x.dtype
-                and _rows_ok(tail) and tail.shape[-1] == x.shape[-1]):
-            return torch.cat([_gemv_cuda(x, weight, norm_weight, eps, bias, fp32_out, scale),
-                              _gemv_cuda(x, tail, norm_weight, eps, None, fp32_out)], -1)
+        if not (
+            scale is not None
+            and bias is None
+            and _gemv_fp8_ok(x, weight, scale)
+            and tail.dtype == x.dtype
+            and _rows_ok(tail)
+            and tail.shape[-1] == x.shape[-1]
+        ):
+            return torch.cat(
+                [
+                    _gemv_cuda(x, weight, norm_weight, eps, bias, fp32_out, scale),
+                    _gemv_cuda(x, tail, norm_weight, eps, None, fp32_out),
+                ],
+                -1,
+            )
         from . import triton_fp8  # one launch: the e4m3 rows, then the plain tail rows
 
         nw = None if norm_weight is None else norm_weight.to(x.dtype).contiguous()
@@ -137,11 +161,11 @@ def _gemv_cuda(x, weight, norm_weight=None, eps=1e-6, bias=None, fp32_out=False,
 
 def _gemv_residual_cuda(out, x, weight, residual, scale=None):
     if scale is not None:
-        if not (_gemv_fp8_ok(x, weight, scale) and out.dtype == x.dtype and out.is_contiguous() and residual is out):
+        if not (_gemv_fp8_ok(x, weight, scale) and _out_ok(out, x, residual)):
             return reference.gemv_residual(out, x, weight, residual, scale)
         from . import triton_fp8
 
-        triton_fp8.gemv_fp8(x, weight, scale, residual=out)
+        triton_fp8.gemv_fp8(x, weight, scale, residual=residual, out=out)
         return None
     if not (_gemv_ok(x, weight) and _out_ok(out, x, residual)) or x.shape[0] == 0:
         return reference.gemv_residual(out, x, weight, residual)
@@ -152,22 +176,35 @@ def _gemv_residual_cuda(out, x, weight, residual, scale=None):
 
 def _out_ok(out, x, residual) -> bool:
     """An output (and the residual it adds, if any) the Triton kernels write / read as plain rows."""
-    return (out.dtype == x.dtype and out.is_contiguous()
-            and (residual is None or (residual.dtype == x.dtype and residual.is_contiguous())))
+    return (
+        out.dtype == x.dtype
+        and out.is_contiguous()
+        and (residual is None or (residual.dtype == x.dtype and residual.is_contiguous()))
+    )
 
 
-def _router_cuda(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk,
-                 n_shared):
+def _router_cuda(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared):
     e = gate_weight.shape[0]
     if not _gemv_ok(h, gate_weight) or (n_group > 1 and not _pow2(e)) or e > 1024 or h.shape[0] == 0:
-        return reference.router(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
-                                norm_topk, n_shared)
+        return reference.router(
+            h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared
+        )
     from . import triton_moe
 
     # the split-K gate GEMV and the selection in one launch (the last program to finish selects)
-    return triton_moe.router(h, gate_weight, bias.float().contiguous(), norm_w=norm_weight.to(h.dtype).contiguous(),
-                             eps=eps, top_k=top_k, n_group=n_group, topk_group=topk_group, route_scale=route_scale,
-                             norm_topk=norm_topk, n_shared_slots=n_shared)
+    return triton_moe.router(
+        h,
+        gate_weight,
+        bias.float().contiguous(),
+        norm_w=norm_weight.to(h.dtype).contiguous(),
+        eps=eps,
+        top_k=top_k,
+        n_group=n_group,
+        topk_group=topk_group,
+        route_scale=route_scale,
+        norm_topk=norm_topk,
+        n_shared_slots=n_shared,
+    )
 
 
 def _moe_residual_cuda(h, norm_weight, eps, topk_ids, topk_weights, w13, w2, s13=None, s2=None, static=None):
@@ -179,13 +216,27 @@ def _moe_residual_cuda(h, norm_weight, eps, topk_ids, topk_weights, w13, w2, s13
         from . import triton_fp8
 
         ids = topk_ids.to(torch.int32).contiguous()
-        act = triton_fp8.moe_up_fp8(h, ids, w13.contiguous(), s13.contiguous(),
-                                    norm_w=norm_weight.to(h.dtype).contiguous(), eps=eps, static=static)
-        triton_fp8.moe_down_fp8(act, ids, topk_weights.float().contiguous(), w2.contiguous(), s2.contiguous(),
-                                residual=h)
+        act = triton_fp8.moe_up_fp8(
+            h,
+            ids,
+            w13.contiguous(),
+            s13.contiguous(),
+            norm_w=norm_weight.to(h.dtype).contiguous(),
+            eps=eps,
+            static=static,
+        )
+        triton_fp8.moe_down_fp8(
+            act, ids, topk_weights.float().contiguous(), w2.contiguous(), s2.contiguous(), residual=h
+        )
         return None
-    if (h.dtype not in _FAST_DTYPES or w13.dtype != h.dtype or w2.dtype != h.dtype or h.shape[0] > 16
-            or not h.is_contiguous() or h.shape[0] == 0):
+    if (
+        h.dtype not in _FAST_DTYPES
+        or w13.dtype != h.dtype
+        or w2.dtype != h.dtype
+        or h.shape[0] > 16
+        or not h.is_contiguous()
+        or h.shape[0] == 0
+    ):
         return reference.moe_residual(h, norm_weight, eps, topk_ids, topk_weights, w13, w2)
     from . import triton_moe
 
@@ -194,31 +245,82 @@ def _moe_residual_cuda(h, norm_weight, eps, topk_ids, topk_weights, w13, w2, s13
     triton_moe.moe_down(act, ids, topk_weights.float().contiguous(), w2.contiguous(), residual=h)
 
 
-def _moe_partial_cuda(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2, residual):
-    if (x.dtype not in _FAST_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype or not _out_ok(out, x, residual)
-            or x.shape[0] > 16 or not x.is_contiguous() or x.shape[0] == 0):
+def _moe_partial_cuda(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2, residual, s13=None, s2=None):
+    nw = None if norm_weight is None else norm_weight.to(x.dtype).contiguous()
+    if s13 is not None or s2 is not None:
+        if not (_moe_fp8_ok(x, w13, w2, s13, s2) and _out_ok(out, x, residual)):
+            return reference.moe_partial(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2, residual, s13, s2)
+        from . import triton_fp8
+
+        ids = topk_ids.to(torch.int32).contiguous()
+        act = triton_fp8.moe_up_fp8(x, ids, w13.contiguous(), s13.contiguous(), norm_w=nw, eps=eps)  # reads x first
+        triton_fp8.moe_down_fp8(
+            act, ids, topk_weights.float().contiguous(), w2.contiguous(), s2.contiguous(), residual=residual, out=out
+        )
+        return None
+    if (
+        x.dtype not in _FAST_DTYPES
+        or w13.dtype != x.dtype
+        or w2.dtype != x.dtype
+        or not _out_ok(out, x, residual)
+        or x.shape[0] > 16
+        or not x.is_contiguous()
+        or x.shape[0] == 0
+    ):
         return reference.moe_partial(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2, residual)
     from . import triton_moe
 
     ids = topk_ids.to(torch.int32).contiguous()
-    nw = None if norm_weight is None else norm_weight.to(x.dtype).contiguous()
     act = triton_moe.moe_up(x, ids, w13.contiguous(), norm_w=nw, eps=eps)  # reads x before out is written
     triton_moe.moe_down(act, ids, topk_weights.float().contiguous(), w2.contiguous(), residual=residual, out=out)
 
 
-def _moe_block_cuda(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk,
-                    n_shared, w13, w2, s13=None, s2=None):
-    ids, wts = _router_cuda(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
-                            norm_topk, n_shared)
+def _moe_block_cuda(
+    h,
+    norm_weight,
+    eps,
+    gate_weight,
+    bias,
+    top_k,
+    n_group,
+    topk_group,
+    route_scale,
+    norm_topk,
+    n_shared,
+    w13,
+    w2,
+    s13=None,
+    s2=None,
+):
+    ids, wts = _router_cuda(
+        h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared
+    )
     fused = ids.device.type == "cuda" and ids.shape[1] == top_k + n_shared  # the fused router's output
     static = (top_k, gate_weight.shape[0]) if fused and n_shared > 0 else None
     _moe_residual_cuda(h, norm_weight, eps, ids, wts, w13, w2, s13, s2, static=static)
     return ids, wts
 
 
-def _mla_prep_cuda(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, index_norm_weight, index_norm_bias,
-                   index_cache, num_heads, nope_dim, kv_offset, index_heads, eps, index_weight_scale,
-                   kv_b_scale=None):
+def _mla_prep_cuda(
+    a,
+    b,
+    positions,
+    kv_b,
+    cos,
+    sin,
+    kv_norm_weight,
+    kv_cache,
+    index_norm_weight,
+    index_norm_bias,
+    index_cache,
+    num_heads,
+    nope_dim,
+    kv_offset,
+    index_heads,
+    eps,
+    index_weight_scale,
+    kv_b_scale=None,
+):
     lat = kv_norm_weight.shape[0]
     r = kv_cache.shape[-1] - lat
     h, p = num_heads, nope_dim
@@ -226,17 +328,41 @@ def _mla_prep_cuda(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, in
     has_idx = index_cache is not None
     di = index_cache.shape[-1] if has_idx else 0
     ok = (
-        a.dtype in _FAST_DTYPES and b.dtype == a.dtype and kv_cache.dtype == a.dtype
+        a.dtype in _FAST_DTYPES
+        and b.dtype == a.dtype
+        and kv_cache.dtype == a.dtype
         and kv_b.dtype == (a.dtype if kv_b_scale is None else _E4M3)
         and (kv_b_scale is None or (kv_b_scale.dim() == 2 and kv_b_scale.stride(-1) == 1))
-        and _pow2(lat) and _pow2(r) and _pow2(p) and v % 16 == 0 and r >= 2
+        and _pow2(lat)
+        and _pow2(r)
+        and _pow2(p)
+        and v % 16 == 0
+        and r >= 2
         and (not has_idx or (index_cache.dtype == a.dtype and _pow2(di) and _pow2(di - r)))
-        and _rows_ok(a, b, kv_cache, kv_b, cos, sin) and a.shape[0] > 0
+        and _rows_ok(a, b, kv_cache, kv_b, cos, sin)
+        and a.shape[0] > 0
     )
     if not ok:
-        return reference.mla_prep(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, index_norm_weight,
-                                  index_norm_bias, index_cache, num_heads, nope_dim, kv_offset, index_heads, eps,
-                                  index_weight_scale, kv_b_scale)
+        return reference.mla_prep(
+            a,
+            b,
+            positions,
+            kv_b,
+            cos,
+            sin,
+            kv_norm_weight,
+            kv_cache,
+            index_norm_weight,
+            index_norm_bias,
+            index_cache,
+            num_heads,
+            nope_dim,
+            kv_offset,
+            index_heads,
+            eps,
+            index_weight_scale,
+            kv_b_scale,
+        )
     from .triton_fused import mla_prep
 
     n = a.shape[0]
@@ -244,27 +370,57 @@ def _mla_prep_cuda(a, b, positions, kv_b, cos, sin, kv_norm_weight, kv_cache, in
     hi = index_heads if has_idx else 0
     iq = torch.empty(n, hi, di, device=a.device, dtype=a.dtype)
     iw = torch.empty(n, hi, device=a.device, dtype=torch.float32)
-    mla_prep(a, b, positions.contiguous(), kv_b, cos, sin, kv_norm_weight.to(a.dtype).contiguous(),
-             index_norm_weight.to(a.dtype).contiguous() if has_idx else None,
-             index_norm_bias.to(a.dtype).contiguous() if has_idx else None,
-             q, kv_cache, index_cache, iq if has_idx else None, iw if has_idx else None,
-             H=h, Hi=max(hi, 1), QL=kv_offset, L=lat, R=r, P=p, V=v, DI=di if has_idx else 2 * r, eps=eps,
-             iw_scale=index_weight_scale, kv_b_scale=kv_b_scale)
+    mla_prep(
+        a,
+        b,
+        positions.contiguous(),
+        kv_b,
+        cos,
+        sin,
+        kv_norm_weight.to(a.dtype).contiguous(),
+        index_norm_weight.to(a.dtype).contiguous() if has_idx else None,
+        index_norm_bias.to(a.dtype).contiguous() if has_idx else None,
+        q,
+        kv_cache,
+        index_cache,
+        iq if has_idx else None,
+        iw if has_idx else None,
+        H=h,
+        Hi=max(hi, 1),
+        QL=kv_offset,
+        L=lat,
+        R=r,
+        P=p,
+        V=v,
+        DI=di if has_idx else 2 * r,
+        eps=eps,
+        iw_scale=index_weight_scale,
+        kv_b_scale=kv_b_scale,
+    )
     return q, iq, iw
 
 
-def _mla_attention_uv_cuda(q, kv_cache, positions, indices, scale, kv_lora_rank, row_start, kv_b, nope_dim,
-                           kv_b_scale=None):
+def _mla_attention_uv_cuda(
+    q, kv_cache, positions, indices, scale, kv_lora_rank, row_start, kv_b, nope_dim, kv_b_scale=None
+):
     n, h, _ = q.shape
     v = kv_b.shape[0] // h - nope_dim if h else 0
     want = q.dtype if kv_b_scale is None else _E4M3
     # bf16 kv_b at many heads (V3.2's 128) stays on the two kernels (merge, then mla_uv): the one fused case that
     # did not measure faster (benchmarks/results/h200-2026-12-01-fp8-c.md)
     fuse = kv_b_scale is not None or h <= 32
-    if not (fuse and _mla_ok(q, kv_cache, kv_lora_rank) and kv_b.dtype == want and v > 0 and v % 16 == 0 and n > 0
-            and kv_b.is_contiguous() and kv_b.shape[-1] == kv_lora_rank
-            and (kv_b_scale is None or (kv_b_scale.dim() == 2 and kv_b_scale.is_contiguous()))
-            and (indices is not None or positions is not None)):
+    if not (
+        fuse
+        and _mla_ok(q, kv_cache, kv_lora_rank)
+        and kv_b.dtype == want
+        and v > 0
+        and v % 16 == 0
+        and n > 0
+        and kv_b.is_contiguous()
+        and kv_b.shape[-1] == kv_lora_rank
+        and (kv_b_scale is None or (kv_b_scale.dim() == 2 and kv_b_scale.is_contiguous()))
+        and (indices is not None or positions is not None)
+    ):
         if indices is None:
             o_lat = _mla_attention_cuda(q, kv_cache, positions, scale, kv_lora_rank, row_start)
         else:
@@ -274,10 +430,10 @@ def _mla_attention_uv_cuda(q, kv_cache, positions, indices, scale, kv_lora_rank,
 
     uv = (kv_b, nope_dim, v, kv_b_scale)
     if indices is None:
-        return mla_decode(q.contiguous(), kv_cache, positions.contiguous(), None, scale, kv_lora_rank,
-                          row_start=row_start, uv=uv)
-    return mla_decode(q.contiguous(), kv_cache, None, indices.to(torch.int32).contiguous(), scale, kv_lora_rank,
-                      uv=uv)
+        return mla_decode(
+            q.contiguous(), kv_cache, positions.contiguous(), None, scale, kv_lora_rank, row_start=row_start, uv=uv
+        )
+    return mla_decode(q.contiguous(), kv_cache, None, indices.to(torch.int32).contiguous(), scale, kv_lora_rank, uv=uv)
 
 
 def _mla_uv_cuda(o_lat, kv_b, nope_dim, kv_b_scale=None):
@@ -288,8 +444,13 @@ def _mla_uv_cuda(o_lat, kv_b, nope_dim, kv_b_scale=None):
         return reference.mla_uv(o_lat, kv_b, nope_dim, kv_b_scale)
     from .triton_fused import mla_uv
 
-    return mla_uv(o_lat.contiguous(), kv_b.contiguous(), P=nope_dim, V=v,
-                  kv_b_scale=None if kv_b_scale is None else kv_b_scale.contiguous())
+    return mla_uv(
+        o_lat.contiguous(),
+        kv_b.contiguous(),
+        P=nope_dim,
+        V=v,
+        kv_b_scale=None if kv_b_scale is None else kv_b_scale.contiguous(),
+    )
 
 
 _KERNELS: dict[str, Callable[..., Any]] = {

@@ -85,8 +85,9 @@ def _cache_dir() -> Path:
 
 def _build(cc: str) -> Path:
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), cc.encode(), _cpu_flags().encode(),
-                                     platform.machine().encode()])).hexdigest()[:16]  # fmt: skip
+    key = hashlib.sha256(
+        b"\0".join([src, " ".join(FLAGS).encode(), cc.encode(), _cpu_flags().encode(), platform.machine().encode()])
+    ).hexdigest()[:16]
     cache = _cache_dir()
     lib = cache / f"rows-{key}.so"
     if lib.exists():
@@ -128,14 +129,18 @@ class Kernels:
     def linear(self, x: Tensor, w: Tensor) -> Tensor:
         """``x [G, n, K] @ w[G, N, K]^T -> [G, n, N]`` (or ``x [n, K] @ w[N, K]^T -> [n, N]``); any strides but the
         last."""
-        _require(w.dim() == x.dim() in (2, 3) and w.shape[:-2] == x.shape[:-2] and w.shape[-1] == x.shape[-1],
-                 "linear: x [G, n, K], w [G, N, K] (or without G)")  # fmt: skip
+        _require(
+            w.dim() == x.dim() in (2, 3) and w.shape[:-2] == x.shape[:-2] and w.shape[-1] == x.shape[-1],
+            "linear: x [G, n, K], w [G, N, K] (or without G)",
+        )
         return self._product(self._lib.tl_linear, x, w, w.shape[-2])
 
     def linear_kn(self, x: Tensor, w: Tensor) -> Tensor:
         """``x [G, n, K] @ w[G, K, N] -> [G, n, N]`` (``w``'s rows of ``N`` contiguous)."""
-        _require(x.dim() == 3 and w.dim() == 3 and w.shape[:2] == (x.shape[0], x.shape[2]),
-                 "linear_kn: x [G, n, K], w [G, K, N]")  # fmt: skip
+        _require(
+            x.dim() == 3 and w.dim() == 3 and w.shape[:2] == (x.shape[0], x.shape[2]),
+            "linear_kn: x [G, n, K], w [G, K, N]",
+        )
         return self._product(self._lib.tl_linear_kn, x, w, w.shape[2])
 
     @staticmethod
@@ -163,8 +168,18 @@ class Kernels:
         self._lib.tl_rms_norm(n, D, x.data_ptr(), x.stride(0), w.data_ptr(), eps, y.data_ptr())
         return y
 
-    def moe_route(self, x: Tensor, gate: Tensor, bias: Tensor, top_k: int, n_group: int, topk_group: int,
-                  route_scale: float, norm_topk: bool, n_shared: int) -> tuple[Tensor, Tensor]:
+    def moe_route(
+        self,
+        x: Tensor,
+        gate: Tensor,
+        bias: Tensor,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        route_scale: float,
+        norm_topk: bool,
+        n_shared: int,
+    ) -> tuple[Tensor, Tensor]:
         """The router of each row of ``x [n, D]`` (normed): ids int32 and weights ``[n, top_k + n_shared]``."""
         n, D = x.shape
         E = gate.shape[0]
@@ -173,9 +188,25 @@ class Kernels:
         x, gate, bias = x.contiguous(), gate.contiguous(), bias.contiguous()
         ids = torch.empty(n, top_k + n_shared, dtype=torch.int32)
         wts = x.new_empty(n, top_k + n_shared)
-        if self._lib.tl_moe_route(n, D, E, x.data_ptr(), gate.data_ptr(), bias.data_ptr(), top_k, n_group,
-                                  topk_group, route_scale, int(norm_topk), n_shared, ids.data_ptr(),
-                                  wts.data_ptr()) != 0:  # fmt: skip
+        if (
+            self._lib.tl_moe_route(
+                n,
+                D,
+                E,
+                x.data_ptr(),
+                gate.data_ptr(),
+                bias.data_ptr(),
+                top_k,
+                n_group,
+                topk_group,
+                route_scale,
+                int(norm_topk),
+                n_shared,
+                ids.data_ptr(),
+                wts.data_ptr(),
+            )
+            != 0
+        ):
             raise ValueError(f"tl_moe_route: {E} experts in {n_group} groups, top {top_k} of {topk_group} groups")
         return ids, wts
 
@@ -185,19 +216,47 @@ class Kernels:
         E, two_i, _ = w13.shape
         k = ids.shape[1]
         _f32(x, wts, w13, w2)
-        _require(w13.shape == (E, two_i, D) and w2.shape == (E, D, two_i // 2) and ids.shape == wts.shape == (n, k),
-                 "experts: x [n, D], w13 [E, 2I, D], w2 [E, D, I], ids / weights [n, k]")
+        _require(
+            w13.shape == (E, two_i, D) and w2.shape == (E, D, two_i // 2) and ids.shape == wts.shape == (n, k),
+            "experts: x [n, D], w13 [E, 2I, D], w2 [E, D, I], ids / weights [n, k]",
+        )
         x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
         ids, wts = ids.to(torch.int32).contiguous(), wts.contiguous()
         out = x.new_empty(n, D)
-        if self._lib.tl_moe_experts(n, D, two_i // 2, k, E, x.data_ptr(), ids.data_ptr(), wts.data_ptr(),
-                                    w13.data_ptr(), w2.data_ptr(), out.data_ptr()) != 0:  # fmt: skip
+        if (
+            self._lib.tl_moe_experts(
+                n,
+                D,
+                two_i // 2,
+                k,
+                E,
+                x.data_ptr(),
+                ids.data_ptr(),
+                wts.data_ptr(),
+                w13.data_ptr(),
+                w2.data_ptr(),
+                out.data_ptr(),
+            )
+            != 0
+        ):
             raise ValueError(f"tl_moe_experts: an expert id outside 0..{E - 1}, or out of memory")
         return out
 
-    def mla_prep(self, a: Tensor, b: Tensor, rows: Tensor, kv_b: Tensor, cos: Tensor, sin: Tensor,
-                 kv_norm: Tensor, kv_cache: Tensor, num_heads: int, nope_dim: int, kv_offset: int,
-                 eps: float) -> Tensor:
+    def mla_prep(
+        self,
+        a: Tensor,
+        b: Tensor,
+        rows: Tensor,
+        kv_b: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        kv_norm: Tensor,
+        kv_cache: Tensor,
+        num_heads: int,
+        nope_dim: int,
+        kv_offset: int,
+        eps: float,
+    ) -> Tensor:
         """Dense MLA's preparation (``reference.mla_prep`` without an indexer): writes each token's cache row
         ``[rms(c_kv) | rope(k_pe)]`` at ``rows`` and returns ``q_full [n, H, L + R]``."""
         n = a.shape[0]
@@ -206,22 +265,55 @@ class Kernels:
         r = width - lat
         v = kv_b.shape[0] // num_heads - nope_dim
         _f32(a, b, kv_b, cos, sin, kv_norm, kv_cache)
-        ok = (a.stride(1) == b.stride(1) == 1 and kv_b.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
-              and kv_cache.is_contiguous() and kv_norm.is_contiguous() and r > 0 and r % 2 == 0
-              and cos.shape == sin.shape == (cos.shape[0], r // 2) and kv_b.shape == (num_heads * (nope_dim + v), lat)
-              and b.shape[1] >= num_heads * (nope_dim + r) and a.shape[1] >= kv_offset + width and rows.shape == (n,))
+        ok = (
+            a.stride(1) == b.stride(1) == 1
+            and kv_b.is_contiguous()
+            and cos.is_contiguous()
+            and sin.is_contiguous()
+            and kv_cache.is_contiguous()
+            and kv_norm.is_contiguous()
+            and r > 0
+            and r % 2 == 0
+            and cos.shape == sin.shape == (cos.shape[0], r // 2)
+            and kv_b.shape == (num_heads * (nope_dim + v), lat)
+            and b.shape[1] >= num_heads * (nope_dim + r)
+            and a.shape[1] >= kv_offset + width
+            and rows.shape == (n,)
+        )
         _require(ok, "mla_prep: the shapes of a, b, kv_b, cos / sin and the cache")
         rows = rows.to(torch.int64).contiguous()
         q_full = a.new_empty(n, num_heads, width)
-        if self._lib.tl_mla_prep(n, num_heads, nope_dim, r, v, lat, kv_offset, a.data_ptr(), a.stride(0),
-                                 b.data_ptr(), b.stride(0), rows.data_ptr(), min(kv_cache.shape[0], cos.shape[0]),
-                                 kv_b.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_norm.data_ptr(), eps,
-                                 kv_cache.data_ptr(), q_full.data_ptr()) != 0:  # fmt: skip
+        if (
+            self._lib.tl_mla_prep(
+                n,
+                num_heads,
+                nope_dim,
+                r,
+                v,
+                lat,
+                kv_offset,
+                a.data_ptr(),
+                a.stride(0),
+                b.data_ptr(),
+                b.stride(0),
+                rows.data_ptr(),
+                min(kv_cache.shape[0], cos.shape[0]),
+                kv_b.data_ptr(),
+                cos.data_ptr(),
+                sin.data_ptr(),
+                kv_norm.data_ptr(),
+                eps,
+                kv_cache.data_ptr(),
+                q_full.data_ptr(),
+            )
+            != 0
+        ):
             raise IndexError(f"mla_prep: a row outside the cache of {kv_cache.shape[0]} rows")
         return q_full
 
-    def mla_attend(self, q: Tensor, kv: Tensor, positions: Tensor, row_start: Tensor | None, scale: float,
-                   lat: int) -> Tensor | None:
+    def mla_attend(
+        self, q: Tensor, kv: Tensor, positions: Tensor, row_start: Tensor | None, scale: float, lat: int
+    ) -> Tensor | None:
         """Query ``i`` of ``q [n, H, D]`` over cache rows ``row_start..positions[i]`` of ``kv [S, D]`` (``row_start``
         int64 ``[1]`` or ``[n]``, None: row 0; softmax of the scaled scores), the first ``lat`` columns:
         ``[n, H, lat]``. None when a query has no row (its start beyond its position: the caller's case)."""
@@ -231,13 +323,31 @@ class Kernels:
         start = None if row_start is None else row_start.reshape(-1).contiguous()
         _f32(q, kv)
         starts_ok = start is None or (start.dtype == torch.int64 and start.numel() in (1, n))
-        _require(kv.dim() == 2 and kv.shape[1] == D and kv.stride() == (D, 1) and 0 < lat <= D and starts_ok
-                 and pos.dtype == torch.int64 and pos.shape == (n,),
-                 "mla_attend: q [n, H, D], cache [S, D] contiguous, positions / row_start int64")  # fmt: skip
+        _require(
+            kv.dim() == 2
+            and kv.shape[1] == D
+            and kv.stride() == (D, 1)
+            and 0 < lat <= D
+            and starts_ok
+            and pos.dtype == torch.int64
+            and pos.shape == (n,),
+            "mla_attend: q [n, H, D], cache [S, D] contiguous, positions / row_start int64",
+        )
         out = q.new_empty(n, H, lat)
-        rc = self._lib.tl_mla_attend(n, H, D, lat, q.data_ptr(), kv.data_ptr(), kv.shape[0], pos.data_ptr(),
-                                     None if start is None else start.data_ptr(), 0 if start is None else start.numel(),
-                                     scale, out.data_ptr())  # fmt: skip
+        rc = self._lib.tl_mla_attend(
+            n,
+            H,
+            D,
+            lat,
+            q.data_ptr(),
+            kv.data_ptr(),
+            kv.shape[0],
+            pos.data_ptr(),
+            None if start is None else start.data_ptr(),
+            0 if start is None else start.numel(),
+            scale,
+            out.data_ptr(),
+        )
         if rc == -2:
             raise IndexError(f"mla_attend: a position or row_start outside the cache of {kv.shape[0]} rows")
         if rc == -1:

@@ -228,8 +228,10 @@ def gemv(
     appended after ``weight``'s (no bias, no scale), ``[y | rms_norm(x) @ tail^T]`` (an FP8 model's bf16
     indexer ``weights_proj`` after the e4m3 ``W_a``)."""
     if tail is not None:
-        return torch.cat([gemv(x, weight, norm_weight, eps, bias, fp32_out, scale),
-                          gemv(x, tail, norm_weight, eps, None, fp32_out)], -1)
+        return torch.cat(
+            [gemv(x, weight, norm_weight, eps, bias, fp32_out, scale), gemv(x, tail, norm_weight, eps, None, fp32_out)],
+            -1,
+        )
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
     y = F.linear(x, dequant(weight, scale, x.dtype), None if bias is None else bias.to(x.dtype))
@@ -237,7 +239,10 @@ def gemv(
 
 
 def gemv_residual(
-    out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
+    out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor | None,
     scale: torch.Tensor | None = None,
 ) -> None:
     """``out = residual + x @ weight^T`` (o_proj folded into the residual add; ``residual`` may be ``out``, in
@@ -325,12 +330,14 @@ def moe_partial(
     w13: torch.Tensor,
     w2: torch.Tensor,
     residual: torch.Tensor | None,
+    s13: torch.Tensor | None = None,
+    s2: torch.Tensor | None = None,
 ) -> None:
     """``out = residual + moe_experts(rms_norm(x; norm_weight), ...)`` (``x`` as it is without ``norm_weight``;
     ``residual`` ``None``: the experts' sum alone); ``out`` may be ``x`` or ``residual`` (``moe_partial(h, h,
     norm, ..., h)`` is :func:`moe_residual`)."""
     xn = x if norm_weight is None else rms_norm(x, norm_weight, eps)
-    write_residual(out, moe_experts(xn, topk_ids, topk_weights, w13, w2), residual)
+    write_residual(out, moe_experts(xn, topk_ids, topk_weights, w13, w2, s13, s2), residual)
 
 
 def moe_block(
@@ -352,8 +359,9 @@ def moe_block(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A routed MoE block in place: :func:`router` then :func:`moe_residual`; returns the routing
     (``ids``, ``weights``) it used."""
-    ids, weights = router(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
-                          norm_topk, n_shared)
+    ids, weights = router(
+        h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared
+    )
     moe_residual(h, norm_weight, eps, ids, weights, w13, w2, s13, s2)
     return ids, weights
 

@@ -105,8 +105,24 @@ def _x_tile(x_row, nw_ptr, rstd, offs, K, HAS_NORM: tl.constexpr, CG: tl.constex
 
 
 @triton.jit
-def _gemv_fp8_tile(w, x_row, nw_ptr, rstd, s_row, s_rows, nmask, kk, kc, K, BN: tl.constexpr, C: tl.constexpr,
-                   V: tl.constexpr, GK: tl.constexpr, ROW_BLOCK: tl.constexpr, HAS_NORM: tl.constexpr):
+def _gemv_fp8_tile(
+    w,
+    x_row,
+    nw_ptr,
+    rstd,
+    s_row,
+    s_rows,
+    nmask,
+    kk,
+    kc,
+    K,
+    BN: tl.constexpr,
+    C: tl.constexpr,
+    V: tl.constexpr,
+    GK: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
     """``[BN, C]`` partial sums of one e4m3 tile ``w [BN, C * V]`` at columns ``kk``, scaled."""
     xv = _x_tile(x_row, nw_ptr, rstd, kk, K, HAS_NORM)
     if ROW_BLOCK:
@@ -118,9 +134,27 @@ def _gemv_fp8_tile(w, x_row, nw_ptr, rstd, s_row, s_rows, nmask, kk, kc, K, BN: 
 
 
 @triton.jit
-def _gemv_fp8_rows(x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, KS, stride_wn, stride_sn, eps,
-                   BN: tl.constexpr, C: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr,
-                   RB: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+def _gemv_fp8_rows(
+    x_row,
+    w_ptr,
+    s_ptr,
+    nw_ptr,
+    pid_n,
+    N,
+    K,
+    KS,
+    stride_wn,
+    stride_sn,
+    eps,
+    BN: tl.constexpr,
+    C: tl.constexpr,
+    V: tl.constexpr,
+    GK: tl.constexpr,
+    GN: tl.constexpr,
+    RB: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """``[BN]`` fp32 outputs of e4m3 rows ``pid_n * BN ...`` (waits on the previous kernel after its first tile).
     No e4m3 tile is carried across loop iterations (that unpacks and repacks its bytes): the first is used before
     the loop, each later one in the iteration that loads it."""
@@ -139,19 +173,32 @@ def _gemv_fp8_rows(x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, KS, stride_wn, stri
     rstd = 1.0
     if HAS_NORM:
         rstd = _row_rstd(x_row, K, eps, RB)
-    acc = _gemv_fp8_tile(w, x_row, nw_ptr, rstd, s_row, s_rows, nmask, offs_k, kc, K, BN, C, V, GK, ROW_BLOCK,
-                         HAS_NORM)
+    acc = _gemv_fp8_tile(w, x_row, nw_ptr, rstd, s_row, s_rows, nmask, offs_k, kc, K, BN, C, V, GK, ROW_BLOCK, HAS_NORM)
     for k0 in range(BK, K, BK):
         kk = k0 + offs_k
         w = tl.load(w_rows + kk[None, :], mask=nmask[:, None] & (kk < K)[None, :], other=0.0)
-        acc += _gemv_fp8_tile(w, x_row, nw_ptr, rstd, s_row, s_rows, nmask, kk, k0 + kc, K, BN, C, V, GK,
-                              ROW_BLOCK, HAS_NORM)
+        acc += _gemv_fp8_tile(
+            w, x_row, nw_ptr, rstd, s_row, s_rows, nmask, kk, k0 + kc, K, BN, C, V, GK, ROW_BLOCK, HAS_NORM
+        )
     return tl.sum(acc, 1)
 
 
 @triton.jit
-def _gemv_bf16_rows(x_row, t_ptr, nw_ptr, pid_t, NT, K, stride_tn, eps, BN: tl.constexpr, BK: tl.constexpr,
-                    RB: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+def _gemv_bf16_rows(
+    x_row,
+    t_ptr,
+    nw_ptr,
+    pid_t,
+    NT,
+    K,
+    stride_tn,
+    eps,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    RB: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """``[BN]`` fp32 outputs of the plain (bf16) tail rows ``pid_t * BN ...``."""
     offs_n = pid_t * BN + tl.arange(0, BN)
     nmask = offs_n < NT
@@ -204,9 +251,28 @@ def _pre_part(w, xv, s, BN: tl.constexpr, C: tl.constexpr, V: tl.constexpr, ROW_
 
 
 @triton.jit
-def _gemv_fp8_rows_pre(x_row, w_ptr, s_ptr, nw_ptr, res_row, pid_n, N, K, stride_wn, stride_sn, eps,
-                       BN: tl.constexpr, C: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr,
-                       NK: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+def _gemv_fp8_rows_pre(
+    x_row,
+    w_ptr,
+    s_ptr,
+    nw_ptr,
+    res_row,
+    pid_n,
+    N,
+    K,
+    stride_wn,
+    stride_sn,
+    eps,
+    BN: tl.constexpr,
+    C: tl.constexpr,
+    V: tl.constexpr,
+    GK: tl.constexpr,
+    GN: tl.constexpr,
+    NK: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """:func:`_gemv_fp8_rows` for K in ``NK <= 4`` tiles: every weight tile, its scales and the norm weight are
     requested before the PDL wait (all static); after it ``x`` is read once (one L2 round trip) for both the
     RMSNorm statistics and the products, and the residual rows (``HAS_RES``) in the same round trip. Tiles are
@@ -280,8 +346,21 @@ def _gemv_fp8_rows_pre(x_row, w_ptr, s_ptr, nw_ptr, res_row, pid_n, N, K, stride
 
 
 @triton.jit
-def _gemv_bf16_rows_pre(x_row, t_ptr, nw_ptr, pid_t, NT, K, stride_tn, eps, BN: tl.constexpr, BK: tl.constexpr,
-                        NK: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+def _gemv_bf16_rows_pre(
+    x_row,
+    t_ptr,
+    nw_ptr,
+    pid_t,
+    NT,
+    K,
+    stride_tn,
+    eps,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    NK: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """:func:`_gemv_bf16_rows` for K in ``NK <= 4`` tiles, every tile and the norm weight requested before the
     PDL wait (as :func:`_gemv_fp8_rows_pre`)."""
     offs_n = pid_t * BN + tl.arange(0, BN)
@@ -340,12 +419,40 @@ def _gemv_bf16_rows_pre(x_row, t_ptr, nw_ptr, pid_t, NT, K, stride_tn, eps, BN: 
 
 @triton.jit
 def _gemv_fp8_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, res_ptr, t_ptr,
-    N, K, KS, NB8, NT, stride_xm, stride_wn, stride_sn, stride_ym, stride_rm, stride_tn, eps,
-    BN: tl.constexpr, C: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, BT: tl.constexpr,
-    RB: tl.constexpr, NK: tl.constexpr, NKT: tl.constexpr,
-    HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, OUT_F32: tl.constexpr, HAS_TAIL: tl.constexpr,
-    PDL: tl.constexpr):
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    nw_ptr,
+    res_ptr,
+    t_ptr,
+    N,
+    K,
+    KS,
+    NB8,
+    NT,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_ym,
+    stride_rm,
+    stride_tn,
+    eps,
+    BN: tl.constexpr,
+    C: tl.constexpr,
+    V: tl.constexpr,
+    GK: tl.constexpr,
+    GN: tl.constexpr,
+    BT: tl.constexpr,
+    RB: tl.constexpr,
+    NK: tl.constexpr,
+    NKT: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    OUT_F32: tl.constexpr,
+    HAS_TAIL: tl.constexpr,
+    PDL: tl.constexpr,
+):
     # grid (rows, NB8 + tail blocks): programs < NB8 own BN e4m3 rows; the others BN rows of the bf16 tail,
     # written after the e4m3 rows (output columns N ... N + NT - 1). NK / NKT > 0: K in that many tiles, all
     # requested before the PDL wait (_gemv_fp8_rows_pre); 0: the loop (RB: its RMSNorm statistics' tile).
@@ -355,20 +462,61 @@ def _gemv_fp8_kernel(
     if HAS_TAIL:
         if pid_n < NB8:
             if NK > 0:
-                out, _r = _gemv_fp8_rows_pre(x_row, w_ptr, s_ptr, nw_ptr, x_row, pid_n, N, K, stride_wn, stride_sn,
-                                             eps, BN, C, V, GK, GN, NK, HAS_NORM, False, PDL)
+                out, _r = _gemv_fp8_rows_pre(
+                    x_row,
+                    w_ptr,
+                    s_ptr,
+                    nw_ptr,
+                    x_row,
+                    pid_n,
+                    N,
+                    K,
+                    stride_wn,
+                    stride_sn,
+                    eps,
+                    BN,
+                    C,
+                    V,
+                    GK,
+                    GN,
+                    NK,
+                    HAS_NORM,
+                    False,
+                    PDL,
+                )
             else:
-                out = _gemv_fp8_rows(x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, KS, stride_wn, stride_sn, eps,
-                                     BN, C, V, GK, GN, RB, HAS_NORM, PDL)
+                out = _gemv_fp8_rows(
+                    x_row,
+                    w_ptr,
+                    s_ptr,
+                    nw_ptr,
+                    pid_n,
+                    N,
+                    K,
+                    KS,
+                    stride_wn,
+                    stride_sn,
+                    eps,
+                    BN,
+                    C,
+                    V,
+                    GK,
+                    GN,
+                    RB,
+                    HAS_NORM,
+                    PDL,
+                )
             offs_o = pid_n * BN + tl.arange(0, BN)
             omask = offs_o < N
         else:
             if NKT > 0:
-                out = _gemv_bf16_rows_pre(x_row, t_ptr, nw_ptr, pid_n - NB8, NT, K, stride_tn, eps, BN, BT, NKT,
-                                          HAS_NORM, PDL)
+                out = _gemv_bf16_rows_pre(
+                    x_row, t_ptr, nw_ptr, pid_n - NB8, NT, K, stride_tn, eps, BN, BT, NKT, HAS_NORM, PDL
+                )
             else:
-                out = _gemv_bf16_rows(x_row, t_ptr, nw_ptr, pid_n - NB8, NT, K, stride_tn, eps, BN, BT, RB,
-                                      HAS_NORM, PDL)
+                out = _gemv_bf16_rows(
+                    x_row, t_ptr, nw_ptr, pid_n - NB8, NT, K, stride_tn, eps, BN, BT, RB, HAS_NORM, PDL
+                )
             offs_o = N + (pid_n - NB8) * BN + tl.arange(0, BN)
             omask = offs_o < N + NT
     else:
@@ -376,19 +524,58 @@ def _gemv_fp8_kernel(
         offs_o = pid_n * BN + tl.arange(0, BN)
         omask = offs_o < N
         if NK > 0:  # the residual rows are read right after the PDL wait, with x
-            out, r = _gemv_fp8_rows_pre(x_row, w_ptr, s_ptr, nw_ptr, res_row, pid_n, N, K, stride_wn, stride_sn,
-                                        eps, BN, C, V, GK, GN, NK, HAS_NORM, HAS_RES, PDL)
+            out, r = _gemv_fp8_rows_pre(
+                x_row,
+                w_ptr,
+                s_ptr,
+                nw_ptr,
+                res_row,
+                pid_n,
+                N,
+                K,
+                stride_wn,
+                stride_sn,
+                eps,
+                BN,
+                C,
+                V,
+                GK,
+                GN,
+                NK,
+                HAS_NORM,
+                HAS_RES,
+                PDL,
+            )
         else:
-            out = _gemv_fp8_rows(x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, KS, stride_wn, stride_sn, eps,
-                                 BN, C, V, GK, GN, RB, HAS_NORM, PDL)
+            out = _gemv_fp8_rows(
+                x_row,
+                w_ptr,
+                s_ptr,
+                nw_ptr,
+                pid_n,
+                N,
+                K,
+                KS,
+                stride_wn,
+                stride_sn,
+                eps,
+                BN,
+                C,
+                V,
+                GK,
+                GN,
+                RB,
+                HAS_NORM,
+                PDL,
+            )
             if HAS_RES:
                 r = tl.load(res_row + offs_o, mask=omask, other=0.0).to(tl.float32)
     if OUT_F32:
         tl.store(y_ptr + row * stride_ym + offs_o, out, mask=omask)
     else:
-        if HAS_RES:
-            rp = res_ptr + row * stride_rm + offs_o
-            tl.store(rp, (r + out.to(res_ptr.dtype.element_ty).to(tl.float32)).to(res_ptr.dtype.element_ty), mask=omask)
+        if HAS_RES:  # into y: the residual itself (in place) or an output apart from it
+            yp = y_ptr + row * stride_ym + offs_o
+            tl.store(yp, (r + out.to(y_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty), mask=omask)
         else:
             tl.store(y_ptr + row * stride_ym + offs_o, out.to(y_ptr.dtype.element_ty), mask=omask)
 
@@ -404,10 +591,11 @@ def gemv_fp8(
     out_f32: bool = False,
     tail: torch.Tensor | None = None,
     cfg: tuple[int, int, int] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``rms(x)[n, K] @ (w * scale)[N, K]^T`` (``w`` e4m3), then ``rms(x) @ tail[NT, K]^T`` (plain rows in
-    ``x``'s dtype) in columns ``N ... N + NT - 1`` when ``tail`` is given; into ``residual`` in place when given
-    (no tail then)."""
+    ``x``'s dtype) in columns ``N ... N + NT - 1`` when ``tail`` is given; plus ``residual`` when given (no tail
+    then), into ``out`` (default: ``residual``, in place; a tensor-parallel rank's all-reduce buffer)."""
     assert x.dim() == 2 and x.stride(-1) == 1 and w.stride(-1) == 1 and scale.stride(-1) == 1
     nt, K = x.shape
     N = w.shape[0]
@@ -418,8 +606,11 @@ def gemv_fp8(
     v = min(VEC, gk)
     bk = max(min(bk, triton.next_power_of_2(K)), v)
     NT = 0 if tail is None else tail.shape[0]
+    assert out is None or (not out_f32 and tail is None and out.shape == (nt, N) and out.stride(-1) == 1)
     if out_f32:
         y = torch.empty(nt, N + NT, device=x.device, dtype=torch.float32)
+    elif out is not None:
+        y = out
     elif residual is not None:
         y = residual
     else:
@@ -432,12 +623,42 @@ def gemv_fp8(
     nkt = triton.cdiv(K, bt)
     nkt = nkt if nkt <= 4 and bn * bt * 2 * nkt <= FP8_PRE_BYTES * 32 * nw else 0
     _gemv_fp8_kernel[(nt, nb8 + triton.cdiv(NT, bn))](
-        x, w, scale, y, norm_w if norm_w is not None else x, res, tail if tail is not None else x,
-        N, K, scale.shape[-1], nb8, NT, x.stride(0), w.stride(0), scale.stride(0), y.stride(0), res.stride(0),
-        tail.stride(0) if tail is not None else 0, eps,
-        BN=bn, C=bk // v, V=v, GK=gk, GN=gn, BT=bt, RB=rstd_block(K, bk), NK=nk, NKT=nkt, HAS_NORM=norm_w is not None,
-        HAS_RES=residual is not None and not out_f32, OUT_F32=out_f32, HAS_TAIL=tail is not None,
-        num_warps=nw, num_stages=1, **triton_pdl.kw())
+        x,
+        w,
+        scale,
+        y,
+        norm_w if norm_w is not None else x,
+        res,
+        tail if tail is not None else x,
+        N,
+        K,
+        scale.shape[-1],
+        nb8,
+        NT,
+        x.stride(0),
+        w.stride(0),
+        scale.stride(0),
+        y.stride(0),
+        res.stride(0),
+        tail.stride(0) if tail is not None else 0,
+        eps,
+        BN=bn,
+        C=bk // v,
+        V=v,
+        GK=gk,
+        GN=gn,
+        BT=bt,
+        RB=rstd_block(K, bk),
+        NK=nk,
+        NKT=nkt,
+        HAS_NORM=norm_w is not None,
+        HAS_RES=residual is not None and not out_f32,
+        OUT_F32=out_f32,
+        HAS_TAIL=tail is not None,
+        num_warps=nw,
+        num_stages=1,
+        **triton_pdl.kw(),
+    )
     return y
 
 
@@ -453,22 +674,70 @@ def _row_rstd_cg(x_row_ptr, K, eps, BK: tl.constexpr):
 
 
 @triton.jit
-def _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, kk, D, BI: tl.constexpr, C: tl.constexpr,
-             V: tl.constexpr, GK: tl.constexpr, HAS_NORM: tl.constexpr):
+def _up_tile(
+    wg,
+    wu,
+    x_row,
+    nw_ptr,
+    rstd,
+    sg_row,
+    su_row,
+    kk,
+    D,
+    BI: tl.constexpr,
+    C: tl.constexpr,
+    V: tl.constexpr,
+    GK: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
     """``[BI, C]`` scaled partial sums of the gate and up tiles at columns ``kk``."""
     xv = _x_tile(x_row, nw_ptr, rstd, kk, D, HAS_NORM, True)
     xg = xv * tl.load(sg_row + kk // GK, mask=kk < D, other=0.0)
     xu = xv * tl.load(su_row + kk // GK, mask=kk < D, other=0.0)
-    return (tl.sum(tl.reshape(wg.to(tl.float32) * xg[None, :], [BI, C, V]), 2),
-            tl.sum(tl.reshape(wu.to(tl.float32) * xu[None, :], [BI, C, V]), 2))
+    return (
+        tl.sum(tl.reshape(wg.to(tl.float32) * xg[None, :], [BI, C, V]), 2),
+        tl.sum(tl.reshape(wu.to(tl.float32) * xu[None, :], [BI, C, V]), 2),
+    )
 
 
 @triton.jit
 def _moe_up_fp8_kernel(
-    x_ptr, nw_ptr, ids_ptr, w13_ptr, s13_ptr, act_ptr, ws_ptr, cnt_ptr, D, I, KK, KS, KPS, NIB, static_from,
-    static_base, stride_xm, stride_ids, stride_we, stride_wn, stride_se, stride_sn, stride_an, stride_ak, eps,
-    BI: tl.constexpr, C: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr, SPLIT: tl.constexpr,
-    RB: tl.constexpr, HAS_NORM: tl.constexpr, X_READY: tl.constexpr, PDL: tl.constexpr):
+    x_ptr,
+    nw_ptr,
+    ids_ptr,
+    w13_ptr,
+    s13_ptr,
+    act_ptr,
+    ws_ptr,
+    cnt_ptr,
+    D,
+    I,
+    KK,
+    KS,
+    KPS,
+    NIB,
+    static_from,
+    static_base,
+    stride_xm,
+    stride_ids,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_an,
+    stride_ak,
+    eps,
+    BI: tl.constexpr,
+    C: tl.constexpr,
+    V: tl.constexpr,
+    GK: tl.constexpr,
+    GN: tl.constexpr,
+    SPLIT: tl.constexpr,
+    RB: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    X_READY: tl.constexpr,
+    PDL: tl.constexpr,
+):
     # grid (n * k, I / BI, SPLIT); BI divides GN, so the program's gate rows share their scales, and its up rows
     # theirs. SPLIT > 1: program (r, ib, ks) sums D columns ks*KPS ... into fp32 partials ws[r, ks]; the last of
     # the SPLIT programs of (r, ib) to finish (a counter each) adds them in the order ks = 0 ... SPLIT-1, writes
@@ -552,9 +821,32 @@ def _moe_up_fp8_kernel(
 
 
 @triton.jit
-def _down_tile(ids_row, wts_row, act_row, w2_ptr, s2_ptr, w_d, dm3, dg, jb0, t, n_ch, KK, I, stride_ak, stride_we,
-               stride_se, stride_sd, SB: tl.constexpr, BD: tl.constexpr, C: tl.constexpr, V: tl.constexpr,
-               GK: tl.constexpr, LOADED: tl.constexpr, w_in):
+def _down_tile(
+    ids_row,
+    wts_row,
+    act_row,
+    w2_ptr,
+    s2_ptr,
+    w_d,
+    dm3,
+    dg,
+    jb0,
+    t,
+    n_ch,
+    KK,
+    I,
+    stride_ak,
+    stride_we,
+    stride_se,
+    stride_sd,
+    SB: tl.constexpr,
+    BD: tl.constexpr,
+    C: tl.constexpr,
+    V: tl.constexpr,
+    GK: tl.constexpr,
+    LOADED: tl.constexpr,
+    w_in,
+):
     """Step ``t`` of ``moe_down``'s loop (slot block ``jb0 + t // n_ch``, I chunk ``t % n_ch``): loads the e4m3
     tile ``[SB, BD, BI]`` of its slots' experts (unless ``LOADED``: ``w_in``, fetched before the PDL wait) and
     returns the ``[SB, BD, C]`` partial sums."""
@@ -571,8 +863,9 @@ def _down_tile(ids_row, wts_row, act_row, w2_ptr, s2_ptr, w_d, dm3, dg, jb0, t, 
     if LOADED:
         w = w_in
     else:
-        w = tl.load(w2_ptr + e[:, None, None] * stride_we + w_d + ii[None, None, :], mask=dm3 & m2[:, None, :],
-                    other=0.0)
+        w = tl.load(
+            w2_ptr + e[:, None, None] * stride_we + w_d + ii[None, None, :], mask=dm3 & m2[:, None, :], other=0.0
+        )
     wj = tl.load(wts_row + j, mask=j < KK, other=0.0)
     a = tl.load(act_row + j[:, None] * stride_ak + ii[None, :], mask=m2, other=0.0)
     s = tl.load(s2_ptr + e[:, None] * stride_se + dg * stride_sd + (ii // GK)[None, :], mask=m2, other=0.0)
@@ -582,10 +875,38 @@ def _down_tile(ids_row, wts_row, act_row, w2_ptr, s2_ptr, w_d, dm3, dg, jb0, t, 
 
 @triton.jit
 def _moe_down_fp8_kernel(
-    act_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, y_ptr, ws_ptr, cnt_ptr, D, I, KK, KS, NDB, stride_an, stride_ak,
-    stride_ids, stride_wts, stride_we, stride_wd, stride_se, stride_sd, stride_yn,
-    BD: tl.constexpr, SB: tl.constexpr, C: tl.constexpr, V: tl.constexpr, GK: tl.constexpr, GN: tl.constexpr,
-    G: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    act_ptr,
+    ids_ptr,
+    wts_ptr,
+    w2_ptr,
+    s2_ptr,
+    y_ptr,
+    ws_ptr,
+    cnt_ptr,
+    D,
+    I,
+    KK,
+    KS,
+    NDB,
+    stride_an,
+    stride_ak,
+    stride_ids,
+    stride_wts,
+    stride_we,
+    stride_wd,
+    stride_se,
+    stride_sd,
+    stride_yn,
+    BD: tl.constexpr,
+    SB: tl.constexpr,
+    C: tl.constexpr,
+    V: tl.constexpr,
+    GK: tl.constexpr,
+    GN: tl.constexpr,
+    G: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    PDL: tl.constexpr,
+):
     # grid (n, D / BD, G); BD divides GN: the program's rows share each expert's scales (folded into act).
     # G == 1: each program sums every slot (SB side by side per tile). G > 1 (split over slots): program g sums
     # slots g*SB ... g*SB + SB - 1 into fp32 partials ws[i, g]; the last of the G programs of a row block to
@@ -613,21 +934,71 @@ def _moe_down_fp8_kernel(
     e0 = tl.load(ids_row + j0, mask=j0 < KK, other=-1)
     ii0 = tl.arange(0, BI)
     m0 = (e0 >= 0)[:, None] & (ii0 < I)[None, :]
-    w0 = tl.load(w2_ptr + tl.maximum(e0, 0).to(tl.int64)[:, None, None] * stride_we + w_d + ii0[None, None, :],
-                 mask=dm3 & m0[:, None, :], other=0.0)
+    w0 = tl.load(
+        w2_ptr + tl.maximum(e0, 0).to(tl.int64)[:, None, None] * stride_we + w_d + ii0[None, None, :],
+        mask=dm3 & m0[:, None, :],
+        other=0.0,
+    )
     pdl_begin(PDL)
-    acc = _down_tile(ids_row, wts_row, act_row, w2_ptr, s2_ptr, w_d, dm3, dg, g, 0, n_ch, KK, I, stride_ak,
-                     stride_we, stride_se, stride_sd, SB, BD, C, V, GK, True, w0)
+    acc = _down_tile(
+        ids_row,
+        wts_row,
+        act_row,
+        w2_ptr,
+        s2_ptr,
+        w_d,
+        dm3,
+        dg,
+        g,
+        0,
+        n_ch,
+        KK,
+        I,
+        stride_ak,
+        stride_we,
+        stride_se,
+        stride_sd,
+        SB,
+        BD,
+        C,
+        V,
+        GK,
+        True,
+        w0,
+    )
     for t in range(1, n_t):
-        acc += _down_tile(ids_row, wts_row, act_row, w2_ptr, s2_ptr, w_d, dm3, dg, g, t, n_ch, KK, I, stride_ak,
-                          stride_we, stride_se, stride_sd, SB, BD, C, V, GK, False, w0)
+        acc += _down_tile(
+            ids_row,
+            wts_row,
+            act_row,
+            w2_ptr,
+            s2_ptr,
+            w_d,
+            dm3,
+            dg,
+            g,
+            t,
+            n_ch,
+            KK,
+            I,
+            stride_ak,
+            stride_we,
+            stride_se,
+            stride_sd,
+            SB,
+            BD,
+            C,
+            V,
+            GK,
+            False,
+            w0,
+        )
     total = tl.sum(tl.sum(acc, 2), 0)
     yp = y_ptr + i * stride_yn + offs_d
     if G == 1:
         if HAS_RES:
             r = tl.load(yp, mask=dmask, other=0.0).to(tl.float32)
-            tl.store(yp, (r + total.to(y_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty),
-                     mask=dmask)
+            tl.store(yp, (r + total.to(y_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty), mask=dmask)
         else:
             tl.store(yp, total.to(y_ptr.dtype.element_ty), mask=dmask)
     else:
@@ -643,8 +1014,7 @@ def _moe_down_fp8_kernel(
             for gg in range(1, G):
                 tot += tl.load(ws_row + gg * D, mask=dmask, other=0.0, cache_modifier=".cg")
             if HAS_RES:
-                tl.store(yp, (r + tot.to(y_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty),
-                         mask=dmask)
+                tl.store(yp, (r + tot.to(y_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty), mask=dmask)
             else:
                 tl.store(yp, tot.to(y_ptr.dtype.element_ty), mask=dmask)
             tl.atomic_xchg(cnt, 0)  # zero for the next launch (which waits on this one: PDL)
@@ -675,23 +1045,62 @@ def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None, static=None
     else:
         ws, cnt = act, ids
     _moe_up_fp8_kernel[(n * KK, nib, split)](
-        x, norm_w if norm_w is not None else x, ids, w13, s13, act, ws, cnt, D, I, KK, s13.shape[-1], kps, nib,
-        static[0] if static is not None else KK, static[1] if static is not None else 0, x.stride(0), ids.stride(0),
-        w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), act.stride(0), act.stride(1), eps,
-        BI=BI, C=BK // v, V=v, GK=gk, GN=gn, SPLIT=split, RB=rstd_block(D, BK), HAS_NORM=norm_w is not None,
-        X_READY=static is not None and UP_RSTD_EARLY, num_warps=nw, num_stages=1,
-        **triton_pdl.kw())
+        x,
+        norm_w if norm_w is not None else x,
+        ids,
+        w13,
+        s13,
+        act,
+        ws,
+        cnt,
+        D,
+        I,
+        KK,
+        s13.shape[-1],
+        kps,
+        nib,
+        static[0] if static is not None else KK,
+        static[1] if static is not None else 0,
+        x.stride(0),
+        ids.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        s13.stride(0),
+        s13.stride(1),
+        act.stride(0),
+        act.stride(1),
+        eps,
+        BI=BI,
+        C=BK // v,
+        V=v,
+        GK=gk,
+        GN=gn,
+        SPLIT=split,
+        RB=rstd_block(D, BK),
+        HAS_NORM=norm_w is not None,
+        X_READY=static is not None and UP_RSTD_EARLY,
+        num_warps=nw,
+        num_stages=1,
+        **triton_pdl.kw(),
+    )
     return act
 
 
-def moe_down_fp8(act, ids, wts, w2, s2, *, residual=None, cfg=None):
-    """``y[n, D] (+)= sum_j w_j * w2[e_j] @ act_j`` (e4m3 ``w2`` with ``s2``). ``ids`` / ``wts`` must come from
-    a kernel before the one that wrote ``act`` (the router before ``moe_up``): they are read before the PDL wait."""
+def moe_down_fp8(act, ids, wts, w2, s2, *, residual=None, out=None, cfg=None):
+    """``y[n, D] = (residual +) sum_j w_j * w2[e_j] @ act_j`` (e4m3 ``w2`` with ``s2``) into ``out`` (default:
+    ``residual``, in place). ``ids`` / ``wts`` must come from a kernel before the one that wrote ``act`` (the router
+    before ``moe_up``): they are read before the PDL wait."""
     n, KK, I = act.shape
     D = w2.shape[1]
     assert w2.shape[2] == I and w2.stride(-1) == 1 and s2.stride(-1) == 1
     gn, gk = groups(w2, s2)
-    y = residual if residual is not None else torch.empty(n, D, device=act.device, dtype=act.dtype)
+    if out is not None and residual is not None and out is not residual:
+        out.copy_(residual)  # the kernel adds in place (a tensor-parallel rank 0's share on top of h)
+        residual = out
+    if out is not None:
+        y = out
+    else:
+        y = residual if residual is not None else torch.empty(n, D, device=act.device, dtype=act.dtype)
     BD, SB, BI, nw, split = cfg or FP8_DOWN_CFG["large" if D >= 4096 else "small"]
     BD = min(BD, _pow2_floor(gn))
     SB = min(SB, triton.next_power_of_2(KK))
@@ -705,10 +1114,40 @@ def moe_down_fp8(act, ids, wts, w2, s2, *, residual=None, cfg=None):
     else:
         ws, cnt = y, ids
     _moe_down_fp8_kernel[(n, ndb, G)](
-        act, ids, wts, w2, s2, y, ws, cnt, D, I, KK, s2.shape[-1], ndb, act.stride(0), act.stride(1), ids.stride(0),
-        wts.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        BD=BD, SB=SB, C=BI // v, V=v, GK=gk, GN=gn, G=G, HAS_RES=residual is not None, num_warps=nw, num_stages=1,
-        **triton_pdl.kw())
+        act,
+        ids,
+        wts,
+        w2,
+        s2,
+        y,
+        ws,
+        cnt,
+        D,
+        I,
+        KK,
+        s2.shape[-1],
+        ndb,
+        act.stride(0),
+        act.stride(1),
+        ids.stride(0),
+        wts.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        s2.stride(0),
+        s2.stride(1),
+        y.stride(0),
+        BD=BD,
+        SB=SB,
+        C=BI // v,
+        V=v,
+        GK=gk,
+        GN=gn,
+        G=G,
+        HAS_RES=residual is not None,
+        num_warps=nw,
+        num_stages=1,
+        **triton_pdl.kw(),
+    )
     return y
 
 

@@ -34,14 +34,51 @@ def _rope_pair(x1, x2, c, s):
 
 @triton.jit
 def _mla_prep_kernel(
-    a_ptr, b_ptr, pos_ptr, kvb_ptr, kvs_ptr, stride_ks, cos_ptr, sin_ptr, kvn_ptr, ikw_ptr, ikb_ptr,
-    q_ptr, kv_ptr, ik_ptr, iq_ptr, iw_ptr,
-    H, Hi, stride_a, stride_b, stride_q_n, stride_q_h, stride_kv, stride_ik, stride_iq_n, stride_iq_h,
-    stride_iw, stride_cs, eps, iw_scale,
-    QL: tl.constexpr, L: tl.constexpr, R: tl.constexpr, P: tl.constexpr, V: tl.constexpr,
-    DI: tl.constexpr, BC: tl.constexpr, HI_P2: tl.constexpr, HAS_INDEXER: tl.constexpr, PDL: tl.constexpr,
-    HAS_SCALE: tl.constexpr = False, KGN: tl.constexpr = 128, KGK: tl.constexpr = 128,
-    ROW_UNIFORM: tl.constexpr = False):
+    a_ptr,
+    b_ptr,
+    pos_ptr,
+    kvb_ptr,
+    kvs_ptr,
+    stride_ks,
+    cos_ptr,
+    sin_ptr,
+    kvn_ptr,
+    ikw_ptr,
+    ikb_ptr,
+    q_ptr,
+    kv_ptr,
+    ik_ptr,
+    iq_ptr,
+    iw_ptr,
+    H,
+    Hi,
+    stride_a,
+    stride_b,
+    stride_q_n,
+    stride_q_h,
+    stride_kv,
+    stride_ik,
+    stride_iq_n,
+    stride_iq_h,
+    stride_iw,
+    stride_cs,
+    eps,
+    iw_scale,
+    QL: tl.constexpr,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    P: tl.constexpr,
+    V: tl.constexpr,
+    DI: tl.constexpr,
+    BC: tl.constexpr,
+    HI_P2: tl.constexpr,
+    HAS_INDEXER: tl.constexpr,
+    PDL: tl.constexpr,
+    HAS_SCALE: tl.constexpr = False,
+    KGN: tl.constexpr = 128,
+    KGK: tl.constexpr = 128,
+    ROW_UNIFORM: tl.constexpr = False,
+):
     i = tl.program_id(0)
     p = tl.program_id(1)
     NC: tl.constexpr = L // BC
@@ -63,8 +100,11 @@ def _mla_prep_kernel(
             if ROW_UNIFORM:  # the head's W_UK rows share one scale row: scale the column sums
                 cs_ = tl.load(kvs_ptr + ((h * (P + V)) // KGN).to(tl.int64) * stride_ks + offs_c // KGK)
             else:  # e4m3 * its group's scale
-                wf = wf * tl.load(kvs_ptr + ((h * (P + V) + offs_p) // KGN).to(tl.int64)[:, None] * stride_ks
-                                  + (offs_c // KGK)[None, :])
+                wf = wf * tl.load(
+                    kvs_ptr
+                    + ((h * (P + V) + offs_p) // KGN).to(tl.int64)[:, None] * stride_ks
+                    + (offs_c // KGK)[None, :]
+                )
         pdl_begin(PDL)
         qn = tl.load(b_row + h * (P + R) + offs_p).to(tl.float32)
         qt = tl.sum(wf * qn[:, None], 0)
@@ -105,14 +145,28 @@ def _mla_prep_kernel(
             var = tl.sum((kf - mean) * (kf - mean), 0) / DI
             rs = tl.rsqrt(var + eps)
             ik_row = ik_ptr + pos * stride_ik
-            y1 = ((tl.load(kbase + offs_r2).to(tl.float32) - mean) * rs * tl.load(ikw_ptr + offs_r2).to(tl.float32)
-                  + tl.load(ikb_ptr + offs_r2).to(tl.float32)).to(ik_ptr.dtype.element_ty).to(tl.float32)
-            y2 = ((tl.load(kbase + R2 + offs_r2).to(tl.float32) - mean) * rs
-                  * tl.load(ikw_ptr + R2 + offs_r2).to(tl.float32)
-                  + tl.load(ikb_ptr + R2 + offs_r2).to(tl.float32)).to(ik_ptr.dtype.element_ty).to(tl.float32)
+            y1 = (
+                (
+                    (tl.load(kbase + offs_r2).to(tl.float32) - mean) * rs * tl.load(ikw_ptr + offs_r2).to(tl.float32)
+                    + tl.load(ikb_ptr + offs_r2).to(tl.float32)
+                )
+                .to(ik_ptr.dtype.element_ty)
+                .to(tl.float32)
+            )
+            y2 = (
+                (
+                    (tl.load(kbase + R2 + offs_r2).to(tl.float32) - mean)
+                    * rs
+                    * tl.load(ikw_ptr + R2 + offs_r2).to(tl.float32)
+                    + tl.load(ikb_ptr + R2 + offs_r2).to(tl.float32)
+                )
+                .to(ik_ptr.dtype.element_ty)
+                .to(tl.float32)
+            )
             offs_k = tl.arange(0, DI - R)
-            yr = (tl.load(kbase + R + offs_k).to(tl.float32) - mean) * rs \
-                * tl.load(ikw_ptr + R + offs_k).to(tl.float32) + tl.load(ikb_ptr + R + offs_k).to(tl.float32)
+            yr = (tl.load(kbase + R + offs_k).to(tl.float32) - mean) * rs * tl.load(ikw_ptr + R + offs_k).to(
+                tl.float32
+            ) + tl.load(ikb_ptr + R + offs_k).to(tl.float32)
             o1, o2 = _rope_pair(y1, y2, cs, sn)
             tl.store(ik_row + offs_r2, o1.to(ik_ptr.dtype.element_ty))
             tl.store(ik_row + R2 + offs_r2, o2.to(ik_ptr.dtype.element_ty))
@@ -145,27 +199,86 @@ PREP_BC = 128
 PREP_BC_FP8 = 128  # 64: no better in the whole step (decode_speed --tune, 2026-12-01)
 
 
-def mla_prep(a, b, positions, kv_b, cos, sin, kv_norm_w, idx_k_norm_w, idx_k_norm_b,
-             q_out, kv_cache, idx_cache, iq_out, iw_out, *, H, Hi, QL, L, R, P, V, DI, eps, iw_scale,
-             kv_b_scale=None):
+def mla_prep(
+    a,
+    b,
+    positions,
+    kv_b,
+    cos,
+    sin,
+    kv_norm_w,
+    idx_k_norm_w,
+    idx_k_norm_b,
+    q_out,
+    kv_cache,
+    idx_cache,
+    iq_out,
+    iw_out,
+    *,
+    H,
+    Hi,
+    QL,
+    L,
+    R,
+    P,
+    V,
+    DI,
+    eps,
+    iw_scale,
+    kv_b_scale=None,
+):
     n = a.shape[0]
     BC = min(PREP_BC if kv_b_scale is None else PREP_BC_FP8, L)
     has_idx = idx_cache is not None
     dummy = kv_cache
     kgn, kgk = _groups(kv_b, kv_b_scale)
     _mla_prep_kernel[(n, H * (L // BC) + 3)](
-        a, b, positions, kv_b, kv_b_scale if kv_b_scale is not None else kv_norm_w,
-        kv_b_scale.stride(0) if kv_b_scale is not None else 0, cos, sin, kv_norm_w,
-        idx_k_norm_w if has_idx else kv_norm_w, idx_k_norm_b if has_idx else kv_norm_w,
-        q_out, kv_cache, idx_cache if has_idx else dummy, iq_out if has_idx else dummy,
+        a,
+        b,
+        positions,
+        kv_b,
+        kv_b_scale if kv_b_scale is not None else kv_norm_w,
+        kv_b_scale.stride(0) if kv_b_scale is not None else 0,
+        cos,
+        sin,
+        kv_norm_w,
+        idx_k_norm_w if has_idx else kv_norm_w,
+        idx_k_norm_b if has_idx else kv_norm_w,
+        q_out,
+        kv_cache,
+        idx_cache if has_idx else dummy,
+        iq_out if has_idx else dummy,
         iw_out if has_idx else dummy,
-        H, Hi, a.stride(0), b.stride(0), q_out.stride(0), q_out.stride(1), kv_cache.stride(0),
-        idx_cache.stride(0) if has_idx else 0, iq_out.stride(0) if has_idx else 0,
-        iq_out.stride(1) if has_idx else 0, iw_out.stride(0) if has_idx else 0, cos.stride(0), eps, iw_scale,
-        QL=QL, L=L, R=R, P=P, V=V, DI=DI, BC=BC, HI_P2=triton.next_power_of_2(max(Hi, 1)),
-        HAS_INDEXER=has_idx, HAS_SCALE=kv_b_scale is not None, KGN=kgn, KGK=kgk,
-        ROW_UNIFORM=(P + V) % kgn == 0 and P <= kgn, num_warps=4,
-     **triton_pdl.kw())
+        H,
+        Hi,
+        a.stride(0),
+        b.stride(0),
+        q_out.stride(0),
+        q_out.stride(1),
+        kv_cache.stride(0),
+        idx_cache.stride(0) if has_idx else 0,
+        iq_out.stride(0) if has_idx else 0,
+        iq_out.stride(1) if has_idx else 0,
+        iw_out.stride(0) if has_idx else 0,
+        cos.stride(0),
+        eps,
+        iw_scale,
+        QL=QL,
+        L=L,
+        R=R,
+        P=P,
+        V=V,
+        DI=DI,
+        BC=BC,
+        HI_P2=triton.next_power_of_2(max(Hi, 1)),
+        HAS_INDEXER=has_idx,
+        HAS_SCALE=kv_b_scale is not None,
+        KGN=kgn,
+        KGK=kgk,
+        ROW_UNIFORM=(P + V) % kgn == 0 and P <= kgn,
+        num_warps=4,
+        **triton_pdl.kw(),
+    )
 
 
 def _groups(w, scale):
@@ -176,10 +289,26 @@ def _groups(w, scale):
 
 
 @triton.jit
-def _mla_uv_kernel(o_ptr, kvb_ptr, kvs_ptr, y_ptr, H, stride_on, stride_oh, stride_yn, stride_ks,
-                   L: tl.constexpr, P: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr,
-                   HAS_SCALE: tl.constexpr = False, KGN: tl.constexpr = 128, KGK: tl.constexpr = 128,
-                   ROW_UNIFORM: tl.constexpr = False):
+def _mla_uv_kernel(
+    o_ptr,
+    kvb_ptr,
+    kvs_ptr,
+    y_ptr,
+    H,
+    stride_on,
+    stride_oh,
+    stride_yn,
+    stride_ks,
+    L: tl.constexpr,
+    P: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    PDL: tl.constexpr,
+    HAS_SCALE: tl.constexpr = False,
+    KGN: tl.constexpr = 128,
+    KGK: tl.constexpr = 128,
+    ROW_UNIFORM: tl.constexpr = False,
+):
     pdl_begin(PDL)
     i = tl.program_id(0)
     h = tl.program_id(1)
@@ -191,11 +320,13 @@ def _mla_uv_kernel(o_ptr, kvb_ptr, kvs_ptr, y_ptr, H, stride_on, stride_oh, stri
     wf = w.to(tl.float32)
     if HAS_SCALE:
         if ROW_UNIFORM:  # the program's BV rows share one scale row: fold it into o~
-            ol = ol * tl.load(kvs_ptr + ((h * (P + V) + P + vb * BV) // KGN).to(tl.int64) * stride_ks
-                              + offs_l // KGK)
+            ol = ol * tl.load(kvs_ptr + ((h * (P + V) + P + vb * BV) // KGN).to(tl.int64) * stride_ks + offs_l // KGK)
         else:  # e4m3 * its group's scale
-            wf = wf * tl.load(kvs_ptr + ((h * (P + V) + P + offs_v) // KGN).to(tl.int64)[:, None] * stride_ks
-                              + (offs_l // KGK)[None, :])
+            wf = wf * tl.load(
+                kvs_ptr
+                + ((h * (P + V) + P + offs_v) // KGN).to(tl.int64)[:, None] * stride_ks
+                + (offs_l // KGK)[None, :]
+            )
     y = tl.sum(wf * ol[None, :], 1)
     tl.store(y_ptr + i * stride_yn + h * V + offs_v, y.to(y_ptr.dtype.element_ty))
 
@@ -207,10 +338,25 @@ def mla_uv(o_lat, kv_b, *, P, V, out=None, kv_b_scale=None):
     y = out if out is not None else torch.empty(n, H * V, device=o_lat.device, dtype=o_lat.dtype)
     BV = 16
     kgn, kgk = _groups(kv_b, kv_b_scale)
-    _mla_uv_kernel[(n, H, V // BV)](o_lat, kv_b, kv_b_scale if kv_b_scale is not None else kv_b, y, H,
-                                    o_lat.stride(0), o_lat.stride(1), y.stride(0),
-                                    kv_b_scale.stride(0) if kv_b_scale is not None else 0,
-                                    L=L, P=P, V=V, BV=BV, HAS_SCALE=kv_b_scale is not None, KGN=kgn, KGK=kgk,
-                                    ROW_UNIFORM=kgn % BV == 0 and P % BV == 0 and V % BV == 0,
-                                    num_warps=4, **triton_pdl.kw())
+    _mla_uv_kernel[(n, H, V // BV)](
+        o_lat,
+        kv_b,
+        kv_b_scale if kv_b_scale is not None else kv_b,
+        y,
+        H,
+        o_lat.stride(0),
+        o_lat.stride(1),
+        y.stride(0),
+        kv_b_scale.stride(0) if kv_b_scale is not None else 0,
+        L=L,
+        P=P,
+        V=V,
+        BV=BV,
+        HAS_SCALE=kv_b_scale is not None,
+        KGN=kgn,
+        KGK=kgk,
+        ROW_UNIFORM=kgn % BV == 0 and P % BV == 0 and V % BV == 0,
+        num_warps=4,
+        **triton_pdl.kw(),
+    )
     return y

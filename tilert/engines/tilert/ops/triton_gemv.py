@@ -38,10 +38,28 @@ def _row_rstd(x_row_ptr, K, eps, BK: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, y_ptr, nw_ptr, res_ptr,
-    N, K, k_per_split, stride_xm, stride_wn, stride_ym, stride_rm, stride_ys, eps,
-    BN: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
-    HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, OUT_F32: tl.constexpr, PDL: tl.constexpr):
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    nw_ptr,
+    res_ptr,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    stride_rm,
+    stride_ys,
+    eps,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    RB: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    OUT_F32: tl.constexpr,
+    PDL: tl.constexpr,
+):
     # grid (rows, N / BN, split_k): the rows of one weight tile run side by side (one HBM read, L2 hits),
     # and every row is computed exactly as if it were alone (batch invariance: MTP verify == plain decode).
     row = tl.program_id(0)
@@ -151,12 +169,30 @@ def gemv(
     grid = (nt, triton.cdiv(N, bn), split_k)
     res = residual if residual is not None else y
     _gemv_kernel[grid](
-        x, w, y, norm_w if norm_w is not None else x, res,
-        N, K, k_per_split, x.stride(0), w.stride(0), y.stride(-2), res.stride(0),
-        y.stride(0) if (out_f32 and split_k > 1) else 0, eps,
-        BN=bn, BK=bk, RB=rstd_block(K, bk), HAS_NORM=norm_w is not None, HAS_RES=residual is not None and not out_f32,
-        OUT_F32=out_f32, num_warps=nw, num_stages=ns,
-     **triton_pdl.kw())
+        x,
+        w,
+        y,
+        norm_w if norm_w is not None else x,
+        res,
+        N,
+        K,
+        k_per_split,
+        x.stride(0),
+        w.stride(0),
+        y.stride(-2),
+        res.stride(0),
+        y.stride(0) if (out_f32 and split_k > 1) else 0,
+        eps,
+        BN=bn,
+        BK=bk,
+        RB=rstd_block(K, bk),
+        HAS_NORM=norm_w is not None,
+        HAS_RES=residual is not None and not out_f32,
+        OUT_F32=out_f32,
+        num_warps=nw,
+        num_stages=ns,
+        **triton_pdl.kw(),
+    )
     return y
 
 
@@ -184,6 +220,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     if x2.shape[0] == 0:
         return y
     BD = triton.next_power_of_2(D)
-    _rms_norm_kernel[(x2.shape[0],)](x2, weight, y2, D, x2.stride(0), y2.stride(0), eps, BD=BD,
-                                      num_warps=4 if BD <= 2048 else 8, **triton_pdl.kw())
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2, weight, y2, D, x2.stride(0), y2.stride(0), eps, BD=BD, num_warps=4 if BD <= 2048 else 8, **triton_pdl.kw()
+    )
     return y

@@ -28,12 +28,35 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _mla_split_kernel(
-    q_ptr, kv_ptr, pos_ptr, idx_ptr, start_ptr, o_ptr, lse_ptr,
-    H, n_idx, stride_qn, stride_qh, stride_kv, stride_idx, stride_start,
-    stride_on, stride_oh, stride_os, qk_scale,
-    NUM_SPLITS: tl.constexpr, MIN_TPS: tl.constexpr,
-    L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, SPARSE: tl.constexpr,
-    HAS_START: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+    q_ptr,
+    kv_ptr,
+    pos_ptr,
+    idx_ptr,
+    start_ptr,
+    o_ptr,
+    lse_ptr,
+    H,
+    n_idx,
+    stride_qn,
+    stride_qh,
+    stride_kv,
+    stride_idx,
+    stride_start,
+    stride_on,
+    stride_oh,
+    stride_os,
+    qk_scale,
+    NUM_SPLITS: tl.constexpr,
+    MIN_TPS: tl.constexpr,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    SPARSE: tl.constexpr,
+    HAS_START: tl.constexpr,
+    EARLY: tl.constexpr,
+    PDL: tl.constexpr,
+):
     # EARLY: the split's rows (from positions / row_start, step inputs written before the step or several kernels
     # back, as mla_prep reads them) are worked out before the PDL wait: no L2 round trip for them after it.
     if not EARLY:
@@ -98,8 +121,21 @@ def _mla_split_kernel(
 
 @triton.jit
 def _mla_combine_kernel(
-    o_ptr, lse_ptr, out_ptr, H, stride_on, stride_oh, stride_os, stride_outn, stride_outh,
-    NUM_SPLITS: tl.constexpr, BS: tl.constexpr, L: tl.constexpr, BL: tl.constexpr, PDL: tl.constexpr):
+    o_ptr,
+    lse_ptr,
+    out_ptr,
+    H,
+    stride_on,
+    stride_oh,
+    stride_os,
+    stride_outn,
+    stride_outh,
+    NUM_SPLITS: tl.constexpr,
+    BS: tl.constexpr,
+    L: tl.constexpr,
+    BL: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl_begin(PDL)
     i = tl.program_id(0)
     h = tl.program_id(1)
@@ -114,18 +150,44 @@ def _mla_combine_kernel(
     wts = wts / tl.where(wsum > 0, wsum, 1.0)
     offs_l = lb * BL + tl.arange(0, BL)
     live = smask & (lse > float("-inf"))
-    o = tl.load(o_ptr + i * stride_on + h * stride_oh + offs_s[:, None] * stride_os + offs_l[None, :],
-                mask=live[:, None], other=0.0)
+    o = tl.load(
+        o_ptr + i * stride_on + h * stride_oh + offs_s[:, None] * stride_os + offs_l[None, :],
+        mask=live[:, None],
+        other=0.0,
+    )
     res = tl.sum(o * wts[:, None], 0)
     tl.store(out_ptr + i * stride_outn + h * stride_outh + offs_l, res.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
 def _mla_combine_uv_kernel(
-    o_ptr, lse_ptr, kvb_ptr, kvs_ptr, y_ptr, H, stride_on, stride_oh, stride_os, stride_yn, stride_ks,
-    NUM_SPLITS: tl.constexpr, SB: tl.constexpr, L: tl.constexpr, P: tl.constexpr, V: tl.constexpr,
-    BV: tl.constexpr, HAS_SCALE: tl.constexpr, KGN: tl.constexpr, KGK: tl.constexpr, ROW_UNIFORM: tl.constexpr,
-    BS: tl.constexpr, ONE_READ: tl.constexpr, TAIL: tl.constexpr, LIVE_LOOP: tl.constexpr, PDL: tl.constexpr):
+    o_ptr,
+    lse_ptr,
+    kvb_ptr,
+    kvs_ptr,
+    y_ptr,
+    H,
+    stride_on,
+    stride_oh,
+    stride_os,
+    stride_yn,
+    stride_ks,
+    NUM_SPLITS: tl.constexpr,
+    SB: tl.constexpr,
+    L: tl.constexpr,
+    P: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    KGN: tl.constexpr,
+    KGK: tl.constexpr,
+    ROW_UNIFORM: tl.constexpr,
+    BS: tl.constexpr,
+    ONE_READ: tl.constexpr,
+    TAIL: tl.constexpr,
+    LIVE_LOOP: tl.constexpr,
+    PDL: tl.constexpr,
+):
     # grid (n, H, V / BV): merges head h's split partials into o~ (rounded to the activation dtype, as the combine
     # kernel writes it), then o[i, h*V + v] = W_UV_h[v] . o~ for its BV rows (mla_uv's math): one launch for both.
     # ONE_READ: every split's partial [BS, L] is requested right after the PDL wait, with the log-sum-exps (one
@@ -145,19 +207,24 @@ def _mla_combine_uv_kernel(
         if ROW_UNIFORM:  # the program's BV rows share one scale row: fold it into o~
             cs = tl.load(kvs_ptr + ((h * (P + V) + P + vb * BV) // KGN).to(tl.int64) * stride_ks + offs_l // KGK)
         else:  # e4m3 * its group's scale
-            wf = wf * tl.load(kvs_ptr + ((h * (P + V) + P + offs_v) // KGN).to(tl.int64)[:, None] * stride_ks
-                              + (offs_l // KGK)[None, :])
+            wf = wf * tl.load(
+                kvs_ptr
+                + ((h * (P + V) + P + offs_v) // KGN).to(tl.int64)[:, None] * stride_ks
+                + (offs_l // KGK)[None, :]
+            )
     pdl_begin(PDL)
     offs_s = tl.arange(0, BS)
     lse_row = lse_ptr + (i * H + h) * NUM_SPLITS
     ob = o_ptr + i * stride_on + h * stride_oh
     if ONE_READ:
-        o_all = tl.load(ob + offs_s[:, None] * stride_os + offs_l[None, :], mask=(offs_s < NUM_SPLITS)[:, None],
-                        other=0.0)
+        o_all = tl.load(
+            ob + offs_s[:, None] * stride_os + offs_l[None, :], mask=(offs_s < NUM_SPLITS)[:, None], other=0.0
+        )
         if TAIL > 0:
             offs_t = BS + tl.arange(0, TAIL)
-            o_tail = tl.load(ob + offs_t[:, None] * stride_os + offs_l[None, :],
-                             mask=(offs_t < NUM_SPLITS)[:, None], other=0.0)
+            o_tail = tl.load(
+                ob + offs_t[:, None] * stride_os + offs_l[None, :], mask=(offs_t < NUM_SPLITS)[:, None], other=0.0
+            )
             lse_t = tl.load(lse_row + offs_t, mask=offs_t < NUM_SPLITS, other=float("-inf"))
     lse = tl.load(lse_row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
     mx = tl.max(lse, 0)
@@ -229,8 +296,11 @@ SPLIT_ROWS_EARLY = True
 def _pick_splits(hblocks: int, sparse: bool, n_idx: int, max_tokens: int) -> int:
     """Splits per query, independent of the number of queries: each query's result is the same whether it
     runs alone or in a verify batch (batch invariance, so MTP verify reproduces plain decoding exactly)."""
-    sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-           if torch.cuda.is_available() else 132)
+    sms = (
+        torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        if torch.cuda.is_available()
+        else 132
+    )
     want = max(1, (2 * sms) // hblocks)
     rows = DENSE_CAP_ROWS["one" if hblocks == 1 else "many"]
     cap = triton.cdiv(max(n_idx, 1), 64) if sparse else triton.cdiv(max(max_tokens, 1), rows)
@@ -289,14 +359,37 @@ def mla_decode(
         row_start = row_start.reshape(-1)
         assert row_start.shape[0] in (1, n), "row_start: one row, or one per query"
     _mla_split_kernel[(S, n, hblocks)](
-        q, kv, pos, idx, row_start if row_start is not None else pos, o_part, lse,
-        H, n_idx, q.stride(0), q.stride(1), kv.stride(0), idx.stride(0) if sparse else 0,
+        q,
+        kv,
+        pos,
+        idx,
+        row_start if row_start is not None else pos,
+        o_part,
+        lse,
+        H,
+        n_idx,
+        q.stride(0),
+        q.stride(1),
+        kv.stride(0),
+        idx.stride(0) if sparse else 0,
         row_start.stride(0) if row_start is not None and row_start.shape[0] > 1 else 0,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), scale * _LOG2E,
-        NUM_SPLITS=S, MIN_TPS=min_tps, L=L, R=R, BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, SPARSE=sparse,
-        HAS_START=row_start is not None and not sparse, EARLY=SPLIT_ROWS_EARLY, num_warps=8 if BLOCK_H >= 64 else 4,
+        o_part.stride(0),
+        o_part.stride(1),
+        o_part.stride(2),
+        scale * _LOG2E,
+        NUM_SPLITS=S,
+        MIN_TPS=min_tps,
+        L=L,
+        R=R,
+        BLOCK_H=BLOCK_H,
+        BLOCK_T=BLOCK_T,
+        SPARSE=sparse,
+        HAS_START=row_start is not None and not sparse,
+        EARLY=SPLIT_ROWS_EARLY,
+        num_warps=8 if BLOCK_H >= 64 else 4,
         num_stages=2,
-     **triton_pdl.kw())
+        **triton_pdl.kw(),
+    )
     if uv is not None:
         kv_b, P, V, kvs = uv
         y = out if out is not None else torch.empty(n, H * V, device=q.device, dtype=q.dtype)
@@ -311,27 +404,82 @@ def mla_decode(
         if not one_read:  # the loop's weights come from one tile of every split's log-sum-exp
             bs, tail = triton.next_power_of_2(S), 0
         _mla_combine_uv_kernel[(n, H, V // BV)](
-            o_part, lse, kv_b, kvs if kvs is not None else kv_b, y, H, o_part.stride(0), o_part.stride(1),
-            o_part.stride(2), y.stride(0), kvs.stride(0) if kvs is not None else 0,
-            NUM_SPLITS=S, SB=min(UV_SB, triton.next_power_of_2(S)), L=L, P=P, V=V, BV=BV, HAS_SCALE=kvs is not None,
-            KGN=kgn, KGK=kgk, ROW_UNIFORM=kgn % BV == 0 and P % BV == 0 and V % BV == 0,
-            BS=bs, ONE_READ=one_read, TAIL=tail, LIVE_LOOP=UV_LIVE_LOOP,
-            num_warps=8 if one_read and bs > 32 else 4, **triton_pdl.kw())
+            o_part,
+            lse,
+            kv_b,
+            kvs if kvs is not None else kv_b,
+            y,
+            H,
+            o_part.stride(0),
+            o_part.stride(1),
+            o_part.stride(2),
+            y.stride(0),
+            kvs.stride(0) if kvs is not None else 0,
+            NUM_SPLITS=S,
+            SB=min(UV_SB, triton.next_power_of_2(S)),
+            L=L,
+            P=P,
+            V=V,
+            BV=BV,
+            HAS_SCALE=kvs is not None,
+            KGN=kgn,
+            KGK=kgk,
+            ROW_UNIFORM=kgn % BV == 0 and P % BV == 0 and V % BV == 0,
+            BS=bs,
+            ONE_READ=one_read,
+            TAIL=tail,
+            LIVE_LOOP=UV_LIVE_LOOP,
+            num_warps=8 if one_read and bs > 32 else 4,
+            **triton_pdl.kw(),
+        )
         return y
     res = out if out is not None else torch.empty(n, H, L, device=q.device, dtype=q.dtype)
     BL = min(L, 128 if S <= 32 else 64)
     _mla_combine_kernel[(n, H, triton.cdiv(L, BL))](
-        o_part, lse, res, H, o_part.stride(0), o_part.stride(1), o_part.stride(2), res.stride(0), res.stride(1),
-        NUM_SPLITS=S, BS=triton.next_power_of_2(S), L=L, BL=BL, num_warps=4,
-     **triton_pdl.kw())
+        o_part,
+        lse,
+        res,
+        H,
+        o_part.stride(0),
+        o_part.stride(1),
+        o_part.stride(2),
+        res.stride(0),
+        res.stride(1),
+        NUM_SPLITS=S,
+        BS=triton.next_power_of_2(S),
+        L=L,
+        BL=BL,
+        num_warps=4,
+        **triton_pdl.kw(),
+    )
     return res
 
 
 @triton.jit
 def _indexer_score_kernel(
-    q_ptr, w_ptr, k_ptr, pos_ptr, start_ptr, out_ptr, fine_ptr, coarse_ptr, S, Hi, stride_qn, stride_qh, stride_wn,
-    stride_k, stride_on, stride_start, DI: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, HIST: tl.constexpr,
-    HAS_START: tl.constexpr, PDL: tl.constexpr):
+    q_ptr,
+    w_ptr,
+    k_ptr,
+    pos_ptr,
+    start_ptr,
+    out_ptr,
+    fine_ptr,
+    coarse_ptr,
+    S,
+    Hi,
+    stride_qn,
+    stride_qh,
+    stride_wn,
+    stride_k,
+    stride_on,
+    stride_start,
+    DI: tl.constexpr,
+    BH: tl.constexpr,
+    BT: tl.constexpr,
+    HIST: tl.constexpr,
+    HAS_START: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl_begin(PDL)
     pid_t = tl.program_id(0)
     i = tl.program_id(1)
@@ -346,14 +494,18 @@ def _indexer_score_kernel(
     res = tl.full([BT], float("-inf"), dtype=tl.float32)
     if pid_t * BT <= pos:
         offs_d = tl.arange(0, DI)
-        k = tl.load(k_ptr + (first + offs_t.to(tl.int64))[:, None] * stride_k + offs_d[None, :],
-                    mask=(valid & tmask)[:, None], other=0.0)
+        k = tl.load(
+            k_ptr + (first + offs_t.to(tl.int64))[:, None] * stride_k + offs_d[None, :],
+            mask=(valid & tmask)[:, None],
+            other=0.0,
+        )
         acc = tl.zeros([BT], dtype=tl.float32)
         for h0 in range(0, Hi, BH):
             offs_h = h0 + tl.arange(0, BH)
             hmask = offs_h < Hi
-            q = tl.load(q_ptr + i * stride_qn + offs_h[:, None] * stride_qh + offs_d[None, :],
-                        mask=hmask[:, None], other=0.0)
+            q = tl.load(
+                q_ptr + i * stride_qn + offs_h[:, None] * stride_qh + offs_d[None, :], mask=hmask[:, None], other=0.0
+            )
             w = tl.load(w_ptr + i * stride_wn + offs_h, mask=hmask, other=0.0)
             s = tl.dot(q, tl.trans(k))  # [BH, BT]
             s = tl.maximum(s, 0.0) * w[:, None]
@@ -361,13 +513,13 @@ def _indexer_score_kernel(
         res = tl.where(valid, acc, float("-inf"))
         if HIST:  # pass 1 of the radix top-k (triton_topk), fused: no second read of the scores
             key = key64(res)
-            hist_update((key >> 16).to(tl.int32), valid & tmask, fine_ptr + i * 65536,
-                                    coarse_ptr + i * 256)
+            hist_update((key >> 16).to(tl.int32), valid & tmask, fine_ptr + i * 65536, coarse_ptr + i * 256)
     tl.store(out_ptr + i * stride_on + offs_t, res, mask=tmask)
 
 
-def indexer_scores(q, weights, k_cache, positions, out=None, topk_ws: triton_topk.TopkWorkspace | None = None,
-                   row_start=None):
+def indexer_scores(
+    q, weights, k_cache, positions, out=None, topk_ws: triton_topk.TopkWorkspace | None = None, row_start=None
+):
     """fp32 ``[n, S_max]``: sum_h w[h] relu(q[h].k[t]) for t <= pos, -inf elsewhere. With ``topk_ws`` the
     radix top-k's pass-1 histogram is accumulated on the way (``triton_topk.select_from_hist`` finishes it).
     With ``row_start`` (int64 ``[n]``) column ``t`` of row ``i`` scores cache row ``row_start[i] + t``, valid for
@@ -381,10 +533,31 @@ def indexer_scores(q, weights, k_cache, positions, out=None, topk_ws: triton_top
     hist = topk_ws is not None
     fine, coarse = (topk_ws.fine, topk_ws.coarse) if topk_ws is not None else (res, res)
     _indexer_score_kernel[(triton.cdiv(S, BT), n)](
-        q, weights, k, positions, row_start if row_start is not None else positions, res, fine, coarse, S, Hi,
-        q.stride(0), q.stride(1), weights.stride(0), k.stride(0), res.stride(0),
-        row_start.stride(0) if row_start is not None else 0, DI=Di, BH=BH, BT=BT, HIST=hist,
-        HAS_START=row_start is not None, num_warps=4, num_stages=2, **triton_pdl.kw())
+        q,
+        weights,
+        k,
+        positions,
+        row_start if row_start is not None else positions,
+        res,
+        fine,
+        coarse,
+        S,
+        Hi,
+        q.stride(0),
+        q.stride(1),
+        weights.stride(0),
+        k.stride(0),
+        res.stride(0),
+        row_start.stride(0) if row_start is not None else 0,
+        DI=Di,
+        BH=BH,
+        BT=BT,
+        HIST=hist,
+        HAS_START=row_start is not None,
+        num_warps=4,
+        num_stages=2,
+        **triton_pdl.kw(),
+    )
     return res
 
 
@@ -416,5 +589,3 @@ def indexer_topk(q, weights, k_cache, positions, topk: int, scores_out=None, row
     if row_start is not None:
         idx = torch.where(idx >= 0, idx + row_start[:, None].to(torch.int32), idx)
     return idx
-
-

@@ -39,9 +39,26 @@ __all__ = ["moe_experts", "moe_up", "moe_down", "router_select", "router"]
 
 @triton.jit
 def _moe_up_kernel(
-    x_ptr, nw_ptr, ids_ptr, w13_ptr, act_ptr, D, I, KK, stride_xm, stride_ids, stride_we, stride_wn,
-    stride_an, stride_ak, eps,
-    BI: tl.constexpr, BK: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+    x_ptr,
+    nw_ptr,
+    ids_ptr,
+    w13_ptr,
+    act_ptr,
+    D,
+    I,
+    KK,
+    stride_xm,
+    stride_ids,
+    stride_we,
+    stride_wn,
+    stride_an,
+    stride_ak,
+    eps,
+    BI: tl.constexpr,
+    BK: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl_begin(PDL)
     r = tl.program_id(0)
     ib = tl.program_id(1)
@@ -88,10 +105,29 @@ def _moe_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    act_ptr, ids_ptr, wts_ptr, w2_ptr, y_ptr, res_ptr, D, I, stride_an, stride_ak, stride_ids, stride_wts,
-    stride_we, stride_wd, stride_yn, stride_rn,
-    KK: tl.constexpr, N_CH: tl.constexpr, BD: tl.constexpr, BI: tl.constexpr, HAS_RES: tl.constexpr,
-    PDL: tl.constexpr):
+    act_ptr,
+    ids_ptr,
+    wts_ptr,
+    w2_ptr,
+    y_ptr,
+    res_ptr,
+    D,
+    I,
+    stride_an,
+    stride_ak,
+    stride_ids,
+    stride_wts,
+    stride_we,
+    stride_wd,
+    stride_yn,
+    stride_rn,
+    KK: tl.constexpr,
+    N_CH: tl.constexpr,
+    BD: tl.constexpr,
+    BI: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl_begin(PDL)
     i = tl.program_id(0)
     db = tl.program_id(1)
@@ -109,8 +145,11 @@ def _moe_down_kernel(
         offs_i = i0 + tl.arange(0, BI)
         imask = (offs_i < I) & ok
         a = tl.load(act_ptr + i * stride_an + j * stride_ak + offs_i, mask=imask, other=0.0).to(tl.float32)
-        w = tl.load(w2_ptr + e.to(tl.int64) * stride_we + offs_d.to(tl.int64)[:, None] * stride_wd + offs_i[None, :],
-                    mask=dmask[:, None] & imask[None, :], other=0.0)
+        w = tl.load(
+            w2_ptr + e.to(tl.int64) * stride_we + offs_d.to(tl.int64)[:, None] * stride_wd + offs_i[None, :],
+            mask=dmask[:, None] & imask[None, :],
+            other=0.0,
+        )
         acc += w.to(tl.float32) * (a * wj)[None, :]
     y = tl.sum(acc, 1).to(y_ptr.dtype.element_ty)
     if HAS_RES:
@@ -142,9 +181,28 @@ def moe_up(x, ids, w13, *, norm_w=None, eps=1e-6, out=None, cfg=None):
     act = out if out is not None else torch.empty(n, KK, I, device=x.device, dtype=x.dtype)
     BI, BK, nw, ns = cfg or UP_CFG[_width(I)]
     _moe_up_kernel[(n * KK, triton.cdiv(I, BI))](
-        x, norm_w if norm_w is not None else x, ids, w13, act, D, I, KK, x.stride(0), ids.stride(0),
-        w13.stride(0), w13.stride(1), act.stride(0), act.stride(1), eps,
-        BI=BI, BK=BK, HAS_NORM=norm_w is not None, num_warps=nw, num_stages=ns, **triton_pdl.kw())
+        x,
+        norm_w if norm_w is not None else x,
+        ids,
+        w13,
+        act,
+        D,
+        I,
+        KK,
+        x.stride(0),
+        ids.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        act.stride(0),
+        act.stride(1),
+        eps,
+        BI=BI,
+        BK=BK,
+        HAS_NORM=norm_w is not None,
+        num_warps=nw,
+        num_stages=ns,
+        **triton_pdl.kw(),
+    )
     return act
 
 
@@ -162,10 +220,31 @@ def moe_down(act, ids, wts, w2, *, residual=None, out=None, cfg=None):
     res = residual if residual is not None else y
     BD, BI, nw, ns = cfg or DOWN_CFG[_width(I)]
     _moe_down_kernel[(n, triton.cdiv(D, BD))](
-        act, ids, wts, w2, y, res, D, I, act.stride(0), act.stride(1), ids.stride(0), wts.stride(0),
-        w2.stride(0), w2.stride(1), y.stride(0), res.stride(0),
-        KK=KK, N_CH=triton.cdiv(I, BI), BD=BD, BI=BI, HAS_RES=residual is not None, num_warps=nw, num_stages=ns,
-        **triton_pdl.kw())
+        act,
+        ids,
+        wts,
+        w2,
+        y,
+        res,
+        D,
+        I,
+        act.stride(0),
+        act.stride(1),
+        ids.stride(0),
+        wts.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        y.stride(0),
+        res.stride(0),
+        KK=KK,
+        N_CH=triton.cdiv(I, BI),
+        BD=BD,
+        BI=BI,
+        HAS_RES=residual is not None,
+        num_warps=nw,
+        num_stages=ns,
+        **triton_pdl.kw(),
+    )
     return y
 
 
@@ -178,9 +257,23 @@ def moe_experts(x, topk_ids, topk_weights, w13, w2):
 
 
 @triton.jit
-def _route(part_ptr, bias_ptr, i, SPLIT, stride_ps, stride_pn, route_scale, E_real,
-           E: tl.constexpr, G: tl.constexpr, TOPK_G: tl.constexpr, K: tl.constexpr, KPAD: tl.constexpr,
-           N_SHARED: tl.constexpr, NORM: tl.constexpr):
+def _route(
+    part_ptr,
+    bias_ptr,
+    i,
+    SPLIT,
+    stride_ps,
+    stride_pn,
+    route_scale,
+    E_real,
+    E: tl.constexpr,
+    G: tl.constexpr,
+    TOPK_G: tl.constexpr,
+    K: tl.constexpr,
+    KPAD: tl.constexpr,
+    N_SHARED: tl.constexpr,
+    NORM: tl.constexpr,
+):
     """Token ``i``'s noaux_tc routing from fp32 split-K partial logits: (ids, weights) ``[KPAD]``, the
     shared-expert slots appended (ids ``E_real + s``, weight 1), -1 / 0 beyond ``K + N_SHARED``."""
     offs = tl.arange(0, E)
@@ -192,8 +285,19 @@ def _route(part_ptr, bias_ptr, i, SPLIT, stride_ps, stride_pn, route_scale, E_re
 
 
 @triton.jit
-def _select(logits, bias_ptr, route_scale, E_real, E: tl.constexpr, G: tl.constexpr, TOPK_G: tl.constexpr,
-            K: tl.constexpr, KPAD: tl.constexpr, N_SHARED: tl.constexpr, NORM: tl.constexpr):
+def _select(
+    logits,
+    bias_ptr,
+    route_scale,
+    E_real,
+    E: tl.constexpr,
+    G: tl.constexpr,
+    TOPK_G: tl.constexpr,
+    K: tl.constexpr,
+    KPAD: tl.constexpr,
+    N_SHARED: tl.constexpr,
+    NORM: tl.constexpr,
+):
     """The selection of :func:`_route` from the summed logits ``[E]``."""
     offs = tl.arange(0, E)
     emask = offs < E_real
@@ -235,22 +339,51 @@ def _select(logits, bias_ptr, route_scale, E_real, E: tl.constexpr, G: tl.conste
 
 @triton.jit
 def _router_select_kernel(
-    part_ptr, bias_ptr, ids_ptr, wts_ptr, n, SPLIT, stride_ps, stride_pn, stride_ids, stride_wts,
-    route_scale, E_real,
-    E: tl.constexpr, G: tl.constexpr, TOPK_G: tl.constexpr, K: tl.constexpr, KPAD: tl.constexpr,
-    N_SHARED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    part_ptr,
+    bias_ptr,
+    ids_ptr,
+    wts_ptr,
+    n,
+    SPLIT,
+    stride_ps,
+    stride_pn,
+    stride_ids,
+    stride_wts,
+    route_scale,
+    E_real,
+    E: tl.constexpr,
+    G: tl.constexpr,
+    TOPK_G: tl.constexpr,
+    K: tl.constexpr,
+    KPAD: tl.constexpr,
+    N_SHARED: tl.constexpr,
+    NORM: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl_begin(PDL)
     i = tl.program_id(0)
-    sel_ids, sel_w = _route(part_ptr, bias_ptr, i, SPLIT, stride_ps, stride_pn, route_scale, E_real,
-                            E, G, TOPK_G, K, KPAD, N_SHARED, NORM)
+    sel_ids, sel_w = _route(
+        part_ptr, bias_ptr, i, SPLIT, stride_ps, stride_pn, route_scale, E_real, E, G, TOPK_G, K, KPAD, N_SHARED, NORM
+    )
     kk = tl.arange(0, KPAD)
     m = kk < K + N_SHARED
     tl.store(ids_ptr + i * stride_ids + kk, sel_ids, mask=m)
     tl.store(wts_ptr + i * stride_wts + kk, sel_w, mask=m)
 
 
-def router_select(partials, bias, *, top_k, n_group, topk_group, route_scale, norm_topk=True, n_shared_slots=0,
-                  ids_out=None, wts_out=None):
+def router_select(
+    partials,
+    bias,
+    *,
+    top_k,
+    n_group,
+    topk_group,
+    route_scale,
+    norm_topk=True,
+    n_shared_slots=0,
+    ids_out=None,
+    wts_out=None,
+):
     """partials fp32 ``[split, n, E]`` (summed here) -> ids int32 ``[n, top_k + n_shared_slots]`` and fp32 weights.
 
     Shared-expert slots get ids ``E..E+n_shared_slots-1`` and weight 1.0.
@@ -263,20 +396,67 @@ def router_select(partials, bias, *, top_k, n_group, topk_group, route_scale, no
     G = n_group if n_group > 1 else 1
     assert G == 1 or E == E_real
     _router_select_kernel[(n,)](
-        partials, bias, ids, wts, n, split, partials.stride(0), partials.stride(1), ids.stride(0), wts.stride(0),
-        route_scale, E_real, E=E, G=G, TOPK_G=topk_group, K=top_k, KPAD=triton.next_power_of_2(KK),
-        N_SHARED=n_shared_slots, NORM=norm_topk, num_warps=4,
-     **triton_pdl.kw())
+        partials,
+        bias,
+        ids,
+        wts,
+        n,
+        split,
+        partials.stride(0),
+        partials.stride(1),
+        ids.stride(0),
+        wts.stride(0),
+        route_scale,
+        E_real,
+        E=E,
+        G=G,
+        TOPK_G=topk_group,
+        K=top_k,
+        KPAD=triton.next_power_of_2(KK),
+        N_SHARED=n_shared_slots,
+        NORM=norm_topk,
+        num_warps=4,
+        **triton_pdl.kw(),
+    )
     return ids, wts
 
 
 @triton.jit
 def _router_kernel(
-    x_ptr, w_ptr, nw_ptr, part_ptr, bias_ptr, ids_ptr, wts_ptr, cnt_ptr, K, k_per_split, E_real, stride_xm, stride_wn,
-    stride_ps, stride_pn, stride_ids, stride_wts, eps, route_scale,
-    BN: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr,
-    HAS_NORM: tl.constexpr, E: tl.constexpr, G: tl.constexpr, TOPK_G: tl.constexpr, K_SEL: tl.constexpr,
-    KPAD: tl.constexpr, N_SHARED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    x_ptr,
+    w_ptr,
+    nw_ptr,
+    part_ptr,
+    bias_ptr,
+    ids_ptr,
+    wts_ptr,
+    cnt_ptr,
+    K,
+    k_per_split,
+    E_real,
+    stride_xm,
+    stride_wn,
+    stride_ps,
+    stride_pn,
+    stride_ids,
+    stride_wts,
+    eps,
+    route_scale,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    RB: tl.constexpr,
+    NB: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    E: tl.constexpr,
+    G: tl.constexpr,
+    TOPK_G: tl.constexpr,
+    K_SEL: tl.constexpr,
+    KPAD: tl.constexpr,
+    N_SHARED: tl.constexpr,
+    NORM: tl.constexpr,
+    PDL: tl.constexpr,
+):
     # grid (n, NB, SPLIT): the split-K router GEMV of triton_gemv (fp32 partials, same arithmetic), then the last of
     # token i's NB * SPLIT programs to finish (a counter per token) runs the selection over the partials (summed in
     # split order, as router_select does), writes ids / weights and zeroes its counter for the next launch.
@@ -315,8 +495,23 @@ def _router_kernel(
     cnt = cnt_ptr + row
     arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
     if arrived == NB * SPLIT - 1:
-        sel_ids, sel_w = _route_cg(part_ptr, bias_ptr, row, SPLIT, stride_ps, stride_pn, route_scale, E_real,
-                                   E, G, TOPK_G, K_SEL, KPAD, N_SHARED, NORM)
+        sel_ids, sel_w = _route_cg(
+            part_ptr,
+            bias_ptr,
+            row,
+            SPLIT,
+            stride_ps,
+            stride_pn,
+            route_scale,
+            E_real,
+            E,
+            G,
+            TOPK_G,
+            K_SEL,
+            KPAD,
+            N_SHARED,
+            NORM,
+        )
         kk = tl.arange(0, KPAD)
         m = kk < K_SEL + N_SHARED
         tl.store(ids_ptr + row * stride_ids + kk, sel_ids, mask=m)
@@ -325,16 +520,29 @@ def _router_kernel(
 
 
 @triton.jit
-def _route_cg(part_ptr, bias_ptr, i, SPLIT, stride_ps, stride_pn, route_scale, E_real,
-              E: tl.constexpr, G: tl.constexpr, TOPK_G: tl.constexpr, K: tl.constexpr, KPAD: tl.constexpr,
-              N_SHARED: tl.constexpr, NORM: tl.constexpr):
+def _route_cg(
+    part_ptr,
+    bias_ptr,
+    i,
+    SPLIT,
+    stride_ps,
+    stride_pn,
+    route_scale,
+    E_real,
+    E: tl.constexpr,
+    G: tl.constexpr,
+    TOPK_G: tl.constexpr,
+    K: tl.constexpr,
+    KPAD: tl.constexpr,
+    N_SHARED: tl.constexpr,
+    NORM: tl.constexpr,
+):
     """:func:`_route` reading partials that other programs of the same launch wrote (from L2, past L1)."""
     offs = tl.arange(0, E)
     emask = offs < E_real
     logits = tl.zeros([E], dtype=tl.float32)
     for s in range(0, SPLIT):
-        logits += tl.load(part_ptr + s * stride_ps + i * stride_pn + offs, mask=emask, other=0.0,
-                          cache_modifier=".cg")
+        logits += tl.load(part_ptr + s * stride_ps + i * stride_pn + offs, mask=emask, other=0.0, cache_modifier=".cg")
     return _select(logits, bias_ptr, route_scale, E_real, E, G, TOPK_G, K, KPAD, N_SHARED, NORM)
 
 
@@ -342,8 +550,21 @@ ROUTER_SPLIT = 8  # the router GEMV's split_k (as the separate GEMV + router_sel
 ROUTER_WARPS = 0  # warps per router program (0: the bf16 GEMV's); 1 measured the same on lite (--tune)
 
 
-def router(x, gate, bias, *, norm_w=None, eps=1e-6, top_k, n_group, topk_group, route_scale, norm_topk=True,
-           n_shared_slots=0, cfg=None):
+def router(
+    x,
+    gate,
+    bias,
+    *,
+    norm_w=None,
+    eps=1e-6,
+    top_k,
+    n_group,
+    topk_group,
+    route_scale,
+    norm_topk=True,
+    n_shared_slots=0,
+    cfg=None,
+):
     """``router_select(gemv(x, gate, norm_w, split_k), bias, ...)`` in one launch: ids int32 ``[n, top_k +
     n_shared_slots]`` and fp32 weights, the same values as the two kernels."""
     n, K = x.shape
@@ -368,12 +589,42 @@ def router(x, gate, bias, *, norm_w=None, eps=1e-6, top_k, n_group, topk_group, 
     wts = torch.empty(n, KK, device=dev, dtype=torch.float32)
     nb = triton.cdiv(E_real, bn)
     _router_kernel[(n, nb, split)](
-        x, gate, norm_w if norm_w is not None else x, part, bias, ids, wts, cnt, K, k_per_split, E_real, x.stride(0),
-        gate.stride(0), part.stride(0), part.stride(1), ids.stride(0), wts.stride(0), eps, route_scale,
-        BN=bn, BK=bk, RB=rstd_block(K, bk), NB=nb, SPLIT=split, HAS_NORM=norm_w is not None, E=E, G=G,
-        TOPK_G=topk_group, K_SEL=top_k,
-        KPAD=triton.next_power_of_2(KK), N_SHARED=n_shared_slots, NORM=norm_topk, num_warps=nw, num_stages=1,
-        **triton_pdl.kw())
+        x,
+        gate,
+        norm_w if norm_w is not None else x,
+        part,
+        bias,
+        ids,
+        wts,
+        cnt,
+        K,
+        k_per_split,
+        E_real,
+        x.stride(0),
+        gate.stride(0),
+        part.stride(0),
+        part.stride(1),
+        ids.stride(0),
+        wts.stride(0),
+        eps,
+        route_scale,
+        BN=bn,
+        BK=bk,
+        RB=rstd_block(K, bk),
+        NB=nb,
+        SPLIT=split,
+        HAS_NORM=norm_w is not None,
+        E=E,
+        G=G,
+        TOPK_G=topk_group,
+        K_SEL=top_k,
+        KPAD=triton.next_power_of_2(KK),
+        N_SHARED=n_shared_slots,
+        NORM=norm_topk,
+        num_warps=nw,
+        num_stages=1,
+        **triton_pdl.kw(),
+    )
     return ids, wts
 
 

@@ -108,20 +108,36 @@ def _scan_kernel(fine_ptr, coarse_ptr, state_ptr, n, K: tl.constexpr, PASS: tl.c
 
 
 @triton.jit
-def _hist_lo_kernel(s_ptr, pos_ptr, fine_ptr, coarse_ptr, state_ptr, S, n, stride_s, CHUNK: tl.constexpr,
-                    PDL: tl.constexpr):
+def _hist_lo_kernel(
+    s_ptr, pos_ptr, fine_ptr, coarse_ptr, state_ptr, S, n, stride_s, CHUNK: tl.constexpr, PDL: tl.constexpr
+):
     pdl_begin(PDL)
     i, total, offs, valid, key = _chunk(s_ptr, pos_ptr, S, stride_s, CHUNK)
     hi = (key >> 16).to(tl.int32)
     tl.store(fine_ptr + i * 65536 + hi, 0, mask=valid)  # pass-1 bins: read by the scan, done
     b = tl.load(state_ptr + i * 4)
-    hist_update((key & 0xFFFF).to(tl.int32), valid & (hi == b), fine_ptr + (n + i).to(tl.int64) * 65536,
-                coarse_ptr + (n + i) * 256)
+    hist_update(
+        (key & 0xFFFF).to(tl.int32),
+        valid & (hi == b),
+        fine_ptr + (n + i).to(tl.int64) * 65536,
+        coarse_ptr + (n + i) * 256,
+    )
 
 
 @triton.jit
-def _count_kernel(s_ptr, pos_ptr, fine_ptr, state_ptr, cnt_ptr, S, n, stride_s, NCHP: tl.constexpr,
-                  CHUNK: tl.constexpr, PDL: tl.constexpr):
+def _count_kernel(
+    s_ptr,
+    pos_ptr,
+    fine_ptr,
+    state_ptr,
+    cnt_ptr,
+    S,
+    n,
+    stride_s,
+    NCHP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl_begin(PDL)
     i, total, offs, valid, key = _chunk(s_ptr, pos_ptr, S, stride_s, CHUNK)
     b, thr = _threshold(state_ptr, i)
@@ -133,8 +149,20 @@ def _count_kernel(s_ptr, pos_ptr, fine_ptr, state_ptr, cnt_ptr, S, n, stride_s, 
 
 
 @triton.jit
-def _write_kernel(s_ptr, pos_ptr, state_ptr, cnt_ptr, out_ptr, S, stride_s, stride_o, K: tl.constexpr,
-                  NCHP: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+def _write_kernel(
+    s_ptr,
+    pos_ptr,
+    state_ptr,
+    cnt_ptr,
+    out_ptr,
+    S,
+    stride_s,
+    stride_o,
+    K: tl.constexpr,
+    NCHP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl_begin(PDL)
     i, total, offs, valid, key = _chunk(s_ptr, pos_ptr, S, stride_s, CHUNK)
     orow = out_ptr + i * stride_o
@@ -191,13 +219,39 @@ def select_from_hist(scores: torch.Tensor, positions: torch.Tensor, ws: TopkWork
     pdl = triton_pdl.kw()
     grid = (ws.chunks, n)
     _scan_kernel[(n,)](ws.fine, ws.coarse, ws.state, n, K=K, PASS=0, num_warps=4, **pdl)
-    _hist_lo_kernel[grid](scores, positions, ws.fine, ws.coarse, ws.state, S, n, scores.stride(0), CHUNK=CH,
-                          num_warps=4, **pdl)
+    _hist_lo_kernel[grid](
+        scores, positions, ws.fine, ws.coarse, ws.state, S, n, scores.stride(0), CHUNK=CH, num_warps=4, **pdl
+    )
     _scan_kernel[(n,)](ws.fine, ws.coarse, ws.state, n, K=K, PASS=1, num_warps=4, **pdl)
-    _count_kernel[grid](scores, positions, ws.fine, ws.state, ws.counts, S, n, scores.stride(0), NCHP=ws.nchp,
-                        CHUNK=CH, num_warps=4, **pdl)
-    _write_kernel[(ws.write_chunks, n)](scores, positions, ws.state, ws.counts, res, S, scores.stride(0),
-                                        res.stride(0), K=K, NCHP=ws.nchp, CHUNK=CH, num_warps=4, **pdl)
+    _count_kernel[grid](
+        scores,
+        positions,
+        ws.fine,
+        ws.state,
+        ws.counts,
+        S,
+        n,
+        scores.stride(0),
+        NCHP=ws.nchp,
+        CHUNK=CH,
+        num_warps=4,
+        **pdl,
+    )
+    _write_kernel[(ws.write_chunks, n)](
+        scores,
+        positions,
+        ws.state,
+        ws.counts,
+        res,
+        S,
+        scores.stride(0),
+        res.stride(0),
+        K=K,
+        NCHP=ws.nchp,
+        CHUNK=CH,
+        num_warps=4,
+        **pdl,
+    )
     return res
 
 
@@ -208,6 +262,7 @@ def topk(scores: torch.Tensor, positions: torch.Tensor, k: int, out=None) -> tor
     n, S = scores.shape
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     ws = workspace(n, S, k, scores.device)
-    _hist_hi_kernel[(ws.chunks, n)](scores, positions, ws.fine, ws.coarse, S, scores.stride(0), CHUNK=CH,
-                                    num_warps=4, **triton_pdl.kw())
+    _hist_hi_kernel[(ws.chunks, n)](
+        scores, positions, ws.fine, ws.coarse, S, scores.stride(0), CHUNK=CH, num_warps=4, **triton_pdl.kw()
+    )
     return select_from_hist(scores, positions, ws, out=out)

@@ -1,0 +1,113 @@
+"""The benchmark configurations of one tensor-parallel rank of full-size DeepSeek-V3.2 and GLM-5
+(``benchmarks/engine_configs.py``, timed by ``benchmarks/decode_speed.py`` on a GPU): their dimensions are the
+transformers config classes' divided as the engine shards them, the bytes a step reads are counted from the
+model the engine builds, and a reduced version runs through the same code on the CPU."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import decode_speed  # noqa: E402
+import engine_configs  # noqa: E402
+
+from tilert.engines.tilert import fp8  # noqa: E402
+from tilert.engines.tilert.model import Transformer  # noqa: E402
+
+ROW_FIELDS = ("config", "context", "weights", "ms_per_step", "tok_s", "pct_roofline", "bytes_per_step")
+
+
+@pytest.mark.parametrize("name", list(engine_configs.RANK_CONFIGS))
+def test_rank_is_the_full_size_models_share(name: str) -> None:
+    import transformers
+
+    cls, tp = engine_configs.RANK_CONFIGS[name]
+    cfg = getattr(transformers, cls)()
+    a = engine_configs.rank_args(name)
+    assert (a.tp_size, a.tp_rank, a.fp8, a.num_mtp_layers) == (tp, 0, True, 1)
+    assert a.hidden_size == cfg.hidden_size and a.num_layers == cfg.num_hidden_layers
+    assert a.num_heads == cfg.num_attention_heads // tp
+    assert a.moe_intermediate_size == cfg.moe_intermediate_size // tp
+    assert a.intermediate_size == cfg.intermediate_size // tp
+    assert (a.kv_lora_rank, a.q_lora_rank, a.index_n_heads) == (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.index_n_heads)
+
+
+def _bytes_read(model: Transformer) -> int:
+    """Bytes one plain step reads, counted from the model's parameters (bf16 weights, e4m3 FP8 weights, float32
+    scales): each MoE layer's experts at (top-k + shared) of its slots, one embedding row, no norms, no MTP."""
+    a = model.args
+    total = 0
+    for name, p in model.named_parameters():
+        if name.startswith("mtp.") or p.dim() == 1:
+            continue
+        size = 1 if p.dtype == fp8.E4M3 else 4 if name.endswith(fp8.SCALE_SUFFIX) else 2
+        n = p.numel() * size
+        if name == "embed":
+            n = a.hidden_size * 2
+        elif ".mlp.w" in name and p.shape[0] == a.n_routed_experts + a.n_shared_experts:
+            n = n * (a.num_experts_per_tok + a.n_shared_experts) // p.shape[0]
+        total += n
+    return total
+
+
+@pytest.mark.parametrize("name", list(engine_configs.RANK_CONFIGS))
+def test_bytes_per_step_are_the_rank_models(name: str) -> None:
+    a = engine_configs.rank_args(name)
+    with torch.device("meta"):
+        model = Transformer(a)
+    b = decode_speed.bytes_per_token(a, 1024, sparse=False)
+    assert b["weights"] + b["head"] == _bytes_read(model)
+    assert b["kv"] == a.num_layers * 1024 * a.latent_dim * 2
+    sparse = decode_speed.bytes_per_token(a, 32768, sparse=True)["kv"]
+    assert sparse == a.num_layers * a.index_topk * a.latent_dim * 2 + len(a.index_layers) * 32768 * 128 * 2
+    assert 3e9 < b["total"] < 20e9  # the attention and top-k experts of a 600B+ FP8 model, one rank's share
+
+
+def test_reduced_ranks_run_on_the_cpu(tmp_path: Path) -> None:
+    """``decode_speed.py --cpu-smoke``'s path (smaller still here: the suite's time): the rank configurations built
+    with random FP8 weights, a plain step at a dense and a DSA context and a speculative step, JSON rows with the
+    table's fields."""
+    import json
+
+    reduce: dict[str, Any] = dict(engine_configs.CPU_REDUCE, hidden_size=1024, vocab_size=1024)
+    rows = decode_speed.cpu_smoke(str(tmp_path), reduce)
+    saved = json.loads((tmp_path / "decode_speed_cpu_smoke.json").read_text())["runs"]
+    assert [r["config"] for r in saved] == [f"{n}-cpu-smoke" for n in engine_configs.RANK_CONFIGS for _ in (0, 1)]
+    for r in saved:
+        assert all(k in r for k in ROW_FIELDS), r.keys()
+        assert r["weights"] == "fp8" and r["tp"] == 8 and math.isclose(r["tok_s"] * r["ms_per_step"], 1e3)
+    assert len(rows) == len(saved)
+
+
+def test_projection_adds_the_collectives_of_each_step(tmp_path: Path) -> None:
+    """``project_tp.py``: a plain step pays two all-reduces per layer and one all-gather; a speculative step of K
+    drafts its verify's and K + 1 MTP passes'; rows marked projected."""
+    import json
+
+    import project_tp
+
+    runs = [
+        dict(config="v32-tp8-rank", context=c, weights="fp8", ms_per_step=ms) for c, ms in ((1024, 4.0), (32768, 6.0))
+    ]
+    steps = {str(k): dict(graph_ms=4.0 + k) for k in (1, 2, 3)}
+    src = tmp_path / "rank.json"
+    src.write_text(json.dumps(dict(runs=runs, mtp_verify={"v32-tp8-rank": dict(ctx=1024, steps=steps)})))
+    rows = project_tp.main(
+        ["--rank-json", str(src), "--allreduce-us", "10", "--allgather-us", "20", "--out", str(tmp_path)]
+    )
+    saved = json.loads((tmp_path / "tp_projected.json").read_text())["rows"]
+    assert saved == rows and all(r["projected"] for r in rows)
+    plain = {r["context"]: r for r in rows if r["mtp"] == "off"}
+    assert math.isclose(plain[1024]["ms_per_step"], 4.0 + 122 * 0.01 + 0.02)
+    spec = {(r["context"], r["accepted_len"]): r for r in rows if r["mtp"] != "off"}
+    k3 = spec[(32768, 4.0)]  # K = 3: t_spec(3) measured at 1K, plus the plain step's growth to 32K
+    assert k3["mtp"] == 3 and math.isclose(k3["ms_per_step"], 7.0 + 2.0 + (122 + 8) * 0.01 + 5 * 0.02)
+    assert math.isclose(k3["tok_s"], 4.0 * 1e3 / k3["ms_per_step"])
