@@ -99,8 +99,11 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
         tag = f"E={e} I={i} D={d} n={nt}"
         x = ref.rms_norm(h, g, 1e-6)
         act = triton_fp8.moe_up_fp8(h, ids, w13, s13, norm_w=g)
-        report(f"fp8 moe_up (norm fused) {tag}", triton_fp8.moe_down_fp8(act, ids, wts, w2, s2),
-               ref.moe_experts(x, ids, wts, w13, w2, s13, s2), tol=2e-2)
+        got = triton_fp8.moe_down_fp8(act, ids, wts, w2, s2)
+        report(f"fp8 moe_up (norm fused) {tag}", got, ref.moe_experts(x, ids, wts, w13, w2, s13, s2), tol=2e-2)
+        # the same against the reference in fp32 (the kernels accumulate in fp32; the bf16 reference rounds)
+        exact = ref.moe_experts(x.float(), ids, wts, w13, w2, s13, s2)
+        report(f"fp8 moe_up (norm fused) vs fp32 reference {tag}", got, exact, tol=2e-2)
         h1, h2 = h.clone(), h.clone()
         act = triton_fp8.moe_up_fp8(h1, ids, w13, s13, norm_w=g)
         triton_fp8.moe_down_fp8(act, ids, wts, w2, s2, residual=h1)
@@ -137,39 +140,40 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
                 report(f"fp8 moe_down cfg={cfg} batch invariance {tag}", y1, alone, tol=1e-30)
     # MLA projections: W_UK absorption (in mla_prep) and W_UV (mla_uv) from an FP8 kv_b.
     if small:
-        H, Hi, QL, L, R, P, V, DI, S = 2, 3, 32, 128, 16, 32, 32, 32, 64
-    else:
-        H, Hi, QL, L, R, P, V, DI, S = 128, 64, 1536, 512, 64, 128, 128, 128, 4096
-    for n in (1, 3):
-        a = rnd(n, QL + L + R + DI + Hi, dev=dev)
-        b = rnd(n, H * (P + R) + Hi * DI, dev=dev)
-        kvb, kvs = _q(H * (P + V), L, dev, "wkv_b", L**-0.5)
-        pos = torch.arange(S - 10, S - 10 + n, device=dev)
-        inv = 1.0 / (10000 ** (torch.arange(0, R, 2, device=dev).float() / R))
-        ang = torch.arange(S, device=dev).float()[:, None] * inv[None, :]
-        cos, sin = ang.cos().contiguous(), ang.sin().contiguous()
-        kvn = rnd(L, dev=dev, scale=0.2) + 1
-        ikw, ikb = rnd(DI, dev=dev, scale=0.2) + 1, rnd(DI, dev=dev, scale=0.1)
-        kv, ik = rnd(S, L + R, dev=dev), rnd(S, DI, dev=dev)
-        q_out = torch.full((n, H, L + R), float("nan"), device=dev, dtype=dtype)
-        iq = torch.full((n, Hi, DI), float("nan"), device=dev, dtype=dtype)
-        iw = torch.full((n, Hi), float("nan"), device=dev, dtype=torch.float32)
-        scale = Hi**-0.5 * DI**-0.5
-        triton_fused.mla_prep(a, b, pos, kvb, cos, sin, kvn, ikw, ikb, q_out, kv.clone(), ik.clone(), iq, iw,
-                              H=H, Hi=Hi, QL=QL, L=L, R=R, P=P, V=V, DI=DI, eps=1e-6, iw_scale=scale,
-                              kv_b_scale=kvs)
-        want, _, _ = ref.mla_prep(a, b, pos, kvb, cos.to(dtype), sin.to(dtype), kvn, kv.clone(), ikw, ikb,
-                                  ik.clone(), H, P, QL, Hi, 1e-6, scale, kvs)
-        report(f"fp8 mla_prep q (W_UK absorb, kv_b e4m3) H={H} n={n}", q_out, want)
-        o_lat = rnd(n, H, L, dev=dev)
-        report(f"fp8 mla_uv H={H} n={n}", triton_fused.mla_uv(o_lat, kvb, P=P, V=V, kv_b_scale=kvs),
-               ref.mla_uv(o_lat, kvb, P, kvs))
-        # attention merged straight through the FP8 W_UV (mla_attention_uv's kernel)
-        qa = torch.randn(n, H, L + R, device=dev).to(dtype)
-        kva = torch.randn(S, L + R, device=dev).to(dtype)
-        report(f"fp8 mla_attention_uv (dense, kv_b e4m3) H={H} n={n}",
-               triton_mla.mla_decode(qa, kva, pos, None, 0.05, L, uv=(kvb, P, V, kvs)),
-               ref.mla_attention_uv(qa, kva, pos, None, 0.05, L, None, kvb, P, kvs))
+        shapes = [(2, 3, 32, 128, 16, 32, 32, 32, 64)]
+    else:  # V3.2's 128 heads, then one TP8 rank of GLM-5 (nope width 192, value width 256)
+        shapes = [(128, 64, 1536, 512, 64, 128, 128, 128, 4096), (8, 32, 2048, 512, 64, 192, 256, 128, 4096)]
+    for H, Hi, QL, L, R, P, V, DI, S in shapes:
+        for n in (1, 3):
+            a = rnd(n, QL + L + R + DI + Hi, dev=dev)
+            b = rnd(n, H * (P + R) + Hi * DI, dev=dev)
+            kvb, kvs = _q(H * (P + V), L, dev, "wkv_b", L**-0.5)
+            pos = torch.arange(S - 10, S - 10 + n, device=dev)
+            inv = 1.0 / (10000 ** (torch.arange(0, R, 2, device=dev).float() / R))
+            ang = torch.arange(S, device=dev).float()[:, None] * inv[None, :]
+            cos, sin = ang.cos().contiguous(), ang.sin().contiguous()
+            kvn = rnd(L, dev=dev, scale=0.2) + 1
+            ikw, ikb = rnd(DI, dev=dev, scale=0.2) + 1, rnd(DI, dev=dev, scale=0.1)
+            kv, ik = rnd(S, L + R, dev=dev), rnd(S, DI, dev=dev)
+            q_out = torch.full((n, H, L + R), float("nan"), device=dev, dtype=dtype)
+            iq = torch.full((n, Hi, DI), float("nan"), device=dev, dtype=dtype)
+            iw = torch.full((n, Hi), float("nan"), device=dev, dtype=torch.float32)
+            scale = Hi**-0.5 * DI**-0.5
+            triton_fused.mla_prep(a, b, pos, kvb, cos, sin, kvn, ikw, ikb, q_out, kv.clone(), ik.clone(), iq, iw,
+                                  H=H, Hi=Hi, QL=QL, L=L, R=R, P=P, V=V, DI=DI, eps=1e-6, iw_scale=scale,
+                                  kv_b_scale=kvs)
+            want, _, _ = ref.mla_prep(a, b, pos, kvb, cos.to(dtype), sin.to(dtype), kvn, kv.clone(), ikw, ikb,
+                                      ik.clone(), H, P, QL, Hi, 1e-6, scale, kvs)
+            report(f"fp8 mla_prep q (W_UK absorb, kv_b e4m3) H={H} P={P} n={n}", q_out, want)
+            o_lat = rnd(n, H, L, dev=dev)
+            report(f"fp8 mla_uv H={H} P={P} V={V} n={n}", triton_fused.mla_uv(o_lat, kvb, P=P, V=V, kv_b_scale=kvs),
+                   ref.mla_uv(o_lat, kvb, P, kvs))
+            # attention merged straight through the FP8 W_UV (mla_attention_uv's kernel)
+            qa = torch.randn(n, H, L + R, device=dev).to(dtype)
+            kva = torch.randn(S, L + R, device=dev).to(dtype)
+            report(f"fp8 mla_attention_uv (dense, kv_b e4m3) H={H} P={P} V={V} n={n}",
+                   triton_mla.mla_decode(qa, kva, pos, None, 0.05, L, uv=(kvb, P, V, kvs)),
+                   ref.mla_attention_uv(qa, kva, pos, None, 0.05, L, None, kvb, P, kvs))
 
 
 def check_fp8_engine(dev, small, report) -> None:

@@ -405,9 +405,14 @@ def rope_ref(x, cos, sin):
 
 def check_prep(dev, small):
     if small:
-        H, Hi, QL, L, R, P, V, DI, S = 2, 3, 32, 128, 16, 32, 32, 32, 64
-    else:
-        H, Hi, QL, L, R, P, V, DI, S = 16, 16, 1536, 512, 64, 128, 128, 128, 4096
+        shapes = [(2, 3, 32, 128, 16, 32, 32, 32, 64), (2, 3, 32, 128, 16, 48, 64, 32, 64)]
+    else:  # V3.2's heads, then one TP8 rank of GLM-5 (nope width 192: not a power of two, value width 256)
+        shapes = [(16, 16, 1536, 512, 64, 128, 128, 128, 4096), (8, 32, 2048, 512, 64, 192, 256, 128, 4096)]
+    for shape in shapes:
+        _check_prep_shape(dev, *shape)
+
+
+def _check_prep_shape(dev, H, Hi, QL, L, R, P, V, DI, S):
     for n in (1, 3):
         a = rnd(n, QL + L + R + DI + Hi, dev=dev)
         b = rnd(n, H * (P + R) + Hi * DI, dev=dev)
@@ -433,25 +438,25 @@ def check_prep(dev, small):
         W = kvb.view(H, P + V, L)
         q_abs = torch.einsum("nhp,hpl->nhl", qb[..., :P].float(), W[:, :P].float())
         want_q = torch.cat([q_abs, rope_ref(qb[..., P:], c, s)], -1)
-        report(f"mla_prep q (absorb+rope) n={n}", q_out, want_q)
+        report(f"mla_prep P={P} q (absorb+rope) n={n}", q_out, want_q)
         ckv = ref.rms_norm(a[:, QL:QL + L], kvn, 1e-6)
         kpe = rope_ref(a[:, QL + L:QL + L + R], cos[pos], sin[pos])
         want_kv = kv0.clone()
         want_kv[pos] = torch.cat([ckv.float(), kpe], -1).to(kv.dtype)
-        report(f"mla_prep kv-cache rows n={n}", kv, want_kv)
+        report(f"mla_prep P={P} kv-cache rows n={n}", kv, want_kv)
         kk = F.layer_norm(a[:, QL + L + R:QL + L + R + DI].float(), (DI,), ikw.float(), ikb.float(), 1e-6)
         kk = kk.to(DTYPE)
         want_ik = ik0.clone()
         want_ik[pos] = torch.cat([rope_ref(kk[:, :R], cos[pos], sin[pos]), kk[:, R:].float()], -1).to(ik.dtype)
-        report(f"mla_prep indexer-cache rows n={n}", ik, want_ik)
-        report(f"mla_prep indexer weights n={n}", iw, a[:, QL + L + R + DI:].float() * iw_scale)
+        report(f"mla_prep P={P} indexer-cache rows n={n}", ik, want_ik)
+        report(f"mla_prep P={P} indexer weights n={n}", iw, a[:, QL + L + R + DI:].float() * iw_scale)
         iqr = b[:, H * (P + R):].view(n, Hi, DI)
         want_iq = torch.cat([rope_ref(iqr[..., :R], c, s), iqr[..., R:].float()], -1)
-        report(f"mla_prep indexer q (rope) n={n}", iq, want_iq)
+        report(f"mla_prep P={P} indexer q (rope) n={n}", iq, want_iq)
         o_lat = rnd(n, H, L, dev=dev)
         got = triton_fused.mla_uv(o_lat, kvb, P=P, V=V)
         want = torch.einsum("nhl,hvl->nhv", o_lat.float(), W[:, P:].float()).reshape(n, H * V)
-        report(f"mla_uv n={n}", got, want)
+        report(f"mla_uv P={P} V={V} n={n}", got, want)
 
 
 def check_registered(dev):
@@ -924,6 +929,7 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--only", default="")
+    ap.add_argument("--seed", type=int, default=None, help="torch's seed for the random inputs (default: a fresh one)")
     ap.add_argument("--dtype", default="bfloat16", help="float16 for the CPU interpreter (its bf16 dot is broken)")
     args = ap.parse_args()
     global DTYPE
@@ -931,7 +937,9 @@ def main():
     # The CPU engines here are fp32 references whose routing / top-k choices the checks pin by patching the
     # dispatched ops (decisions_pinned): keep them on the dispatched reference ops, not ops.cpu.
     os.environ["TILERT_CPU_FAST"] = "0"
-    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed} (--seed {seed} repeats these inputs)", flush=True)
+    torch.manual_seed(seed)
     dev = torch.device(args.device)
     checks = {"gemv": check_gemv, "mla": check_mla, "indexer": check_indexer, "topk": check_topk,
               "batch": check_batch_invariance, "moe": check_moe, "prep": check_prep,

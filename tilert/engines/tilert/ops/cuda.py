@@ -335,7 +335,7 @@ def _mla_prep_cuda(
         and (kv_b_scale is None or (kv_b_scale.dim() == 2 and kv_b_scale.stride(-1) == 1))
         and _pow2(lat)
         and _pow2(r)
-        and _pow2(p)
+        and p % 16 == 0
         and v % 16 == 0
         and r >= 2
         and (not has_idx or (index_cache.dtype == a.dtype and _pow2(di) and _pow2(di - r)))

@@ -71,6 +71,7 @@ def _mla_prep_kernel(
     V: tl.constexpr,
     DI: tl.constexpr,
     BC: tl.constexpr,
+    BP: tl.constexpr,
     HI_P2: tl.constexpr,
     HAS_INDEXER: tl.constexpr,
     PDL: tl.constexpr,
@@ -92,9 +93,12 @@ def _mla_prep_kernel(
     if p < H * NC:
         h = p // NC
         c = p % NC
-        offs_p = tl.arange(0, P)
+        offs_p = tl.arange(0, BP)  # the head's P rows of W_UK, padded to a power of two (GLM-5: P = 192)
+        mp = offs_p < P
         offs_c = c * BC + tl.arange(0, BC)
-        w = tl.load(kvb_ptr + (h * (P + V) + offs_p).to(tl.int64)[:, None] * L + offs_c[None, :])  # static
+        w = tl.load(
+            kvb_ptr + (h * (P + V) + offs_p).to(tl.int64)[:, None] * L + offs_c[None, :], mask=mp[:, None], other=0.0
+        )  # static
         wf = w.to(tl.float32)
         if HAS_SCALE:
             if ROW_UNIFORM:  # the head's W_UK rows share one scale row: scale the column sums
@@ -103,10 +107,12 @@ def _mla_prep_kernel(
                 wf = wf * tl.load(
                     kvs_ptr
                     + ((h * (P + V) + offs_p) // KGN).to(tl.int64)[:, None] * stride_ks
-                    + (offs_c // KGK)[None, :]
+                    + (offs_c // KGK)[None, :],
+                    mask=mp[:, None],
+                    other=0.0,
                 )
         pdl_begin(PDL)
-        qn = tl.load(b_row + h * (P + R) + offs_p).to(tl.float32)
+        qn = tl.load(b_row + h * (P + R) + offs_p, mask=mp, other=0.0).to(tl.float32)
         qt = tl.sum(wf * qn[:, None], 0)
         if HAS_SCALE:
             if ROW_UNIFORM:
@@ -270,6 +276,7 @@ def mla_prep(
         V=V,
         DI=DI,
         BC=BC,
+        BP=triton.next_power_of_2(P),
         HI_P2=triton.next_power_of_2(max(Hi, 1)),
         HAS_INDEXER=has_idx,
         HAS_SCALE=kv_b_scale is not None,
