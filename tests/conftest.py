@@ -73,6 +73,4 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     """The shuffle's seed at the end of every run (``-q`` hides the header that names it), to repeat the order."""
     seed = getattr(config.option, "randomly_seed", None)
     if seed is not None and config.pluginmanager.hasplugin("randomly") and config.option.randomly_reorganize:
-        terminalreporter.write_line(
-            f"test order shuffled by pytest-randomly: repeat it with -p randomly --randomly-seed={seed}"
-        )
+        terminalreporter.write_line(f"test order shuffled by pytest-randomly; repeat it with --randomly-seed={seed}")

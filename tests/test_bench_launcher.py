@@ -29,8 +29,11 @@ def test_bench_serve_help_runs_through_the_launcher() -> None:
         pytest.skip("vLLM is not installed")
     proc = subprocess.run(
         [sys.executable, str(LAUNCHER), "bench", "serve", "--help"],
-        capture_output=True, text=True, timeout=170, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "PackageNotFoundError" not in out

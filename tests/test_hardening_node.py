@@ -63,8 +63,22 @@ def node(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     log = tmp_path_factory.mktemp("fuzz") / "decode.log"
     env = {**os.environ, auth.SECRET_ENV: SECRET}
     env.pop(auth.SECRET_FILE_ENV, None)
-    cmd = [sys.executable, "-m", "tilert.cli", "decode", "--model", str(tiny_model), "--ctrl-port", str(ctrl),
-           "--http-port", str(http), "--slots", "2", "--max-seq-len", "256"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "tilert.cli",
+        "decode",
+        "--model",
+        str(tiny_model),
+        "--ctrl-port",
+        str(ctrl),
+        "--http-port",
+        str(http),
+        "--slots",
+        "2",
+        "--max-seq-len",
+        "256",
+    ]
     with open(log, "wb") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=err, stderr=err)
     url = f"http://127.0.0.1:{http}"
@@ -161,8 +175,11 @@ def test_silent_and_idle_connections_are_bounded(node: Node) -> None:
 # ---- the HTTP API --------------------------------------------------------------------------------
 def test_api_refuses_a_client_without_the_secret(node: Node) -> None:
     """Nobody without the deployment's secret can reserve, decode or release a slot, or watch the node."""
-    for path, body in (("/v1/reserve", {"transfer_id": "a"}), ("/v1/release", {"transfer_id": "a"}),
-                       ("/v1/decode", {"transfer_id": "a", "first_token_id": 1, "prompt_tokens": 3})):  # fmt: skip
+    for path, body in (
+        ("/v1/reserve", {"transfer_id": "a"}),
+        ("/v1/release", {"transfer_id": "a"}),
+        ("/v1/decode", {"transfer_id": "a", "first_token_id": 1, "prompt_tokens": 3}),
+    ):
         for headers in ({}, {"authorization": "Bearer " + auth.node_api_token(b"not the secret, but 32 bytes!!")}):
             resp = httpx.post(node.http + path, json=body, headers=headers, timeout=5)
             assert resp.status_code == 401 and "token" in resp.json()["error"]["message"]
@@ -198,8 +215,12 @@ def test_reserve_is_idempotent_and_checks_the_sampling_first(node: Node) -> None
 
 def test_errors_name_no_internal_ids_and_bound_leases(node: Node) -> None:
     tid = "secret-transfer-id-123"
-    resp = httpx.post(node.http + "/v1/decode", headers=node.headers, timeout=5,
-                      json={"transfer_id": tid, "first_token_id": 1, "prompt_tokens": 3})  # fmt: skip
+    resp = httpx.post(
+        node.http + "/v1/decode",
+        headers=node.headers,
+        timeout=5,
+        json={"transfer_id": tid, "first_token_id": 1, "prompt_tokens": 3},
+    )
     assert resp.status_code == 404 and tid not in resp.text
     resp = httpx.post(node.http + "/v1/reserve", json={"transfer_id": "x", "lease_s": 1e9}, headers=node.headers)
     assert resp.status_code == 400
@@ -222,15 +243,20 @@ json_values = st.recursive(
     max_leaves=12,
 )
 field_names = st.sampled_from(["transfer_id", "lease_s", "first_token_id", "prompt_tokens", "sampling", "x"])
-sampling_names = st.sampled_from(["max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
-                                  "ignore_eos", "x"])  # fmt: skip
-bodies = st.dictionaries(field_names, json_values | st.dictionaries(sampling_names, json_values, max_size=6),
-                         max_size=6)  # fmt: skip
+sampling_names = st.sampled_from(
+    ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "x"]
+)
+bodies = st.dictionaries(
+    field_names, json_values | st.dictionaries(sampling_names, json_values, max_size=6), max_size=6
+)
 
 
 @FUZZ
-@given(path=st.sampled_from(["/v1/reserve", "/v1/release", "/v1/decode"]), body=bodies,
-       raw=st.one_of(st.none(), st.binary(max_size=64)))  # fmt: skip
+@given(
+    path=st.sampled_from(["/v1/reserve", "/v1/release", "/v1/decode"]),
+    body=bodies,
+    raw=st.one_of(st.none(), st.binary(max_size=64)),
+)
 def test_fuzz_http_api(node: Node, path: str, body: dict[str, object], raw: bytes | None) -> None:
     content = raw if raw is not None else json.dumps(body).encode()  # (stdlib: also ints past 64 bits)
     with httpx.Client(timeout=10) as client:
@@ -246,16 +272,32 @@ def test_fuzz_http_api(node: Node, path: str, body: dict[str, object], raw: byte
 
 
 frame_types = st.sampled_from(["hello", "hello_ack", "offer", "accept", "done", "abort", "ack", "reject", "zzz"])
-frame_fields = st.sampled_from(["transfer_id", "num_tokens", "layouts", "nbytes", "reason", "target", "version",
-                                "transport", "sender_id", "auth", "x"])  # fmt: skip
+frame_fields = st.sampled_from(
+    [
+        "transfer_id",
+        "num_tokens",
+        "layouts",
+        "nbytes",
+        "reason",
+        "target",
+        "version",
+        "transport",
+        "sender_id",
+        "auth",
+        "x",
+    ]
+)
 
 
 @FUZZ
 @given(
-    kind=frame_types, fields=st.dictionaries(frame_fields, json_values, max_size=6),
-    after_hello=st.booleans(), cut=st.integers(0, 64), mode=st.sampled_from(["whole", "truncated", "raw"]),
+    kind=frame_types,
+    fields=st.dictionaries(frame_fields, json_values, max_size=6),
+    after_hello=st.booleans(),
+    cut=st.integers(0, 64),
+    mode=st.sampled_from(["whole", "truncated", "raw"]),
     raw=st.binary(max_size=96),
-)  # fmt: skip
+)
 def test_fuzz_control_port(
     node: Node, kind: str, fields: dict[str, object], after_hello: bool, cut: int, mode: str, raw: bytes
 ) -> None:
@@ -269,15 +311,23 @@ def test_fuzz_control_port(
 def _data_port(node: Node) -> int:
     """The TCP transport's listening port (the one that is neither the control nor the HTTP port)."""
     http_port = int(node.http.rsplit(":", 1)[1])
-    ports = {conn.laddr.port for conn in psutil.Process(node.proc.pid).net_connections(kind="tcp")
-             if conn.status == psutil.CONN_LISTEN} - {node.ctrl_port, http_port}  # fmt: skip
+    ports = {
+        conn.laddr.port
+        for conn in psutil.Process(node.proc.pid).net_connections(kind="tcp")
+        if conn.status == psutil.CONN_LISTEN
+    } - {node.ctrl_port, http_port}
     assert len(ports) == 1, ports
     return ports.pop()
 
 
 @FUZZ
-@given(key=st.binary(min_size=16, max_size=16), offset=st.integers(0, 2**64 - 1), nbytes=st.integers(0, 2**64 - 1),
-       tail=st.binary(max_size=64), raw=st.one_of(st.none(), st.binary(max_size=64)))  # fmt: skip
+@given(
+    key=st.binary(min_size=16, max_size=16),
+    offset=st.integers(0, 2**64 - 1),
+    nbytes=st.integers(0, 2**64 - 1),
+    tail=st.binary(max_size=64),
+    raw=st.one_of(st.none(), st.binary(max_size=64)),
+)
 def test_fuzz_data_port(node: Node, key: bytes, offset: int, nbytes: int, tail: bytes, raw: bytes | None) -> None:
     """Writes without a live grant (random keys, offsets, lengths, garbage) are refused; the node serves on."""
     data = raw if raw is not None else struct.pack(">16sQQ", key, offset, nbytes) + tail

@@ -39,16 +39,48 @@ class Case:
 CASES = [
     Case("length", " return x * 2", "length", want_text="def return x * 2", want_finish="length"),
     Case("eos text left out", " return x", "stop", "<|eos|>", want_text="def return x", want_finish="stop"),
-    Case("stop id text left out", " return x", "stop", " y", want_text="def return x", want_finish="stop",
-         want_stop_reason="stop-id"),
-    Case("stop id text kept on request", " return x", "stop", " y", include=True, want_text="def return x y",
-         want_finish="stop", want_stop_reason="stop-id"),
-    Case("stop string truncates and ends early", " return x * 2 + 1", "length", stop=["* 2"],
-         want_text="def return x ", want_finish="stop", want_stop_reason="* 2", want_tokens=-1),
-    Case("stop string kept on request", " return x * 2 + 1", "length", stop=["* 2"], include=True,
-         want_text="def return x * 2", want_finish="stop", want_stop_reason="* 2", want_tokens=-1),
+    Case(
+        "stop id text left out",
+        " return x",
+        "stop",
+        " y",
+        want_text="def return x",
+        want_finish="stop",
+        want_stop_reason="stop-id",
+    ),
+    Case(
+        "stop id text kept on request",
+        " return x",
+        "stop",
+        " y",
+        include=True,
+        want_text="def return x y",
+        want_finish="stop",
+        want_stop_reason="stop-id",
+    ),
+    Case(
+        "stop string truncates and ends early",
+        " return x * 2 + 1",
+        "length",
+        stop=["* 2"],
+        want_text="def return x ",
+        want_finish="stop",
+        want_stop_reason="* 2",
+        want_tokens=-1,
+    ),
+    Case(
+        "stop string kept on request",
+        " return x * 2 + 1",
+        "length",
+        stop=["* 2"],
+        include=True,
+        want_text="def return x * 2",
+        want_finish="stop",
+        want_stop_reason="* 2",
+        want_tokens=-1,
+    ),
     Case("no stop string hit", " return x", "length", stop=["zzz"], want_text="def return x", want_finish="length"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -93,7 +125,6 @@ def test_held_back_tail_is_released_only_when_it_is_no_stop(tok: Tokenizer) -> N
     assert loop.feed(TokenLine([], "length")).text == " b"  # finishing releases the rest
 
 
-
 # -- lines that queued up are joined (the node's stream and the router's reader) ----------------------------
 
 
@@ -112,9 +143,19 @@ def test_reader_joins_runs_of_token_lines_but_never_past_a_finish_or_an_error() 
     from tilert.contracts import MAX_LINE_TOKENS, ErrorLine, join_runs
 
     big = TokenLine([7] * (MAX_LINE_TOKENS - 1))
-    lines = [TokenLine([1]), TokenLine([2]), ErrorLine(500, "x"), TokenLine([3]), big, TokenLine([4], "length"),
-             TokenLine([5])]  # fmt: skip
+    lines = [
+        TokenLine([1]),
+        TokenLine([2]),
+        ErrorLine(500, "x"),
+        TokenLine([3]),
+        big,
+        TokenLine([4], "length"),
+        TokenLine([5]),
+    ]
     assert join_runs(lines) == [
-        TokenLine([1, 2]), ErrorLine(500, "x"), TokenLine([3, *big.token_ids]),  # full: [4] starts a new line
-        TokenLine([4], "length"), TokenLine([5]),  # after the finish: left alone for the relay to refuse
-    ]  # fmt: skip
+        TokenLine([1, 2]),
+        ErrorLine(500, "x"),
+        TokenLine([3, *big.token_ids]),  # full: [4] starts a new line
+        TokenLine([4], "length"),
+        TokenLine([5]),  # after the finish: left alone for the relay to refuse
+    ]
