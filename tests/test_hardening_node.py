@@ -17,15 +17,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
-from conftest import free_port, wait_healthy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.stack import free_port, wait_healthy
 
 from tilert import auth
 from tilert import contracts as c
@@ -57,37 +58,37 @@ class Node:
         return int(psutil.Process(self.proc.pid).memory_info().rss)
 
 
-@pytest.fixture(scope="module")
-def node(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+@contextmanager
+def _decode_node(model: Path, log: Path) -> Iterator[Node]:
+    """A real ``tilert decode`` on loopback, SIGTERMed on the way out."""
     ctrl, http = free_port(), free_port()
-    log = tmp_path_factory.mktemp("fuzz") / "decode.log"
     env = {**os.environ, auth.SECRET_ENV: SECRET}
     env.pop(auth.SECRET_FILE_ENV, None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "tilert.cli",
-        "decode",
-        "--model",
-        str(tiny_model),
-        "--ctrl-port",
-        str(ctrl),
-        "--http-port",
-        str(http),
-        "--slots",
-        "2",
-        "--max-seq-len",
-        "256",
-    ]
+    cmd = [sys.executable, "-m", "tilert.cli", "decode", "--model", str(model)]
+    cmd += f"--ctrl-port {ctrl} --http-port {http} --slots 2 --max-seq-len 256".split()
     with open(log, "wb") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=err, stderr=err)
-    url = f"http://127.0.0.1:{http}"
-    wait_healthy(url, proc, 120, log)
-    token = auth.node_api_token(SECRET.encode())
-    handle = Node(proc, url, ctrl, {"authorization": f"Bearer {token}", "content-type": "application/json"})
-    yield handle
-    proc.terminate()
-    proc.wait(timeout=30)
+    try:
+        url = f"http://127.0.0.1:{http}"
+        wait_healthy(url, proc, 120, log)
+        token = auth.node_api_token(SECRET.encode())
+        yield Node(proc, url, ctrl, {"authorization": f"Bearer {token}", "content-type": "application/json"})
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def node(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    """The node the module's tests share: none of them stops it. Its teardown is a check: whatever the tests sent
+    it, in whichever order, the node still serves and holds no slot."""
+    with _decode_node(tiny_model, tmp_path_factory.mktemp("fuzz") / "decode.log") as handle:
+        yield handle
+        handle.assert_intact()
 
 
 def _control(node: Node, data: bytes, read_s: float = 0.3) -> bytes:
@@ -343,7 +344,7 @@ def test_fuzz_data_port(node: Node, key: bytes, offset: int, nbytes: int, tail: 
 
 
 def test_after_fuzzing_the_node_is_whole_and_memory_is_bounded(node: Node) -> None:
-    """Runs after the fuzzers (file order): still serving, no slot held, memory within bounds."""
+    """400 malformed inputs: still serving, no slot held, memory within bounds."""
     before = node.rss()
     for _ in range(200):
         _control(node, _hello() + _frame(b'{"type":"offer","transfer_id":"m","num_tokens":1,"layouts":[]}'), 0.0)
@@ -352,10 +353,15 @@ def test_after_fuzzing_the_node_is_whole_and_memory_is_bounded(node: Node) -> No
     assert node.rss() - before < 64 << 20, "memory grew by more than 64 MiB over 400 malformed inputs"
 
 
-def test_zz_the_watch_beats_until_the_node_stops(node: Node) -> None:
-    """Runs last (it stops the node): the watch stream (``GET /v1/watch``) beats with the node's id, at once and
-    every ``NODE_BEAT_S``; a SIGTERM ends it, so the node's graceful shutdown (uvicorn waits for every open
-    response) is not held by the routers watching it."""
+def test_the_watch_beats_until_the_node_stops(tiny_model: Path, tmp_path: Path) -> None:
+    """The watch stream (``GET /v1/watch``) beats with the node's id, at once and every ``NODE_BEAT_S``; a SIGTERM
+    ends it, so the node's graceful shutdown (uvicorn waits for every open response) is not held by the routers
+    watching it. On a node of its own: it stops the node."""
+    with _decode_node(tiny_model, tmp_path / "decode.log") as node:
+        _watch_until_stopped(node)
+
+
+def _watch_until_stopped(node: Node) -> None:
     node_id = node.health()["node_id"]
     with httpx.stream("GET", node.http + "/v1/watch", headers=node.headers, timeout=10) as resp:
         assert resp.status_code == 200 and resp.headers["content-type"].startswith("application/x-ndjson")
