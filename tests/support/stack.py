@@ -142,15 +142,15 @@ def stop_stack_checked(stack: Stack) -> None:
         stop_stack(stack)
         pytest.fail(f"tilert up exited with status {code} before its shutdown; log tail:\n{_tail(stack.log)}")
     family = psutil.Process(stack.proc.pid).children(recursive=True)
-    cmdlines = " ".join(_cmdline(p) for p in family)
-    started = {
-        "vLLM": "vllm.entrypoints",
+    cmdlines = [_cmdline(p) for p in family]
+    started = {  # each as its command line shows it (vLLM names its engine core's process)
+        "vLLM": "vllm.entrypoints.openai.api_server",
         "vLLM's engine core": "EngineCore",
-        "decode node": "decode",
-        "router": "router",
+        "decode node": "tilert.cli decode",
+        "router": "tilert.cli router",
     }
     try:
-        missing = [role for role, mark in started.items() if mark not in cmdlines]
+        missing = [role for role, mark in started.items() if not any(mark in line for line in cmdlines)]
         assert not missing, f"before the SIGINT, no {', no '.join(missing)} among tilert up's processes: {cmdlines}"
         stack.proc.send_signal(signal.SIGINT)
         try:
