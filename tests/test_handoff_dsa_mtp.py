@@ -35,6 +35,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from support.waiting import await_until
 
 from tilert import contracts as c
 from tilert.connector.claims import SaveRequest
@@ -262,6 +263,9 @@ def handoff(pre: Prefilled, vc: VllmCaches, name: str, receiver: Any, engine: Ti
             out["state"], out["layouts"], num_tokens = slot.tensors()
             out["offer"] = slot.offer
             assert num_tokens == PROMPT
+            # the sender's verdict needs the node's Ack, which follows the slot's readiness: the node serves on
+            staged = worker.transfers[-1]
+            await await_until(lambda: staged.outcome is not None, 10, "the sender's verdict on the transfer")
             tg.cancel_scope.cancel()
 
     try:
