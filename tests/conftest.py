@@ -1,33 +1,36 @@
 """Session-wide fixtures: one tiny checkpoint, one real stack (stock vLLM + decode node + router).
 
-The stack is started once per session through ``tilert up`` itself, exactly as a user starts it;
-``tests/test_zz_up_shutdown.py`` (last by name) stops it with SIGINT and checks nothing is left.
+The stack is started once per session through ``tilert up`` itself, exactly as a user starts it, and stopped at
+the end of the session the way a user stops it (SIGINT); that stop is checked (:func:`support.stack.
+stop_stack_checked`): a ``tilert up`` that does not exit cleanly, or leaves a process behind, errors the run.
+No test stops it, so the suite runs in any order (pytest-randomly shuffles it: ``-p no:randomly`` runs it in
+file order, ``--randomly-seed=N`` repeats a shuffled run).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
+import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-STARTUP_TIMEOUT_S = 600
+# The stack's helpers live in tests/support/stack.py; these names are re-exported for the modules that still
+# import them from here.
+from support.stack import Stack as Stack
+from support.stack import free_port as free_port
+from support.stack import start_stack, stop_stack_checked
+from support.stack import stop_stack as stop_stack
+from support.stack import wait_healthy as wait_healthy
 
 
 @pytest.fixture(scope="module")
 def one_torch_thread() -> Iterator[None]:
     """Tiny matmuls: one intra-op thread is several times faster than two on a busy 2-core machine. A module
     asks for it with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
-    import torch
+    import torch  # lazy: only the modules that ask for this fixture need torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -35,104 +38,39 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_healthy(url: str, proc: subprocess.Popen[Any], timeout_s: float, log: Path | None = None) -> None:
-    """Until ``url``/health answers 200; fails at once if ``proc`` exits, or after ``timeout_s``."""
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()[-3000:] if log else f"exited with {proc.returncode}"
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"{url} not healthy within {timeout_s:g} s")
-
-
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tilert.models.tiny import build_tiny_model
+    from tilert.models.tiny import build_tiny_model  # lazy: imports torch
 
     return build_tiny_model("deepseek_v3", tmp_path_factory.mktemp("models") / "tiny-deepseek-v3", seed=0)
 
 
-@dataclass
-class Stack:
-    proc: subprocess.Popen[str]
-    model: Path
-    prefill: str
-    decode: str
-    router: str
-    log: Path
-    transport: str = "tcp"
-    native: str | None = None  # the native vLLM decode instance (``tilert up --native``)
-    secret_file: Path | None = None  # the stack's secret (more nodes and routers can join it)
-    fault_dir: Path | None = None  # the connector's test-only fault hook (tilert.connector.faults), armed here
-
-
-def start_stack(model: Path, log: Path, *extra: str, env: dict[str, str] | None = None) -> Stack:
-    """``tilert up`` on free ports, as a user starts it, with a secret file the tests know and the connector's
-    test-only fault hook enabled (both next to ``log``); returns once it printed its URLs (the router's last)."""
-    from tilert.connector.faults import ENV as FAULTS_ENV
-    from tilert.stack import write_secret_file
-
-    ports = [free_port() for _ in range(4)]
-    secret_file = write_secret_file()
-    fault_dir = log.parent / "faults"
-    fault_dir.mkdir(exist_ok=True)
-    env = {**(os.environ if env is None else env), FAULTS_ENV: str(fault_dir)}
-    cmd = [
-        sys.executable, "-m", "tilert.cli", "up", "--model", str(model),
-        "--port", str(ports[0]), "--prefill-port", str(ports[1]),
-        "--ctrl-port", str(ports[2]), "--decode-http-port", str(ports[3]),
-        "--secret-file", str(secret_file), *extra,
-    ]  # fmt: skip
-    with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-    urls: dict[str, str] = {}
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    assert proc.stdout is not None
-    while "router" not in urls and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        name, _, url = line.strip().partition(": ")
-        if name in ("prefill", "native", "decode", "router"):
-            urls[name] = url
-    if len(urls) < 3:
-        proc.kill()
-        pytest.fail(f"tilert up did not come up; log tail:\n{log.read_text()[-4000:]}")
-    return Stack(proc, model, urls["prefill"], urls["decode"], urls["router"], log, native=urls.get("native"),
-                 secret_file=secret_file, fault_dir=fault_dir)  # fmt: skip
-
-
-def stop_stack(stack: Stack) -> None:
-    if stack.proc.poll() is None:
-        stack.proc.send_signal(signal.SIGINT)
-        try:
-            stack.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            stack.proc.kill()
-    if stack.secret_file is not None:
-        shutil.rmtree(stack.secret_file.parent, ignore_errors=True)
-
-
 @pytest.fixture(scope="session")
 def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The session's ``tilert up`` stack. Its teardown is a check: SIGINT stops ``tilert up`` (status 0) and every
+    process it started, vLLM's engine core included; a failure there errors the run."""
     handle = start_stack(tiny_model, tmp_path_factory.mktemp("logs") / "stack.log")
     yield handle
-    stop_stack(handle)
+    stop_stack_checked(handle)
+
+
+@pytest.fixture(autouse=True)
+def _torch_seeded(request: pytest.FixtureRequest) -> None:
+    """Torch's global generator seeded from the test's id: a test draws the same values whichever tests ran before
+    it (pytest-randomly does the same for ``random`` and numpy, from its run's seed)."""
+    torch = sys.modules.get("torch")  # only where torch is imported already: importing it here costs seconds
+    if torch is not None:
+        torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _offline_env() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    """The shuffle's seed at the end of every run (``-q`` hides the header that names it), to repeat the order."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if seed is not None and config.pluginmanager.hasplugin("randomly") and config.option.randomly_reorganize:
+        terminalreporter.write_line(f"test order shuffled by pytest-randomly; repeat it with --randomly-seed={seed}")

@@ -38,9 +38,10 @@ def test_single_process_vllm_handoff_continues_like_vllm(tiny_model: Path) -> No
             table.reserve("single-process")
             script = Path(__file__).parent / "support" / "offline_prefill.py"
             proc = await anyio.run_process(
-                [sys.executable, str(script), str(tiny_model), str(port), "single-process", PROMPT], check=False,
+                [sys.executable, str(script), str(tiny_model), str(port), "single-process", PROMPT],
+                check=False,
                 env={**os.environ, "TILERT_SECRET": SECRET, "TILERT_SECRET_FILE": ""},
-            )  # fmt: skip
+            )
             out = proc.stdout.decode()
             line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
             assert proc.returncode == 0 and line, proc.stderr.decode()[-3000:]

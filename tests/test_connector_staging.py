@@ -66,9 +66,12 @@ def _output(reqs: list[tuple[str, c.Claim, int, list[int]]]) -> Any:
     """A ``SchedulerOutput`` with new requests whose whole prompt is scheduled in this step."""
     new = [
         SimpleNamespace(
-            req_id=rid, sampling_params=SimpleNamespace(extra_args={"kv_transfer_params": claim.to_params()}),
-            prompt_token_ids=list(range(n)), block_ids=(blocks,), num_computed_tokens=0,
-        )  # fmt: skip
+            req_id=rid,
+            sampling_params=SimpleNamespace(extra_args={"kv_transfer_params": claim.to_params()}),
+            prompt_token_ids=list(range(n)),
+            block_ids=(blocks,),
+            num_computed_tokens=0,
+        )
         for rid, claim, n, blocks in reqs
     ]
     cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
@@ -78,8 +81,9 @@ def _output(reqs: list[tuple[str, c.Claim, int, list[int]]]) -> Any:
 
 
 def _finished(rid: str, claim: c.Claim, n: int) -> Any:
-    return SimpleNamespace(request_id=rid, kv_transfer_params=claim.to_params(), output_token_ids=[7],
-                           num_prompt_tokens=n)  # fmt: skip
+    return SimpleNamespace(
+        request_id=rid, kv_transfer_params=claim.to_params(), output_token_ids=[7], num_prompt_tokens=n
+    )
 
 
 @dataclass
@@ -125,8 +129,9 @@ class Rig:
 
     def expected_rows(self, n: int, blocks: list[int]) -> torch.Tensor:
         slots = torch.tensor(SaveRequest("r", _claim("x", 1), blocks, BLOCK, n).slot_ids())
-        return torch.stack([self.caches[name].reshape(-1, 576)[slots].view(torch.uint8).reshape(n, ROW)
-                            for name in NAMES])  # fmt: skip
+        return torch.stack(
+            [self.caches[name].reshape(-1, 576)[slots].view(torch.uint8).reshape(n, ROW) for name in NAMES]
+        )
 
 
 def _claim(tid: str, port: int) -> c.Claim:
@@ -153,8 +158,9 @@ def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
     receiver.close()
 
 
-async def _with_node(rig: Rig, body: Callable[[SlotTable, int], Any], *, slots: int = 2,
-                     layout: c.KVLayout = LAYOUT) -> None:  # fmt: skip
+async def _with_node(
+    rig: Rig, body: Callable[[SlotTable, int], Any], *, slots: int = 2, layout: c.KVLayout = LAYOUT
+) -> None:
     """A decode node's transfer half (slots + control port) on the rig's receiver, around ``body``."""
     table = SlotTable(slots, {"mla": layout}, MAX_SEQ, rig.receiver)
     control = ControlServer(table, rig.transport, "test-node", SECRET)
@@ -590,8 +596,10 @@ def test_peer_killed_mid_transfer_frees_the_extent_at_once(rig: Rig) -> None:
 
         rig.step(meta, forward)
         elapsed = rig.pool_whole_within(FAIL_LIMIT_S)
-        print(f"{rig.transport}: extent back {elapsed * 1e3:.1f} ms after the forward, "
-              f"{(time.monotonic() - killed[0]) * 1e3:.1f} ms after the kill")  # fmt: skip
+        print(
+            f"{rig.transport}: extent back {elapsed * 1e3:.1f} ms after the forward, "
+            f"{(time.monotonic() - killed[0]) * 1e3:.1f} ms after the kill"
+        )
         assert rig.worker.transfers[-1].outcome != "done"
     finally:
         if proc.is_alive():
@@ -603,13 +611,14 @@ def test_peer_killed_mid_transfer_frees_the_extent_at_once(rig: Rig) -> None:
 def test_a_step_that_only_polls_waits_for_a_transfer_to_end_and_no_longer() -> None:
     """While a connector has work pending (our extents out: ``has_pending_push_work``) vLLM keeps stepping. A
     step with no token scheduled is marked ``poll`` and the worker waits in it until the sender frees an extent,
-    at most ``poll_wait_s``: vLLM no longer runs empty steps back to back, burning the CPU the transfer needs
-    (issue 8). Steps with tokens never wait, nor the one that tells the workers of finished requests: vLLM runs it
+    at most ``poll_wait_s``, so that vLLM does not run empty steps back to back, burning the CPU the transfer
+    needs. Steps with tokens never wait, nor the one that tells the workers of finished requests: vLLM runs it
     once after every request, and a request sent meanwhile would wait behind it."""
     sched = SchedulerSide(BLOCK, SECRET, bytes_per_token=BPT, pool_bytes=POOL)
     cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
-    idle = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={},
-                           finished_req_ids=set())  # fmt: skip
+    idle = SimpleNamespace(
+        scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={}, finished_req_ids=set()
+    )
     assert sched.build_meta(idle).poll and not sched.has_pending_work()  # vLLM steps idle for another connector
     finished = SimpleNamespace(**{**vars(idle), "finished_req_ids": {"r0"}})
     assert not sched.build_meta(finished).poll  # the step after a request finished

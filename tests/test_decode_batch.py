@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from support.sink import Sink
+from support.waiting import wait_until
 
 from tilert.decode.batch import DecodeBatch, Job
 from tilert.decode.generate import Finish
@@ -59,11 +59,18 @@ def prompts(model: Path) -> list[Prompt]:
     return out
 
 
-def _job(engine: TileRTEngine, p: Prompt, sink: Sink, max_tokens: int | None, cancel: threading.Event | None = None,
-         tid: str = "t") -> Job:  # fmt: skip
+def _job(
+    engine: TileRTEngine,
+    p: Prompt,
+    sink: Sink,
+    max_tokens: int | None,
+    cancel: threading.Event | None = None,
+    tid: str = "t",
+) -> Job:
     params = DecodeParams(tid, p.first, p.num_tokens, max_tokens, temperature=0.0)
-    return Job(p.state, engine.expected_layouts(), p.num_tokens, params, sink.emit, sink.done,
-               cancel or threading.Event())  # fmt: skip
+    return Job(
+        p.state, engine.expected_layouts(), p.num_tokens, params, sink.emit, sink.done, cancel or threading.Event()
+    )
 
 
 def test_concurrent_sequences_decode_what_they_decode_alone(model: Path, prompts: list[Prompt]) -> None:
@@ -92,9 +99,7 @@ def test_a_cancelled_sequence_frees_its_place_at_once(model: Path, prompts: list
         batch.submit(_job(engine, prompts[0], long_a, None, cancel))
         batch.submit(_job(engine, prompts[1], long_b, None))
         batch.submit(_job(engine, prompts[2], late, 5))
-        deadline = time.monotonic() + 30
-        while len(long_a.ids) < 3 and time.monotonic() < deadline:
-            time.sleep(0.005)
+        wait_until(lambda: len(long_a.ids) >= 3, 30, "the first sequence's third token")
         assert batch.waiting == 1 and not late.ids  # both sequences taken: the third waits
         cancel.set()
         assert long_a.ended.wait(30) and long_a.result == Finish("cancelled")

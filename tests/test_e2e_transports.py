@@ -3,7 +3,7 @@ router) started with ``tilert up --transport NAME`` for the real Mooncake and NI
 session stack's), each process separate, on loopback; router output == the same vLLM alone, token for
 token, streaming and not, for prompts up to about 500 tokens.
 
-Fail fast through each transport (issue 7, item 5), at the router, with the real OpenAI client: handshake
+Fail fast through each transport, at the router, with the real OpenAI client: handshake
 refused, extraction error, transport error, peer gone (the decode node killed mid-transfer) and timeout
 each reach the client as a terminal error in under a second (the node tells the router on its watch stream, or
 the stream closes, while vLLM still computes the prefill), and afterwards the connector's staging pool
@@ -31,10 +31,12 @@ from typing import Any
 
 import httpx
 import openai
+import psutil
 import pytest
-from conftest import Stack, free_port, start_stack, stop_stack, wait_healthy
 from prometheus_client.parser import text_string_to_metric_families
-from test_e2e_stack import MAX_TOKENS, _prompts, _router_call, _source_text, _vllm_alone
+from support.oracle import MAX_TOKENS, prompts, router_call, source_text, vllm_alone
+from support.stack import Stack, free_port, start_stack, stop_stack_checked, wait_healthy
+from support.waiting import wait_until
 
 from tilert.connector import faults
 from tilert.stack import StackConfig, child_env, decode_command, router_command
@@ -46,8 +48,9 @@ SANITY_S = 30.0  # from the request to the client's error (the failure comes fir
 
 
 @pytest.fixture(scope="module", params=["tcp", "mooncake", "nixl"])
-def transport_stack(request: pytest.FixtureRequest, tiny_model: Any, tmp_path_factory: pytest.TempPathFactory
-                    ) -> Iterator[Stack]:  # fmt: skip
+def transport_stack(
+    request: pytest.FixtureRequest, tiny_model: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
     name = request.param
     if name == "tcp":  # the session stack (its oracle is test_e2e_stack's)
         yield request.getfixturevalue("stack")
@@ -57,8 +60,15 @@ def transport_stack(request: pytest.FixtureRequest, tiny_model: Any, tmp_path_fa
     handle = start_stack(tiny_model, log, "--transport", name, env=env)
     handle.transport = name
     yield handle
-    stop_stack(handle)
-    assert handle.proc.returncode == 0, log.read_text()[-3000:]
+    stop_stack_checked(handle)  # SIGINT: status 0, no process left
+
+
+@pytest.fixture(autouse=True)
+def _disarmed(transport_stack: Stack) -> Iterator[None]:
+    """A fault a failed test armed, and no transfer took, must not strike the next test's transfer."""
+    yield
+    if transport_stack.fault_dir is not None:
+        (transport_stack.fault_dir / "next").unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
@@ -67,9 +77,9 @@ def test_router_tokens_equal_vllm_alone_through_each_transport(transport_stack: 
         pytest.skip("tcp: the session stack's oracle is tests/test_e2e_stack.py")
     health = httpx.get(transport_stack.decode + "/health", timeout=10).json()
     assert health["transport"] == transport_stack.transport  # no silent fallback to another transport
-    for kind, prompt in _prompts(transport_stack.model):
-        want_ids, want_text, prompt_tokens = _vllm_alone(transport_stack, kind, prompt)
-        got_ids, got_text, usage = _router_call(transport_stack.router, transport_stack.model, kind, prompt, stream)
+    for kind, prompt in prompts(transport_stack.model):
+        want_ids, want_text, prompt_tokens = vllm_alone(transport_stack, kind, prompt)
+        got_ids, got_text, usage = router_call(transport_stack.router, transport_stack.model, kind, prompt, stream)
         assert (got_ids, got_text) == (want_ids, want_text)
         assert usage["prompt_tokens"] == prompt_tokens and usage["completion_tokens"] == MAX_TOKENS
 
@@ -85,20 +95,30 @@ class Spare:
     router: subprocess.Popen[bytes]
     decode_url: str
     router_url: str
+    ctrl_port: int
 
 
 @contextmanager
 def _spare(stack: Stack, node_model: Path, logs: Path) -> Iterator[Spare]:
     assert stack.secret_file is not None
     prefill_port = int(stack.prefill.rsplit(":", 1)[1])
-    cfg = StackConfig(model=stack.model, port=free_port(), prefill_port=prefill_port, ctrl_port=free_port(),
-                      decode_http_port=free_port(), transport=stack.transport)  # fmt: skip
+    cfg = StackConfig(
+        model=stack.model,
+        port=free_port(),
+        prefill_port=prefill_port,
+        ctrl_port=free_port(),
+        decode_http_port=free_port(),
+        transport=stack.transport,
+    )
     env = {**child_env(stack.secret_file), "UCX_NET_DEVICES": "lo"}
     with open(logs / "node.log", "w") as node_log, open(logs / "router.log", "w") as router_log:
-        node = subprocess.Popen(decode_command(replace(cfg, model=node_model)), env=env, stdout=node_log,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+        node = subprocess.Popen(
+            decode_command(replace(cfg, model=node_model)), env=env, stdout=node_log, stderr=subprocess.STDOUT
+        )
         router = subprocess.Popen(router_command(cfg), env=env, stdout=router_log, stderr=subprocess.STDOUT)
-    spare = Spare(node, router, f"http://127.0.0.1:{cfg.decode_http_port}", f"http://127.0.0.1:{cfg.port}")
+    spare = Spare(
+        node, router, f"http://127.0.0.1:{cfg.decode_http_port}", f"http://127.0.0.1:{cfg.port}", cfg.ctrl_port
+    )
     try:
         wait_healthy(spare.decode_url, node, 300, logs / "node.log")
         wait_healthy(spare.router_url, router, 300, logs / "router.log")
@@ -182,7 +202,7 @@ def _pools_whole(prefill: str, decode: str | None, limit_s: float = 2.0) -> None
 
 
 def _prompt(stack: Stack, n: int = 100) -> str:
-    return _source_text(n, stack.model, offset=1200)
+    return source_text(n, stack.model, offset=1200)
 
 
 def _ended_on_the_nodes_report(router: str) -> float:
@@ -191,9 +211,13 @@ def _ended_on_the_nodes_report(router: str) -> float:
     strikes near the end of a short prefill may lose that race: the decode request then fails with the same
     reason, so only the timeout test, whose forward stalls 0.2 s past the abort, counts on it.)"""
     text = httpx.get(router + "/metrics", timeout=10).text
-    return sum(sample.value for family in text_string_to_metric_families(text)
-               if family.name == "tilert:requests" for sample in family.samples
-               if sample.name.endswith("_total") and sample.labels.get("outcome") == "transfer_failed")  # fmt: skip
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "tilert:requests"
+        for sample in family.samples
+        if sample.name.endswith("_total") and sample.labels.get("outcome") == "transfer_failed"
+    )
 
 
 @pytest.mark.parametrize("fault", ["extraction_error", "transport_error"])
@@ -228,31 +252,46 @@ def test_handshake_refused_reaches_the_client_at_once(transport_stack: Stack, re
     assert _transfers_failed(refusing_spare.decode_url) == failed_before + 1
 
 
+def _control_connected(node: psutil.Process, ctrl_port: int) -> bool:
+    """Whether a sender holds a connection to ``node``'s control port."""
+    return any(
+        conn.status == psutil.CONN_ESTABLISHED and conn.laddr and conn.laddr.port == ctrl_port
+        for conn in node.net_connections(kind="tcp")
+    )
+
+
 def _transfers_failed(decode: str) -> float:
     text = httpx.get(decode + "/metrics", timeout=10).text
-    return sum(sample.value for family in text_string_to_metric_families(text)
-               if family.name == "tilert:kv_transfers_failed" for sample in family.samples
-               if sample.name.endswith("_total"))  # fmt: skip
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "tilert:kv_transfers_failed"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )
 
 
 def test_peer_killed_mid_transfer_reaches_the_client_at_once(transport_stack: Stack, spare: Spare) -> None:
-    """The forward stalls after its first layer (written to the node); the node is killed meanwhile. The router
-    sees its watch stream close and moves the request at once, without waiting for the prefill (no node left:
-    503); before the watch it learnt of the death only when the prefill came back, 0.5-1.0 s later here."""
+    """The forward stalls after staging its first layer, the prefill's sender connected to the node; the node is
+    killed inside the stall. The router sees its watch stream close and moves the request at once, without
+    waiting for the prefill to come back (no node left: 503)."""
     assert transport_stack.fault_dir is not None
-    faults.arm(transport_stack.fault_dir, "stall")
+    fault_dir = transport_stack.fault_dir
+    faults.arm(fault_dir, "stall")
     outcome: list[Any] = []
 
     def call() -> None:
         try:
-            outcome.append(_fails_fast(spare.router_url, transport_stack.model, _prompt(transport_stack, 40),
-                                       SANITY_S))  # fmt: skip
+            prompt = _prompt(transport_stack, 40)
+            outcome.append(_fails_fast(spare.router_url, transport_stack.model, prompt, SANITY_S))
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             outcome.append(exc)
 
     caller = threading.Thread(target=call)
     caller.start()
-    time.sleep(faults.STALL_S / 2)  # inside the stall: the handshake is done, layer 0 is on the node
+    struck = wait_until(lambda: faults.struck_at(fault_dir), SANITY_S, "the stall to strike", interval_s=0.002)
+    node = psutil.Process(spare.node.pid)
+    wait_until(lambda: _control_connected(node, spare.ctrl_port), faults.STALL_S, "the sender to reach the node")
     os.kill(spare.node.pid, signal.SIGKILL)
     killed_at = time.time()
     spare.node.wait(10)
@@ -260,6 +299,7 @@ def test_peer_killed_mid_transfer_reaches_the_client_at_once(transport_stack: St
     assert outcome and isinstance(outcome[0], tuple), outcome
     err, error_at = outcome[0]
     assert err.status_code == 503 and "no healthy decode node" in str(err.body), err.body  # moved, not waited
+    assert killed_at < struck + faults.STALL_S, "the node was killed after the stall: not mid-transfer"
     since = error_at - killed_at
     assert since < FAIL_LIMIT_S, f"the client's error came {since:.2f}s after the kill"
     _pools_whole(transport_stack.prefill, transport_stack.decode)

@@ -4,11 +4,7 @@ Covers: logits (prompt at once and token by token) and 64-step greedy equality f
 q_lora=None and YaRN), deepseek_v32 and glm_moe_dsa (shared indexer layer); injection of vLLM-layout
 KV; the KV layout decoders; MTP speculative greedy == plain greedy.
 
-DSA note: the indexer score ``sum_h w_h relu(q_h . k_t)`` is *exactly* zero whenever all heads' dot
-products are negative (probability ~2^-Hi per pair). With 2 indexer heads such zero ties routinely sit
-on the top-k boundary, and CPU ``torch.topk`` breaks ties arbitrarily and differently for rows of
-different lengths (transformers' own prefill and decode then disagree). The DSA fixtures therefore use
-8 indexer heads (and top-k 12 < 40-token prompt, so sparsity matters).
+The reference models and the DSA note: ``tests/support/hf_reference.py``.
 """
 
 from __future__ import annotations
@@ -18,42 +14,16 @@ from typing import Any
 
 import pytest
 import torch
+from support.hf_reference import COMMON, FAMILIES, PROMPT_LEN, VOCAB, hf_model, prompt_ids, rel_err
 
 from tilert.engines.base import KVLayout
 from tilert.engines.tilert import layouts
 from tilert.engines.tilert.engine import TileRTEngine, greedy_generate, speculative_generate
 from tilert.models.tiny import add_mtp_layer
 
-PROMPT_LEN = 40
 GEN = 64
 MAX_SEQ = 128
-VOCAB = 101
 
-COMMON: dict[str, Any] = dict(
-    vocab_size=VOCAB,
-    hidden_size=72,
-    intermediate_size=88,
-    moe_intermediate_size=24,
-    num_hidden_layers=3,
-    num_attention_heads=3,
-    num_key_value_heads=3,
-    n_shared_experts=1,
-    n_routed_experts=8,
-    kv_lora_rank=40,
-    q_lora_rank=48,
-    qk_rope_head_dim=16,
-    v_head_dim=40,
-    qk_nope_head_dim=24,
-    n_group=4,
-    topk_group=2,
-    num_experts_per_tok=3,
-    first_k_dense_replace=1,
-    max_position_embeddings=256,
-    eos_token_id=None,
-    bos_token_id=None,
-)
-DSA: dict[str, Any] = dict(index_n_heads=8, index_head_dim=32, index_topk=12)
-FAMILIES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 YARN = {
     "rope_type": "yarn",
     "rope_theta": 10000.0,
@@ -68,45 +38,13 @@ YARN = {
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _hf_model(arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
-    """A seeded random transformers model; weights re-drawn larger than HF's init so logits are not flat."""
-    import transformers as tf
-
-    kw = {**COMMON, **overrides}
-    if arch == "deepseek_v3":
-        cfg, cls = tf.DeepseekV3Config(**kw), tf.DeepseekV3ForCausalLM
-    elif arch == "deepseek_v32":
-        cfg, cls = tf.DeepseekV32Config(**kw, **DSA), tf.DeepseekV32ForCausalLM
-    else:
-        cfg = tf.GlmMoeDsaConfig(**kw, **DSA, indexer_types=["full", "shared", "full"])
-        cls = tf.GlmMoeDsaForCausalLM
-    torch.manual_seed(seed)
-    model = cls(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 1.0 if "embed_tokens" in name else 0.08)
-        for mod in model.modules():
-            if hasattr(mod, "e_score_correction_bias"):
-                mod.e_score_correction_bias.normal_(0.0, 0.1)
-            if isinstance(mod, torch.nn.LayerNorm):
-                mod.weight.normal_(1.0, 0.1)
-                mod.bias.normal_(0.0, 0.1)
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def _prompt(seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(seed))
-
-
 class Case:
     """A saved checkpoint plus transformers' reference outputs for the prompt."""
 
     def __init__(self, model: torch.nn.Module, path: Path, with_generate: bool) -> None:
         self.path = path
         model.save_pretrained(path)
-        self.prompt = _prompt()
+        self.prompt = prompt_ids()
         with torch.no_grad():
             self.logits = model(self.prompt[None]).logits[0].float()
             self.generated: list[int] = []
@@ -120,16 +58,10 @@ class Case:
         return TileRTEngine.load(path or self.path, device="cpu", dtype=torch.float32, max_seq_len=MAX_SEQ)
 
 
-
-
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
     root = tmp_path_factory.mktemp("ckpt")
-    return {arch: Case(_hf_model(arch), root / arch, with_generate=True) for arch in FAMILIES}
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
+    return {arch: Case(hf_model(arch), root / arch, with_generate=True) for arch in FAMILIES}
 
 
 # ------------------------------------------------------------------------------ logits / greedy
@@ -142,10 +74,10 @@ def test_logits_match_transformers(cases: dict[str, Case], arch: str) -> None:
     at_once = eng.forward(case.prompt, 0)
     assert at_once.dtype == torch.float32 and at_once.shape == (PROMPT_LEN, VOCAB)
     for pos in (0, 5, 17, 30, PROMPT_LEN - 1):
-        assert _rel_err(at_once[pos], case.logits[pos]) <= 1e-4, pos
+        assert rel_err(at_once[pos], case.logits[pos]) <= 1e-4, pos
     eng2 = case.engine()
     steps = torch.stack([eng2.forward(case.prompt[i : i + 1], i)[0] for i in range(PROMPT_LEN)])
-    assert _rel_err(steps, case.logits) <= 1e-4
+    assert rel_err(steps, case.logits) <= 1e-4
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -172,7 +104,7 @@ def test_cpu_fast_path_is_the_tested_path(cases: dict[str, Case], arch: str, mon
     ref = case.engine()
     assert not ref.cpu_kernels and ref.model.layers[0].attn.k is ops and ref.model.layers[-1].mlp.k is ops
     got, want = fast.forward(case.prompt, 0), ref.forward(case.prompt, 0)
-    assert _rel_err(got, want) <= 1e-5
+    assert rel_err(got, want) <= 1e-5
     first = int(want[-1].argmax())
     assert list(fast.greedy_stream(first, PROMPT_LEN, 24)) == list(ref.greedy_stream(first, PROMPT_LEN, 24))
 
@@ -183,9 +115,9 @@ def test_cpu_fast_path_is_the_tested_path(cases: dict[str, Case], arch: str, mon
     ids=["no_q_lora", "yarn", "half_split_rope"],
 )
 def test_deepseek_v3_variants(tmp_path: Path, variant: dict[str, Any]) -> None:
-    case = Case(_hf_model("deepseek_v3", seed=3, **variant), tmp_path / "m", with_generate=False)
+    case = Case(hf_model("deepseek_v3", seed=3, **variant), tmp_path / "m", with_generate=False)
     eng = case.engine()
-    assert _rel_err(eng.forward(case.prompt, 0), case.logits) <= 1e-4
+    assert rel_err(eng.forward(case.prompt, 0), case.logits) <= 1e-4
     if "rope_parameters" in variant:
         base = (COMMON["qk_nope_head_dim"] + COMMON["qk_rope_head_dim"]) ** -0.5
         assert eng.model.args.softmax_scale != pytest.approx(base)
@@ -245,9 +177,7 @@ def test_inject_refuses_unknown_layouts(cases: dict[str, Case]) -> None:
     with pytest.raises(ValueError, match="bytes"):
         eng.inject({"mla": rows[..., :100], "indexer": idx}, good, 4)
     with pytest.raises(ValueError, match="rope_interleaved"):
-        eng.inject(
-            {"mla": rows, "indexer": idx}, {**good, "indexer": KVLayout("dsa_indexer", "x", 36, 3, True)}, 4
-        )
+        eng.inject({"mla": rows, "indexer": idx}, {**good, "indexer": KVLayout("dsa_indexer", "x", 36, 3, True)}, 4)
 
 
 # -------------------------------------------------------------------------------- layout codecs
@@ -401,7 +331,7 @@ def test_mtp_speculative_equals_plain_greedy(cases: dict[str, Case], arch: str, 
 def test_mtp_acceptance_with_predictive_module(tmp_path: Path, main_scale: float) -> None:
     """A module that predicts well is accepted (all drafts for a near-bigram main model, some otherwise,
     which exercises partial acceptance + rewind); output still equals plain greedy."""
-    model = _hf_model("deepseek_v3", seed=5)
+    model = hf_model("deepseek_v3", seed=5)
     case = Case(model, tmp_path / "base", with_generate=False)
     path = _add_mtp(case, tmp_path / "mtp", predictive=True, main_scale=main_scale)
     eng = case.engine(path)
@@ -433,8 +363,17 @@ def test_decode_loop_speculative_and_stops(cases: dict[str, Case], tmp_path: Pat
     def run(**kw: Any) -> tuple[list[int], Finish]:
         out: list[int] = []
         params = DecodeParams("t", first, PROMPT_LEN, **{"max_tokens": 24, "temperature": 0.0, **kw})
-        finish = run_decode(eng, state, lay, PROMPT_LEN, params, frozenset(), lambda ids, fin: out.extend(ids),
-                            threading.Event(), num_draft)
+        finish = run_decode(
+            eng,
+            state,
+            lay,
+            PROMPT_LEN,
+            params,
+            frozenset(),
+            lambda ids, fin: out.extend(ids),
+            threading.Event(),
+            num_draft,
+        )
         return out, finish
 
     plain, finish = run()

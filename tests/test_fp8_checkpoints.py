@@ -18,15 +18,20 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from test_engine_reference import _hf_model, _prompt, _rel_err
+from support.hf_reference import FAMILIES, hf_model, prompt_ids, rel_err
 
 from tilert.engines.tilert import fp8
 from tilert.engines.tilert.engine import TileRTEngine
 from tilert.models.quantize import dequantize_checkpoint, quantize_checkpoint
 
-FAMILIES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
-FP8_DIMS: dict[str, Any] = dict(hidden_size=200, moe_intermediate_size=160, intermediate_size=136,
-                                num_attention_heads=5, num_key_value_heads=5, n_shared_experts=2)
+FP8_DIMS: dict[str, Any] = dict(
+    hidden_size=200,
+    moe_intermediate_size=160,
+    intermediate_size=136,
+    num_attention_heads=5,
+    num_key_value_heads=5,
+    n_shared_experts=2,
+)
 MAX_SEQ = 128
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -34,7 +39,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def make_fp8_checkpoint(arch: str, root: Path) -> tuple[Path, Path]:
     """(FP8 checkpoint, its dequantised float32 twin) of a tiny seeded model of ``arch``."""
-    _hf_model(arch, **FP8_DIMS).save_pretrained(root / "src")
+    hf_model(arch, **FP8_DIMS).save_pretrained(root / "src")
     return quantize_checkpoint(root / "src", root / "fp8"), dequantize_checkpoint(root / "fp8", root / "deq")
 
 
@@ -47,7 +52,7 @@ def fp8_cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
         q, deq = make_fp8_checkpoint(arch, tmp_path_factory.mktemp(arch))
         ref = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()
         with torch.no_grad():
-            out[arch] = (q, ref(_prompt()[None]).logits[0].float())
+            out[arch] = (q, ref(prompt_ids()[None]).logits[0].float())
     return out
 
 
@@ -60,19 +65,30 @@ def test_quantised_like_deepseek(fp8_cases: dict[str, tuple[Path, torch.Tensor]]
         w = sf.get_tensor("model.layers.1.mlp.experts.0.gate_proj.weight")
         s = sf.get_tensor("model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv")
         assert w.dtype == torch.float8_e4m3fn and s.shape == (2, 2) and s.dtype == torch.float32
-        for kept in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.gate.weight",
-                     "model.layers.1.self_attn.indexer.weights_proj.weight"):
+        for kept in (
+            "model.embed_tokens.weight",
+            "lm_head.weight",
+            "model.layers.1.mlp.gate.weight",
+            "model.layers.1.self_attn.indexer.weights_proj.weight",
+        ):
             assert sf.get_tensor(kept).dtype != torch.float8_e4m3fn and kept + "_scale_inv" not in names
-        for quantised in ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj",
-                          "self_attn.o_proj", "self_attn.indexer.wk", "self_attn.indexer.wq_b",
-                          "mlp.shared_experts.down_proj"):
+        for quantised in (
+            "self_attn.q_a_proj",
+            "self_attn.kv_a_proj_with_mqa",
+            "self_attn.kv_b_proj",
+            "self_attn.o_proj",
+            "self_attn.indexer.wk",
+            "self_attn.indexer.wq_b",
+            "mlp.shared_experts.down_proj",
+        ):
             assert f"model.layers.1.{quantised}.weight_scale_inv" in names, quantised
 
 
 @pytest.mark.parametrize("cpu_fast", [True, False], ids=["ops.cpu", "reference-ops"])
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_fp8_engine_matches_dequantised_transformers(fp8_cases: dict[str, tuple[Path, torch.Tensor]], arch: str,
-                                                     cpu_fast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fp8_engine_matches_dequantised_transformers(
+    fp8_cases: dict[str, tuple[Path, torch.Tensor]], arch: str, cpu_fast: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Both CPU kernel tables: the fast CPU kernels and the dispatched ``tilert::*`` reference ops."""
     monkeypatch.setenv("TILERT_CPU_FAST", "1" if cpu_fast else "0")
     path, want = fp8_cases[arch]
@@ -80,19 +96,20 @@ def test_fp8_engine_matches_dequantised_transformers(fp8_cases: dict[str, tuple[
     assert eng.cpu_kernels is cpu_fast
     params = dict(eng.model.named_parameters())
     for leaf in fp8.FUSED_LEAVES:  # held as e4m3 (no dequantised copy), each with its scale
-        assert params[f"layers.1.{'mlp' if leaf.startswith('w1') or leaf == 'w2' else 'attn'}.{leaf}"].dtype == \
-            fp8.E4M3, leaf
+        assert (
+            params[f"layers.1.{'mlp' if leaf.startswith('w1') or leaf == 'w2' else 'attn'}.{leaf}"].dtype == fp8.E4M3
+        ), leaf
     assert params["layers.1.mlp.w13_scale"].shape == (10, 320 // 32, 200 // 8)
-    at_once = eng.forward(_prompt(), 0)
-    assert _rel_err(at_once, want) <= 1e-4
+    at_once = eng.forward(prompt_ids(), 0)
+    assert rel_err(at_once, want) <= 1e-4
     eng2 = TileRTEngine.load(path, device="cpu", dtype=torch.float32, max_seq_len=MAX_SEQ)
-    prompt = _prompt()
+    prompt = prompt_ids()
     steps = torch.stack([eng2.forward(prompt[i : i + 1], i)[0] for i in range(len(prompt))])
-    assert _rel_err(steps, want) <= 1e-4
+    assert rel_err(steps, want) <= 1e-4
 
 
 def test_block_quantisation_roundtrip() -> None:
-    w = torch.randn(300, 200) * torch.linspace(0.01, 3, 200)
+    w = torch.randn(300, 200, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.01, 3, 200)
     q, s = fp8.quantize_blocks(w)
     assert q.dtype == fp8.E4M3 and s.shape == (3, 2)
     deq = fp8.dequantize_blocks(q, s)
@@ -133,8 +150,11 @@ def test_bad_fp8_checkpoints_are_refused(fp8_cases: dict[str, tuple[Path, torch.
     bad = _rewrite(path, tmp_path / "shape", lambda sd: sd.__setitem__(name + "_scale_inv", torch.ones(3, 3)))
     with pytest.raises(ValueError, match=r"o_proj.weight.weight_scale_inv has shape \(3, 3\)"):
         load(bad)
-    bad = _rewrite(path, tmp_path / "bf16part", lambda sd: (sd.pop(name + "_scale_inv"),
-                                                            sd.__setitem__(name, torch.zeros(200, 200))))
+    bad = _rewrite(
+        path,
+        tmp_path / "bf16part",
+        lambda sd: (sd.pop(name + "_scale_inv"), sd.__setitem__(name, torch.zeros(200, 200))),
+    )
     with pytest.raises(ValueError, match="layers.1.attn.wo: the checkpoint is FP8 but this weight is"):
         load(bad)
     bad = _rewrite(path, tmp_path / "missing", lambda sd: sd.pop("model.layers.1.self_attn.kv_a_layernorm.weight"))
@@ -157,8 +177,9 @@ def test_bad_fp8_checkpoints_are_refused(fp8_cases: dict[str, tuple[Path, torch.
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_converted_fp8_gives_the_hf_directory_logits(fp8_cases: dict[str, tuple[Path, torch.Tensor]], arch: str,
-                                                     tmp_path: Path) -> None:
+def test_converted_fp8_gives_the_hf_directory_logits(
+    fp8_cases: dict[str, tuple[Path, torch.Tensor]], arch: str, tmp_path: Path
+) -> None:
     from tilert.engines.tilert.convert import convert
 
     path, want = fp8_cases[arch]
@@ -166,8 +187,8 @@ def test_converted_fp8_gives_the_hf_directory_logits(fp8_cases: dict[str, tuple[
     direct = TileRTEngine.load(path, device="cpu", dtype=torch.float32, max_seq_len=MAX_SEQ)
     converted = TileRTEngine.load(out, device="cpu", dtype=torch.float32, max_seq_len=MAX_SEQ)
     assert dict(converted.model.named_parameters())["layers.1.mlp.w13"].dtype == fp8.E4M3
-    got, same = converted.forward(_prompt(), 0), direct.forward(_prompt(), 0)
+    got, same = converted.forward(prompt_ids(), 0), direct.forward(prompt_ids(), 0)
     # The same weights, memory-mapped from the shards: equal up to float32 rounding (MKL's one-row products round
     # by the weight's memory alignment, and a shard's tensors sit at any 8-byte offset), the same greedy tokens.
-    assert _rel_err(got, same) <= 1e-6 and torch.equal(got.argmax(-1), same.argmax(-1))
-    assert _rel_err(got, want) <= 1e-4
+    assert rel_err(got, same) <= 1e-6 and torch.equal(got.argmax(-1), same.argmax(-1))
+    assert rel_err(got, want) <= 1e-4

@@ -1,8 +1,8 @@
-"""DSA indexer and MTP payloads through every transport into the engine (issue 7, item 4).
+"""DSA indexer and MTP payloads through every transport into the engine.
 
 vLLM on CPU produces neither a DSA indexer cache nor an MTP draft layer's cache, so the prefill side's
 caches are built here exactly as vLLM lays them out on GPU for DeepSeek-V3.2 with
-``speculative-config`` method ``mtp`` (``../shared/notes/kv-layouts.md``): block size 64, per layer an MLA
+``speculative-config`` method ``mtp``: block size 64, per layer an MLA
 page tensor (dense bf16 / fp32 ``[num_blocks, 64, 576]`` with the rope pairs interleaved, or
 ``fp8_ds_mla`` ``[num_blocks, 64, 656]`` uint8), a block-major fp8 indexer page tensor
 ``[num_blocks, 64 * (D + 4)]`` per layer, and the MTP layer's own MLA + indexer caches under vLLM's name
@@ -35,6 +35,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from support.waiting import await_until
 
 from tilert import contracts as c
 from tilert.connector.claims import SaveRequest
@@ -82,8 +83,7 @@ def prefilled(tmp_path_factory: pytest.TempPathFactory) -> Prefilled:
     from tilert.models.tiny import add_mtp_layer, build_tiny_model
 
     root = tmp_path_factory.mktemp("dsa-mtp")
-    base = build_tiny_model("deepseek_v32", root / "v32", seed=1, num_hidden_layers=2, index_topk=TOPK,
-                            index_n_heads=8)  # fmt: skip
+    base = build_tiny_model("deepseek_v32", root / "v32", seed=1, num_hidden_layers=2, index_topk=TOPK, index_n_heads=8)
     # A module that predicts the (near-bigram) main model's next token, so its drafts get accepted; the main
     # model still reads its KV (attention outputs scaled by 1e-3: zeroing 60 of the prompt's KV rows moves
     # the logits by ~0.05, four orders of magnitude above the tolerance below).
@@ -96,8 +96,15 @@ def prefilled(tmp_path_factory: pytest.TempPathFactory) -> Prefilled:
     # vLLM's MTP proposer in the prefill step: MTP rows r = (h_r, t_{r+1}) for r < P, t_P the sampled token.
     eng.speculative_greedy_step(first, PROMPT, DRAFT)
     m = eng.model
-    return Prefilled(path, prompt, first, m.kv_cache[:, :PROMPT].clone(), m.mtp_kv_cache[0, :PROMPT].clone(),
-                     m.index_cache[:, :PROMPT].clone(), m.mtp_index_cache[0, :PROMPT].clone())  # fmt: skip
+    return Prefilled(
+        path,
+        prompt,
+        first,
+        m.kv_cache[:, :PROMPT].clone(),
+        m.mtp_kv_cache[0, :PROMPT].clone(),
+        m.index_cache[:, :PROMPT].clone(),
+        m.mtp_index_cache[0, :PROMPT].clone(),
+    )
 
 
 def _engine(path: Path) -> TileRTEngine:
@@ -111,8 +118,12 @@ def _mla_rows(latent: torch.Tensor, kind: str, lora: int) -> torch.Tensor:
     """Engine-layout latent rows -> vLLM's per-token bytes (rope pairs interleaved)."""
     if kind == "fp8_ds_mla":
         return layouts.encode_fp8_ds_mla(latent, lora, rope_interleaved=True)
-    return layouts.encode_mla_dense(latent, kind.removeprefix("dense_").replace("bf16", "bfloat16")
-                                    .replace("fp32", "float32"), lora, rope_interleaved=True)  # fmt: skip
+    return layouts.encode_mla_dense(
+        latent,
+        kind.removeprefix("dense_").replace("bf16", "bfloat16").replace("fp32", "float32"),
+        lora,
+        rope_interleaved=True,
+    )
 
 
 def _paged_mla(rows: torch.Tensor, kind: str) -> torch.Tensor:
@@ -132,8 +143,9 @@ def _paged_mla(rows: torch.Tensor, kind: str) -> torch.Tensor:
 def _paged_indexer(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
     """One layer's block-major indexer pages ``[num_blocks, 64 * (D + 4)]`` holding ``rows [P, D + 4]``."""
     blocks = layouts.dsa_indexer_rows_to_blocks(rows, head_dim)
-    cache = torch.randint(0, 256, (NUM_BLOCKS, blocks.shape[1]), dtype=torch.uint8,
-                          generator=torch.Generator().manual_seed(7))  # fmt: skip
+    cache = torch.randint(
+        0, 256, (NUM_BLOCKS, blocks.shape[1]), dtype=torch.uint8, generator=torch.Generator().manual_seed(7)
+    )
     for i, b in enumerate(BLOCK_TABLE):
         cache[b] = blocks[i]
     return cache
@@ -161,8 +173,11 @@ def vllm_caches(pre: Prefilled, kind: str, a: Any) -> VllmCaches:
         caches[prefix + "self_attn.attn"] = _paged_mla(mla[i], kind)
         caches[prefix + "self_attn.indexer.k_cache"] = _paged_indexer(idx[i], d)
     dtype = "float32" if kind == "dense_fp32" else "bfloat16"
-    held_latent = (layouts.decode_fp8_ds_mla(mla, lora, rope) if kind == "fp8_ds_mla"
-                   else layouts.decode_mla_dense(mla, dtype, lora, rope))  # fmt: skip
+    held_latent = (
+        layouts.decode_fp8_ds_mla(mla, lora, rope)
+        if kind == "fp8_ds_mla"
+        else layouts.decode_mla_dense(mla, dtype, lora, rope)
+    )
     held = {"latent": held_latent, "keys": layouts.decode_dsa_indexer(idx, d, rope, a.indexer_rope_interleave)}
     return VllmCaches(caches, held)
 
@@ -248,6 +263,9 @@ def handoff(pre: Prefilled, vc: VllmCaches, name: str, receiver: Any, engine: Ti
             out["state"], out["layouts"], num_tokens = slot.tensors()
             out["offer"] = slot.offer
             assert num_tokens == PROMPT
+            # the sender's verdict needs the node's Ack, which follows the slot's readiness: the node serves on
+            staged = worker.transfers[-1]
+            await await_until(lambda: staged.outcome is not None, 10, "the sender's verdict on the transfer")
             tg.cancel_scope.cancel()
 
     try:
@@ -262,15 +280,20 @@ def handoff(pre: Prefilled, vc: VllmCaches, name: str, receiver: Any, engine: Ti
 
 def _new_request(claim: c.Claim, prompt: list[int]) -> Any:
     """vLLM's ``SchedulerOutput`` for one new request whose whole prompt is scheduled in this step."""
-    new = SimpleNamespace(req_id="r-0", sampling_params=SimpleNamespace(extra_args={"kv_transfer_params":
-                          claim.to_params()}), prompt_token_ids=prompt, block_ids=(BLOCK_TABLE,),
-                          num_computed_tokens=0)  # fmt: skip
+    new = SimpleNamespace(
+        req_id="r-0",
+        sampling_params=SimpleNamespace(extra_args={"kv_transfer_params": claim.to_params()}),
+        prompt_token_ids=prompt,
+        block_ids=(BLOCK_TABLE,),
+        num_computed_tokens=0,
+    )
     cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
     return SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached, num_scheduled_tokens={"r-0": PROMPT})
 
 
-def _decode_on_node(engine: TileRTEngine, state: dict[str, torch.Tensor], lays: dict[str, c.KVLayout],
-                    offer: c.Offer, first: int) -> tuple[list[int], Finish | BaseException | None]:  # fmt: skip
+def _decode_on_node(
+    engine: TileRTEngine, state: dict[str, torch.Tensor], lays: dict[str, c.KVLayout], offer: c.Offer, first: int
+) -> tuple[list[int], Finish | BaseException | None]:
     """The decode node's scheduler, as its server submits a request (``Job`` with the offer's last token)."""
     batch = DecodeBatch(engine, frozenset(), num_draft=DRAFT)
     ids: list[int] = []
@@ -283,8 +306,18 @@ def _decode_on_node(engine: TileRTEngine, state: dict[str, torch.Tensor], lays: 
 
     params = DecodeParams(offer.transfer_id, first, PROMPT, GEN, temperature=0.0)
     try:
-        batch.submit(Job(state, lays, PROMPT, params, lambda new, fin: ids.extend(new), done, threading.Event(),
-                         offer.last_token_id))  # fmt: skip
+        batch.submit(
+            Job(
+                state,
+                lays,
+                PROMPT,
+                params,
+                lambda new, fin: ids.extend(new),
+                done,
+                threading.Event(),
+                offer.last_token_id,
+            )
+        )
         assert ended.wait(120), "the decode did not end"
     finally:
         batch.close()

@@ -17,15 +17,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
-from conftest import free_port, wait_healthy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.stack import free_port, wait_healthy
 
 from tilert import auth
 from tilert import contracts as c
@@ -57,23 +58,37 @@ class Node:
         return int(psutil.Process(self.proc.pid).memory_info().rss)
 
 
-@pytest.fixture(scope="module")
-def node(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+@contextmanager
+def _decode_node(model: Path, log: Path) -> Iterator[Node]:
+    """A real ``tilert decode`` on loopback, SIGTERMed on the way out."""
     ctrl, http = free_port(), free_port()
-    log = tmp_path_factory.mktemp("fuzz") / "decode.log"
     env = {**os.environ, auth.SECRET_ENV: SECRET}
     env.pop(auth.SECRET_FILE_ENV, None)
-    cmd = [sys.executable, "-m", "tilert.cli", "decode", "--model", str(tiny_model), "--ctrl-port", str(ctrl),
-           "--http-port", str(http), "--slots", "2", "--max-seq-len", "256"]  # fmt: skip
+    cmd = [sys.executable, "-m", "tilert.cli", "decode", "--model", str(model)]
+    cmd += f"--ctrl-port {ctrl} --http-port {http} --slots 2 --max-seq-len 256".split()
     with open(log, "wb") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=err, stderr=err)
-    url = f"http://127.0.0.1:{http}"
-    wait_healthy(url, proc, 120, log)
-    token = auth.node_api_token(SECRET.encode())
-    handle = Node(proc, url, ctrl, {"authorization": f"Bearer {token}", "content-type": "application/json"})
-    yield handle
-    proc.terminate()
-    proc.wait(timeout=30)
+    try:
+        url = f"http://127.0.0.1:{http}"
+        wait_healthy(url, proc, 120, log)
+        token = auth.node_api_token(SECRET.encode())
+        yield Node(proc, url, ctrl, {"authorization": f"Bearer {token}", "content-type": "application/json"})
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def node(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    """The node the module's tests share: none of them stops it. Its teardown is a check: whatever the tests sent
+    it, in whichever order, the node still serves and holds no slot."""
+    with _decode_node(tiny_model, tmp_path_factory.mktemp("fuzz") / "decode.log") as handle:
+        yield handle
+        handle.assert_intact()
 
 
 def _control(node: Node, data: bytes, read_s: float = 0.3) -> bytes:
@@ -161,8 +176,11 @@ def test_silent_and_idle_connections_are_bounded(node: Node) -> None:
 # ---- the HTTP API --------------------------------------------------------------------------------
 def test_api_refuses_a_client_without_the_secret(node: Node) -> None:
     """Nobody without the deployment's secret can reserve, decode or release a slot, or watch the node."""
-    for path, body in (("/v1/reserve", {"transfer_id": "a"}), ("/v1/release", {"transfer_id": "a"}),
-                       ("/v1/decode", {"transfer_id": "a", "first_token_id": 1, "prompt_tokens": 3})):  # fmt: skip
+    for path, body in (
+        ("/v1/reserve", {"transfer_id": "a"}),
+        ("/v1/release", {"transfer_id": "a"}),
+        ("/v1/decode", {"transfer_id": "a", "first_token_id": 1, "prompt_tokens": 3}),
+    ):
         for headers in ({}, {"authorization": "Bearer " + auth.node_api_token(b"not the secret, but 32 bytes!!")}):
             resp = httpx.post(node.http + path, json=body, headers=headers, timeout=5)
             assert resp.status_code == 401 and "token" in resp.json()["error"]["message"]
@@ -198,8 +216,12 @@ def test_reserve_is_idempotent_and_checks_the_sampling_first(node: Node) -> None
 
 def test_errors_name_no_internal_ids_and_bound_leases(node: Node) -> None:
     tid = "secret-transfer-id-123"
-    resp = httpx.post(node.http + "/v1/decode", headers=node.headers, timeout=5,
-                      json={"transfer_id": tid, "first_token_id": 1, "prompt_tokens": 3})  # fmt: skip
+    resp = httpx.post(
+        node.http + "/v1/decode",
+        headers=node.headers,
+        timeout=5,
+        json={"transfer_id": tid, "first_token_id": 1, "prompt_tokens": 3},
+    )
     assert resp.status_code == 404 and tid not in resp.text
     resp = httpx.post(node.http + "/v1/reserve", json={"transfer_id": "x", "lease_s": 1e9}, headers=node.headers)
     assert resp.status_code == 400
@@ -222,15 +244,20 @@ json_values = st.recursive(
     max_leaves=12,
 )
 field_names = st.sampled_from(["transfer_id", "lease_s", "first_token_id", "prompt_tokens", "sampling", "x"])
-sampling_names = st.sampled_from(["max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
-                                  "ignore_eos", "x"])  # fmt: skip
-bodies = st.dictionaries(field_names, json_values | st.dictionaries(sampling_names, json_values, max_size=6),
-                         max_size=6)  # fmt: skip
+sampling_names = st.sampled_from(
+    ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "x"]
+)
+bodies = st.dictionaries(
+    field_names, json_values | st.dictionaries(sampling_names, json_values, max_size=6), max_size=6
+)
 
 
 @FUZZ
-@given(path=st.sampled_from(["/v1/reserve", "/v1/release", "/v1/decode"]), body=bodies,
-       raw=st.one_of(st.none(), st.binary(max_size=64)))  # fmt: skip
+@given(
+    path=st.sampled_from(["/v1/reserve", "/v1/release", "/v1/decode"]),
+    body=bodies,
+    raw=st.one_of(st.none(), st.binary(max_size=64)),
+)
 def test_fuzz_http_api(node: Node, path: str, body: dict[str, object], raw: bytes | None) -> None:
     content = raw if raw is not None else json.dumps(body).encode()  # (stdlib: also ints past 64 bits)
     with httpx.Client(timeout=10) as client:
@@ -246,16 +273,32 @@ def test_fuzz_http_api(node: Node, path: str, body: dict[str, object], raw: byte
 
 
 frame_types = st.sampled_from(["hello", "hello_ack", "offer", "accept", "done", "abort", "ack", "reject", "zzz"])
-frame_fields = st.sampled_from(["transfer_id", "num_tokens", "layouts", "nbytes", "reason", "target", "version",
-                                "transport", "sender_id", "auth", "x"])  # fmt: skip
+frame_fields = st.sampled_from(
+    [
+        "transfer_id",
+        "num_tokens",
+        "layouts",
+        "nbytes",
+        "reason",
+        "target",
+        "version",
+        "transport",
+        "sender_id",
+        "auth",
+        "x",
+    ]
+)
 
 
 @FUZZ
 @given(
-    kind=frame_types, fields=st.dictionaries(frame_fields, json_values, max_size=6),
-    after_hello=st.booleans(), cut=st.integers(0, 64), mode=st.sampled_from(["whole", "truncated", "raw"]),
+    kind=frame_types,
+    fields=st.dictionaries(frame_fields, json_values, max_size=6),
+    after_hello=st.booleans(),
+    cut=st.integers(0, 64),
+    mode=st.sampled_from(["whole", "truncated", "raw"]),
     raw=st.binary(max_size=96),
-)  # fmt: skip
+)
 def test_fuzz_control_port(
     node: Node, kind: str, fields: dict[str, object], after_hello: bool, cut: int, mode: str, raw: bytes
 ) -> None:
@@ -269,15 +312,23 @@ def test_fuzz_control_port(
 def _data_port(node: Node) -> int:
     """The TCP transport's listening port (the one that is neither the control nor the HTTP port)."""
     http_port = int(node.http.rsplit(":", 1)[1])
-    ports = {conn.laddr.port for conn in psutil.Process(node.proc.pid).net_connections(kind="tcp")
-             if conn.status == psutil.CONN_LISTEN} - {node.ctrl_port, http_port}  # fmt: skip
+    ports = {
+        conn.laddr.port
+        for conn in psutil.Process(node.proc.pid).net_connections(kind="tcp")
+        if conn.status == psutil.CONN_LISTEN
+    } - {node.ctrl_port, http_port}
     assert len(ports) == 1, ports
     return ports.pop()
 
 
 @FUZZ
-@given(key=st.binary(min_size=16, max_size=16), offset=st.integers(0, 2**64 - 1), nbytes=st.integers(0, 2**64 - 1),
-       tail=st.binary(max_size=64), raw=st.one_of(st.none(), st.binary(max_size=64)))  # fmt: skip
+@given(
+    key=st.binary(min_size=16, max_size=16),
+    offset=st.integers(0, 2**64 - 1),
+    nbytes=st.integers(0, 2**64 - 1),
+    tail=st.binary(max_size=64),
+    raw=st.one_of(st.none(), st.binary(max_size=64)),
+)
 def test_fuzz_data_port(node: Node, key: bytes, offset: int, nbytes: int, tail: bytes, raw: bytes | None) -> None:
     """Writes without a live grant (random keys, offsets, lengths, garbage) are refused; the node serves on."""
     data = raw if raw is not None else struct.pack(">16sQQ", key, offset, nbytes) + tail
@@ -293,7 +344,7 @@ def test_fuzz_data_port(node: Node, key: bytes, offset: int, nbytes: int, tail: 
 
 
 def test_after_fuzzing_the_node_is_whole_and_memory_is_bounded(node: Node) -> None:
-    """Runs after the fuzzers (file order): still serving, no slot held, memory within bounds."""
+    """400 malformed inputs: still serving, no slot held, memory within bounds."""
     before = node.rss()
     for _ in range(200):
         _control(node, _hello() + _frame(b'{"type":"offer","transfer_id":"m","num_tokens":1,"layouts":[]}'), 0.0)
@@ -302,10 +353,15 @@ def test_after_fuzzing_the_node_is_whole_and_memory_is_bounded(node: Node) -> No
     assert node.rss() - before < 64 << 20, "memory grew by more than 64 MiB over 400 malformed inputs"
 
 
-def test_zz_the_watch_beats_until_the_node_stops(node: Node) -> None:
-    """Runs last (it stops the node): the watch stream (``GET /v1/watch``) beats with the node's id, at once and
-    every ``NODE_BEAT_S``; a SIGTERM ends it, so the node's graceful shutdown (uvicorn waits for every open
-    response) is not held by the routers watching it."""
+def test_the_watch_beats_until_the_node_stops(tiny_model: Path, tmp_path: Path) -> None:
+    """The watch stream (``GET /v1/watch``) beats with the node's id, at once and every ``NODE_BEAT_S``; a SIGTERM
+    ends it, so the node's graceful shutdown (uvicorn waits for every open response) is not held by the routers
+    watching it. On a node of its own: it stops the node."""
+    with _decode_node(tiny_model, tmp_path / "decode.log") as node:
+        _watch_until_stopped(node)
+
+
+def _watch_until_stopped(node: Node) -> None:
     node_id = node.health()["node_id"]
     with httpx.stream("GET", node.http + "/v1/watch", headers=node.headers, timeout=10) as resp:
         assert resp.status_code == 200 and resp.headers["content-type"].startswith("application/x-ndjson")

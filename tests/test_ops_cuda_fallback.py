@@ -77,8 +77,9 @@ def test_float64_falls_back_to_reference():
     w2 = torch.randn(4, 16, 6, dtype=torch.float64, generator=g)
     ids = torch.tensor([[0, 2]], dtype=torch.int32)
     wts = torch.tensor([[0.3, 0.7]])
-    torch.testing.assert_close(cuda_ops._moe_experts_cuda(x[:1], ids, wts, w13, w2),
-                               ref.moe_experts(x[:1], ids, wts, w13, w2), rtol=0, atol=0)
+    torch.testing.assert_close(
+        cuda_ops._moe_experts_cuda(x[:1], ids, wts, w13, w2), ref.moe_experts(x[:1], ids, wts, w13, w2), rtol=0, atol=0
+    )
 
 
 def test_fast_path_predicates():

@@ -102,8 +102,10 @@ def test_attention_over_each_querys_own_rows() -> None:
         for i in range(n):
             assert torch.equal(out[i], attend(slice(i, i + 1))[0]), (n, i)
     # one start for every query, or none (row 0); a start beyond a position: no rows, the caller's case
-    _close(nk.mla_attend(q[1:], kv, pos[1:], lo[1:2], 0.3, lat),  # type: ignore[arg-type]
-           reference.mla_attention(q[1:], kv, pos[1:], 0.3, lat, lo[1:2]))  # fmt: skip
+    _close(
+        nk.mla_attend(q[1:], kv, pos[1:], lo[1:2], 0.3, lat),  # type: ignore[arg-type]
+        reference.mla_attention(q[1:], kv, pos[1:], 0.3, lat, lo[1:2]),
+    )
     _close(nk.mla_attend(q, kv, pos, None, 0.3, lat), reference.mla_attention(q, kv, pos, 0.3, lat))  # type: ignore[arg-type]
     assert nk.mla_attend(q[:1], kv, pos[:1], torch.tensor([5]), 0.3, lat) is None
 
@@ -124,6 +126,7 @@ def test_mla_prep_matches_reference_and_every_row_alone() -> None:
     want = reference.mla_prep(a, b, rows, kv_b, cos, sin, kvn, c2, None, None, None, h, p, ql, 0, 1e-6, 1.0)[0]
     _close(got, want)
     _close(c1, c2)
+
     def prep(i: torch.Tensor) -> torch.Tensor:  # the tokens i, into a fresh cache
         return nk.mla_prep(a[i], b[i], rows[i], kv_b, cos, sin, kvn, torch.zeros(S, lat + r), h, p, ql, 1e-6)
 
@@ -225,7 +228,8 @@ def test_calls_that_do_not_fit_are_refused_before_the_c_code_runs() -> None:
     with pytest.raises(ValueError, match="rms_norm"):
         nk.rms_norm(x, torch.ones(15), 1e-6)
     with pytest.raises(ValueError, match="experts"):
-        nk.moe_experts(x, torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1), torch.randn(3, 8, 16),
-                       torch.randn(3, 16, 5))  # fmt: skip  # w2's width 5 is not w13's 8 / 2
+        nk.moe_experts(
+            x, torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1), torch.randn(3, 8, 16), torch.randn(3, 16, 5)
+        )  # w2's width 5 is not w13's 8 / 2
     with pytest.raises(ValueError, match="mla_attend"):
         nk.mla_attend(torch.randn(1, 2, 16), torch.randn(10, 16), torch.tensor([4]), None, 0.3, 17)

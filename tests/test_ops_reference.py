@@ -196,16 +196,80 @@ def test_fused_ops_registered_with_fake_kernels() -> None:
     cases = [
         (ops.gemv, (x, torch.randn(5, d, generator=g), torch.rand(d, generator=g), 1e-6, None, True)),
         (ops.gemv_residual, (x.clone(), torch.randn(n, 5, generator=g), torch.randn(d, 5, generator=g), None)),
-        (ops.moe_block, (x.clone(), torch.rand(d, generator=g), 1e-6, torch.randn(8, d, generator=g), torch.rand(8),
-                          2, 4, 2, 2.5, True, 1, torch.randn(9, 6, d, generator=g), torch.randn(9, d, 3, generator=g))),
-        (ops.moe_residual, (x.clone(), torch.rand(d, generator=g), 1e-6,
-                            torch.tensor([[0, 2], [1, 3]], dtype=torch.int32), torch.rand(n, 2),
-                            torch.randn(4, 6, d, generator=g), torch.randn(4, d, 3, generator=g))),
-        (ops.mla_prep, (a, b, pos, torch.randn(h * (p + v), lat, generator=g), cos, sin, torch.rand(lat),
-                        torch.zeros(10, lat + r), torch.rand(di), torch.rand(di), torch.zeros(10, di), h, p, ql, hi,
-                        1e-6, 0.1)),
-        (ops.mla_prep, (a[:, : ql + lat + r], b[:, : h * (p + r)], pos, torch.randn(h * (p + v), lat, generator=g), cos,
-                        sin, torch.rand(lat), torch.zeros(10, lat + r), None, None, None, h, p, ql, 0, 1e-6, 1.0)),
+        (
+            ops.moe_block,
+            (
+                x.clone(),
+                torch.rand(d, generator=g),
+                1e-6,
+                torch.randn(8, d, generator=g),
+                torch.rand(8),
+                2,
+                4,
+                2,
+                2.5,
+                True,
+                1,
+                torch.randn(9, 6, d, generator=g),
+                torch.randn(9, d, 3, generator=g),
+            ),
+        ),
+        (
+            ops.moe_residual,
+            (
+                x.clone(),
+                torch.rand(d, generator=g),
+                1e-6,
+                torch.tensor([[0, 2], [1, 3]], dtype=torch.int32),
+                torch.rand(n, 2),
+                torch.randn(4, 6, d, generator=g),
+                torch.randn(4, d, 3, generator=g),
+            ),
+        ),
+        (
+            ops.mla_prep,
+            (
+                a,
+                b,
+                pos,
+                torch.randn(h * (p + v), lat, generator=g),
+                cos,
+                sin,
+                torch.rand(lat),
+                torch.zeros(10, lat + r),
+                torch.rand(di),
+                torch.rand(di),
+                torch.zeros(10, di),
+                h,
+                p,
+                ql,
+                hi,
+                1e-6,
+                0.1,
+            ),
+        ),
+        (
+            ops.mla_prep,
+            (
+                a[:, : ql + lat + r],
+                b[:, : h * (p + r)],
+                pos,
+                torch.randn(h * (p + v), lat, generator=g),
+                cos,
+                sin,
+                torch.rand(lat),
+                torch.zeros(10, lat + r),
+                None,
+                None,
+                None,
+                h,
+                p,
+                ql,
+                0,
+                1e-6,
+                1.0,
+            ),
+        ),
         (ops.mla_uv, (torch.randn(n, h, lat, generator=g), torch.randn(h * (p + v), lat, generator=g), p)),
     ]
     for op, args in cases:
@@ -218,8 +282,9 @@ def test_router_shared_slots_and_moe_residual() -> None:
     n, d, e, inter, s = 3, 12, 8, 5, 2
     h = torch.randn(n, d, generator=g, dtype=D64)
     norm = torch.rand(d, generator=g, dtype=D64) + 0.5
-    ids, wts = reference.router(h, norm, 1e-6, torch.randn(e, d, generator=g, dtype=D64),
-                                torch.rand(e, dtype=D64) * 0.1, 2, 4, 2, 2.5, True, s)
+    ids, wts = reference.router(
+        h, norm, 1e-6, torch.randn(e, d, generator=g, dtype=D64), torch.rand(e, dtype=D64) * 0.1, 2, 4, 2, 2.5, True, s
+    )
     assert ids.shape == (n, 2 + s) and (ids[:, 2:] == torch.tensor([e, e + 1])).all() and (wts[:, 2:] == 1).all()
     torch.testing.assert_close(wts[:, :2].sum(-1), torch.full((n,), 2.5, dtype=torch.float32))
     w13 = torch.randn(e + s, 2 * inter, d, generator=g, dtype=D64)
@@ -290,8 +355,10 @@ def test_cpu_kernels_agree_with_the_reference() -> None:
             q = rnd(n, h, lat + r)
             cache = rnd(S, lat + r)
             for start in (None, torch.tensor([2]), torch.tensor([1, 3, 0][:n])):
-                close(cpu.mla_attention(q, cache, pos, 0.3, lat, start),
-                      reference.mla_attention(q, cache, pos, 0.3, lat, start))
+                close(
+                    cpu.mla_attention(q, cache, pos, 0.3, lat, start),
+                    reference.mla_attention(q, cache, pos, 0.3, lat, start),
+                )
             iq, iw, kc = rnd(n, hi, di), rnd(n, hi).float(), rnd(S, di)
             score = torch.einsum("nh,nht->nt", iw.to(dt), torch.einsum("nhd,td->nht", iq, kc).relu())
             for start in (None, torch.tensor([2])):

@@ -1,4 +1,5 @@
-"""The published TileRT x vLLM command lines (BRIEF.md section 1, ``shared/seeds/``) work here verbatim.
+"""The published TileRT x vLLM command lines (``decode_server``, ``weight_converter``, ``pd_router`` and vLLM's
+``--kv-transfer-config`` for ``tilert.pd_vllm.prefill_connector``) work here verbatim.
 
 End to end: ``weight_converter`` converts the tiny checkpoint, ``decode_server`` serves the converted weights,
 stock vLLM prefills with ``kv_connector_module_path: tilert.pd_vllm.prefill_connector`` and the published
@@ -19,8 +20,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import free_port, wait_healthy
-from test_e2e_stack import _prompts, _router_call, _vllm_alone
+from support.oracle import prompts, router_call, vllm_alone
+from support.stack import free_port, wait_healthy
 
 from tilert.auth import SECRET_FILE_ENV, generate_secret
 from tilert.pd_vllm import aliases
@@ -30,29 +31,30 @@ PY = sys.executable
 
 
 def test_decode_server_flags_translate(monkeypatch: pytest.MonkeyPatch) -> None:
-    argv = ["--engine", "tilert", "--model", "glm5", "--model-weights-dir", "W", "--with-mtp", "--max-seq-len",
-            "202752", "--kv-cache-dtype", "fp8", "--ctrl-port", "5556", "--http-port", "5557", "--host", "0.0.0.0"]
+    argv = (
+        "--engine tilert --model glm5 --model-weights-dir W --with-mtp --max-seq-len 202752 --kv-cache-dtype fp8 "
+        "--ctrl-port 5556 --http-port 5557 --host 0.0.0.0"
+    ).split()
     monkeypatch.setattr(aliases, "check_family", lambda *a: None)  # no checkpoint at "W" here
     out = aliases.decode_server_args(argv)
-    assert out == ["decode", "--engine", "tilert", "--model", "W", "--ctrl-port", "5556", "--http-port", "5557",
-                   "--max-seq-len", "202752", "--host", "0.0.0.0"]
-    assert aliases.pd_router_args(["--vllm-url", "http://p:8000/v1", "--decode", "d:5556:5557", "--model-path", "M",
-                                   "--port", "23333"])[:3] == ["router", "--prefill-url", "http://p:8000"]
+    want = "decode --engine tilert --model W --ctrl-port 5556 --http-port 5557 --max-seq-len 202752 --host 0.0.0.0"
+    assert out == want.split()
+    router = "--vllm-url http://p:8000/v1 --decode d:5556:5557 --model-path M --port 23333".split()
+    assert aliases.pd_router_args(router)[:3] == ["router", "--prefill-url", "http://p:8000"]
 
 
 def test_inapplicable_or_wrong_values_are_refused_with_a_reason(tiny_model: Path, tmp_path: Path) -> None:
-    res = subprocess.run([PY, "-m", "tilert.models.preprocess.weight_converter", "--model_type", "glm-5",
-                          "--model_dir", str(tiny_model), "--save_dir", str(tmp_path / "x")],
-                         capture_output=True, text=True, timeout=120)
+    convert = [PY, "-m", "tilert.models.preprocess.weight_converter", "--model_type", "glm-5"]
+    convert += ["--model_dir", str(tiny_model), "--save_dir", str(tmp_path / "x")]
+    res = subprocess.run(convert, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "means model_type 'glm_moe_dsa', but" in res.stderr and "deepseek_v3" in res.stderr
-    res = subprocess.run([PY, "-m", "tilert.pd_vllm.decode_server", "--model", "deepseek-v3", "--model-weights-dir",
-                          str(tiny_model), "--kv-cache-dtype", "int4"], capture_output=True, text=True, timeout=120)
+    serve = [PY, "-m", "tilert.pd_vllm.decode_server", "--model", "deepseek-v3", "--model-weights-dir", str(tiny_model)]
+    res = subprocess.run([*serve, "--kv-cache-dtype", "int4"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "--kv-cache-dtype 'int4' is not supported" in res.stderr
     with pytest.raises(aliases.AliasError, match="tilert_model 'glm5' means model_type 'glm_moe_dsa', but vLLM"):
         aliases.check_connector_extra({"tilert_model": "glm5"}, "deepseek_v3", 2048)
-    warnings = aliases.check_connector_extra(
-        {"tilert_host": "h", "tilert_ctrl_port": 5556, "tilert_model": "glm5", "tilert_max_seq_len": 1024,
-         "tilert_nonsense": 1}, "glm_moe_dsa", 2048)  # fmt: skip
+    extra = {"tilert_host": "h", "tilert_ctrl_port": 5556, "tilert_model": "glm5", "tilert_max_seq_len": 1024}
+    warnings = aliases.check_connector_extra(extra | {"tilert_nonsense": 1}, "glm_moe_dsa", 2048)
     assert any("refuses longer ones" in w for w in warnings) and any("tilert_nonsense" in w for w in warnings)
 
 
@@ -69,31 +71,53 @@ def published(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     secret.chmod(0o600)
     env = {**os.environ, SECRET_FILE_ENV: str(secret), "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     weights = root / "tilert-weights"
-    subprocess.run([PY, "-m", "tilert.models.preprocess.weight_converter", "--model_type", "deepseek-v3",
-                    "--model_dir", str(tiny_model), "--save_dir", str(weights)], check=True, env=env, timeout=300)
+    convert = [PY, "-m", "tilert.models.preprocess.weight_converter", "--model_type", "deepseek-v3"]
+    convert += ["--model_dir", str(tiny_model), "--save_dir", str(weights)]
+    subprocess.run(convert, check=True, env=env, timeout=300)
     ctrl, http, prefill, router = (free_port() for _ in range(4))
-    kv = {"kv_connector": "TileRTConnector", "kv_connector_module_path": "tilert.pd_vllm.prefill_connector",
-          "kv_role": "kv_producer", "kv_connector_extra_config": {
-              "tilert_host": "127.0.0.1", "tilert_ctrl_port": ctrl, "tilert_model": "deepseek-v3",
-              "tilert_max_seq_len": 2048}}  # fmt: skip
+    extra = {"tilert_host": "127.0.0.1", "tilert_ctrl_port": ctrl, "tilert_model": "deepseek-v3"}
+    kv = {
+        "kv_connector": "TileRTConnector",
+        "kv_connector_module_path": "tilert.pd_vllm.prefill_connector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": extra | {"tilert_max_seq_len": 2048},
+    }
+    decode = (
+        f"--engine tilert --model deepseek-v3 --with-mtp --max-seq-len 2048 --kv-cache-dtype fp8 --ctrl-port {ctrl}"
+    )
+    vllm = f"--port {prefill} --enforce-eager --dtype float32 --max-model-len 2048 --kv-cache-memory-bytes 134217728"
+    pd_router = f"--vllm-url http://127.0.0.1:{prefill} --decode 127.0.0.1:{ctrl}:{http} --port {router}"
     cmds = {
-        "decode": [PY, "-m", "tilert.pd_vllm.decode_server", "--engine", "tilert", "--model", "deepseek-v3",
-                   "--model-weights-dir", str(weights), "--with-mtp", "--max-seq-len", "2048",
-                   "--kv-cache-dtype", "fp8", "--ctrl-port", str(ctrl), "--http-port", str(http)],
-        "prefill": [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model), "--port",
-                    str(prefill), "--enforce-eager", "--dtype", "float32", "--max-model-len", "2048",
-                    "--kv-cache-memory-bytes", "134217728",
-                    "--compilation-config", json.dumps(CPU_PREFILL_COMPILATION_CONFIG),
-                    "--kv-transfer-config", json.dumps(kv)],
-        "router": [PY, "-m", "tilert.pd_vllm.pd_router", "--vllm-url", f"http://127.0.0.1:{prefill}",
-                   "--decode", f"127.0.0.1:{ctrl}:{http}", "--model-path", str(tiny_model), "--port", str(router)],
-    }  # fmt: skip
+        "decode": [
+            PY,
+            "-m",
+            "tilert.pd_vllm.decode_server",
+            *decode.split(),
+            "--http-port",
+            str(http),
+            "--model-weights-dir",
+            str(weights),
+        ],
+        "prefill": [
+            PY,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            *vllm.split(),
+            "--model",
+            str(tiny_model),
+            "--compilation-config",
+            json.dumps(CPU_PREFILL_COMPILATION_CONFIG),
+            "--kv-transfer-config",
+            json.dumps(kv),
+        ],
+        "router": [PY, "-m", "tilert.pd_vllm.pd_router", *pd_router.split(), "--model-path", str(tiny_model)],
+    }
     procs = {name: _spawn(cmd, root / f"{name}.log", env) for name, cmd in cmds.items()}
     try:
         for name, port in (("decode", http), ("prefill", prefill), ("router", router)):
             wait_healthy(f"http://127.0.0.1:{port}", procs[name], 600, root / f"{name}.log")
-        yield SimpleNamespace(model=tiny_model, prefill=f"http://127.0.0.1:{prefill}",
-                              router=f"http://127.0.0.1:{router}", logs=root)
+        base = "http://127.0.0.1"
+        yield SimpleNamespace(model=tiny_model, prefill=f"{base}:{prefill}", router=f"{base}:{router}", logs=root)
     finally:
         for p in procs.values():
             try:
@@ -109,9 +133,9 @@ def published(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 def test_published_command_lines_end_to_end(published: Any) -> None:
-    kind, prompt = _prompts(published.model)[0]
-    want, text, _ = _vllm_alone(published, kind, prompt)
-    got, got_text, _ = _router_call(published.router, published.model, kind, prompt, stream=True)
+    kind, prompt = prompts(published.model)[0]
+    want, text, _ = vllm_alone(published, kind, prompt)
+    got, got_text, _ = router_call(published.router, published.model, kind, prompt, stream=True)
     assert got == want and got_text == text
     decode_log = (published.logs / "decode.log").read_text()
     assert "--kv-cache-dtype fp8: the decode engine keeps its latent cache" in decode_log

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from support.waiting import await_until
 
 from tilert.router.config import DecodeNodeSpec
 from tilert.router.errors import RouterError
@@ -27,7 +28,7 @@ def test_every_router_function_is_under_50_lines() -> None:
 
 
 def test_retry_after_follows_the_queue() -> None:
-    """Retry-After grows with the queue ahead and the time requests hold a slot (it was always 1)."""
+    """Retry-After grows with the queue ahead and the time requests hold a slot."""
 
     async def main() -> list[int]:
         pool = DecodePool([DecodeNodeSpec("127.0.0.1", 1, 2)], max_queue=1, retry_after_s=1, metrics=RouterMetrics("m"))
@@ -38,8 +39,8 @@ def test_retry_after_follows_the_queue() -> None:
             node = await pool.acquire(anyio.current_time() + 1)
         seen = [pool.retry_after_s_now()]
         async with anyio.create_task_group() as tg:
-            tg.start_soon(pool.acquire, anyio.current_time() + 0.5)  # one waits in the queue
-            await anyio.sleep(0.05)
+            tg.start_soon(pool.acquire, anyio.current_time() + 5)  # one waits in the queue
+            await await_until(lambda: pool.queue_depth == 1, 5, "the second request in the queue")
             seen.append(pool.retry_after_s_now())
             with pytest.raises(RouterError) as full:
                 await pool.acquire(anyio.current_time() + 1)

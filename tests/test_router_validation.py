@@ -324,8 +324,13 @@ def test_sampling_fields_reach_the_plan() -> None:
     assert (plan.top_k, plan.seed, plan.stop) == (0, 2**63 - 1, ["\n"])
     plan = plan_of("chat", BASE["chat"])
     assert (plan.temperature, plan.top_p, plan.top_k, plan.seed, plan.stop, plan.stop_token_ids) == (
-        None, None, None, None, [], []
-    )  # fmt: skip
+        None,
+        None,
+        None,
+        None,
+        [],
+        [],
+    )
     assert (plan.ignore_eos, plan.skip_special_tokens, plan.include_stop_str_in_output) == (False, True, False)
 
 
@@ -368,51 +373,111 @@ def test_a_full_chat_request(vllm_models: dict[str, Any]) -> None:
         {"role": "user", "content": [{"type": "text", "text": "hi"}]},
     ]
     sent = {
-        "model": "m", "messages": messages, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 7,
-        "max_completion_tokens": 50, "max_tokens": 80, "stop": ["\n\n", "END"], "stop_token_ids": [2],
-        "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
-        "skip_special_tokens": False, "include_stop_str_in_output": True, "ignore_eos": False, "user": "u",
-        "chat_template_kwargs": {"enable_thinking": False}, "add_generation_prompt": True, "n": 1,
-        "logprobs": False, "top_logprobs": None, "presence_penalty": 0.0, "tool_choice": "none",
-        "response_format": {"type": "text"}, "cache_salt": "s" * 43, "reasoning_effort": "low",
-    }  # fmt: skip
+        "model": "m",
+        "messages": messages,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 40,
+        "seed": 7,
+        "max_completion_tokens": 50,
+        "max_tokens": 80,
+        "stop": ["\n\n", "END"],
+        "stop_token_ids": [2],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+        "include_stop_str_in_output": True,
+        "ignore_eos": False,
+        "user": "u",
+        "chat_template_kwargs": {"enable_thinking": False},
+        "add_generation_prompt": True,
+        "n": 1,
+        "logprobs": False,
+        "top_logprobs": None,
+        "presence_penalty": 0.0,
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "cache_salt": "s" * 43,
+        "reasoning_effort": "low",
+    }
     plan = plan_of("chat", sent)
     assert (plan.route, plan.path, plan.stream, plan.include_usage, plan.continuous_usage) == (
-        "chat", "/v1/chat/completions", True, True, False
-    )  # fmt: skip
+        "chat",
+        "/v1/chat/completions",
+        True,
+        True,
+        False,
+    )
     assert (plan.max_tokens, plan.temperature, plan.top_p, plan.top_k, plan.seed) == (50, 0.7, 0.9, 40, 7)
     assert (plan.stop, plan.stop_token_ids, plan.ignore_eos) == (["\n\n", "END"], [2], False)
     assert (plan.include_stop_str_in_output, plan.skip_special_tokens, plan.return_token_ids) == (True, False, True)
     body = prefill_json(plan)
     assert body == {
-        "model": "m", "messages": messages, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 7,
-        "stop": ["\n\n", "END"], "stop_token_ids": [2], "skip_special_tokens": False,
-        "include_stop_str_in_output": True, "ignore_eos": False, "user": "u",
-        "chat_template_kwargs": {"enable_thinking": False}, "add_generation_prompt": True,
-        "cache_salt": "s" * 43, "reasoning_effort": "low",
-        "max_tokens": 1, "stream": False, "return_token_ids": True, "kv_transfer_params": KV,
-    }  # fmt: skip
+        "model": "m",
+        "messages": messages,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 40,
+        "seed": 7,
+        "stop": ["\n\n", "END"],
+        "stop_token_ids": [2],
+        "skip_special_tokens": False,
+        "include_stop_str_in_output": True,
+        "ignore_eos": False,
+        "user": "u",
+        "chat_template_kwargs": {"enable_thinking": False},
+        "add_generation_prompt": True,
+        "cache_salt": "s" * 43,
+        "reasoning_effort": "low",
+        "max_tokens": 1,
+        "stream": False,
+        "return_token_ids": True,
+        "kv_transfer_params": KV,
+    }
     vllm_models["chat"].model_validate(body)  # vLLM accepts what the prefill gets
     assert not hasattr(plan, "decode_body")
 
 
 def test_a_full_completions_request(vllm_models: dict[str, Any]) -> None:
     sent = {
-        "model": "m", "prompt": [1, 2, 3], "max_tokens": 20, "temperature": 0, "seed": -1, "stop": "x",
-        "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-        "echo": False, "logprobs": None, "suffix": None, "truncate_prompt_tokens": 100, "add_special_tokens": False,
-    }  # fmt: skip
+        "model": "m",
+        "prompt": [1, 2, 3],
+        "max_tokens": 20,
+        "temperature": 0,
+        "seed": -1,
+        "stop": "x",
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "echo": False,
+        "logprobs": None,
+        "suffix": None,
+        "truncate_prompt_tokens": 100,
+        "add_special_tokens": False,
+    }
     plan = plan_of("completions", sent)
     assert (plan.path, plan.max_tokens, plan.temperature, plan.seed, plan.stop) == (
-        "/v1/completions", 20, 0.0, None, ["x"]
-    )  # fmt: skip
+        "/v1/completions",
+        20,
+        0.0,
+        None,
+        ["x"],
+    )
     assert (plan.include_usage, plan.continuous_usage, plan.return_token_ids) == (True, True, False)
     body = prefill_json(plan)
     assert body == {
-        "model": "m", "prompt": [1, 2, 3], "temperature": 0.0, "seed": -1, "stop": "x",
-        "truncate_prompt_tokens": 100, "add_special_tokens": False,
-        "max_tokens": 1, "stream": False, "return_token_ids": True, "kv_transfer_params": KV,
-    }  # fmt: skip
+        "model": "m",
+        "prompt": [1, 2, 3],
+        "temperature": 0.0,
+        "seed": -1,
+        "stop": "x",
+        "truncate_prompt_tokens": 100,
+        "add_special_tokens": False,
+        "max_tokens": 1,
+        "stream": False,
+        "return_token_ids": True,
+        "kv_transfer_params": KV,
+    }
     vllm_models["completions"].model_validate(body)
 
 

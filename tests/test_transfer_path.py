@@ -9,6 +9,7 @@ import time
 import anyio
 import pytest
 import torch
+from support.waiting import await_until
 
 from tilert import contracts as p
 from tilert.connector.claims import ClaimError, SaveRequest, parse_claim
@@ -59,8 +60,13 @@ def test_claim_parsing() -> None:
     with pytest.raises(ClaimError, match="not signed"):
         parse_claim(claim.to_params(), b"another deployment's secret, 32 b")
     unsigned = {"tilert_host": "h", "tilert_ctrl_port": 1, "tilert_transfer_id": "t"}
-    bads = ({}, {"tilert_ctrl_port": 0, "tilert_auth": "x"}, {"tilert_ctrl_port": True, "tilert_auth": "x"},
-            {"tilert_transfer_id": "a/b", "tilert_auth": "x"}, {"tilert_auth": "x", "tilert_other": 1})  # fmt: skip
+    bads = (
+        {},
+        {"tilert_ctrl_port": 0, "tilert_auth": "x"},
+        {"tilert_ctrl_port": True, "tilert_auth": "x"},
+        {"tilert_transfer_id": "a/b", "tilert_auth": "x"},
+        {"tilert_auth": "x", "tilert_other": 1},
+    )
     for bad in bads:
         with pytest.raises(ClaimError):
             parse_claim(unsigned | bad, SECRET)
@@ -101,6 +107,19 @@ class _Node:
 
 def _staging(tokens: int) -> torch.Tensor:
     return torch.randint(0, 255, (LAYOUT.nbytes(tokens),), dtype=torch.uint8)
+
+
+def _offers_seen(node: _Node) -> list[str]:
+    """The transfer ids of the offers that reach ``node``'s control port from now on (in arrival order)."""
+    seen: list[str] = []
+    wait_reserved = node.table.wait_reserved
+
+    async def recording(tid: str, timeout_s: float) -> None:
+        seen.append(tid)
+        await wait_reserved(tid, timeout_s)
+
+    node.table.wait_reserved = recording  # type: ignore[method-assign]
+    return seen
 
 
 async def _with_node(node: _Node, body) -> None:  # type: ignore[no-untyped-def]
@@ -167,10 +186,15 @@ def test_bad_offer_and_abort_fail_the_waiting_request_at_once() -> None:
             await node.table.wait_ready("aborted", 10)
         assert time.monotonic() - t0 < 2
 
-        # An offer for a transfer nobody reserved is refused; nothing is written anywhere.
-        sender.submit(Staged.whole(_claim("never-reserved", node.port), 4, {"mla": LAYOUT}, _staging(4)))
-        await anyio.sleep(0.3)
-        assert node.table.free == 1
+        # An offer for a transfer nobody reserved reaches the node and is refused for that reason: no grant, no
+        # byte written, no slot taken.
+        node.control.early_offer_wait_s = 0.05  # the node's wait for a reservation that never comes
+        never = Staged.whole(_claim("never-reserved", node.port), 4, {"mla": LAYOUT}, _staging(4))
+        offered = _offers_seen(node)
+        await anyio.to_thread.run_sync(sender.submit(never).result)
+        assert offered == ["never-reserved"]
+        assert never.outcome is not None and "unknown transfer: reserve a slot first" in never.outcome
+        assert never.writes == [] and node.table.free == 1 and node.table.transfers_received == 0
 
     try:
         anyio.run(_with_node, node, body)
@@ -184,7 +208,7 @@ def test_leases_expire_and_late_transfers_are_refused() -> None:
 
     async def body() -> None:
         node.table.reserve("late")
-        await anyio.sleep(0.1)
+        await anyio.sleep(0.1)  # past the 0.05 s lease: time passing is what expires it
         assert node.table.expire() == ["late"]
         assert node.table.free == 1
         fut = sender.submit(Staged.whole(_claim("late", node.port), 4, {"mla": LAYOUT}, _staging(4)))
@@ -215,7 +239,7 @@ def test_held_reservation_outlives_its_lease() -> None:
     async def body() -> None:
         node.table.reserve("queued-decode")
         node.table.hold("queued-decode")
-        await anyio.sleep(0.1)
+        await anyio.sleep(0.1)  # past the 0.05 s lease: time passing is what would expire it
         assert node.table.expire() == []
         assert node.table.get("queued-decode").state is SlotState.RESERVED
 
@@ -240,11 +264,16 @@ def test_an_offer_ahead_of_its_reservation_waits_for_it() -> None:
         assert took < within_s, took
         return took
 
+    offered = _offers_seen(node)
+
+    async def arrived(tid: str) -> None:
+        await await_until(lambda: tid in offered, 5, f"the offer of {tid} at the node")
+
     async def body() -> None:
         data = _staging(6)
         early = staged("early", 6, data)
         fut = sender.submit(early)
-        await anyio.sleep(0.2)
+        await arrived("early")
         assert not fut.done() and node.table.free == 1  # the offer waits at the node, nothing reserved
         node.table.reserve("early")
         slot = await node.table.wait_ready("early", 10)
@@ -253,7 +282,7 @@ def test_an_offer_ahead_of_its_reservation_waits_for_it() -> None:
 
         refused = staged("refused", 4)
         fut = sender.submit(refused)
-        await anyio.sleep(0.1)
+        await arrived("refused")
         with pytest.raises(SlotError):
             node.table.reserve("refused")  # the only slot is taken
         await finished(fut, 0.3)  # not the whole wait
@@ -293,8 +322,7 @@ def test_control_connections_are_kept_and_a_stale_one_is_replaced() -> None:
         assert sender.connections_opened == 1 and node.control.connections == 1
         node.control.idle_timeout_s = 0.05  # the node drops the kept connection once it idles
         assert (await one("k3")).outcome == "done"  # still on the kept one (the old timeout was armed)
-        await anyio.sleep(0.3)
-        assert node.control.connections == 0
+        await await_until(lambda: node.control.connections == 0, 5, "the node to drop the idle connection")
         assert (await one("k4")).outcome == "done"  # the kept one was closed: a new one
         assert sender.connections_opened == 2
         never = Staged.whole(_claim("unknown", node.port), 4, {"mla": LAYOUT}, _staging(4))
@@ -314,7 +342,7 @@ def test_control_connections_are_kept_and_a_stale_one_is_replaced() -> None:
 def test_sender_threads_are_not_pinned_to_their_creators_core() -> None:
     """vLLM pins its forward thread to one core (OMP binding; NixlConnector re-pins it to the last core), and the
     sender's threads start from that thread: they must still run on every CPU the process may use, not on a
-    core that NIXL's busy-polling UCX progress thread may fill (issue 8)."""
+    core that NIXL's busy-polling UCX progress thread may fill."""
     everything = os.sched_getaffinity(0)
     one = {min(everything)}
     os.sched_setaffinity(0, one)  # as vLLM leaves its worker thread

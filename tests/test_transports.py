@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import statistics
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.waiting import wait_until
 
 from tilert import contracts as c
 from tilert.plugins import available, load_transport
@@ -425,12 +427,12 @@ def test_tcp_revoke_cuts_off_a_writer_stalled_mid_payload() -> None:
     try:
         buf = torch.full((1 << 16,), FILL, dtype=torch.uint8)
         target = receiver.grant(receiver.register(buf), 0, 8192)
+        before = set(threading.enumerate())  # the receiver serves each connection on a thread of its own
         with socket.create_connection((target["host"], target["port"]), timeout=5.0) as raw:
             raw.sendall(_HEADER.pack(bytes.fromhex(target["key"]), 0, 8192) + bytes([7]) * 100)
-            deadline = time.monotonic() + 5.0
-            while bytes(buf[:100].tolist()) != bytes([7]) * 100:  # the first bytes are in: the writer is mid-payload
-                assert time.monotonic() < deadline, "the receiver never took the first bytes"
-                time.sleep(0.005)
+            wait_until(lambda: bytes(buf[:100].tolist()) == bytes([7]) * 100, 5.0, "the first bytes in")  # mid-payload
+            serving = [t for t in threading.enumerate() if t.name == "tilert-tcp-conn" and t not in before]
+            assert len(serving) == 1, serving
             start = time.perf_counter()
             receiver.revoke(target)
             raw.settimeout(2.0)
@@ -443,7 +445,8 @@ def test_tcp_revoke_cuts_off_a_writer_stalled_mid_payload() -> None:
             assert cut_after < 1.0, cut_after
             with contextlib.suppress(OSError):
                 raw.sendall(bytes([9]) * 8092)  # the rest of the payload, too late
-        time.sleep(0.05)
+        serving[0].join(5.0)  # the connection's thread has ended: no byte can land after this
+        assert not serving[0].is_alive()
         assert bytes(buf[100:8192].tolist()) == bytes([FILL]) * 8092
     finally:
         receiver.close()

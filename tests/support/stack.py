@@ -1,0 +1,170 @@
+"""A whole stack started through ``tilert up``, exactly as a user starts it, and its shutdown checked: what the
+session-wide ``stack`` fixture (``tests/conftest.py``) and the tests that start stacks of their own share."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+from support.waiting import wait_until
+
+STARTUP_TIMEOUT_S = 600
+SHUTDOWN_TIMEOUT_S = 60  # from the SIGINT to ``tilert up``'s exit
+LEFTOVER_TIMEOUT_S = 15  # from ``tilert up``'s exit until none of its processes is left
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[Any], timeout_s: float, log: Path | None = None) -> None:
+    """Until ``url``/health answers 200; fails at once if ``proc`` exits, or after ``timeout_s``."""
+
+    def healthy() -> bool:
+        assert proc.poll() is None, log.read_text()[-3000:] if log else f"exited with {proc.returncode}"
+        try:
+            return httpx.get(url + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(healthy, timeout_s, f"{url} healthy", interval_s=0.2)
+
+
+@dataclass
+class Stack:
+    proc: subprocess.Popen[str]
+    model: Path
+    prefill: str
+    decode: str
+    router: str
+    log: Path
+    transport: str = "tcp"
+    native: str | None = None  # the native vLLM decode instance (``tilert up --native``)
+    secret_file: Path | None = None  # the stack's secret (more nodes and routers can join it)
+    fault_dir: Path | None = None  # the connector's test-only fault hook (tilert.connector.faults), armed here
+
+
+def start_stack(model: Path, log: Path, *extra: str, env: dict[str, str] | None = None) -> Stack:
+    """``tilert up`` on free ports, as a user starts it, with a secret file the tests know and the connector's
+    test-only fault hook enabled (both next to ``log``); returns once it printed its URLs (the router's last)."""
+    from tilert.connector.faults import ENV as FAULTS_ENV
+    from tilert.stack import write_secret_file
+
+    ports = [free_port() for _ in range(4)]
+    secret_file = write_secret_file()
+    fault_dir = log.parent / "faults"
+    fault_dir.mkdir(exist_ok=True)
+    env = {**(os.environ if env is None else env), FAULTS_ENV: str(fault_dir)}
+    cmd = [
+        *(sys.executable, "-m", "tilert.cli", "up", "--model", str(model)),
+        *("--port", str(ports[0]), "--prefill-port", str(ports[1])),
+        *("--ctrl-port", str(ports[2]), "--decode-http-port", str(ports[3])),
+        *("--secret-file", str(secret_file), *extra),
+    ]
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    urls: dict[str, str] = {}
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    assert proc.stdout is not None
+    while "router" not in urls and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        name, _, url = line.strip().partition(": ")
+        if name in ("prefill", "native", "decode", "router"):
+            urls[name] = url
+    if len(urls) < 3:
+        proc.kill()
+        pytest.fail(f"tilert up did not come up; log tail:\n{log.read_text()[-4000:]}")
+    return Stack(
+        proc,
+        model,
+        urls["prefill"],
+        urls["decode"],
+        urls["router"],
+        log,
+        native=urls.get("native"),
+        secret_file=secret_file,
+        fault_dir=fault_dir,
+    )
+
+
+def stop_stack(stack: Stack) -> None:
+    """SIGINT ``tilert up`` (SIGKILL after ``SHUTDOWN_TIMEOUT_S``) and remove its secret; checks nothing."""
+    if stack.proc.poll() is None:
+        stack.proc.send_signal(signal.SIGINT)
+        try:
+            stack.proc.wait(timeout=SHUTDOWN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            stack.proc.kill()
+    if stack.secret_file is not None:
+        shutil.rmtree(stack.secret_file.parent, ignore_errors=True)
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _tail(log: Path) -> str:
+    return log.read_text(errors="replace")[-3000:]
+
+
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def stop_stack_checked(stack: Stack) -> None:
+    """Ctrl-C as a user stops ``tilert up``: SIGINT must end it with status 0 and end every process it started
+    (vLLM's API server and its engine core, the decode node, the router, and whatever they started), within
+    ``SHUTDOWN_TIMEOUT_S`` + ``LEFTOVER_TIMEOUT_S``. Anything left is killed, then the check fails."""
+    code = stack.proc.poll()
+    if code is not None:
+        stop_stack(stack)
+        pytest.fail(f"tilert up exited with status {code} before its shutdown; log tail:\n{_tail(stack.log)}")
+    family = psutil.Process(stack.proc.pid).children(recursive=True)
+    cmdlines = [_cmdline(p) for p in family]
+    started = {  # each as its command line shows it (vLLM names its engine core's process)
+        "vLLM": "vllm.entrypoints.openai.api_server",
+        "vLLM's engine core": "EngineCore",
+        "decode node": "tilert.cli decode",
+        "router": "tilert.cli router",
+    }
+    try:
+        missing = [role for role, mark in started.items() if not any(mark in line for line in cmdlines)]
+        assert not missing, f"before the SIGINT, no {', no '.join(missing)} among tilert up's processes: {cmdlines}"
+        stack.proc.send_signal(signal.SIGINT)
+        try:
+            code = stack.proc.wait(timeout=SHUTDOWN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"tilert up still running {SHUTDOWN_TIMEOUT_S} s after SIGINT")
+        assert code == 0, f"tilert up exited with status {code} on SIGINT; log tail:\n{_tail(stack.log)}"
+        try:
+            wait_until(lambda: not any(_alive(p) for p in family), LEFTOVER_TIMEOUT_S, "no process of the stack left")
+        except AssertionError:
+            left = [(p.pid, _cmdline(p)) for p in family if _alive(p)]
+            pytest.fail(f"tilert up exited, leaving behind: {left}")
+    finally:
+        for p in family:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        stop_stack(stack)
