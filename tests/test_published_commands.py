@@ -24,7 +24,9 @@ from support.oracle import prompts, router_call, vllm_alone
 from support.stack import free_port, wait_healthy
 
 from tilert.auth import SECRET_FILE_ENV, generate_secret
+from tilert.contracts import ContractError
 from tilert.pd_vllm import aliases
+from tilert.pd_vllm.prefill_connector import TileRTConnector as PublishedConnector
 from tilert.stack import CPU_PREFILL_COMPILATION_CONFIG
 
 PY = sys.executable
@@ -54,8 +56,12 @@ def test_inapplicable_or_wrong_values_are_refused_with_a_reason(tiny_model: Path
     with pytest.raises(aliases.AliasError, match="tilert_model 'glm5' means model_type 'glm_moe_dsa', but vLLM"):
         aliases.check_connector_extra({"tilert_model": "glm5"}, "deepseek_v3", 2048)
     extra = {"tilert_host": "h", "tilert_ctrl_port": 5556, "tilert_model": "glm5", "tilert_max_seq_len": 1024}
-    warnings = aliases.check_connector_extra(extra | {"tilert_nonsense": 1}, "glm_moe_dsa", 2048)
-    assert any("refuses longer ones" in w for w in warnings) and any("tilert_nonsense" in w for w in warnings)
+    warnings = aliases.check_connector_extra(extra, "glm_moe_dsa", 2048)
+    assert any("refuses longer ones" in w for w in warnings)
+    # the published keys set none of the connector's own settings; any other unknown key stops vLLM's start-up
+    assert PublishedConnector.settings(extra | {"tilert_transport": "nixl"}).transport == "nixl"
+    with pytest.raises(ContractError, match="tilert_nonsense"):
+        PublishedConnector.settings(extra | {"tilert_nonsense": 1})
 
 
 def _spawn(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
