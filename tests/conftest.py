@@ -16,14 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-# The stack's helpers live in tests/support/stack.py; these names are re-exported for the modules that still
-# import them from here.
-from support.stack import Stack as Stack
-from support.stack import free_port as free_port
-from support.stack import start_stack, stop_stack_checked
-from support.stack import stop_stack as stop_stack
-from support.stack import wait_healthy as wait_healthy
+from support.stack import Stack, start_stack, stop_stack_checked
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,8 @@ the TileRT pool is our decode node, the native pool a second stock vLLM instance
 The oracle: greedy tokens through either pool equal those of the prefill instance alone. Nothing is faked:
 a busy TileRT node is made by reserving its slots through its real API, a dead native decode by SIGKILL.
 
-The stack is started once for this module; the last test kills the native decode instance.
+The stack is started once for this module. The test that kills the native decode instance leaves the stack
+spent; whichever test comes after it (in any order) gets a fresh stack.
 """
 
 from __future__ import annotations
@@ -28,32 +29,61 @@ from urllib.parse import urlparse
 import httpx
 import psutil
 import pytest
-from conftest import Stack, free_port, start_stack, stop_stack, wait_healthy
 from openai import OpenAI
+from support.stack import Stack, free_port, start_stack, stop_stack, wait_healthy
 from transformers import AutoTokenizer
 
 MAX_TOKENS = 32
 POOL = "x-tilert-pool"
 
 
+class PoolsStack:
+    """The module's ``tilert up --native`` stack, started on first use and again after a test spent it."""
+
+    def __init__(self, model: Path, logs: Path) -> None:
+        self.model, self.logs = model, logs
+        self.stack: Stack | None = None
+        self.spent = False
+        self.starts = 0
+
+    def get(self) -> Stack:
+        if self.stack is not None and self.spent:
+            stop_stack(self.stack)
+            self.stack = None
+        if self.stack is None:
+            self.starts += 1
+            ports = [str(free_port()) for _ in range(3)]
+            log = self.logs / f"pools-{self.starts}.log"
+            flags = ("--native-port", ports[0], "--prefill-side-port", ports[1], "--native-side-port", ports[2])
+            self.stack = start_stack(self.model, log, "--native", *flags)
+            self.spent = False
+            assert self.stack.native is not None
+        return self.stack
+
+    def close(self) -> None:
+        if self.stack is not None:
+            stop_stack(self.stack)
+
+
 @pytest.fixture(scope="module")
-def pools(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    ports = [str(free_port()) for _ in range(3)]
-    log = tmp_path_factory.mktemp("logs") / "pools.log"
-    handle = start_stack(
-        tiny_model,
-        log,
-        "--native",
-        "--native-port",
-        ports[0],
-        "--prefill-side-port",
-        ports[1],
-        "--native-side-port",
-        ports[2],
-    )
-    assert handle.native is not None
-    yield handle
-    stop_stack(handle)
+def pools_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolsStack]:
+    holder = PoolsStack(tiny_model, tmp_path_factory.mktemp("logs"))
+    yield holder
+    holder.close()
+
+
+@pytest.fixture
+def pools(pools_stack: PoolsStack) -> Stack:
+    """A whole stack: both pools serving."""
+    return pools_stack.get()
+
+
+@pytest.fixture
+def pools_to_break(pools_stack: PoolsStack) -> Iterator[Stack]:
+    """A whole stack the test may break; it is replaced before any other test uses it."""
+    stack = pools_stack.get()
+    pools_stack.spent = True
+    yield stack
 
 
 def _source_text(n_tokens: int, model: Path, offset: int) -> str:
@@ -312,11 +342,12 @@ def _native_process(stack: Stack) -> psutil.Process:
 
 
 @pytest.mark.stack
-def test_zz_killing_native_decode_fails_its_stream_fast_and_spares_tilert(pools: Stack) -> None:
-    """Runs last in this module: the native decode instance dies (SIGKILL) with a native stream and a TileRT
+def test_killing_native_decode_fails_its_stream_fast_and_spares_tilert(pools_to_break: Stack) -> None:
+    """The native decode instance dies (SIGKILL) with a native stream and a TileRT
     stream in flight. The native one ends with an error event right after the instance has exited and its last
     token is relayed (within 5 s of the kill: the tokens already buffered are relayed first); the TileRT one is
-    untouched (the same tokens as the same request undisturbed, which the tests above tie to vLLM alone)."""
+    untouched (the same tokens as the same request undisturbed, which the other tests tie to vLLM alone)."""
+    pools = pools_to_break
     n_tilert = 1200  # long enough that the decode still runs when the test looks
     tilert_body = {
         "model": str(pools.model),

@@ -20,7 +20,7 @@ import httpx
 import psutil
 import pytest
 import torch
-from conftest import free_port, wait_healthy
+from support.stack import free_port, wait_healthy
 
 from tilert import auth
 from tilert.engines.base import DecodeEngine, KVLayout

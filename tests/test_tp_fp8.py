@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import free_port
+from support.stack import free_port
 
 from tilert.engines.base import DecodeEngine
 from tilert.engines.tilert import fp8, parallel, sharding
