@@ -24,6 +24,7 @@ demo: $(STAMP) $(MODEL)/config.json
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check tilert tests
+	$(VENV)/bin/ruff format --check tilert tests benchmarks
 	$(VENV)/bin/mypy tilert
 	$(PY) -m pytest -q -ra
 

@@ -33,8 +33,14 @@ def _stack(n: int, rows: int, cols: int, dev, leaf: str) -> tuple[torch.Tensor, 
 
 def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
     # GEMVs: (tokens, N, K, leaf): W_a / W_b (one scale per row), W_o, lm_head-sized, at V3.2 and lite dims.
-    shapes = [(1, 2240, 7168, "wa"), (1, 32768, 1536, "wb"), (1, 7168, 16384, "wo"), (3, 2240, 7168, "wa"),
-              (1, 2048, 2048, "wo"), (4, 2176, 2048, "wa")]
+    shapes = [
+        (1, 2240, 7168, "wa"),
+        (1, 32768, 1536, "wb"),
+        (1, 7168, 16384, "wo"),
+        (3, 2240, 7168, "wa"),
+        (1, 2048, 2048, "wo"),
+        (4, 2176, 2048, "wa"),
+    ]
     if small:
         shapes = [(1, 40, 96, "wa"), (3, 200, 256, "wo"), (1, 384, 128, "wb")]
     for nt, n, k, leaf in shapes:
@@ -42,10 +48,14 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
         g = rnd(k, dev=dev, scale=0.2) + 1
         w, s = _q(n, k, dev, leaf, k**-0.5)
         tag = f"{leaf} n={nt} N={n} K={k} groups={fp8.groups(w, s)}"
-        report(f"fp8 gemv+rmsnorm {tag}", triton_fp8.gemv_fp8(x, w, s, norm_w=g),
-               ref.gemv(x, w, g, 1e-6, None, False, s))
-        report(f"fp8 gemv fp32 out {tag}", triton_fp8.gemv_fp8(x, w, s, out_f32=True),
-               ref.gemv(x, w, None, 1e-6, None, True, s))
+        report(
+            f"fp8 gemv+rmsnorm {tag}", triton_fp8.gemv_fp8(x, w, s, norm_w=g), ref.gemv(x, w, g, 1e-6, None, False, s)
+        )
+        report(
+            f"fp8 gemv fp32 out {tag}",
+            triton_fp8.gemv_fp8(x, w, s, out_f32=True),
+            ref.gemv(x, w, None, 1e-6, None, True, s),
+        )
         if leaf == "wo":
             h0 = rnd(nt, n, dev=dev)
             h1, h2 = h0.clone(), h0.clone()
@@ -56,11 +66,20 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
     # and W_a's bf16 tail rows: against the reference, n tokens against each alone (bit for bit), and against
     # the loop path of the same tile (FP8_PRE_BYTES = 0). Lite dims (the defaults: W_b, W_a + tail, W_o) and
     # explicit tiles for NK = 2..4.
-    pre = [(3, 5120, 1536, "wb", None), (3, 2240, 2048, "wa", None), (2, 2048, 2048, "wo", None),
-           (2, 2048, 2048, "wo", (2, 512, 4)), (3, 1024, 1536, "wb", (4, 1024, 4))]
+    pre = [
+        (3, 5120, 1536, "wb", None),
+        (3, 2240, 2048, "wa", None),
+        (2, 2048, 2048, "wo", None),
+        (2, 2048, 2048, "wo", (2, 512, 4)),
+        (3, 1024, 1536, "wb", (4, 1024, 4)),
+    ]
     if small:
-        pre = [(3, 40, 96, "wa", (8, 32, 4)), (2, 24, 128, "wb", (4, 32, 4)), (2, 24, 80, "wo", (2, 32, 4)),
-               (2, 40, 128, "wa", None)]
+        pre = [
+            (3, 40, 96, "wa", (8, 32, 4)),
+            (2, 24, 128, "wb", (4, 32, 4)),
+            (2, 24, 80, "wo", (2, 32, 4)),
+            (2, 40, 128, "wa", None),
+        ]
     for nt, n, k, leaf, cfg in pre:
         x = rnd(nt, k, dev=dev)
         g = rnd(k, dev=dev, scale=0.2) + 1
@@ -69,7 +88,7 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
         tag = f"{leaf} n={nt} N={n} K={k} cfg={cfg or triton_fp8.gemv_fp8_config(n, k)}"
         got = triton_fp8.gemv_fp8(x, w, s, norm_w=g, tail=t, cfg=cfg)
         report(f"fp8 gemv prefetched + bf16 tail {tag}", got, ref.gemv(x, w, g, 1e-6, None, False, s, tail=t))
-        alone = torch.cat([triton_fp8.gemv_fp8(x[r:r + 1], w, s, norm_w=g, tail=t, cfg=cfg) for r in range(nt)])
+        alone = torch.cat([triton_fp8.gemv_fp8(x[r : r + 1], w, s, norm_w=g, tail=t, cfg=cfg) for r in range(nt)])
         report(f"fp8 gemv prefetched batch invariance {tag}", got, alone, tol=1e-30)
         if leaf == "wo":
             h0 = rnd(nt, n, dev=dev)
@@ -118,16 +137,24 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
         want = ref.moe_experts(x, ids, wts, w13, w2, s13, s2)
         act = triton_fp8.moe_up_fp8(h, ids, w13, s13, norm_w=g)
         a0 = triton_fp8.moe_up_fp8(h, ids, w13, s13, norm_w=g)
-        report(f"fp8 moe_up, the last slot static (no wait on the router) == as read from ids {tag}",
-               triton_fp8.moe_up_fp8(h, ids, w13, s13, norm_w=g, static=(3, e - 1)), a0, tol=1e-30)
+        report(
+            f"fp8 moe_up, the last slot static (no wait on the router) == as read from ids {tag}",
+            triton_fp8.moe_up_fp8(h, ids, w13, s13, norm_w=g, static=(3, e - 1)),
+            a0,
+            tol=1e-30,
+        )
         for ucfg in ((16, 256, 4, 2), (8, 512, 4, 4), (16, 32, 4, 3)):  # moe_up split over D (partials summed)
             a1 = triton_fp8.moe_up_fp8(h, ids, w13, s13, norm_w=g, cfg=ucfg)
             a2 = triton_fp8.moe_up_fp8(h, ids, w13, s13, norm_w=g, cfg=ucfg)
             report(f"fp8 moe_up cfg={ucfg} {tag}", triton_fp8.moe_down_fp8(a1, ids, wts, w2, s2), want, tol=2e-2)
             report(f"fp8 moe_up cfg={ucfg} twice: bit-identical {tag}", a2, a1, tol=1e-30)
             if nt > 1:
-                alone = torch.cat([triton_fp8.moe_up_fp8(h[r:r + 1], ids[r:r + 1], w13, s13, norm_w=g, cfg=ucfg)
-                                   for r in range(nt)])
+                alone = torch.cat(
+                    [
+                        triton_fp8.moe_up_fp8(h[r : r + 1], ids[r : r + 1], w13, s13, norm_w=g, cfg=ucfg)
+                        for r in range(nt)
+                    ]
+                )
                 report(f"fp8 moe_up cfg={ucfg} batch invariance {tag}", a1, alone, tol=1e-30)
         for cfg in ((16, 1, 512, 4, True), (4, 4, 512, 8, False), (8, 2, 1024, 8, True), (32, 1, 512, 8, True)):
             y1 = triton_fp8.moe_down_fp8(act, ids, wts, w2, s2, cfg=cfg)
@@ -135,8 +162,12 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
             report(f"fp8 moe_down cfg={cfg} {tag}", y1, want, tol=2e-2)
             report(f"fp8 moe_down cfg={cfg} twice: bit-identical {tag}", y2, y1, tol=1e-30)
             if nt > 1:
-                alone = torch.cat([triton_fp8.moe_down_fp8(act[r:r + 1], ids[r:r + 1], wts[r:r + 1], w2, s2, cfg=cfg)
-                                   for r in range(nt)])
+                alone = torch.cat(
+                    [
+                        triton_fp8.moe_down_fp8(act[r : r + 1], ids[r : r + 1], wts[r : r + 1], w2, s2, cfg=cfg)
+                        for r in range(nt)
+                    ]
+                )
                 report(f"fp8 moe_down cfg={cfg} batch invariance {tag}", y1, alone, tol=1e-30)
     # MLA projections: W_UK absorption (in mla_prep) and W_UV (mla_uv) from an FP8 kv_b.
     if small:
@@ -159,21 +190,68 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
             iq = torch.full((n, Hi, DI), float("nan"), device=dev, dtype=dtype)
             iw = torch.full((n, Hi), float("nan"), device=dev, dtype=torch.float32)
             scale = Hi**-0.5 * DI**-0.5
-            triton_fused.mla_prep(a, b, pos, kvb, cos, sin, kvn, ikw, ikb, q_out, kv.clone(), ik.clone(), iq, iw,
-                                  H=H, Hi=Hi, QL=QL, L=L, R=R, P=P, V=V, DI=DI, eps=1e-6, iw_scale=scale,
-                                  kv_b_scale=kvs)
-            want, _, _ = ref.mla_prep(a, b, pos, kvb, cos.to(dtype), sin.to(dtype), kvn, kv.clone(), ikw, ikb,
-                                      ik.clone(), H, P, QL, Hi, 1e-6, scale, kvs)
+            triton_fused.mla_prep(
+                a,
+                b,
+                pos,
+                kvb,
+                cos,
+                sin,
+                kvn,
+                ikw,
+                ikb,
+                q_out,
+                kv.clone(),
+                ik.clone(),
+                iq,
+                iw,
+                H=H,
+                Hi=Hi,
+                QL=QL,
+                L=L,
+                R=R,
+                P=P,
+                V=V,
+                DI=DI,
+                eps=1e-6,
+                iw_scale=scale,
+                kv_b_scale=kvs,
+            )
+            want, _, _ = ref.mla_prep(
+                a,
+                b,
+                pos,
+                kvb,
+                cos.to(dtype),
+                sin.to(dtype),
+                kvn,
+                kv.clone(),
+                ikw,
+                ikb,
+                ik.clone(),
+                H,
+                P,
+                QL,
+                Hi,
+                1e-6,
+                scale,
+                kvs,
+            )
             report(f"fp8 mla_prep q (W_UK absorb, kv_b e4m3) H={H} P={P} n={n}", q_out, want)
             o_lat = rnd(n, H, L, dev=dev)
-            report(f"fp8 mla_uv H={H} P={P} V={V} n={n}", triton_fused.mla_uv(o_lat, kvb, P=P, V=V, kv_b_scale=kvs),
-                   ref.mla_uv(o_lat, kvb, P, kvs))
+            report(
+                f"fp8 mla_uv H={H} P={P} V={V} n={n}",
+                triton_fused.mla_uv(o_lat, kvb, P=P, V=V, kv_b_scale=kvs),
+                ref.mla_uv(o_lat, kvb, P, kvs),
+            )
             # attention merged straight through the FP8 W_UV (mla_attention_uv's kernel)
             qa = torch.randn(n, H, L + R, device=dev).to(dtype)
             kva = torch.randn(S, L + R, device=dev).to(dtype)
-            report(f"fp8 mla_attention_uv (dense, kv_b e4m3) H={H} P={P} V={V} n={n}",
-                   triton_mla.mla_decode(qa, kva, pos, None, 0.05, L, uv=(kvb, P, V, kvs)),
-                   ref.mla_attention_uv(qa, kva, pos, None, 0.05, L, None, kvb, P, kvs))
+            report(
+                f"fp8 mla_attention_uv (dense, kv_b e4m3) H={H} P={P} V={V} n={n}",
+                triton_mla.mla_decode(qa, kva, pos, None, 0.05, L, uv=(kvb, P, V, kvs)),
+                ref.mla_attention_uv(qa, kva, pos, None, 0.05, L, None, kvb, P, kvs),
+            )
 
 
 def check_fp8_engine(dev, small, report) -> None:
@@ -202,15 +280,24 @@ def check_fp8_engine(dev, small, report) -> None:
             eng = TileRTEngine.load(q, device=str(dev), dtype=torch.bfloat16, max_seq_len=256)
             cpu = TileRTEngine.load(q, device="cpu", dtype=torch.float32, max_seq_len=256)
         w13 = dict(eng.model.named_parameters())["layers.1.mlp.w13"]
-        report(f"{arch}: FP8 engine holds e4m3 experts ({w13.dtype})", torch.ones(1),
-               torch.ones(1) * (w13.dtype == fp8.E4M3), tol=1e-9)
+        report(
+            f"{arch}: FP8 engine holds e4m3 experts ({w13.dtype})",
+            torch.ones(1),
+            torch.ones(1) * (w13.dtype == fp8.E4M3),
+            tol=1e-9,
+        )
         ids = torch.randint(8, tf32.config.vocab_size, (T + 4,))
         with torch.no_grad():
             want = tf32(input_ids=ids[None]).logits[0].float()
-        report(f"{arch}: FP8 engine fp32 CPU vs transformers on the dequantised checkpoint, prefill",
-               cpu.forward(ids[:T], 0), want[:T], tol=1e-4)
-        steps = [("prefill (eager)", ids[:T], 0)] + [(f"decode n=1 (graph) pos {T + j}", ids[T + j:T + j + 1], T + j)
-                                                      for j in range(4)]
+        report(
+            f"{arch}: FP8 engine fp32 CPU vs transformers on the dequantised checkpoint, prefill",
+            cpu.forward(ids[:T], 0),
+            want[:T],
+            tol=1e-4,
+        )
+        steps = [("prefill (eager)", ids[:T], 0)] + [
+            (f"decode n=1 (graph) pos {T + j}", ids[T + j : T + j + 1], T + j) for j in range(4)
+        ]
         for label, tok, p0 in steps:
             got = eng.forward(tok.to(dev), p0).clone()
             eng.use_graphs = False
@@ -246,6 +333,7 @@ def check_fp8_engine_interpreted(dev, small, report) -> None:
     calls: dict[str, int] = {}
     table = types.SimpleNamespace()
     for name, fn in cuda._KERNELS.items():
+
         def counted(*a, _fn=fn, _name=name, **k):
             calls[_name] = calls.get(_name, 0) + 1
             return _fn(*a, **k)
@@ -255,6 +343,10 @@ def check_fp8_engine_interpreted(dev, small, report) -> None:
     ids = torch.randint(8, model.args.vocab_size, (4,))
     with torch.no_grad():
         want = want_model.logits(want_model(ids, torch.arange(4), use_indexer=False))
-        got = torch.cat([model.logits(model(ids[i:i + 1], torch.tensor([i]), use_indexer=False)) for i in range(4)])
-    report(f"deepseek_v32 FP8 engine through the CUDA wrappers (interpreted, fp16) vs fp32 CPU {calls}", got, want,
-           tol=2e-2)
+        got = torch.cat([model.logits(model(ids[i : i + 1], torch.tensor([i]), use_indexer=False)) for i in range(4)])
+    report(
+        f"deepseek_v32 FP8 engine through the CUDA wrappers (interpreted, fp16) vs fp32 CPU {calls}",
+        got,
+        want,
+        tol=2e-2,
+    )

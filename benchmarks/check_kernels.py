@@ -38,8 +38,10 @@ def report(name, out, expect, tol=TOL):
     rel = float(err.norm() / expect.norm().clamp_min(1e-30)) if err.numel() else 0.0
     ok = finite and rel < tol
     RESULTS.append((name, mx, rel, ok))
-    print(f"{'PASS' if ok else 'FAIL'}  {name:<58} max_abs={mx:.3e} rel_l2={rel:.3e}{'' if finite else ' NONFINITE'}",
-          flush=True)
+    print(
+        f"{'PASS' if ok else 'FAIL'}  {name:<58} max_abs={mx:.3e} rel_l2={rel:.3e}{'' if finite else ' NONFINITE'}",
+        flush=True,
+    )
 
 
 DTYPE = torch.bfloat16
@@ -59,13 +61,12 @@ def poison(t):
 
 
 def check_gemv(dev, small):
-    shapes = [(1, 2256, 2048), (1, 5120, 1536), (1, 2048, 2048), (4, 2256, 2048), (1, 2304, 7168),
-              (2, 1000, 700)]
+    shapes = [(1, 2256, 2048), (1, 5120, 1536), (1, 2048, 2048), (4, 2256, 2048), (1, 2304, 7168), (2, 1000, 700)]
     if small:
         shapes = [(1, 40, 96), (3, 40, 96), (1, 64, 512 + 64)]
     for nt, N, K in shapes:
         x = rnd(nt, K, dev=dev)
-        w = rnd(N, K, dev=dev, scale=K ** -0.5)
+        w = rnd(N, K, dev=dev, scale=K**-0.5)
         g = rnd(K, dev=dev, scale=0.2) + 1
         out = poison(torch.empty(nt, N, device=dev, dtype=DTYPE))
         triton_gemv.gemv(x, w, out=out)
@@ -91,7 +92,9 @@ def check_gemv(dev, small):
 
 def check_mla(dev, small):
     L, R = (512, 64) if not small else (64, 16)
-    cases = [(1, 16, 4096), (4, 16, 4096), (1, 128, 3000), (2, 128, 40000)] if not small else [(1, 16, 300), (3, 20, 200)]
+    cases = (
+        [(1, 16, 4096), (4, 16, 4096), (1, 128, 3000), (2, 128, 40000)] if not small else [(1, 16, 300), (3, 20, 200)]
+    )
     for n, H, S in cases:
         kv = rnd(S, L + R, dev=dev)
         q = rnd(n, H, L + R, dev=dev)
@@ -112,11 +115,14 @@ def check_mla(dev, small):
         pos = starts + torch.randint(0, S // 4, (n,), device=dev)
         out = poison(torch.empty(n, H, L, device=dev, dtype=DTYPE))
         triton_mla.mla_decode(q, kv, pos, None, scale, L, out=out, row_start=starts)
-        report(f"mla dense per-query rows start[i]..pos[i] n={n} H={H} S={S}", out,
-               ref.mla_attention(q, kv, pos, scale, L, starts))
+        report(
+            f"mla dense per-query rows start[i]..pos[i] n={n} H={H} S={S}",
+            out,
+            ref.mla_attention(q, kv, pos, scale, L, starts),
+        )
         topk = 2048 if not small else 64
         idx = torch.stack([torch.randperm(S, device=dev)[:topk] for _ in range(n)]).to(torch.int32)
-        idx[:, -topk // 3:] = -1
+        idx[:, -topk // 3 :] = -1
         out = poison(torch.empty(n, H, L, device=dev, dtype=DTYPE))
         triton_mla.mla_decode(q, kv, None, idx, scale, L, out=out)
         report(f"mla sparse n={n} H={H} S={S} topk={topk}", out, ref.mla_sparse_attention(q, kv, idx, scale, L))
@@ -125,7 +131,7 @@ def check_mla(dev, small):
     H, S, P_ = (16, 1040, 128) if not small else (4, 300, 16)
     kv = rnd(S, L + R, dev=dev)
     q = rnd(2, H, L + R, dev=dev)
-    kvb = rnd(H * 2 * P_, L, dev=dev, scale=L ** -0.5)
+    kvb = rnd(H * 2 * P_, L, dev=dev, scale=L**-0.5)
     uv = (kvb, P_, P_, None)
     scale = (128 + 64) ** -0.5
     pos = torch.tensor([S - 16, S // 3], device=dev)
@@ -133,19 +139,30 @@ def check_mla(dev, small):
     for ns in (128, 100, 65, 33, 17, 5, None):  # 128, 100: the loop over live splits (a long cache's graph)
         got = triton_mla.mla_decode(q, kv, pos, None, scale, L, num_splits=ns, uv=uv)
         report(f"mla dense + W_UV splits={ns or 'default'} H={H} S={S}", got, want)
-        alone = [triton_mla.mla_decode(q[j : j + 1], kv, pos[j : j + 1], None, scale, L, num_splits=ns, uv=uv)
-                 for j in range(q.shape[0])]  # fmt: skip
+        alone = [
+            triton_mla.mla_decode(q[j : j + 1], kv, pos[j : j + 1], None, scale, L, num_splits=ns, uv=uv)
+            for j in range(q.shape[0])
+        ]
         same = all(torch.equal(got[j : j + 1], a) for j, a in enumerate(alone))
         RESULTS.append((f"mla dense + W_UV splits={ns} each query alone == batched", 0.0, 0.0, same))
-        print(f"{'PASS' if same else 'FAIL'}  mla dense + W_UV splits={ns or 'default'}: each query alone == batched "
-              "(bit for bit)", flush=True)
+        print(
+            f"{'PASS' if same else 'FAIL'}  mla dense + W_UV splits={ns or 'default'}: each query alone == batched "
+            "(bit for bit)",
+            flush=True,
+        )
     saved = triton_mla.DENSE_CAP_ROWS["one"]
     try:
         triton_mla.DENSE_CAP_ROWS["one"] = 16
-        report(f"mla dense + W_UV 16 rows a split H={H} S={S}",
-               triton_mla.mla_decode(q, kv, pos, None, scale, L, uv=uv), want)
-        report(f"mla dense 16 rows a split H={H} S={S}", triton_mla.mla_decode(q, kv, pos, None, scale, L),
-               ref.mla_attention(q, kv, pos, scale, L))
+        report(
+            f"mla dense + W_UV 16 rows a split H={H} S={S}",
+            triton_mla.mla_decode(q, kv, pos, None, scale, L, uv=uv),
+            want,
+        )
+        report(
+            f"mla dense 16 rows a split H={H} S={S}",
+            triton_mla.mla_decode(q, kv, pos, None, scale, L),
+            ref.mla_attention(q, kv, pos, scale, L),
+        )
     finally:
         triton_mla.DENSE_CAP_ROWS["one"] = saved
 
@@ -157,7 +174,7 @@ def check_indexer(dev, small):
     for n, Hi, Di, S, topk in cases:
         q = rnd(n, Hi, Di, dev=dev)
         k = rnd(S, Di, dev=dev)
-        w = torch.randn(n, Hi, device=dev) * (Hi ** -0.5) * (Di ** -0.5)
+        w = torch.randn(n, Hi, device=dev) * (Hi**-0.5) * (Di**-0.5)
         pos = torch.arange(S - n - 5, S - 5, device=dev) if S > topk else torch.arange(S // 2, S // 2 + n, device=dev)
         sc = triton_mla.indexer_scores(q, w, k, pos)
         # reference scores
@@ -167,14 +184,20 @@ def check_indexer(dev, small):
         rs = rs.masked_fill(~valid, float("-inf"))
         fin = torch.isfinite(rs)
         same_mask = bool((torch.isfinite(sc) == fin).all())
-        report(f"indexer scores n={n} Hi={Hi} S={S}{'' if same_mask else ' MASK-MISMATCH'}",
-               torch.where(fin, sc, 0.0) if same_mask else sc, torch.where(fin, rs, 0.0))
+        report(
+            f"indexer scores n={n} Hi={Hi} S={S}{'' if same_mask else ' MASK-MISMATCH'}",
+            torch.where(fin, sc, 0.0) if same_mask else sc,
+            torch.where(fin, rs, 0.0),
+        )
         got = triton_mla.indexer_topk(q, w, k, pos, topk)
         alone = triton_topk.topk(sc, pos, topk)
         same = torch.equal(got, alone)
         RESULTS.append((f"indexer_topk fused == topk on its scores n={n} S={S}", 0.0, 0.0, same))
-        print(f"{'PASS' if same else 'FAIL'}  indexer top-k (pass 1 fused into the scores) == radix top-k on the same "
-              f"scores, n={n} S={S}", flush=True)
+        print(
+            f"{'PASS' if same else 'FAIL'}  indexer top-k (pass 1 fused into the scores) == radix top-k on the same "
+            f"scores, n={n} S={S}",
+            flush=True,
+        )
         want = ref.indexer_topk(q, w, k, pos, topk)
         worst = 1.0
         for i in range(n):
@@ -187,8 +210,11 @@ def check_indexer(dev, small):
         ok = worst >= 0.98 and abs(float(mass_got - mass_ref)) <= 1e-3 * abs(float(mass_ref)) + 1e-6
         ok = ok and int((got >= 0).sum()) == int((want >= 0).sum())
         RESULTS.append((f"indexer topk overlap n={n} S={S}", 1 - worst, 0.0, ok))
-        print(f"{'PASS' if ok else 'FAIL'}  indexer topk n={n} Hi={Hi} S={S} topk={topk}: overlap={worst:.4f} "
-              f"mass {float(mass_got):.4f} vs {float(mass_ref):.4f}", flush=True)
+        print(
+            f"{'PASS' if ok else 'FAIL'}  indexer topk n={n} Hi={Hi} S={S} topk={topk}: overlap={worst:.4f} "
+            f"mass {float(mass_got):.4f} vs {float(mass_ref):.4f}",
+            flush=True,
+        )
         # several sequences in one cache: query i selects among its own rows start[i]..pos[i] only
         seg = S // 2
         starts = torch.tensor([(i % 2) * seg for i in range(n)], device=dev)
@@ -202,8 +228,11 @@ def check_indexer(dev, small):
         ok = inside and abs(float(mass_got - mass_ref)) <= 1e-3 * abs(float(mass_ref)) + 1e-6
         ok = ok and int((got >= 0).sum()) == int((want >= 0).sum())
         RESULTS.append((f"indexer topk per-query rows n={n} S={S}", 0.0, 0.0, ok))
-        print(f"{'PASS' if ok else 'FAIL'}  indexer topk over per-query rows start[i]..pos[i] n={n} S={S}: "
-              f"inside={inside} mass {float(mass_got):.4f} vs {float(mass_ref):.4f}", flush=True)
+        print(
+            f"{'PASS' if ok else 'FAIL'}  indexer topk over per-query rows start[i]..pos[i] n={n} S={S}: "
+            f"inside={inside} mass {float(mass_got):.4f} vs {float(mass_ref):.4f}",
+            flush=True,
+        )
 
 
 def bitwise(name, batched, alone):
@@ -216,55 +245,83 @@ def check_batch_invariance(dev, small):
     """Each decode kernel computes a token of a verify batch (n = 2..4) bit for bit as it computes that
     token alone (n = 1): what makes MTP speculative greedy reproduce plain greedy exactly."""
     N, K = (2256, 2048) if not small else (40, 96)
-    w = rnd(N, K, dev=dev, scale=K ** -0.5)
+    w = rnd(N, K, dev=dev, scale=K**-0.5)
     g = rnd(K, dev=dev, scale=0.2) + 1
     for n in (2, 3, 4):
         x = rnd(n, K, dev=dev)
-        bitwise(f"batch invariance: gemv+rmsnorm n={n}", triton_gemv.gemv(x, w, norm_w=g),
-                [triton_gemv.gemv(x[i:i + 1], w, norm_w=g)[0] for i in range(n)])
-        bitwise(f"batch invariance: gemv split_k fp32 n={n}", triton_gemv.gemv(x, w, split_k=8).transpose(0, 1),
-                [triton_gemv.gemv(x[i:i + 1], w, split_k=8)[:, 0] for i in range(n)])
+        bitwise(
+            f"batch invariance: gemv+rmsnorm n={n}",
+            triton_gemv.gemv(x, w, norm_w=g),
+            [triton_gemv.gemv(x[i : i + 1], w, norm_w=g)[0] for i in range(n)],
+        )
+        bitwise(
+            f"batch invariance: gemv split_k fp32 n={n}",
+            triton_gemv.gemv(x, w, split_k=8).transpose(0, 1),
+            [triton_gemv.gemv(x[i : i + 1], w, split_k=8)[:, 0] for i in range(n)],
+        )
         r = rnd(n, N, dev=dev)
         rb = r.clone()
         triton_gemv.gemv(x, w, residual=rb)
         alone = []
         for i in range(n):
-            ri = r[i:i + 1].clone()
-            triton_gemv.gemv(x[i:i + 1], w, residual=ri)
+            ri = r[i : i + 1].clone()
+            triton_gemv.gemv(x[i : i + 1], w, residual=ri)
             alone.append(ri[0])
         bitwise(f"batch invariance: gemv+residual n={n}", rb, alone)
     L, R, H, S = (512, 64, 16, 4096) if not small else (64, 16, 4, 300)
     kv = rnd(S, L + R, dev=dev)
     q = rnd(4, H, L + R, dev=dev)
     pos = torch.arange(S - 10, S - 6, device=dev)
-    bitwise("batch invariance: mla dense n=4", triton_mla.mla_decode(q, kv, pos, None, 0.07, L),
-            [triton_mla.mla_decode(q[i:i + 1], kv, pos[i:i + 1], None, 0.07, L)[0] for i in range(4)])
-    kvb = rnd(H * (128 if not small else 32), L, dev=dev, scale=L ** -0.5)
+    bitwise(
+        "batch invariance: mla dense n=4",
+        triton_mla.mla_decode(q, kv, pos, None, 0.07, L),
+        [triton_mla.mla_decode(q[i : i + 1], kv, pos[i : i + 1], None, 0.07, L)[0] for i in range(4)],
+    )
+    kvb = rnd(H * (128 if not small else 32), L, dev=dev, scale=L**-0.5)
     P_ = 64 if not small else 16
     uv = (kvb, P_, kvb.shape[0] // H - P_, None)
-    bitwise("batch invariance: mla dense + W_UV n=4", triton_mla.mla_decode(q, kv, pos, None, 0.07, L, uv=uv),
-            [triton_mla.mla_decode(q[i:i + 1], kv, pos[i:i + 1], None, 0.07, L, uv=uv)[0] for i in range(4)])
-    idx = torch.stack([torch.randperm(S, device=dev)[:S // 2] for _ in range(4)]).to(torch.int32)
-    bitwise("batch invariance: mla sparse n=4", triton_mla.mla_decode(q, kv, None, idx, 0.07, L),
-            [triton_mla.mla_decode(q[i:i + 1], kv, None, idx[i:i + 1], 0.07, L)[0] for i in range(4)])
+    bitwise(
+        "batch invariance: mla dense + W_UV n=4",
+        triton_mla.mla_decode(q, kv, pos, None, 0.07, L, uv=uv),
+        [triton_mla.mla_decode(q[i : i + 1], kv, pos[i : i + 1], None, 0.07, L, uv=uv)[0] for i in range(4)],
+    )
+    idx = torch.stack([torch.randperm(S, device=dev)[: S // 2] for _ in range(4)]).to(torch.int32)
+    bitwise(
+        "batch invariance: mla sparse n=4",
+        triton_mla.mla_decode(q, kv, None, idx, 0.07, L),
+        [triton_mla.mla_decode(q[i : i + 1], kv, None, idx[i : i + 1], 0.07, L)[0] for i in range(4)],
+    )
     Hi, Di = (16, 128) if not small else (4, 32)
     qi = rnd(4, Hi, Di, dev=dev)
     wi = torch.randn(4, Hi, device=dev)
     k = rnd(S, Di, dev=dev)
     topk = S // 2
-    bitwise("batch invariance: indexer top-k n=4", triton_mla.indexer_topk(qi, wi, k, pos, topk),
-            [triton_mla.indexer_topk(qi[i:i + 1], wi[i:i + 1], k, pos[i:i + 1], topk)[0] for i in range(4)])
+    bitwise(
+        "batch invariance: indexer top-k n=4",
+        triton_mla.indexer_topk(qi, wi, k, pos, topk),
+        [triton_mla.indexer_topk(qi[i : i + 1], wi[i : i + 1], k, pos[i : i + 1], topk)[0] for i in range(4)],
+    )
     # rows of different sequences (one cache, per-query first rows): each as alone
     starts = torch.tensor([0, S // 4, S // 2, 3 * S // 4], device=dev)
     spos = starts + torch.tensor([S // 4 - 1, 10, S // 8, S // 5], device=dev)
-    bitwise("batch invariance: mla dense, 4 sequences",
-            triton_mla.mla_decode(q, kv, spos, None, 0.07, L, row_start=starts),
-            [triton_mla.mla_decode(q[i:i + 1], kv, spos[i:i + 1], None, 0.07, L, row_start=starts[i:i + 1])[0]
-             for i in range(4)])
-    bitwise("batch invariance: indexer top-k, 4 sequences",
-            triton_mla.indexer_topk(qi, wi, k, spos, S // 8, row_start=starts),
-            [triton_mla.indexer_topk(qi[i:i + 1], wi[i:i + 1], k, spos[i:i + 1], S // 8, row_start=starts[i:i + 1])[0]
-             for i in range(4)])
+    bitwise(
+        "batch invariance: mla dense, 4 sequences",
+        triton_mla.mla_decode(q, kv, spos, None, 0.07, L, row_start=starts),
+        [
+            triton_mla.mla_decode(q[i : i + 1], kv, spos[i : i + 1], None, 0.07, L, row_start=starts[i : i + 1])[0]
+            for i in range(4)
+        ],
+    )
+    bitwise(
+        "batch invariance: indexer top-k, 4 sequences",
+        triton_mla.indexer_topk(qi, wi, k, spos, S // 8, row_start=starts),
+        [
+            triton_mla.indexer_topk(
+                qi[i : i + 1], wi[i : i + 1], k, spos[i : i + 1], S // 8, row_start=starts[i : i + 1]
+            )[0]
+            for i in range(4)
+        ],
+    )
 
 
 def topk_exact(sc, pos, k, got):
@@ -289,8 +346,14 @@ def topk_exact(sc, pos, k, got):
 def check_topk(dev, small):
     """The radix top-k alone on arbitrary fp32 scores: random, heavy ties, negatives and -inf, short rows,
     rows shorter than k, n = 1..16 queries; twice in a row (the histograms must be left zeroed)."""
-    cases = [(1, 32784, 2048, "randn"), (4, 9000, 2048, "randn"), (16, 32784, 2048, "randn"),
-             (3, 40000, 2048, "ties"), (2, 20000, 2048, "neg-inf"), (2, 1500, 2048, "randn")]
+    cases = [
+        (1, 32784, 2048, "randn"),
+        (4, 9000, 2048, "randn"),
+        (16, 32784, 2048, "randn"),
+        (3, 40000, 2048, "ties"),
+        (2, 20000, 2048, "neg-inf"),
+        (2, 1500, 2048, "randn"),
+    ]
     if small:
         cases = [(1, 3000, 256, "randn"), (3, 2000, 300, "ties"), (2, 2000, 300, "neg-inf"), (2, 100, 256, "randn")]
     for n, S, k, kind in cases:
@@ -308,8 +371,10 @@ def check_topk(dev, small):
             got = triton_topk.topk(sc, pos, k)
             ok = ok and topk_exact(sc, pos, k, got)
         RESULTS.append((f"radix topk n={n} S={S} k={k} {kind}", 0.0, 0.0, ok))
-        print(f"{'PASS' if ok else 'FAIL'}  radix top-k n={n} S={S} k={k} {kind}: exact set, deterministic order, "
-              f"twice", flush=True)
+        print(
+            f"{'PASS' if ok else 'FAIL'}  radix top-k n={n} S={S} k={k} {kind}: exact set, deterministic order, twice",
+            flush=True,
+        )
 
 
 def torch_route(logits, bias, top_k, n_group, topk_group, scale):
@@ -329,13 +394,18 @@ def torch_route(logits, bias, top_k, n_group, topk_group, scale):
 
 
 def check_moe(dev, small):
-    cases = [(1, 64, 6, 2, 2048, 1408), (4, 64, 6, 2, 2048, 1408), (1, 24, 8, 1, 7168, 2048), (1, 1, 1, 0, 2048, 11264),
-             (2, 24, 8, 1, 7168, 1024)]  # the last: a TP2 rank's half-width V3.2 experts (moe "narrow" configs)
+    cases = [
+        (1, 64, 6, 2, 2048, 1408),
+        (4, 64, 6, 2, 2048, 1408),
+        (1, 24, 8, 1, 7168, 2048),
+        (1, 1, 1, 0, 2048, 11264),
+        (2, 24, 8, 1, 7168, 1024),
+    ]  # the last: a TP2 rank's half-width V3.2 experts (moe "narrow" configs)
     if small:
         cases = [(1, 8, 2, 1, 64, 48), (3, 8, 2, 1, 64, 48)]
     for n, E, k, ns, D, I in cases:
-        w13 = rnd(E + ns, 2 * I, D, dev=dev, scale=D ** -0.5)
-        w2 = rnd(E + ns, D, I, dev=dev, scale=I ** -0.5)
+        w13 = rnd(E + ns, 2 * I, D, dev=dev, scale=D**-0.5)
+        w2 = rnd(E + ns, D, I, dev=dev, scale=I**-0.5)
         x = rnd(n, D, dev=dev)
         g = rnd(D, dev=dev, scale=0.2) + 1
         ids = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(n)])
@@ -352,12 +422,13 @@ def check_moe(dev, small):
         want_n = ref.moe_experts(xn, ids, wts, w13, w2)
         report(f"moe fused norm+residual n={n} E={E} D={D}", r, r0.float() + want_n.float())
     # router
-    for n, E, k, G, TG in ([(1, 64, 6, 1, 1), (4, 256, 8, 8, 4), (1, 256, 8, 8, 4)] if not small else [(2, 16, 4, 4, 2)]):
+    for n, E, k, G, TG in [(1, 64, 6, 1, 1), (4, 256, 8, 8, 4), (1, 256, 8, 8, 4)] if not small else [(2, 16, 4, 4, 2)]:
         logits = torch.randn(n, E, device=dev) * 2
         bias = torch.randn(E, device=dev) * 0.1
         part = torch.stack([logits * 0.25] * 4)
-        ids, wts = triton_moe.router_select(part, bias, top_k=k, n_group=G, topk_group=TG, route_scale=2.5,
-                                            norm_topk=True, n_shared_slots=2)
+        ids, wts = triton_moe.router_select(
+            part, bias, top_k=k, n_group=G, topk_group=TG, route_scale=2.5, norm_topk=True, n_shared_slots=2
+        )
         rid, rw = torch_route(logits, bias, k, G, TG, 2.5)
         o1 = ids[:, :k].long().sort(-1)
         o2 = rid.sort(-1)
@@ -365,17 +436,21 @@ def check_moe(dev, small):
         wsorted = wts[:, :k].gather(1, o1.indices)
         rwsorted = rw.gather(1, o2.indices)
         shared_ok = bool((ids[:, k:] == torch.tensor([E, E + 1], device=dev, dtype=torch.int32)).all()) and bool(
-            (wts[:, k:] == 1).all())
+            (wts[:, k:] == 1).all()
+        )
         err = float((wsorted - rwsorted).abs().max())
         ok = same and shared_ok and err < 1e-4
         RESULTS.append((f"router E={E}", err, 0.0, ok))
-        print(f"{'PASS' if ok else 'FAIL'}  router_select n={n} E={E} k={k} groups={G}/{TG}: ids_equal={same} "
-              f"max_w_err={err:.2e} shared_ok={shared_ok}", flush=True)
+        print(
+            f"{'PASS' if ok else 'FAIL'}  router_select n={n} E={E} k={k} groups={G}/{TG}: ids_equal={same} "
+            f"max_w_err={err:.2e} shared_ok={shared_ok}",
+            flush=True,
+        )
         # the fused router (gate GEMV + selection in one launch) == the GEMV then router_select, bit for bit;
         # twice (its counters must be left zeroed), and each token of n as if alone
         D = 2048 if not small else 96
         x = rnd(n, D, dev=dev)
-        gw = rnd(E, D, dev=dev, scale=D ** -0.5)
+        gw = rnd(E, D, dev=dev, scale=D**-0.5)
         nw = rnd(D, dev=dev, scale=0.2) + 1
         kw = dict(top_k=k, n_group=G, topk_group=TG, route_scale=2.5, norm_topk=True, n_shared_slots=2)
         part = triton_gemv.gemv(x, gw, norm_w=nw, eps=1e-6, split_k=8)
@@ -386,15 +461,17 @@ def check_moe(dev, small):
         # the default launch (its own warps: other fp32 roundings of the logits): the same choices, weights to
         # rounding; run twice and each token alone, bit for bit
         dflt = [triton_moe.router(x, gw, bias, norm_w=nw, eps=1e-6, **kw) for _ in range(2)]
-        alone = [triton_moe.router(x[r:r + 1], gw, bias, norm_w=nw, eps=1e-6, **kw) for r in range(n)]
+        alone = [triton_moe.router(x[r : r + 1], gw, bias, norm_w=nw, eps=1e-6, **kw) for r in range(n)]
         ok = ok and bool(torch.equal(dflt[0][0], ids0)) and float((dflt[0][1] - wts0).abs().max()) < 1e-5
         ok = ok and all(bool(torch.equal(a, b)) for a, b in zip(dflt[0], dflt[1], strict=True))
         ok = ok and bool(torch.equal(torch.cat([a[0] for a in alone]), dflt[0][0]))
         ok = ok and bool(torch.equal(torch.cat([a[1] for a in alone]), dflt[0][1]))
         RESULTS.append((f"fused router E={E}", 0.0, 0.0, ok))
-        print(f"{'PASS' if ok else 'FAIL'}  fused router n={n} E={E} k={k} groups={G}/{TG} == gemv + router_select "
-              "(bit for bit at the GEMV's tile; the default launch: same ids, twice and each token alone)",
-              flush=True)
+        print(
+            f"{'PASS' if ok else 'FAIL'}  fused router n={n} E={E} k={k} groups={G}/{TG} == gemv + router_select "
+            "(bit for bit at the GEMV's tile; the default launch: same ids, twice and each token alone)",
+            flush=True,
+        )
 
 
 def rope_ref(x, cos, sin):
@@ -416,7 +493,7 @@ def _check_prep_shape(dev, H, Hi, QL, L, R, P, V, DI, S):
     for n in (1, 3):
         a = rnd(n, QL + L + R + DI + Hi, dev=dev)
         b = rnd(n, H * (P + R) + Hi * DI, dev=dev)
-        kvb = rnd(H * (P + V), L, dev=dev, scale=L ** -0.5)
+        kvb = rnd(H * (P + V), L, dev=dev, scale=L**-0.5)
         pos = torch.arange(S - 10, S - 10 + n, device=dev)
         inv = 1.0 / (10000 ** (torch.arange(0, R, 2, device=dev).float() / R))
         ang = torch.arange(S, device=dev).float()[:, None] * inv[None, :]
@@ -430,27 +507,51 @@ def _check_prep_shape(dev, H, Hi, QL, L, R, P, V, DI, S):
         iq = poison(torch.empty(n, Hi, DI, device=dev, dtype=DTYPE))
         iw = poison(torch.empty(n, Hi, device=dev, dtype=torch.float32))
         kv0, ik0 = kv.clone(), ik.clone()
-        iw_scale = Hi ** -0.5 * DI ** -0.5
-        triton_fused.mla_prep(a, b, pos, kvb, cos, sin, kvn, ikw, ikb, q_out, kv, ik, iq, iw,
-                              H=H, Hi=Hi, QL=QL, L=L, R=R, P=P, V=V, DI=DI, eps=1e-6, iw_scale=iw_scale)
+        iw_scale = Hi**-0.5 * DI**-0.5
+        triton_fused.mla_prep(
+            a,
+            b,
+            pos,
+            kvb,
+            cos,
+            sin,
+            kvn,
+            ikw,
+            ikb,
+            q_out,
+            kv,
+            ik,
+            iq,
+            iw,
+            H=H,
+            Hi=Hi,
+            QL=QL,
+            L=L,
+            R=R,
+            P=P,
+            V=V,
+            DI=DI,
+            eps=1e-6,
+            iw_scale=iw_scale,
+        )
         c, s = cos[pos][:, None, :], sin[pos][:, None, :]
         qb = b[:, : H * (P + R)].view(n, H, P + R)
         W = kvb.view(H, P + V, L)
         q_abs = torch.einsum("nhp,hpl->nhl", qb[..., :P].float(), W[:, :P].float())
         want_q = torch.cat([q_abs, rope_ref(qb[..., P:], c, s)], -1)
         report(f"mla_prep P={P} q (absorb+rope) n={n}", q_out, want_q)
-        ckv = ref.rms_norm(a[:, QL:QL + L], kvn, 1e-6)
-        kpe = rope_ref(a[:, QL + L:QL + L + R], cos[pos], sin[pos])
+        ckv = ref.rms_norm(a[:, QL : QL + L], kvn, 1e-6)
+        kpe = rope_ref(a[:, QL + L : QL + L + R], cos[pos], sin[pos])
         want_kv = kv0.clone()
         want_kv[pos] = torch.cat([ckv.float(), kpe], -1).to(kv.dtype)
         report(f"mla_prep P={P} kv-cache rows n={n}", kv, want_kv)
-        kk = F.layer_norm(a[:, QL + L + R:QL + L + R + DI].float(), (DI,), ikw.float(), ikb.float(), 1e-6)
+        kk = F.layer_norm(a[:, QL + L + R : QL + L + R + DI].float(), (DI,), ikw.float(), ikb.float(), 1e-6)
         kk = kk.to(DTYPE)
         want_ik = ik0.clone()
         want_ik[pos] = torch.cat([rope_ref(kk[:, :R], cos[pos], sin[pos]), kk[:, R:].float()], -1).to(ik.dtype)
         report(f"mla_prep P={P} indexer-cache rows n={n}", ik, want_ik)
-        report(f"mla_prep P={P} indexer weights n={n}", iw, a[:, QL + L + R + DI:].float() * iw_scale)
-        iqr = b[:, H * (P + R):].view(n, Hi, DI)
+        report(f"mla_prep P={P} indexer weights n={n}", iw, a[:, QL + L + R + DI :].float() * iw_scale)
+        iqr = b[:, H * (P + R) :].view(n, Hi, DI)
         want_iq = torch.cat([rope_ref(iqr[..., :R], c, s), iqr[..., R:].float()], -1)
         report(f"mla_prep P={P} indexer q (rope) n={n}", iq, want_iq)
         o_lat = rnd(n, H, L, dev=dev)
@@ -469,22 +570,34 @@ def check_registered(dev):
     q = rnd(1, 16, 576, dev=dev)
     kv = rnd(5000, 576, dev=dev)
     pos = torch.tensor([4321], device=dev)
-    report("op tilert::mla_attention (cuda)", ops.mla_attention(q, kv, pos, 0.1, 512),
-           ref.mla_attention(q, kv, pos, 0.1, 512))
+    report(
+        "op tilert::mla_attention (cuda)",
+        ops.mla_attention(q, kv, pos, 0.1, 512),
+        ref.mla_attention(q, kv, pos, 0.1, 512),
+    )
     idx = torch.randperm(5000, device=dev)[:2048].to(torch.int32)[None]
-    report("op tilert::mla_sparse_attention (cuda)", ops.mla_sparse_attention(q, kv, idx, 0.1, 512),
-           ref.mla_sparse_attention(q, kv, idx, 0.1, 512))
+    report(
+        "op tilert::mla_sparse_attention (cuda)",
+        ops.mla_sparse_attention(q, kv, idx, 0.1, 512),
+        ref.mla_sparse_attention(q, kv, idx, 0.1, 512),
+    )
     # attention straight through W_UV (one merging kernel): dense, dense from a first row, sparse; n = 1 and 3
-    kvb = rnd(16 * 256, 512, dev=dev, scale=512 ** -0.5)
+    kvb = rnd(16 * 256, 512, dev=dev, scale=512**-0.5)
     q3 = rnd(3, 16, 576, dev=dev)
     pos3 = torch.tensor([4321, 17, 2500], device=dev)
     start3 = torch.tensor([0, 3, 1000], device=dev)
     idx3 = torch.stack([torch.randperm(5000, device=dev)[:2048] for _ in range(3)]).to(torch.int32)
-    for qq, pp, ii, rs, tag in ((q, pos, None, None, "dense n=1"), (q3, pos3, None, start3, "dense rows n=3"),
-                                (q, None, idx, None, "sparse n=1"), (q3, None, idx3, None, "sparse n=3")):
-        report(f"op tilert::mla_attention_uv {tag} (cuda)",
-               ops.mla_attention_uv(qq, kv, pp, ii, 0.1, 512, rs, kvb, 128),
-               ref.mla_attention_uv(qq, kv, pp, ii, 0.1, 512, rs, kvb, 128))
+    for qq, pp, ii, rs, tag in (
+        (q, pos, None, None, "dense n=1"),
+        (q3, pos3, None, start3, "dense rows n=3"),
+        (q, None, idx, None, "sparse n=1"),
+        (q3, None, idx3, None, "sparse n=3"),
+    ):
+        report(
+            f"op tilert::mla_attention_uv {tag} (cuda)",
+            ops.mla_attention_uv(qq, kv, pp, ii, 0.1, 512, rs, kvb, 128),
+            ref.mla_attention_uv(qq, kv, pp, ii, 0.1, 512, rs, kvb, 128),
+        )
     x = rnd(2, 2048, dev=dev)
     g = rnd(2048, dev=dev) + 1
     report("op tilert::rms_norm (cuda)", ops.rms_norm(x, g, 1e-6), ref.rms_norm(x, g, 1e-6), tol=5e-3)
@@ -492,10 +605,13 @@ def check_registered(dev):
     w2 = rnd(10, 2048, 256, dev=dev, scale=0.05)
     ids = torch.tensor([[1, 5, 7]], device=dev, dtype=torch.int32)
     wts = torch.rand(1, 3, device=dev)
-    report("op tilert::moe_experts (cuda)", ops.moe_experts(x[:1], ids, wts, w13, w2),
-           ref.moe_experts(x[:1], ids, wts, w13, w2))
+    report(
+        "op tilert::moe_experts (cuda)",
+        ops.moe_experts(x[:1], ids, wts, w13, w2),
+        ref.moe_experts(x[:1], ids, wts, w13, w2),
+    )
     # fused decode-layer ops, lite-v32 shapes
-    w = rnd(2256, 2048, dev=dev, scale=2048 ** -0.5)
+    w = rnd(2256, 2048, dev=dev, scale=2048**-0.5)
     for n in (1, 3):
         xn = x[:1].repeat(n, 1) if n > 1 else x[:1]
         report(f"op tilert::gemv+norm n={n} (cuda)", ops.gemv(xn, w, g, 1e-6), ref.gemv(xn, w, g, 1e-6))
@@ -510,11 +626,11 @@ def check_registered(dev):
             ops.gemv_residual(o1, o, w[:2048], base)
             ref.gemv_residual(o2, o, w[:2048], base)
             report(f"op tilert::gemv_residual apart, residual {base is not None} n={n} (cuda)", o1, o2)
-        gate = rnd(64, 2048, dev=dev, scale=2048 ** -0.5)
+        gate = rnd(64, 2048, dev=dev, scale=2048**-0.5)
         bias = 0.01 * torch.randn(64, device=dev)
         ids_r, wts_r = ref.router(hh, g, 1e-6, gate, bias, 6, 1, 1, 1.0, True, 2)
-        w13b = rnd(66, 2 * 1408, 2048, dev=dev, scale=2048 ** -0.5)
-        w2b = rnd(66, 2048, 1408, dev=dev, scale=1408 ** -0.5)
+        w13b = rnd(66, 2 * 1408, 2048, dev=dev, scale=2048**-0.5)
+        w2b = rnd(66, 2048, 1408, dev=dev, scale=1408**-0.5)
         h1, h2 = hh.clone(), hh.clone()
         ops.moe_residual(h1, g, 1e-6, ids_r, wts_r, w13b, w2b)
         ref.moe_residual(h2, g, 1e-6, ids_r, wts_r, w13b, w2b)
@@ -527,14 +643,18 @@ def check_registered(dev):
         h1, h2 = hh.clone(), hh.clone()
         ids_b, wts_b = ops.moe_block(h1, g, 1e-6, gate, bias, 6, 1, 1, 1.0, True, 2, w13b, w2b)
         same = all(set(a.tolist()) == set(b.tolist()) for a, b in zip(ids_b, ids_r))
-        report(f"op tilert::moe_block n={n} ids identical={same} (cuda): sorted routing weights",
-               wts_b.sort(-1).values, wts_r.sort(-1).values, tol=1e-2 if same else -1)
+        report(
+            f"op tilert::moe_block n={n} ids identical={same} (cuda): sorted routing weights",
+            wts_b.sort(-1).values,
+            wts_r.sort(-1).values,
+            tol=1e-2 if same else -1,
+        )
         ref.moe_residual(h2, g, 1e-6, ids_b, wts_b, w13b, w2b)
         report(f"op tilert::moe_block n={n} (cuda): h", h1, h2)
         H, P, R, V, L, QL, Hi, DI = 16, 128, 64, 128, 512, 1536, 16, 128
         a_ = rnd(n, QL + L + R + DI + Hi, dev=dev)
         b_ = rnd(n, H * (P + R) + Hi * DI, dev=dev)
-        kvb = rnd(H * (P + V), L, dev=dev, scale=L ** -0.5)
+        kvb = rnd(H * (P + V), L, dev=dev, scale=L**-0.5)
         ang = torch.arange(4096, device=dev).float()[:, None] * (1e-2 * torch.rand(R // 2, device=dev))[None]
         cs, sn = ang.cos().to(DTYPE), ang.sin().to(DTYPE)
         kvn, ikw, ikb = rnd(L, dev=dev) + 1, rnd(DI, dev=dev) + 1, 0.05 * rnd(DI, dev=dev)
@@ -593,10 +713,26 @@ class decisions_pinned:
         routes, tops = iter(self.rec.routes), iter(self.rec.topk)
         self.n_route = self.n_route_diff = self.n_rows = self.n_rows_diff = 0
 
-        def moe_block(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk,
-                      n_shared, w13, w2, s13=None, s2=None):
-            own, _ = ref.router(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale,
-                                norm_topk, n_shared)
+        def moe_block(
+            h,
+            norm_weight,
+            eps,
+            gate_weight,
+            bias,
+            top_k,
+            n_group,
+            topk_group,
+            route_scale,
+            norm_topk,
+            n_shared,
+            w13,
+            w2,
+            s13=None,
+            s2=None,
+        ):
+            own, _ = ref.router(
+                h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared
+            )
             ids, w = (t.to(h.device) for t in next(routes))
             for r_own, r in zip(own.tolist(), ids.tolist()):
                 self.n_route += 1
@@ -619,8 +755,7 @@ class decisions_pinned:
         self.ops.moe_block, self.ops.indexer_topk = self.orig
 
     def __str__(self) -> str:
-        return (f"expert sets {self.n_route_diff}/{self.n_route}, top-k rows "
-                f"{self.n_rows_diff}/{self.n_rows}")
+        return f"expert sets {self.n_route_diff}/{self.n_route}, top-k rows {self.n_rows_diff}/{self.n_rows}"
 
 
 def check_engine_model(dev, small):
@@ -636,9 +771,8 @@ def check_engine_model(dev, small):
     import engine_configs as ec
 
     from tilert.engines.tilert.engine import TileRTEngine
-    from tilert.engines.tilert.model import Transformer
+    from tilert.engines.tilert.model import Transformer, finish_model
     from tilert.engines.tilert.ops import register_device_kernels
-    from tilert.engines.tilert.model import finish_model
     from tilert.engines.tilert.weights import random_model
 
     register_device_kernels()
@@ -681,17 +815,30 @@ def check_engine_model(dev, small):
                 with decisions_pinned(rec) as diff:  # the fp32 reference making the GPU's discrete choices
                     pinned = e_cpu.forward(tok, p0)
             mode = "DSA" if p0 + n > args.index_topk else "dense"
-            report(f"engine {name} graph bf16 vs ref fp32 (GPU's routing/top-k): n={n} pos={p0} {mode} logits", got,
-                   pinned, tol=3e-2)
+            report(
+                f"engine {name} graph bf16 vs ref fp32 (GPU's routing/top-k): n={n} pos={p0} {mode} logits",
+                got,
+                pinned,
+                tol=3e-2,
+            )
             err = float((got.float().cpu() - want).norm() / want.norm())
             noise = float((noisy.float() - want).norm() / want.norm())
-            print(f"      decisions differing from the fp32 reference's own: {diff}; without pinning: engine err "
-                  f"{err:.1e}, the bf16 reference ops' err {noise:.1e}", flush=True)
+            print(
+                f"      decisions differing from the fp32 reference's own: {diff}; without pinning: engine err "
+                f"{err:.1e}, the bf16 reference ops' err {noise:.1e}",
+                flush=True,
+            )
             agree = float((got.argmax(-1).cpu() == want.argmax(-1)).float().mean())
-            print(f"      top-1 agreement {agree:.2f}; graphs captured: {sorted(k for k, v in e_gpu._graphs.items() if v)}",
-                  flush=True)
-            report(f"engine {name} n={n} pos={p0}: written kv rows", gm.kv_cache[:, p0:p0 + n],
-                   cpu.kv_cache[:, p0:p0 + n], tol=3e-2)
+            print(
+                f"      top-1 agreement {agree:.2f}; graphs captured: {sorted(k for k, v in e_gpu._graphs.items() if v)}",
+                flush=True,
+            )
+            report(
+                f"engine {name} n={n} pos={p0}: written kv rows",
+                gm.kv_cache[:, p0 : p0 + n],
+                cpu.kv_cache[:, p0 : p0 + n],
+                tol=3e-2,
+            )
         # graph replay reproduces eager, and the same step twice is bitwise identical
         tok = torch.randint(0, args.vocab_size, (1,), device=dev)
         with torch.no_grad():
@@ -705,7 +852,7 @@ def check_engine_model(dev, small):
         with torch.no_grad():
             for p0 in (1000, 2700) if dev.type == "cuda" else ():  # dense and DSA (torch on CPU: not invariant)
                 batched = e_gpu.forward(toks, p0)
-                alone = [e_gpu.forward(toks[j:j + 1], p0 + j)[0] for j in range(3)]
+                alone = [e_gpu.forward(toks[j : j + 1], p0 + j)[0] for j in range(3)]
                 bitwise(f"engine {name}: n=3 verify logits == three n=1 steps, bit for bit, pos {p0}", batched, alone)
         report(f"engine {name}: CUDA graph replay vs eager", r3, r1, tol=1e-6)
         del cpu, gm, c16, e_cpu, e_c16, e_gpu
@@ -747,10 +894,17 @@ def check_engine_families(dev, small):
         with torch.no_grad():
             want = tf32(input_ids=ids[None]).logits[0].float()
             noisy = tf16(input_ids=ids[None].to(dev)).logits[0].float().cpu()
-            report(f"{arch}: engine reference ops fp32 CPU vs transformers fp32, prefill", cpu.forward(ids[:T], 0),
-                   want[:T], tol=1e-4)
-            steps = [("prefill (eager)", ids[:T], 0)] + [(f"decode n=1 (graph) pos {T + j}", ids[T + j:T + j + 1], T + j)
-                                                          for j in range(4)] + [("verify n=3 (graph)", ids[T + 1:T + 4], T + 1)]
+            report(
+                f"{arch}: engine reference ops fp32 CPU vs transformers fp32, prefill",
+                cpu.forward(ids[:T], 0),
+                want[:T],
+                tol=1e-4,
+            )
+            steps = (
+                [("prefill (eager)", ids[:T], 0)]
+                + [(f"decode n=1 (graph) pos {T + j}", ids[T + j : T + j + 1], T + j) for j in range(4)]
+                + [("verify n=3 (graph)", ids[T + 1 : T + 4], T + 1)]
+            )
             for label, tok, p0 in steps:
                 got = eng.forward(tok.to(dev), p0).clone()
                 eng.use_graphs = False
@@ -760,13 +914,20 @@ def check_engine_families(dev, small):
                 with decisions_pinned(rec) as diff:
                     ref32 = cpu.forward(tok, p0)
                 same = torch.equal(got, eager)
-                report(f"{arch}: engine bf16 CUDA {label} vs fp32 reference (CUDA's choices){'' if same else ' GRAPH!=EAGER'}",
-                       got, ref32, tol=5e-2 if same else -1)
+                report(
+                    f"{arch}: engine bf16 CUDA {label} vs fp32 reference (CUDA's choices){'' if same else ' GRAPH!=EAGER'}",
+                    got,
+                    ref32,
+                    tol=5e-2 if same else -1,
+                )
                 n = tok.shape[0]
-                err = float((got.float().cpu() - want[p0:p0 + n]).norm() / want[p0:p0 + n].norm())
-                tf_err = float((noisy[p0:p0 + n] - want[p0:p0 + n]).norm() / want[p0:p0 + n].norm())
-                print(f"      choices differing from the reference's own: {diff}; vs transformers fp32 unpinned: engine "
-                      f"{err:.1e}, transformers bf16 {tf_err:.1e}", flush=True)
+                err = float((got.float().cpu() - want[p0 : p0 + n]).norm() / want[p0 : p0 + n].norm())
+                tf_err = float((noisy[p0 : p0 + n] - want[p0 : p0 + n]).norm() / want[p0 : p0 + n].norm())
+                print(
+                    f"      choices differing from the reference's own: {diff}; vs transformers fp32 unpinned: engine "
+                    f"{err:.1e}, transformers bf16 {tf_err:.1e}",
+                    flush=True,
+                )
         del tf32, tf16, eng, cpu
         torch.cuda.empty_cache()
 
@@ -789,8 +950,14 @@ def check_engine_multiseq(dev, small, flat=None):
     register_device_kernels()
     B = 4
     if small:
-        args = replace(ec.small(ec.LITE_V32, 2, vocab=4096), index_topk=64, hidden_size=256, n_routed_experts=8,
-                       moe_intermediate_size=128, intermediate_size=256)
+        args = replace(
+            ec.small(ec.LITE_V32, 2, vocab=4096),
+            index_topk=64,
+            hidden_size=256,
+            n_routed_experts=8,
+            moe_intermediate_size=128,
+            intermediate_size=256,
+        )
         S = 200
     else:
         args, S = ec.small(ec.LITE_V32, 3), 3000
@@ -814,18 +981,20 @@ def check_engine_multiseq(dev, small, flat=None):
             bitwise(f"engine decode_step, sequences {seqs} at {ps} == forward() of each alone", batch, alone)
             ok = greedy == batch.argmax(-1).tolist()
             RESULTS.append((f"decode_step_greedy {seqs}", 0.0, 0.0, ok))
-            print(f"{'PASS' if ok else 'FAIL'}  decode_step_greedy == argmax of decode_step, sequences {seqs}",
-                  flush=True)
+            print(
+                f"{'PASS' if ok else 'FAIL'}  decode_step_greedy == argmax of decode_step, sequences {seqs}", flush=True
+            )
             rows.update({s: batch[i] for i, s in enumerate(seqs)})
         print(f"      graphs captured: {sorted(k for k, v in eng._graphs.items() if v)}", flush=True)
         m1 = random_model(args, device=dev, dtype=DTYPE, max_seq_len=S, seed=4)
         e1 = TileRTEngine(m1, dev, DTYPE, S)
         for b in range(B):
-            m1.kv_cache.copy_(mb.kv_cache[:, b * S:(b + 1) * S])
-            m1.index_cache.copy_(mb.index_cache[:, b * S:(b + 1) * S])
+            m1.kv_cache.copy_(mb.kv_cache[:, b * S : (b + 1) * S])
+            m1.index_cache.copy_(mb.index_cache[:, b * S : (b + 1) * S])
             one = e1.forward(torch.tensor([toks[b]], device=dev), pos[b])[0]
-            report(f"engine sequence {b} of 4 at pos {pos[b]} vs a one-sequence engine, same rows", rows[b], one,
-                   tol=1e-2)
+            report(
+                f"engine sequence {b} of 4 at pos {pos[b]} vs a one-sequence engine, same rows", rows[b], one, tol=1e-2
+            )
     del mb, m1, eng, e1
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -897,9 +1066,12 @@ def _check_engine_mtp(dev, small, n_seq, seq):
                     j = next(i for i, (a, b) in enumerate(zip(got, plain)) if a != b)
                     print(f"      first difference at token {j}: spec {got[j]} vs plain {plain[j]}", flush=True)
                 RESULTS.append((f"mtp K={k} start={start}{tag}", 0.0, 0.0, ok))
-                print(f"{'PASS' if ok else 'FAIL'}  MTP speculative greedy == plain greedy, K={k}, from pos {start}, "
-                      f"{gen} tokens (drafted {drafted}, accepted {accepted}){tag}; spec graphs "
-                      f"{sorted(k_ for k_, v in eng._spec_graphs.items() if v)}", flush=True)
+                print(
+                    f"{'PASS' if ok else 'FAIL'}  MTP speculative greedy == plain greedy, K={k}, from pos {start}, "
+                    f"{gen} tokens (drafted {drafted}, accepted {accepted}){tag}; spec graphs "
+                    f"{sorted(k_ for k_, v in eng._spec_graphs.items() if v)}",
+                    flush=True,
+                )
             first = int(eng.forward(ids, 0, seq=seq)[-1].argmax())
             stream = list(eng.greedy_stream(first, start, gen, seq=seq))
             eng.forward(ids, 0, seq=seq)
@@ -909,16 +1081,22 @@ def _check_engine_mtp(dev, small, n_seq, seq):
             resumed = head + greedy(head[-1], start + gen // 2, gen - gen // 2)
             ok = stream == plain and resumed == plain
             RESULTS.append((f"greedy_stream start={start}{tag}", 0.0, 0.0, ok))
-            print(f"{'PASS' if ok else 'FAIL'}  pipelined greedy_stream == plain greedy from pos {start}, {gen} tokens; "
-                  f"stopped half-way and continued with forward(): same{tag}", flush=True)
+            print(
+                f"{'PASS' if ok else 'FAIL'}  pipelined greedy_stream == plain greedy from pos {start}, {gen} tokens; "
+                f"stopped half-way and continued with forward(): same{tag}",
+                flush=True,
+            )
         if eng.use_graphs:  # the captured step vs the same function eagerly, same inputs and state
             key, step = next((k_, v) for k_, v in eng._spec_graphs.items() if v)
             d1, g1 = (t.clone() for t in step.replay())
             d2, g2 = eng._draft_verify(*step.inputs, num_draft=key[0], use_indexer=key[2])
             ok = torch.equal(d1, d2) and torch.equal(g1, g2)
             RESULTS.append((f"mtp graph == eager{tag}", 0.0, 0.0, ok))
-            print(f"{'PASS' if ok else 'FAIL'}  MTP draft+verify graph {key} == eager: drafts {d1.tolist()} "
-                  f"greedy {g1.tolist()}{tag}", flush=True)
+            print(
+                f"{'PASS' if ok else 'FAIL'}  MTP draft+verify graph {key} == eager: drafts {d1.tolist()} "
+                f"greedy {g1.tolist()}{tag}",
+                flush=True,
+            )
     del eng, model
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -941,9 +1119,16 @@ def main():
     print(f"seed {seed} (--seed {seed} repeats these inputs)", flush=True)
     torch.manual_seed(seed)
     dev = torch.device(args.device)
-    checks = {"gemv": check_gemv, "mla": check_mla, "indexer": check_indexer, "topk": check_topk,
-              "batch": check_batch_invariance, "moe": check_moe, "prep": check_prep,
-              "fp8": lambda d, small: check_fp8.check_fp8_kernels(d, small, report, rnd, DTYPE)}
+    checks = {
+        "gemv": check_gemv,
+        "mla": check_mla,
+        "indexer": check_indexer,
+        "topk": check_topk,
+        "batch": check_batch_invariance,
+        "moe": check_moe,
+        "prep": check_prep,
+        "fp8": lambda d, small: check_fp8.check_fp8_kernels(d, small, report, rnd, DTYPE),
+    }
     if dev.type == "cuda":
         checks["model"] = check_engine_model
         checks["families"] = check_engine_families

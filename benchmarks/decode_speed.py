@@ -43,8 +43,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
-
 from engine_configs import CONFIGS, CPU_REDUCE, RANK_CONFIGS, config_args, rank_args  # noqa: E402
+
 from tilert.engines.tilert.fast import CapturedFn  # noqa: E402
 from tilert.engines.tilert.model import ModelArgs  # noqa: E402
 
@@ -103,11 +103,20 @@ def copy_bandwidth() -> float:
     return bw
 
 
-CATEGORIES = (("moe_up", "moe up (norm + w13 + silu*up)"), ("moe_down", "moe down (+residual)"),
-              ("router", "router select"), ("gemv", "GEMVs (W_a, W_b, W_o, router, lm_head)"),
-              ("mla_split", "attention core"), ("mla_combine", "attention core"), ("mla_prep", "mla prep"),
-              ("mla_uv", "mla W_UV"), ("indexer", "indexer scores"), ("topk", "indexer top-k"),
-              ("sort", "indexer top-k"), ("radix", "indexer top-k"))
+CATEGORIES = (
+    ("moe_up", "moe up (norm + w13 + silu*up)"),
+    ("moe_down", "moe down (+residual)"),
+    ("router", "router select"),
+    ("gemv", "GEMVs (W_a, W_b, W_o, router, lm_head)"),
+    ("mla_split", "attention core"),
+    ("mla_combine", "attention core"),
+    ("mla_prep", "mla prep"),
+    ("mla_uv", "mla W_UV"),
+    ("indexer", "indexer scores"),
+    ("topk", "indexer top-k"),
+    ("sort", "indexer top-k"),
+    ("radix", "indexer top-k"),
+)
 
 
 def _wbytes(a, leaf: str, *shape: int) -> int:
@@ -131,9 +140,11 @@ def bytes_per_token(args, ctx: int, sparse: bool) -> dict:
     index_layers = set(a.index_layers)
 
     def attn(has_indexer: bool) -> int:
-        b = (_wbytes(a, "wa", a.wa_rows(has_indexer), d)
-             + _wbytes(a, "wkv_b", h * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)
-             + _wbytes(a, "wo", d, h * a.v_head_dim))
+        b = (
+            _wbytes(a, "wa", a.wa_rows(has_indexer), d)
+            + _wbytes(a, "wkv_b", h * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)
+            + _wbytes(a, "wo", d, h * a.v_head_dim)
+        )
         if a.q_lora_rank is not None:
             b += _wbytes(a, "wb", a.wb_rows(has_indexer), a.q_lora_rank)
         if has_indexer and a.fp8:  # indexer.weights_proj, kept bf16 apart from W_a
@@ -144,8 +155,9 @@ def bytes_per_token(args, ctx: int, sparse: bool) -> dict:
     slot = _wbytes(a, "w13", 1, 2 * i, d) + _wbytes(a, "w2", 1, d, i)
     moe = (a.num_experts_per_tok + a.n_shared_experts) * slot + a.n_routed_experts * d * el
     dense = _wbytes(a, "w13", 1, 2 * a.intermediate_size, d) + _wbytes(a, "w2", 1, d, a.intermediate_size)
-    weights = sum(attn(j in index_layers) + (moe if a.mlp_layer_types[j] == "sparse" else dense)
-                  for j in range(a.num_layers))
+    weights = sum(
+        attn(j in index_layers) + (moe if a.mlp_layer_types[j] == "sparse" else dense) for j in range(a.num_layers)
+    )
     head = d * el + (a.vocab_size // a.tp_size) * d * el  # the embedding row and this rank's lm_head rows
     row = a.latent_dim * el
     if sparse:
@@ -162,10 +174,24 @@ def step_row(name: str, args, ctx: int, sparse: bool, seconds: float, bw: float 
     b = bytes_per_token(args, ctx, sparse)
     roof = bw / b["total"] if bw else None  # roofline: the measured copy bandwidth (2 x bytes / time) over bytes
     pct = 100 / seconds / roof if roof else None
-    return dict(config=name, context=ctx, weights="fp8" if args.fp8 else "bf16", ms_per_step=seconds * 1e3,
-                tok_s=1 / seconds, bytes_per_step=b["total"], pct_roofline=pct, tp=args.tp_size,
-                ctx=ctx, sparse=sparse, ms=seconds * 1e3, bytes_gb=b["total"] / 1e9, bytes=b, roof_tok_s=roof,
-                pct_roof=pct, achieved_tbs=b["total"] / seconds / 1e12)
+    return dict(
+        config=name,
+        context=ctx,
+        weights="fp8" if args.fp8 else "bf16",
+        ms_per_step=seconds * 1e3,
+        tok_s=1 / seconds,
+        bytes_per_step=b["total"],
+        pct_roofline=pct,
+        tp=args.tp_size,
+        ctx=ctx,
+        sparse=sparse,
+        ms=seconds * 1e3,
+        bytes_gb=b["total"] / 1e9,
+        bytes=b,
+        roof_tok_s=roof,
+        pct_roof=pct,
+        achieved_tbs=b["total"] / seconds / 1e12,
+    )
 
 
 def wall_per_call(fn, iters=30, reps=3) -> float:
@@ -189,10 +215,17 @@ def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
     plain_wall = wall_per_call(lambda: int(eng.forward(tok, ctx)[-1].argmax()))
     n_stream = 64
     stream_wall = wall_per_call(lambda: sum(1 for _ in eng.greedy_stream(77, ctx, n_stream)), iters=3) / n_stream
-    out = dict(ctx=ctx, plain_graph_ms=plain_graph_s * 1e3, plain_wall_ms=plain_wall * 1e3,
-               stream_wall_ms=stream_wall * 1e3, steps={})
-    log(f"[{name}] ctx={ctx} plain step: graph {plain_graph_s * 1e3:.3f} ms, forward()+argmax call "
-        f"{plain_wall * 1e3:.3f} ms, pipelined greedy_stream {stream_wall * 1e3:.3f} ms/token")
+    out = dict(
+        ctx=ctx,
+        plain_graph_ms=plain_graph_s * 1e3,
+        plain_wall_ms=plain_wall * 1e3,
+        stream_wall_ms=stream_wall * 1e3,
+        steps={},
+    )
+    log(
+        f"[{name}] ctx={ctx} plain step: graph {plain_graph_s * 1e3:.3f} ms, forward()+argmax call "
+        f"{plain_wall * 1e3:.3f} ms, pipelined greedy_stream {stream_wall * 1e3:.3f} ms/token"
+    )
 
     def spec_call(K):
         # The steady state after a step that accepted nothing: sequence of ctx tokens, MTP rows < ctx-1 done,
@@ -210,10 +243,13 @@ def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
         tg = time_graph(step, iters=10, reps=3)
         tw = wall_per_call(lambda: spec_call(K))
         rates = {a: a / tw for a in (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0) if a <= K + 1}
-        out["steps"][K] = dict(graph_ms=tg * 1e3, wall_ms=tw * 1e3, ratio_to_plain=tg / plain_graph_s,
-                               tok_s_at_accepted_len=rates)
-        log(f"[{name}] ctx={ctx} MTP K={K}: draft+verify graph {tg * 1e3:.3f} ms ({tg / plain_graph_s:.2f}x plain), "
-            f"call {tw * 1e3:.3f} ms; tok/s at accepted length " + ", ".join(f"{a}: {r:.0f}" for a, r in rates.items()))
+        out["steps"][K] = dict(
+            graph_ms=tg * 1e3, wall_ms=tw * 1e3, ratio_to_plain=tg / plain_graph_s, tok_s_at_accepted_len=rates
+        )
+        log(
+            f"[{name}] ctx={ctx} MTP K={K}: draft+verify graph {tg * 1e3:.3f} ms ({tg / plain_graph_s:.2f}x plain), "
+            f"call {tw * 1e3:.3f} ms; tok/s at accepted length " + ", ".join(f"{a}: {r:.0f}" for a, r in rates.items())
+        )
     return out
 
 
@@ -222,10 +258,16 @@ TUNING = (  # (module, attribute, values): variants re-timed in the whole captur
     ("triton_mla", "SPLIT_ROWS_EARLY", (True, False)),
     ("triton_mla", "UV_ONE_READ_MAX", (64, 0)),
     ("triton_moe", ("DOWN_CFG", "wide"), ((1, 2048, 4, 3), (2, 1024, 4, 3), (1, 2048, 8, 3), (1, 2048, 4, 4))),
-    ("triton_moe", ("UP_CFG", "wide"), ((8, 512, 4, 4), (4, 512, 4, 4), (8, 512, 4, 3), (16, 512, 8, 4),
-                                      (8, 1024, 4, 3))),
-    ("triton_gemv", "SMALL_K1024_CFG", ((2, 1024, 4, 3), (1, 2048, 4, 3), (4, 1024, 4, 3), (2, 2048, 8, 2),
-                                        (1, 1024, 4, 4))),
+    (
+        "triton_moe",
+        ("UP_CFG", "wide"),
+        ((8, 512, 4, 4), (4, 512, 4, 4), (8, 512, 4, 3), (16, 512, 8, 4), (8, 1024, 4, 3)),
+    ),
+    (
+        "triton_gemv",
+        "SMALL_K1024_CFG",
+        ((2, 1024, 4, 3), (1, 2048, 4, 3), (4, 1024, 4, 3), (2, 2048, 8, 2), (1, 1024, 4, 4)),
+    ),
     ("triton_gemv", "MID_CFG", ((8, 512, 4, 3), (4, 512, 4, 3), (2, 512, 4, 4), (16, 512, 8, 3))),
     ("triton_gemv", "HEAD_CFG", ((16, 256, 4, 4), (8, 512, 4, 3), (16, 512, 8, 3), (32, 256, 8, 4))),
 )
@@ -293,11 +335,13 @@ def tune_variants(tag: str, timed, table, say) -> list:
             def put(v, table_=table_, key=key):
                 table_[key] = v
         else:
+
             def get(mod=mod, attr=attr):
                 return getattr(mod, attr)
 
             def put(v, mod=mod, attr=attr):
                 setattr(mod, attr, v)
+
         default = get()
         for v in values:
             put(v)
@@ -347,8 +391,10 @@ def bench_engine(name, args, contexts, bw, mtp=True, profile=True, topk_compare=
         t = time_graph(step)
         r = step_row(name, args, ctx, sparse, t, bw)
         r["model"] = "engine (tilert.engines.tilert.model via TileRTEngine CUDA graph)"
-        log(f"[{name}] ctx={ctx} {'DSA' if sparse else 'dense'}: {t * 1e3:.3f} ms  {1 / t:.1f} tok/s  "
-            f"{r['bytes_gb']:.3f} GB/tok  roofline {r['roof_tok_s']:.0f} tok/s  {r['pct_roof']:.1f}%")
+        log(
+            f"[{name}] ctx={ctx} {'DSA' if sparse else 'dense'}: {t * 1e3:.3f} ms  {1 / t:.1f} tok/s  "
+            f"{r['bytes_gb']:.3f} GB/tok  roofline {r['roof_tok_s']:.0f} tok/s  {r['pct_roof']:.1f}%"
+        )
         if profile and ctx in (contexts[0], contexts[-1]):
             positions = torch.tensor([ctx], device=DEV)
 
@@ -363,7 +409,10 @@ def bench_engine(name, args, contexts, bw, mtp=True, profile=True, topk_compare=
             cats["gaps between kernels (graph step - kernel sum)"] = t * 1e6 - prof["total_us"]
             r["kernel_profile"] = prof
             r["breakdown_us"] = cats
-            log("   breakdown (us/step): " + ", ".join(f"{k}={v:.0f}" for k, v in sorted(cats.items(), key=lambda x: -x[1])))
+            log(
+                "   breakdown (us/step): "
+                + ", ".join(f"{k}={v:.0f}" for k, v in sorted(cats.items(), key=lambda x: -x[1]))
+            )
         if sparse and topk_compare:  # the same step with torch.topk instead of the radix top-k, same run
             triton_mla.TOPK_IMPL = "torch"
             eng._graphs.clear()
@@ -372,8 +421,10 @@ def bench_engine(name, args, contexts, bw, mtp=True, profile=True, topk_compare=
             triton_mla.TOPK_IMPL = "radix"
             eng._graphs.clear()
             eng.forward(tok, ctx)
-            log(f"[{name}] ctx={ctx} same step with torch.topk: {r['torch_topk_ms']:.3f} ms "
-                f"(radix top-k saves {r['torch_topk_ms'] - r['ms']:.3f} ms)")
+            log(
+                f"[{name}] ctx={ctx} same step with torch.topk: {r['torch_topk_ms']:.3f} ms "
+                f"(radix top-k saves {r['torch_topk_ms'] - r['ms']:.3f} ms)"
+            )
         if tune and ctx == contexts[0]:
             r["tuning"] = tune_in_situ(name, eng, ctx)
         rows.append(r)
@@ -402,8 +453,10 @@ def bench_sequences(name, args, ctx, ns, capacity):
     model.index_cache.normal_()
     eng = TileRTEngine(model, DEV, torch.bfloat16, capacity)
     torch.cuda.synchronize()
-    log(f"[{name} x{B} sequences] built in {time.time() - t0:.1f}s, "
-        f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
+    log(
+        f"[{name} x{B} sequences] built in {time.time() - t0:.1f}s, "
+        f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated"
+    )
     sparse = ctx + 1 > args.index_topk
     out = []
     for n in ns:
@@ -415,13 +468,25 @@ def bench_sequences(name, args, ctx, ns, capacity):
         t = time_graph(step)
         assert all((p + 1 > args.index_topk) == sparse for p in pos), "keep every row in one attention regime"
         wall = wall_per_call(lambda e=eng, toks=toks, pos=pos, seqs=seqs: e.decode_step_greedy(toks, pos, seqs))
-        r = dict(config=name, ctx=ctx, sparse=sparse, sequences=n, capacity=capacity, graph_ms=t * 1e3,
-                 per_user_tok_s=1 / t, total_tok_s=n / t, wall_ms=wall * 1e3, wall_per_user_tok_s=1 / wall,
-                 wall_total_tok_s=n / wall)
+        r = dict(
+            config=name,
+            ctx=ctx,
+            sparse=sparse,
+            sequences=n,
+            capacity=capacity,
+            graph_ms=t * 1e3,
+            per_user_tok_s=1 / t,
+            total_tok_s=n / t,
+            wall_ms=wall * 1e3,
+            wall_per_user_tok_s=1 / wall,
+            wall_total_tok_s=n / wall,
+        )
         out.append(r)
-        log(f"[{name}] ctx={ctx} {'DSA' if sparse else 'dense'} n={n}: graph {t * 1e3:.3f} ms = {1 / t:.1f} tok/s per "
+        log(
+            f"[{name}] ctx={ctx} {'DSA' if sparse else 'dense'} n={n}: graph {t * 1e3:.3f} ms = {1 / t:.1f} tok/s per "
             f"user, {n / t:.1f} total; decode_step_greedy call {wall * 1e3:.3f} ms = {1 / wall:.1f} per user, "
-            f"{n / wall:.1f} total")
+            f"{n / wall:.1f} total"
+        )
     base = out[0]["per_user_tok_s"] if out and out[0]["sequences"] == 1 else None
     for r in out:
         if base:
@@ -458,23 +523,37 @@ def kernel_profile(fn, steps=3):
     return dict(total_us=total, launches=sum(r[2] for r in rows), top=[(k, us, c) for k, us, c in rows[:20]])
 
 
-
 def hf_config(args: ModelArgs):
     """transformers' DeepseekV32Config with the engine config's shapes (for the side-by-side eager run)."""
     from transformers import DeepseekV32Config
 
     return DeepseekV32Config(
-        vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
-        moe_intermediate_size=args.moe_intermediate_size, num_hidden_layers=args.num_layers,
-        num_attention_heads=args.num_heads, num_key_value_heads=args.num_heads,
-        n_shared_experts=args.n_shared_experts, n_routed_experts=args.n_routed_experts,
-        num_experts_per_tok=args.num_experts_per_tok, routed_scaling_factor=args.routed_scaling_factor,
-        kv_lora_rank=args.kv_lora_rank, q_lora_rank=args.q_lora_rank, qk_rope_head_dim=args.qk_rope_head_dim,
-        v_head_dim=args.v_head_dim, qk_nope_head_dim=args.qk_nope_head_dim, n_group=args.n_group,
-        topk_group=args.topk_group, first_k_dense_replace=args.mlp_layer_types.count("dense"),
-        norm_topk_prob=True, max_position_embeddings=65536, index_n_heads=args.index_n_heads,
-        index_head_dim=args.index_head_dim, index_topk=args.index_topk, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        moe_intermediate_size=args.moe_intermediate_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_heads,
+        n_shared_experts=args.n_shared_experts,
+        n_routed_experts=args.n_routed_experts,
+        num_experts_per_tok=args.num_experts_per_tok,
+        routed_scaling_factor=args.routed_scaling_factor,
+        kv_lora_rank=args.kv_lora_rank,
+        q_lora_rank=args.q_lora_rank,
+        qk_rope_head_dim=args.qk_rope_head_dim,
+        v_head_dim=args.v_head_dim,
+        qk_nope_head_dim=args.qk_nope_head_dim,
+        n_group=args.n_group,
+        topk_group=args.topk_group,
+        first_k_dense_replace=args.mlp_layer_types.count("dense"),
+        norm_topk_prob=True,
+        max_position_embeddings=65536,
+        index_n_heads=args.index_n_heads,
+        index_head_dim=args.index_head_dim,
+        index_topk=args.index_topk,
+        tie_word_embeddings=False,
+    )
 
 
 @torch.no_grad()
@@ -584,44 +663,69 @@ def main():
     ap.add_argument("--contexts", default="1024,8192,32768")
     ap.add_argument("--no-breakdown", action="store_true")
     ap.add_argument("--tune", action="store_true", help="re-time kernel-config variants in the whole step")
-    ap.add_argument("--tune-only", default="", metavar="NAMES",
-                    help="with --tune: only these rows (attribute or dict key names, comma separated)")
+    ap.add_argument(
+        "--tune-only",
+        default="",
+        metavar="NAMES",
+        help="with --tune: only these rows (attribute or dict key names, comma separated)",
+    )
     ap.add_argument("--no-mtp", action="store_true", help="skip lite-v32's MTP speculative-step timings")
     ap.add_argument("--tf-json", default="", help="reuse transformers numbers from an earlier decode_speed.json")
-    ap.add_argument("--transformers", default="", metavar="CTXS",
-                    help="also time transformers eager at these contexts (comma list), in this run")
-    ap.add_argument("--sequences", default="", metavar="NS",
-                    help="only the multi-sequence table: decode_step over n = NS sequences (comma list) at each "
-                         "--contexts, lite-v32 unless --configs says otherwise")
+    ap.add_argument(
+        "--transformers",
+        default="",
+        metavar="CTXS",
+        help="also time transformers eager at these contexts (comma list), in this run",
+    )
+    ap.add_argument(
+        "--sequences",
+        default="",
+        metavar="NS",
+        help="only the multi-sequence table: decode_step over n = NS sequences (comma list) at each "
+        "--contexts, lite-v32 unless --configs says otherwise",
+    )
     ap.add_argument("--capacity", type=int, default=32768 + 16, help="positions per sequence (--sequences)")
     ap.add_argument("--weights", default="bf16", help="bf16, fp8 or bf16,fp8 (each config in each, same run)")
-    ap.add_argument("--isolate", action="store_true",
-                    help="each (config, weights) engine in a fresh process of its own, one after another (the copy "
-                    "bandwidth is still measured once, here): no engine is timed in a process an earlier one "
-                    "built, timed and freed its model in (lite FP8 read 3-7 us a step slower after bf16 that way, "
-                    "h200-2026-12-01-fp8-f.md)")
-    ap.add_argument("--cpu-smoke", action="store_true",
-                    help="no GPU: the rank configurations reduced (engine_configs.CPU_REDUCE) through the same engine "
-                         "and the same JSON rows on the CPU, at contexts 64 and past the DSA top-k (checks the code, "
-                         "times nothing worth recording)")
+    ap.add_argument(
+        "--isolate",
+        action="store_true",
+        help="each (config, weights) engine in a fresh process of its own, one after another (the copy "
+        "bandwidth is still measured once, here): no engine is timed in a process an earlier one "
+        "built, timed and freed its model in (lite FP8 read 3-7 us a step slower after bf16 that way, "
+        "h200-2026-12-01-fp8-f.md)",
+    )
+    ap.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="no GPU: the rank configurations reduced (engine_configs.CPU_REDUCE) through the same engine "
+        "and the same JSON rows on the CPU, at contexts 64 and past the DSA top-k (checks the code, "
+        "times nothing worth recording)",
+    )
     args = ap.parse_args()
     if args.cpu_smoke:
         return cpu_smoke(args.out)
     TUNE_ONLY[:] = [x for x in args.tune_only.split(",") if x]
-    import triton
     import transformers
+    import triton
 
     contexts = [int(x) for x in args.contexts.split(",")]
-    RESULT.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                  transformers_version=transformers.__version__, cuda=torch.version.cuda,
-                  conditions="batch 1, bf16 activations, weights bf16 or block-FP8 (--weights; rows named "
-                             "<config>-fp8), random weights built on the GPU, caches filled with random rows, "
-                             "the engine's CUDA graph replayed, median of 5x30 replays")
+    RESULT.update(
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        transformers_version=transformers.__version__,
+        cuda=torch.version.cuda,
+        conditions="batch 1, bf16 activations, weights bf16 or block-FP8 (--weights; rows named "
+        "<config>-fp8), random weights built on the GPU, caches filled with random rows, "
+        "the engine's CUDA graph replayed, median of 5x30 replays",
+    )
     bw = copy_bandwidth()
     RESULT["copy_bw_tbs"] = bw / 1e12
-    log(f"GPU {RESULT['gpu']}  torch {torch.__version__}  triton {triton.__version__}  "
-        f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write)")
+    log(
+        f"GPU {RESULT['gpu']}  torch {torch.__version__}  triton {triton.__version__}  "
+        f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write)"
+    )
     RESULT["runs"] = []
     RESULT["mtp_verify"] = {}
     RESULT["transformers"] = {}
@@ -640,14 +744,20 @@ def main():
             for ctx in contexts:
                 RESULT["sequences"] += bench_sequences(name, CONFIGS[name], ctx, ns, args.capacity)
                 save()
-        log(f"\n=== several sequences per step (decode_step), {RESULT['gpu']}: graph replay per step; "
-            "per-user tok/s = 1 / step ===")
-        log(f"{'config':<10} {'ctx':>6} {'n':>3} {'ms/step':>8} {'tok/s/user':>11} {'total tok/s':>12} "
-            f"{'vs n=1':>7} {'call ms':>8} {'call tok/s/user':>16}")
+        log(
+            f"\n=== several sequences per step (decode_step), {RESULT['gpu']}: graph replay per step; "
+            "per-user tok/s = 1 / step ==="
+        )
+        log(
+            f"{'config':<10} {'ctx':>6} {'n':>3} {'ms/step':>8} {'tok/s/user':>11} {'total tok/s':>12} "
+            f"{'vs n=1':>7} {'call ms':>8} {'call tok/s/user':>16}"
+        )
         for r in RESULT["sequences"]:
-            log(f"{r['config']:<10} {r['ctx']:>6} {r['sequences']:>3} {r['graph_ms']:>8.3f} "
+            log(
+                f"{r['config']:<10} {r['ctx']:>6} {r['sequences']:>3} {r['graph_ms']:>8.3f} "
                 f"{r['per_user_tok_s']:>11.1f} {r['total_tok_s']:>12.1f} {r.get('per_user_vs_one', float('nan')):>7.2f} {r['wall_ms']:>8.3f} "
-                f"{r['wall_per_user_tok_s']:>16.1f}")
+                f"{r['wall_per_user_tok_s']:>16.1f}"
+            )
         save()
         return
 
@@ -659,8 +769,9 @@ def main():
             label = name if weights == "bf16" or rank else f"{name}-{weights}"
             try:
                 job = (label, replace(config_args(name), fp8=weights == "fp8"), contexts, bw)
-                opts = dict(mtp=(rank or name == "lite-v32") and not args.no_mtp, profile=not args.no_breakdown,
-                            tune=args.tune)
+                opts = dict(
+                    mtp=(rank or name == "lite-v32") and not args.no_mtp, profile=not args.no_breakdown, tune=args.tune
+                )
                 if args.isolate:
                     rows, verify = _isolated(job, opts)
                 else:
@@ -672,32 +783,40 @@ def main():
                 traceback.print_exc()
         if args.transformers and name in ("lite-v32",):
             RESULT["transformers"][name] = bench_transformers(
-                name, CONFIGS[name], [int(c) for c in args.transformers.split(",")])
+                name, CONFIGS[name], [int(c) for c in args.transformers.split(",")]
+            )
             RESULT["transformers_source"] = "measured in this run"
         save()
         if args.tf_json:
             with open(args.tf_json) as f:
                 old = json.load(f)["transformers"]
-            RESULT["transformers"].update({k: {int(c): v for c, v in d.items()} for k, d in old.items()
-                                            if k.startswith(name)})
+            RESULT["transformers"].update(
+                {k: {int(c): v for c, v in d.items()} for k, d in old.items() if k.startswith(name)}
+            )
             RESULT["transformers_source"] = args.tf_json
 
     # ---------------------------------------------------------------- the table
     log("\n=== batch-1 decode, " + RESULT["gpu"] + f", copy bw {bw / 1e12:.2f} TB/s ===")
-    log(f"{'config':<10} {'ctx':>6} {'mode':>6} {'ms/tok':>8} {'tok/s':>8} {'GB/tok':>7} {'roof tok/s':>10} "
-        f"{'%roof':>6} {'TB/s':>5} {'HF eager tok/s':>15}")
+    log(
+        f"{'config':<10} {'ctx':>6} {'mode':>6} {'ms/tok':>8} {'tok/s':>8} {'GB/tok':>7} {'roof tok/s':>10} "
+        f"{'%roof':>6} {'TB/s':>5} {'HF eager tok/s':>15}"
+    )
     for r in RESULT["runs"]:
         tf = RESULT["transformers"].get(r["config"], {}).get(r["ctx"], {})
         tf1 = RESULT["transformers"].get(r["config"] + "(1 layer)", {}).get(r["ctx"], {})
         tfs = f"{tf['tok_s']:.2f}" if "tok_s" in tf else (f"1L:{tf1['tok_s']:.2f}" if "tok_s" in tf1 else "-")
-        log(f"{r['config']:<10} {r['ctx']:>6} {'sparse' if r['sparse'] else 'dense':>6} {r['ms']:>8.3f} "
+        log(
+            f"{r['config']:<10} {r['ctx']:>6} {'sparse' if r['sparse'] else 'dense':>6} {r['ms']:>8.3f} "
             f"{r['tok_s']:>8.1f} {r['bytes_gb']:>7.3f} {r['roof_tok_s']:>10.0f} {r['pct_roof']:>6.1f} "
-            f"{r['achieved_tbs']:>5.2f} {tfs:>15}")
+            f"{r['achieved_tbs']:>5.2f} {tfs:>15}"
+        )
     for r in RESULT["runs"]:
         if "breakdown_us" in r:
-            log(f"breakdown {r['config']} ctx={r['ctx']} (kernel us/step, eager): "
+            log(
+                f"breakdown {r['config']} ctx={r['ctx']} (kernel us/step, eager): "
                 + ", ".join(f"{k}={v:.0f}" for k, v in sorted(r["breakdown_us"].items(), key=lambda x: -x[1]))
-                + f" | graph step {r['ms'] * 1e3:.0f} us")
+                + f" | graph step {r['ms'] * 1e3:.0f} us"
+            )
     for r in RESULT["runs"]:
         if "tuning" in r:
             best: dict = {}
@@ -707,22 +826,30 @@ def main():
                     best[t["attr"]] = t
             dflt = {t["attr"]: t["ms"] for t in r["tuning"] if t["default"] and t["value"] is not None}
             for a, t in best.items():
-                log(f"tuning {r['config']} {a}: best {t['value']} {t['ms']:.4f} ms "
-                    f"(default {dflt.get(a, float('nan')):.4f})")
+                log(
+                    f"tuning {r['config']} {a}: best {t['value']} {t['ms']:.4f} ms "
+                    f"(default {dflt.get(a, float('nan')):.4f})"
+                )
     for r in RESULT["runs"]:
         if "torch_topk_ms" in r:
-            log(f"DSA top-k {r['config']} ctx={r['ctx']}: radix {r['ms']:.3f} ms/step vs torch.topk "
-                f"{r['torch_topk_ms']:.3f} ms/step (same run)")
+            log(
+                f"DSA top-k {r['config']} ctx={r['ctx']}: radix {r['ms']:.3f} ms/step vs torch.topk "
+                f"{r['torch_topk_ms']:.3f} ms/step (same run)"
+            )
     for name, res in RESULT["mtp_verify"].items():
-        log(f"\n=== plain greedy decode loop, {name} ctx={res['ctx']}: graph replay {res['plain_graph_ms']:.3f} ms; "
+        log(
+            f"\n=== plain greedy decode loop, {name} ctx={res['ctx']}: graph replay {res['plain_graph_ms']:.3f} ms; "
             f"forward()+argmax per token {res['plain_wall_ms']:.3f} ms = {1e3 / res['plain_wall_ms']:.0f} tok/s; "
-            f"pipelined greedy_stream {res['stream_wall_ms']:.3f} ms = {1e3 / res['stream_wall_ms']:.0f} tok/s ===")
+            f"pipelined greedy_stream {res['stream_wall_ms']:.3f} ms = {1e3 / res['stream_wall_ms']:.0f} tok/s ==="
+        )
         log(f"=== MTP speculative step, {name} ctx={res['ctx']} ===")
         lens = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0)
         log(f"{'K':>2} {'graph ms':>9} {'x plain':>8} {'call ms':>8} " + " ".join(f"{'L=' + str(a):>7}" for a in lens))
         for K, v in res["steps"].items():
-            cells = " ".join(f"{v['tok_s_at_accepted_len'][a]:>7.0f}" if a in v["tok_s_at_accepted_len"] else f"{'-':>7}"
-                             for a in lens)
+            cells = " ".join(
+                f"{v['tok_s_at_accepted_len'][a]:>7.0f}" if a in v["tok_s_at_accepted_len"] else f"{'-':>7}"
+                for a in lens
+            )
             log(f"{K:>2} {v['graph_ms']:>9.3f} {v['ratio_to_plain']:>8.2f} {v['wall_ms']:>8.3f} {cells}")
         log("(tok/s = accepted length / call time; accepted length counts the bonus token, at most K+1)")
     save()

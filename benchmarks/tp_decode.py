@@ -176,8 +176,10 @@ def bench_collectives(pg, dev, widths, vocab) -> list:
                 r["error"] = repr(exc)[:300]
                 dist.barrier()
             rows.append(r)
-            log(f"[collectives] {kind:>14} all-reduce [1, {w}]: "
-                + (f"{r['us']:.2f} us (correct={r['correct']})" if "us" in r else r["error"]))
+            log(
+                f"[collectives] {kind:>14} all-reduce [1, {w}]: "
+                + (f"{r['us']:.2f} us (correct={r['correct']})" if "us" in r else r["error"])
+            )
     r = dict(op="all_gather", width=vocab // size, kind="nccl")
     g = make_group(pg, "nccl", dev, dtype, 1)
     x = torch.randn(1, vocab // size, device=dev)
@@ -244,8 +246,9 @@ def run_tp_protocol(leader_or_none, eng, channel, ctx, n, mtp, num_draft):
 
 
 @torch.no_grad()
-def check_output(pg, ctrl, dev, args, contexts, n_tokens, num_draft, kind, opts_variant="graphs",
-                 check_dtype="bfloat16") -> list:
+def check_output(
+    pg, ctrl, dev, args, contexts, n_tokens, num_draft, kind, opts_variant="graphs", check_dtype="bfloat16"
+) -> list:
     from tilert.decode.tp import Channel, LeaderEngine
     from tilert.engines.tilert.engine import TileRTEngine
     from tilert.engines.tilert.weights import random_model
@@ -303,10 +306,20 @@ def check_output(pg, ctrl, dev, args, contexts, n_tokens, num_draft, kind, opts_
                 (want, want_first), (have, have_first) = ref[(ctx, mtp)], got
                 diff = [i for i, (a, b) in enumerate(zip(want, have, strict=True)) if a != b]
                 rel = float((want_first - have_first).abs().max() / want_first.abs().max())
-                rows.append(dict(ctx=ctx, mtp=mtp, tokens=n_tokens, differing=len(diff),
-                                 first_diff=diff[0] if diff else None, logits_rel_err=rel))
-                log(f"[output] TP{size} vs one GPU, ctx={ctx} MTP={'on' if mtp else 'off'}: {len(diff)} of {n_tokens}"
-                    f" tokens differ (first at {diff[0] if diff else '-'}), first logits rel err {rel:.2e}")
+                rows.append(
+                    dict(
+                        ctx=ctx,
+                        mtp=mtp,
+                        tokens=n_tokens,
+                        differing=len(diff),
+                        first_diff=diff[0] if diff else None,
+                        logits_rel_err=rel,
+                    )
+                )
+                log(
+                    f"[output] TP{size} vs one GPU, ctx={ctx} MTP={'on' if mtp else 'off'}: {len(diff)} of {n_tokens}"
+                    f" tokens differ (first at {diff[0] if diff else '-'}), first logits rel err {rel:.2e}"
+                )
     RESULT["one_gpu_lite_ms"] = one_gpu_ms
     if opts_variant != "graphs":  # a diagnosis run: the output check only
         return rows, [], eng, local, leader
@@ -347,8 +360,10 @@ def bench_protocol(eng, leader, channel, ctx, dev, n=50) -> dict:
     if leader is not None:
         out["protocol_ms"] = steps(leader)
         leader.channel.send(Op.STOP)
-        log(f"[protocol] ctx={ctx} forward()+argmax per token: every rank directly {direct:.3f} ms, through the "
-            f"leader's announcements {out['protocol_ms']:.3f} ms")
+        log(
+            f"[protocol] ctx={ctx} forward()+argmax per token: every rank directly {direct:.3f} ms, through the "
+            f"leader's announcements {out['protocol_ms']:.3f} ms"
+        )
     else:
         follow(eng, channel)
     return out
@@ -366,8 +381,9 @@ def bench_inject(eng, leader, channel, ctx, dev) -> dict:
         dt = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[eng.dtype]
         state = {"mla": layouts.encode_mla_dense(m.kv_cache[:, :ctx], dt, a.kv_lora_rank, True)}
         if a.dsa:
-            state["indexer"] = layouts.encode_dsa_indexer(m.index_cache[:, :ctx], a.qk_rope_head_dim,
-                                                          a.indexer_rope_interleave)
+            state["indexer"] = layouts.encode_dsa_indexer(
+                m.index_cache[:, :ctx], a.qk_rope_head_dim, a.indexer_rope_interleave
+            )
         lay = eng.expected_layouts()
         nbytes = sum(t.numel() for t in state.values())
         sync(dev)
@@ -392,9 +408,11 @@ def bench_inject(eng, leader, channel, ctx, dev) -> dict:
     every = [torch.empty_like(sums) for _ in range(dist.get_world_size())]
     dist.all_gather(every, sums)
     out["caches_equal_on_ranks"] = all(bool(torch.equal(every[0], e)) for e in every)
-    log(f"[inject] {ctx} tokens, {out.get('bytes', 0) / 1e6:.1f} MB: inject (NCCL broadcast + conversion) "
+    log(
+        f"[inject] {ctx} tokens, {out.get('bytes', 0) / 1e6:.1f} MB: inject (NCCL broadcast + conversion) "
         f"{out.get('inject_ms', 0):.1f} ms, broadcast alone {out.get('broadcast_ms', 0):.1f} ms; caches equal on "
-        f"every rank: {out['caches_equal_on_ranks']}")
+        f"every rank: {out['caches_equal_on_ranks']}"
+    )
     return out
 
 
@@ -430,8 +448,12 @@ def bytes_per_gpu(a: ModelArgs, ctx: int, sparse: bool, n: int) -> float:
     latent KV, ``top_k / n`` routed and ``1/n`` of the shared experts, ``1/n`` of dense MLPs and lm_head."""
     el, d, h = 2, a.hidden_size, a.num_heads
     idx = a.index_n_heads * a.index_head_dim if a.dsa else 0
-    attn = (a.wa_rows(a.dsa) * d + (a.q_width // n + idx) * (a.q_lora_rank or 0)
-            + h // n * (a.qk_nope_head_dim + a.v_head_dim) * a.kv_lora_rank + d * h // n * a.v_head_dim) * el
+    attn = (
+        a.wa_rows(a.dsa) * d
+        + (a.q_width // n + idx) * (a.q_lora_rank or 0)
+        + h // n * (a.qk_nope_head_dim + a.v_head_dim) * a.kv_lora_rank
+        + d * h // n * a.v_head_dim
+    ) * el
     slot = 3 * d * a.moe_intermediate_size * el
     moe = (a.num_experts_per_tok + a.n_shared_experts) * slot / n + a.n_routed_experts * d * el
     dense = 3 * d * a.intermediate_size * el / n
@@ -446,8 +468,14 @@ def bytes_per_gpu(a: ModelArgs, ctx: int, sparse: bool, n: int) -> float:
 def bench_speed(name, eng, model, pg, dev, contexts, bw, kinds, one_gpu_ms) -> list:
     size = dist.get_world_size()
     a_local = model.args
-    a = replace(a_local, num_heads=a_local.num_heads * size, intermediate_size=a_local.intermediate_size * size,
-                moe_intermediate_size=a_local.moe_intermediate_size * size, tp_rank=0, tp_size=1)  # the global args
+    a = replace(
+        a_local,
+        num_heads=a_local.num_heads * size,
+        intermediate_size=a_local.intermediate_size * size,
+        moe_intermediate_size=a_local.moe_intermediate_size * size,
+        tp_rank=0,
+        tp_size=1,
+    )  # the global args
     rows = []
     for ctx in contexts:
         sparse = a.dsa and ctx + 1 > a.index_topk
@@ -466,14 +494,30 @@ def bench_speed(name, eng, model, pg, dev, contexts, bw, kinds, one_gpu_ms) -> l
         b = bytes_per_gpu(a, ctx, sparse, size)
         roof = bw / b
         one = one_gpu_ms.get(ctx) if one_gpu_ms else None
-        r = dict(config=name, layers=a.num_layers, ctx=ctx, sparse=sparse, tp=size, ms=per_kind, best=best,
-                 tok_s=1e3 / ms, comm_ms=ms - per_kind["nocomm"], comm_pct=100 * (ms - per_kind["nocomm"]) / ms,
-                 gb_per_gpu=b / 1e9, roof_tok_s=roof, pct_roof=100 * 1e3 / ms / roof,
-                 one_gpu_ms=one, speedup=(one / ms) if one else None)
+        r = dict(
+            config=name,
+            layers=a.num_layers,
+            ctx=ctx,
+            sparse=sparse,
+            tp=size,
+            ms=per_kind,
+            best=best,
+            tok_s=1e3 / ms,
+            comm_ms=ms - per_kind["nocomm"],
+            comm_pct=100 * (ms - per_kind["nocomm"]) / ms,
+            gb_per_gpu=b / 1e9,
+            roof_tok_s=roof,
+            pct_roof=100 * 1e3 / ms / roof,
+            one_gpu_ms=one,
+            speedup=(one / ms) if one else None,
+        )
         rows.append(r)
-        log(f"[{name}] TP{size} ctx={ctx}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in per_kind.items())
+        log(
+            f"[{name}] TP{size} ctx={ctx}: "
+            + ", ".join(f"{k} {v:.3f} ms" for k, v in per_kind.items())
             + f" | comm {r['comm_ms']:.3f} ms ({r['comm_pct']:.0f}%), {r['pct_roof']:.0f}% of roofline"
-            + (f", one GPU {one:.3f} ms ({r['speedup']:.2f}x)" if one else ""))
+            + (f", one GPU {one:.3f} ms ({r['speedup']:.2f}x)" if one else "")
+        )
     model.use_group(make_group(pg, "nccl", dev, eng.dtype, a.hidden_size))
     return rows
 
@@ -519,9 +563,11 @@ def log_timeline(tag: str, tl: dict, step_ms: float) -> None:
         a = agg.setdefault(name, [0, 0.0])
         a[0] += 1
         a[1] += us
-    log(f"{tag}{' (eager)' if tl.get('eager') else ''} {len(tl['kernels'])} kernels, sum {tl['sum_us']:.0f} us, span {tl['span_us']:.0f} us, graph step "
+    log(
+        f"{tag}{' (eager)' if tl.get('eager') else ''} {len(tl['kernels'])} kernels, sum {tl['sum_us']:.0f} us, span {tl['span_us']:.0f} us, graph step "
         f"{step_ms * 1e3:.0f} us (gaps {step_ms * 1e3 - tl['sum_us']:.0f} us): "
-        + ", ".join(f"{k} x{c} {us:.0f}" for k, (c, us) in sorted(agg.items(), key=lambda x: -x[1][1])))
+        + ", ".join(f"{k} x{c} {us:.0f}" for k, (c, us) in sorted(agg.items(), key=lambda x: -x[1][1]))
+    )
 
 
 # Variants re-timed in the whole step (the first of each the default). TP2 real dims: the half-width experts
@@ -554,8 +600,9 @@ def profile_and_tune(name, eng, model, pg, dev, contexts, kind, profile: bool, t
             out[f"timeline_{ctx}"] = dict(step_ms=ms, **tl)
             log_timeline(f"[{name}] TP ctx={ctx} {kind}:", tl, ms)
         if tune and ctx == contexts[0]:
-            out["tuning"] = tune_variants(f"[{name}] TP ctx={ctx}", lambda ctx=ctx: step_ms(_fresh(eng), ctx, dev),
-                                          TUNING_TP, log)
+            out["tuning"] = tune_variants(
+                f"[{name}] TP ctx={ctx}", lambda ctx=ctx: step_ms(_fresh(eng), ctx, dev), TUNING_TP, log
+            )
     model.use_group(make_group(pg, "nccl", dev, eng.dtype, model.args.hidden_size))
     return out
 
@@ -575,15 +622,35 @@ def bench_real(pg, dev, layers_tp, layers_one, contexts, bw, kinds, profile=Fals
 
     rank, size = dist.get_rank(), dist.get_world_size()
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    base = LAYER_V32 if dev.type == "cuda" else v32_args(hidden=128, layers=2, heads=8, experts=16, top_k=4,
-                                                         n_shared=1, moe_inter=64, dense_layers=0, vocab=512,
-                                                         idx_heads=4, idx_topk=64, q_lora=64, kv_lora=64,
-                                                         rope=16, nope=16, v=16, idx_dim=32)  # fmt: skip
+    base = (
+        LAYER_V32
+        if dev.type == "cuda"
+        else v32_args(
+            hidden=128,
+            layers=2,
+            heads=8,
+            experts=16,
+            top_k=4,
+            n_shared=1,
+            moe_inter=64,
+            dense_layers=0,
+            vocab=512,
+            idx_heads=4,
+            idx_topk=64,
+            q_lora=64,
+            kv_lora=64,
+            rope=16,
+            nope=16,
+            v=16,
+            idx_dim=32,
+        )
+    )
     cap = max(contexts) + 16
     one_ms: dict = {}
     if layers_one:
-        args = replace(base, num_layers=layers_one, mlp_layer_types=["sparse"] * layers_one,
-                       indexer_types=["full"] * layers_one)
+        args = replace(
+            base, num_layers=layers_one, mlp_layer_types=["sparse"] * layers_one, indexer_types=["full"] * layers_one
+        )
         if rank == 0:
             m = random_model(args, device=dev, dtype=dtype, max_seq_len=cap, seed=0)
             m.kv_cache.normal_()
@@ -596,8 +663,11 @@ def bench_real(pg, dev, layers_tp, layers_one, contexts, bw, kinds, profile=Fals
                     from decode_speed import tune_variants
 
                     RESULT.setdefault("profile", {})["one_gpu_tuning"] = tune_variants(
-                        f"[real x{layers_one}] one GPU ctx={ctx}", lambda ctx=ctx: step_ms(_fresh(eng), ctx, dev, True),
-                        TUNING_ONE, log)
+                        f"[real x{layers_one}] one GPU ctx={ctx}",
+                        lambda ctx=ctx: step_ms(_fresh(eng), ctx, dev, True),
+                        TUNING_ONE,
+                        log,
+                    )
                 if profile and dev.type == "cuda":
                     tl = step_timeline(eng, ctx, dev)
                     RESULT.setdefault("profile", {})[f"one_gpu_x{layers_one}_{ctx}"] = dict(step_ms=one_ms[ctx], **tl)
@@ -609,8 +679,9 @@ def bench_real(pg, dev, layers_tp, layers_one, contexts, bw, kinds, profile=Fals
         dist.barrier()
     rows = []
     for n_layers in layers_tp:
-        args = replace(base, num_layers=n_layers, mlp_layer_types=["sparse"] * n_layers,
-                       indexer_types=["full"] * n_layers)
+        args = replace(
+            base, num_layers=n_layers, mlp_layer_types=["sparse"] * n_layers, indexer_types=["full"] * n_layers
+        )
         t0 = time.time()
         m = random_model(sharding.local_args(args, rank, size), device=dev, dtype=dtype, max_seq_len=cap, seed=rank)
         m.kv_cache.normal_()
@@ -621,12 +692,14 @@ def bench_real(pg, dev, layers_tp, layers_one, contexts, bw, kinds, profile=Fals
         eng = TileRTEngine(m, dev, dtype, cap)
         gb = torch.cuda.memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0
         log(f"[real x{n_layers}] TP{size} built in {time.time() - t0:.1f}s, {gb:.1f} GiB per GPU")
-        rows += bench_speed(f"real-v32 x{n_layers}", eng, m, pg, dev, contexts, bw, kinds,
-                            one_ms if n_layers == layers_one else None)
+        rows += bench_speed(
+            f"real-v32 x{n_layers}", eng, m, pg, dev, contexts, bw, kinds, one_ms if n_layers == layers_one else None
+        )
         if (profile or tune) and n_layers == layers_one and dev.type == "cuda":
             best = min(kinds, key=lambda k: rows[-len(contexts)]["ms"].get(k, float("inf")))
             RESULT.setdefault("profile", {})[f"tp_x{n_layers}"] = profile_and_tune(
-                f"real x{n_layers}", eng, m, pg, dev, contexts, best, profile, tune)
+                f"real x{n_layers}", eng, m, pg, dev, contexts, best, profile, tune
+            )
         del eng, m
         gc.collect()
         if dev.type == "cuda":
@@ -653,45 +726,84 @@ def rank_main(rank: int, size: int, port: int, opts: argparse.Namespace) -> None
             import triton
 
             RESULT.update(gpu=torch.cuda.get_device_name(dev), triton=triton.__version__, cuda=torch.version.cuda)
-        RESULT.update(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                      torch=torch.__version__, tp=size, device=opts.device, tokens=opts.tokens,
-                      env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                                         "NVSHMEM_DISABLE_NVLS")},
-                      conditions="batch 1, bf16, random weights, caches of random rows, the engine's CUDA graph "
-                                 "replayed (median of 5x30), all ranks in lockstep")
+        RESULT.update(
+            date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            torch=torch.__version__,
+            tp=size,
+            device=opts.device,
+            tokens=opts.tokens,
+            env={
+                k: os.environ.get(k)
+                for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+            },
+            conditions="batch 1, bf16, random weights, caches of random rows, the engine's CUDA graph "
+            "replayed (median of 5x30), all ranks in lockstep",
+        )
         bw = copy_bandwidth(dev)
         RESULT["copy_bw_tbs"] = bw / 1e12
-        log(f"TP{size} on {RESULT.get('gpu', 'cpu')}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s; "
-            f"multicast env (as the machine set it): {RESULT['env']}")
-        lite = LITE_V32 if dev.type == "cuda" else v32_args(hidden=128, layers=3, heads=8, experts=16, top_k=4,
-                                                             n_shared=2, moe_inter=64, dense_layers=1,
-                                                             dense_inter=256, vocab=512, idx_heads=4, idx_topk=64,
-                                                             q_lora=64, kv_lora=64, rope=16, nope=16, v=16,
-                                                             idx_dim=32)  # fmt: skip
+        log(
+            f"TP{size} on {RESULT.get('gpu', 'cpu')}, torch {torch.__version__}, copy bandwidth {bw / 1e12:.2f} TB/s; "
+            f"multicast env (as the machine set it): {RESULT['env']}"
+        )
+        lite = (
+            LITE_V32
+            if dev.type == "cuda"
+            else v32_args(
+                hidden=128,
+                layers=3,
+                heads=8,
+                experts=16,
+                top_k=4,
+                n_shared=2,
+                moe_inter=64,
+                dense_layers=1,
+                dense_inter=256,
+                vocab=512,
+                idx_heads=4,
+                idx_topk=64,
+                q_lora=64,
+                kv_lora=64,
+                rope=16,
+                nope=16,
+                v=16,
+                idx_dim=32,
+            )
+        )
         save = (lambda: _save(opts.out)) if rank == 0 else (lambda: None)
         sections = set(opts.sections.split(","))
         RESULT["speed"] = []
         if "collectives" in sections:
-            RESULT["collectives"] = bench_collectives(pg, dev, (2048, 7168) if dev.type == "cuda" else (128,),
-                                                      lite.vocab_size)
+            RESULT["collectives"] = bench_collectives(
+                pg, dev, (2048, 7168) if dev.type == "cuda" else (128,), lite.vocab_size
+            )
             save()
         if "lite" in sections:
-            rows, inject, eng, model, _leader = check_output(pg, ctrl, dev, lite, contexts, opts.tokens,
-                                                             opts.num_draft, "nccl", opts.variant,
-                                                             opts.check_dtype)
+            rows, inject, eng, model, _leader = check_output(
+                pg, ctrl, dev, lite, contexts, opts.tokens, opts.num_draft, "nccl", opts.variant, opts.check_dtype
+            )
             RESULT["output"], RESULT["inject"] = rows, inject
             save()
             if opts.variant == "graphs":
-                RESULT["speed"] += bench_speed("lite-v32", eng, model, pg, dev, contexts, bw, kinds,
-                                               RESULT.get("one_gpu_lite_ms"))
+                RESULT["speed"] += bench_speed(
+                    "lite-v32", eng, model, pg, dev, contexts, bw, kinds, RESULT.get("one_gpu_lite_ms")
+                )
             save()
             del eng, model, _leader
             gc.collect()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
         if "real" in sections and opts.real_layers:
-            RESULT["speed"] += bench_real(pg, dev, [int(x) for x in opts.real_layers.split(",")], opts.one_gpu_layers,
-                                          contexts, bw, kinds, "profile" in sections, "tune" in sections)
+            RESULT["speed"] += bench_real(
+                pg,
+                dev,
+                [int(x) for x in opts.real_layers.split(",")],
+                opts.one_gpu_layers,
+                contexts,
+                bw,
+                kinds,
+                "profile" in sections,
+                "tune" in sections,
+            )
     except Exception:
         traceback.print_exc()
         raise
@@ -708,34 +820,48 @@ def _save(out: str) -> None:
 
 
 def table() -> None:
-    log(f"\n=== TP{RESULT.get('tp')} decode, {RESULT.get('gpu', 'cpu')}, copy bw {RESULT.get('copy_bw_tbs', 0):.2f} "
-        f"TB/s per GPU ===")
+    log(
+        f"\n=== TP{RESULT.get('tp')} decode, {RESULT.get('gpu', 'cpu')}, copy bw {RESULT.get('copy_bw_tbs', 0):.2f} "
+        f"TB/s per GPU ==="
+    )
     log("collectives inside a CUDA graph (us per op):")
     for r in RESULT.get("collectives", []):
-        log(f"  {r['op']:<10} {r['kind']:>14} width {r['width']:>6}: "
-            + (f"{r['us']:8.2f} us" if "us" in r else r.get("error", "?")))
+        log(
+            f"  {r['op']:<10} {r['kind']:>14} width {r['width']:>6}: "
+            + (f"{r['us']:8.2f} us" if "us" in r else r.get("error", "?"))
+        )
     log(f"output vs one GPU (lite-v32 random weights, {RESULT.get('tokens')} greedy tokens):")
     for r in RESULT.get("output", []):
-        log(f"  ctx {r['ctx']:>6} MTP {'on ' if r['mtp'] else 'off'}: {r['differing']:>4} differing tokens "
-            f"(first at {r['first_diff']}), first-step logits rel err {r['logits_rel_err']:.2e}")
+        log(
+            f"  ctx {r['ctx']:>6} MTP {'on ' if r['mtp'] else 'off'}: {r['differing']:>4} differing tokens "
+            f"(first at {r['first_diff']}), first-step logits rel err {r['logits_rel_err']:.2e}"
+        )
     pro = RESULT.get("protocol", {})
     if pro:
-        log(f"decode loop step (forward()+argmax, ctx {pro['ctx']}): every rank directly {pro['direct_ms']:.3f} ms, "
-            f"through the leader / follower protocol {pro.get('protocol_ms', float('nan')):.3f} ms")
+        log(
+            f"decode loop step (forward()+argmax, ctx {pro['ctx']}): every rank directly {pro['direct_ms']:.3f} ms, "
+            f"through the leader / follower protocol {pro.get('protocol_ms', float('nan')):.3f} ms"
+        )
     inj = RESULT.get("inject", {})
     if inj:
-        log(f"prompt state {inj.get('ctx')} tokens ({inj.get('bytes', 0) / 1e6:.0f} MB) to every rank: inject "
+        log(
+            f"prompt state {inj.get('ctx')} tokens ({inj.get('bytes', 0) / 1e6:.0f} MB) to every rank: inject "
             f"{inj.get('inject_ms', 0):.1f} ms, NCCL broadcast alone {inj.get('broadcast_ms', 0):.1f} ms, caches "
-            f"equal {inj.get('caches_equal_on_ranks')}")
-    log(f"{'stack':<16} {'ctx':>6} {'best':>14} {'ms/tok':>8} {'tok/s':>8} {'comm ms':>8} {'comm%':>6} "
-        f"{'GB/GPU':>7} {'%roof':>6} {'1-GPU ms':>9} {'speedup':>8}   per kind (ms)")
+            f"equal {inj.get('caches_equal_on_ranks')}"
+        )
+    log(
+        f"{'stack':<16} {'ctx':>6} {'best':>14} {'ms/tok':>8} {'tok/s':>8} {'comm ms':>8} {'comm%':>6} "
+        f"{'GB/GPU':>7} {'%roof':>6} {'1-GPU ms':>9} {'speedup':>8}   per kind (ms)"
+    )
     for r in RESULT.get("speed", []):
         ms = r["ms"][r["best"]]
         one = f"{r['one_gpu_ms']:.3f}" if r.get("one_gpu_ms") else "-"
         sp = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
-        log(f"{r['config']:<16} {r['ctx']:>6} {r['best']:>14} {ms:>8.3f} {r['tok_s']:>8.1f} {r['comm_ms']:>8.3f} "
+        log(
+            f"{r['config']:<16} {r['ctx']:>6} {r['best']:>14} {ms:>8.3f} {r['tok_s']:>8.1f} {r['comm_ms']:>8.3f} "
             f"{r['comm_pct']:>6.1f} {r['gb_per_gpu']:>7.2f} {r['pct_roof']:>6.1f} {one:>9} {sp:>8}   "
-            + ", ".join(f"{k}={v:.3f}" for k, v in r["ms"].items()))
+            + ", ".join(f"{k}={v:.3f}" for k, v in r["ms"].items())
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -747,21 +873,32 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=None, help="greedy tokens compared (default 256; cpu 16)")
     ap.add_argument("--num-draft", type=int, default=1, help="MTP drafts per speculative step")
     ap.add_argument("--allreduce", default=",".join(KINDS), help="all-reduce kinds timed in the step")
-    ap.add_argument("--sections", default="collectives,lite,real",
-                    help="what to run: collectives (section 1), lite (2, 3 and lite-v32's speed), real (real dims); "
-                    "with real, profile (kernel timelines of the one-GPU and TP steps) and tune (TUNING_TP variants "
-                    "re-timed in the TP step)")
+    ap.add_argument(
+        "--sections",
+        default="collectives,lite,real",
+        help="what to run: collectives (section 1), lite (2, 3 and lite-v32's speed), real (real dims); "
+        "with real, profile (kernel timelines of the one-GPU and TP steps) and tune (TUNING_TP variants "
+        "re-timed in the TP step)",
+    )
     ap.add_argument("--real-layers", default=None, help="real-dims V3.2 layers at TP (default 4,8; cpu 2)")
     ap.add_argument("--one-gpu-layers", type=int, default=None, help="real-dims layers on one GPU (default 4)")
     # decode_speed.py --tp N hands its own flags over; these are accepted and ignored
     ap.add_argument("--configs", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--check-dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                    help="the output check's dtype (float32 with --variant reference: the sharding's math alone, "
-                    "without bf16 rounding, which a deep random model amplifies)")
-    ap.add_argument("--variant", default="graphs", choices=["graphs", "eager", "reference"],
-                    help="the output check's engines (both sides): graphs (as served), eager (no CUDA graphs), "
-                    "reference (no graphs, the plain-PyTorch reference kernels): which part of a TP mismatch is "
-                    "the kernels', the graphs' or the sharding's")
+    ap.add_argument(
+        "--check-dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="the output check's dtype (float32 with --variant reference: the sharding's math alone, "
+        "without bf16 rounding, which a deep random model amplifies)",
+    )
+    ap.add_argument(
+        "--variant",
+        default="graphs",
+        choices=["graphs", "eager", "reference"],
+        help="the output check's engines (both sides): graphs (as served), eager (no CUDA graphs), "
+        "reference (no graphs, the plain-PyTorch reference kernels): which part of a TP mismatch is "
+        "the kernels', the graphs' or the sharding's",
+    )
     opts = ap.parse_args(argv)
     cpu = opts.device == "cpu"
     opts.contexts = opts.contexts or ("80,200" if cpu else "1024,32768")

@@ -5,8 +5,9 @@ Layers, lowest first (a module may import its own layer and those below):
 ====  ===========================================================================================
 0     ``tilert`` itself, ``contracts``, ``auth``, ``netio``, ``cpus``, ``logs``, ``settings``,
       ``metric_conventions``: what every process shares
-1     ``transports/`` (byte movers), ``models/`` (checkpoints and tiny models)
-2     ``engines/`` (compute only), ``plugins`` (finds transports and engines by entry point)
+1     ``transports/`` (byte movers)
+2     ``engines/`` (compute only), ``models/`` (checkpoint facts, tiny and block-FP8 checkpoints, in the engines'
+      weight formats), ``plugins`` (finds transports and engines by entry point)
 3     ``connector/`` (inside vLLM), ``decode/`` (the decode node)
 4     ``router/``
 5     ``stack``, ``cli``, ``demo``, ``pd_vllm/`` and ``models/preprocess/`` (the published commands'
@@ -33,7 +34,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tilert"
 LAYERS: tuple[tuple[str, int], ...] = (
     ("tilert", 0),
     ("tilert.transports", 1),
-    ("tilert.models", 1),
+    ("tilert.models", 2),
     ("tilert.engines", 2),
     ("tilert.plugins", 2),
     ("tilert.connector", 3),

@@ -49,9 +49,14 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
 
 def _decode(args: argparse.Namespace) -> int:
     config = decode_config(args)
-    from tilert.decode.server import serve  # lazy: the command's implementation (torch, the engine)
+    if config.tp > 1:  # one process per rank; this one serves as rank 0
+        from tilert.decode.tp import serve_tp  # lazy: the command's implementation (torch, the engine)
 
-    serve(config)
+        serve_tp(config)
+    else:
+        from tilert.decode.server import serve  # lazy: the command's implementation (torch, the engine)
+
+        serve(config)
     return 0
 
 

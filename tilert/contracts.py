@@ -133,8 +133,15 @@ class ConnectorSettings(_Strict, kw_only=True, omit_defaults=True, rename=lambda
 # ---- 1. the claim in kv_transfer_params ------------------------------------------------------
 
 
-class Claim(_Strict, rename={"transfer_id": "tilert_transfer_id", "host": "tilert_host",
-                             "ctrl_port": "tilert_ctrl_port", "auth": "tilert_auth"}):  # fmt: skip
+class Claim(
+    _Strict,
+    rename={
+        "transfer_id": "tilert_transfer_id",
+        "host": "tilert_host",
+        "ctrl_port": "tilert_ctrl_port",
+        "auth": "tilert_auth",
+    },
+):
     """What the router asks of the connector: ship ``transfer_id``'s KV to ``host:ctrl_port``."""
 
     transfer_id: TransferId
@@ -220,8 +227,10 @@ class NativeHandoff(msgspec.Struct):
         """``None`` when the prefill returned no handoff (it ended before its one token was due: EOS, stop)."""
         if not params or "remote_engine_id" not in params:
             return None
-        fields = {k: params.get(k) for k in ("do_remote_prefill", "remote_engine_id", "remote_host",
-                                             "remote_port", "remote_block_ids")}  # fmt: skip
+        fields = {
+            k: params.get(k)
+            for k in ("do_remote_prefill", "remote_engine_id", "remote_host", "remote_port", "remote_block_ids")
+        }
         handoff = _convert(fields, cls, "native kv_transfer_params")
         handoff.raw = {k: v for k, v in params.items() if not k.startswith(CLAIM_PREFIX)}
         return handoff
@@ -489,6 +498,7 @@ class ErrorLine(_Line, tag="error"):
 
 
 DecodeLine = TokenLine | ErrorLine
+
 
 def join_lines(lines: Sequence[TokenLine]) -> TokenLine:
     """Consecutive token lines of one stream as one line: their tokens in order, the last line's finish (only

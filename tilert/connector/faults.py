@@ -88,8 +88,9 @@ class FaultHook:
         directory = Path(value)
         if not directory.is_dir():
             raise ValueError(f"{ENV}={value!r} is not a directory")
-        log.warning("test_fault_hook_enabled", env=ENV, directory=str(directory),
-                    note="test-only: never set this in production")  # fmt: skip
+        log.warning(
+            "test_fault_hook_enabled", env=ENV, directory=str(directory), note="test-only: never set this in production"
+        )
         return cls(directory)
 
     def take(self, transfer_id: str) -> Fault | None:

@@ -127,19 +127,34 @@ class SchedulerSide:
         tid, tokens = pending.claim.transfer_id, pending.num_prompt_tokens
         nbytes = tokens * self.bytes_per_token
         if nbytes > self.pool.capacity:
-            self._refuse(req_id, tid, busy=False, reason=(
-                f"a prompt of {tokens} tokens needs {nbytes} bytes of KV staging, more than the whole "
-                f"{self.pool.capacity}-byte pool (raise tilert_staging_bytes)"))  # fmt: skip
+            self._refuse(
+                req_id,
+                tid,
+                busy=False,
+                reason=(
+                    f"a prompt of {tokens} tokens needs {nbytes} bytes of KV staging, more than the whole "
+                    f"{self.pool.capacity}-byte pool (raise tilert_staging_bytes)"
+                ),
+            )
             return
         offset = self.pool.alloc(nbytes)
         if offset is None:
-            self._refuse(req_id, tid, busy=True, reason=(
-                f"KV staging pool full: {self.pool.used} of {self.pool.capacity} bytes held by "
-                f"{self.pool.live} transfers in flight, {nbytes} needed"))  # fmt: skip
+            self._refuse(
+                req_id,
+                tid,
+                busy=True,
+                reason=(
+                    f"KV staging pool full: {self.pool.used} of {self.pool.capacity} bytes held by "
+                    f"{self.pool.live} transfers in flight, {nbytes} needed"
+                ),
+            )
             return
         self._extents[(req_id, offset)] = 0
-        meta.saves.append(SaveRequest(req_id, pending.claim, pending.block_ids, self.block_size, tokens, offset,
-                                      pending.last_token_id))  # fmt: skip
+        meta.saves.append(
+            SaveRequest(
+                req_id, pending.claim, pending.block_ids, self.block_size, tokens, offset, pending.last_token_id
+            )
+        )
         log.info("save_scheduled", req_id=req_id, transfer_id=tid, tokens=tokens, offset=offset, nbytes=nbytes)
 
     def _refuse(self, req_id: str, tid: str, *, busy: bool, reason: str) -> None:

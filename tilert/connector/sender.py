@@ -96,9 +96,13 @@ class Staged:
 
     @classmethod
     def whole(
-        cls, claim: Claim, num_tokens: int, layouts: dict[str, p.KVLayout], buffer: torch.Tensor,
+        cls,
+        claim: Claim,
+        num_tokens: int,
+        layouts: dict[str, p.KVLayout],
+        buffer: torch.Tensor,
         on_release: Callable[[], None] = lambda: None,
-    ) -> Staged:  # fmt: skip
+    ) -> Staged:
         """An already complete staging (one chunk, staged): shipped in one write, without pipelining."""
         staged = cls(claim, num_tokens, layouts, buffer, [(0, buffer.numel())], on_release)
         staged.ready(0)
@@ -242,9 +246,7 @@ class BackgroundSender:
             p.send_msg(sock, p.Hello.signed(self._secret, self.transport_name, self._sender_id))
             ack = p.expect(p.recv_msg(sock), p.HelloAck)
             if ack.version != p.PROTOCOL_VERSION:
-                raise p.ContractError(
-                    f"decode node speaks protocol v{ack.version}, this sender v{p.PROTOCOL_VERSION}"
-                )
+                raise p.ContractError(f"decode node speaks protocol v{ack.version}, this sender v{p.PROTOCOL_VERSION}")
         except BaseException:
             sock.close()
             raise
@@ -281,13 +283,24 @@ class BackgroundSender:
             staged.outcome = "done"
             self._checkin(staged.claim, sock)
             sock = None  # kept for the next transfer to this node
-            bound.info("transfer_done", nbytes=offer.nbytes, tokens=staged.num_tokens, writes=len(staged.writes),
-                       seconds=round(time.monotonic() - start, 4))  # fmt: skip
+            bound.info(
+                "transfer_done",
+                nbytes=offer.nbytes,
+                tokens=staged.num_tokens,
+                writes=len(staged.writes),
+                seconds=round(time.monotonic() - start, 4),
+            )
         except Exception as exc:  # noqa: BLE001 - every failure ends the same way: Abort, extent back
             staged.outcome = f"{type(exc).__name__}: {exc}"
             if isinstance(exc, (OSError, p.ContractError, TransferError, StagingError)):
-                bound.error("transfer_failed", error=staged.outcome, control_up=sock is not None, phase=phase,
-                            writes=len(staged.writes), seconds=round(time.monotonic() - start, 4))  # fmt: skip
+                bound.error(
+                    "transfer_failed",
+                    error=staged.outcome,
+                    control_up=sock is not None,
+                    phase=phase,
+                    writes=len(staged.writes),
+                    seconds=round(time.monotonic() - start, 4),
+                )
             else:
                 bound.exception("transfer_failed_unexpectedly")
             if sock is not None:

@@ -170,9 +170,7 @@ class WorkerSide:
         groups: dict[str, list[tuple[int, str, torch.Tensor]]] = {}
         kinds: dict[str, KVLayout] = {}
         for order, (name, cache) in enumerate(kv_caches.items()):
-            group, layout = classify(
-                name, cache, self._mla_width, self._index_head_dim, self._indexer_rope_interleaved
-            )
+            group, layout = classify(name, cache, self._mla_width, self._index_head_dim, self._indexer_rope_interleaved)
             index = _layer_index(name, order)
             # vLLM names an MTP draft layer's caches layers.{N}.* (N = num_hidden_layers): sorted by index,
             # they become the group's last layers, as the engine takes them (see TileRTEngine.inject).
@@ -186,8 +184,11 @@ class WorkerSide:
             base = kinds[group]
             self._layouts[group] = KVLayout(base.kind, base.dtype, base.row_bytes, len(members), base.rope_interleaved)
         mtp = {i for i in (_layer_index(name, 0) for name in self._layers) if i >= self._num_main_layers}
-        log.info("kv_caches_registered", mtp_layers=len(mtp),
-                 layouts={g: msgspec.to_builtins(lay) for g, lay in self._layouts.items()})  # fmt: skip
+        log.info(
+            "kv_caches_registered",
+            mtp_layers=len(mtp),
+            layouts={g: msgspec.to_builtins(lay) for g, lay in self._layouts.items()},
+        )
         device = next(iter(kv_caches.values())).device if kv_caches else torch.device("cpu")
         self._allocate_pool(device)
 
@@ -217,8 +218,15 @@ class WorkerSide:
                 f"KV staging pool on {device}: {exc}"
             ) from exc
         self.pool, self._extents = pool, ExtentAllocator(size)
-        log.info("staging_pool_ready", nbytes=size, device=str(device), pinned=pin, bytes_per_token=bpt,
-                 transport=self._sender.transport_name, sender_cpus=sorted(self._sender.cpus))  # fmt: skip
+        log.info(
+            "staging_pool_ready",
+            nbytes=size,
+            device=str(device),
+            pinned=pin,
+            bytes_per_token=bpt,
+            transport=self._sender.transport_name,
+            sender_cpus=sorted(self._sender.cpus),
+        )
 
     # ---- inside the forward -------------------------------------------------------------------
 
@@ -281,8 +289,15 @@ class WorkerSide:
             per_layer = save.num_tokens * lay.row_bytes
             chunks += [(offset + i * per_layer, per_layer) for i in range(lay.num_layers)]
             offset += n
-        staged = Staged(save.claim, save.num_tokens, dict(self._layouts), buffer, chunks,
-                        lambda: self._release(save.req_id, save.offset), save.last_token_id)  # fmt: skip
+        staged = Staged(
+            save.claim,
+            save.num_tokens,
+            dict(self._layouts),
+            buffer,
+            chunks,
+            lambda: self._release(save.req_id, save.offset),
+            save.last_token_id,
+        )
         slots = torch.tensor(save.slot_ids(), dtype=torch.long, device=device)
         staged.fault = self._faults.take(tid) if self._faults is not None else None
         req = _Open(save, staged, views, bases, slots, fault=staged.fault)

@@ -1,2 +1,1 @@
 """The decode node: slots, control port, decode loop and its HTTP API."""
-

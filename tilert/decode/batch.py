@@ -51,9 +51,13 @@ class Job:
 
 class DecodeBatch:
     def __init__(
-        self, engine: DecodeEngine, eos_token_ids: frozenset[int], num_draft: int = 0,
-        cpus: frozenset[int] = frozenset(), step_scope: Callable[[], AbstractContextManager[object]] = nullcontext,
-    ) -> None:  # fmt: skip
+        self,
+        engine: DecodeEngine,
+        eos_token_ids: frozenset[int],
+        num_draft: int = 0,
+        cpus: frozenset[int] = frozenset(),
+        step_scope: Callable[[], AbstractContextManager[object]] = nullcontext,
+    ) -> None:
         self.engine = engine
         # Around the emits of one step of several sequences: the engine process sends them as one message.
         self._step_scope = step_scope

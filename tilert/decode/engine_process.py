@@ -43,6 +43,7 @@ import torch
 
 from tilert import contracts as c
 from tilert.decode.batch import DecodeBatch, Job
+from tilert.decode.config import resolve_device, resolve_dtype
 from tilert.decode.generate import Finish
 from tilert.decode.sampling import DecodeParams
 from tilert.decode.slots import state_views
@@ -79,13 +80,14 @@ class EngineSpec:
 
     def load(self) -> DecodeEngine:
         """The engine, loaded in the calling process (the node's own, or the engine process)."""
-        from tilert.decode.config import resolve_device, resolve_dtype
-
         device = resolve_device(self.device)
         return load_engine(self.engine).load(
-            Path(self.model), device=device, dtype=resolve_dtype(self.dtype, device), max_seq_len=self.max_seq_len,
+            Path(self.model),
+            device=device,
+            dtype=resolve_dtype(self.dtype, device),
+            max_seq_len=self.max_seq_len,
             max_sequences=self.max_sequences,
-        )  # fmt: skip
+        )
 
 
 def params_to_wire(p: DecodeParams) -> c.EngineParams:
@@ -193,8 +195,9 @@ class EngineProcess:
         if job.slot < 0:
             raise ValueError("a job for the engine process names its receive slot")
         key = next(self._ids)
-        msg = c.EngineSubmit(key, job.slot, job.num_tokens, dict(job.layouts), params_to_wire(job.params),
-                             job.last_token_id)  # fmt: skip
+        msg = c.EngineSubmit(
+            key, job.slot, job.num_tokens, dict(job.layouts), params_to_wire(job.params), job.last_token_id
+        )
         with self._lock:
             self._jobs[key] = job
         self._send(msg)
@@ -284,8 +287,11 @@ class EngineProcess:
         if isinstance(ev, c.EngineTokens):
             job.emit(ev.token_ids, None if ev.finish is None else Finish(ev.finish, ev.stop_token_id))
         elif isinstance(ev, c.EngineJobDone):
-            job.done(EngineProcessError(ev.error) if ev.error is not None else Finish(ev.finish or "cancelled",
-                                                                                      ev.stop_token_id))  # fmt: skip
+            job.done(
+                EngineProcessError(ev.error)
+                if ev.error is not None
+                else Finish(ev.finish or "cancelled", ev.stop_token_id)
+            )
 
     def _fail(self, reason: str) -> None:
         """The engine is gone: every job in it ends now (its stream gets an error line), later ones are refused."""
@@ -314,10 +320,16 @@ def _main(conn: Connection, spec: EngineSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the node, which stops this process
     engine = spec.load()
     caps = engine.capabilities()
-    conn.send_bytes(c.dump_engine(c.EngineReady(
-        engine.name, engine.vocab_size, c.EngineCaps(**{**asdict(caps), "notes": list(caps.notes)}),
-        engine.expected_layouts(),
-    )))  # fmt: skip
+    conn.send_bytes(
+        c.dump_engine(
+            c.EngineReady(
+                engine.name,
+                engine.vocab_size,
+                c.EngineCaps(**{**asdict(caps), "notes": list(caps.notes)}),
+                engine.expected_layouts(),
+            )
+        )
+    )
     buffers: list[torch.Tensor] = conn.recv()
     send = EventSender(conn)
     batch = DecodeBatch(engine, frozenset(spec.eos_token_ids), spec.num_draft, frozenset(spec.cpus), send.step)
@@ -359,8 +371,12 @@ class EventSender:
 
 
 def _serve(
-    conn: Connection, engine: DecodeEngine, batch: DecodeBatch, buffers: list[torch.Tensor], send: EventSender,
-) -> None:  # fmt: skip
+    conn: Connection,
+    engine: DecodeEngine,
+    batch: DecodeBatch,
+    buffers: list[torch.Tensor],
+    send: EventSender,
+) -> None:
     cancels: dict[int, threading.Event] = {}
 
     def job_for(cmd: c.EngineSubmit) -> Job:
@@ -368,8 +384,11 @@ def _serve(
         cancels[key] = cancel
 
         def emit(ids: list[int], finish: Finish | None) -> None:
-            send(c.EngineTokens(key, ids, None, None) if finish is None
-                 else c.EngineTokens(key, ids, finish.reason, finish.stop_token_id))  # type: ignore[arg-type]
+            send(
+                c.EngineTokens(key, ids, None, None)
+                if finish is None
+                else c.EngineTokens(key, ids, finish.reason, finish.stop_token_id)  # type: ignore[arg-type]
+            )
 
         def done(result: Finish | BaseException) -> None:
             cancels.pop(key, None)
@@ -379,8 +398,17 @@ def _serve(
                 send(c.EngineJobDone(key, error=f"{type(result).__name__}: {result}"[: c.MAX_REASON_CHARS]))
 
         state = state_views(buffers[cmd.slot], cmd.layouts, cmd.num_tokens)
-        return Job(state, dict(cmd.layouts), cmd.num_tokens, params_from_wire(cmd.params), emit, done, cancel,
-                   cmd.last_token_id, cmd.slot)  # fmt: skip
+        return Job(
+            state,
+            dict(cmd.layouts),
+            cmd.num_tokens,
+            params_from_wire(cmd.params),
+            emit,
+            done,
+            cancel,
+            cmd.last_token_id,
+            cmd.slot,
+        )
 
     while True:
         try:
@@ -409,8 +437,13 @@ def _serve(
 def spec_for(config: DecodeConfig, eos: frozenset[int]) -> EngineSpec:
     """The engine process's spec from a :class:`~tilert.decode.config.DecodeConfig`."""
     return EngineSpec(
-        engine=config.engine, model=str(config.model), device=config.device, dtype=config.dtype,
-        max_seq_len=config.max_seq_len, max_sequences=config.sequences, eos_token_ids=tuple(sorted(eos)),
-        num_draft=config.num_speculative_tokens, cpus=tuple(sorted(config.engine_cpu_set)),
-    )  # fmt: skip
-
+        engine=config.engine,
+        model=str(config.model),
+        device=config.device,
+        dtype=config.dtype,
+        max_seq_len=config.max_seq_len,
+        max_sequences=config.sequences,
+        eos_token_ids=tuple(sorted(eos)),
+        num_draft=config.num_speculative_tokens,
+        cpus=tuple(sorted(config.engine_cpu_set)),
+    )

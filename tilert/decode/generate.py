@@ -56,9 +56,15 @@ class SequenceRun:
     """
 
     def __init__(
-        self, engine: DecodeEngine, params: DecodeParams, eos_token_ids: frozenset[int], num_tokens: int,
-        emit: Emit, cancel: threading.Event, seq: int = 0,
-    ) -> None:  # fmt: skip
+        self,
+        engine: DecodeEngine,
+        params: DecodeParams,
+        eos_token_ids: frozenset[int],
+        num_tokens: int,
+        emit: Emit,
+        cancel: threading.Event,
+        seq: int = 0,
+    ) -> None:
         caps = engine.capabilities()
         room = caps.max_seq_len - num_tokens if caps.max_seq_len > 0 else None  # steps the cache has left
         limits = [n for n in (params.max_tokens, room) if n is not None]

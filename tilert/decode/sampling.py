@@ -40,9 +40,13 @@ class DecodeParams:
 
     @staticmethod
     def of(
-        transfer_id: str, s: Sampling, vocab_size: int, defaults: dict[str, Any] | None = None,
-        first_token_id: int = 0, prompt_tokens: int = 1,
-    ) -> DecodeParams:  # fmt: skip
+        transfer_id: str,
+        s: Sampling,
+        vocab_size: int,
+        defaults: dict[str, Any] | None = None,
+        first_token_id: int = 0,
+        prompt_tokens: int = 1,
+    ) -> DecodeParams:
         """``s`` checked for this model, with ``defaults`` applied (the reserve checks a request's sampling
         this way before its prompt exists); ``ValueError`` names what is wrong."""
         defaults = defaults or {}
@@ -52,10 +56,17 @@ class DecodeParams:
         top_p = float(defaults.get("top_p", 1.0) if s.top_p is None else s.top_p)
         top_k = int(defaults.get("top_k", 0) if s.top_k is None else s.top_k)
         return DecodeParams(
-            transfer_id, first_token_id, prompt_tokens, s.max_tokens,
-            0.0 if temperature < GREEDY_BELOW else temperature, min(max(top_p, 0.0), 1.0) or 1.0,
-            max(top_k, 0), s.seed, tuple(s.stop_token_ids), s.ignore_eos,
-        )  # fmt: skip
+            transfer_id,
+            first_token_id,
+            prompt_tokens,
+            s.max_tokens,
+            0.0 if temperature < GREEDY_BELOW else temperature,
+            min(max(top_p, 0.0), 1.0) or 1.0,
+            max(top_k, 0),
+            s.seed,
+            tuple(s.stop_token_ids),
+            s.ignore_eos,
+        )
 
     def unsupported(self, caps: Capabilities) -> str | None:
         """The first sampling option this engine cannot honour (the server answers 501), if any."""

@@ -114,9 +114,14 @@ class DecodeNode:
             host=config.host, options=dict(config.transport_options or {})
         )
         self.table = SlotTable(
-            config.slots, self.engine.expected_layouts(), config.max_seq_len, self.receiver, config.lease_s,
-            self.engine.check_layouts, shared=isinstance(engine, EngineProcess),
-        )  # fmt: skip
+            config.slots,
+            self.engine.expected_layouts(),
+            config.max_seq_len,
+            self.receiver,
+            config.lease_s,
+            self.engine.check_layouts,
+            shared=isinstance(engine, EngineProcess),
+        )
         self.control = ControlServer(self.table, config.transport, self.node_id, config.secret)
         self.table.on_transfer = self._on_transfer
         self.eos = eos_token_ids(config.model)
@@ -202,15 +207,23 @@ class DecodeNode:
         caps = self.engine.capabilities()
         return _ok(
             c.NodeHealth(
-                status="ok", node_id=self.node_id, engine=self.engine.name, protocol_version=c.PROTOCOL_VERSION,
-                transport=self.config.transport, ctrl_port=self.config.ctrl_port, max_seq_len=self.config.max_seq_len,
-                slots_total=len(self.table.slots), slots_free=self.table.free, decodes_running=self.batch.running,
-                decodes_waiting=self.batch.waiting, transfers_received=self.table.transfers_received,
+                status="ok",
+                node_id=self.node_id,
+                engine=self.engine.name,
+                protocol_version=c.PROTOCOL_VERSION,
+                transport=self.config.transport,
+                ctrl_port=self.config.ctrl_port,
+                max_seq_len=self.config.max_seq_len,
+                slots_total=len(self.table.slots),
+                slots_free=self.table.free,
+                decodes_running=self.batch.running,
+                decodes_waiting=self.batch.waiting,
+                transfers_received=self.table.transfers_received,
                 decodes_completed=self.decodes_completed,
                 capabilities=c.EngineInfo(caps.temperature, caps.top_p, caps.top_k, caps.mtp, caps.pipelined_greedy),
                 max_lease_s=self.config.max_lease_s,
             )
-        )  # fmt: skip
+        )
 
     async def watch(self, request: Request) -> Response:
         if self._stopping:
@@ -274,8 +287,9 @@ class DecodeNode:
     ) -> DecodeParams:
         """``sampling`` checked for this model (400), with its defaults applied (a reserve has no prompt yet)."""
         try:
-            return DecodeParams.of(tid, sampling, self.engine.vocab_size, self.sampling_defaults, first_token_id,
-                                   prompt_tokens)  # fmt: skip
+            return DecodeParams.of(
+                tid, sampling, self.engine.vocab_size, self.sampling_defaults, first_token_id, prompt_tokens
+            )
         except ValueError as exc:
             raise SlotError(str(exc), 400) from None
 
@@ -375,19 +389,28 @@ class DecodeNode:
         loop = asyncio.get_running_loop()
         server = _Server(
             uvicorn.Config(
-                self, host=cfg.host, port=cfg.http_port, log_level="warning", lifespan="off",
-                limit_concurrency=cfg.max_http_connections, timeout_keep_alive=int(c.NODE_KEEPALIVE_S),
+                self,
+                host=cfg.host,
+                port=cfg.http_port,
+                log_level="warning",
+                lifespan="off",
+                limit_concurrency=cfg.max_http_connections,
+                timeout_keep_alive=int(c.NODE_KEEPALIVE_S),
             ),
             on_exit=lambda: loop.call_soon_threadsafe(self._stop_watches),
-        )  # fmt: skip
+        )
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(self.control.serve, cfg.host, cfg.ctrl_port)
                 tg.start_soon(self._sweep_leases)
                 log.info(
-                    "decode_node_ready", ctrl=f"{cfg.host}:{cfg.ctrl_port}", http=f"{cfg.host}:{cfg.http_port}",
-                    engine=self.engine.name, transport=cfg.transport, slots=len(self.table.slots),
-                )  # fmt: skip
+                    "decode_node_ready",
+                    ctrl=f"{cfg.host}:{cfg.ctrl_port}",
+                    http=f"{cfg.host}:{cfg.http_port}",
+                    engine=self.engine.name,
+                    transport=cfg.transport,
+                    slots=len(self.table.slots),
+                )
                 await server.serve()
                 tg.cancel_scope.cancel()
         finally:
@@ -414,11 +437,7 @@ def build_node(config: DecodeConfig) -> DecodeNode:
 
 
 def serve(config: DecodeConfig) -> None:
-    if config.tp > 1:  # one process per rank; this one serves as rank 0
-        from tilert.decode.tp import serve_tp
-
-        serve_tp(config)
-        return
+    """One process, one engine (``--tp 1``; ``tilert.decode.tp.serve_tp`` serves several ranks)."""
     node = build_node(config)
     anyio.run(node.serve)
 

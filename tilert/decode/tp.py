@@ -32,16 +32,21 @@ import threading
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import anyio
 import torch
 
+from tilert.decode.config import DecodeConfig, resolve_device, resolve_dtype
+from tilert.decode.server import DecodeNode
 from tilert.engines.base import Capabilities, DecodeEngine, KVLayout, SpecStepResult
-
-if TYPE_CHECKING:
-    from tilert.decode.config import DecodeConfig
-    from tilert.engines.tilert.engine import TileRTEngine
-    from tilert.engines.tilert.parallel import Group
+from tilert.engines.tilert import parallel, sharding
+from tilert.engines.tilert.engine import GRAPH_MAX_TOKENS, TileRTEngine
+from tilert.engines.tilert.ops import register_device_kernels
+from tilert.engines.tilert.parallel import Group
+from tilert.engines.tilert.weights import args_from_hf_config, checkpoint_keys, load_hf_config, load_model
+from tilert.logs import configure
+from tilert.settings import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -265,11 +270,6 @@ def load_rank(
     allreduce: str = "nccl",
 ) -> tuple[TileRTEngine, Channel]:
     """This rank's share of the model in a ready engine, and its channel (the process group joined already)."""
-    from tilert.engines.tilert import parallel
-    from tilert.engines.tilert.engine import GRAPH_MAX_TOKENS, TileRTEngine
-    from tilert.engines.tilert.ops import register_device_kernels
-    from tilert.engines.tilert.weights import load_model
-
     rank, size = torch.distributed.get_rank(pg), torch.distributed.get_world_size(pg)
     if dev.type == "cuda":
         register_device_kernels()
@@ -295,8 +295,6 @@ def start_rank(
     allreduce: str = "nccl",
 ) -> tuple[TileRTEngine, Channel]:
     """Join the group of ``size`` ranks at ``port``, then :func:`load_rank`."""
-    from tilert.engines.tilert import parallel
-
     dev = rank_device(device, rank)
     pg, ctrl = parallel.init_process_group(rank, size, port, dev)
     return load_rank(model, pg, ctrl, dev, dtype, max_seq_len, max_sequences, allreduce)
@@ -313,8 +311,6 @@ def _follower_main(
     max_sequences: int,
     allreduce: str,
 ) -> None:
-    from tilert.logs import configure
-
     configure()
     engine, channel = start_rank(
         Path(model), rank, size, port, device, getattr(torch, dtype), max_seq_len, max_sequences, allreduce
@@ -331,10 +327,6 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def check_tp(config: DecodeConfig, device: str) -> None:
     """``ConfigError`` when ``config.tp`` ranks cannot run this model on this machine (before any rank starts)."""
-    from tilert.engines.tilert import sharding
-    from tilert.engines.tilert.weights import args_from_hf_config, checkpoint_keys, load_hf_config
-    from tilert.settings import ConfigError
-
     if config.engine != "tilert":
         raise ConfigError(f"--tp {config.tp} needs the tilert engine (got {config.engine!r})")
     if config.tp_allreduce != "nccl" and not device.startswith("cuda"):
@@ -353,11 +345,6 @@ def check_tp(config: DecodeConfig, device: str) -> None:
 
 def serve_tp(config: DecodeConfig) -> None:
     """``tilert decode --tp N``: start ranks 1..N-1 (spawned processes), then serve as rank 0 until stopped."""
-    import anyio
-
-    from tilert.decode.config import resolve_device, resolve_dtype
-    from tilert.decode.server import DecodeNode
-
     device = resolve_device(config.device)
     check_tp(config, device)
     dtype = resolve_dtype(config.dtype, device)

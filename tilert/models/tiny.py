@@ -151,8 +151,9 @@ def _plant_eos(model: Any, trigger_ids: list[int], eos_id: int, seed: int) -> No
         model.lm_head.weight[eos_id] = direction * (target / (direction @ h))
 
 
-def add_mtp_layer(src: Path | str, out_dir: Path | str, *, predictive: bool = False, main_scale: float = 1e-3,
-                  seed: int = 9) -> Path:  # fmt: skip
+def add_mtp_layer(
+    src: Path | str, out_dir: Path | str, *, predictive: bool = False, main_scale: float = 1e-3, seed: int = 9
+) -> Path:
     """Copy checkpoint ``src`` to ``out_dir`` with a DeepSeek-style MTP module (``num_nextn_predict_layers=1``).
 
     The MTP decoder layer ``model.layers.{N}.*`` is a copy of the last layer (its indexer too, for DSA

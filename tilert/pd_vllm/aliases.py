@@ -38,6 +38,7 @@ from typing import Any
 
 import structlog
 
+from tilert import cli
 from tilert.settings import NODE_CTRL_PORT, NODE_HTTP_PORT, ROUTER_PORT
 
 log = structlog.get_logger("tilert.pd_vllm")
@@ -167,8 +168,6 @@ def pd_router_args(argv: list[str]) -> list[str]:
 
 def run_alias(translate: Callable[[list[str]], list[str]], argv: list[str] | None = None) -> int:
     """Translate the published flags and run the tilert command; a refused value exits 2 with its reason."""
-    from tilert import cli
-
     try:
         args = translate(list(sys.argv[1:] if argv is None else argv))
     except AliasError as exc:

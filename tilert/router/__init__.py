@@ -31,7 +31,7 @@ class _RouterPackage(types.ModuleType):
     def app(self) -> Any:
         built = self.__dict__.get("_asgi_app")
         if built is None:
-            from tilert.router.app import build_app
+            from tilert.router.app import build_app  # lazy: the app is built when uvicorn asks for it
 
             built = self.__dict__["_asgi_app"] = build_app()
         return built
@@ -44,7 +44,7 @@ class _RouterPackage(types.ModuleType):
 
 def __getattr__(name: str) -> Any:
     if name == "build_app":
-        from tilert.router.app import build_app
+        from tilert.router.app import build_app  # lazy: the package imports without the app's dependencies
 
         return build_app
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -103,12 +103,14 @@ async def _completion(request: Request, route: ApiRoute) -> Response:
     rid: str = request.scope.get(REQUEST_ID_SCOPE_KEY, "")
     try:
         raw = await _body(request, ctx.config.max_body_bytes)
-        plan = build_plan(route, raw, default_max_tokens=ctx.config.default_max_tokens,
-                          max_body_bytes=ctx.config.max_body_bytes)  # fmt: skip
+        plan = build_plan(
+            route, raw, default_max_tokens=ctx.config.default_max_tokens, max_body_bytes=ctx.config.max_body_bytes
+        )
         choice = choose_pool(ctx.config, request.headers.get(POOL_HEADER), plan.body.get("model"))
     except RouterError as exc:
-        ctx.metrics.request_finished(route, exc.outcome, None, 0, 0, anyio.current_time() - arrived, None, None,
-                                     pool="none")  # fmt: skip
+        ctx.metrics.request_finished(
+            route, exc.outcome, None, 0, 0, anyio.current_time() - arrived, None, None, pool="none"
+        )
         log.info("request_refused", route=route, status=exc.status, reason=exc.log_reason())
         return _error(exc)
     return FlowResponse(RequestFlow(ctx, plan, rid, arrived, choice, raw))
@@ -167,8 +169,12 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     status = exc.status_code if isinstance(exc, HTTPException) else 500
     detail = exc.detail if isinstance(exc, HTTPException) else "internal router error"
     headers = dict(exc.headers or {}) if isinstance(exc, HTTPException) else None
-    return Response(orjson.dumps(error_payload(status, str(detail))), status_code=status,
-                    media_type="application/json", headers=headers)  # fmt: skip
+    return Response(
+        orjson.dumps(error_payload(status, str(detail))),
+        status_code=status,
+        media_type="application/json",
+        headers=headers,
+    )
 
 
 async def metrics(request: Request) -> Response:

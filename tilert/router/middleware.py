@@ -67,11 +67,13 @@ class BearerAuthMiddleware:
             if not hmac.compare_digest(given, expected):
                 structlog.get_logger("tilert.router").info("auth_rejected", path=scope.get("path"))
                 body = orjson.dumps(error_payload(401, "missing or invalid API key (Authorization: Bearer ...)"))
-                await send({
-                    "type": "http.response.start",
-                    "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")],
-                })
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 401,
+                        "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")],
+                    }
+                )
                 await send({"type": "http.response.body", "body": body})
                 return
         await self.app(scope, receive, send)

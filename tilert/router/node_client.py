@@ -62,9 +62,13 @@ class NodeClient:
     """One shared ``aiohttp.ClientSession`` per decode node, created in the app's lifespan."""
 
     def __init__(
-        self, spec: DecodeNodeSpec, connect_timeout_s: float, control_timeout_s: float, secret: bytes,
+        self,
+        spec: DecodeNodeSpec,
+        connect_timeout_s: float,
+        control_timeout_s: float,
+        secret: bytes,
         lease_s: float | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """``lease_s``: the lease this router asks with every reserve (a node granting less is unhealthy)."""
         self.spec = spec
         self.lease_s = lease_s
@@ -131,9 +135,13 @@ class NodeClient:
         if health.protocol_version != c.PROTOCOL_VERSION:
             return HealthView(ok=False, error=f"node speaks protocol v{health.protocol_version}")
         if self.lease_s is not None and health.max_lease_s is not None and health.max_lease_s < self.lease_s:
-            return HealthView(ok=False, error=(
-                f"the node grants leases of at most {health.max_lease_s:g} s, this router asks {self.lease_s:g} s "
-                "(raise the node's --max-lease-s or lower the router's reserve_lease_s)"))  # fmt: skip
+            return HealthView(
+                ok=False,
+                error=(
+                    f"the node grants leases of at most {health.max_lease_s:g} s, this router asks {self.lease_s:g} s "
+                    "(raise the node's --max-lease-s or lower the router's reserve_lease_s)"
+                ),
+            )
         return HealthView(ok=True, slots_total=health.slots_total, slots_free=health.slots_free)
 
     @asynccontextmanager

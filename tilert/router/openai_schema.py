@@ -68,32 +68,70 @@ LooseObject = dict[str, Raw]
 TokenIds = Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)]
 
 # Sampling and output fields the router and the decode engine honour.
-_COMMON_DECODE = frozenset({
-    "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-    "include_stop_str_in_output", "skip_special_tokens", "stream", "stream_options", "return_token_ids",
-})  # fmt: skip
+_COMMON_DECODE = frozenset(
+    {
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "stream",
+        "stream_options",
+        "return_token_ids",
+    }
+)
 HONOURED_BY_DECODE: dict[str, frozenset[str]] = {
     "chat": _COMMON_DECODE | {"max_completion_tokens"},
     "completions": _COMMON_DECODE,
 }
 # Of those, the ones the prefill also gets, to sample and stop the first token as the decode engine will.
-DECODE_FIELDS_FOR_PREFILL = frozenset({
-    "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-    "include_stop_str_in_output", "skip_special_tokens",
-})  # fmt: skip
+DECODE_FIELDS_FOR_PREFILL = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+    }
+)
 
-_COMMON_TO_VLLM = frozenset({
-    "model", "user", "session_id", "cache_salt", "priority", "truncate_prompt_tokens", "truncation_side",
-    "add_special_tokens",
-})  # fmt: skip
+_COMMON_TO_VLLM = frozenset(
+    {
+        "model",
+        "user",
+        "session_id",
+        "cache_salt",
+        "priority",
+        "truncate_prompt_tokens",
+        "truncation_side",
+        "add_special_tokens",
+    }
+)
 PASSED_TO_VLLM: dict[str, frozenset[str]] = {
-    "chat": _COMMON_TO_VLLM | {
-        "messages", "add_generation_prompt", "continue_final_message", "documents", "chat_template",
-        "chat_template_kwargs", "mm_processor_kwargs", "media_io_kwargs", "reasoning_effort",
+    "chat": _COMMON_TO_VLLM
+    | {
+        "messages",
+        "add_generation_prompt",
+        "continue_final_message",
+        "documents",
+        "chat_template",
+        "chat_template_kwargs",
+        "mm_processor_kwargs",
+        "media_io_kwargs",
+        "reasoning_effort",
         "parallel_tool_calls",
     },
     "completions": _COMMON_TO_VLLM | {"prompt", "suffix"},
-}  # fmt: skip
+}
 
 _NO_LOGPROBS = "the decode path returns no log-probabilities"
 _ONE_CHOICE = "the decode path samples one choice per request"

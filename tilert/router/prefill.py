@@ -55,9 +55,13 @@ def prefill_session(base_url: str, timeout_s: float, connect_timeout_s: float) -
 
 
 async def post_prefill(
-    client: aiohttp.ClientSession, plan: RequestPlan, kv_transfer_params: dict[str, Any], *, request_id: str,
+    client: aiohttp.ClientSession,
+    plan: RequestPlan,
+    kv_transfer_params: dict[str, Any],
+    *,
+    request_id: str,
     api_key: str | None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """POST the ``max_tokens=1`` prefill carrying ``kv_transfer_params``; vLLM's JSON answer.
 
     vLLM's 4xx reach the client as they are, 5xx and transport errors are 502/504."""
@@ -65,8 +69,9 @@ async def post_prefill(
     if api_key:
         headers["authorization"] = f"Bearer {api_key}"
     try:
-        async with client.post(plan.path, data=orjson.dumps(plan.prefill_body(kv_transfer_params)),
-                               headers=headers) as resp:  # fmt: skip
+        async with client.post(
+            plan.path, data=orjson.dumps(plan.prefill_body(kv_transfer_params)), headers=headers
+        ) as resp:
             status, body = resp.status, await resp.read()
     except TimeoutError:
         raise RouterError(504, "prefill timed out", outcome="prefill_timeout") from None
@@ -75,8 +80,12 @@ async def post_prefill(
     if 400 <= status < 500:
         message = upstream_message(body, f"prefill rejected the request with HTTP {status}")
         raise RouterError(
-            status, message, outcome="prefill_rejected", body=body if _is_json_object(body) else None, upstream=True,
-        )  # fmt: skip
+            status,
+            message,
+            outcome="prefill_rejected",
+            body=body if _is_json_object(body) else None,
+            upstream=True,
+        )
     if status != 200:
         raise _fail(f"prefill failed with HTTP {status}")
     try:
@@ -114,9 +123,11 @@ def _claim_result(data: dict[str, Any], transfer_id: str) -> ClaimResult:
         # lease (the decode slot) is released on the way out, so the client may simply retry.
         retry_after = kv.retry_after_s if kv.retry_after_s is not None else DEFAULT_BUSY_RETRY_AFTER_S
         raise RouterError(
-            503, "the prefill node is busy handing off other requests' KV; retry shortly", outcome="prefill_busy",
+            503,
+            "the prefill node is busy handing off other requests' KV; retry shortly",
+            outcome="prefill_busy",
             headers={"Retry-After": str(max(1, retry_after))},
-        )  # fmt: skip
+        )
     if kv is not None and kv.error:
         raise _fail(f"the TileRT connector refused the claim: {kv.error}")
     if kv is None or kv.first_token_id is None:
@@ -171,8 +182,14 @@ def prefill_result(
     if finish not in ("stop", "length", None):
         raise _fail(f"prefill ended with finish_reason={finish!r}")
     return PrefillResult(
-        raw=data, response_id=str(data.get("id") or ""), created=int(data.get("created") or 0),
-        model=str(data.get("model") or ""), text=text, finish_reason=finish, stop_reason=choice.get("stop_reason"),
-        first_token_id=first, prompt_tokens=prompt_tokens,
+        raw=data,
+        response_id=str(data.get("id") or ""),
+        created=int(data.get("created") or 0),
+        model=str(data.get("model") or ""),
+        text=text,
+        finish_reason=finish,
+        stop_reason=choice.get("stop_reason"),
+        first_token_id=first,
+        prompt_tokens=prompt_tokens,
         prompt_token_ids=prompt_ids if isinstance(prompt_ids, list) else None,
-    )  # fmt: skip
+    )

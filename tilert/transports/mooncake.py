@@ -162,9 +162,16 @@ def _parse_notify(note: Any) -> tuple[str, int, int] | None:
 
 class MooncakeReceiver(Receiver):
     def __init__(
-        self, host: str, *, protocol: str = "tcp", device: str = "", registration: str | None = None,
-        hostname: str | None = None, timeout_s: float = 30.0, verify_grace_s: float = 0.05,
-    ) -> None:  # fmt: skip
+        self,
+        host: str,
+        *,
+        protocol: str = "tcp",
+        device: str = "",
+        registration: str | None = None,
+        hostname: str | None = None,
+        timeout_s: float = 30.0,
+        verify_grace_s: float = 0.05,
+    ) -> None:
         registration = registration or ("grant" if protocol == "tcp" else "region")
         if registration not in ("grant", "region"):
             raise ValueError(f"mooncake registration must be 'grant' or 'region', not {registration!r}")
@@ -287,9 +294,14 @@ class MooncakeReceiver(Receiver):
 
 class MooncakeSender(Sender):
     def __init__(
-        self, *, protocol: str = "tcp", device: str = "", hostname: str = "127.0.0.1",
-        register_source: bool | None = None, timeout_s: float = 30.0,
-    ) -> None:  # fmt: skip
+        self,
+        *,
+        protocol: str = "tcp",
+        device: str = "",
+        hostname: str = "127.0.0.1",
+        register_source: bool | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
         self._engine = _engine(hostname, protocol, device, timeout_s)
         from mooncake.engine import TransferNotify, TransferOpcode
 
@@ -367,8 +379,11 @@ class MooncakeSender(Sender):
         if status != 1:  # -1 failed, -2 timed out
             return status
         note_src = src + n - 1
-        return int(self._engine.transfer_sync(session, note_src, dst + n - 1, 1, self._write_op,
-                                              self._notify(NOTIFY_NAME, note)))  # fmt: skip
+        return int(
+            self._engine.transfer_sync(
+                session, note_src, dst + n - 1, 1, self._write_op, self._notify(NOTIFY_NAME, note)
+            )
+        )
 
     def _check_reachable(self, session: str, n: int) -> None:
         problem = _probe(session, self._probe_timeout_s)
@@ -438,18 +453,22 @@ class MooncakeTransport(Transport):
     @classmethod
     def receiver(cls, *, host: str, options: dict[str, Any]) -> MooncakeReceiver:
         return MooncakeReceiver(
-            host, protocol=str(options.get("protocol", "tcp")), device=str(options.get("device", "")),
-            registration=options.get("registration"), hostname=options.get("hostname"),
+            host,
+            protocol=str(options.get("protocol", "tcp")),
+            device=str(options.get("device", "")),
+            registration=options.get("registration"),
+            hostname=options.get("hostname"),
             timeout_s=float(options.get("timeout_s", 30.0)),
             verify_grace_s=float(options.get("verify_grace_s", 0.05)),
-        )  # fmt: skip
+        )
 
     @classmethod
     def sender(cls, *, options: dict[str, Any]) -> MooncakeSender:
         register_source = options.get("register_source")
         return MooncakeSender(
-            protocol=str(options.get("protocol", "tcp")), device=str(options.get("device", "")),
+            protocol=str(options.get("protocol", "tcp")),
+            device=str(options.get("device", "")),
             hostname=str(options.get("hostname", "127.0.0.1")),
             register_source=None if register_source is None else bool(register_source),
             timeout_s=float(options.get("timeout_s", 30.0)),
-        )  # fmt: skip
+        )

@@ -115,9 +115,13 @@ def _load() -> _Nixl:
             v for v in vars(bindings).values() if isinstance(v, type) and issubclass(v, Exception)
         )  # the nixl*Error family
         return _Nixl(
-            api.nixl_agent, api.nixl_agent_config, api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
-            bindings.nixlRegDList, bindings.DRAM_SEG, (*errors, ValueError, TypeError),
-        )  # fmt: skip
+            api.nixl_agent,
+            api.nixl_agent_config,
+            api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+            bindings.nixlRegDList,
+            bindings.DRAM_SEG,
+            (*errors, ValueError, TypeError),
+        )
     raise TransferError(f"the nixl transport needs nixl-cu12==1.5.1 (see scripts/bootstrap.sh): {last}")
 
 
@@ -321,13 +325,20 @@ class NixlSender(Sender):
     so the receiver needs nothing new."""
 
     def __init__(
-        self, *, timeout_s: float = 30.0, verdict_timeout_s: float = 5.0, net_devices: str | None = None,
-        lanes: int = 2, split_bytes: int = 16 << 20,
-    ) -> None:  # fmt: skip
+        self,
+        *,
+        timeout_s: float = 30.0,
+        verdict_timeout_s: float = 5.0,
+        net_devices: str | None = None,
+        lanes: int = 2,
+        split_bytes: int = 16 << 20,
+    ) -> None:
         if lanes < 1 or split_bytes < 1:
             raise TransferError(f"nixl sender needs lanes >= 1 and split_bytes >= 1 (got {lanes}, {split_bytes})")
-        self._lanes = [_Lane(timeout_s=timeout_s, verdict_timeout_s=verdict_timeout_s, net_devices=net_devices)
-                       for _ in range(lanes)]  # fmt: skip
+        self._lanes = [
+            _Lane(timeout_s=timeout_s, verdict_timeout_s=verdict_timeout_s, net_devices=net_devices)
+            for _ in range(lanes)
+        ]
         self.name = self._lanes[0].name
         self._split_bytes = split_bytes
         self._pool = ThreadPoolExecutor(lanes - 1, thread_name_prefix="tilert-nixl-lane") if lanes > 1 else None

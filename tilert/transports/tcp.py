@@ -50,9 +50,13 @@ class _Grant:
 
 class TcpReceiver(Receiver):
     def __init__(
-        self, host: str, port: int = 0, timeout_s: float = 30.0, idle_timeout_s: float = 300.0,
+        self,
+        host: str,
+        port: int = 0,
+        timeout_s: float = 30.0,
+        idle_timeout_s: float = 300.0,
         max_connections: int = 64,
-    ) -> None:  # fmt: skip
+    ) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -214,9 +218,12 @@ class TcpTransport(Transport):
     @classmethod
     def receiver(cls, *, host: str, options: dict[str, Any]) -> TcpReceiver:
         return TcpReceiver(
-            host, int(options.get("port", 0)), float(options.get("timeout_s", 30.0)),
-            float(options.get("idle_timeout_s", 300.0)), int(options.get("max_connections", 64)),
-        )  # fmt: skip
+            host,
+            int(options.get("port", 0)),
+            float(options.get("timeout_s", 30.0)),
+            float(options.get("idle_timeout_s", 300.0)),
+            int(options.get("max_connections", 64)),
+        )
 
     @classmethod
     def sender(cls, *, options: dict[str, Any]) -> TcpSender:

@@ -14,7 +14,7 @@ __all__ = ["TileRTEngine", "SpecStepResult", "greedy_generate", "speculative_gen
 
 def __getattr__(name: str):  # lazy: importing the package must not pull in transformers
     if name in __all__:
-        from . import engine
+        from . import engine  # lazy: importing the package must not pull in transformers
 
         return getattr(engine, name)
     raise AttributeError(name)

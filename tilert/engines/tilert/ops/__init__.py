@@ -426,6 +426,6 @@ def register_device_kernels() -> bool:
     """
     if not torch.cuda.is_available():
         return False
-    from . import cuda
+    from . import cuda  # lazy: Triton, on CUDA machines only
 
     return cuda.register()

@@ -31,7 +31,7 @@ def _pow2(x: int) -> bool:
 def _rms_norm_cuda(x, weight, eps):
     if x.dtype not in _FAST_DTYPES + (torch.float32,) or x.shape[-1] > 16384 or x.numel() == 0:
         return reference.rms_norm(x, weight, eps)
-    from .triton_gemv import rms_norm
+    from .triton_gemv import rms_norm  # lazy: Triton, on CUDA machines only
 
     return rms_norm(x.contiguous(), weight.contiguous(), eps)
 
@@ -51,7 +51,7 @@ def _mla_ok(q, kv_cache, kv_lora_rank):
 def _mla_attention_cuda(q, kv_cache, positions, scale, kv_lora_rank, row_start=None):
     if not _mla_ok(q, kv_cache, kv_lora_rank):
         return reference.mla_attention(q, kv_cache, positions, scale, kv_lora_rank, row_start)
-    from .triton_mla import mla_decode
+    from .triton_mla import mla_decode  # lazy: Triton, on CUDA machines only
 
     return mla_decode(q.contiguous(), kv_cache, positions.contiguous(), None, scale, kv_lora_rank, row_start=row_start)
 
@@ -59,7 +59,7 @@ def _mla_attention_cuda(q, kv_cache, positions, scale, kv_lora_rank, row_start=N
 def _mla_sparse_attention_cuda(q, kv_cache, indices, scale, kv_lora_rank):
     if not _mla_ok(q, kv_cache, kv_lora_rank):
         return reference.mla_sparse_attention(q, kv_cache, indices, scale, kv_lora_rank)
-    from .triton_mla import mla_decode
+    from .triton_mla import mla_decode  # lazy: Triton, on CUDA machines only
 
     return mla_decode(q.contiguous(), kv_cache, None, indices.to(torch.int32).contiguous(), scale, kv_lora_rank)
 
@@ -67,7 +67,7 @@ def _mla_sparse_attention_cuda(q, kv_cache, indices, scale, kv_lora_rank):
 def _indexer_topk_cuda(q, weights, k_cache, positions, topk, row_start=None):
     if q.dtype not in _FAST_DTYPES or k_cache.dtype != q.dtype or not _pow2(q.shape[-1]) or q.shape[-1] < 16:
         return reference.indexer_topk(q, weights, k_cache, positions, topk, row_start)
-    from .triton_mla import indexer_topk
+    from .triton_mla import indexer_topk  # lazy: Triton, on CUDA machines only
 
     return indexer_topk(
         q.contiguous(), weights.float().contiguous(), k_cache, positions.contiguous(), topk, row_start=row_start
@@ -90,14 +90,14 @@ def _moe_experts_cuda(x, topk_ids, topk_weights, w13, w2, s13=None, s2=None):
     if s13 is not None or s2 is not None:
         if not _moe_fp8_ok(x, w13, w2, s13, s2):
             return reference.moe_experts(x, topk_ids, topk_weights, w13, w2, s13, s2)
-        from . import triton_fp8
+        from . import triton_fp8  # lazy: Triton, on CUDA machines only
 
         ids = topk_ids.to(torch.int32).contiguous()
         act = triton_fp8.moe_up_fp8(x, ids, w13.contiguous(), s13.contiguous())
         return triton_fp8.moe_down_fp8(act, ids, topk_weights.float().contiguous(), w2.contiguous(), s2.contiguous())
     if x.dtype not in _FAST_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype or x.shape[0] > 16:
         return reference.moe_experts(x, topk_ids, topk_weights, w13, w2)
-    from .triton_moe import moe_experts
+    from .triton_moe import moe_experts  # lazy: Triton, on CUDA machines only
 
     return moe_experts(x, topk_ids, topk_weights, w13.contiguous(), w2.contiguous())
 
@@ -138,21 +138,22 @@ def _gemv_cuda(x, weight, norm_weight=None, eps=1e-6, bias=None, fp32_out=False,
                 ],
                 -1,
             )
-        from . import triton_fp8  # one launch: the e4m3 rows, then the plain tail rows
+        # one launch: the e4m3 rows, then the plain tail rows
+        from . import triton_fp8  # lazy: Triton, on CUDA machines only
 
         nw = None if norm_weight is None else norm_weight.to(x.dtype).contiguous()
         return triton_fp8.gemv_fp8(x, weight, scale, norm_w=nw, eps=eps, out_f32=fp32_out, tail=tail)
     if scale is not None:
         if not _gemv_fp8_ok(x, weight, scale):
             return reference.gemv(x, weight, norm_weight, eps, bias, fp32_out, scale)
-        from . import triton_fp8
+        from . import triton_fp8  # lazy: Triton, on CUDA machines only
 
         nw = None if norm_weight is None else norm_weight.to(x.dtype).contiguous()
         y = triton_fp8.gemv_fp8(x, weight, scale, norm_w=nw, eps=eps, out_f32=fp32_out)
         return y if bias is None else y + bias.to(y.dtype)
     if not _gemv_ok(x, weight) or x.shape[0] == 0:
         return reference.gemv(x, weight, norm_weight, eps, bias, fp32_out)
-    from . import triton_gemv
+    from . import triton_gemv  # lazy: Triton, on CUDA machines only
 
     nw = None if norm_weight is None else norm_weight.to(x.dtype).contiguous()
     y = triton_gemv.gemv(x, weight, norm_w=nw, eps=eps, out_f32=fp32_out)
@@ -163,13 +164,13 @@ def _gemv_residual_cuda(out, x, weight, residual, scale=None):
     if scale is not None:
         if not (_gemv_fp8_ok(x, weight, scale) and _out_ok(out, x, residual)):
             return reference.gemv_residual(out, x, weight, residual, scale)
-        from . import triton_fp8
+        from . import triton_fp8  # lazy: Triton, on CUDA machines only
 
         triton_fp8.gemv_fp8(x, weight, scale, residual=residual, out=out)
         return None
     if not (_gemv_ok(x, weight) and _out_ok(out, x, residual)) or x.shape[0] == 0:
         return reference.gemv_residual(out, x, weight, residual)
-    from . import triton_gemv
+    from . import triton_gemv  # lazy: Triton, on CUDA machines only
 
     triton_gemv.gemv(x, weight, residual=residual, out=out)
 
@@ -189,7 +190,7 @@ def _router_cuda(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_gr
         return reference.router(
             h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared
         )
-    from . import triton_moe
+    from . import triton_moe  # lazy: Triton, on CUDA machines only
 
     # the split-K gate GEMV and the selection in one launch (the last program to finish selects)
     return triton_moe.router(
@@ -213,7 +214,7 @@ def _moe_residual_cuda(h, norm_weight, eps, topk_ids, topk_weights, w13, w2, s13
     if s13 is not None or s2 is not None:
         if not _moe_fp8_ok(h, w13, w2, s13, s2):
             return reference.moe_residual(h, norm_weight, eps, topk_ids, topk_weights, w13, w2, s13, s2)
-        from . import triton_fp8
+        from . import triton_fp8  # lazy: Triton, on CUDA machines only
 
         ids = topk_ids.to(torch.int32).contiguous()
         act = triton_fp8.moe_up_fp8(
@@ -238,7 +239,7 @@ def _moe_residual_cuda(h, norm_weight, eps, topk_ids, topk_weights, w13, w2, s13
         or h.shape[0] == 0
     ):
         return reference.moe_residual(h, norm_weight, eps, topk_ids, topk_weights, w13, w2)
-    from . import triton_moe
+    from . import triton_moe  # lazy: Triton, on CUDA machines only
 
     ids = topk_ids.to(torch.int32).contiguous()
     act = triton_moe.moe_up(h, ids, w13.contiguous(), norm_w=norm_weight.to(h.dtype).contiguous(), eps=eps)
@@ -250,7 +251,7 @@ def _moe_partial_cuda(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2,
     if s13 is not None or s2 is not None:
         if not (_moe_fp8_ok(x, w13, w2, s13, s2) and _out_ok(out, x, residual)):
             return reference.moe_partial(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2, residual, s13, s2)
-        from . import triton_fp8
+        from . import triton_fp8  # lazy: Triton, on CUDA machines only
 
         ids = topk_ids.to(torch.int32).contiguous()
         act = triton_fp8.moe_up_fp8(x, ids, w13.contiguous(), s13.contiguous(), norm_w=nw, eps=eps)  # reads x first
@@ -268,7 +269,7 @@ def _moe_partial_cuda(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2,
         or x.shape[0] == 0
     ):
         return reference.moe_partial(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2, residual)
-    from . import triton_moe
+    from . import triton_moe  # lazy: Triton, on CUDA machines only
 
     ids = topk_ids.to(torch.int32).contiguous()
     act = triton_moe.moe_up(x, ids, w13.contiguous(), norm_w=nw, eps=eps)  # reads x before out is written
@@ -363,7 +364,7 @@ def _mla_prep_cuda(
             index_weight_scale,
             kv_b_scale,
         )
-    from .triton_fused import mla_prep
+    from .triton_fused import mla_prep  # lazy: Triton, on CUDA machines only
 
     n = a.shape[0]
     q = torch.empty(n, h, lat + r, device=a.device, dtype=a.dtype)
@@ -426,7 +427,7 @@ def _mla_attention_uv_cuda(
         else:
             o_lat = _mla_sparse_attention_cuda(q, kv_cache, indices, scale, kv_lora_rank)
         return _mla_uv_cuda(o_lat, kv_b, nope_dim, kv_b_scale)
-    from .triton_mla import mla_decode
+    from .triton_mla import mla_decode  # lazy: Triton, on CUDA machines only
 
     uv = (kv_b, nope_dim, v, kv_b_scale)
     if indices is None:
@@ -442,7 +443,7 @@ def _mla_uv_cuda(o_lat, kv_b, nope_dim, kv_b_scale=None):
     want = o_lat.dtype if kv_b_scale is None else _E4M3
     if o_lat.dtype not in _FAST_DTYPES or kv_b.dtype != want or not _pow2(lat) or v % 16 or n == 0:
         return reference.mla_uv(o_lat, kv_b, nope_dim, kv_b_scale)
-    from .triton_fused import mla_uv
+    from .triton_fused import mla_uv  # lazy: Triton, on CUDA machines only
 
     return mla_uv(
         o_lat.contiguous(),

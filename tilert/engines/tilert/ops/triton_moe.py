@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from . import triton_pdl
-from .triton_gemv import _row_rstd, rstd_block
+from .triton_gemv import _row_rstd, gemv_config, rstd_block
 from .triton_pdl import pdl_begin
 
 __all__ = ["moe_experts", "moe_up", "moe_down", "router_select", "router"]
@@ -571,8 +571,6 @@ def router(
     E_real = gate.shape[0]
     assert gate.shape[1] == K and x.stride(-1) == 1 and gate.stride(-1) == 1 and n <= 16
     if cfg is None:  # the bf16 GEMV's tile for the gate's shape (triton_gemv.gemv_config)
-        from .triton_gemv import gemv_config
-
         bn_, bk_, nw_, _ = gemv_config(E_real, K, n)
         cfg = (bn_, bk_, ROUTER_WARPS or nw_, ROUTER_SPLIT)
     bn, bk, nw, split = cfg
