@@ -691,8 +691,7 @@ def main():
         action="store_true",
         help="each (config, weights) engine in a fresh process of its own, one after another (the copy "
         "bandwidth is still measured once, here): no engine is timed in a process an earlier one "
-        "built, timed and freed its model in (lite FP8 read 3-7 us a step slower after bf16 that way, "
-        "h200-2026-12-01-fp8-f.md)",
+        "built, timed and freed its model in (that can slow the later engine's step)",
     )
     ap.add_argument(
         "--cpu-smoke",

@@ -614,7 +614,7 @@ class TileRTEngine(DecodeEngine):
         if step is not None:
             hidden, logits = step(*inputs)
             return hidden, logits.clone()  # the graph's static buffer is rewritten by the next step
-        with torch.inference_mode():  # eager (CPU): ~20% of a small step is autograd's bookkeeping otherwise
+        with torch.inference_mode():  # eager (CPU): autograd's bookkeeping is a large part of a small step otherwise
             hidden = self.model(tokens, rows, use_indexer, row_start)
             logits = self.model.logits(hidden)
         return hidden, logits.clone()  # a normal tensor: the caller may modify it in place
@@ -639,7 +639,8 @@ class TileRTEngine(DecodeEngine):
             hidden, logits = self._run_flat(token_ids, rows, starts, use_indexer)
         else:
             positions = torch.arange(start_pos, start_pos + n, device=self.device)
-            with torch.inference_mode():  # ~20% of a small CPU step is autograd's bookkeeping, even under no_grad
+            # autograd's bookkeeping, even under no_grad, is a large part of a small CPU step
+            with torch.inference_mode():
                 hidden = self.model(token_ids, positions, use_indexer, None, self._view(seq))
                 logits = self.model.logits(hidden)
             logits = logits.clone()  # a normal tensor: the caller may modify it in place

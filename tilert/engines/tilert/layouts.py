@@ -10,7 +10,7 @@ Decoders here work on *per-token rows*: ``uint8 [num_layers, num_tokens, row_byt
 ``inject`` receives them. vLLM's block-major DSA indexer cache is also decoded from whole blocks
 (:func:`decode_dsa_indexer_blocks`). All decoders return float32.
 
-Layouts (see ``shared/notes/kv-layouts.md``):
+Layouts (vLLM 0.32's, as its attention backends write them):
 
 - ``mla_dense``: a row is ``L+R`` values of ``dtype`` (float32 / bfloat16 / float16).
 - ``fp8_ds_mla``: ``L`` bytes of e4m3 ``c_kv / s_i`` (one fp32 scale per 128 values, ``s = max(amax/448,

@@ -2,13 +2,13 @@
 (:mod:`.native`) and fewer, larger ATen calls, called *directly* by the model on CPU (``Transformer.use_kernels(cpu)``,
 set by the engine), not through the ``torch.library`` dispatcher.
 
-Why (measured on a 2-core CPU with the tiny DeepSeek-V3 checkpoint, ``benchmarks/cpu_decode_speed.py``): a
-decode step's real arithmetic is ~0.3 ms; the rest was overhead. The dispatcher costs ~25-30 us per custom-op
-call (23 calls per step); the reference kernels spend ~300 small ATen calls per step (five for each RMSNorm, two
-RoPE rotations of seven ops per layer, the MoE weights gathered by copy, ...); and the reference attention and
-indexer read the whole static cache (``max_seq_len`` rows, masked) because they must keep static shapes for CUDA
-graphs, which at 4096 rows was over half the step. The CPU takes no graphs, so these kernels read the host
-position (a CPU tensor, no device sync) and touch only the cache rows up to the last position.
+Why (``benchmarks/cpu_decode_speed.py`` measures it): at the tiny models' sizes a decode step's real arithmetic
+is a small part of the step; the rest is overhead. The dispatcher costs tens of microseconds per custom-op call;
+the reference kernels spend hundreds of small ATen calls per step (five for each RMSNorm, two RoPE rotations of
+seven ops per layer, the MoE weights gathered by copy, ...); and the reference attention and indexer read the
+whole static cache (``max_seq_len`` rows, masked) because they must keep static shapes for CUDA graphs. The CPU
+takes no graphs, so these kernels read the host position (a CPU tensor, no device sync) and touch only the cache
+rows up to the last position.
 
 Each function has the signature of the op of the same name and agrees with the reference up to float32
 rounding (the engine's tests compare the fast path with transformers at 1e-4 and greedy tokens exactly;
@@ -20,8 +20,8 @@ decode step over the rows of several sequences (``TileRTEngine.decode_step``: on
 is bit for bit each sequence's step alone. Up to ``ROWWISE_MAX`` rows the products, norms, attention, router and
 experts run in the native kernels (:mod:`.native`, ``native/rows.c``): one fixed floating-point chain per output,
 each weight read once for all rows, every sequence's attention in one call, each chosen expert once over the rows
-that chose it; they also replace most of a step's ~600 small ATen calls, which on a small model cost more than the
-arithmetic. Where the native kernels cannot be built (no C compiler, ``TILERT_CPU_NATIVE=0``) or the weights are
+that chose it; they also replace most of a step's hundreds of small ATen calls, which on a small model cost more
+than the arithmetic. Where the native kernels cannot be built (no C compiler, ``TILERT_CPU_NATIVE=0``) or the weights are
 FP8, ATen computes, row-invariant the slow way: CPU BLAS is not batch-invariant across row counts (MKL's sgemm of
 1 row, of 2-3 rows and of 4+ rows round differently), so products with several rows run as a batch of one-row
 products (:func:`_linear`: ``bmm`` of ``[n, 1, K]`` rows against the weight broadcast, which MKL computes as

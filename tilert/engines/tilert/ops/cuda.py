@@ -407,8 +407,8 @@ def _mla_attention_uv_cuda(
     n, h, _ = q.shape
     v = kv_b.shape[0] // h - nope_dim if h else 0
     want = q.dtype if kv_b_scale is None else _E4M3
-    # bf16 kv_b at many heads (V3.2's 128) stays on the two kernels (merge, then mla_uv): the one fused case that
-    # did not measure faster (benchmarks/results/h200-2026-12-01-fp8-c.md)
+    # bf16 kv_b at many heads (V3.2's 128) stays on the two kernels (merge, then mla_uv): the one case where the
+    # fused kernel is not faster
     fuse = kv_b_scale is not None or h <= 32
     if not (
         fuse

@@ -47,10 +47,9 @@ __all__ = ["gemv_fp8", "moe_up_fp8", "moe_down_fp8", "groups", "gemv_fp8_config"
 # Launch configs. GEMV: (rows BN, K tile BK (e4m3 elements), warps) per weight class (the classes of
 # triton_gemv.gemv_config: lm_head-sized, >= 64 MB in bf16, K a multiple of 1024, N >= 4096, other).
 # moe_up: (rows BI, K tile BK, warps, splits of D); moe_down: (rows BD, slots SB, I tile BI, warps, split over
-# slot groups); by hidden size: "small" D < 4096 (lite), "large" (V3.2). From benchmarks/micro_fp8.py and
-# decode_speed.py --tune on the H200 (benchmarks/results/h200-2026-11-30-fp8-b.md, h200-2026-12-01-fp8-c.md):
-# moe_down split one slot per program (lite micro 13.2 -> 9.0 us, V3.2 45 -> 40 us); moe_up split over D measured
-# slower at both shapes (kept as an option, 1 = off).
+# slot groups); by hidden size: "small" D < 4096 (lite), "large" (V3.2). Chosen with benchmarks/micro_fp8.py and
+# decode_speed.py --tune on the H200: moe_down split one slot per program; moe_up split over D is kept as an
+# option (1 = off), slower at both shapes.
 FP8_GEMV_CFG = {
     "head": (16, 512, 8),
     "large": (8, 1024, 4),

@@ -202,7 +202,7 @@ def _mla_prep_kernel(
 
 # Latent columns per W_UK program of mla_prep (programs: heads x L / BC): bf16 kv_b, FP8 kv_b.
 PREP_BC = 128
-PREP_BC_FP8 = 128  # 64: no better in the whole step (decode_speed --tune, 2026-12-01)
+PREP_BC_FP8 = 128  # 64 is no better in the whole step (decode_speed --tune)
 
 
 def mla_prep(

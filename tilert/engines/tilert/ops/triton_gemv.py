@@ -103,7 +103,7 @@ def _gemv_kernel(
         tl.store(y_ptr + row * stride_ym + offs_n, y, mask=nmask)
 
 
-RSTD_MAX = 2048  # widest tile of the RMSNorm statistics (0: the kernel's K tile, as before 2026-12-01-fp8-d)
+RSTD_MAX = 2048  # widest tile of the RMSNorm statistics (0: the kernel's K tile)
 
 
 def rstd_block(K: int, bk: int) -> int:
@@ -111,8 +111,8 @@ def rstd_block(K: int, bk: int) -> int:
     return min(triton.next_power_of_2(K), RSTD_MAX) if RSTD_MAX else bk
 
 
-# (BN rows, BK, num_warps, num_stages) per weight class. Measured on the H200 (benchmarks/micro.py and
-# decode_speed.py --tune, 2026-11-29): tiny row blocks with long K tiles win for < 64 MB matrices (more
+# (BN rows, BK, num_warps, num_stages) per weight class, chosen on the H200 with benchmarks/micro.py and
+# decode_speed.py --tune: tiny row blocks with long K tiles win for < 64 MB matrices (more
 # programs in flight), 8 x 512 for large ones, 16 x 256 for the lm_head.
 HEAD_CFG = (16, 256, 4, 4)  # >= 512 MB (the lm_head, whole or a tensor-parallel rank's vocabulary rows)
 LARGE_CFG = (8, 512, 4, 3)  # >= 64 MB

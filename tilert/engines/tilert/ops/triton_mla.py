@@ -267,8 +267,8 @@ def _mla_combine_uv_kernel(
 
 # mla_decode with W_UV (mla_attention_uv): rows of W_UV per program by head count ("few": H <= 32; each
 # program merges its head's splits again, so many heads want fewer, wider programs), splits merged per step.
-UV_BV = {"few": 8, "many": 64}  # decode_speed --tune 2026-12-01: layer-v32 22 us faster at 64 than 32; lite 8 us
-# faster at 8 than 16 (twice the programs, each reading its head's partials)
+UV_BV = {"few": 8, "many": 64}  # chosen with decode_speed --tune (few heads: twice the programs, each reading its
+# head's partials)
 UV_SB = 4
 # Merge + W_UV reads every split's partial in one request when the splits (padded to a power of two) are at most
 # this many (ONE_READ; 8 warps above 32, to keep the [splits, L] fp32 tile at 128 registers a thread); 0: off.
@@ -278,15 +278,15 @@ UV_ONE_READ_MAX = 64
 # where the padded 128 would not be read at once at all); False: one padded tile.
 UV_TAIL = True
 # Over UV_ONE_READ_MAX splits (an engine sized for a long cache): the merge loops only to the query's last split
-# with rows (LIVE_LOOP; bit-identical, h200-2026-12-01-capacity.md); False: over every split (the loop before).
+# with rows (LIVE_LOOP; bit-identical); False: over every split.
 UV_LIVE_LOOP = True
 
 
 # Fewest cache rows one split of the dense kernel takes: short contexts use fewer, fuller splits.
-DENSE_MIN_TOKENS_PER_SPLIT = 32  # 64 was 0.05 ms slower per lite-v32 step at 1K (decode_speed --tune)
+DENSE_MIN_TOKENS_PER_SPLIT = 32  # chosen with decode_speed --tune
 # Dense: at most one split per this many cache rows (of the whole cache: the graph serves every context); by
-# head blocks ("one": H <= 16, lite; "many": V3.2's 128 heads). decode_speed --tune, 2026-12-01: lite 1K 36 us
-# faster at 32 than 64 (17 -> 33 splits); V3.2 18 us slower at 32 (its merge reads every split). Below 32 the
+# head blocks ("one": H <= 16, lite; "many": V3.2's 128 heads, whose merge reads every split; chosen with
+# decode_speed --tune). Below 32 the
 # split's tile (BLOCK_T) and fewest rows (DENSE_MIN_TOKENS_PER_SPLIT) shrink to it.
 DENSE_CAP_ROWS = {"one": 32, "many": 64}
 # The split kernel works out its rows before the PDL wait (_mla_split_kernel's EARLY); False: after it.
@@ -562,7 +562,7 @@ def indexer_scores(
 
 
 # "radix" (default): triton_topk's multi-program radix select, pass 1 fused into the score kernel;
-# "torch": torch.topk (~44 us per row on the H200 whatever S; kept to compare side by side).
+# "torch": torch.topk (kept to compare side by side).
 TOPK_IMPL = "radix"
 
 

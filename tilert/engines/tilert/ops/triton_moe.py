@@ -18,8 +18,8 @@ Shared experts fold in as extra slots: stack them after the routed experts (``w1
 ids ``E + s`` with weight 1.0 (an MLP with intermediate 2*I equals two MLPs of I on its halves). A dense
 MLP is the same with one slot. ``router_select`` does sigmoid + bias + group-limited top-k + normalise +
 scale for one token in one program, reading fp32 split-K partial logits from ``triton_gemv.gemv``;
-(Doing that selection inside every ``moe_up`` program instead, to save the launch, measured 4% slower on
-the H200: it sits on every program's path to its first weight load.) The engine's path, :func:`router`, runs the
+(Doing that selection inside every ``moe_up`` program instead, to save the launch, is slower: it sits on every
+program's path to its first weight load.) The engine's path, :func:`router`, runs the
 split-K gate GEMV and the selection in one launch instead: the last of a token's GEMV programs to finish (a
 counter, as ``triton_fp8``'s split reductions) selects, from the partials summed in split order.
 """
@@ -161,11 +161,9 @@ def _moe_down_kernel(
 # By expert width (``"narrow"``: I <= 1024, e.g. a tensor-parallel rank's slice of V3.2's 2048): best of the
 # micro.py sweeps on the H200 for lite and V3.2 shapes and of ``decode_speed.py --tune`` / ``tp_decode.py
 # --sections real,tune``, which re-time variants in the whole captured step.
-# moe_up (rows, K tile, warps, stages); narrow: the TP2 V3.2 step 37 us faster than the wide one (2026-11-30).
+# moe_up (rows, K tile, warps, stages).
 UP_CFG = {"wide": (8, 512, 4, 4), "narrow": (8, 1024, 4, 3)}
-# moe_down (rows, I tile, warps, stages); wide: the lite-v32 step 0.14 ms faster than (2, 1024, 4, 3) (2026-11-29);
-# narrow: the TP2 V3.2 step 62 us faster than the wide one (2026-11-30; unrolling the (slot, chunk) loop instead
-# of the software pipeline: 22 us slower there, 5 us faster in the one-GPU step).
+# moe_down (rows, I tile, warps, stages); the software pipeline over the (slot, chunk) loop, not an unrolled loop.
 DOWN_CFG = {"wide": (1, 2048, 4, 3), "narrow": (1, 1024, 4, 4)}
 
 
@@ -547,7 +545,7 @@ def _route_cg(
 
 
 ROUTER_SPLIT = 8  # the router GEMV's split_k (as the separate GEMV + router_select had it)
-ROUTER_WARPS = 0  # warps per router program (0: the bf16 GEMV's); 1 measured the same on lite (--tune)
+ROUTER_WARPS = 0  # warps per router program (0: the bf16 GEMV's)
 
 
 def router(
