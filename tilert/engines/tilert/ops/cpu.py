@@ -21,8 +21,8 @@ is bit for bit each sequence's step alone. Up to ``ROWWISE_MAX`` rows the produc
 experts run in the native kernels (:mod:`.native`, ``native/rows.c``): one fixed floating-point chain per output,
 each weight read once for all rows, every sequence's attention in one call, each chosen expert once over the rows
 that chose it; they also replace most of a step's hundreds of small ATen calls, which on a small model cost more
-than the arithmetic. Where the native kernels cannot be built (no C compiler, ``TILERT_CPU_NATIVE=0``) or the weights are
-FP8, ATen computes, row-invariant the slow way: CPU BLAS is not batch-invariant across row counts (MKL's sgemm of
+than the arithmetic. Where the native kernels cannot be built (no C compiler, ``TILERT_CPU_NATIVE=0``) or the
+weights are FP8, ATen computes, row-invariant the slow way: CPU BLAS is not batch-invariant across row counts (MKL's sgemm of
 1 row, of 2-3 rows and of 4+ rows round differently), so products with several rows run as a batch of one-row
 products (:func:`_linear`: ``bmm`` of ``[n, 1, K]`` rows against the weight broadcast, which MKL computes as
 ``n`` one-row products, the same rounding as ``F.linear`` of one row), and what reads a row's own cache rows
