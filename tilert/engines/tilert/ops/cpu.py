@@ -2,13 +2,13 @@
 (:mod:`.native`) and fewer, larger ATen calls, called *directly* by the model on CPU (``Transformer.use_kernels(cpu)``,
 set by the engine), not through the ``torch.library`` dispatcher.
 
-Why (``benchmarks/cpu_decode_speed.py`` measures it): at the tiny models' sizes a decode step's real arithmetic
-is a small part of the step; the rest is overhead. The dispatcher costs tens of microseconds per custom-op call;
-the reference kernels spend hundreds of small ATen calls per step (five for each RMSNorm, two RoPE rotations of
-seven ops per layer, the MoE weights gathered by copy, ...); and the reference attention and indexer read the
-whole static cache (``max_seq_len`` rows, masked) because they must keep static shapes for CUDA graphs. The CPU
-takes no graphs, so these kernels read the host position (a CPU tensor, no device sync) and touch only the cache
-rows up to the last position.
+Why (``benchmarks/cpu_decode_speed.py`` measures it): at the tiny models' sizes a decode step's real arithmetic is a
+small part of the step; the rest is overhead. The dispatcher costs tens of microseconds per custom-op call; the
+reference kernels spend hundreds of small ATen calls per step (five for each RMSNorm, two RoPE rotations of seven
+ops per layer, the MoE weights gathered by copy, ...); and the reference attention and indexer read the whole static
+cache (``max_seq_len`` rows, masked) because they must keep static shapes for CUDA graphs. The CPU takes no graphs,
+so these kernels read the host position (a CPU tensor, no device sync) and touch only the cache rows up to the last
+position.
 
 Each function has the signature of the op of the same name and agrees with the reference up to float32
 rounding (the engine's tests compare the fast path with transformers at 1e-4 and greedy tokens exactly;
@@ -16,23 +16,23 @@ rounding (the engine's tests compare the fast path with transformers at 1e-4 and
 (dtypes other than float32, shapes of no decode step) go to the reference.
 
 **Row-invariant**: every kernel gives each row exactly what it gives that row alone, whatever the row count, so a
-decode step over the rows of several sequences (``TileRTEngine.decode_step``: one model call, flat cache rows)
-is bit for bit each sequence's step alone. Up to ``ROWWISE_MAX`` rows the products, norms, attention, router and
-experts run in the native kernels (:mod:`.native`, ``native/rows.c``): one fixed floating-point chain per output,
-each weight read once for all rows, every sequence's attention in one call, each chosen expert once over the rows
-that chose it; they also replace most of a step's hundreds of small ATen calls, which on a small model cost more
-than the arithmetic. Where the native kernels cannot be built (no C compiler, ``TILERT_CPU_NATIVE=0``) or the
-weights are FP8, ATen computes, row-invariant the slow way: CPU BLAS is not batch-invariant across row counts (MKL's sgemm of
-1 row, of 2-3 rows and of 4+ rows round differently), so products with several rows run as a batch of one-row
-products (:func:`_linear`: ``bmm`` of ``[n, 1, K]`` rows against the weight broadcast, which MKL computes as
-``n`` one-row products, the same rounding as ``F.linear`` of one row), and what reads a row's own cache rows
-(attention, the indexer) or its own experts loops over the rows. A transcendental element-wise function over a
-*contiguous* block of several rows runs row by row too (:func:`_each_row`; the router's sigmoid): ATen computes
-a tensor's elements in SIMD blocks and its last, partial block with scalar code of another rounding, so where a
-row's width is not a multiple of the block an element's value depends on ``n`` (the router's 8 scores on an AVX2
-host: one row is all scalar tail, two rows one full block). Over a strided view (the SwiGLU's gate half) ATen
-already walks row by row. Only a step of one sequence's several tokens
-(a prompt, an MTP verification) needs no such match; over ``ROWWISE_MAX`` rows (a prompt) the kernels batch.
+decode step over the rows of several sequences (``TileRTEngine.decode_step``: one model call, flat cache rows) is bit
+for bit each sequence's step alone. Up to ``ROWWISE_MAX`` rows the products, norms, attention, router and experts run
+in the native kernels (:mod:`.native`, ``native/rows.c``): one fixed floating-point chain per output, each weight read
+once for all rows, every sequence's attention in one call, each chosen expert once over the rows that chose it; they
+also replace most of a step's hundreds of small ATen calls, which on a small model cost more than the arithmetic.
+Where the native kernels cannot be built (no C compiler, ``TILERT_CPU_NATIVE=0``) or the weights are FP8, ATen
+computes, row-invariant the slow way: CPU BLAS is not batch-invariant across row counts (MKL's sgemm of 1 row, of 2-3
+rows and of 4+ rows round differently), so products with several rows run as a batch of one-row products
+(:func:`_linear`: ``bmm`` of ``[n, 1, K]`` rows against the weight broadcast, which MKL computes as ``n`` one-row
+products, the same rounding as ``F.linear`` of one row), and what reads a row's own cache rows (attention, the
+indexer) or its own experts loops over the rows. A transcendental element-wise function over a *contiguous* block of
+several rows runs row by row too (:func:`_each_row`; the router's sigmoid): ATen computes a tensor's elements in SIMD
+blocks and its last, partial block with scalar code of another rounding, so where a row's width is not a multiple of
+the block an element's value depends on ``n`` (the router's 8 scores on an AVX2 host: one row is all scalar tail, two
+rows one full block). Over a strided view (the SwiGLU's gate half) ATen already walks row by row. Only a step of one
+sequence's several tokens (a prompt, an MTP verification) needs no such match; over ``ROWWISE_MAX`` rows (a prompt)
+the kernels batch.
 
 Block-FP8 weights (``fp8.py``) are dequantised exactly (``fp8.dequant``) right before use, one weight (one
 expert) at a time: the model stays FP8 in memory.
