@@ -167,9 +167,7 @@ class RequestFlow:
         cfg = self.ctx.config
         overflow = self.choice.overflow and self.ctx.native_healthy and cfg.overflow_wait_s is not None
         wait = (
-            min(cfg.overflow_wait_s, cfg.queue_timeout_s)
-            if overflow and cfg.overflow_wait_s is not None
-            else (cfg.queue_timeout_s)
+            min(cfg.overflow_wait_s, cfg.queue_timeout_s) if overflow and cfg.overflow_wait_s else cfg.queue_timeout_s
         )
         self._to(FlowState.QUEUED, queue_depth=self.ctx.pool.queue_depth)
         sampling = self._sampling()
@@ -203,32 +201,39 @@ class RequestFlow:
             if finish is not None:
                 await self.answer_from_prefill(out, lease, shape, pre, finish)
                 return
-            self._to(
-                FlowState.DECODING,
-                node=self.node_name,
-                slot=lease.slot,
-                first_token_id=pre.first_token_id,
-                prompt_tokens=pre.prompt_tokens,
-            )
-            request = c.DecodeRequest(self.transfer_id, pre.first_token_id, pre.prompt_tokens, sampling)
-            loop = TokenLoop(
-                self.ctx.tokenizer.tokenizer,
-                pre.prompt_token_ids,
-                pre.first_token_id,
-                pre.text,
-                self.plan.stop,
-                self.plan.include_stop_str_in_output,
-                self.plan.skip_special_tokens,
-            )
-            # The node checked the sampling with the reserve; when its context also holds the request, it cannot
-            # refuse the decode request for anything the client sent: stream prefill's token before asking.
-            early = lease.fits(pre.prompt_tokens, sampling.max_tokens)
-            if early:
+            await self._decode(out, lease, shape, pre, sampling)
+
+    async def _decode(
+        self, out: ClientOutput, lease: NodeLease, shape: ResponseShape, pre: PrefillResult, sampling: c.Sampling
+    ) -> None:
+        """The prefill's first token to the client, then the node's decode stream."""
+        self._to(
+            FlowState.DECODING,
+            node=self.node_name,
+            slot=lease.slot,
+            first_token_id=pre.first_token_id,
+            prompt_tokens=pre.prompt_tokens,
+        )
+        request = c.DecodeRequest(self.transfer_id, pre.first_token_id, pre.prompt_tokens, sampling)
+        plan = self.plan
+        loop = TokenLoop(
+            self.ctx.tokenizer.tokenizer,
+            pre.prompt_token_ids,
+            pre.first_token_id,
+            pre.text,
+            plan.stop,
+            plan.include_stop_str_in_output,
+            plan.skip_special_tokens,
+        )
+        # The node checked the sampling with the reserve; when its context also holds the request, it cannot
+        # refuse the decode request for anything the client sent: stream prefill's token before asking.
+        early = lease.fits(pre.prompt_tokens, sampling.max_tokens)
+        if early:
+            await self._first_chunk(out, shape, pre, loop)
+        async with lease.client.decode(request) as lines:
+            if not early:  # a refusal above is still the client's HTTP error, before any byte
                 await self._first_chunk(out, shape, pre, loop)
-            async with lease.client.decode(request) as lines:
-                if not early:  # a refusal above is still the client's HTTP error, before any byte
-                    await self._first_chunk(out, shape, pre, loop)
-                await self._relay(out, lease, shape, pre, loop, lines)
+            await self._relay(out, lease, shape, pre, loop, lines)
 
     async def _overflow(self, out: ClientOutput, refused: RouterError) -> None:
         """No TileRT slot within overflow_wait_s: the native pool serves the request instead of a 429."""

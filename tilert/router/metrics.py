@@ -67,107 +67,85 @@ class RouterMetrics:
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
-        r, m = self.registry, ["model_name"]
-        self._ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
-            "Arrival at the router to the first token sent to the client.",
-            m + ["route", "pool"],
-            buckets=TIME_TO_FIRST_TOKEN_BUCKETS,
-            registry=r,
-        )
-        self._e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
-            "Arrival at the router to the request's end, failures included.",
-            m + ["route", "pool"],
-            buckets=REQUEST_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self._tpot = Histogram(
-            PREFIX + "request_time_per_output_token_seconds",
-            "Per request: (e2e - ttft) / (generation tokens - 1), as vLLM defines it.",
-            m,
-            buckets=INTER_TOKEN_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self._itl = Histogram(
-            PREFIX + "inter_token_latency_seconds",
-            "Time between decode tokens arriving at the router (a batch's gap split evenly).",
-            m,
-            buckets=INTER_TOKEN_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self._running = Gauge(
-            PREFIX + "num_requests_running",
-            "Requests admitted and not finished (queued for a slot, prefilling or decoding).",
-            m,
-            registry=r,
-        )
-        self._waiting = Gauge(PREFIX + "num_requests_waiting", "Requests queued for a decode slot.", m, registry=r)
-        self._success = Counter(
-            PREFIX + "request_success",
-            "Finished requests by finished_reason (stop, length, abort, error).",
-            m + ["finished_reason"],
-            registry=r,
-        )
-        self._requests = Counter(
-            PREFIX + "requests",
-            "Every request by route and outcome (failures included).",
-            m + ["route", "outcome", "pool"],
-            registry=r,
-        )
-        self._prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", m, registry=r)
-        self._generation_tokens = Counter(
-            PREFIX + "generation_tokens", "Completion tokens sent to clients.", m, registry=r
-        )
-        self._prompt_hist = Histogram(
-            PREFIX + "request_prompt_tokens",
-            "Prompt tokens per finished request.",
-            m,
-            buckets=TOKEN_COUNT_BUCKETS,
-            registry=r,
-        )
-        self._generation_hist = Histogram(
-            PREFIX + "request_generation_tokens",
-            "Completion tokens per finished request.",
-            m,
-            buckets=TOKEN_COUNT_BUCKETS,
-            registry=r,
-        )
-        self._queue = Histogram(
-            PREFIX + "request_queue_time_seconds", "Wait for a decode slot.", m, buckets=WAIT_BUCKETS, registry=r
-        )
-        self._prefill = Histogram(
-            PREFIX + "request_prefill_time_seconds",
-            "Prefill round trip to vLLM (max_tokens=1).",
-            m,
-            buckets=TIME_TO_FIRST_TOKEN_BUCKETS,
-            registry=r,
-        )
-        self._transfer = Histogram(
-            PREFIX + "kv_transfer_wait_seconds",
-            "Decode request sent to its first line (KV transfer wait + first step).",
-            m,
-            buckets=WAIT_BUCKETS,
-            registry=r,
-        )
-        self._slots = Gauge(
-            PREFIX + "decode_slots_in_use", "Decode slots this router holds, per node.", m + ["node"], registry=r
-        )
-        self._healthy = Gauge(
-            PREFIX + "decode_node_healthy", "1 while the decode node passes its health probe.", m + ["node"], registry=r
-        )
+        self._declare_latencies(["model_name"])
+        self._declare_counts(["model_name"])
         self._overflows = self._overflow_counter()
         # Series that exist from the start (a dashboard sees 0, not "no data").
         for metric in (self._running, self._waiting, self._prompt_tokens, self._generation_tokens, self._overflows):
             metric.labels(model_name)
 
-    def _overflow_counter(self) -> Counter:
-        return Counter(
-            PREFIX + "pool_overflows",
-            "TileRT-pool requests sent to the native pool for want of a decode slot.",
-            ["model_name"],
-            registry=self.registry,
+    def _declare_latencies(self, m: list[str]) -> None:
+        hist = self._histogram
+        self._ttft = hist(
+            "time_to_first_token_seconds",
+            "Arrival at the router to the first token sent to the client.",
+            m + ["route", "pool"],
+            TIME_TO_FIRST_TOKEN_BUCKETS,
         )
+        self._e2e = hist(
+            "e2e_request_latency_seconds",
+            "Arrival at the router to the request's end, failures included.",
+            m + ["route", "pool"],
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self._tpot = hist(
+            "request_time_per_output_token_seconds",
+            "Per request: (e2e - ttft) / (generation tokens - 1), as vLLM defines it.",
+            m,
+            INTER_TOKEN_LATENCY_BUCKETS,
+        )
+        self._itl = hist(
+            "inter_token_latency_seconds",
+            "Time between decode tokens arriving at the router (a batch's gap split evenly).",
+            m,
+            INTER_TOKEN_LATENCY_BUCKETS,
+        )
+        self._queue = hist("request_queue_time_seconds", "Wait for a decode slot.", m, WAIT_BUCKETS)
+        self._prefill = hist(
+            "request_prefill_time_seconds", "Prefill round trip to vLLM (max_tokens=1).", m, TIME_TO_FIRST_TOKEN_BUCKETS
+        )
+        self._transfer = hist(
+            "kv_transfer_wait_seconds",
+            "Decode request sent to its first line (KV transfer wait + first step).",
+            m,
+            WAIT_BUCKETS,
+        )
+
+    def _declare_counts(self, m: list[str]) -> None:
+        hist, count, gauge = self._histogram, self._counter, self._gauge
+        self._running = gauge(
+            "num_requests_running", "Requests admitted and not finished (queued for a slot, prefilling or decoding).", m
+        )
+        self._waiting = gauge("num_requests_waiting", "Requests queued for a decode slot.", m)
+        self._success = count(
+            "request_success",
+            "Finished requests by finished_reason (stop, length, abort, error).",
+            m + ["finished_reason"],
+        )
+        self._requests = count(
+            "requests", "Every request by route and outcome (failures included).", m + ["route", "outcome", "pool"]
+        )
+        self._prompt_tokens = count("prompt_tokens", "Prompt tokens of finished requests.", m)
+        self._generation_tokens = count("generation_tokens", "Completion tokens sent to clients.", m)
+        self._prompt_hist = hist("request_prompt_tokens", "Prompt tokens per finished request.", m, TOKEN_COUNT_BUCKETS)
+        self._generation_hist = hist(
+            "request_generation_tokens", "Completion tokens per finished request.", m, TOKEN_COUNT_BUCKETS
+        )
+        self._slots = gauge("decode_slots_in_use", "Decode slots this router holds, per node.", m + ["node"])
+        self._healthy = gauge("decode_node_healthy", "1 while the decode node passes its health probe.", m + ["node"])
+
+    def _histogram(self, name: str, doc: str, labels: list[str], buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+
+    def _counter(self, name: str, doc: str, labels: list[str]) -> Counter:
+        return Counter(PREFIX + name, doc, labels, registry=self.registry)
+
+    def _gauge(self, name: str, doc: str, labels: list[str]) -> Gauge:
+        return Gauge(PREFIX + name, doc, labels, registry=self.registry)
+
+    def _overflow_counter(self) -> Counter:
+        doc = "TileRT-pool requests sent to the native pool for want of a decode slot."
+        return self._counter("pool_overflows", doc, ["model_name"])
 
     # -- per request -------------------------------------------------------------------------------
     def first_token(self, route: str, seconds: float, pool: str = "tilert") -> None:
