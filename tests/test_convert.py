@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.checkpoints import checkpoint_shapes
 
 from tilert.engines.tilert import convert, st_io
 from tilert.engines.tilert.engine import TileRTEngine
@@ -54,18 +55,7 @@ def write_synthetic_checkpoint(out: Path, files: int = 4, **cfg_kw: Any) -> int:
     cfg.save_pretrained(out)
     with torch.device("meta"):
         model = tf.DeepseekV3ForCausalLM(cfg)
-    specs: dict[str, tuple[int, ...]] = {}
-    for name, t in model.state_dict().items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            e, two_i, d = t.shape
-            for j in range(e):
-                for proj in ("gate_proj", "up_proj"):
-                    specs[name.replace("gate_up_proj", f"{j}.{proj}.weight")] = (two_i // 2, d)
-        elif name.endswith("mlp.experts.down_proj"):
-            for j in range(t.shape[0]):
-                specs[name.replace("down_proj", f"{j}.down_proj.weight")] = tuple(t.shape[1:])
-        else:
-            specs[name] = tuple(t.shape)
+    specs = checkpoint_shapes(model)
     names = list(specs)
     per = math.ceil(len(names) / files)
     gen = torch.Generator().manual_seed(0)

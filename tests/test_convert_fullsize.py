@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.checkpoints import checkpoint_shapes
 
 from tilert.engines.tilert import converted, fp8, sharding, st_io, weights
 from tilert.engines.tilert.convert import LazyCheckpoint
@@ -46,18 +47,7 @@ def write_fp8_checkpoint(out: Path, files: int = 6) -> int:
     (out / "config.json").write_text(json.dumps(raw, indent=1))
     with torch.device("meta"):
         model = tf.DeepseekV32ForCausalLM(cfg)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for name, t in model.state_dict().items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            e, two_i, d = t.shape
-            for j in range(e):
-                for proj in ("gate_proj", "up_proj"):
-                    shapes[name.replace("gate_up_proj", f"{j}.{proj}.weight")] = (two_i // 2, d)
-        elif name.endswith("mlp.experts.down_proj"):
-            for j in range(t.shape[0]):
-                shapes[name.replace("down_proj", f"{j}.down_proj.weight")] = tuple(t.shape[1:])
-        else:
-            shapes[name] = tuple(t.shape)
+    shapes = checkpoint_shapes(model)
     last, mtp = f"model.layers.{n - 1}.", f"model.layers.{n}."
     d = cfg.hidden_size
     for name in list(shapes):

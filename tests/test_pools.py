@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import threading
 import time
 from collections.abc import Iterator
@@ -29,12 +28,10 @@ from urllib.parse import urlparse
 import httpx
 import psutil
 import pytest
-from openai import OpenAI
+from support.oracle import MAX_TOKENS, POOL_HEADER, router_answer, source_text
 from support.stack import Stack, free_port, start_stack, stop_stack, wait_healthy
-from transformers import AutoTokenizer
 
-MAX_TOKENS = 32
-POOL = "x-tilert-pool"
+POOL = POOL_HEADER
 
 
 class PoolsStack:
@@ -86,20 +83,14 @@ def pools_to_break(pools_stack: PoolsStack) -> Iterator[Stack]:
     yield stack
 
 
-def _source_text(n_tokens: int, model: Path, offset: int) -> str:
-    tok = AutoTokenizer.from_pretrained(model)
-    text = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()[offset:]
-    return str(tok.decode(tok(text, add_special_tokens=False)["input_ids"][:n_tokens]))
-
-
 def _prompts(model: Path) -> list[tuple[str, Any]]:
     return [
         ("completion", "def add(a, b):"),
-        ("completion", _source_text(300, model, 3000)),
+        ("completion", source_text(300, model, 3000)),
         (
             "chat",
             [
-                {"role": "user", "content": _source_text(120, model, 6000)},
+                {"role": "user", "content": source_text(120, model, 6000)},
                 {"role": "assistant", "content": "Noted."},
                 {"role": "user", "content": "import os"},
             ],
@@ -123,41 +114,6 @@ def _alone(stack: Stack, kind: str, prompt: Any, max_tokens: int = MAX_TOKENS) -
     return choice["token_ids"], choice["message"]["content"] if kind == "chat" else choice["text"]
 
 
-def _call(
-    url: str, model: Path, kind: str, prompt: Any, stream: bool, pool: str | None, max_tokens: int = MAX_TOKENS
-) -> tuple[list[int], str, dict[str, int], str | None]:
-    """Through the router with the OpenAI client: (token ids, text, usage, the x-tilert-pool header)."""
-    client = OpenAI(base_url=url + "/v1", api_key="unused", timeout=120, max_retries=0)
-    kwargs: dict[str, Any] = {
-        "model": str(model),
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": stream,
-        "extra_body": {"return_token_ids": True},
-        "extra_headers": {POOL: pool} if pool else None,
-    }
-    if stream:
-        kwargs["stream_options"] = {"include_usage": True}
-    api = client.chat.completions if kind == "chat" else client.completions
-    raw = api.with_raw_response.create(**({"messages": prompt} if kind == "chat" else {"prompt": prompt}), **kwargs)
-    served = raw.headers.get(POOL)
-    resp = raw.parse()
-    if not stream:
-        choice = resp.choices[0]
-        text = choice.message.content if kind == "chat" else choice.text
-        return list(choice.model_extra["token_ids"]), text or "", resp.usage.model_dump(), served
-    ids: list[int] = []
-    parts: list[str] = []
-    usage: dict[str, int] = {}
-    for chunk in resp:
-        if chunk.usage is not None:
-            usage = chunk.usage.model_dump()
-        for c in chunk.choices:
-            ids.extend((c.model_extra or {}).get("token_ids") or [])
-            parts.append((c.delta.content if kind == "chat" else c.text) or "")
-    return ids, "".join(parts), usage, served
-
-
 def _metrics(url: str) -> str:
     return httpx.get(url + "/metrics", timeout=10).text
 
@@ -169,7 +125,7 @@ def test_both_pools_token_identical_to_prefill_alone(pools: Stack, stream: bool)
         want_ids, want_text = _alone(pools, kind, prompt)
         assert len(want_ids) == MAX_TOKENS
         for pool in ("tilert", "vllm"):
-            ids, text, usage, served = _call(pools.router, pools.model, kind, prompt, stream, pool)
+            ids, text, usage, served = router_answer(pools.router, pools.model, kind, prompt, stream, pool=pool)
             assert served == pool
             assert (ids, text) == (want_ids, want_text), (pool, kind)
             assert usage["completion_tokens"] == MAX_TOKENS
@@ -188,12 +144,12 @@ def test_marked_native_and_plain_requests_at_once(pools: Stack) -> None:
     solo = [_alone(pools, kind, p) for kind, p in prompts]
     with ThreadPoolExecutor(max_workers=9) as ex:
         jobs = [
-            (ex.submit(_call, pools.router, pools.model, kind, p, stream, pool), i)
+            (ex.submit(router_answer, pools.router, pools.model, kind, p, stream, pool=pool), i)
             for i, (kind, p) in enumerate(prompts)
             for pool, stream in (("tilert", True), ("vllm", False))
         ]
         jobs += [
-            (ex.submit(_call, pools.router, pools.model, kind, p, True, "vllm"), i)
+            (ex.submit(router_answer, pools.router, pools.model, kind, p, True, pool="vllm"), i)
             for i, (kind, p) in enumerate(prompts)
         ]
         plain = [(ex.submit(_alone, pools, kind, p), i) for i, (kind, p) in enumerate(prompts)]
@@ -278,14 +234,14 @@ def test_routing_by_model_and_overflow_to_native(pools: Stack) -> None:
         _router(pools, "--pool-models", models, "--overflow-wait-s", "0.5", "--queue-timeout-s", "120") as a,
         _router(pools, "--queue-timeout-s", "0.5") as b,
     ):
-        ids, text, _, served = _call(a, pools.model, kind, prompt, True, None)
+        ids, text, _, served = router_answer(a, pools.model, kind, prompt, True)
         assert (ids, text, served) == (*want, "vllm")
-        ids, text, _, served = _call(a, pools.model, kind, prompt, False, "tilert")
+        ids, text, _, served = router_answer(a, pools.model, kind, prompt, False, pool="tilert")
         assert (ids, text, served) == (*want, "tilert")
         with _tilert_node_full(pools):
             for stream in (False, True):
                 t0 = time.monotonic()
-                ids, text, _, served = _call(a, pools.model, kind, prompt, stream, "tilert")
+                ids, text, _, served = router_answer(a, pools.model, kind, prompt, stream, pool="tilert")
                 assert (ids, text, served) == (*want, "vllm")
                 assert time.monotonic() - t0 < 60  # it did not wait out the 120 s queue timeout
             body = {"model": str(pools.model), "prompt": prompt, "max_tokens": 8}
@@ -449,7 +405,9 @@ def test_killing_native_decode_fails_its_stream_fast_and_spares_tilert(pools_to_
     # The stack keeps serving the TileRT pool; the native pool answers 503 at once.
     assert pools.proc.poll() is None
     kind, prompt = _prompts(pools.model)[0]
-    assert _call(pools.router, pools.model, kind, prompt, True, "tilert")[:2] == _alone(pools, kind, prompt)
+    assert router_answer(pools.router, pools.model, kind, prompt, True, pool="tilert")[:2] == _alone(
+        pools, kind, prompt
+    )
     t0 = time.monotonic()
     r2 = httpx.post(
         pools.router + "/v1/completions",

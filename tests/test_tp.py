@@ -20,6 +20,7 @@ import httpx
 import psutil
 import pytest
 import torch
+from support.ranks import run_ranks
 from support.stack import free_port, wait_healthy
 
 from tilert import auth
@@ -136,21 +137,7 @@ def test_two_ranks_equal_one_rank(ckpts: dict[str, Path]) -> None:
     """Logits within float32 rounding of the one-rank engine's (the ranks sum partials in another order) and
     the same greedy tokens, on every family, for every call the decode node makes."""
     states = {name: _prompt_state(ckpts[name]) for name in FAMILIES}
-    ctx = torch.multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    paths = {name: str(ckpts[name]) for name in FAMILIES}
-    procs = [ctx.Process(target=_rank, args=(r, port, paths, states, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = results.get(timeout=240)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    got = run_ranks(_rank, ({name: str(ckpts[name]) for name in FAMILIES}, states), timeout_s=240)
     for name in FAMILIES:
         torch.set_num_threads(1)
         ref = scenario(_load(ckpts[name]), _load(ckpts[name]).vocab_size, *states[name])

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.stack import free_port
+from support.ranks import run_ranks
 
 from tilert.engines.base import DecodeEngine
 from tilert.engines.tilert import fp8, parallel, sharding
@@ -121,21 +121,7 @@ def _rel(have: torch.Tensor, want: torch.Tensor) -> float:
 
 def test_fp8_two_ranks_equal_one_rank(cases: dict[str, tuple[Path, Path]]) -> None:
     """Two ranks loading ``tilert convert --tp 2`` shards decode what one rank decodes from the FP8 checkpoint."""
-    ctx = torch.multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    paths = {name: str(cases[name][1]) for name in CASES}
-    procs = [ctx.Process(target=_rank, args=(r, port, paths, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = results.get(timeout=360)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    got = run_ranks(_rank, ({name: str(cases[name][1]) for name in CASES},), timeout_s=360)
     torch.set_num_threads(1)
     for name in CASES:
         one = TileRTEngine.load(cases[name][0], device="cpu", dtype=torch.float32, max_seq_len=MAX_SEQ, max_sequences=2)

@@ -70,27 +70,48 @@ def vllm_alone(stack: Prefilling, kind: str, prompt: Any) -> tuple[list[int], st
     return choice["token_ids"], text, data["usage"]["prompt_tokens"]
 
 
+POOL_HEADER = "x-tilert-pool"
+
+
 def router_call(
     router: str, model: Path, kind: str, prompt: Any, stream: bool
 ) -> tuple[list[int], str, dict[str, int]]:
     """(token ids, text, usage) of the router's answer, through the OpenAI client, streamed or not."""
+    ids, text, usage, _ = router_answer(router, model, kind, prompt, stream)
+    return ids, text, usage
+
+
+def router_answer(
+    router: str,
+    model: Path,
+    kind: str,
+    prompt: Any,
+    stream: bool,
+    *,
+    pool: str | None = None,
+    max_tokens: int = MAX_TOKENS,
+) -> tuple[list[int], str, dict[str, int], str | None]:
+    """(token ids, text, usage, the pool that served it: the ``x-tilert-pool`` header) of the router's answer,
+    through the OpenAI client, streamed or not; ``pool`` asks for a pool with the same header."""
     client = OpenAI(base_url=router + "/v1", api_key="unused", timeout=120, max_retries=0)
     kwargs: dict[str, Any] = {
         "model": str(model),
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": max_tokens,
         "temperature": 0,
+        "stream": stream,
         "extra_body": {"return_token_ids": True},
+        "extra_headers": {POOL_HEADER: pool} if pool else None,
     }
     if stream:
         kwargs["stream_options"] = {"include_usage": True}
-    if kind == "chat":
-        resp = client.chat.completions.create(messages=prompt, stream=stream, **kwargs)
-    else:
-        resp = client.completions.create(prompt=prompt, stream=stream, **kwargs)
+    api = client.chat.completions if kind == "chat" else client.completions
+    raw = api.with_raw_response.create(**({"messages": prompt} if kind == "chat" else {"prompt": prompt}), **kwargs)
+    served = raw.headers.get(POOL_HEADER)
+    resp = raw.parse()
     if not stream:
         choice = resp.choices[0]
         text = choice.message.content if kind == "chat" else choice.text
-        return list(choice.model_extra["token_ids"]), text or "", resp.usage.model_dump()
+        return list(choice.model_extra["token_ids"]), text or "", resp.usage.model_dump(), served
     ids: list[int] = []
     parts: list[str] = []
     usage: dict[str, int] = {}
@@ -99,6 +120,5 @@ def router_call(
             usage = chunk.usage.model_dump()
         for choice in chunk.choices:
             ids.extend((choice.model_extra or {}).get("token_ids") or [])
-            piece = choice.delta.content if kind == "chat" else choice.text
-            parts.append(piece or "")
-    return ids, "".join(parts), usage
+            parts.append((choice.delta.content if kind == "chat" else choice.text) or "")
+    return ids, "".join(parts), usage, served
