@@ -38,6 +38,7 @@ import httpx
 import structlog
 
 from tilert.auth import SECRET_ENV, SECRET_FILE_ENV, generate_secret
+from tilert.contracts import ConnectorSettings
 from tilert.cpus import allowed_cpus, parse_cpu_list
 from tilert.decode.config import CTRL_PORT, DEFAULT_MAX_LEASE_S, DTYPES, ENGINE, HTTP_PORT, TRANSPORT
 from tilert.engines.plugin import NativeInstance, load_native_pool
@@ -188,7 +189,7 @@ def tilert_connector(cfg: StackConfig) -> dict[str, object]:
         "kv_connector": "TileRTConnector",
         "kv_connector_module_path": "tilert.connector",
         "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"tilert_transport": cfg.transport},
+        "kv_connector_extra_config": ConnectorSettings(transport=cfg.transport).to_extra(),
     }
 
 

@@ -165,10 +165,10 @@ class RequestFlow:
             await self._native(out)
             return
         cfg = self.ctx.config
-        overflow = self.choice.overflow and self.ctx.native_healthy and cfg.overflow_wait_s is not None
-        wait = (
-            min(cfg.overflow_wait_s, cfg.queue_timeout_s) if overflow and cfg.overflow_wait_s else cfg.queue_timeout_s
-        )
+        # None: no overflow to the native pool (0 is valid: overflow at once when no slot is free)
+        overflow_wait = cfg.overflow_wait_s if self.choice.overflow and self.ctx.native_healthy else None
+        overflow = overflow_wait is not None
+        wait = cfg.queue_timeout_s if overflow_wait is None else min(overflow_wait, cfg.queue_timeout_s)
         self._to(FlowState.QUEUED, queue_depth=self.ctx.pool.queue_depth)
         sampling = self._sampling()
         lease = NodeLease(
