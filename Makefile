@@ -10,17 +10,18 @@ PORT   ?= 8000
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
-	./scripts/bootstrap.sh
-	touch $(STAMP)
+	@./scripts/bootstrap.sh
+	@touch $(STAMP)
 
 $(MODEL)/config.json: | $(STAMP)
-	$(VENV)/bin/tilert tiny-model --arch deepseek_v3 --out $(MODEL) --seed 0
+	@TQDM_DISABLE=1 $(VENV)/bin/tilert tiny-model --arch deepseek_v3 --out $(MODEL) --seed 0 >/dev/null
+	@echo "tilert: built the tiny model $(MODEL)"
 
-# The whole stack on this machine with both decode pools (stock vLLM prefill under MultiConnector, the TileRT
-# decode node, a native vLLM decode instance, router), one streamed chat answer through each pool with the
-# OpenAI client, then serving on until Ctrl-C.
+# The whole stack on this machine (stock vLLM prefill, the TileRT decode node, the router), one greedy answer
+# through the TileRT pool and from vLLM alone, each with its time to first token and per-user speed, then serving
+# until Ctrl-C. `make demo NATIVE=1` adds the native vLLM decode pool (vLLM's MultiConnector + NixlConnector).
 demo: $(STAMP) $(MODEL)/config.json
-	$(PY) -m tilert.demo --model $(MODEL) --port $(PORT) --native
+	@$(PY) -m tilert.demo --model $(MODEL) --port $(PORT) $(if $(NATIVE),--native)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check tilert tests

@@ -1,7 +1,8 @@
 """Locust load test: streaming chat completions through the tilert router.
 
-    locust -f loadtest/locustfile.py --host http://127.0.0.1:23333 -u 8 -r 2 -t 2m --headless
+    .venv/bin/locust -f loadtest/locustfile.py --headless -u 8 -r 2 -t 2m
 
+The router is the one of ``tilert up`` / ``make demo`` unless ``--host`` names another.
 Env: TILERT_MODEL (default: first id from /v1/models), TILERT_API_KEY, TILERT_MAX_TOKENS (128),
 TILERT_PROMPT_WORDS (200). Besides the request itself it reports "TTFT" and "TPOT" pseudo-requests
 (milliseconds) so Locust's percentiles show them. A 429 from admission is counted as a failure named
@@ -15,6 +16,8 @@ import os
 import random
 import time
 from typing import Any
+
+from tilert.settings import LOOPBACK, UP_ROUTER_PORT
 
 try:
     from locust import HttpUser, between, task
@@ -41,6 +44,7 @@ def _prompt(n_words: int) -> str:
 
 
 class RouterUser(HttpUser):
+    host = f"http://{LOOPBACK}:{UP_ROUTER_PORT}"  # `tilert up`'s router; --host overrides it
     wait_time = between(0.1, 1.0)
 
     def on_start(self) -> None:

@@ -526,8 +526,8 @@ def test_decode_metrics_follow_vllm_names() -> None:
 # -- lazy app ------------------------------------------------------------------------------------------------
 
 
-def _python(code: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TILERT_")}
+def _python(code: str, **env_vars: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TILERT_")} | env_vars
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
 
 
@@ -548,9 +548,26 @@ def test_uvicorn_target_is_still_the_asgi_app() -> None:
         "app = getattr(pkg, 'app')\n"  # what `uvicorn tilert.router:app` does
         "assert isinstance(app, Starlette), type(app)\n"
         "import tilert.router.app as _  # loading the submodule of the same name keeps the attribute\n"
-        "assert pkg.app is app\n"
+        "assert pkg.app is app\n",
+        TILERT_ROUTER_PREFILL_URL="http://127.0.0.1:1",
+        TILERT_ROUTER_DECODE_NODES="127.0.0.1:2:3",
+        TILERT_ROUTER_MODEL_DIR=str(REPO),
+        TILERT_SECRET="s" * 32,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_uvicorn_target_refuses_a_config_it_cannot_start_with() -> None:
+    """What ``uvicorn tilert.router:app`` meets when the config cannot hold: the reason in one line, status 2, no
+    traceback (uvicorn imports the app before it serves)."""
+    proc = _python(
+        "import tilert.router\ntilert.router.app\n",
+        TILERT_ROUTER_CONFIG=str(REPO / "config" / "router.example.toml"),
+        TILERT_ROUTER_MODEL_DIR="/nonexistent/model",
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("tilert router: ") and "Traceback" not in proc.stderr, proc.stderr
+    assert "'/nonexistent/model' is not a directory" in proc.stderr and "no shared secret" in proc.stderr
 
 
 def test_allowed_cpus_is_the_cpuset_not_the_current_pinning() -> None:

@@ -5,6 +5,7 @@ vLLM generates alone (greedy, float32)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +14,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import httpx
+import orjson
 import pytest
 from openai import OpenAI
 from support.oracle import MAX_TOKENS, prompts, request_body, router_call, vllm_alone
@@ -153,20 +155,25 @@ def test_client_disconnect_cancels_decode_and_frees_slot(stack: Stack) -> None:
 
 @pytest.mark.stack
 def test_uvicorn_app_configured_by_file(stack: Stack, tmp_path: Path) -> None:
-    """``TILERT_ROUTER_CONFIG=file uvicorn tilert.router:app``, in front of the same prefill and decode node."""
+    """``TILERT_ROUTER_CONFIG=file uvicorn tilert.router:app``, in front of the same prefill and decode node, its
+    logs set up from the file (JSON here): every line of the process one JSON object with one timestamp format,
+    uvicorn's own lines included, the request's lines and its access line carrying its request id, and no access
+    line for a health check or a metrics scrape."""
     decode = urlparse(stack.decode)
     health = httpx.get(stack.decode + "/health", timeout=10).json()
     ctrl = int(health["ctrl_port"])
     config = tmp_path / "router.toml"
     config.write_text(
         f'prefill_url = "{stack.prefill}"\nmodel_dir = "{stack.model}"\n'
-        f'decode = ["{decode.hostname}:{ctrl}:{decode.port}"]\n'
+        f'decode = ["{decode.hostname}:{ctrl}:{decode.port}"]\nlog_format = "json"\n'
     )
     port = free_port()
     assert stack.secret_file is not None  # the secret `tilert up` was given for its stack
     env = {**os.environ, "TILERT_ROUTER_CONFIG": str(config), "TILERT_SECRET_FILE": str(stack.secret_file)}
     cmd = [sys.executable, "-m", "uvicorn", "tilert.router:app", "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen(cmd, env=env)
+    err = tmp_path / "router.err"
+    with open(err, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stderr=out)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc, 60)
@@ -174,9 +181,18 @@ def test_uvicorn_app_configured_by_file(stack: Stack, tmp_path: Path) -> None:
         want_ids, want_text, _ = vllm_alone(stack, "chat", prompt)
         got_ids, got_text, _ = router_call(url, stack.model, "chat", prompt, True)
         assert (got_ids, got_text) == (want_ids, want_text)
+        assert httpx.get(url + "/metrics", timeout=10).status_code == 200
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    lines = [orjson.loads(line) for line in err.read_text().splitlines()]  # every line JSON
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+Z", line["timestamp"]) for line in lines)
+    done = [line for line in lines if line["event"] == "request_done"]
+    assert len(done) == 1 and done[0]["outcome"] == "ok", lines
+    access = [line for line in lines if line.get("logger") == "uvicorn.access"]
+    assert [line["request_id"] for line in access] == [done[0]["request_id"]], access
+    assert any(line.get("logger") == "uvicorn.error" for line in lines), lines  # uvicorn's own, same format
+    assert not [line for line in access if "/health" in line["event"] or "/metrics" in line["event"]]
 
 
 @pytest.mark.stack

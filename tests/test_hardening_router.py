@@ -32,7 +32,7 @@ def _chat(stack: Stack, body: dict[str, Any], **kw: Any) -> httpx.Response:
 
 
 def _log_lines(stack: Stack) -> list[str]:
-    return stack.log.read_text(errors="replace").splitlines()
+    return stack.process_log("router").splitlines()
 
 
 def _assert_openai_error(resp: httpx.Response, status: int) -> dict[str, Any]:

@@ -8,14 +8,28 @@ import sys
 from pathlib import Path
 
 from tilert.decode.config import DecodeConfig, load_decode_config
-from tilert.logs import configure
+from tilert.logs import LogConfig, configure
 from tilert.plugins import PluginError
 from tilert.router.config import CONFIG_ENV, RouterConfig, load_router_config
-from tilert.settings import ConfigError, add_config_arguments, cli_values
+from tilert.settings import (
+    ConfigError,
+    add_config_arguments,
+    build_config,
+    cli_values,
+    env_values,
+    merge_values,
+)
 from tilert.stack import StackConfig, load_stack_config, run
 
 
+def _own_logs(args: argparse.Namespace) -> None:
+    """The log settings of a command that has no config class of its own (:class:`LogConfig`)."""
+    config = build_config(LogConfig, merge_values(LogConfig, [env_values(LogConfig), cli_values(LogConfig, args)]))
+    configure(config.log_level, config.log_format)
+
+
 def _tiny_model(args: argparse.Namespace) -> int:
+    _own_logs(args)
     from tilert.models.tiny import build_tiny_model  # lazy: torch, and the command's implementation
 
     out = build_tiny_model(args.arch, args.out, seed=args.seed)
@@ -24,6 +38,7 @@ def _tiny_model(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
+    _own_logs(args)
     from tilert.engines.tilert.convert import convert  # lazy: torch, and the command's implementation
 
     try:
@@ -49,6 +64,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
 
 def _decode(args: argparse.Namespace) -> int:
     config = decode_config(args)
+    configure(config.log_level, config.log_format)
     if config.tp > 1:  # one process per rank; this one serves as rank 0
         from tilert.decode.tp import serve_tp  # lazy: the command's implementation (torch, the engine)
 
@@ -62,9 +78,10 @@ def _decode(args: argparse.Namespace) -> int:
 
 def _router(args: argparse.Namespace) -> int:
     config = router_config(args)
+    configure(config.log_level, config.log_format)
     from tilert.router.app import serve  # lazy: the command's implementation (Starlette, uvicorn)
 
-    serve(config, log_level="warning")
+    serve(config)
     return 0
 
 
@@ -74,7 +91,9 @@ def up_config(args: argparse.Namespace) -> StackConfig:
 
 
 def _up(args: argparse.Namespace) -> int:
-    return run(up_config(args))
+    config = up_config(args)
+    configure(config.log_level, config.log_format)
+    return run(config)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -85,6 +104,7 @@ def parser() -> argparse.ArgumentParser:
     tiny.add_argument("--arch", required=True, choices=["deepseek_v3", "deepseek_v32", "glm_moe_dsa"])
     tiny.add_argument("--out", required=True, type=Path)
     tiny.add_argument("--seed", type=int, default=0)
+    add_config_arguments(tiny, LogConfig)
     tiny.set_defaults(func=_tiny_model)
 
     conv = sub.add_parser(
@@ -103,6 +123,7 @@ def parser() -> argparse.ArgumentParser:
         help="tensor-parallel ranks: one shard set per rank, what `tilert decode --tp N` loads",
     )
     conv.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_config_arguments(conv, LogConfig)
     conv.set_defaults(func=_convert)
 
     dec = sub.add_parser(
@@ -144,7 +165,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    configure()
+    configure()  # until the command has read its own log settings
     args = parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -1,12 +1,72 @@
-"""structlog set-up shared by tilert's processes: key=value lines (or JSON) on stderr."""
+"""Logs of every tilert process: one format, one timestamp, on stderr.
+
+Two settings, the same on every command (a flag of each command, and one environment variable for all):
+
+- ``--log-level`` / ``$TILERT_LOG_LEVEL``: ``debug``, ``info`` (default), ``warning``, ``error``;
+- ``--log-format`` / ``$TILERT_LOG_FORMAT``: ``console`` (default: ``key=value`` lines for people) or ``json``
+  (one JSON object a line, for a log shipper).
+
+tilert's own lines come from structlog with the request or transfer id bound to them; the lines of the libraries
+that log through :mod:`logging` (uvicorn's server and access logs) are rendered by the same processors, so a
+process writes one format with one timestamp (ISO 8601, UTC). uvicorn's access log leaves out the paths that are
+polled all the time (:data:`QUIET_PATHS`): a health check, a metrics scrape, the router's watch stream of a node.
+"""
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar, TextIO
 
 import structlog
+
+from tilert.settings import ConfigError, Setting
+
+LEVELS = ("debug", "info", "warning", "error")
+FORMATS = ("console", "json")
+LEVEL_ENV = "TILERT_LOG_LEVEL"
+FORMAT_ENV = "TILERT_LOG_FORMAT"
+
+CHATTY_LIBRARIES = ("httpx", "httpcore")  # a line per request they make, at info: warnings and up only
+QUIET_PATHS = ("/health", "/metrics", "/v1/watch")  # polled all the time: no access-log line
+
+
+def _choice(name: str, choices: tuple[str, ...]) -> Any:
+    def parse(value: Any) -> str:
+        text = str(value).strip().lower()
+        if text not in choices:
+            raise ConfigError(f"{name} must be one of {', '.join(choices)} ({value!r})")
+        return text
+
+    return parse
+
+
+LOG_LEVEL = Setting(
+    default="info",
+    env=LEVEL_ENV,
+    parse=_choice("the log level", LEVELS),
+    metavar="|".join(LEVELS),
+    help="the least severe log lines written",
+)
+LOG_FORMAT = Setting(
+    default="console",
+    env=FORMAT_ENV,
+    parse=_choice("the log format", FORMATS),
+    metavar="|".join(FORMATS),
+    help="console: key=value lines; json: one JSON object a line",
+)
+
+
+@dataclass
+class LogConfig:
+    """The log settings alone, for a command that has no config class of its own."""
+
+    ENV_PREFIX: ClassVar[str] = "TILERT_"
+
+    log_level: str = LOG_LEVEL.field()
+    log_format: str = LOG_FORMAT.field()
 
 
 class _CurrentStderr:
@@ -20,19 +80,74 @@ class _CurrentStderr:
         sys.stderr.flush()
 
 
-def configure(json_logs: bool | None = None, level: str | None = None) -> None:
-    json_logs = os.environ.get("TILERT_LOG_JSON", "0") == "1" if json_logs is None else json_logs
-    level_no = logging.getLevelName((level or os.environ.get("TILERT_LOG_LEVEL", "INFO")).upper())
-    renderer = structlog.processors.JSONRenderer() if json_logs else structlog.dev.ConsoleRenderer(colors=False)
+class QuietPaths(logging.Filter):
+    """Drops uvicorn access-log records of requests to ``paths`` (its record's arguments are client, method,
+    path with query, HTTP version, status)."""
+
+    def __init__(self, paths: Iterable[str] = QUIET_PATHS) -> None:
+        super().__init__()
+        self.paths = tuple(paths)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            return args[2].split("?", 1)[0] not in self.paths
+        return True
+
+
+def configure(level: str = "info", log_format: str = "console", file: TextIO | None = None) -> None:
+    """Set up this process's logs (both settings already checked: :data:`LOG_LEVEL`, :data:`LOG_FORMAT`), written
+    to ``file`` (unset: stderr)."""
+    out: Any = file if file is not None else _CurrentStderr()
+    level_no = getattr(logging, level.upper())
+    renderer: Any = (
+        structlog.processors.JSONRenderer() if log_format == "json" else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    stamp = structlog.processors.TimeStamper(fmt="iso", utc=True)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
+            stamp,
             structlog.processors.format_exc_info,
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(level_no if isinstance(level_no, int) else logging.INFO),
-        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]
-        cache_logger_on_first_use=True,
+        wrapper_class=structlog.make_filtering_bound_logger(level_no),
+        logger_factory=structlog.PrintLoggerFactory(file=out),
+        cache_logger_on_first_use=False,
     )
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+            foreign_pre_chain=[
+                structlog.contextvars.merge_contextvars,  # the request id of an access-log line
+                structlog.stdlib.add_log_level,
+                structlog.stdlib.add_logger_name,
+                stamp,
+            ],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level_no)
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):  # through the root's handler, at its level
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True
+        logger.setLevel(logging.NOTSET)
+    for name in CHATTY_LIBRARIES:
+        logging.getLogger(name).setLevel(max(level_no, logging.WARNING))
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, QuietPaths) for f in access.filters):
+        access.addFilter(QuietPaths())
+
+
+def vllm_access_log_args() -> list[str]:
+    """The flags that keep a stock vLLM server's access log as quiet as tilert's own (vLLM's OpenAI server)."""
+    return ["--disable-access-log-for-endpoints", ",".join(QUIET_PATHS)]
+
+
+def uvicorn_options() -> dict[str, Any]:
+    """What a tilert server passes to uvicorn so that :func:`configure`'s set-up stays in place."""
+    return {"log_config": None, "log_level": None, "access_log": True}

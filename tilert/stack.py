@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import IO, Any, ClassVar
 
 import httpx
 import structlog
@@ -42,6 +42,8 @@ from tilert.contracts import ConnectorSettings
 from tilert.cpus import allowed_cpus, parse_cpu_list
 from tilert.decode.config import CTRL_PORT, DEFAULT_MAX_LEASE_S, DTYPES, ENGINE, HTTP_PORT, TRANSPORT
 from tilert.engines.plugin import NativeInstance, load_native_pool
+from tilert.engines.vllm import CPU_COMPILATION_CONFIG
+from tilert.logs import FORMAT_ENV, LEVEL_ENV, LOG_FORMAT, LOG_LEVEL, configure, vllm_access_log_args
 from tilert.plugins import PluginError
 from tilert.router.config import NATIVE_ENGINE, OVERFLOW_WAIT_S, RESERVE_LEASE_S, default_reserve_lease_s
 from tilert.settings import (
@@ -123,6 +125,14 @@ class StackConfig:
         help="run the decode node's engine in a process of its own (tilert decode --engine-process; unset: so on a "
         "CPU host, where the node's HTTP loop would otherwise hold the GIL the engine's step needs)",
     )
+    log_dir: Path | None = setting(
+        None,
+        metavar="DIR",
+        help="where each process of the stack writes its log (DIR/prefill.log, decode.log, router.log, up.log ...); "
+        "kept at exit (unset: a fresh directory under the system's temporary directory)",
+    )
+    log_level: str = LOG_LEVEL.field()
+    log_format: str = LOG_FORMAT.field()
     engine_cpus: str | None = setting(
         None,
         metavar="LIST",
@@ -179,9 +189,7 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-# vLLM 0.32's CPU rotary kernel mis-rotates MLA's strided q_pe/k_pe views (keys come out unrotated), so
-# DeepSeek models diverge from their definition; its PyTorch-native RoPE is exact.
-CPU_PREFILL_COMPILATION_CONFIG = {"custom_ops": ["-rotary_embedding"]}
+CPU_PREFILL_COMPILATION_CONFIG = CPU_COMPILATION_CONFIG  # vLLM's exact RoPE for MLA on CPU (see engines.vllm)
 
 
 def tilert_connector(cfg: StackConfig) -> dict[str, object]:
@@ -249,6 +257,7 @@ def prefill_command(cfg: StackConfig) -> list[str]:
         str(cfg.kv_cache_bytes),
         "--kv-transfer-config",
         json.dumps(kv_config),
+        *vllm_access_log_args(),
     ]
     if not _has_cuda():
         cmd += ["--compilation-config", json.dumps(CPU_PREFILL_COMPILATION_CONFIG)]
@@ -475,18 +484,13 @@ class Stack:
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         self.secret_file: Path | None = cfg.secret_file
         self._owns_secret = cfg.secret_file is None
-        self.urls = {
-            "prefill": _url(cfg.host, cfg.prefill_port),
-            "decode": _url(cfg.host, cfg.decode_http_port),
-            "router": _url(cfg.host, cfg.port),
-        }
+        self.log_dir = Path(cfg.log_dir) if cfg.log_dir is not None else fresh_log_dir()
+        self._log_files: list[IO[bytes]] = []
+        self.urls = {"prefill": _url(cfg.host, cfg.prefill_port)}
         if cfg.native:
-            self.urls = {
-                "prefill": self.urls["prefill"],
-                "native": _url(cfg.host, cfg.native_port),
-                "decode": self.urls["decode"],
-                "router": self.urls["router"],
-            }
+            self.urls["native"] = _url(cfg.host, cfg.native_port)
+        self.urls["decode"] = _url(cfg.host, cfg.decode_http_port)
+        self.urls["router"] = _url(cfg.host, cfg.port)  # last: it answers once the others are up
 
     def commands(self) -> dict[str, list[str]]:
         out = {"prefill": prefill_command(self.cfg)}
@@ -495,6 +499,18 @@ class Stack:
         out["decode"] = decode_command(self.cfg, self.plan)
         out["router"] = router_command(self.cfg)
         return out
+
+    def log_path(self, name: str) -> Path:
+        """The file process ``name`` (``up`` for ``tilert up`` itself) writes its log to."""
+        return self.log_dir / f"{name}.log"
+
+    def tail(self, name: str, lines: int = 20) -> str:
+        """The last ``lines`` lines of process ``name``'s log."""
+        try:
+            text = self.log_path(name).read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
 
     def extra_env(self, name: str) -> dict[str, str]:
         """Per child: the prefill's executor; in native mode both vLLM instances get the native pool's environment
@@ -514,7 +530,13 @@ class Stack:
         return self.secret_file
 
     def child_env(self) -> dict[str, str]:
-        return child_env(self.prepare_secret())
+        """:func:`child_env`, with this stack's log settings for every child (vLLM's level too)."""
+        return {
+            **child_env(self.prepare_secret()),
+            LEVEL_ENV: self.cfg.log_level,
+            FORMAT_ENV: self.cfg.log_format,
+            "VLLM_LOGGING_LEVEL": self.cfg.log_level.upper(),
+        }
 
     def cleanup(self) -> None:
         if self.secret_file is not None and self._owns_secret:
@@ -522,6 +544,7 @@ class Stack:
             self.secret_file = None
 
     def start(self) -> None:
+        """Start every child, each writing stdout and stderr to its own file under :attr:`log_dir`."""
         env, commands = self.child_env(), self.commands()
         envs = {name: {**env, **self.extra_env(name)} for name in commands}
         plan = self.plan
@@ -535,15 +558,22 @@ class Stack:
         )
         rest = plan.children
         pin = functools.partial(os.sched_setaffinity, 0, rest) if rest else None
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         for name, cmd in commands.items():
             log.info("starting", process=name, command=" ".join(cmd), cpus=CpuPlan.text(rest) or "any")
-            # Children log to stderr: stdout carries only the URL lines, for people and scripts.
+            out = open(self.log_path(name), "ab")  # closed by stop()
+            self._log_files.append(out)
             self.children[name] = subprocess.Popen(
-                cmd, env=envs[name], stdout=sys.stderr, start_new_session=True, preexec_fn=pin
+                cmd, env=envs[name], stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin
             )
 
-    def wait_healthy(self, should_stop: Callable[[], bool] = lambda: False) -> None:
-        deadline = time.monotonic() + self.cfg.startup_timeout_s
+    def wait_healthy(
+        self, on_ready: Callable[[str, str, float], object] = lambda *_: None, should_stop: Callable[[], bool] = bool
+    ) -> None:
+        """Until every child answers ``/health``; ``on_ready(name, url, seconds)`` as each does, the router last.
+        ``RuntimeError`` when a child exits, ``should_stop()`` turns true, or the start-up timeout passes."""
+        started = time.monotonic()
+        deadline = started + self.cfg.startup_timeout_s
         pending = dict(self.urls)
         with httpx.Client(timeout=2.0) as client:
             while pending:
@@ -552,17 +582,21 @@ class Stack:
                 for name, url in list(pending.items()):
                     code = self.children[name].poll()
                     if code is not None:
-                        raise RuntimeError(f"{name} exited with status {code} during start-up")
+                        raise ChildExited(name, code)
+                    if name == "router" and len(pending) > 1:
+                        continue
                     try:
-                        if client.get(url + "/health").status_code == 200:
-                            del pending[name]
-                            log.info("healthy", process=name, url=url)
+                        healthy = client.get(url + "/health").status_code == 200
                     except httpx.HTTPError:
-                        pass
+                        healthy = False
+                    if healthy:
+                        del pending[name]
+                        log.info("healthy", process=name, url=url)
+                        on_ready(name, url, time.monotonic() - started)
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"not healthy within {self.cfg.startup_timeout_s:.0f}s: {sorted(pending)}")
                 if pending:
-                    time.sleep(0.5)
+                    time.sleep(0.2)
 
     def first_exit(self, essential_only: bool = False) -> tuple[str, int] | None:
         for name, proc in self.children.items():
@@ -585,6 +619,23 @@ class Stack:
                 pass
             _signal_group(proc, signal.SIGKILL)  # reaps stragglers the leader left in its group
             proc.wait()
+        for out in self._log_files:
+            out.close()
+        self._log_files.clear()
+
+
+class ChildExited(RuntimeError):
+    """A child of the stack exited during start-up."""
+
+    def __init__(self, name: str, code: int) -> None:
+        super().__init__(f"{name} exited with status {code} during start-up")
+        self.name = name
+
+
+def fresh_log_dir() -> Path:
+    """A new directory for one run's logs under the system's temporary directory (kept at exit)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    return Path(tempfile.mkdtemp(prefix=f"tilert-up-{stamp}-"))
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
@@ -594,8 +645,21 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
         pass
 
 
+def _say(text: str, *, err: bool = False) -> None:
+    """One line for the person at the terminal (stdout: what scripts read; stderr: what went wrong)."""
+    print(text, file=sys.stderr if err else sys.stdout, flush=True)
+
+
+def _failed(stack: Stack, name: str, what: str) -> None:
+    """Say that process ``name`` failed, with the last lines of its log."""
+    _say(f"tilert up: {what}; the last lines of {stack.log_path(name)}:", err=True)
+    _say(stack.tail(name) or "(empty)", err=True)
+
+
 def run(cfg: StackConfig) -> int:
-    """Start, report the three URLs, serve until a signal or a child's death, then stop everything."""
+    """Start the stack, report each process when it is ready (``name: URL  ready in S s``, the router last), serve
+    until a signal or a child's death, then stop everything. The terminal gets nothing else unless something fails;
+    every process's log, this one's included (``up.log``), is a file under the stack's log directory."""
     try:
         cfg.validate()
     except ConfigError as exc:
@@ -609,9 +673,12 @@ def run(cfg: StackConfig) -> int:
             return 2
     try:
         stack = Stack(cfg)
-    except ValueError as exc:
+        stack.log_dir.mkdir(parents=True, exist_ok=True)
+    except (ValueError, OSError) as exc:
         print(f"tilert up: {exc}", file=sys.stderr)
         return 2
+    own_log = open(stack.log_path("up"), "a")  # closed when the stack has stopped
+    configure(cfg.log_level, cfg.log_format, file=own_log)
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -620,27 +687,31 @@ def run(cfg: StackConfig) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        _say(f"tilert up: starting {', '.join(stack.urls)}; logs in {stack.log_dir}/")
         stack.start()
         try:
-            stack.wait_healthy(lambda: stopping)
-        except RuntimeError as exc:
-            print(f"tilert up: {exc}", file=sys.stderr)
+            stack.wait_healthy(lambda n, url, s: _say(f"{n}: {url}  ready in {s:.1f} s"), lambda: stopping)
+        except ChildExited as exc:
+            _failed(stack, exc.name, str(exc))
             return 1
-        for name, url in stack.urls.items():
-            print(f"{name}: {url}", flush=True)
+        except RuntimeError as exc:
+            _say(f"tilert up: {exc}", err=True)
+            return 1
+        _say(f"tilert up: serving at {stack.urls['router']}/v1 (Ctrl-C stops every process)")
         native_reported = False
         while not stopping:
             dead = stack.first_exit(essential_only=True)
             if dead:
-                print(f"tilert up: {dead[0]} exited with status {dead[1]}; stopping the stack", file=sys.stderr)
+                _failed(stack, dead[0], f"{dead[0]} exited with status {dead[1]}; stopping the stack")
                 return 1
             native = stack.children.get("native")
             if native is not None and native.poll() is not None and not native_reported:
                 native_reported = True
-                log.warning(
-                    "native_decode_exited",
-                    status=native.returncode,
-                    effect="the TileRT pool keeps serving; the router answers 503 for the native pool",
+                _failed(
+                    stack,
+                    "native",
+                    f"native exited with status {native.returncode}; the TileRT pool keeps serving, the router "
+                    "answers 503 for the native pool",
                 )
             time.sleep(0.2)
         return 0
@@ -649,3 +720,5 @@ def run(cfg: StackConfig) -> int:
         stack.cleanup()
         for sig, handler in old.items():
             signal.signal(sig, handler)
+        configure(cfg.log_level, cfg.log_format)  # back to stderr before the file closes
+        own_log.close()

@@ -56,6 +56,13 @@ class Stack:
     native: str | None = None  # the native vLLM decode instance (``tilert up --native``)
     secret_file: Path | None = None  # the stack's secret (more nodes and routers can join it)
     fault_dir: Path | None = None  # the connector's test-only fault hook (tilert.connector.faults), armed here
+    log_dir: Path | None = None  # each process's own log (``tilert up --log-dir``): prefill.log, router.log ...
+
+    def process_log(self, name: str) -> str:
+        """The log of one process of the stack (``prefill``, ``decode``, ``router``, ``native``, ``up``)."""
+        assert self.log_dir is not None
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
 
 
 def start_stack(model: Path, log: Path, *extra: str, env: dict[str, str] | None = None) -> Stack:
@@ -73,7 +80,7 @@ def start_stack(model: Path, log: Path, *extra: str, env: dict[str, str] | None 
         *(sys.executable, "-m", "tilert.cli", "up", "--model", str(model)),
         *("--port", str(ports[0]), "--prefill-port", str(ports[1])),
         *("--ctrl-port", str(ports[2]), "--decode-http-port", str(ports[3])),
-        *("--secret-file", str(secret_file), *extra),
+        *("--secret-file", str(secret_file), "--log-dir", str(log.with_suffix("")), *extra),
     ]
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
@@ -84,12 +91,12 @@ def start_stack(model: Path, log: Path, *extra: str, env: dict[str, str] | None 
         line = proc.stdout.readline()
         if not line:
             break
-        name, _, url = line.strip().partition(": ")
+        name, _, rest = line.strip().partition(": ")
         if name in ("prefill", "native", "decode", "router"):
-            urls[name] = url
+            urls[name] = rest.split()[0]
     if len(urls) < 3:
         proc.kill()
-        pytest.fail(f"tilert up did not come up; log tail:\n{log.read_text()[-4000:]}")
+        pytest.fail(f"tilert up did not come up; log tail:\n{_tail(log)}")
     return Stack(
         proc,
         model,
@@ -100,6 +107,7 @@ def start_stack(model: Path, log: Path, *extra: str, env: dict[str, str] | None 
         native=urls.get("native"),
         secret_file=secret_file,
         fault_dir=fault_dir,
+        log_dir=log.with_suffix(""),
     )
 
 
@@ -123,7 +131,9 @@ def _alive(proc: psutil.Process) -> bool:
 
 
 def _tail(log: Path) -> str:
-    return log.read_text(errors="replace")[-3000:]
+    """The end of ``tilert up``'s own output, then of each of its processes' logs (``--log-dir``)."""
+    parts = [log, *sorted(log.with_suffix("").glob("*.log"))]
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in parts if p.exists())
 
 
 def _cmdline(proc: psutil.Process) -> str:
@@ -158,6 +168,11 @@ def stop_stack_checked(stack: Stack) -> None:
         except subprocess.TimeoutExpired:
             pytest.fail(f"tilert up still running {SHUTDOWN_TIMEOUT_S} s after SIGINT")
         assert code == 0, f"tilert up exited with status {code} on SIGINT; log tail:\n{_tail(stack.log)}"
+        assert stack.proc.stdout is not None
+        said = stack.proc.stdout.read().splitlines() + stack.log.read_text(errors="replace").splitlines()
+        assert [line for line in said if not line.startswith("tilert up: serving at ")] == [], (
+            f"tilert up wrote to its terminal while it served: {said}"
+        )
         try:
             wait_until(lambda: not any(_alive(p) for p in family), LEFTOVER_TIMEOUT_S, "no process of the stack left")
         except AssertionError:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from tilert.cpus import allowed_cpus, parse_cpu_list
+from tilert.logs import LOG_FORMAT, LOG_LEVEL
 from tilert.settings import (
     LOOPBACK,
     NODE_CTRL_PORT,
@@ -125,6 +126,8 @@ class DecodeConfig:
         1024, help="concurrent HTTP connections the node serves (uvicorn's limit_concurrency; 503 beyond)"
     )
     secret_file: str | None = SECRET_FILE.field()
+    log_level: str = LOG_LEVEL.field()
+    log_format: str = LOG_FORMAT.field()
     # Filled at load time from secret_file / $TILERT_SECRET_FILE / $TILERT_SECRET (tilert.auth.load_secret).
     secret: bytes = field(default=b"", repr=False)
 

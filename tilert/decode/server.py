@@ -58,6 +58,7 @@ from tilert.decode.metrics import DecodeMetrics
 from tilert.decode.sampling import DecodeParams
 from tilert.decode.slots import SlotError, SlotTable
 from tilert.engines.base import DecodeEngine
+from tilert.logs import uvicorn_options
 from tilert.models.checkpoint import eos_token_ids, sampling_defaults
 from tilert.plugins import load_transport
 
@@ -392,10 +393,10 @@ class DecodeNode:
                 self,
                 host=cfg.host,
                 port=cfg.http_port,
-                log_level="warning",
                 lifespan="off",
                 limit_concurrency=cfg.max_http_connections,
                 timeout_keep_alive=int(c.NODE_KEEPALIVE_S),
+                **uvicorn_options(),
             ),
             on_exit=lambda: loop.call_soon_threadsafe(self._stop_watches),
         )

@@ -310,8 +310,10 @@ def _follower_main(
     max_seq_len: int,
     max_sequences: int,
     allreduce: str,
+    log_level: str,
+    log_format: str,
 ) -> None:
-    configure()
+    configure(log_level, log_format)
     engine, channel = start_rank(
         Path(model), rank, size, port, device, getattr(torch, dtype), max_seq_len, max_sequences, allreduce
     )
@@ -366,6 +368,8 @@ def serve_tp(config: DecodeConfig) -> None:
                 config.max_seq_len,
                 config.sequences,
                 config.tp_allreduce,
+                config.log_level,
+                config.log_format,
             ),
         )
         for r in range(1, config.tp)

@@ -24,6 +24,7 @@ from typing import Any
 
 from tilert.contracts import NativeHandoff, NativePrefillParams
 from tilert.engines.plugin import NativeInstance, NativePool
+from tilert.logs import vllm_access_log_args
 
 __all__ = ["VllmNativePool"]
 
@@ -103,6 +104,7 @@ class VllmNativePool(NativePool):
             # (TileRTConnector is not SupportsHMA, and MultiConnector enables it only if every child is), so the
             # decode side must match, or every transfer fails with "NIXL compatibility hash mismatch".
             "--disable-hybrid-kv-cache-manager",
+            *vllm_access_log_args(),
         ]
         if cpu:
             cmd += ["--compilation-config", json.dumps(CPU_COMPILATION_CONFIG)]

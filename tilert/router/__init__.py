@@ -16,7 +16,15 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-from tilert.router.config import ConfigError, DecodeNodeSpec, RouterConfig, load_config, parse_decode_spec
+from tilert.logs import configure
+from tilert.router.config import (
+    ConfigError,
+    DecodeNodeSpec,
+    RouterConfig,
+    load_config,
+    load_config_from_env,
+    parse_decode_spec,
+)
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -29,11 +37,19 @@ if TYPE_CHECKING:
 class _RouterPackage(types.ModuleType):
     @property
     def app(self) -> Any:
+        """The app as ``uvicorn tilert.router:app`` loads it: its config read and checked now, with this process's
+        logs set up from it; a config it cannot start with ends the process with the reason (status 2)."""
         built = self.__dict__.get("_asgi_app")
         if built is None:
             from tilert.router.app import build_app  # lazy: the app is built when uvicorn asks for it
 
-            built = self.__dict__["_asgi_app"] = build_app()
+            try:
+                config = load_config_from_env().validate()
+            except ConfigError as exc:
+                print(f"tilert router: {exc}", file=sys.stderr)
+                raise SystemExit(2) from None
+            configure(config.log_level, config.log_format)
+            built = self.__dict__["_asgi_app"] = build_app(config)
         return built
 
     @app.setter

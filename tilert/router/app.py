@@ -17,6 +17,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from tilert.logs import uvicorn_options
 from tilert.router.config import RouterConfig, load_config_from_env
 from tilert.router.context import RouterContext
 from tilert.router.errors import RouterError, error_payload
@@ -233,7 +234,7 @@ def serve(config: RouterConfig, **uvicorn_kwargs: Any) -> None:
     """Run the router with uvicorn on ``config.host:config.port`` (blocking)."""
     import uvicorn
 
-    uvicorn.run(build_app(config), host=config.host, port=config.port, **uvicorn_kwargs)
+    uvicorn.run(build_app(config), host=config.host, port=config.port, **{**uvicorn_options(), **uvicorn_kwargs})
 
 
 __all__ = ["FlowResponse", "build_app", "serve"]

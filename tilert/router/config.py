@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 from urllib.parse import urlparse
 
 from tilert.contracts import NODE_BEAT_S
+from tilert.logs import LOG_FORMAT, LOG_LEVEL
 from tilert.settings import (
     LOOPBACK,
     ROUTER_PORT,
@@ -207,6 +208,8 @@ class RouterConfig:
         secret_env=PREFILL_API_KEY_ENV,
     )
     secret_file: str | None = SECRET_FILE.field()
+    log_level: str = LOG_LEVEL.field()
+    log_format: str = LOG_FORMAT.field()
     queue_timeout_s: float = setting(30.0, help="FIFO wait for a decode slot before 429")
     max_queue: int = setting(256, help="requests waiting beyond this get 429 at once")
     retry_after_s: int = setting(1, help="Retry-After of a 429/503")
