@@ -236,7 +236,7 @@ def check_indexer(dev, small):
 
 
 def bitwise(name, batched, alone):
-    ok = all(torch.equal(a, b) for a, b in zip(batched, alone)) and len(batched) == len(alone)
+    ok = all(torch.equal(a, b) for a, b in zip(batched, alone, strict=False)) and len(batched) == len(alone)
     RESULTS.append((name, 0.0, 0.0, ok))
     print(f"{'PASS' if ok else 'FAIL'}  {name}", flush=True)
 
@@ -403,9 +403,9 @@ def check_moe(dev, small):
     ]  # the last: a TP2 rank's half-width V3.2 experts (moe "narrow" configs)
     if small:
         cases = [(1, 8, 2, 1, 64, 48), (3, 8, 2, 1, 64, 48)]
-    for n, E, k, ns, D, I in cases:
-        w13 = rnd(E + ns, 2 * I, D, dev=dev, scale=D**-0.5)
-        w2 = rnd(E + ns, D, I, dev=dev, scale=I**-0.5)
+    for n, E, k, ns, D, inter in cases:
+        w13 = rnd(E + ns, 2 * inter, D, dev=dev, scale=D**-0.5)
+        w2 = rnd(E + ns, D, inter, dev=dev, scale=inter**-0.5)
         x = rnd(n, D, dev=dev)
         g = rnd(D, dev=dev, scale=0.2) + 1
         ids = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(n)])
@@ -413,7 +413,7 @@ def check_moe(dev, small):
         wts = torch.rand(n, k + ns, device=dev)
         want = ref.moe_experts(x, ids, wts, w13, w2)
         got = triton_moe.moe_experts(x, ids, wts, w13, w2)
-        report(f"moe_experts n={n} E={E}+{ns} k={k} D={D} I={I}", got, want)
+        report(f"moe_experts n={n} E={E}+{ns} k={k} D={D} I={inter}", got, want)
         xn = ref.rms_norm(x, g, 1e-6)
         r0 = rnd(n, D, dev=dev)
         r = r0.clone()
@@ -642,7 +642,7 @@ def check_registered(dev):
             report(f"op tilert::moe_partial apart, residual {base is not None} n={n} (cuda)", o1, o2)
         h1, h2 = hh.clone(), hh.clone()
         ids_b, wts_b = ops.moe_block(h1, g, 1e-6, gate, bias, 6, 1, 1, 1.0, True, 2, w13b, w2b)
-        same = all(set(a.tolist()) == set(b.tolist()) for a, b in zip(ids_b, ids_r))
+        same = all(set(a.tolist()) == set(b.tolist()) for a, b in zip(ids_b, ids_r, strict=False))
         report(
             f"op tilert::moe_block n={n} ids identical={same} (cuda): sorted routing weights",
             wts_b.sort(-1).values,
@@ -664,7 +664,7 @@ def check_registered(dev):
         kc2, ic2 = kc1.clone(), ic1.clone()
         got = ops.mla_prep(a_, b_, pos_, kvb, cs, sn, kvn, kc1, ikw, ikb, ic1, H, P, QL, Hi, 1e-6, 0.01)
         want = ref.mla_prep(a_, b_, pos_, kvb, cs, sn, kvn, kc2, ikw, ikb, ic2, H, P, QL, Hi, 1e-6, 0.01)
-        for nm, x1, x2 in zip(("q", "index_q", "index_w"), got, want):
+        for nm, x1, x2 in zip(("q", "index_q", "index_w"), got, want, strict=True):
             report(f"op tilert::mla_prep n={n} (cuda): {nm}", x1, x2)
         report(f"op tilert::mla_prep n={n} (cuda): kv rows", kc1[pos_], kc2[pos_])
         report(f"op tilert::mla_prep n={n} (cuda): index rows", ic1[pos_], ic2[pos_])
@@ -734,7 +734,7 @@ class decisions_pinned:
                 h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_group, route_scale, norm_topk, n_shared
             )
             ids, w = (t.to(h.device) for t in next(routes))
-            for r_own, r in zip(own.tolist(), ids.tolist()):
+            for r_own, r in zip(own.tolist(), ids.tolist(), strict=False):
                 self.n_route += 1
                 self.n_route_diff += set(r_own) != set(r)
             ref.moe_residual(h, norm_weight, eps, ids, w, w13, w2, s13, s2)
@@ -743,7 +743,7 @@ class decisions_pinned:
         def topk(*a, **k):
             own = self.orig[1](*a, **k)
             idx = next(tops)
-            for r_own, r in zip(own.tolist(), idx.tolist()):
+            for r_own, r in zip(own.tolist(), idx.tolist(), strict=False):
                 self.n_rows += len(r)
                 self.n_rows_diff += len(set(r_own) ^ set(r)) // 2
             return idx.to(own.device)
@@ -830,7 +830,8 @@ def check_engine_model(dev, small):
             )
             agree = float((got.argmax(-1).cpu() == want.argmax(-1)).float().mean())
             print(
-                f"      top-1 agreement {agree:.2f}; graphs captured: {sorted(k for k, v in e_gpu._graphs.items() if v)}",
+                f"      top-1 agreement {agree:.2f}; graphs captured: "
+                f"{sorted(k for k, v in e_gpu._graphs.items() if v)}",
                 flush=True,
             )
             report(
@@ -915,7 +916,8 @@ def check_engine_families(dev, small):
                     ref32 = cpu.forward(tok, p0)
                 same = torch.equal(got, eager)
                 report(
-                    f"{arch}: engine bf16 CUDA {label} vs fp32 reference (CUDA's choices){'' if same else ' GRAPH!=EAGER'}",
+                    f"{arch}: engine bf16 CUDA {label} vs fp32 reference (CUDA's choices)"
+                    f"{'' if same else ' GRAPH!=EAGER'}",
                     got,
                     ref32,
                     tol=5e-2 if same else -1,
@@ -1008,7 +1010,9 @@ def check_engine_mtp(dev, small):
     of one sequence, and sequence 2 of an engine holding 3 (flat rows, each token's first row as a graph input)
     while sequences 0 and 1 hold other prompts."""
     for n_seq, seq in ((1, 0), (3, 2)):
-        _check_engine_mtp(dev, small, n_seq, seq)
+        _check_engine_mtp(dev, small, n_seq, seq)  # its engine and model are freed on return
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def _check_engine_mtp(dev, small, n_seq, seq):
@@ -1063,7 +1067,7 @@ def _check_engine_mtp(dev, small, n_seq, seq):
                 got, drafted, accepted = spec(first, start, gen, k)
                 ok = got == plain
                 if not ok:
-                    j = next(i for i, (a, b) in enumerate(zip(got, plain)) if a != b)
+                    j = next(i for i, (a, b) in enumerate(zip(got, plain, strict=False)) if a != b)
                     print(f"      first difference at token {j}: spec {got[j]} vs plain {plain[j]}", flush=True)
                 RESULTS.append((f"mtp K={k} start={start}{tag}", 0.0, 0.0, ok))
                 print(
@@ -1097,9 +1101,6 @@ def _check_engine_mtp(dev, small, n_seq, seq):
                 f"greedy {g1.tolist()}{tag}",
                 flush=True,
             )
-    del eng, model
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def main():

@@ -12,7 +12,10 @@ shaped model) and thread count it prints:
 - a per-op breakdown: the time spent in each ``tilert::*`` op per step (reference vs ``ops.cpu``) and the rest
   (the model's own Python, embedding, slicing).
 
-Usage: ``python benchmarks/cpu_decode_speed.py [--configs tiny,small-v32] [--threads 1,2] [--json FILE]``.
+Usage: ``python benchmarks/cpu_decode_speed.py [--configs tiny,small-v32] [--threads 1,2] [--json FILE|DIR]``.
+Writes ``benchmarks/results/cpu-decode.json`` (``cpu-decode-sequences.json`` with ``--sequences``) unless ``--json``
+names another file or directory; ``{"recorded": <results_header's date, commit, machine, command>, "results":
+[...]}``.
 ``--sequences 1,2,4,8`` prints only the several-sequences table instead: one decode step over the rows of ``n``
 sequences (``decode_step_greedy``) with the native kernels and with ATen only, and the same rows one after the
 other, interleaved; ms per step, per-user and total tokens/s, and whether the arms gave the same tokens.
@@ -24,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import statistics
@@ -40,6 +42,7 @@ from typing import Any
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
+from results_header import recorded, result_path, write_json  # noqa: E402
 
 from tilert.engines.tilert import ops  # noqa: E402
 from tilert.engines.tilert.engine import TileRTEngine  # noqa: E402
@@ -361,7 +364,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--tiny-dir", default="")
-    p.add_argument("--json", default="")
+    p.add_argument(
+        "--json",
+        default="",
+        help="the JSON written: a FILE.json or a directory (default benchmarks/results/cpu-decode[-sequences].json)",
+    )
     p.add_argument(
         "--sequences",
         default="",
@@ -387,8 +394,9 @@ def main() -> None:
                     r = run_config(config, th, run, tiny_dir)
                     print_table(r)
                 results.append(r)
-    if a.json:
-        Path(a.json).write_text(json.dumps(results, indent=1, default=str))
+    bench = "decode-sequences" if a.sequences else "decode"
+    rec = recorded("cpu", torch=torch.__version__, cpus=os.cpu_count())
+    print(f"written: {write_json(result_path('cpu', bench, '.json', a.json or None), results, rec)}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,11 @@
 """Batch-1 decode speed of the TileRT ENGINE on one GPU (its model, CUDA ops, its CUDA graph) vs the roofline.
 
-    python3 benchmarks/decode_speed.py --out $OUT            (H200; writes decode_speed.json into --out)
+    python3 benchmarks/decode_speed.py --out $OUT            (H200; writes h200-decode-bf16.json into --out)
+
+Without ``--out`` it writes the current result, ``benchmarks/results/<machine>-<benchmark>.json``: the benchmark
+``decode-bf16`` (``decode-fp8`` when ``--weights`` has fp8, ``decode-tp8-rank`` for the rank configs,
+``decode-multiseq`` with ``--sequences``; ``--name`` sets it), the machine from the GPU (``h200``); the JSON starts
+with ``results_header``'s ``"recorded"`` (date, commit, machine, command).
 
 Configs (``engine_configs.py``): ``lite-v32`` (DeepSeek-V3.2 family, 16B: hidden 2048, 27 layers, 64 experts
 top-6 + 2 shared) and ``layer-v32`` (4 layers at the real DeepSeek-V3.2 dims). The engine model
@@ -44,6 +49,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
 from engine_configs import CONFIGS, CPU_REDUCE, RANK_CONFIGS, config_args, rank_args  # noqa: E402
+from results_header import machine_kind, recorded, result_path, write_json  # noqa: E402
 
 from tilert.engines.tilert.fast import CapturedFn  # noqa: E402
 from tilert.engines.tilert.model import ModelArgs  # noqa: E402
@@ -241,7 +247,7 @@ def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
         step = eng._spec_graphs.get((K, 1, sparse))
         assert step is not None, "the speculative step fell back to eager"
         tg = time_graph(step, iters=10, reps=3)
-        tw = wall_per_call(lambda: spec_call(K))
+        tw = wall_per_call(lambda K=K: spec_call(K))
         rates = {a: a / tw for a in (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0) if a <= K + 1}
         out["steps"][K] = dict(
             graph_ms=tg * 1e3, wall_ms=tw * 1e3, ratio_to_plain=tg / plain_graph_s, tok_s_at_accepted_len=rates
@@ -646,10 +652,17 @@ def cpu_smoke(out_dir: str, reduce: dict | None = None) -> list:
             log(f"[{name} reduced, CPU] ctx={ctx}: {t * 1e3:.1f} ms, {rows[-1]['bytes_per_step'] / 1e9:.3f} GB/step")
         spec = eng.speculative_greedy_step(77, contexts[-1], 2)  # the MTP layer's rank share runs
         assert 1 <= len(spec.tokens) <= 3
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "decode_speed_cpu_smoke.json"), "w") as f:
-        json.dump({"runs": rows}, f, indent=1, default=str)
+    write_json(os.path.join(out_dir, "decode_speed_cpu_smoke.json"), {"runs": rows}, recorded("cpu"))
     return rows
+
+
+def bench_name(args: argparse.Namespace) -> str:
+    """The benchmark a run of these flags records (the ``<benchmark>`` of its file name)."""
+    if args.sequences:
+        return "decode-multiseq"
+    if all(name in RANK_CONFIGS for name in args.configs.split(",")):
+        return "decode-tp8-rank"
+    return "decode-fp8" if "fp8" in args.weights.split(",") else "decode-bf16"
 
 
 def main():
@@ -658,7 +671,12 @@ def main():
 
         return tp_decode.main(sys.argv[1:])
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="a directory (or FILE.json) for the JSON (default: the current result in benchmarks/results/)",
+    )
+    ap.add_argument("--name", default=None, help="the benchmark's name in the file name (default: from the flags)")
     ap.add_argument("--configs", default="lite-v32,layer-v32")
     ap.add_argument("--contexts", default="1024,8192,32768")
     ap.add_argument("--no-breakdown", action="store_true")
@@ -670,7 +688,7 @@ def main():
         help="with --tune: only these rows (attribute or dict key names, comma separated)",
     )
     ap.add_argument("--no-mtp", action="store_true", help="skip lite-v32's MTP speculative-step timings")
-    ap.add_argument("--tf-json", default="", help="reuse transformers numbers from an earlier decode_speed.json")
+    ap.add_argument("--tf-json", default="", help="reuse transformers numbers from an earlier decode_speed.py JSON")
     ap.add_argument(
         "--transformers",
         default="",
@@ -702,7 +720,7 @@ def main():
     )
     args = ap.parse_args()
     if args.cpu_smoke:
-        return cpu_smoke(args.out)
+        return cpu_smoke(args.out or ".")
     TUNE_ONLY[:] = [x for x in args.tune_only.split(",") if x]
     import transformers
     import triton
@@ -730,10 +748,12 @@ def main():
     RESULT["transformers"] = {}
     RESULT["engine_model"] = {}
 
+    machine = machine_kind(gpus=1)
+    path = result_path(machine, args.name or bench_name(args), ".json", args.out)
+    rec = recorded(machine)
+
     def save():
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "decode_speed.json"), "w") as f:
-            json.dump(RESULT, f, indent=1, default=str)
+        write_json(path, RESULT, rec)
 
     if args.sequences:
         ns = [int(x) for x in args.sequences.split(",")]
@@ -754,7 +774,8 @@ def main():
         for r in RESULT["sequences"]:
             log(
                 f"{r['config']:<10} {r['ctx']:>6} {r['sequences']:>3} {r['graph_ms']:>8.3f} "
-                f"{r['per_user_tok_s']:>11.1f} {r['total_tok_s']:>12.1f} {r.get('per_user_vs_one', float('nan')):>7.2f} {r['wall_ms']:>8.3f} "
+                f"{r['per_user_tok_s']:>11.1f} {r['total_tok_s']:>12.1f} "
+                f"{r.get('per_user_vs_one', float('nan')):>7.2f} {r['wall_ms']:>8.3f} "
                 f"{r['wall_per_user_tok_s']:>16.1f}"
             )
         save()

@@ -46,11 +46,15 @@ CPU time per request and the router's per relayed token.
 
 This script is the command line; the work is in ``benchmarks/e2elib/`` (one module per concern).
 
+Every run writes ``NAME.json`` and ``NAME.md`` (their first lines: ``results_header``'s date, commit, machine
+and command): by default the current result, ``benchmarks/results/cpu-e2e`` or ``cpu-e2e-router-overhead``;
+``--out DIR`` / ``--name STEM`` put a run elsewhere (a smoke run, an experiment).
+
 Examples::
 
-    python benchmarks/e2e.py --out benchmarks/results                         # the full comparison
-    python benchmarks/e2e.py --concurrency 1,2 --rounds 1 --num-prompts 4      # a smoke run
-    python benchmarks/e2e.py --router-overhead --concurrency 1,64,512 --out benchmarks/results
+    python benchmarks/e2e.py                                                   # the full comparison
+    python benchmarks/e2e.py --concurrency 1,2 --rounds 1 --num-prompts 4 --out /tmp/e2e   # a smoke run
+    python benchmarks/e2e.py --router-overhead --concurrency 1,64,512
 """
 
 from __future__ import annotations
@@ -58,7 +62,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-from datetime import UTC, datetime
 from pathlib import Path
 
 from e2elib.conditions import DEFAULT_MODEL_DIR, conditions, ensure_model
@@ -67,6 +70,7 @@ from e2elib.overhead import run_overhead, serve_standin
 from e2elib.procs import supervised
 from e2elib.report import write_outputs
 from e2elib.targets import TARGETS
+from results_header import RESULTS_DIR
 
 from tilert import stack
 
@@ -160,8 +164,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--router-log-level", default=None, help="TILERT_LOG_LEVEL of the router (default: its own)")
     ap.add_argument("--startup-timeout-s", type=float, default=900.0)
     ap.add_argument("--bench-timeout-s", type=float, default=1800.0)
-    ap.add_argument("--out", type=Path, default=None, help="write NAME.json and NAME.md there")
-    ap.add_argument("--name", default=None, help="file name stem (default cpu-e2e[-router-overhead]-DATE)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="write NAME.json and NAME.md there (default: benchmarks/results/)"
+    )
+    ap.add_argument(
+        "--name", default=None, help="file name stem (default cpu-e2e or cpu-e2e-router-overhead: the current result)"
+    )
     ap.add_argument("--note", default=None, help="a line put at the top of the markdown (e.g. 'smoke run')")
     ap.add_argument("--log-dir", type=Path, default=None, help="server and bench logs (default: a temp dir)")
     ov = ap.add_argument_group("router overhead")
@@ -212,11 +220,9 @@ def main(argv: list[str] | None = None) -> int:
             fn()
     print()
     print(result["table"])
-    if args.out:
-        prefix = "cpu-e2e-router-overhead-" if args.router_overhead else "cpu-e2e-"
-        stem = args.name or prefix + datetime.now(UTC).strftime("%Y-%m-%d")
-        paths = write_outputs(result, args.out, stem, args.note)
-        print("\nwrote " + ", ".join(str(p) for p in paths))
+    stem = args.name or ("cpu-e2e-router-overhead" if args.router_overhead else "cpu-e2e")
+    paths = write_outputs(result, args.out or RESULTS_DIR, stem, args.note)
+    print("\nwrote " + ", ".join(str(p) for p in paths))
     print(f"logs: {args.log_dir}")
     return 0
 

@@ -1,7 +1,10 @@
 """KV handoff latency and throughput per transport, through the connector's real staging and sending path.
 
     .venv/bin/python benchmarks/handoff.py [--tokens 1024,8192,32768] [--transports tcp,mooncake,nixl]
-                                           [--reps 3] [--prefill-tok-s 16000] [--out FILE.md]
+                                           [--reps 3] [--prefill-tok-s 16000] [--out FILE.md|DIR]
+
+Writes ``benchmarks/results/cpu-handoff.md`` (``cpu-handoff-vllm.md`` with ``--vllm-only``) unless ``--out`` says
+otherwise; the file starts with its conditions (``results_header``).
 
 A realistic MLA layout (DeepSeek-V3: 576 bf16 values per token per layer, 61 layers: 70,272 bytes per token)
 is staged by the connector's own ``WorkerSide`` out of a paged cache laid out as vLLM's CPU_MLA keeps it
@@ -56,7 +59,6 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import date
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -69,6 +71,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 import anyio  # noqa: E402
 import structlog  # noqa: E402
 import torch  # noqa: E402
+from results_header import recorded, result_path, write_md  # noqa: E402
 
 from tilert import contracts as c  # noqa: E402
 from tilert.connector.scheduler import SchedulerSide  # noqa: E402
@@ -463,10 +466,6 @@ def _free_port() -> int:
 
 
 def conditions() -> str:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "?"
     cpu = next(
         (
             line.split(":", 1)[1].strip()
@@ -486,7 +485,7 @@ def conditions() -> str:
             pass
     load = os.getloadavg()
     return (
-        f"- date {date.today()}, git {commit} (plus the working tree), Python {platform.python_version()}, "
+        f"- Python {platform.python_version()}, "
         f"{', '.join(versions)}\n- CPU: {cpu}, {os.cpu_count()} cores, load average at the end "
         f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}; no GPU, no RDMA NIC\n"
         f"- env UCX_NET_DEVICES={os.environ.get('UCX_NET_DEVICES')}, MC_TRANSFER_TIMEOUT="
@@ -505,7 +504,13 @@ def main() -> None:
         default=16000.0,
         help="the stand-in forward's pace (tokens/s of the whole prefill)",
     )
-    ap.add_argument("--out", type=Path, default=None, help="write the table with its conditions (markdown)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the markdown table with its conditions: a FILE.md, or a directory for cpu-handoff[-vllm].md "
+        "(default: benchmarks/results/)",
+    )
     ap.add_argument("--vllm", action="store_true", help="also: stock vLLM's prefill latency, claimed vs unclaimed")
     ap.add_argument("--vllm-only", action="store_true", help="only the stock vLLM measurement")
     ap.add_argument("--vllm-reps", type=int, default=3)
@@ -563,24 +568,23 @@ def main() -> None:
         )
         for transport in transports:
             vllm_rows += run_vllm(transport, tokens, args.vllm_reps, args.vllm_model, split)
-    if args.out is not None:
-        cmd = "python benchmarks/handoff.py " + " ".join(sys.argv[1:])
-        title = f"# KV handoff on CPU: staging pool + layer-pipelined sending ({date.today()})"
-        text = f"{title}\n\n`{cmd}`\n\n{conditions()}\n"
-        if results:
-            text += (
-                f"- layout: DeepSeek-V3 MLA, {LAYERS} layers x {WIDTH} bf16 = {BPT:,} bytes per token; stand-in "
-                f"prefill {args.prefill_tok_s:g} tok/s; median of {args.reps}\n\n{HEADER}\n"
-                + "\n".join(r.row() for r in results)
-                + "\n"
-            )
-        if vllm_rows:
-            text += (
-                f"\nStock vLLM prefill (tiny DeepSeek-V3, float32, {TINY_BPT:,} bytes per token), median of "
-                f"{args.vllm_reps}{where}:\n\n{VLLM_HEADER}\n" + "\n".join(r.row() for r in vllm_rows) + "\n"
-            )
-        args.out.write_text(text)
-        print(f"\nwritten: {args.out}")
+    title = "# KV handoff on CPU: staging pool + layer-pipelined sending"
+    text = f"{title}\n\n{conditions()}\n"
+    if results:
+        text += (
+            f"- layout: DeepSeek-V3 MLA, {LAYERS} layers x {WIDTH} bf16 = {BPT:,} bytes per token; stand-in "
+            f"prefill {args.prefill_tok_s:g} tok/s; median of {args.reps}\n\n{HEADER}\n"
+            + "\n".join(r.row() for r in results)
+            + "\n"
+        )
+    if vllm_rows:
+        text += (
+            f"\nStock vLLM prefill (tiny DeepSeek-V3, float32, {TINY_BPT:,} bytes per token), median of "
+            f"{args.vllm_reps}{where}:\n\n{VLLM_HEADER}\n" + "\n".join(r.row() for r in vllm_rows) + "\n"
+        )
+    bench = "handoff-vllm" if args.vllm_only else "handoff"
+    path = write_md(result_path("cpu", bench, ".md", args.out), text, recorded("cpu", script="handoff.py"))
+    print(f"\nwritten: {path}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,10 @@
 
     python3 benchmarks/micro.py [--out DIR]
 
+Writes ``benchmarks/results/<machine>-micro.json`` (``h200-micro``; under ``--out DIR`` or at
+``--out FILE.json`` when given), starting with ``results_header``'s ``"recorded"`` (date, commit, machine,
+command).
+
 Each kernel is captured 20x in a CUDA graph rotating over enough weight copies to defeat the GPU's L2 cache;
 time per call = graph time / 20. cuBLAS (``x @ w.T``) is timed the same way for the dense GEMVs.
 """
@@ -12,7 +16,6 @@ time per call = graph time / 20. cuBLAS (``x @ w.T``) is timed the same way for 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -21,6 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
 from decode_speed import time_replays  # noqa: E402
+from results_header import machine_kind, recorded, result_path, write_json  # noqa: E402
 
 from tilert.engines.tilert.ops import triton_fused, triton_gemv, triton_mla, triton_moe
 
@@ -295,7 +299,7 @@ def bench_attn():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=None, help="a directory (or FILE.json) for the JSON (default: the current result)")
     ap.add_argument("--only", default="gemv,moe,attn")
     a = ap.parse_args()
     for name in a.only.split(","):
@@ -305,8 +309,8 @@ def main():
             import traceback
 
             traceback.print_exc()
-    with open(os.path.join(a.out, "micro.json"), "w") as f:
-        json.dump(OUT, f, indent=1)
+    machine = machine_kind(gpus=1)
+    print(f"written: {write_json(result_path(machine, 'micro', '.json', a.out), OUT, recorded(machine))}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@ benchmarks/_fp8_old.py``), in CUDA graphs of PDL-chained calls rotating over wei
 per (kernel, shape, variant).
 
     python3 benchmarks/micro_fp8.py [--out DIR] [--only gemv,up,down]
+
+Writes ``benchmarks/results/<machine>-micro-fp8.json`` (``h200-micro-fp8``; under ``--out DIR`` or at
+``--out FILE.json`` when given), starting with ``results_header``'s ``"recorded"`` (date, commit, machine,
+command).
 """
 
 # Every closure made in a loop here is called (captured in a CUDA graph) within the iteration that makes it.
@@ -13,7 +17,6 @@ per (kernel, shape, variant).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -22,6 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
 from micro import copies, graph_time  # noqa: E402
+from results_header import machine_kind, recorded, result_path, write_json  # noqa: E402
 
 from tilert.engines.tilert.ops import triton_fp8, triton_gemv  # noqa: E402
 
@@ -207,7 +211,7 @@ def moes(only):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=None, help="a directory (or FILE.json) for the JSON (default: the current result)")
     ap.add_argument("--only", default="gemv,up,down")
     a = ap.parse_args()
     only = a.only.split(",")
@@ -215,8 +219,8 @@ def main():
         gemvs()
     if "up" in only or "down" in only:
         moes(only)
-    with open(os.path.join(a.out, "micro_fp8.json"), "w") as f:
-        json.dump(ROWS, f, indent=1)
+    machine = machine_kind(gpus=1)
+    print(f"written: {write_json(result_path(machine, 'micro-fp8', '.json', a.out), ROWS, recorded(machine))}")
     best: dict = {}
     for r in ROWS:
         k = (r["kind"], r["shape"])

@@ -1,8 +1,9 @@
 """Projected per-user decode speed of full-size DeepSeek-V3.2 and GLM-5 at tensor parallel degree N, from a
 measured rank step and a measured (or given) all-reduce latency. Every row it writes is marked ``projected``.
 
-    python3 benchmarks/project_tp.py --rank-json decode_speed.json --allreduce-json tp_decode.json --out DIR
-    python3 benchmarks/project_tp.py --rank-json decode_speed.json --allreduce-us 8.5 --allgather-us 12 --out DIR
+    python3 benchmarks/project_tp.py --rank-json benchmarks/results/h200-decode-tp8-rank.json \
+        --allreduce-json benchmarks/results/h200x2-tp2.json
+    python3 benchmarks/project_tp.py --rank-json RANK.json --allreduce-us 8.5 --allgather-us 12 --out DIR
 
 Inputs:
 
@@ -28,18 +29,22 @@ logits all-gather's):
   the bonus token included), with the smallest ``K`` that can yield ``A`` (``K = A - 1``, at least 1).
 - an all-reduce of ``K+1`` rows costs what one row's does (latency-bound at these sizes).
 
-Rows (``tp_projected.json``): ``config``, ``context``, ``weights``, ``mtp`` (``off`` or the drafts ``K``),
-``accepted_len``, ``ms_per_step``, ``tok_s``, ``collective_ms``, ``rank_ms``, ``projected: true``, and the
-inputs they came from.
+Writes ``benchmarks/results/<machine>-project-tp<N>.json`` (the machine the rank step was measured on, e.g.
+``h200-project-tp8``; ``--out DIR`` or ``--out FILE.json`` elsewhere), starting with ``results_header``'s
+``"recorded"`` (date, commit, machine, command). Rows: ``config``, ``context``, ``weights``, ``mtp`` (``off`` or
+the drafts ``K``), ``accepted_len``, ``ms_per_step``, ``tok_s``, ``collective_ms``, ``rank_ms``,
+``projected: true``, and the inputs they came from.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import sys
 from collections.abc import Callable
 from typing import Any
+
+from results_header import machine_of_gpu, recorded, result_path, write_json
 
 # rank config -> transformers config class of the full-size model (its layers and hidden width)
 MODELS = {"v32-tp8-rank": "DeepseekV32Config", "glm5-tp8-rank": "GlmMoeDsaConfig"}
@@ -131,12 +136,12 @@ def project(rank: dict[str, Any], collectives: Callable[[int], tuple[float, floa
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rank-json", required=True, help="decode_speed.py's decode_speed.json with the rank configs")
+    ap.add_argument("--rank-json", required=True, help="decode_speed.py's JSON with the rank configs")
     ap.add_argument("--allreduce-json", default="", help="tp_decode.py's JSON with its collectives rows")
     ap.add_argument("--kind", default="symm_one_shot", help="which all-reduce of --allreduce-json (nccl, symm_*)")
     ap.add_argument("--allreduce-us", type=float, default=None, help="the all-reduce latency, when not measured")
     ap.add_argument("--allgather-us", type=float, default=None, help="the logits all-gather latency")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=None, help="a directory (or FILE.json) for the JSON (default: the current result)")
     opts = ap.parse_args(argv)
     with open(opts.rank_json) as f:
         rank = json.load(f)
@@ -160,7 +165,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows = project(rank, coll)
     if not rows:
         ap.error(f"{opts.rank_json} has no rows of {', '.join(MODELS)}")
-    os.makedirs(opts.out, exist_ok=True)
     doc = dict(
         conditions="projected from a measured rank step without collectives plus the collectives' latency "
         "(model in benchmarks/project_tp.py's docstring)",
@@ -169,8 +173,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         gpu=rank.get("gpu"),
         rows=rows,
     )
-    with open(os.path.join(opts.out, "tp_projected.json"), "w") as f:
-        json.dump(doc, f, indent=1)
+    machine = rank.get("recorded", {}).get("machine") or machine_of_gpu(rank.get("gpu"))
+    tp = next((r["tp"] for r in rank.get("runs", []) if r.get("tp")), 8)
+    path = result_path(machine, f"project-tp{tp}", ".json", opts.out)
+    write_json(path, doc, recorded(machine, argv=["project_tp.py", *(argv if argv is not None else sys.argv[1:])]))
     print(f"{'config':<9} {'ctx':>6} {'MTP':>4} {'A':>4} {'rank ms':>8} {'coll ms':>8} {'ms/step':>8} {'tok/s':>7}")
     for r in rows:
         print(

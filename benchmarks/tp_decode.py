@@ -9,7 +9,11 @@ communication. One process per GPU (spawned here; no torchrun needed).
 Never sets NCCL_NVLS_ENABLE, TORCH_SYMM_MEM_DISABLE_MULTICAST or NVSHMEM_DISABLE_NVLS: NVLink multicast is what the
 machine says (the symmetric-memory all-reduces used here are the one-shot / two-shot ones, not multimem).
 
-Sections, all in one run (rank 0 prints; ``tp_decode.json`` in ``--out``):
+Rank 0 writes the JSON: by default the current result ``benchmarks/results/<machine>-tp<N>.json`` (``h200x2-tp2``;
+``--device cpu``: ``cpu-tp2``), under ``--out DIR`` (or at ``--out FILE.json``) when given; ``--name`` sets the
+benchmark's name; it starts with ``results_header``'s ``"recorded"`` (date, commit, machine, command).
+
+Sections, all in one run (rank 0 prints):
 
 1. **all-reduce / all-gather inside a CUDA graph**: one token's hidden state (bf16 ``[1, 2048]`` and ``[1, 7168]``)
    summed over the ranks by NCCL (``dist.all_reduce``), PyTorch symmetric-memory one-shot and two-shot
@@ -35,7 +39,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import os
 import sys
 import time
@@ -48,6 +51,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from engine_configs import LAYER_V32, LITE_V32, v32_args  # noqa: E402
+from results_header import machine_kind, recorded, result_path, write_json  # noqa: E402
 
 from tilert.engines.tilert import parallel, sharding  # noqa: E402
 from tilert.engines.tilert.model import ModelArgs  # noqa: E402
@@ -564,7 +568,8 @@ def log_timeline(tag: str, tl: dict, step_ms: float) -> None:
         a[0] += 1
         a[1] += us
     log(
-        f"{tag}{' (eager)' if tl.get('eager') else ''} {len(tl['kernels'])} kernels, sum {tl['sum_us']:.0f} us, span {tl['span_us']:.0f} us, graph step "
+        f"{tag}{' (eager)' if tl.get('eager') else ''} {len(tl['kernels'])} kernels, sum {tl['sum_us']:.0f} us, "
+        f"span {tl['span_us']:.0f} us, graph step "
         f"{step_ms * 1e3:.0f} us (gaps {step_ms * 1e3 - tl['sum_us']:.0f} us): "
         + ", ".join(f"{k} x{c} {us:.0f}" for k, (c, us) in sorted(agg.items(), key=lambda x: -x[1][1]))
     )
@@ -664,7 +669,7 @@ def bench_real(pg, dev, layers_tp, layers_one, contexts, bw, kinds, profile=Fals
 
                     RESULT.setdefault("profile", {})["one_gpu_tuning"] = tune_variants(
                         f"[real x{layers_one}] one GPU ctx={ctx}",
-                        lambda ctx=ctx: step_ms(_fresh(eng), ctx, dev, True),
+                        lambda ctx=ctx, eng=eng: step_ms(_fresh(eng), ctx, dev, True),
                         TUNING_ONE,
                         log,
                     )
@@ -769,7 +774,7 @@ def rank_main(rank: int, size: int, port: int, opts: argparse.Namespace) -> None
                 idx_dim=32,
             )
         )
-        save = (lambda: _save(opts.out)) if rank == 0 else (lambda: None)
+        save = (lambda: _save(opts)) if rank == 0 else (lambda: None)
         sections = set(opts.sections.split(","))
         RESULT["speed"] = []
         if "collectives" in sections:
@@ -810,13 +815,12 @@ def rank_main(rank: int, size: int, port: int, opts: argparse.Namespace) -> None
     finally:
         if rank == 0:
             table()
-            _save(opts.out)
+            _save(opts)
         dist.destroy_process_group()
 
 
-def _save(out: str) -> None:
-    with open(os.path.join(out, "tp_decode.json"), "w") as f:
-        json.dump(RESULT, f, indent=1, default=str)
+def _save(opts: argparse.Namespace) -> None:
+    write_json(opts.result_path, RESULT, opts.recorded)
 
 
 def table() -> None:
@@ -867,7 +871,8 @@ def table() -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=None, help="a directory (or FILE.json) for the JSON (default: the current result)")
+    ap.add_argument("--name", default=None, help="the benchmark's name in the file name (default tp<N>)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--contexts", default=None, help="default 1024,32768 (cuda), 80,200 (cpu)")
     ap.add_argument("--tokens", type=int, default=None, help="greedy tokens compared (default 256; cpu 16)")
@@ -907,7 +912,9 @@ def main(argv: list[str] | None = None) -> None:
     opts.one_gpu_layers = opts.one_gpu_layers if opts.one_gpu_layers is not None else (2 if cpu else 4)
     if not cpu and torch.cuda.device_count() < opts.tp:
         sys.exit(f"--tp {opts.tp} needs {opts.tp} GPUs; this machine has {torch.cuda.device_count()}")
-    os.makedirs(opts.out, exist_ok=True)
+    machine = machine_kind(gpus=opts.tp, device=opts.device)
+    opts.result_path = str(result_path(machine, opts.name or f"tp{opts.tp}", ".json", opts.out))
+    opts.recorded = recorded(machine, script="tp_decode.py")
     from tilert.decode.tp import free_port
 
     port = free_port()

@@ -103,7 +103,7 @@ def test_projection_adds_the_collectives_of_each_step(tmp_path: Path) -> None:
     rows = project_tp.main(
         ["--rank-json", str(src), "--allreduce-us", "10", "--allgather-us", "20", "--out", str(tmp_path)]
     )
-    saved = json.loads((tmp_path / "tp_projected.json").read_text())["rows"]
+    saved = json.loads((tmp_path / "cpu-project-tp8.json").read_text())["rows"]
     assert saved == rows and all(r["projected"] for r in rows)
     plain = {r["context"]: r for r in rows if r["mtp"] == "off"}
     assert math.isclose(plain[1024]["ms_per_step"], 4.0 + 122 * 0.01 + 0.02)

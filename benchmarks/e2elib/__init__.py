@@ -7,5 +7,5 @@
 - :mod:`e2e_runs`: end to end, ``vllm bench serve`` against each target in interleaved rounds;
 - :mod:`load`: the router-overhead load client (the router's path and the direct one, timed from the client);
 - :mod:`overhead`: the router between the stand-ins of :mod:`tilert.testing.standins`, driven by :mod:`load`;
-- :mod:`tables`: the result tables; :mod:`report`: the markdown and JSON written with ``--out``.
+- :mod:`tables`: the result tables; :mod:`report`: the markdown and JSON a run writes.
 """

@@ -1,11 +1,13 @@
-"""What ``--out`` writes: the whole result as JSON, and a markdown page (conditions, servers, tables, runs)."""
+"""What a run writes: the whole result as JSON, and a markdown page (conditions, servers, tables, runs), each with
+``results_header``'s header."""
 
 from __future__ import annotations
 
-import json
 import shlex
 from pathlib import Path
 from typing import Any
+
+from results_header import recorded, write_json, write_md
 
 from e2elib.tables import fmt
 
@@ -110,7 +112,7 @@ def _load(values: Any) -> str:
 def write_outputs(result: dict[str, Any], out_dir: Path, name: str, note: str | None) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {**result, "note": note}
-    json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
-    json_path.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    md_path.write_text(markdown(result, note))
+    rec = recorded("cpu", command=result["conditions"]["command"], mode=result["mode"])
+    json_path = write_json(out_dir / f"{name}.json", result, rec)
+    md_path = write_md(out_dir / f"{name}.md", markdown(result, note), rec)
     return json_path, md_path
