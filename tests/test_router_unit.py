@@ -622,7 +622,7 @@ def test_parse_decode_spec_and_config(tmp_path: Path, model_dir: Path, monkeypat
         cfg_file.write_text("prefill_url = ")
         load_config(cfg_file)
     example = Path(__file__).resolve().parents[1] / "config" / "router.example.toml"
-    text = example.read_text().replace('"/models/GLM-5.1-FP8"', f'"{model_dir}"')
+    text = example.read_text().replace('"models/tiny-deepseek-v3"', f'"{model_dir}"')
     cfg_file.write_text(text)
     assert load_config(cfg_file).decode_nodes
 

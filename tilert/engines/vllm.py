@@ -9,7 +9,7 @@ The router's native leg (:mod:`tilert.router.native`) then follows vLLM's standa
 prefill's :class:`~tilert.contracts.NativeHandoff`, to the decode instance, which pulls the KV and decodes.
 
 Why NixlConnector: it is the one P/D connector of vLLM 0.32 that moves KV between two vLLM CPU instances
-here (NIXL's UCX backend over loopback, DRAM memory); the README's "Native decode pool" section records why
+here (NIXL's UCX backend over loopback, DRAM memory); docs/architecture.md ("Which vLLM P/D connector") records why
 the others (Mooncake, LMCache, the example/shared-storage connector, ...) do not.
 
 The NIXL side channel (a ZMQ handshake port, ``VLLM_NIXL_SIDE_CHANNEL_PORT``) is per instance: two
