@@ -31,7 +31,25 @@ CASES: list[tuple[list[str], str, dict[str, str]]] = [
     (ROUTER + ["--api-key", "k"], "secrets never go on a command line", SECRET),
     (ROUTER + ["--reserve-lease-s", "5"], "shorter than prefill_timeout_s + transfer_timeout_s", SECRET),
     (["up", "--model", "/nonexistent"], "config.json", SECRET),
+    (ROUTER + ["--log-level", "loud"], "the log level must be one of debug, info, warning, error", SECRET),
+    (["decode", "--model", "."], "the log format must be one of console, json", {**SECRET, "TILERT_LOG_FORMAT": "xml"}),
+    (["up", "--model", ".", "--log-format", "yaml"], "the log format must be one of console, json", SECRET),
+    (["tiny-model", "--arch", "deepseek_v3", "--out", "unused", "--log-level", "x"], "the log level", {}),
 ]
+
+COMMANDS = ["tiny-model", "convert", "decode", "router", "up"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_takes_the_log_settings(command: str) -> None:
+    """The same two log settings on every command, with the same environment variables."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tilert.cli", command, "--help"], capture_output=True, text=True, timeout=120
+    )
+    text = " ".join(proc.stdout.split())
+    assert proc.returncode == 0, proc.stderr
+    assert "--log-level debug|info|warning|error" in text and "TILERT_LOG_LEVEL" in text, text
+    assert "--log-format console|json" in text and "TILERT_LOG_FORMAT" in text, text
 
 
 @pytest.mark.parametrize("args,reason,env", CASES, ids=[" ".join(c[0][:2]) + f"-{i}" for i, c in enumerate(CASES)])

@@ -209,3 +209,21 @@ def test_marked_and_unmarked_requests_in_one_batch(stack: Stack) -> None:
     assert got_unmarked == solo * 2
     assert got_marked == solo
     assert _decode_health(stack)["transfers_received"] == before + len(prompts)
+
+
+@pytest.mark.stack
+def test_access_logs_leave_out_what_is_polled(stack: Stack) -> None:
+    """The node's and the router's access logs have a line for each request and none for the paths polled all the
+    time: the router's watch stream of the node, health checks, metrics scrapes."""
+    for url in (stack.router, stack.decode):
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        assert httpx.get(url + "/metrics", timeout=10).status_code == 200
+    router_call(stack.router, stack.model, "completion", "def add(a, b):", False)
+    wait_until(lambda: '"POST /v1/reserve' in stack.process_log("decode"), 10, "the node's access line of a reserve")
+    for name in ("router", "decode"):
+        access = [line for line in stack.process_log(name).splitlines() if "uvicorn.access" in line]
+        assert access, name
+        polled = [
+            line for line in access if any(f'"GET {path}' in line for path in ("/health", "/metrics", "/v1/watch"))
+        ]
+        assert not polled, polled
