@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+import resource
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -61,3 +65,60 @@ def test_bad_start_up_arguments_are_refused_with_a_reason(args: list[str], reaso
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert reason in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "0123456789abcdef" not in proc.stderr
+
+
+def _limited_to(gib: int) -> Callable[[], None]:
+    """A child's address space capped at ``gib`` GiB: a refusal must come before any large allocation."""
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (gib << 30, gib << 30))
+
+    return limit
+
+
+def _refusal(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TILERT_")}
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=120, env={**base, **env}, preexec_fn=_limited_to(1)
+    )
+
+
+def test_decode_refuses_what_the_checkpoint_cannot_hold(tiny_model: Path) -> None:
+    """More positions than the checkpoint's context, or MTP drafts without an MTP layer (the published
+    ``--with-mtp`` included): exit 2 with one line naming the flag and the checkpoint's value, in a process
+    that may not allocate 1 GiB (so before the engine sizes anything)."""
+    cfg = json.loads((tiny_model / "config.json").read_text())
+    assert cfg["max_position_embeddings"] == 4096 and cfg["num_nextn_predict_layers"] == 0
+    decode = [sys.executable, "-m", "tilert.cli", "decode", "--model", str(tiny_model)]
+    published = [sys.executable, "-m", "tilert.pd_vllm.decode_server", "--model", "deepseek-v3"]
+    published += ["--model-weights-dir", str(tiny_model), "--with-mtp"]
+    for cmd, reasons in [
+        (
+            [*decode, "--max-seq-len", "202752"],
+            ["max_seq_len (--max-seq-len, $TILERT_DECODE_MAX_SEQ_LEN) 202752", "max_position_embeddings is 4096"],
+        ),
+        (
+            [*decode, "--num-speculative-tokens", "2"],
+            ["(--num-speculative-tokens, $TILERT_DECODE_NUM_SPECULATIVE_TOKENS) 2", "num_nextn_predict_layers 0"],
+        ),
+        (published, ["--num-speculative-tokens", "num_nextn_predict_layers 0"]),
+    ]:
+        proc = _refusal(cmd, SECRET)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("tilert decode: ")]
+        assert len(lines) == 1 and all(r in lines[0] for r in reasons), proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
+    within = _refusal([*decode, "--max-seq-len", "4096", "--num-speculative-tokens", "0", "--slots", "0"], SECRET)
+    assert within.returncode == 2 and "--slots" in within.stderr, within.stderr[-2000:]
+    assert "max_position_embeddings" not in within.stderr and "MTP" not in within.stderr
+
+
+def test_up_refuses_a_context_longer_than_the_checkpoints(tiny_model: Path) -> None:
+    """``tilert up --max-model-len`` goes to vLLM and the node alike: beyond the checkpoint's context ``tilert up``
+    refuses before it starts anything, with the reason."""
+    cmd = [sys.executable, "-m", "tilert.cli", "up", "--model", str(tiny_model), "--max-model-len", "8192"]
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TILERT_")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**base, **SECRET})
+    assert proc.returncode == 2 and not proc.stdout, proc.stderr[-3000:]
+    assert "max_model_len (--max-model-len, $TILERT_UP_MAX_MODEL_LEN) 8192 exceeds" in proc.stderr, proc.stderr
+    assert "max_position_embeddings is 4096" in proc.stderr

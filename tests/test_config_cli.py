@@ -503,7 +503,7 @@ def test_decode_metrics_follow_vllm_names() -> None:
     for name in [
         "tilert:num_requests_running",
         "tilert:num_requests_waiting",
-        "tilert:decode_slots_total",
+        "tilert:decode_slots",
         "tilert:decode_slots_free",
         "tilert:kv_transfers_received_total",
         "tilert:kv_transfers_failed_total",

@@ -39,7 +39,8 @@ def test_decode_server_flags_translate(monkeypatch: pytest.MonkeyPatch) -> None:
     ).split()
     monkeypatch.setattr(aliases, "check_family", lambda *a: None)  # no checkpoint at "W" here
     out = aliases.decode_server_args(argv)
-    want = "decode --engine tilert --model W --ctrl-port 5556 --http-port 5557 --max-seq-len 202752 --host 0.0.0.0"
+    want = "decode --engine tilert --model W --ctrl-port 5556 --http-port 5557 --max-seq-len 202752 "
+    want += "--num-speculative-tokens 1 --host 0.0.0.0"
     assert out == want.split()
     router = "--vllm-url http://p:8000/v1 --decode d:5556:5557 --model-path M --port 23333".split()
     assert aliases.pd_router_args(router)[:3] == ["router", "--prefill-url", "http://p:8000"]
@@ -88,9 +89,7 @@ def published(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         "kv_role": "kv_producer",
         "kv_connector_extra_config": extra | {"tilert_max_seq_len": 2048},
     }
-    decode = (
-        f"--engine tilert --model deepseek-v3 --with-mtp --max-seq-len 2048 --kv-cache-dtype fp8 --ctrl-port {ctrl}"
-    )
+    decode = f"--engine tilert --model deepseek-v3 --max-seq-len 2048 --kv-cache-dtype fp8 --ctrl-port {ctrl}"
     vllm = f"--port {prefill} --enforce-eager --dtype float32 --max-model-len 2048 --kv-cache-memory-bytes 134217728"
     pd_router = f"--vllm-url http://127.0.0.1:{prefill} --decode 127.0.0.1:{ctrl}:{http} --port {router}"
     cmds = {

@@ -44,6 +44,7 @@ from tilert.decode.config import CTRL_PORT, DEFAULT_MAX_LEASE_S, DTYPES, ENGINE,
 from tilert.engines.plugin import NativeInstance, load_native_pool
 from tilert.engines.vllm import CPU_COMPILATION_CONFIG
 from tilert.logs import FORMAT_ENV, LEVEL_ENV, LOG_FORMAT, LOG_LEVEL, configure, vllm_access_log_args
+from tilert.models.checkpoint import context_problem
 from tilert.plugins import PluginError
 from tilert.router.config import NATIVE_ENGINE, OVERFLOW_WAIT_S, RESERVE_LEASE_S, default_reserve_lease_s
 from tilert.settings import (
@@ -149,6 +150,8 @@ class StackConfig:
         problems: list[str] = []
         if not (Path(self.model) / "config.json").is_file():
             problems.append(f"{d('model')}: {self.model} holds no config.json (build one with `tilert tiny-model`)")
+        elif too_long := context_problem(self.model, self.max_model_len, d("max_model_len")):
+            problems.append(too_long)
         ports = ["port", "prefill_port", "ctrl_port", "decode_http_port"]
         if self.native:
             ports += ["native_port", "prefill_side_port", "native_side_port"]

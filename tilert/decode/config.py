@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from tilert.cpus import allowed_cpus, parse_cpu_list
 from tilert.logs import LOG_FORMAT, LOG_LEVEL
+from tilert.models.checkpoint import MTP_LAYERS_KEY, context_problem, mtp_layers, read_json
 from tilert.settings import (
     LOOPBACK,
     NODE_CTRL_PORT,
@@ -97,8 +98,10 @@ class DecodeConfig:
         DEFAULT_MAX_LEASE_S, help="longest lease a reserve may ask for (the router's reserve_lease_s must fit)"
     )
     transfer_timeout_s: float = setting(15.0, help="a decode request waits this long for its KV transfer")
-    num_speculative_tokens: int = setting(
-        1, help="MTP drafts per step for greedy requests when the checkpoint has an MTP layer (0: off)"
+    num_speculative_tokens: int | None = setting(
+        None,
+        help="MTP drafts per step for greedy requests (0: off); more than 0 needs a checkpoint with an MTP layer. "
+        "Default: 1 when the checkpoint has one, else off",
     )
     engine_cpus: str | None = setting(
         None,
@@ -137,6 +140,11 @@ class DecodeConfig:
         return parse_cpu_list(self.engine_cpus or "")
 
     @property
+    def speculative_tokens(self) -> int:
+        """``num_speculative_tokens``, or 1 (the engine drafts only when the checkpoint has an MTP layer)."""
+        return 1 if self.num_speculative_tokens is None else self.num_speculative_tokens
+
+    @property
     def slots(self) -> int:
         """Receive slots: ``num_slots``, or one more than :attr:`sequences`."""
         return self.num_slots if self.num_slots is not None else self.sequences + 1
@@ -170,9 +178,11 @@ class DecodeConfig:
             is_int(self.max_seq_len) and self.max_seq_len >= 2, f"{d('max_seq_len')} must be >= 2 ({self.max_seq_len})"
         )
         need(
-            is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= 8,
+            self.num_speculative_tokens is None
+            or (is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= 8),
             f"{d('num_speculative_tokens')} must be in 0..8 ({self.num_speculative_tokens})",
         )
+        problems += self._checkpoint_problems()
         for name in ("lease_s", "max_lease_s", "transfer_timeout_s"):
             value = getattr(self, name)
             need(is_number(value) and value > 0, f"{d(name)} must be > 0 ({value})")
@@ -223,6 +233,24 @@ class DecodeConfig:
         if problems:
             raise ConfigError("; ".join(problems))
         return self
+
+    def _checkpoint_problems(self) -> list[str]:
+        """What the checkpoint's config.json cannot honour: more positions than it has, MTP drafts without an
+        MTP layer (read here, before the engine allocates anything)."""
+        d = lambda name: describe(DecodeConfig, name)  # noqa: E731
+        model = Path(self.model)
+        if not (model / "config.json").is_file():
+            return []  # said above
+        too_long = context_problem(model, self.max_seq_len, d("max_seq_len"))
+        problems = [too_long] if too_long else []
+        drafts = self.num_speculative_tokens
+        if drafts is not None and is_int(drafts) and drafts > 0 and mtp_layers(model) == 0:
+            declared = read_json(model / "config.json").get(MTP_LAYERS_KEY, "absent")
+            problems.append(
+                f"{d('num_speculative_tokens')} {drafts} needs an MTP layer, but the checkpoint has none "
+                f"({MTP_LAYERS_KEY} {declared} in {model / 'config.json'}); use 0"
+            )
+        return problems
 
 
 def load_decode_config(cli: Mapping[str, Any] | None = None) -> DecodeConfig:

@@ -444,6 +444,6 @@ def spec_for(config: DecodeConfig, eos: frozenset[int]) -> EngineSpec:
         max_seq_len=config.max_seq_len,
         max_sequences=config.sequences,
         eos_token_ids=tuple(sorted(eos)),
-        num_draft=config.num_speculative_tokens,
+        num_draft=config.speculative_tokens,
         cpus=tuple(sorted(config.engine_cpu_set)),
     )

@@ -19,12 +19,14 @@ tilert:request_success_total{finished_reason}   vllm:request_success_total      
 Differences in meaning: running is decodes on the engine (one at a time today), waiting is decodes whose KV
 has landed and which wait for the engine; e2e is a decode request's life on the node (``/v1/decode``
 arrival to its last line: transfer wait, engine wait and decode); generation tokens count the tokens the node
-produced (the router's count adds prefill's first token). vLLM 0.10 renamed
-``vllm:time_per_output_token_seconds`` to ``vllm:inter_token_latency_seconds``; this follows the new name.
+produced (the router's count adds prefill's first token); time per output token is a decode's time from its
+hand-off to the engine to its last token over the tokens the node generated (the mean of its inter-token
+latencies). vLLM 0.10 renamed ``vllm:time_per_output_token_seconds`` to ``vllm:inter_token_latency_seconds``; this
+follows the new name.
 
 The node's own, with no vLLM counterpart:
 
-- ``tilert:decode_slots_total`` / ``tilert:decode_slots_free``: receive slots (KV buffers);
+- ``tilert:decode_slots`` / ``tilert:decode_slots_free``: receive slots (KV buffers), all and free;
 - ``tilert:kv_transfers_received_total`` / ``tilert:kv_transfers_failed_total{reason}``: KV transfers;
 - ``tilert:kv_transfer_wait_seconds``: ``/v1/decode`` arrival to its KV being ready;
 - ``tilert:decode_leases_expired_total``: reservations dropped because their lease ran out.
@@ -51,9 +53,7 @@ class DecodeMetrics:
         self._waiting = Gauge(
             PREFIX + "num_requests_waiting", "Decodes whose KV landed, waiting for the engine.", m, registry=r
         )
-        self._slots_total = Gauge(
-            PREFIX + "decode_slots_total", "Receive slots (KV buffers) of the node.", m, registry=r
-        )
+        self._slots_total = Gauge(PREFIX + "decode_slots", "Receive slots (KV buffers) of the node.", m, registry=r)
         self._slots_free = Gauge(PREFIX + "decode_slots_free", "Receive slots free to reserve.", m, registry=r)
         self._received = Counter(PREFIX + "kv_transfers_received", "KV transfers received whole.", m, registry=r)
         self._failed = Counter(
@@ -76,7 +76,7 @@ class DecodeMetrics:
         )
         self._tpot = Histogram(
             PREFIX + "request_time_per_output_token_seconds",
-            "Per decode: mean time per generated token.",
+            "Per decode: hand-off to the engine to its last token, over the tokens the node generated.",
             m,
             buckets=INTER_TOKEN_LATENCY_BUCKETS,
             registry=r,
@@ -137,7 +137,7 @@ class DecodeMetrics:
 
     def request_done(self, seconds: float, finished_reason: str | None = None, tpot_s: float | None = None) -> None:
         """A decode request ended ``seconds`` after it arrived; ``finished_reason`` when it finished
-        (stop, length, abort, error), ``tpot_s`` its mean time per generated token when known."""
+        (stop, length, abort, error), ``tpot_s`` its mean time per generated token when it generated any."""
         m = self.model_name
         self._e2e.labels(m).observe(seconds)
         if finished_reason is not None:

@@ -32,7 +32,7 @@ import asyncio
 import math
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from types import FrameType
 from typing import TypeVar
 
@@ -133,7 +133,7 @@ class DecodeNode:
             engine.attach([slot.buffer for slot in self.table.slots])
             self.batch = engine
         else:
-            self.batch = DecodeBatch(engine, self.eos, config.num_speculative_tokens, config.engine_cpu_set)
+            self.batch = DecodeBatch(engine, self.eos, config.speculative_tokens, config.engine_cpu_set)
         self.decodes_completed = 0
         self._watchers: set[MemoryObjectSendStream[bytes]] = set()  # one per open watch stream
         self._stopping = False  # the HTTP server began to shut down: the watch streams end
@@ -305,11 +305,11 @@ class DecodeNode:
     async def _stream(self, params: DecodeParams) -> AsyncIterator[bytes]:
         tid = params.transfer_id
         bound = log.bind(transfer_id=tid)
-        started, outcome = anyio.current_time(), "error"
+        started, outcome, progress = anyio.current_time(), "error", _Progress()
         try:
             await self.table.wait_ready(tid, self.config.transfer_timeout_s)
             self.metrics.transfer_wait(anyio.current_time() - started)
-            async for line in self._run(params, bound):
+            async for line in self._run(params, bound, progress):
                 if isinstance(line, c.TokenLine) and line.finish_reason is not None:
                     outcome = line.finish_reason
                     self.decodes_completed += 1
@@ -321,13 +321,13 @@ class DecodeNode:
             self.table.release(tid, "decode ended")
             self.metrics.slots(len(self.table.slots), self.table.free)
             self.metrics.requests(self.batch.running, self.batch.waiting)
-            self.metrics.request_done(anyio.current_time() - started, outcome)
+            self.metrics.request_done(anyio.current_time() - started, outcome, progress.time_per_token)
 
     async def _run(
-        self, params: DecodeParams, bound: structlog.typing.FilteringBoundLogger
+        self, params: DecodeParams, bound: structlog.typing.FilteringBoundLogger, progress: _Progress
     ) -> AsyncIterator[c.TokenLine | c.ErrorLine]:
         """Hand the request to the batch (it decodes on its worker thread, with whatever other sequences
-        run); relay each step's tokens as a line the moment they exist."""
+        run); relay each step's tokens as a line the moment they exist, counting them in ``progress``."""
         slot = self.table.start_decode(params.transfer_id)
         state, layouts, num_tokens = slot.tensors()
         if num_tokens != params.prompt_tokens:
@@ -349,6 +349,7 @@ class DecodeNode:
             raise SlotError(f"decode engine unavailable: {exc}", 503) from None
         self.metrics.requests(self.batch.running, self.batch.waiting)
         last, finished = anyio.current_time(), False
+        submitted = last
         try:
             async with receive:
                 async for item in _joined(receive):
@@ -358,6 +359,7 @@ class DecodeNode:
                         return
                     now = anyio.current_time()
                     self.metrics.tokens(len(item.token_ids), now - last)
+                    progress.generated(len(item.token_ids), now - submitted)
                     last, finished = now, item.finish_reason is not None
                     yield item
         finally:
@@ -444,6 +446,24 @@ def serve(config: DecodeConfig) -> None:
 
 
 _Item = c.TokenLine | Finish | BaseException  # what the batch's worker thread hands a decode stream
+
+
+@dataclass
+class _Progress:
+    """One decode's tokens so far, and the time from its hand-off to the engine to the last of them."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def generated(self, n: int, since_submit_s: float) -> None:
+        if n > 0:
+            self.tokens += n
+            self.seconds = since_submit_s
+
+    @property
+    def time_per_token(self) -> float | None:
+        """Mean time per generated token (None: it generated none)."""
+        return self.seconds / self.tokens if self.tokens else None
 
 
 async def _joined(receive: MemoryObjectReceiveStream[_Item]) -> AsyncIterator[_Item]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -50,3 +51,57 @@ def sampling_defaults(model_dir: Path | str) -> dict[str, Any]:
     """The model's own sampling defaults (generation_config.json), applied when a request leaves them unset."""
     config = read_json(Path(model_dir) / "generation_config.json")
     return {k: config[k] for k in ("temperature", "top_p", "top_k") if config.get(k) is not None}
+
+
+def context_length(model_dir: Path | str) -> int | None:
+    """The longest sequence the checkpoint's positions cover: ``max_position_embeddings`` of its config.json
+    (None when it does not say)."""
+    value = read_json(Path(model_dir) / "config.json").get("max_position_embeddings")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def context_problem(model_dir: Path | str, length: object, what: str) -> str | None:
+    """Why ``length`` positions (the setting ``what``) do not fit the checkpoint's context, or None when they do."""
+    limit = context_length(model_dir)
+    if limit is None or not isinstance(length, int) or isinstance(length, bool) or length <= limit:
+        return None
+    config = Path(model_dir) / "config.json"
+    return f"{what} {length} exceeds the checkpoint's context: max_position_embeddings is {limit} in {config}"
+
+
+_MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on a file's JSON header
+MTP_LAYERS_KEY = "num_nextn_predict_layers"  # transformers' V3 config calls it num_mtp_layers
+
+
+def mtp_layers(model_dir: Path | str) -> int | None:
+    """MTP modules in the checkpoint: ``num_nextn_predict_layers`` (or ``num_mtp_layers``) of its config.json;
+    when the config does not say (transformers' V3.2 / GLM-5 configs drop it), whether its HF tensors hold the
+    module (``model.layers.{num_hidden_layers}.eh_proj.weight``). None: neither tells."""
+    d = Path(model_dir)
+    config = read_json(d / "config.json")
+    for key in (MTP_LAYERS_KEY, "num_mtp_layers"):
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    names = tensor_names(d)
+    if not any(n.startswith("model.") for n in names):
+        return None
+    return int(f"model.layers.{config.get('num_hidden_layers')}.eh_proj.weight" in names)
+
+
+def tensor_names(model_dir: Path) -> set[str]:
+    """The tensor names of a safetensors checkpoint, from its index or the files' headers (no tensor is read)."""
+    index = read_json(model_dir / "model.safetensors.index.json").get("weight_map")
+    if isinstance(index, dict):
+        return set(index)
+    names: set[str] = set()
+    for path in sorted(model_dir.glob("*.safetensors")):
+        try:
+            with open(path, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size)) if size <= _MAX_HEADER_BYTES else None
+        except (OSError, ValueError, struct.error):
+            continue
+        if isinstance(header, dict):
+            names.update(k for k in header if k != "__metadata__")
+    return names

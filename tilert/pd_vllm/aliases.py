@@ -7,7 +7,8 @@ published                                                              here
 --model_dir D --save_dir S``                                           (``T`` checked against ``D``'s config)
 ``python -m tilert.pd_vllm.decode_server --engine tilert --model M     ``tilert decode --engine tilert --model W
 --model-weights-dir W [--with-mtp] --max-seq-len N --kv-cache-dtype    --max-seq-len N --ctrl-port C --http-port
-fp8 --ctrl-port C --http-port H``                                      H`` (no ``--with-mtp``: MTP off)
+fp8 --ctrl-port C --http-port H``                                      H --num-speculative-tokens 1`` (0
+                                                                       without ``--with-mtp``: MTP off)
 ``python -m tilert.pd_vllm.pd_router --vllm-url U --decode H:C:P       ``tilert router --prefill-url U --decode
 --model-path D --port P``                                              H:C:P --model D --port P``
 ``"kv_connector_module_path": "tilert.pd_vllm.prefill_connector"``     ``tilert.connector.TileRTConnector``
@@ -135,8 +136,7 @@ def decode_server_args(argv: list[str]) -> list[str]:
     ]
     if ns.max_seq_len is not None:
         out += ["--max-seq-len", str(ns.max_seq_len)]
-    if not ns.with_mtp:
-        out += ["--num-speculative-tokens", "0"]
+    out += ["--num-speculative-tokens", "1" if ns.with_mtp else "0"]  # the node refuses 1 without an MTP layer
     if "--host" not in rest:
         _warn("binding 127.0.0.1: add --host ADDRESS for a prefill node on another machine")
     return out + rest

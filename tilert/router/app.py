@@ -25,6 +25,7 @@ from tilert.router.flow import RequestFlow
 from tilert.router.metrics import RouterMetrics
 from tilert.router.middleware import REQUEST_ID_SCOPE_KEY, BearerAuthMiddleware, RequestIdMiddleware
 from tilert.router.openai_format import models_list
+from tilert.router.prefill import relay
 from tilert.router.routing import POOL_HEADER, choose_pool
 from tilert.router.validation import Route as ApiRoute
 from tilert.router.validation import build_plan
@@ -125,6 +126,22 @@ async def completions(request: Request) -> Response:
     return await _completion(request, "completions")
 
 
+async def prefill_relay(request: Request) -> Response:
+    """``POST /tokenize`` and ``/detokenize``: relayed to the prefill vLLM's same path, its answer and status
+    returned as they are. Open without the API key, as vLLM's own are (it guards ``/v1`` alone): ``vllm bench
+    serve`` probes them without one."""
+    ctx = _ctx(request)
+    rid: str = request.scope.get(REQUEST_ID_SCOPE_KEY, "")
+    path = request.url.path
+    try:
+        raw = await _body(request, ctx.config.max_body_bytes)
+        status, body = await relay(ctx.prefill, path, raw, request_id=rid, api_key=ctx.config.prefill_api_key)
+    except RouterError as exc:
+        log.warning("relay_failed", path=path, status=exc.status, reason=exc.log_reason())
+        return _error(exc)
+    return Response(body, status_code=status, media_type="application/json")
+
+
 async def list_models(request: Request) -> Response:
     ctx = _ctx(request)
     return _json(models_list(ctx.config.model_name, ctx.started_at, ctx.config.model_dir))
@@ -216,6 +233,8 @@ def build_app(config: RouterConfig | None = None) -> Starlette:
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),
+            Route("/tokenize", prefill_relay, methods=["POST"]),
+            Route("/detokenize", prefill_relay, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
         ],

@@ -65,9 +65,7 @@ async def post_prefill(
     """POST the ``max_tokens=1`` prefill carrying ``kv_transfer_params``; vLLM's JSON answer.
 
     vLLM's 4xx reach the client as they are, 5xx and transport errors are 502/504."""
-    headers = {"content-type": "application/json", "x-request-id": request_id}
-    if api_key:
-        headers["authorization"] = f"Bearer {api_key}"
+    headers = _headers(request_id, api_key)
     try:
         async with client.post(
             plan.path, data=orjson.dumps(plan.prefill_body(kv_transfer_params)), headers=headers
@@ -95,6 +93,27 @@ async def post_prefill(
     if not isinstance(data, dict):
         raise _fail("prefill returned a JSON value that is not an object")
     return data
+
+
+async def relay(
+    client: aiohttp.ClientSession, path: str, body: bytes, *, request_id: str, api_key: str | None
+) -> tuple[int, bytes]:
+    """POST ``body`` as it is to the prefill vLLM's ``path`` (``/tokenize``, ``/detokenize``): vLLM's status and
+    body, whatever they are; a timeout is 504, an unreachable server 502."""
+    try:
+        async with client.post(path, data=body, headers=_headers(request_id, api_key)) as resp:
+            return resp.status, await resp.read()
+    except TimeoutError:
+        raise RouterError(504, f"prefill server timed out on {path}", outcome="prefill_timeout") from None
+    except aiohttp.ClientError as exc:
+        raise _fail(f"prefill server unreachable for {path}: {type(exc).__name__}") from None
+
+
+def _headers(request_id: str, api_key: str | None) -> dict[str, str]:
+    headers = {"content-type": "application/json", "x-request-id": request_id}
+    if api_key:
+        headers["authorization"] = f"Bearer {api_key}"
+    return headers
 
 
 async def run_prefill(
