@@ -122,3 +122,24 @@ def test_up_refuses_a_context_longer_than_the_checkpoints(tiny_model: Path) -> N
     assert proc.returncode == 2 and not proc.stdout, proc.stderr[-3000:]
     assert "max_model_len (--max-model-len, $TILERT_UP_MAX_MODEL_LEN) 8192 exceeds" in proc.stderr, proc.stderr
     assert "max_position_embeddings is 4096" in proc.stderr
+
+
+def test_up_says_which_process_failed_with_its_last_log_lines(tiny_model: Path, tmp_path: Path) -> None:
+    """A process of the stack that stops at start-up (here the decode node, refusing the setting it inherited from the
+    environment): ``tilert up`` stops the others and puts that process's last log lines on its terminal, and
+    nothing of the processes that did not fail."""
+    from support.stack import free_port
+
+    ports = [str(free_port()) for _ in range(4)]
+    cmd = [sys.executable, "-m", "tilert.cli", "up", "--model", str(tiny_model), "--log-dir", str(tmp_path)]
+    cmd += ["--port", ports[0], "--prefill-port", ports[1], "--ctrl-port", ports[2], "--decode-http-port", ports[3]]
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TILERT_")}
+    env = {**base, **SECRET, "TILERT_DECODE_MAX_SEQUENCES": "0"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == [f"tilert up: starting prefill, decode, router; logs in {tmp_path}/"]
+    head, *tail = proc.stderr.splitlines()
+    assert head == f"tilert up: decode exited with status 2 during start-up; the last lines of {tmp_path}/decode.log:"
+    assert any("max_sequences (--max-sequences, $TILERT_DECODE_MAX_SEQUENCES) must be in 1..64" in t for t in tail)
+    assert not [line for line in tail if "vllm" in line.lower()], tail  # the prefill's log stays in its file
+    assert (tmp_path / "prefill.log").exists() and (tmp_path / "up.log").exists()

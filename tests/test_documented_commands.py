@@ -58,9 +58,14 @@ def _env(tmp: Path) -> dict[str, str]:
 
 
 def _ports_free() -> None:
-    taken = [c.laddr.port for c in psutil.net_connections("inet") if c.status == "LISTEN"]
-    busy = [p for p in DEMO_PORTS if p in taken]
-    assert not busy, f"ports {busy} are taken: the documented commands use {DEMO_PORTS}"
+    def busy() -> list[int]:
+        taken = {c.laddr.port for c in psutil.net_connections("inet") if c.status == "LISTEN"}
+        return [p for p in DEMO_PORTS if p in taken]
+
+    try:
+        wait_until(lambda: not busy(), 30, "the documented ports free", interval_s=0.5)
+    except AssertionError:
+        pytest.fail(f"ports {busy()} are taken: the documented commands use {DEMO_PORTS}")
 
 
 @contextlib.contextmanager
@@ -75,12 +80,15 @@ def _group(cmd: str, env: dict[str, str], log: Path) -> Iterator[subprocess.Pope
     try:
         yield proc
     finally:
-        for p in _family(proc.pid, seen):
+        family = _family(proc.pid, seen)
+        for p in family:
             with contextlib.suppress(psutil.Error):
                 p.kill()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+        _, alive = psutil.wait_procs(family, timeout=30)  # gone, and their ports with them, before the next test
+        assert not alive, [p.pid for p in alive]
 
 
 def _family(pgid: int, seen: dict[int, psutil.Process]) -> list[psutil.Process]:
@@ -145,6 +153,10 @@ def test_readme_tour(tmp_path: Path) -> None:
         log_dir = Path(re.search(r"logs in (\S+)/", shown).group(1))  # type: ignore[union-attr]
         assert {p.name for p in log_dir.glob("*.log")} >= {"prefill.log", "decode.log", "router.log", "up.log"}
 
+        examples = [line.strip() for line in shown[shown.index("\nServing.") :].splitlines() if line.startswith("  ")]
+        assert [e.split()[0] for e in examples] == ["curl", ".venv/bin/python"], examples
+        assert orjson.loads(_run(examples[0], env))["choices"][0]["message"]["content"]
+        assert _run(examples[1], env).strip()
         for block in tour:
             said = _run(block, env)
             if "chat/completions -H" in block:

@@ -15,6 +15,7 @@ foreground process group) and stops every process.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -99,12 +100,18 @@ def _table(rows: dict[str, Answer]) -> list[str]:
     return out
 
 
+def _python() -> str:
+    """This interpreter (it has the OpenAI client), relative to the working directory when it lies below it."""
+    rel = os.path.relpath(sys.executable)
+    return sys.executable if rel.startswith("..") else rel
+
+
 def _examples(router: str, model: str) -> list[str]:
     body = f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello"}}], "max_tokens": 32}}'
     return [
         f"Serving. OpenAI base URL: {router}/v1   (Ctrl-C stops every process)",
         f"  curl -s {router}/v1/chat/completions -H 'content-type: application/json' -d '{body}'",
-        f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{router}/v1', api_key='unused'); "
+        f"  {_python()} -c \"from openai import OpenAI; c = OpenAI(base_url='{router}/v1', api_key='unused'); "
         f"print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hello'}}], "
         'max_tokens=32).choices[0].message.content)"',
     ]
