@@ -30,6 +30,7 @@ import psutil
 import pytest
 from support.oracle import MAX_TOKENS, POOL_HEADER, router_answer, source_text
 from support.stack import Stack, free_port, start_stack, stop_stack, wait_healthy
+from support.waiting import wait_until
 
 POOL = POOL_HEADER
 
@@ -76,11 +77,27 @@ def pools(pools_stack: PoolsStack) -> Stack:
 
 
 @pytest.fixture
-def pools_to_break(pools_stack: PoolsStack) -> Iterator[Stack]:
-    """A whole stack the test may break; it is replaced before any other test uses it."""
+def pools_to_heal(pools_stack: PoolsStack) -> Iterator[Stack]:
+    """A whole stack the test breaks and ``tilert up`` heals; replaced before any other test uses it unless it is
+    whole again at the end of the test (both pools healthy)."""
     stack = pools_stack.get()
-    pools_stack.spent = True
     yield stack
+    try:
+        whole = stack.proc.poll() is None and _router_health(stack)["status"] == "ok"
+    except httpx.HTTPError:
+        whole = False
+    pools_stack.spent = not whole
+
+
+def _router_health(stack: Stack) -> dict[str, Any]:
+    return httpx.get(stack.router + "/health", timeout=10).json()  # type: ignore[no-any-return]
+
+
+def _restarted(stack: Stack, name: str) -> None:
+    """``tilert up`` said that ``name`` died and started it again, and the router says both pools are whole again."""
+    wait_until(lambda: _router_health(stack)["status"] == "ok", 180, f"{name} back", interval_s=0.5)
+    said = stack.log.read_text(errors="replace")
+    assert f"tilert up: {name} exited with status -9; starting it again in 1 s" in said, said[-3000:]
 
 
 def _prompts(model: Path) -> list[tuple[str, Any]]:
@@ -298,12 +315,13 @@ def _native_process(stack: Stack) -> psutil.Process:
 
 
 @pytest.mark.stack
-def test_killing_native_decode_fails_its_stream_fast_and_spares_tilert(pools_to_break: Stack) -> None:
+def test_killing_native_decode_fails_its_stream_fast_and_spares_tilert(pools_to_heal: Stack) -> None:
     """The native decode instance dies (SIGKILL) with a native stream and a TileRT
     stream in flight. The native one ends with an error event right after the instance has exited and its last
     token is relayed (within 5 s of the kill: the tokens already buffered are relayed first); the TileRT one is
-    untouched (the same tokens as the same request undisturbed, which the other tests tie to vLLM alone)."""
-    pools = pools_to_break
+    untouched (the same tokens as the same request undisturbed, which the other tests tie to vLLM alone). Then
+    ``tilert up`` starts the instance again and the native pool serves as before."""
+    pools = pools_to_heal
     n_tilert = 1200  # long enough that the decode still runs when the test looks
     tilert_body = {
         "model": str(pools.model),
@@ -416,4 +434,22 @@ def test_killing_native_decode_fails_its_stream_fast_and_spares_tilert(pools_to_
         timeout=30,
     )
     assert r2.status_code == 503 and time.monotonic() - t0 < 5
-    assert httpx.get(pools.router + "/health", timeout=10).json()["status"] == "degraded"
+    assert _router_health(pools)["status"] == "degraded"
+    _restarted(pools, "native")
+    assert router_answer(pools.router, pools.model, kind, prompt, True, pool="vllm")[:2] == _alone(pools, kind, prompt)
+
+
+@pytest.mark.stack
+def test_a_killed_decode_node_is_started_again_and_admitted(pools_to_heal: Stack) -> None:
+    """The TileRT decode node dies (SIGKILL, its engine process with it): the native pool serves on while the
+    router says ``degraded``, ``tilert up`` starts the node again, and the router admits it without a restart of
+    anything else: the TileRT pool answers token for token as vLLM alone."""
+    pools = pools_to_heal
+    node = next(p for p in psutil.Process(pools.proc.pid).children() if "tilert.cli decode" in " ".join(p.cmdline()))
+    os.killpg(node.pid, signal.SIGKILL)
+    wait_until(lambda: _router_health(pools)["status"] == "degraded", 10, "the router sees the node gone")
+    kind, prompt = _prompts(pools.model)[0]
+    want = _alone(pools, kind, prompt)
+    assert router_answer(pools.router, pools.model, kind, prompt, True, pool="vllm")[:2] == want
+    _restarted(pools, "decode")
+    assert router_answer(pools.router, pools.model, kind, prompt, True, pool="tilert")[:2] == want

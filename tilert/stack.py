@@ -4,8 +4,7 @@ stock vLLM (prefill, with ``TileRTConnector``)  +  the decode node  +  the route
 
 ``tilert up --native`` adds the native decode pool (engine plugin ``vllm``): the prefill then runs vLLM's
 ``MultiConnector`` holding ``TileRTConnector`` beside vLLM's own ``NixlConnector``, and a second stock vLLM
-instance decodes what the router sends the native way. The native instance is not essential: when it dies,
-the stack keeps serving the TileRT pool (the router answers 503 for the native pool until it is back).
+instance decodes what the router sends the native way.
 
 One shared secret binds the three (:mod:`tilert.auth`): ``tilert up`` generates it, writes it to a
 file only this user can read (0600, in a private temporary directory removed at exit) and hands the
@@ -13,8 +12,10 @@ children ``TILERT_SECRET_FILE`` in their environment, never on a command line (`
 everyone). The router's slot lease and the decode node's longest lease are set together.
 
 Each child runs in its own process group, so stopping it reaches every process it spawned (vLLM
-starts an engine-core process of its own). Start-up waits until each answers ``/health``; a child
-that dies, SIGINT or SIGTERM stops all three and leaves no process behind.
+starts an engine-core process of its own). Start-up waits until each answers ``/health`` (a child that dies
+meanwhile stops the stack); once up, a child that dies is started again after a backoff while the others serve
+on (:class:`Supervisor`: the router answers 503 for what it cannot serve meanwhile, e.g. the native pool, and says
+``degraded``). SIGINT or SIGTERM stops every child and leaves no process behind.
 """
 
 from __future__ import annotations
@@ -476,7 +477,8 @@ def child_env(secret_file: Path, base: dict[str, str] | None = None) -> dict[str
 
 
 _OMP_VARIABLES = ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")
-ESSENTIAL = ("prefill", "decode", "router")  # the death of one of these stops the stack; "native" may die alone
+RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # the waits before the 1st, 2nd ... restart of a child
+MAX_FAILED_STARTS = 5  # a child that dies this many times in a row before it is healthy again stops the stack
 
 
 class Stack:
@@ -489,6 +491,8 @@ class Stack:
         self._owns_secret = cfg.secret_file is None
         self.log_dir = Path(cfg.log_dir) if cfg.log_dir is not None else fresh_log_dir()
         self._log_files: list[IO[bytes]] = []
+        self._commands: dict[str, list[str]] = {}
+        self._envs: dict[str, dict[str, str]] = {}
         self.urls = {"prefill": _url(cfg.host, cfg.prefill_port)}
         if cfg.native:
             self.urls["native"] = _url(cfg.host, cfg.native_port)
@@ -559,16 +563,22 @@ class Stack:
             prefill_in_process=prefill_in_process(self.cfg),
             prefill_omp=omp or "vLLM's own",
         )
-        rest = plan.children
-        pin = functools.partial(os.sched_setaffinity, 0, rest) if rest else None
+        self._commands, self._envs = commands, envs
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        for name, cmd in commands.items():
-            log.info("starting", process=name, command=" ".join(cmd), cpus=CpuPlan.text(rest) or "any")
-            out = open(self.log_path(name), "ab")  # closed by stop()
-            self._log_files.append(out)
-            self.children[name] = subprocess.Popen(
-                cmd, env=envs[name], stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin
-            )
+        for name in commands:
+            self.start_child(name)
+
+    def start_child(self, name: str) -> None:
+        """Start child ``name`` (again: after its process group is gone), its output appended to its log file."""
+        rest = self.plan.children
+        pin = functools.partial(os.sched_setaffinity, 0, rest) if rest else None
+        cmd = self._commands[name]
+        log.info("starting", process=name, command=" ".join(cmd), cpus=CpuPlan.text(rest) or "any")
+        out = open(self.log_path(name), "ab")  # closed by stop()
+        self._log_files.append(out)
+        self.children[name] = subprocess.Popen(
+            cmd, env=self._envs[name], stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin
+        )
 
     def wait_healthy(
         self, on_ready: Callable[[str, str, float], object] = lambda *_: None, should_stop: Callable[[], bool] = bool
@@ -588,11 +598,7 @@ class Stack:
                         raise ChildExited(name, code)
                     if name == "router" and len(pending) > 1:
                         continue
-                    try:
-                        healthy = client.get(url + "/health").status_code == 200
-                    except httpx.HTTPError:
-                        healthy = False
-                    if healthy:
+                    if self.healthy(client, name):
                         del pending[name]
                         log.info("healthy", process=name, url=url)
                         on_ready(name, url, time.monotonic() - started)
@@ -601,14 +607,15 @@ class Stack:
                 if pending:
                     time.sleep(0.2)
 
-    def first_exit(self, essential_only: bool = False) -> tuple[str, int] | None:
-        for name, proc in self.children.items():
-            if essential_only and name not in ESSENTIAL:
-                continue
-            code = proc.poll()
-            if code is not None:
-                return name, code
-        return None
+    def exited(self) -> dict[str, int]:
+        """The children that have exited, with their status."""
+        return {name: code for name, proc in self.children.items() if (code := proc.poll()) is not None}
+
+    def healthy(self, client: httpx.Client, name: str) -> bool:
+        try:
+            return client.get(self.urls[name] + "/health").status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every child's process group, then SIGKILL what is left after ``grace_s``."""
@@ -648,6 +655,54 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
         pass
 
 
+@dataclass
+class _Supervised:
+    """One child as the supervisor sees it: down until ``restart_at``, then started at ``started_at`` and waiting
+    to answer ``/health`` (both None: running); ``failed_starts``: deaths in a row before it answered again."""
+
+    failed_starts: int = 0
+    restart_at: float | None = None
+    started_at: float | None = None
+
+
+class Supervisor:
+    """Keeps a stack that is up running: a child that exits is started again after a backoff (:data:`RESTART_BACKOFF_S`,
+    longer after each death before it answered ``/health`` again) while the others serve on (the router says
+    ``degraded`` meanwhile and admits a decode node again once its watch stream is back). A child that dies
+    :data:`MAX_FAILED_STARTS` times in a row before it answers stops the stack. Every death and every return is one
+    line on the terminal, a death with the child's last log lines."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.children = {name: _Supervised() for name in stack.children}
+
+    def step(self, client: httpx.Client) -> bool:
+        """Look at every child once; False when the stack must stop."""
+        now = time.monotonic()
+        for name, code in self.stack.exited().items():
+            child = self.children[name]
+            if child.restart_at is not None:
+                continue  # its restart is scheduled
+            if child.started_at is not None:
+                child.failed_starts += 1
+                child.started_at = None
+            if child.failed_starts >= MAX_FAILED_STARTS:
+                _failed(self.stack, name, f"{name} exited {child.failed_starts} times in a row; stopping the stack")
+                return False
+            wait = RESTART_BACKOFF_S[min(child.failed_starts, len(RESTART_BACKOFF_S) - 1)]
+            _signal_group(self.stack.children[name], signal.SIGKILL)  # whatever it left running
+            _failed(self.stack, name, f"{name} exited with status {code}; starting it again in {wait:.0f} s")
+            child.restart_at = now + wait
+        for name, child in self.children.items():
+            if child.restart_at is not None and now >= child.restart_at:
+                child.restart_at, child.started_at = None, now
+                self.stack.start_child(name)
+            elif child.started_at is not None and self.stack.healthy(client, name):
+                _say(f"{name}: {self.stack.urls[name]}  ready again in {now - child.started_at:.1f} s")
+                child.started_at, child.failed_starts = None, 0
+        return True
+
+
 def _say(text: str, *, err: bool = False) -> None:
     """One line for the person at the terminal (stdout: what scripts read; stderr: what went wrong)."""
     print(text, file=sys.stderr if err else sys.stdout, flush=True)
@@ -661,8 +716,9 @@ def _failed(stack: Stack, name: str, what: str) -> None:
 
 def run(cfg: StackConfig) -> int:
     """Start the stack, report each process when it is ready (``name: URL  ready in S s``, the router last), serve
-    until a signal or a child's death, then stop everything. The terminal gets nothing else unless something fails;
-    every process's log, this one's included (``up.log``), is a file under the stack's log directory."""
+    until a signal (a child that dies is started again: :class:`Supervisor`), then stop everything. The terminal
+    gets nothing else unless something fails; every process's log, this one's included (``up.log``), is a file
+    under the stack's log directory."""
     try:
         cfg.validate()
     except ConfigError as exc:
@@ -701,22 +757,12 @@ def run(cfg: StackConfig) -> int:
             _say(f"tilert up: {exc}", err=True)
             return 1
         _say(f"tilert up: serving at {stack.urls['router']}/v1 (Ctrl-C stops every process)")
-        native_reported = False
-        while not stopping:
-            dead = stack.first_exit(essential_only=True)
-            if dead:
-                _failed(stack, dead[0], f"{dead[0]} exited with status {dead[1]}; stopping the stack")
-                return 1
-            native = stack.children.get("native")
-            if native is not None and native.poll() is not None and not native_reported:
-                native_reported = True
-                _failed(
-                    stack,
-                    "native",
-                    f"native exited with status {native.returncode}; the TileRT pool keeps serving, the router "
-                    "answers 503 for the native pool",
-                )
-            time.sleep(0.2)
+        supervisor = Supervisor(stack)
+        with httpx.Client(timeout=2.0) as client:
+            while not stopping:
+                if not supervisor.step(client):
+                    return 1
+                time.sleep(0.2)
         return 0
     finally:
         stack.stop()

@@ -148,6 +148,9 @@ async def list_models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    """``ok``: the prefill, every decode node and the native pool (if any) answer; ``degraded`` (still 200): the
+    prefill and at least one pool (a decode node or the native instance) do; ``unavailable`` (503): nothing can be
+    served."""
     ctx = _ctx(request)
     prefill: dict[str, object] = {}
     nodes: list[dict[str, object]] = []
@@ -167,8 +170,9 @@ async def health(request: Request) -> Response:
         tg.start_soon(check_nodes)
         tg.start_soon(check_native)
     healthy = sum(1 for n in nodes if n["ok"])
-    ok = bool(prefill.get("ok")) and healthy > 0
-    all_ok = ok and healthy == len(nodes) and (not native or bool(native.get("ok")))
+    native_ok = bool(native.get("ok"))
+    ok = bool(prefill.get("ok")) and (healthy > 0 or native_ok)  # some pool serves
+    all_ok = ok and healthy == len(nodes) and (not native or native_ok)
     status = "ok" if all_ok else ("degraded" if ok else "unavailable")
     body = {
         "status": status,
