@@ -490,7 +490,7 @@ class Stack:
         self.secret_file: Path | None = cfg.secret_file
         self._owns_secret = cfg.secret_file is None
         self.log_dir = Path(cfg.log_dir) if cfg.log_dir is not None else fresh_log_dir()
-        self._log_files: list[IO[bytes]] = []
+        self._log_files: dict[str, IO[bytes]] = {}  # each child's log, open while it may run
         self._commands: dict[str, list[str]] = {}
         self._envs: dict[str, dict[str, str]] = {}
         self.urls = {"prefill": _url(cfg.host, cfg.prefill_port)}
@@ -574,8 +574,9 @@ class Stack:
         pin = functools.partial(os.sched_setaffinity, 0, rest) if rest else None
         cmd = self._commands[name]
         log.info("starting", process=name, command=" ".join(cmd), cpus=CpuPlan.text(rest) or "any")
-        out = open(self.log_path(name), "ab")  # closed by stop()
-        self._log_files.append(out)
+        if name in self._log_files:
+            self._log_files[name].close()  # its previous run's
+        out = self._log_files[name] = open(self.log_path(name), "ab")  # closed by stop()
         self.children[name] = subprocess.Popen(
             cmd, env=self._envs[name], stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin
         )
@@ -629,7 +630,7 @@ class Stack:
                 pass
             _signal_group(proc, signal.SIGKILL)  # reaps stragglers the leader left in its group
             proc.wait()
-        for out in self._log_files:
+        for out in self._log_files.values():
             out.close()
         self._log_files.clear()
 
