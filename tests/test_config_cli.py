@@ -104,7 +104,7 @@ def test_router_required_settings_from_env_alone(model: Path, monkeypatch: pytes
     monkeypatch.setenv("TILERT_ROUTER_MODEL_DIR", str(model))
     monkeypatch.setenv("TILERT_ROUTER_DEFAULT_MAX_TOKENS", "64")
     cfg = load_config_from_env()
-    assert cfg.prefill_url == "http://10.0.0.1:8000"
+    assert cfg.prefill_urls == ["http://10.0.0.1:8000"]
     assert [n.host for n in cfg.decode_nodes] == ["10.0.0.2", "::1"]
     assert cfg.default_max_tokens == 64
     assert cfg.secret == SECRET.encode()
@@ -207,7 +207,7 @@ def test_missing_secret_is_refused_at_start_up(
     assert cli.main(["decode", "--model", str(model)]) == 2
     assert "no shared secret" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="no shared secret"):
-        RouterConfig(prefill_url="http://h:1", decode_nodes=[], model_dir=str(model)).validate()
+        RouterConfig(prefill_urls=["http://h:1"], decode_nodes=[], model_dir=str(model)).validate()
 
 
 def test_secret_file_flag(tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -145,7 +145,7 @@ def make_router(standins: tuple[Standins, _Server, _Server], model_dir: Path) ->
     def make(**overrides: Any) -> RouterHandle:
         nodes = overrides.pop("decode_nodes", [DecodeNodeSpec("127.0.0.1", 1, decode.port)])
         cfg = RouterConfig(
-            prefill_url=f"http://127.0.0.1:{prefill.port}",
+            prefill_urls=[f"http://127.0.0.1:{prefill.port}"],
             decode_nodes=nodes,
             model_dir=str(model_dir),
             served_model_name="tiny",

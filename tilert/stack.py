@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
@@ -82,7 +82,12 @@ class StackConfig:
 
     model: Path = setting(help="checkpoint directory the prefill vLLM and the decode node both load", metavar="DIR")
     port: int = setting(UP_ROUTER_PORT, help="the router's port")
-    prefill_port: int = setting(UP_PREFILL_PORT, help="the prefill vLLM's port")
+    prefill_port: int = setting(UP_PREFILL_PORT, help="the prefill vLLM's port (the first one's, with several)")
+    prefill_instances: int = setting(
+        1,
+        help="how many prefill vLLM instances to start, on consecutive ports from prefill_port (prefill, prefill-2, "
+        "...); the router spreads requests over them (its prefill_policy) and takes out one that fails",
+    )
     ctrl_port: int = CTRL_PORT.field()
     decode_http_port: int = HTTP_PORT.field()
     host: str = setting(LOOPBACK, help="bind address of every process of the stack")
@@ -145,14 +150,15 @@ class StackConfig:
         "'none': nothing pinned",
     )
 
-    def validate(self) -> StackConfig:
-        """Raise :class:`ConfigError` naming every setting the stack cannot start with; returns ``self``."""
+    def _port_problems(self) -> list[str]:
         d = lambda name: describe(StackConfig, name)  # noqa: E731
         problems: list[str] = []
-        if not (Path(self.model) / "config.json").is_file():
-            problems.append(f"{d('model')}: {self.model} holds no config.json (build one with `tilert tiny-model`)")
-        elif too_long := context_problem(self.model, self.max_model_len, d("max_model_len")):
-            problems.append(too_long)
+        n = self.prefill_instances
+        if not is_int(n) or n < 1:
+            problems.append(f"{d('prefill_instances')} must be an integer >= 1 ({n!r})")
+            n = 1
+        elif n > 1 and self.native:
+            problems.append(f"{d('prefill_instances')} above 1 is not available with --native (one NIXL side channel)")
         ports = ["port", "prefill_port", "ctrl_port", "decode_http_port"]
         if self.native:
             ports += ["native_port", "prefill_side_port", "native_side_port"]
@@ -161,9 +167,25 @@ class StackConfig:
                 check_port(getattr(self, name), d(name))
             except ConfigError as exc:
                 problems.append(str(exc))
-        values = [getattr(self, name) for name in ports]
-        if len(set(values)) != len(values):
-            problems.append(f"the stack's ports must differ: {', '.join(f'{n} {getattr(self, n)}' for n in ports)}")
+        if problems:
+            return problems
+        named = [(name, getattr(self, name)) for name in ports]
+        named += [(f"prefill instance {i + 1}'s port", self.prefill_port + i) for i in range(1, n)]
+        if self.prefill_port + n - 1 > 65535:
+            problems.append(f"{d('prefill_instances')} {n} from {d('prefill_port')} {self.prefill_port} passes 65535")
+        if len({v for _, v in named}) != len(named):
+            problems.append(f"the stack's ports must differ: {', '.join(f'{n} {v}' for n, v in named)}")
+        return problems
+
+    def validate(self) -> StackConfig:
+        """Raise :class:`ConfigError` naming every setting the stack cannot start with; returns ``self``."""
+        d = lambda name: describe(StackConfig, name)  # noqa: E731
+        problems: list[str] = []
+        if not (Path(self.model) / "config.json").is_file():
+            problems.append(f"{d('model')}: {self.model} holds no config.json (build one with `tilert tiny-model`)")
+        elif too_long := context_problem(self.model, self.max_model_len, d("max_model_len")):
+            problems.append(too_long)
+        problems += self._port_problems()
         if self.dtype not in DTYPES:
             problems.append(f"{d('dtype')} must be one of {', '.join(DTYPES)} ({self.dtype!r})")
         for name, low in (("max_model_len", 2), ("kv_cache_bytes", 1)):
@@ -237,6 +259,16 @@ def native_instances(cfg: StackConfig) -> tuple[NativeInstance, NativeInstance]:
 
 def native_command(cfg: StackConfig) -> list[str]:
     return load_native_pool(cfg.native_engine).decode_command(native_instances(cfg)[1], cpu=not _has_cuda())
+
+
+def prefill_ports(cfg: StackConfig) -> list[int]:
+    """The prefill instances' ports: ``prefill_instances`` consecutive ones from ``prefill_port``."""
+    return [cfg.prefill_port + i for i in range(cfg.prefill_instances)]
+
+
+def prefill_name(index: int) -> str:
+    """The process name (and log file) of the ``index``-th prefill instance: ``prefill``, ``prefill-2``, ..."""
+    return "prefill" if index == 0 else f"prefill-{index + 1}"
 
 
 def prefill_command(cfg: StackConfig) -> list[str]:
@@ -425,13 +457,13 @@ def decode_command(cfg: StackConfig, plan: CpuPlan | None = None) -> list[str]:
 
 
 def router_command(cfg: StackConfig) -> list[str]:
+    prefills = [arg for port in prefill_ports(cfg) for arg in ("--prefill-url", _url(cfg.host, port))]
     cmd = [
         sys.executable,
         "-m",
         "tilert.cli",
         "router",
-        "--prefill-url",
-        _url(cfg.host, cfg.prefill_port),
+        *prefills,
         "--decode",
         f"{'[' + cfg.host + ']' if ':' in cfg.host else cfg.host}:{cfg.ctrl_port}:{cfg.decode_http_port}",
         "--model",
@@ -493,14 +525,15 @@ class Stack:
         self._log_files: dict[str, IO[bytes]] = {}  # each child's log, open while it may run
         self._commands: dict[str, list[str]] = {}
         self._envs: dict[str, dict[str, str]] = {}
-        self.urls = {"prefill": _url(cfg.host, cfg.prefill_port)}
+        self.urls = {prefill_name(i): _url(cfg.host, port) for i, port in enumerate(prefill_ports(cfg))}
         if cfg.native:
             self.urls["native"] = _url(cfg.host, cfg.native_port)
         self.urls["decode"] = _url(cfg.host, cfg.decode_http_port)
         self.urls["router"] = _url(cfg.host, cfg.port)  # last: it answers once the others are up
 
     def commands(self) -> dict[str, list[str]]:
-        out = {"prefill": prefill_command(self.cfg)}
+        ports = enumerate(prefill_ports(self.cfg))
+        out = {prefill_name(i): prefill_command(replace(self.cfg, prefill_port=port)) for i, port in ports}
         if self.cfg.native:
             out["native"] = native_command(self.cfg)
         out["decode"] = decode_command(self.cfg, self.plan)
@@ -522,7 +555,7 @@ class Stack:
     def extra_env(self, name: str) -> dict[str, str]:
         """Per child: the prefill's executor; in native mode both vLLM instances get the native pool's environment
         (NIXL side channel)."""
-        own = prefill_env(self.cfg, self.plan) if name == "prefill" else {}
+        own = prefill_env(self.cfg, self.plan) if name.startswith("prefill") else {}
         if not self.cfg.native or name not in ("prefill", "native"):
             return own
         prefill, native = native_instances(self.cfg)

@@ -135,7 +135,11 @@ async def prefill_relay(request: Request) -> Response:
     path = request.url.path
     try:
         raw = await _body(request, ctx.config.max_body_bytes)
-        status, body = await relay(ctx.prefill, path, raw, request_id=rid, api_key=ctx.config.prefill_api_key)
+        status, body = await ctx.prefills.call(
+            lambda prefill: relay(prefill, path, raw, request_id=rid, api_key=ctx.config.prefill_api_key),
+            request_id=rid,
+            failure=lambda answer: f"HTTP {answer[0]}" if answer[0] >= 500 else None,
+        )
     except RouterError as exc:
         log.warning("relay_failed", path=path, status=exc.status, reason=exc.log_reason())
         return _error(exc)
@@ -148,16 +152,17 @@ async def list_models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    """``ok``: the prefill, every decode node and the native pool (if any) answer; ``degraded`` (still 200): the
-    prefill and at least one pool (a decode node or the native instance) do; ``unavailable`` (503): nothing can be
-    served."""
+    """``ok``: every prefill instance (answering, its circuit breaker not open), every decode node and the native pool
+    (if any) answer; ``degraded`` (still 200): a prefill instance and at least one pool (a decode node or the native
+    instance) do; ``unavailable`` (503): nothing can be served. ``prefill`` lists each instance with its breaker
+    state, requests in flight and requests sent."""
     ctx = _ctx(request)
-    prefill: dict[str, object] = {}
+    prefill: list[dict[str, object]] = []
     nodes: list[dict[str, object]] = []
     native: dict[str, object] = {}
 
     async def check_prefill() -> None:
-        prefill.update(await ctx.check_prefill())
+        prefill.extend(await ctx.check_prefill())
 
     async def check_nodes() -> None:
         nodes.extend(await ctx.check_nodes())
@@ -171,8 +176,9 @@ async def health(request: Request) -> Response:
         tg.start_soon(check_native)
     healthy = sum(1 for n in nodes if n["ok"])
     native_ok = bool(native.get("ok"))
-    ok = bool(prefill.get("ok")) and (healthy > 0 or native_ok)  # some pool serves
-    all_ok = ok and healthy == len(nodes) and (not native or native_ok)
+    prefill_ok = [p["ok"] and p["state"] != "open" for p in prefill]
+    ok = any(prefill_ok) and (healthy > 0 or native_ok)  # a prefill instance and some pool serve
+    all_ok = ok and all(prefill_ok) and healthy == len(nodes) and (not native or native_ok)
     status = "ok" if all_ok else ("degraded" if ok else "unavailable")
     body = {
         "status": status,

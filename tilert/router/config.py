@@ -50,6 +50,8 @@ from tilert.settings import (
 CONFIG_ENV = "TILERT_ROUTER_CONFIG"
 ENV_PREFIX = "TILERT_ROUTER_"
 API_KEY_ENV = "TILERT_ROUTER_API_KEY"
+PREFILL_URL_ENV = "TILERT_ROUTER_PREFILL_URL"  # as the flag: one URL, or several comma-separated
+PREFILL_POLICIES = ("least_loaded", "prefix_hash")
 PREFILL_API_KEY_ENV = "TILERT_ROUTER_PREFILL_API_KEY"
 LEASE_MARGIN_S = 30.0
 DEFAULT_PREFILL_TIMEOUT_S = 600.0
@@ -128,6 +130,27 @@ def parse_decode_nodes(raw: Any) -> list[DecodeNodeSpec]:
     return nodes
 
 
+def parse_prefill_urls(raw: Any) -> list[str]:
+    """Prefill instances from a flag list, a comma-separated string (env) or TOML (a string or a list of them)."""
+    if raw is None:
+        return []
+    if isinstance(raw, str):
+        raw = [raw]
+    if not isinstance(raw, list) or not all(isinstance(item, str) for item in raw):
+        raise ConfigError(f"prefill URLs must be a URL or a list of URLs, got {raw!r}")
+    return [part.strip() for item in raw for part in item.split(",") if part.strip()]
+
+
+def prefill_url_problem(url: Any) -> str | None:
+    """Why ``url`` is no prefill server root (None: it is one)."""
+    parsed = urlparse(url) if isinstance(url, str) else urlparse("")
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        return f"must be an http(s) URL such as http://127.0.0.1:8000, got {url!r}"
+    if url.rstrip("/").endswith("/v1"):
+        return f"is the server root, without /v1: {url!r}"
+    return None
+
+
 # ---------------------------------------------------------------------------------------------------
 # RouterConfig
 # ---------------------------------------------------------------------------------------------------
@@ -154,7 +177,17 @@ class RouterConfig:
 
     ENV_PREFIX: ClassVar[str] = ENV_PREFIX
 
-    prefill_url: str = setting(help="stock vLLM's server root, without /v1 (http://127.0.0.1:8000)", metavar="URL")
+    prefill_urls: list[str] = setting(
+        help="a stock vLLM prefill instance's server root, without /v1 (http://127.0.0.1:8000); repeat the flag, or "
+        'comma-separate, for several (TOML: prefill_urls = [...] or prefill_url = "...")',
+        flag="--prefill-url",
+        aliases=("--prefill-urls",),
+        env=PREFILL_URL_ENV,
+        repeat=True,
+        parse=parse_prefill_urls,
+        toml_aliases=("prefill_url",),
+        metavar="URL",
+    )
     decode_nodes: list[DecodeNodeSpec] = setting(
         help="a decode node as host:ctrl_port:http_port (repeat the flag, or comma-separate, for several)",
         flag="--decode",
@@ -233,6 +266,29 @@ class RouterConfig:
         "no new requests go there and those whose prefill is running move to another node (a node that dies "
         "closes the stream, which counts at once)",
     )
+    prefill_policy: str = setting(
+        PREFILL_POLICIES[0],
+        help=f"how a request picks its prefill instance: {' or '.join(PREFILL_POLICIES)} (least_loaded: fewest "
+        "requests in flight; prefix_hash: prompts sharing their first prefill_prefix_chars characters go to one "
+        "instance, for vLLM's prefix cache, unless it is out or prefill_prefix_slack requests busier than the least "
+        "loaded)",
+    )
+    prefill_prefix_chars: int = setting(
+        256, help="prefix_hash: how many leading characters of the prompt (or of the chat messages) pick the instance"
+    )
+    prefill_prefix_slack: int = setting(
+        4, help="prefix_hash: the prefix's instance is passed over when it has this many more requests in flight"
+    )
+    prefill_breaker_failures: int = setting(
+        3,
+        help="a prefill instance that fails this many requests in a row (unreachable, HTTP 5xx, timed out) is taken "
+        "out (its circuit breaker opens)",
+    )
+    prefill_breaker_open_s: float = setting(
+        5.0,
+        help="how long a prefill instance taken out waits before its /health is probed; once it answers, one "
+        "request at a time tries it (half-open) until one succeeds",
+    )
     native_url: str | None = setting(
         None,
         metavar="URL",
@@ -286,15 +342,7 @@ class RouterConfig:
     def _address_problems(self) -> list[str]:
         d = lambda name: describe(RouterConfig, name)  # noqa: E731
         problems: list[str] = []
-        url = urlparse(self.prefill_url or "") if isinstance(self.prefill_url, str) else urlparse("")
-        if url.scheme not in ("http", "https") or not url.netloc:
-            problems.append(
-                f"{d('prefill_url')} must be an http(s) URL such as http://127.0.0.1:8000, got {self.prefill_url!r}"
-            )
-        else:
-            self.prefill_url = self.prefill_url.rstrip("/")
-            if self.prefill_url.endswith("/v1"):
-                problems.append(f"{d('prefill_url')} is the server root, without /v1: {self.prefill_url!r}")
+        problems += self._prefill_problems()
         if not self.decode_nodes:
             problems.append(f"at least one decode node is required: {d('decode_nodes')} host:ctrl_port:http_port")
         else:
@@ -305,6 +353,30 @@ class RouterConfig:
             problems.append(f"{d('model_dir')} is required (the directory holding the tokenizer and config.json)")
         elif not Path(self.model_dir).is_dir():
             problems.append(f"{d('model_dir')}: {self.model_dir!r} is not a directory")
+        return problems
+
+    def _prefill_problems(self) -> list[str]:
+        d = lambda name: describe(RouterConfig, name)  # noqa: E731
+        urls = self.prefill_urls
+        if not isinstance(urls, list) or not urls:
+            return [f"at least one prefill instance is required: {d('prefill_urls')} URL"]
+        problems = [f"{d('prefill_urls')} {why}" for url in urls if (why := prefill_url_problem(url))]
+        if problems:
+            return problems
+        self.prefill_urls = [url.rstrip("/") for url in urls]
+        if len(set(self.prefill_urls)) != len(self.prefill_urls):
+            problems.append(f"duplicate prefill instances in {d('prefill_urls')}: {self.prefill_urls}")
+        if self.prefill_policy not in PREFILL_POLICIES:
+            problems.append(
+                f"{d('prefill_policy')} must be one of {', '.join(PREFILL_POLICIES)}, got {self.prefill_policy!r}"
+            )
+        for name, low in (("prefill_prefix_chars", 1), ("prefill_prefix_slack", 0), ("prefill_breaker_failures", 1)):
+            value = getattr(self, name)
+            if not is_int(value) or value < low:
+                problems.append(f"{d(name)} must be an integer >= {low}, got {value!r}")
+        open_s = self.prefill_breaker_open_s
+        if not is_number(open_s) or open_s <= 0:
+            problems.append(f"{d('prefill_breaker_open_s')} must be a positive number, got {open_s!r}")
         return problems
 
     def _number_problems(self) -> list[str]:
@@ -483,6 +555,6 @@ def load_config_from_env() -> RouterConfig:
             raise ConfigError(
                 f"{exc}; set {CONFIG_ENV} to a router TOML file (see config/router.example.toml) or the "
                 f"{ENV_PREFIX}* variables, or start the router with "
-                "`tilert router --prefill-url URL --decode host:ctrl:http --model DIR`"
+                "`tilert router --prefill-url URL [--prefill-url URL ...] --decode host:ctrl:http --model DIR`"
             ) from None
         raise

@@ -20,6 +20,7 @@ from tilert.router.metrics import RouterMetrics
 from tilert.router.node_client import NodeClient
 from tilert.router.pool import DecodePool, PooledNode
 from tilert.router.prefill import prefill_session, vllm_session
+from tilert.router.prefill_pool import PrefillPool
 from tilert.router.watch import NodeWatch
 
 log = structlog.get_logger("tilert.router")
@@ -30,7 +31,7 @@ class RouterContext:
     config: RouterConfig
     metrics: RouterMetrics
     pool: DecodePool
-    prefill: aiohttp.ClientSession
+    prefills: PrefillPool  # every call to a prefill vLLM goes through it
     nodes: dict[str, NodeClient]
     watches: dict[str, NodeWatch]
     tokenizer: TokenizerBundle
@@ -47,7 +48,17 @@ class RouterContext:
             tokenizer = await anyio.to_thread.run_sync(load_tokenizer, config.model_dir)
         except Exception as exc:  # noqa: BLE001 - refuse start-up with the reason
             raise RuntimeError(f"router cannot load the tokenizer from model_dir {config.model_dir!r}: {exc}") from exc
-        prefill = prefill_session(config.prefill_url, config.prefill_timeout_s, config.connect_timeout_s)
+        prefills = PrefillPool(
+            config.prefill_urls,
+            partial(prefill_session, timeout_s=config.prefill_timeout_s, connect_timeout_s=config.connect_timeout_s),
+            metrics,
+            policy=config.prefill_policy,
+            prefix_chars=config.prefill_prefix_chars,
+            slack=config.prefill_prefix_slack,
+            failures_to_open=config.prefill_breaker_failures,
+            open_s=config.prefill_breaker_open_s,
+            retry_after_s=config.retry_after_s,
+        )
         nodes = {
             spec.name: NodeClient(
                 spec, config.connect_timeout_s, config.control_timeout_s, config.secret, config.lease_s
@@ -62,7 +73,7 @@ class RouterContext:
             config=config,
             metrics=metrics,
             pool=pool,
-            prefill=prefill,
+            prefills=prefills,
             nodes=nodes,
             watches=watches,
             tokenizer=tokenizer,
@@ -93,11 +104,13 @@ class RouterContext:
                     config.health_interval_s,
                     partial(self._lost, node),
                 )
+            tg.start_soon(self.prefills.run, config.health_timeout_s)
             await self.check_nodes()
             await self.check_native()
             log.info(
                 "router_started",
-                prefill_url=config.prefill_url,
+                prefill=config.prefill_urls,
+                prefill_policy=config.prefill_policy,
                 decode=[n.name for n in self.pool.nodes],
                 healthy=[n.name for n in self.pool.nodes if n.healthy],
                 model=config.model_name,
@@ -111,7 +124,7 @@ class RouterContext:
 
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):
-            await self.prefill.close()
+            await self.prefills.aclose()
             if self.native is not None:
                 await self.native.close()
             for client in self.nodes.values():
@@ -149,8 +162,9 @@ class RouterContext:
                 tg.start_soon(probe, node)
         return [results[n.name] for n in self.pool.nodes]
 
-    async def check_prefill(self) -> dict[str, Any]:
-        return await self._probe(self.prefill, self.config.prefill_url)
+    async def check_prefill(self) -> list[dict[str, Any]]:
+        """Every prefill instance's /health and circuit breaker state."""
+        return await self.prefills.check(self.config.health_timeout_s)
 
     async def check_native(self) -> dict[str, Any] | None:
         """Probe the native decode instance (None: no native pool); routing reads ``native_healthy``."""

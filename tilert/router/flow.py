@@ -261,8 +261,12 @@ class RequestFlow:
         spec = node.spec
         claim = c.Claim.signed(self.ctx.config.secret, transfer_id, spec.host, spec.ctrl_port)
         t0 = anyio.current_time()
-        pre = await run_prefill(
-            self.ctx.prefill, self.plan, claim, request_id=self.request_id, api_key=self.ctx.config.prefill_api_key
+        pre = await self.ctx.prefills.call(
+            lambda prefill: run_prefill(
+                prefill, self.plan, claim, request_id=self.request_id, api_key=self.ctx.config.prefill_api_key
+            ),
+            key=self.ctx.prefills.key(self.plan.body),
+            request_id=self.request_id,
         )
         self.ctx.metrics.prefill(anyio.current_time() - t0)
         self.prompt_tokens, self.completion_tokens = pre.prompt_tokens, 1

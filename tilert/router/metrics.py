@@ -41,7 +41,13 @@ The router's own, with no vLLM counterpart:
 - ``tilert:pool_overflows_total``: TileRT-pool requests sent to the native pool for want of a slot;
 - ``tilert:kv_transfer_wait_seconds``: decode request sent to its first line (KV transfer + first step);
 - ``tilert:decode_slots_in_use{node}``: slots this router holds per decode node;
-- ``tilert:decode_node_healthy{node}``: 1 while the node passes its health probe.
+- ``tilert:decode_node_healthy{node}``: 1 while the node passes its health probe;
+- ``tilert:prefill_requests_in_flight{instance}``: calls in flight to each prefill vLLM (prefills and relays);
+- ``tilert:prefill_requests_total{instance,outcome}``: calls to each prefill vLLM by outcome (``ok``: it answered,
+  ``failed``: unreachable, HTTP 5xx or timed out, ``cancelled``);
+- ``tilert:prefill_instance_state{instance,state}``: 1 for the circuit breaker state each prefill instance is in
+  (``closed``, ``open``, ``half_open``), 0 for the others;
+- ``tilert:prefill_retries_total``: calls run again on another prefill instance after theirs failed them.
 """
 
 from __future__ import annotations
@@ -70,8 +76,10 @@ class RouterMetrics:
         self._declare_latencies(["model_name"])
         self._declare_counts(["model_name"])
         self._overflows = self._overflow_counter()
+        self._declare_prefill(["model_name"])
         # Series that exist from the start (a dashboard sees 0, not "no data").
-        for metric in (self._running, self._waiting, self._prompt_tokens, self._generation_tokens, self._overflows):
+        series = (self._running, self._waiting, self._prompt_tokens, self._generation_tokens, self._overflows)
+        for metric in (*series, self._prefill_retries):
             metric.labels(model_name)
 
     def _declare_latencies(self, m: list[str]) -> None:
@@ -133,6 +141,24 @@ class RouterMetrics:
         )
         self._slots = gauge("decode_slots_in_use", "Decode slots this router holds, per node.", m + ["node"])
         self._healthy = gauge("decode_node_healthy", "1 while the decode node passes its health probe.", m + ["node"])
+
+    def _declare_prefill(self, m: list[str]) -> None:
+        self._prefill_flight = self._gauge(
+            "prefill_requests_in_flight", "Calls in flight to each prefill instance.", m + ["instance"]
+        )
+        self._prefill_requests = self._counter(
+            "prefill_requests",
+            "Calls to each prefill instance by outcome (ok, failed: unreachable / 5xx / timed out, cancelled).",
+            m + ["instance", "outcome"],
+        )
+        self._prefill_state = self._gauge(
+            "prefill_instance_state",
+            "1 for the circuit breaker state of each prefill instance (closed, open, half_open), 0 for the others.",
+            m + ["instance", "state"],
+        )
+        self._prefill_retries = self._counter(
+            "prefill_retries", "Calls run again on another prefill instance after theirs failed them.", m
+        )
 
     def _histogram(self, name: str, doc: str, labels: list[str], buckets: tuple[float, ...]) -> Histogram:
         return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
@@ -226,6 +252,23 @@ class RouterMetrics:
 
     def node_healthy(self, node: str, ok: bool) -> None:
         self._healthy.labels(self.model_name, node).set(1 if ok else 0)
+
+    def prefill_in_flight(self, instance: str, n: int) -> None:
+        """``n`` calls are in flight to prefill ``instance`` now."""
+        self._prefill_flight.labels(self.model_name, instance).set(n)
+
+    def prefill_request(self, instance: str, outcome: str) -> None:
+        """A call to prefill ``instance`` ended: ``ok``, ``failed`` or ``cancelled``."""
+        self._prefill_requests.labels(self.model_name, instance, outcome).inc()
+
+    def prefill_state(self, instance: str, state: str, states: tuple[str, ...]) -> None:
+        """Prefill ``instance``'s circuit breaker is in ``state`` now (one of ``states``)."""
+        for each in states:
+            self._prefill_state.labels(self.model_name, instance, each).set(1 if each == state else 0)
+
+    def prefill_retried(self) -> None:
+        """A call runs again on another prefill instance."""
+        self._prefill_retries.labels(self.model_name).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -77,8 +77,12 @@ async def native_prefill(
     """Step 1: the prefill, keeping the KV for the pool. Its handoff, or (none: the prefill's one token already
     ended the request) the prefill's result to answer from."""
     t0 = anyio.current_time()
-    data = await post_prefill(
-        ctx.prefill, req.plan, plugin.prefill_params(), request_id=req.request_id, api_key=ctx.config.prefill_api_key
+    data = await ctx.prefills.call(
+        lambda prefill: post_prefill(
+            prefill, req.plan, plugin.prefill_params(), request_id=req.request_id, api_key=ctx.config.prefill_api_key
+        ),
+        key=ctx.prefills.key(req.plan.body),
+        request_id=req.request_id,
     )
     ctx.metrics.prefill(anyio.current_time() - t0)
     handoff = _handoff(plugin, data)

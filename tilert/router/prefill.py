@@ -36,6 +36,21 @@ def _fail(message: str) -> RouterError:
     return RouterError(502, message, outcome="prefill_error")
 
 
+class InstanceFailed(RouterError):
+    """The prefill instance itself failed the call: unreachable, HTTP 5xx, or no answer in time. Its circuit breaker
+    counts it (:mod:`tilert.router.prefill_pool`); ``retry``: nothing of the call can have reached the instance's
+    connector in a way that outlives it, so the call may run again on another instance (a timeout may not: the
+    instance may still be working on it)."""
+
+    def __init__(self, status: int, message: str, *, outcome: str, retry: bool) -> None:
+        super().__init__(status, message, outcome=outcome)
+        self.retry = retry
+
+
+def _unreachable(what: str, exc: aiohttp.ClientError) -> InstanceFailed:
+    return InstanceFailed(502, f"{what}: {type(exc).__name__}", outcome="prefill_error", retry=True)
+
+
 # vLLM's server closes a kept-alive connection after VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s by default) idle. The router
 # drops its own sooner, so that it never sends a request down a connection the server is closing: a prefill cannot
 # simply be sent again (it may have run, and handed its KV off).
@@ -71,10 +86,12 @@ async def post_prefill(
             plan.path, data=orjson.dumps(plan.prefill_body(kv_transfer_params)), headers=headers
         ) as resp:
             status, body = resp.status, await resp.read()
+    except aiohttp.ConnectionTimeoutError as exc:  # never connected: nothing was sent
+        raise _unreachable("prefill server unreachable", exc) from None
     except TimeoutError:
-        raise RouterError(504, "prefill timed out", outcome="prefill_timeout") from None
+        raise InstanceFailed(504, "prefill timed out", outcome="prefill_timeout", retry=False) from None
     except aiohttp.ClientError as exc:
-        raise _fail(f"prefill server unreachable: {type(exc).__name__}") from None
+        raise _unreachable("prefill server unreachable", exc) from None
     if 400 <= status < 500:
         message = upstream_message(body, f"prefill rejected the request with HTTP {status}")
         raise RouterError(
@@ -84,6 +101,8 @@ async def post_prefill(
             body=body if _is_json_object(body) else None,
             upstream=True,
         )
+    if status >= 500:
+        raise InstanceFailed(502, f"prefill failed with HTTP {status}", outcome="prefill_error", retry=True)
     if status != 200:
         raise _fail(f"prefill failed with HTTP {status}")
     try:
@@ -99,14 +118,17 @@ async def relay(
     client: aiohttp.ClientSession, path: str, body: bytes, *, request_id: str, api_key: str | None
 ) -> tuple[int, bytes]:
     """POST ``body`` as it is to the prefill vLLM's ``path`` (``/tokenize``, ``/detokenize``): vLLM's status and
-    body, whatever they are; a timeout is 504, an unreachable server 502."""
+    body, whatever they are; a timeout is 504, an unreachable server 502 (:class:`InstanceFailed` both)."""
     try:
         async with client.post(path, data=body, headers=_headers(request_id, api_key)) as resp:
             return resp.status, await resp.read()
+    except aiohttp.ConnectionTimeoutError as exc:
+        raise _unreachable(f"prefill server unreachable for {path}", exc) from None
     except TimeoutError:
-        raise RouterError(504, f"prefill server timed out on {path}", outcome="prefill_timeout") from None
+        message = f"prefill server timed out on {path}"
+        raise InstanceFailed(504, message, outcome="prefill_timeout", retry=False) from None
     except aiohttp.ClientError as exc:
-        raise _fail(f"prefill server unreachable for {path}: {type(exc).__name__}") from None
+        raise _unreachable(f"prefill server unreachable for {path}", exc) from None
 
 
 def _headers(request_id: str, api_key: str | None) -> dict[str, str]:
