@@ -22,6 +22,8 @@ FAULT_ONLY = {
     "router": {
         "tilert:pool_overflows": "a TileRT-pool request overflows only when no decode slot frees within "
         "overflow_wait_s (tests/test_pools.py)",
+        "tilert:prefill_retries": "a prefill call runs again only when its instance failed it "
+        "(tests/test_prefill_instances.py)",
     },
     "node": {
         "tilert:kv_transfers_failed": "a KV transfer fails only on a fault (tests/test_e2e_transports.py)",

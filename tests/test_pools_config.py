@@ -19,7 +19,8 @@ SECRET = b"0123456789abcdef0123456789abcdef"
 
 
 def _config(tmp_path: Path, **kw: object) -> RouterConfig:
-    cfg = RouterConfig(prefill_urls=["http://127.0.0.1:1"], decode_nodes=[], model_dir=str(tmp_path), secret=SECRET, **kw)  # type: ignore[arg-type]
+    urls = ["http://127.0.0.1:1"]
+    cfg = RouterConfig(prefill_urls=urls, decode_nodes=[], model_dir=str(tmp_path), secret=SECRET, **kw)  # type: ignore[arg-type]
     from tilert.router.config import parse_decode_nodes
 
     cfg.decode_nodes = parse_decode_nodes("127.0.0.1:1:2")
