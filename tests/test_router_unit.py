@@ -24,6 +24,7 @@ import openai
 import orjson
 import pytest
 import uvicorn
+from support.stack import free_port
 
 from tilert import contracts as c
 from tilert.router import ConfigError, RouterConfig, build_app, load_config, parse_decode_spec
@@ -145,7 +146,7 @@ def make_router(standins: tuple[Standins, _Server, _Server], model_dir: Path) ->
     def make(**overrides: Any) -> RouterHandle:
         nodes = overrides.pop("decode_nodes", [DecodeNodeSpec("127.0.0.1", 1, decode.port)])
         cfg = RouterConfig(
-            prefill_urls=[f"http://127.0.0.1:{prefill.port}"],
+            prefill_urls=overrides.pop("prefill_urls", [f"http://127.0.0.1:{prefill.port}"]),
             decode_nodes=nodes,
             model_dir=str(model_dir),
             served_model_name="tiny",
@@ -429,6 +430,34 @@ def test_prefill_5xx_is_502(router: RouterHandle, world: Standins) -> None:
     r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=5)
     assert r.status_code == 502 and "HTTP 500" in r.json()["error"]["message"]
     assert _wait_for(lambda: not world.node.reservations)
+
+
+def test_a_dead_prefill_instance_is_passed_over_and_taken_out(
+    make_router: Callable[..., RouterHandle], world: Standins, standins: tuple[Standins, _Server, _Server]
+) -> None:
+    """Beside a live prefill, an instance nobody listens on costs no request an error: each call it fails runs again
+    on the live one, until its breaker takes it out. Alone, it is a 502 until then, and a 503 at once after."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    live = f"http://127.0.0.1:{standins[1].port}"
+    router = make_router(prefill_urls=[dead, live], prefill_breaker_failures=2)
+    text, _ = _expected(world)
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 50}
+    for _ in range(6):
+        r = httpx.post(router.url + "/v1/completions", json=body, timeout=5)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == text, r.text
+    prefill = {p["url"]: p for p in httpx.get(router.url + "/health", timeout=5).json()["prefill"]}
+    assert prefill[dead]["state"] == "open" and prefill[dead]["requests"] == 2 and prefill[live]["requests"] == 6
+    alone = make_router(prefill_urls=[dead], prefill_breaker_failures=1, prefill_breaker_open_s=30)
+    first = httpx.post(alone.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=5)
+    assert first.status_code == 502 and "unreachable" in first.json()["error"]["message"]
+    for path, body in (("/v1/completions", {"model": "tiny", "prompt": "x"}), ("/tokenize", {"prompt": "x"})):
+        t0 = time.monotonic()
+        r = httpx.post(alone.url + path, json=body, timeout=5)
+        assert r.status_code == 503 and time.monotonic() - t0 < 1.0, r.text
+        assert "no prefill instance is available" in r.json()["error"]["message"]
+        assert 1 <= int(r.headers["retry-after"]) <= 30
+    assert httpx.get(alone.url + "/health", timeout=5).json()["status"] == "unavailable"
+    assert _wait_for(lambda: not world.node.reservations and _slots_in_use(router) == _slots_in_use(alone) == 0)
 
 
 def test_missing_kv_transfer_params_502(router: RouterHandle, world: Standins) -> None:

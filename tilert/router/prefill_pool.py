@@ -215,6 +215,11 @@ class PrefillPool:
         order = {id(inst): (n - self._rr) % len(self.instances) for n, inst in enumerate(self.instances)}
         return min(candidates, key=lambda i: (i.in_flight, order[id(i)]))
 
+    def require(self, request_id: str = "") -> None:
+        """Refuse at once (503) when no instance admits a request now: before it waits for anything else."""
+        if not any(i.breaker.admits() for i in self.instances):
+            raise self._unavailable(request_id)
+
     def key(self, body: dict[str, Any] | None) -> str | None:
         """The request's prefix key under ``prefix_hash`` (None under ``least_loaded``, or without a body)."""
         return prefix_key(body, self.prefix_chars) if body is not None and self.policy == PREFIX_HASH else None
