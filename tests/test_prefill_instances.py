@@ -50,6 +50,8 @@ class World:
     nodes: list[str]  # their HTTP roots
     specs: list[str]  # host:ctrl:http, as a router is told
     prefills: list[str]
+    breaker_router: str  # over the session's prefill and down_port, which nobody listens on yet
+    down_port: int
     base: StackConfig
     env: dict[str, str]
     logs: Path
@@ -111,12 +113,17 @@ def world(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wo
             cmd, url = _router(base, prefills, nodes, "--prefill-policy", policy)
             procs.append(_start(cmd, env, logs / f"router-{i}.log"))
             routers.append(url)
+        down_port = free_port()
+        breaker = ("--prefill-breaker-failures", "2", "--prefill-breaker-open-s", "1")
+        cmd, url = _router(base, [stack.prefill, f"http://127.0.0.1:{down_port}"], nodes[:1], *breaker)
+        procs.append(_start(cmd, env, logs / "router-breaker.log"))
+        routers.append(url)
         wait_healthy(prefills[1], prefill, 300, logs / "prefill-2.log")
         wait_healthy(f"http://127.0.0.1:{base.decode_http_port}", node, 300, logs / "node-b.log")
         for proc, url in zip(procs[2:], routers, strict=True):
-            wait_healthy(url, proc, 120)
+            wait_healthy(url, proc, 120)  # the breaker router: degraded (one instance answers) is still 200
         node_urls = [stack.decode, f"http://127.0.0.1:{base.decode_http_port}"]
-        yield World(routers, node_urls, nodes, prefills, base, env, logs)
+        yield World(routers[:2], node_urls, nodes, prefills, routers[2], down_port, base, env, logs)
     finally:
         _stop(procs)
 
@@ -209,31 +216,20 @@ class Relay:
 
 
 def test_a_prefill_instance_down_is_taken_out_and_let_back_in(stack: Stack, world: World) -> None:
-    down_port = free_port()
-    down = f"http://127.0.0.1:{down_port}"
-    cmd, router = _router(
-        world.base,
-        [stack.prefill, down],
-        world.specs[:1],
-        *("--prefill-breaker-failures", "2", "--prefill-breaker-open-s", "1"),
-    )
-    proc = _start(cmd, world.env, world.logs / "router-breaker.log")
-    relay: Relay | None = None
+    router, down = world.breaker_router, f"http://127.0.0.1:{world.down_port}"
+    prompts = [f"class Thing{i}:" for i in range(4)]
+    want = {p: vllm_alone(stack, "completion", p)[:2] for p in prompts}
+    for i, prompt in enumerate(prompts):  # no client sees the down instance
+        assert router_call(router, stack.model, "completion", prompt, i % 2 == 0)[:2] == want[prompt]
+    seen = _instances(router)[down]
+    assert seen["state"] == "open" and not seen["ok"] and seen["failures_in_a_row"] == 2, seen
+    assert httpx.get(router + "/health", timeout=10).json()["status"] == "degraded"
+    metrics = httpx.get(router + "/metrics", timeout=10).text
+    assert re.search(r"^tilert:prefill_retries_total\{[^}]*\} 2\.0$", metrics, re.M), metrics
+    state = rf'^tilert:prefill_instance_state\{{instance="{down}",[^}}]*state="open"\}} 1\.0$'
+    assert re.search(state, metrics, re.M), metrics
+    relay = Relay(world.down_port, int(world.prefills[1].rsplit(":", 1)[1]))  # the instance is up again
     try:
-        wait_healthy(router, proc, 120)  # degraded (one instance answers) is still 200
-        prompts = [f"class Thing{i}:" for i in range(4)]
-        want = {p: vllm_alone(stack, "completion", p)[:2] for p in prompts}
-        for i, prompt in enumerate(prompts):  # no client sees the down instance
-            assert router_call(router, stack.model, "completion", prompt, i % 2 == 0)[:2] == want[prompt]
-        seen = _instances(router)[down]
-        assert seen["state"] == "open" and not seen["ok"] and seen["failures_in_a_row"] == 2, seen
-        health = httpx.get(router + "/health", timeout=10).json()
-        assert health["status"] == "degraded"
-        metrics = httpx.get(router + "/metrics", timeout=10).text
-        assert re.search(r"^tilert:prefill_retries_total\{[^}]*\} 2\.0$", metrics, re.M), metrics
-        state = rf'^tilert:prefill_instance_state\{{instance="{down}",[^}}]*state="open"\}} 1\.0$'
-        assert re.search(state, metrics, re.M), metrics
-        relay = Relay(down_port, int(world.prefills[1].rsplit(":", 1)[1]))  # the instance is up again
 
         def back() -> bool:
             prompt = prompts[0]
@@ -252,6 +248,4 @@ def test_a_prefill_instance_down_is_taken_out_and_let_back_in(stack: Stack, worl
         assert httpx.get(router + "/health", timeout=10).json()["status"] == "ok"
         wait_until(lambda: _all_slots_free(world.nodes), 10, "every slot free", interval_s=0.1)
     finally:
-        _stop([proc])
-        if relay is not None:
-            relay.close()
+        relay.close()
