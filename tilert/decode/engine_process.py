@@ -92,12 +92,20 @@ class EngineSpec:
 
 def params_to_wire(p: DecodeParams) -> c.EngineParams:
     fields = asdict(p)
-    fields["stop_token_ids"] = list(p.stop_token_ids)
+    for name in ("stop_token_ids", "prompt_token_ids"):
+        fields[name] = list(fields[name])
+    fields["allowed_token_ids"] = None if p.allowed_token_ids is None else list(p.allowed_token_ids)
+    fields["bad_words_token_ids"] = [list(w) for w in p.bad_words_token_ids]
     return c.EngineParams(**fields)
 
 
 def params_from_wire(w: c.EngineParams) -> DecodeParams:
-    return DecodeParams(**{**msgspec.structs.asdict(w), "stop_token_ids": tuple(w.stop_token_ids)})
+    fields = msgspec.structs.asdict(w)
+    for name in ("stop_token_ids", "prompt_token_ids"):
+        fields[name] = tuple(fields[name])
+    fields["allowed_token_ids"] = None if w.allowed_token_ids is None else tuple(w.allowed_token_ids)
+    fields["bad_words_token_ids"] = tuple(tuple(word) for word in w.bad_words_token_ids)
+    return DecodeParams(**fields)
 
 
 class RemoteEngine(DecodeEngine):
