@@ -54,6 +54,7 @@ class Params:
     top_k: int = 0
     seed: int | None = 0
     min_p: float = 0.0
+    grammar: None = None
 
     @property
     def greedy(self) -> bool:

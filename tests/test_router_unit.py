@@ -387,7 +387,7 @@ def test_no_healthy_node_503(make_router: Callable[..., RouterHandle], world: St
         {"frequency_penalty": "1.0"},
         {"logit_bias": {"five": 10}},
         {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "xml"}},
         {"guided_json": {"type": "object"}},
         {"min_tokens": 3, "max_tokens": 2},
         {"max_tokens": 0},

@@ -431,6 +431,7 @@ def test_a_full_chat_request(vllm_models: dict[str, Any]) -> None:
         "cache_salt": "s" * 43,
         "reasoning_effort": "low",
         "presence_penalty": 0.0,
+        "response_format": {"type": "text"},
         "max_tokens": 1,
         "stream": False,
         "return_token_ids": True,

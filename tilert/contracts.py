@@ -62,11 +62,12 @@ if TYPE_CHECKING:
 PROTOCOL_VERSION = 3
 MAX_FRAME_BYTES = 64 << 10  # a control frame; offers are a few hundred bytes
 MAX_API_BODY_BYTES = 64 << 10  # a decode-node HTTP request body
-MAX_DECODE_BODY_BYTES = 32 << 20  # a decode request: it may carry its prompt's token ids
+MAX_DECODE_BODY_BYTES = 32 << 20  # a reserve or decode request: its grammar, its prompt's token ids
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1 << 18  # entries of logit_bias / allowed_token_ids: a whole vocabulary
 MAX_BAD_WORDS = 256  # token sequences of bad_words (each word tokenized with and without a leading space)
 MAX_BAD_WORD_TOKENS = 128
+MAX_GRAMMAR_CHARS = 1 << 20  # a structured-output grammar or JSON schema, as text
 MAX_PROMPT_TOKEN_IDS = 1 << 21  # the prompt's ids a decode request carries for the repetition penalty
 MAX_REASON_CHARS = 2000
 
@@ -414,6 +415,15 @@ class TransferFailed(_WatchLine, tag="transfer_failed"):
 WatchLine = NodeBeat | TransferFailed
 
 
+class Grammar(_Strict):
+    """A structured-output constraint as vLLM's xgrammar backend compiles it: ``json`` (a JSON schema, as text),
+    ``json_object`` (any JSON object; no spec), ``regex``, ``grammar`` (EBNF, or Lark when no line holds an EBNF
+    ``::=`` rule). vLLM's ``choice`` arrives as the EBNF grammar vLLM makes of it."""
+
+    kind: Literal["json", "json_object", "regex", "grammar"]
+    spec: Annotated[str, msgspec.Meta(max_length=MAX_GRAMMAR_CHARS)] = ""
+
+
 Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
 Bias = Annotated[float, msgspec.Meta(ge=-100, le=100)]
 BadWord = Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_BAD_WORD_TOKENS)]
@@ -445,6 +455,7 @@ class Sampling(_Strict):
     logit_bias: Annotated[dict[TokenId, Bias], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] = {}
     allowed_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_LOGIT_BIAS)] | None = None
     bad_words_token_ids: Annotated[list[BadWord], msgspec.Meta(max_length=MAX_BAD_WORDS)] = []
+    grammar: Grammar | None = None  # structured output: the tokens each step may take (before every rule above)
 
 
 class ReserveRequest(_Strict):
@@ -640,6 +651,7 @@ class EngineParams(_Strict):
     allowed_token_ids: list[TokenId] | None
     bad_words_token_ids: list[list[TokenId]]
     prompt_token_ids: list[TokenId]
+    grammar: Grammar | None
 
 
 class EngineReady(_EngineMsg, tag="ready"):

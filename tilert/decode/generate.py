@@ -24,6 +24,7 @@ from typing import Literal
 
 import torch
 
+from tilert.decode.grammar import Grammars
 from tilert.decode.sampling import DecodeParams, Sampler
 from tilert.engines.base import DecodeEngine, KVLayout
 
@@ -65,6 +66,7 @@ class SequenceRun:
         emit: Emit,
         cancel: threading.Event,
         seq: int = 0,
+        grammars: Grammars | None = None,
     ) -> None:
         caps = engine.capabilities()
         room = caps.max_seq_len - num_tokens if caps.max_seq_len > 0 else None  # steps the cache has left
@@ -75,7 +77,13 @@ class SequenceRun:
         self.params, self.emit, self.cancel, self.seq = params, emit, cancel, seq
         self.eos: frozenset[int] = frozenset() if params.ignore_eos else eos_token_ids
         self.stop_ids = frozenset(params.stop_token_ids)
-        self.sampler = Sampler(params, self.eos | self.stop_ids)
+        matcher = None
+        if params.grammar is not None:
+            if grammars is None:
+                raise ValueError("this decode has no grammar compiler: structured outputs cannot be served")
+            matcher = grammars.matcher(params.grammar, self.eos | self.stop_ids)
+            matcher.accept([params.first_token_id])  # prefill's token, sampled under the same grammar
+        self.sampler = Sampler(params, self.eos | self.stop_ids, matcher)
         self.token, self.pos, self.produced = params.first_token_id, num_tokens, 0
         self.finish: Finish | None = None if self.limit > 0 else Finish("length")
 

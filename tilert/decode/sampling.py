@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from tilert.contracts import Sampling
+from tilert.contracts import Grammar, Sampling
+from tilert.decode.grammar import Matcher
 from tilert.engines.base import Capabilities
 
 # vLLM's _SAMPLING_EPS: a temperature below it is greedy (1e-300 would divide the logits into inf).
@@ -43,6 +44,7 @@ class DecodeParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     prompt_token_ids: tuple[int, ...] = ()
+    grammar: Grammar | None = None
 
     @property
     def greedy(self) -> bool:
@@ -60,6 +62,7 @@ class DecodeParams:
             or self.logit_bias
             or self.allowed_token_ids is not None
             or self.bad_words_token_ids
+            or self.grammar is not None
             or (self.min_p > 0 and not self.greedy)
         )
 
@@ -115,6 +118,7 @@ class DecodeParams:
             allowed_token_ids=None if s.allowed_token_ids is None else tuple(s.allowed_token_ids),
             bad_words_token_ids=tuple(tuple(w) for w in s.bad_words_token_ids),
             prompt_token_ids=tuple(prompt_token_ids or ()) if repetition_penalty != 1.0 else (),
+            grammar=s.grammar,
         )
 
     def unsupported(self, caps: Capabilities) -> str | None:
@@ -185,8 +189,14 @@ class LogitsRules:
 
 
 class Sampler:
-    def __init__(self, params: DecodeParams, stop_ids: frozenset[int] = frozenset()) -> None:
+    """One sequence's sampler: its grammar's mask (``matcher``), then :class:`LogitsRules`, then greedy or the
+    temperature, ``min_p``, top-k and top-p."""
+
+    def __init__(
+        self, params: DecodeParams, stop_ids: frozenset[int] = frozenset(), matcher: Matcher | None = None
+    ) -> None:
         self.params = params
+        self.matcher = matcher
         self.rules = LogitsRules(params, stop_ids) if params.shapes_logits else None
         self.generator = torch.Generator()
         if params.seed is not None:
@@ -198,10 +208,15 @@ class Sampler:
         """The tokens the sequence emitted (what the penalties and bad words look back on)."""
         if self.rules is not None:
             self.rules.observe(tokens)
+        if self.matcher is not None:
+            self.matcher.accept(tokens)
 
     def __call__(self, logits: torch.Tensor) -> int:
         """One token id from float32 ``[vocab]`` logits."""
         p = self.params
+        if self.matcher is not None:
+            logits = logits.float().cpu().clone()
+            self.matcher.mask(logits)
         if self.rules is not None:
             logits = self.rules(logits)
         if p.greedy:

@@ -54,6 +54,7 @@ from tilert.decode.config import DecodeConfig
 from tilert.decode.control import ControlServer
 from tilert.decode.engine_process import EngineProcess, EngineProcessError, spec_for
 from tilert.decode.generate import Finish
+from tilert.decode.grammar import Grammars
 from tilert.decode.metrics import DecodeMetrics
 from tilert.decode.sampling import DecodeParams
 from tilert.decode.slots import SlotError, SlotTable
@@ -133,7 +134,13 @@ class DecodeNode:
             engine.attach([slot.buffer for slot in self.table.slots])
             self.batch = engine
         else:
-            self.batch = DecodeBatch(engine, self.eos, config.speculative_tokens, config.engine_cpu_set)
+            self.batch = DecodeBatch(
+                engine,
+                self.eos,
+                config.speculative_tokens,
+                config.engine_cpu_set,
+                grammars=Grammars(config.model, engine.vocab_size),
+            )
         self.decodes_completed = 0
         self._watchers: set[MemoryObjectSendStream[bytes]] = set()  # one per open watch stream
         self._stopping = False  # the HTTP server began to shut down: the watch streams end
@@ -182,7 +189,7 @@ class DecodeNode:
     # ---- HTTP handlers ----------------------------------------------------------------------
 
     async def reserve(self, request: Request) -> Response:
-        body = await _read(request, c.ReserveRequest)
+        body = await _read(request, c.ReserveRequest, c.MAX_DECODE_BODY_BYTES)
         if body.lease_s is not None and body.lease_s > self.config.max_lease_s:
             raise SlotError(f"lease_s must be at most {self.config.max_lease_s:g} on this node", 400)
         if body.sampling is not None:

@@ -305,6 +305,7 @@ class RequestFlow:
             logit_bias=plan.logit_bias,
             allowed_token_ids=plan.allowed_token_ids,
             bad_words_token_ids=bad_words,
+            grammar=plan.grammar,
         )
 
     def _prompt_ids_for_node(self, pre: PrefillResult) -> list[int] | None:

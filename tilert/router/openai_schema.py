@@ -87,6 +87,8 @@ LOGITS_RULES = (
     "allowed_token_ids",
     "bad_words",
 )
+# Structured outputs: the decode node constrains each step with the same grammar (xgrammar), the prefill the first.
+STRUCTURED = ("response_format", "structured_outputs")
 # Sampling and output fields the router and the decode engine honour.
 _COMMON_DECODE = frozenset(
     {
@@ -104,6 +106,7 @@ _COMMON_DECODE = frozenset(
         "stream_options",
         "return_token_ids",
         *LOGITS_RULES,
+        *STRUCTURED,
         "min_tokens",
     }
 )
@@ -124,6 +127,7 @@ DECODE_FIELDS_FOR_PREFILL = frozenset(
         "include_stop_str_in_output",
         "skip_special_tokens",
         *LOGITS_RULES,
+        *STRUCTURED,
     }
 )
 
@@ -169,8 +173,6 @@ _COMMON_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "length_penalty": ((1, 1.0), "no beam search on the decode path"),
     "watermarking": ((False,), _SAMPLER),
     "vllm_xargs": (({},), "custom sampling extensions do not run on the decode path"),
-    "response_format": (({"type": "text"},), "no structured output on the decode path"),
-    "structured_outputs": ((), "no structured output on the decode path"),
     "repetition_detection": ((), "the decode path does not detect repetition"),
     "thinking_token_budget": ((-1,), "the decode path does not count thinking tokens"),
     "prompt_logprobs": ((), _NO_LOGPROBS),
@@ -242,6 +244,8 @@ class _Honoured(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     logit_bias: Opt[Annotated[dict[BiasKey, float], Meta(max_length=MAX_LOGIT_BIAS)]] = UNSET
     allowed_token_ids: Opt[Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_LOGIT_BIAS)]] = UNSET
     bad_words: Opt[Annotated[list[BadWord], Meta(max_length=MAX_BAD_WORDS)]] = UNSET
+    response_format: Opt[LooseObject] = UNSET  # checked by validation.grammar_of
+    structured_outputs: Opt[LooseObject] = UNSET
 
 
 def _with_refused(route: str) -> Any:

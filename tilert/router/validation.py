@@ -14,8 +14,10 @@ import msgspec
 import orjson
 from msgspec import UNSET
 
+from tilert import contracts as c
 from tilert.router import openai_schema as schema
 from tilert.router.errors import RouterError, bad_request, unsupported
+from tilert.router.structured import grammar_of
 
 Route = Literal["chat", "completions"]
 
@@ -56,6 +58,7 @@ class RequestPlan:
     logit_bias: dict[int, float] = field(default_factory=dict)  # clamped to +-100 as vLLM does
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
+    grammar: c.Grammar | None = None  # structured output
 
     @property
     def path(self) -> str:
@@ -113,6 +116,7 @@ def build_plan(
         return_token_ids=request.return_token_ids is True,
         min_tokens=min_tokens,
         **_logits_rules(request),
+        grammar=grammar_of(_set(request.response_format), _set(request.structured_outputs)),
     )
 
 
