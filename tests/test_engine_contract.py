@@ -53,10 +53,16 @@ class Params:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = 0
+    min_p: float = 0.0
+    grammar: None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def shapes_logits(self) -> bool:
+        return False
 
 
 @dataclass

@@ -430,6 +430,8 @@ def test_a_full_chat_request(vllm_models: dict[str, Any]) -> None:
         "add_generation_prompt": True,
         "cache_salt": "s" * 43,
         "reasoning_effort": "low",
+        "presence_penalty": 0.0,
+        "response_format": {"type": "text"},
         "max_tokens": 1,
         "stream": False,
         "return_token_ids": True,
@@ -437,6 +439,49 @@ def test_a_full_chat_request(vllm_models: dict[str, Any]) -> None:
     }
     vllm_models["chat"].model_validate(body)  # vLLM accepts what the prefill gets
     assert not hasattr(plan, "decode_body")
+
+
+def test_logits_rules_are_planned_and_go_to_the_prefill(vllm_models: dict[str, Any]) -> None:
+    rules = {
+        "min_tokens": 4,
+        "frequency_penalty": 0.5,
+        "presence_penalty": -0.5,
+        "repetition_penalty": 1.1,
+        "min_p": 0.05,
+        "logit_bias": {"7": 250, "9": -3},
+        "bad_words": ["darn"],
+        "allowed_token_ids": [1, 2, 3],
+    }
+    plan = plan_of("completions", with_base("completions", max_tokens=20, **rules))
+    assert plan.logit_bias == {7: 100.0, 9: -3.0}  # clamped as vLLM does
+    assert (plan.min_tokens, plan.frequency_penalty, plan.presence_penalty) == (4, 0.5, -0.5)
+    assert (plan.repetition_penalty, plan.min_p, plan.bad_words, plan.allowed_token_ids) == (
+        1.1,
+        0.05,
+        ["darn"],
+        [1, 2, 3],
+    )
+    body = prefill_json(plan)
+    assert body["min_tokens"] == 1, "vLLM wants min_tokens <= max_tokens: the prefill makes one token"
+    assert {k: body[k] for k in rules if k != "min_tokens"} == {k: v for k, v in rules.items() if k != "min_tokens"}
+    vllm_models["completions"].model_validate(body)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+        ({"logit_bias": {"-1": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"min_p": 1.01}, "min_p"),
+        ({"bad_words": [""]}, "bad_words"),
+    ],
+)
+def test_bad_logits_rules_are_refused(fields: dict[str, Any], param: str) -> None:
+    assert refusal("completions", with_base("completions", **fields)).param == param
 
 
 def test_a_full_completions_request(vllm_models: dict[str, Any]) -> None:

@@ -125,6 +125,21 @@ def test_held_back_tail_is_released_only_when_it_is_no_stop(tok: Tokenizer) -> N
     assert loop.feed(TokenLine([], "length")).text == " b"  # finishing releases the rest
 
 
+def test_stop_strings_count_only_past_min_tokens(tok: Tokenizer) -> None:
+    """As in vLLM, a stop string in the first ``min_tokens`` tokens of the completion does not stop it; one that
+    completes after them does (the first token counts)."""
+    first = tok.encode("def").ids[0]
+    ids = tok.encode(" a a a b").ids
+    early = TokenLoop(tok, None, first, "def", [" a"], min_tokens=0)
+    early.feed(TokenLine([ids[0]]))
+    assert early.done and early.text == "def"
+    late = TokenLoop(tok, None, first, "def", [" a"], min_tokens=len(ids) - 1)
+    for t in ids[:-2]:
+        assert not late.feed(TokenLine([t])).finish_reason
+    assert late.feed(TokenLine([ids[-2]])).finish_reason == "stop"  # the completion's len(ids)th token
+    assert late.text == tok.decode([first, *ids[:-2]])
+
+
 # -- lines that queued up are joined (the node's stream and the router's reader) ----------------------------
 
 

@@ -1,7 +1,7 @@
 """Block-FP8 checkpoints under tensor parallelism on the CPU: two ranks on gloo, each loading its shard of
 ``tilert convert --tp 2`` (what ``tilert decode --tp 2`` loads), against the one-rank engine on the FP8 checkpoint
-itself: the same greedy tokens over many steps, MTP off (plain steps) and on (speculative steps), logits within
-1e-4 relative (float32, the ranks sum partials in another order).
+itself: the same greedy tokens over 256 steps after 1K-token prompts, MTP off (plain steps) and on (speculative
+steps), logits within 1e-4 relative (float32, the ranks sum partials in another order).
 
 The checkpoints are tiny DeepSeek-V3.2 (DSA, with an MTP module) and GLM-5 models whose per-rank shares are whole
 128x128 scale blocks at TP 2 (four heads of nope 64 + rope 64 and value 64; expert and dense widths 256), quantised
@@ -30,8 +30,8 @@ pytestmark = pytest.mark.timeout(400)
 ALIGNED: dict[str, Any] = dict(
     qk_nope_head_dim=64, v_head_dim=64, moe_intermediate_size=256, intermediate_size=256, index_topk=16, vocab_size=2048
 )
-PREFILL = 40  # prompt of each sequence (past index_topk: the sparse path runs from the first step)
-STEPS = 96  # greedy steps of the two sequences (MTP off)
+PREFILL = 1024  # prompt of each sequence (past index_topk: the sparse path runs from the first step)
+STEPS = 256  # greedy steps of the two sequences (MTP off)
 LOGIT_STEPS = 8  # of which the first ones return logits
 SPEC_TOKENS = 48  # tokens of sequence 1 by speculative steps (MTP on)
 MAX_SEQ = PREFILL + STEPS + SPEC_TOKENS + 8

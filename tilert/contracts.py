@@ -62,7 +62,13 @@ if TYPE_CHECKING:
 PROTOCOL_VERSION = 3
 MAX_FRAME_BYTES = 64 << 10  # a control frame; offers are a few hundred bytes
 MAX_API_BODY_BYTES = 64 << 10  # a decode-node HTTP request body
+MAX_DECODE_BODY_BYTES = 32 << 20  # a reserve or decode request: its grammar, its prompt's token ids
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1 << 18  # entries of logit_bias / allowed_token_ids: a whole vocabulary
+MAX_BAD_WORDS = 256  # token sequences of bad_words (each word tokenized with and without a leading space)
+MAX_BAD_WORD_TOKENS = 128
+MAX_GRAMMAR_CHARS = 1 << 20  # a structured-output grammar or JSON schema, as text
+MAX_PROMPT_TOKEN_IDS = 1 << 21  # the prompt's ids a decode request carries for the repetition penalty
 MAX_REASON_CHARS = 2000
 
 TransferId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
@@ -409,11 +415,30 @@ class TransferFailed(_WatchLine, tag="transfer_failed"):
 WatchLine = NodeBeat | TransferFailed
 
 
+class Grammar(_Strict):
+    """A structured-output constraint as vLLM's xgrammar backend compiles it: ``json`` (a JSON schema, as text),
+    ``json_object`` (any JSON object; no spec), ``regex``, ``grammar`` (EBNF, or Lark when no line holds an EBNF
+    ``::=`` rule). vLLM's ``choice`` arrives as the EBNF grammar vLLM makes of it."""
+
+    kind: Literal["json", "json_object", "regex", "grammar"]
+    spec: Annotated[str, msgspec.Meta(max_length=MAX_GRAMMAR_CHARS)] = ""
+
+
+Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
+Bias = Annotated[float, msgspec.Meta(ge=-100, le=100)]
+BadWord = Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_BAD_WORD_TOKENS)]
+
+
 class Sampling(_Strict):
     """How a request decodes. Sampling fields left null take the checkpoint's ``generation_config.json``
     defaults (as vLLM does); ``max_tokens`` null runs to the end of the context.
 
-    ``max_tokens`` counts the tokens the node generates (the first token came from prefill)."""
+    ``max_tokens`` and ``min_tokens`` count the tokens of the whole completion as the client asked (the first
+    came from prefill); ``max_tokens`` counts the tokens the node generates. The logits rules are vLLM's:
+    ``allowed_token_ids``, ``bad_words_token_ids`` (vLLM's tokenization of ``bad_words``), ``min_tokens`` (stop
+    ids and EOS masked until the completion has that many tokens), ``logit_bias`` (clamped to +-100 as vLLM
+    does), then the repetition (prompt and completion tokens), frequency and presence (completion tokens)
+    penalties; ``min_p`` after the temperature."""
 
     max_tokens: Count | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0, le=1e6)] | None = None
@@ -422,6 +447,15 @@ class Sampling(_Strict):
     seed: Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)] | None = None
     stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = []
     ignore_eos: bool = False
+    min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0, le=1e6)] | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    min_tokens: Count = 0
+    logit_bias: Annotated[dict[TokenId, Bias], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] = {}
+    allowed_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_LOGIT_BIAS)] | None = None
+    bad_words_token_ids: Annotated[list[BadWord], msgspec.Meta(max_length=MAX_BAD_WORDS)] = []
+    grammar: Grammar | None = None  # structured output: the tokens each step may take (before every rule above)
 
 
 class ReserveRequest(_Strict):
@@ -466,6 +500,8 @@ class DecodeRequest(_Strict):
     first_token_id: TokenId
     prompt_tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)]
     sampling: Sampling = msgspec.field(default_factory=Sampling)
+    # The prompt's token ids: sent only when the repetition penalty needs them.
+    prompt_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_PROMPT_TOKEN_IDS)] | None = None
 
 
 class _Line(_Strict, tag_field="type"):
@@ -606,6 +642,16 @@ class EngineParams(_Strict):
     seed: int | None
     stop_token_ids: list[TokenId]
     ignore_eos: bool
+    min_p: float
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    min_tokens: Count
+    logit_bias: dict[TokenId, float]
+    allowed_token_ids: list[TokenId] | None
+    bad_words_token_ids: list[list[TokenId]]
+    prompt_token_ids: list[TokenId]
+    grammar: Grammar | None
 
 
 class EngineReady(_EngineMsg, tag="ready"):

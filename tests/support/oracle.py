@@ -58,10 +58,14 @@ def request_body(kind: str, prompt: Any, model: Path) -> dict[str, Any]:
     return {"model": str(model), key: prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
 
 
-def vllm_alone(stack: Prefilling, kind: str, prompt: Any) -> tuple[list[int], str, int]:
-    """(token ids, text, prompt tokens) of vLLM's own answer to an unmarked request (no connector involved)."""
+def vllm_alone(
+    stack: Prefilling, kind: str, prompt: Any, extra: dict[str, Any] | None = None
+) -> tuple[list[int], str, int]:
+    """(token ids, text, prompt tokens) of vLLM's own answer to an unmarked request (no connector involved);
+    ``extra``: more request fields (sampling rules, ``max_tokens``)."""
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-    r = httpx.post(stack.prefill + path, json=request_body(kind, prompt, stack.model), timeout=120)
+    body = {**request_body(kind, prompt, stack.model), **(extra or {})}
+    r = httpx.post(stack.prefill + path, json=body, timeout=120)
     r.raise_for_status()
     data = r.json()
     assert data["kv_transfer_params"] is None, "an unmarked request must not be claimed by the connector"
@@ -90,16 +94,18 @@ def router_answer(
     *,
     pool: str | None = None,
     max_tokens: int = MAX_TOKENS,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[list[int], str, dict[str, int], str | None]:
     """(token ids, text, usage, the pool that served it: the ``x-tilert-pool`` header) of the router's answer,
-    through the OpenAI client, streamed or not; ``pool`` asks for a pool with the same header."""
+    through the OpenAI client, streamed or not; ``pool`` asks for a pool with the same header; ``extra``: more
+    request fields (sent as the client's ``extra_body``)."""
     client = OpenAI(base_url=router + "/v1", api_key="unused", timeout=120, max_retries=0)
     kwargs: dict[str, Any] = {
         "model": str(model),
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": stream,
-        "extra_body": {"return_token_ids": True},
+        "extra_body": {"return_token_ids": True, **(extra or {})},
         "extra_headers": {POOL_HEADER: pool} if pool else None,
     }
     if stream:

@@ -28,6 +28,7 @@ import structlog
 import torch
 
 from tilert.decode.generate import Emit, Finish, SequenceRun, decode_alone
+from tilert.decode.grammar import Grammars
 from tilert.decode.sampling import DecodeParams
 from tilert.engines.base import DecodeEngine, KVLayout
 
@@ -57,8 +58,10 @@ class DecodeBatch:
         num_draft: int = 0,
         cpus: frozenset[int] = frozenset(),
         step_scope: Callable[[], AbstractContextManager[object]] = nullcontext,
+        grammars: Grammars | None = None,
     ) -> None:
         self.engine = engine
+        self.grammars = grammars  # structured outputs (None: a request with a grammar fails)
         # Around the emits of one step of several sequences: the engine process sends them as one message.
         self._step_scope = step_scope
         self.cpus = cpus  # the worker thread's CPUs (empty: not pinned)
@@ -138,7 +141,9 @@ class DecodeBatch:
                 job = self._waiting.popleft()
             seq = self._free.pop(0)
             try:
-                run = SequenceRun(self.engine, job.params, self.eos, job.num_tokens, job.emit, job.cancel, seq)
+                run = SequenceRun(
+                    self.engine, job.params, self.eos, job.num_tokens, job.emit, job.cancel, seq, self.grammars
+                )
                 self.engine.inject(job.state, job.layouts, job.num_tokens, seq=seq, last_token_id=job.last_token_id)
             except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
                 log.exception("decode_admit_failed", transfer_id=job.params.transfer_id)
@@ -167,7 +172,7 @@ class DecodeBatch:
         if not items:
             return
         tokens, positions, seqs = [r.token for _, r in items], [r.pos for _, r in items], [r.seq for _, r in items]
-        if all(r.params.greedy for _, r in items):
+        if all(r.params.greedy and not r.params.shapes_logits for _, r in items):
             new = self.engine.decode_step_greedy(tokens, positions, seqs)
         else:
             logits = self.engine.decode_step(tokens, positions, seqs)

@@ -45,6 +45,7 @@ from tilert import contracts as c
 from tilert.decode.batch import DecodeBatch, Job
 from tilert.decode.config import resolve_device, resolve_dtype
 from tilert.decode.generate import Finish
+from tilert.decode.grammar import Grammars
 from tilert.decode.sampling import DecodeParams
 from tilert.decode.slots import state_views
 from tilert.engines.base import Capabilities, DecodeEngine, KVLayout
@@ -92,12 +93,21 @@ class EngineSpec:
 
 def params_to_wire(p: DecodeParams) -> c.EngineParams:
     fields = asdict(p)
-    fields["stop_token_ids"] = list(p.stop_token_ids)
+    for name in ("stop_token_ids", "prompt_token_ids"):
+        fields[name] = list(fields[name])
+    fields["allowed_token_ids"] = None if p.allowed_token_ids is None else list(p.allowed_token_ids)
+    fields["bad_words_token_ids"] = [list(w) for w in p.bad_words_token_ids]
+    fields["grammar"] = p.grammar  # a struct: asdict copied it as it is
     return c.EngineParams(**fields)
 
 
 def params_from_wire(w: c.EngineParams) -> DecodeParams:
-    return DecodeParams(**{**msgspec.structs.asdict(w), "stop_token_ids": tuple(w.stop_token_ids)})
+    fields = msgspec.structs.asdict(w)
+    for name in ("stop_token_ids", "prompt_token_ids"):
+        fields[name] = tuple(fields[name])
+    fields["allowed_token_ids"] = None if w.allowed_token_ids is None else tuple(w.allowed_token_ids)
+    fields["bad_words_token_ids"] = tuple(tuple(word) for word in w.bad_words_token_ids)
+    return DecodeParams(**fields)
 
 
 class RemoteEngine(DecodeEngine):
@@ -332,7 +342,14 @@ def _main(conn: Connection, spec: EngineSpec) -> None:
     )
     buffers: list[torch.Tensor] = conn.recv()
     send = EventSender(conn)
-    batch = DecodeBatch(engine, frozenset(spec.eos_token_ids), spec.num_draft, frozenset(spec.cpus), send.step)
+    batch = DecodeBatch(
+        engine,
+        frozenset(spec.eos_token_ids),
+        spec.num_draft,
+        frozenset(spec.cpus),
+        send.step,
+        Grammars(spec.model, engine.vocab_size),
+    )
     try:
         _serve(conn, engine, batch, buffers, send)
     finally:

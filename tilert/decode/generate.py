@@ -6,8 +6,9 @@ as soon as they exist, so nothing is batched on a timer. ``cancel`` is checked b
 The fast path comes from the engine's declared :class:`~tilert.engines.base.Capabilities`: greedy requests
 on an engine with ``mtp`` decode speculatively (``num_draft`` drafts per step, verified by the main model),
 which yields exactly the plain greedy tokens, several per step; other greedy requests use
-``greedy_stream`` when the engine declares ``pipelined_greedy``. Sampled requests (temperature > 0) decode
-one token per step from the logits: MTP is switched off for them.
+``greedy_stream`` when the engine declares ``pipelined_greedy``. Sampled requests (temperature > 0) and those
+whose logits a rule changes (penalties, bias, bad words, ...) decode one token per step from the logits: MTP is
+switched off for them.
 
 :class:`SequenceRun` owns token-level stopping for one sequence (EOS, ``stop_token_ids``, ``max_tokens``,
 the end of the engine's cache, cancellation) and says why it stopped (:class:`Finish`); :func:`run_decode`
@@ -23,6 +24,7 @@ from typing import Literal
 
 import torch
 
+from tilert.decode.grammar import Grammars
 from tilert.decode.sampling import DecodeParams, Sampler
 from tilert.engines.base import DecodeEngine, KVLayout
 
@@ -64,6 +66,7 @@ class SequenceRun:
         emit: Emit,
         cancel: threading.Event,
         seq: int = 0,
+        grammars: Grammars | None = None,
     ) -> None:
         caps = engine.capabilities()
         room = caps.max_seq_len - num_tokens if caps.max_seq_len > 0 else None  # steps the cache has left
@@ -74,7 +77,13 @@ class SequenceRun:
         self.params, self.emit, self.cancel, self.seq = params, emit, cancel, seq
         self.eos: frozenset[int] = frozenset() if params.ignore_eos else eos_token_ids
         self.stop_ids = frozenset(params.stop_token_ids)
-        self.sampler = Sampler(params)
+        matcher = None
+        if params.grammar is not None:
+            if grammars is None:
+                raise ValueError("this decode has no grammar compiler: structured outputs cannot be served")
+            matcher = grammars.matcher(params.grammar, self.eos | self.stop_ids)
+            matcher.accept([params.first_token_id])  # prefill's token, sampled under the same grammar
+        self.sampler = Sampler(params, self.eos | self.stop_ids, matcher)
         self.token, self.pos, self.produced = params.first_token_id, num_tokens, 0
         self.finish: Finish | None = None if self.limit > 0 else Finish("length")
 
@@ -93,6 +102,7 @@ class SequenceRun:
     def accept(self, new: list[int]) -> Finish | None:
         """Take a step's tokens: emit them (cut at the limit or at a stop token); the finish, if any."""
         new = new[: self.limit - self.produced]
+        self.sampler.observe(new)
         for i, t in enumerate(new):
             if t in self.eos or t in self.stop_ids:
                 self.finish = Finish("stop", None if t in self.eos else t)
@@ -152,10 +162,11 @@ def decode_alone(
 def _fast_steps(engine: DecodeEngine, run: SequenceRun, num_draft: int) -> Generator[list[int], None, None]:
     """The new tokens of each step of ``run`` decoded alone, on the fastest path the engine declares."""
     caps, p = engine.capabilities(), run.params
-    if p.greedy and num_draft > 0 and caps.mtp:
+    plain_greedy = p.greedy and not p.shapes_logits  # no rule to apply to the logits: the engine's argmax
+    if plain_greedy and num_draft > 0 and caps.mtp:
         while True:
             yield engine.speculative_greedy_step(run.token, run.pos, num_draft, seq=run.seq).tokens
-    elif p.greedy and caps.pipelined_greedy:
+    elif plain_greedy and caps.pipelined_greedy:
         # The next step runs while this token is emitted (the engine pipelines them).
         for token in engine.greedy_stream(run.token, run.pos, run.limit - run.produced, seq=run.seq):
             yield [token]

@@ -1,4 +1,4 @@
-"""Decode-request parameters and token sampling (greedy, temperature, top-k, top-p).
+"""Decode-request parameters and token sampling (greedy, temperature, min-p, top-k, top-p, vLLM's logits rules).
 
 Greedy is ``argmax``, exactly what vLLM does at temperature 0, so streamed tokens can be compared
 with vLLM's own output token for token.
@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from tilert.contracts import Sampling
+from tilert.contracts import Grammar, Sampling
+from tilert.decode.grammar import Matcher
 from tilert.engines.base import Capabilities
 
 # vLLM's _SAMPLING_EPS: a temperature below it is greedy (1e-300 would divide the logits into inf).
@@ -21,7 +22,8 @@ GREEDY_BELOW = 1e-5
 @dataclass(frozen=True)
 class DecodeParams:
     """A validated decode request with the model's defaults applied; ``max_tokens`` None: to the end of
-    the context."""
+    the context. The logits rules are :class:`~tilert.contracts.Sampling`'s (vLLM's); ``min_tokens`` counts the
+    whole completion, prefill's first token included."""
 
     transfer_id: str
     first_token_id: int
@@ -33,10 +35,36 @@ class DecodeParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
+    grammar: Grammar | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether a rule changes the logits before sampling: such a request needs each step's logits (no
+        greedy fast path, no speculation)."""
+        return bool(
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty
+            or self.presence_penalty
+            or self.min_tokens > 1
+            or self.logit_bias
+            or self.allowed_token_ids is not None
+            or self.bad_words_token_ids
+            or self.grammar is not None
+            or (self.min_p > 0 and not self.greedy)
+        )
 
     @staticmethod
     def of(
@@ -46,26 +74,51 @@ class DecodeParams:
         defaults: dict[str, Any] | None = None,
         first_token_id: int = 0,
         prompt_tokens: int = 1,
+        prompt_token_ids: list[int] | None = None,
     ) -> DecodeParams:
         """``s`` checked for this model, with ``defaults`` applied (the reserve checks a request's sampling
         this way before its prompt exists); ``ValueError`` names what is wrong."""
         defaults = defaults or {}
-        if any(t >= vocab_size for t in s.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids below {vocab_size}")
-        temperature = float(defaults.get("temperature", 1.0) if s.temperature is None else s.temperature)
-        top_p = float(defaults.get("top_p", 1.0) if s.top_p is None else s.top_p)
-        top_k = int(defaults.get("top_k", 0) if s.top_k is None else s.top_k)
+
+        def pick(name: str, neutral: float) -> float:
+            value = getattr(s, name)
+            return float(defaults.get(name, neutral) if value is None else value)
+
+        ids = {
+            "stop_token_ids": s.stop_token_ids,
+            "logit_bias": list(s.logit_bias),
+            "allowed_token_ids": s.allowed_token_ids or [],
+            "bad_words": [t for word in s.bad_words_token_ids for t in word],
+            "prompt_token_ids": prompt_token_ids or [],
+        }
+        for name, values in ids.items():
+            if any(t >= vocab_size for t in values):
+                raise ValueError(f"{name} must be token ids below {vocab_size}")
+        if prompt_token_ids is not None and len(prompt_token_ids) != prompt_tokens:
+            raise ValueError(f"prompt_token_ids has {len(prompt_token_ids)} ids for a prompt of {prompt_tokens}")
+        temperature = pick("temperature", 1.0)
+        repetition_penalty = pick("repetition_penalty", 1.0)
         return DecodeParams(
             transfer_id,
             first_token_id,
             prompt_tokens,
             s.max_tokens,
             0.0 if temperature < GREEDY_BELOW else temperature,
-            min(max(top_p, 0.0), 1.0) or 1.0,
-            max(top_k, 0),
+            min(max(pick("top_p", 1.0), 0.0), 1.0) or 1.0,
+            max(int(pick("top_k", 0)), 0),
             s.seed,
             tuple(s.stop_token_ids),
             s.ignore_eos,
+            min_p=pick("min_p", 0.0),
+            repetition_penalty=repetition_penalty,
+            frequency_penalty=pick("frequency_penalty", 0.0),
+            presence_penalty=pick("presence_penalty", 0.0),
+            min_tokens=s.min_tokens,
+            logit_bias=dict(s.logit_bias),
+            allowed_token_ids=None if s.allowed_token_ids is None else tuple(s.allowed_token_ids),
+            bad_words_token_ids=tuple(tuple(w) for w in s.bad_words_token_ids),
+            prompt_token_ids=tuple(prompt_token_ids or ()) if repetition_penalty != 1.0 else (),
+            grammar=s.grammar,
         )
 
     def unsupported(self, caps: Capabilities) -> str | None:
@@ -79,21 +132,99 @@ class DecodeParams:
         return None
 
 
-class Sampler:
-    def __init__(self, params: DecodeParams) -> None:
+class LogitsRules:
+    """vLLM's logits processing for one sequence, in vLLM's order (its V1 ``Sampler``): the allowed ids, the bad
+    words, ``min_tokens``, ``logit_bias``, then the repetition, frequency and presence penalties; ``min_p``
+    comes after the temperature (:class:`Sampler`). It tracks the completion's tokens (:meth:`observe`)."""
+
+    def __init__(self, params: DecodeParams, stop_ids: frozenset[int]) -> None:
         self.params = params
+        self.stop_ids = sorted(stop_ids)  # masked while the completion is shorter than min_tokens
+        self.output: list[int] = [params.first_token_id]
+        self._counts: torch.Tensor | None = None  # the completion's token counts, made at the first step
+        self._prompt_mask: torch.Tensor | None = None
+
+    def observe(self, tokens: list[int]) -> None:
+        self.output += tokens
+        if self._counts is not None:
+            for t in tokens:
+                self._counts[t] += 1
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """A float32 copy of ``[vocab]`` ``logits`` with the rules applied."""
+        p, vocab = self.params, logits.shape[-1]
+        logits = logits.float().clone()
+        if p.allowed_token_ids is not None:
+            allowed = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            allowed[list(p.allowed_token_ids)] = True
+            logits.masked_fill_(~allowed, float("-inf"))
+        for word in p.bad_words_token_ids:
+            prefix = len(word) - 1
+            if prefix <= len(self.output) and (prefix == 0 or self.output[-prefix:] == list(word[:-1])):
+                logits[word[-1]] = float("-inf")
+        if len(self.output) < p.min_tokens and self.stop_ids:
+            logits[self.stop_ids] = float("-inf")
+        if p.logit_bias:
+            index = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+            logits[index] += torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=logits.device)
+        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+            counts = self._completion_counts(vocab, logits.device)
+            if p.repetition_penalty != 1.0:
+                if self._prompt_mask is None:
+                    self._prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+                    self._prompt_mask[list(p.prompt_token_ids)] = True
+                seen = self._prompt_mask | (counts > 0)
+                penalties = torch.where(seen, p.repetition_penalty, 1.0)
+                logits *= torch.where(logits > 0, 1.0 / penalties, penalties)
+            logits -= p.frequency_penalty * counts
+            logits -= p.presence_penalty * (counts > 0).float()
+        return logits
+
+    def _completion_counts(self, vocab: int, device: torch.device) -> torch.Tensor:
+        if self._counts is None:
+            self._counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+            for t in self.output:
+                self._counts[t] += 1
+        return self._counts
+
+
+class Sampler:
+    """One sequence's sampler: its grammar's mask (``matcher``), then :class:`LogitsRules`, then greedy or the
+    temperature, ``min_p``, top-k and top-p."""
+
+    def __init__(
+        self, params: DecodeParams, stop_ids: frozenset[int] = frozenset(), matcher: Matcher | None = None
+    ) -> None:
+        self.params = params
+        self.matcher = matcher
+        self.rules = LogitsRules(params, stop_ids) if params.shapes_logits else None
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed & 0xFFFF_FFFF_FFFF_FFFF)
         else:
             self.generator.seed()
 
+    def observe(self, tokens: list[int]) -> None:
+        """The tokens the sequence emitted (what the penalties and bad words look back on)."""
+        if self.rules is not None:
+            self.rules.observe(tokens)
+        if self.matcher is not None:
+            self.matcher.accept(tokens)
+
     def __call__(self, logits: torch.Tensor) -> int:
         """One token id from float32 ``[vocab]`` logits."""
         p = self.params
+        if self.matcher is not None:
+            logits = logits.float().cpu().clone()
+            self.matcher.mask(logits)
+        if self.rules is not None:
+            logits = self.rules(logits)
         if p.greedy:
             return int(torch.argmax(logits))
         logits = logits.float().cpu() / p.temperature
+        if p.min_p > 0:
+            probs = torch.softmax(logits, dim=-1)
+            logits = logits.masked_fill(probs < probs.max() * p.min_p, float("-inf"))
         if p.top_k > 0:
             kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))

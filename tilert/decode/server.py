@@ -54,6 +54,7 @@ from tilert.decode.config import DecodeConfig
 from tilert.decode.control import ControlServer
 from tilert.decode.engine_process import EngineProcess, EngineProcessError, spec_for
 from tilert.decode.generate import Finish
+from tilert.decode.grammar import Grammars
 from tilert.decode.metrics import DecodeMetrics
 from tilert.decode.sampling import DecodeParams
 from tilert.decode.slots import SlotError, SlotTable
@@ -76,16 +77,16 @@ def _ok(body: c.ReserveResponse | c.ReleaseResponse | c.NodeHealth) -> Response:
     return Response(c.dump(body), media_type="application/json")
 
 
-async def _read(request: Request, cls: type[B]) -> B:
-    """The body as ``cls``; over ``MAX_API_BODY_BYTES`` is 413, anything malformed 400."""
+async def _read(request: Request, cls: type[B], limit: int = c.MAX_API_BODY_BYTES) -> B:
+    """The body as ``cls``; over ``limit`` bytes is 413, anything malformed 400."""
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > c.MAX_API_BODY_BYTES:
-            raise SlotError(f"request body exceeds {c.MAX_API_BODY_BYTES} bytes", 413)
+        if size > limit:
+            raise SlotError(f"request body exceeds {limit} bytes", 413)
         chunks.append(chunk)
     try:
-        return c.parse(cls, b"".join(chunks))
+        return c.parse(cls, b"".join(chunks), limit=limit)
     except c.ContractError as exc:
         raise SlotError(str(exc), 400) from None
 
@@ -133,7 +134,13 @@ class DecodeNode:
             engine.attach([slot.buffer for slot in self.table.slots])
             self.batch = engine
         else:
-            self.batch = DecodeBatch(engine, self.eos, config.speculative_tokens, config.engine_cpu_set)
+            self.batch = DecodeBatch(
+                engine,
+                self.eos,
+                config.speculative_tokens,
+                config.engine_cpu_set,
+                grammars=Grammars(config.model, engine.vocab_size),
+            )
         self.decodes_completed = 0
         self._watchers: set[MemoryObjectSendStream[bytes]] = set()  # one per open watch stream
         self._stopping = False  # the HTTP server began to shut down: the watch streams end
@@ -182,7 +189,7 @@ class DecodeNode:
     # ---- HTTP handlers ----------------------------------------------------------------------
 
     async def reserve(self, request: Request) -> Response:
-        body = await _read(request, c.ReserveRequest)
+        body = await _read(request, c.ReserveRequest, c.MAX_DECODE_BODY_BYTES)
         if body.lease_s is not None and body.lease_s > self.config.max_lease_s:
             raise SlotError(f"lease_s must be at most {self.config.max_lease_s:g} on this node", 400)
         if body.sampling is not None:
@@ -255,7 +262,7 @@ class DecodeNode:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
     async def decode(self, request: Request) -> Response:
-        req = await _read(request, c.DecodeRequest)
+        req = await _read(request, c.DecodeRequest, c.MAX_DECODE_BODY_BYTES)
         self.table.hold(req.transfer_id)  # queued behind a running decode, it must not expire
         try:
             params = self._params(req)
@@ -268,8 +275,12 @@ class DecodeNode:
         """The request checked against this model and node; the node alone owns the context limit."""
         if req.first_token_id >= self.engine.vocab_size:
             raise SlotError(f"first_token_id must be a token id below {self.engine.vocab_size}", 400)
-        params = self._sampling(req.transfer_id, req.sampling, req.first_token_id, req.prompt_tokens)
+        params = self._sampling(
+            req.transfer_id, req.sampling, req.first_token_id, req.prompt_tokens, req.prompt_token_ids
+        )
         self._check(params)
+        if params.repetition_penalty != 1.0 and req.prompt_token_ids is None:
+            raise SlotError("repetition_penalty needs the prompt's token ids (prompt_token_ids)", 400)
         room = c.decode_room(self.config.max_seq_len, params.prompt_tokens)
         if params.max_tokens is None:
             return replace(params, max_tokens=max(room, 0))
@@ -284,12 +295,23 @@ class DecodeNode:
         return params
 
     def _sampling(
-        self, tid: str, sampling: c.Sampling, first_token_id: int = 0, prompt_tokens: int = 1
+        self,
+        tid: str,
+        sampling: c.Sampling,
+        first_token_id: int = 0,
+        prompt_tokens: int = 1,
+        prompt_token_ids: list[int] | None = None,
     ) -> DecodeParams:
         """``sampling`` checked for this model (400), with its defaults applied (a reserve has no prompt yet)."""
         try:
             return DecodeParams.of(
-                tid, sampling, self.engine.vocab_size, self.sampling_defaults, first_token_id, prompt_tokens
+                tid,
+                sampling,
+                self.engine.vocab_size,
+                self.sampling_defaults,
+                first_token_id,
+                prompt_tokens,
+                prompt_token_ids,
             )
         except ValueError as exc:
             raise SlotError(str(exc), 400) from None

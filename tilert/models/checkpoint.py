@@ -47,10 +47,22 @@ def eos_token_ids(model_dir: Path | str, token_to_id: Any = None) -> frozenset[i
     return frozenset(eos)
 
 
+# What vLLM takes from generation_config.json when a request leaves it unset.
+SAMPLING_DEFAULTS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
+
+
 def sampling_defaults(model_dir: Path | str) -> dict[str, Any]:
     """The model's own sampling defaults (generation_config.json), applied when a request leaves them unset."""
     config = read_json(Path(model_dir) / "generation_config.json")
-    return {k: config[k] for k in ("temperature", "top_p", "top_k") if config.get(k) is not None}
+    return {k: config[k] for k in SAMPLING_DEFAULTS if config.get(k) is not None}
 
 
 def context_length(model_dir: Path | str) -> int | None:

@@ -13,6 +13,7 @@ import structlog
 from anyio.abc import TaskStatus
 
 from tilert.engines.plugin import NativePool, load_native_pool
+from tilert.models.checkpoint import sampling_defaults
 from tilert.plugins import PluginError
 from tilert.router.config import RouterConfig
 from tilert.router.detokenize import TokenizerBundle, load_tokenizer
@@ -35,6 +36,7 @@ class RouterContext:
     nodes: dict[str, NodeClient]
     watches: dict[str, NodeWatch]
     tokenizer: TokenizerBundle
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # the checkpoint's generation_config.json
     started_at: int = field(default_factory=lambda: int(time.time()))
     # The native decode pool (config.native_url): a stock vLLM decode instance, and the plugin that speaks to it.
     native: aiohttp.ClientSession | None = None
@@ -77,6 +79,7 @@ class RouterContext:
             nodes=nodes,
             watches=watches,
             tokenizer=tokenizer,
+            sampling_defaults=sampling_defaults(config.model_dir),
         )
         if config.native_url:
             try:

@@ -15,6 +15,7 @@ import structlog
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from tilert.contracts import MAX_BAD_WORD_TOKENS
 from tilert.models.checkpoint import eos_token_ids
 
 log = structlog.get_logger("tilert.router.detokenize")
@@ -97,6 +98,25 @@ def find_stop(text: str, new_chars: int, stops: list[str], include_in_output: bo
     return None
 
 
+def bad_words_token_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's tokenization of ``bad_words`` (``SamplingParams.update_from_tokenizer``): each word without and
+    with a leading space, the spaced form kept when it starts with another token and is as long;
+    ``ValueError`` for a word that tokenizes to nothing."""
+    out: list[list[int]] = []
+    for word in words:
+        for spaced in (False, True):
+            ids = tokenizer.encode((" " if spaced else "") + word.lstrip(), add_special_tokens=False).ids
+            if not ids:
+                if not spaced:
+                    raise ValueError("bad_words entries must tokenize to at least one token.")
+                continue
+            if len(ids) > MAX_BAD_WORD_TOKENS:
+                raise ValueError(f"a bad_words entry tokenizes to {len(ids)} tokens, over {MAX_BAD_WORD_TOKENS}")
+            if not spaced or (ids[0] != out[-1][0] and len(ids) == len(out[-1])):
+                out.append(ids)
+    return out
+
+
 class OutputText:
     """The generated text so far, stop-string truncation and the held-back tail while streaming."""
 
@@ -107,11 +127,14 @@ class OutputText:
         self._holdback = max((len(s) for s in stops), default=1) - 1 if stops and not include_stop_str_in_output else 0
         self._sent = 0
 
-    def add(self, piece: str) -> str | None:
-        """Append text; return the stop string if one now appears (the text is then truncated)."""
+    def add(self, piece: str, check: bool = True) -> str | None:
+        """Append text; return the stop string if one now appears (the text is then truncated). ``check``
+        False: append only (the completion is not past ``min_tokens`` yet)."""
         if not piece:
             return None
         self.text += piece
+        if not check:
+            return None
         hit = find_stop(self.text, len(piece), self._stops, self._include)
         if hit is None:
             return None

@@ -33,7 +33,8 @@ from starlette.types import Send
 from tilert import contracts as c
 from tilert.router.config import NATIVE_POOL
 from tilert.router.context import RouterContext
-from tilert.router.errors import RouterError
+from tilert.router.detokenize import bad_words_token_ids
+from tilert.router.errors import RouterError, bad_request
 from tilert.router.lease import NodeLease
 from tilert.router.native import available_pool, native_decode, native_prefill
 from tilert.router.openai_format import DONE, ResponseShape, sse, usage
@@ -214,7 +215,9 @@ class RequestFlow:
             first_token_id=pre.first_token_id,
             prompt_tokens=pre.prompt_tokens,
         )
-        request = c.DecodeRequest(self.transfer_id, pre.first_token_id, pre.prompt_tokens, sampling)
+        request = c.DecodeRequest(
+            self.transfer_id, pre.first_token_id, pre.prompt_tokens, sampling, self._prompt_ids_for_node(pre)
+        )
         plan = self.plan
         loop = TokenLoop(
             self.ctx.tokenizer.tokenizer,
@@ -224,6 +227,7 @@ class RequestFlow:
             plan.stop,
             plan.include_stop_str_in_output,
             plan.skip_special_tokens,
+            plan.min_tokens,
         )
         # The node checked the sampling with the reserve; when its context also holds the request, it cannot
         # refuse the decode request for anything the client sent: stream prefill's token before asking.
@@ -285,6 +289,10 @@ class RequestFlow:
 
     def _sampling(self) -> c.Sampling:
         plan = self.plan
+        try:
+            bad_words = bad_words_token_ids(self.ctx.tokenizer.tokenizer, plan.bad_words)
+        except ValueError as exc:
+            raise bad_request(str(exc), "bad_words") from None
         return c.Sampling(
             max_tokens=None if plan.max_tokens is None else plan.max_tokens - 1,
             temperature=plan.temperature,
@@ -293,7 +301,23 @@ class RequestFlow:
             seed=plan.seed,
             stop_token_ids=list(plan.stop_token_ids),
             ignore_eos=bool(plan.ignore_eos),
+            min_p=plan.min_p,
+            repetition_penalty=plan.repetition_penalty,
+            frequency_penalty=plan.frequency_penalty,
+            presence_penalty=plan.presence_penalty,
+            min_tokens=plan.min_tokens,
+            logit_bias=plan.logit_bias,
+            allowed_token_ids=plan.allowed_token_ids,
+            bad_words_token_ids=bad_words,
+            grammar=plan.grammar,
         )
+
+    def _prompt_ids_for_node(self, pre: PrefillResult) -> list[int] | None:
+        """The prompt's ids when the repetition penalty (the request's or the model's default) needs them."""
+        penalty = self.plan.repetition_penalty
+        if penalty is None:
+            penalty = self.ctx.sampling_defaults.get("repetition_penalty", 1.0)
+        return pre.prompt_token_ids if penalty != 1.0 else None
 
     def first_token(self) -> None:
         self.ttft_s = self._elapsed()

@@ -31,6 +31,11 @@ token ids                  0 to 2**31 - 1
 ``max_tokens``, ``top_k``  at most 2**31 - 1
 ``seed``, ``priority``     int64
 ``temperature``            0 to 1e6
+``min_p``                  0 to 1; ``frequency_penalty``, ``presence_penalty``: -2 to 2;
+                           ``repetition_penalty``: above 0, at most 1e6
+``logit_bias``             up to 2**18 entries, keys token ids (as strings), values clamped to +-100
+``allowed_token_ids``      1 to 2**18 ids
+``bad_words``              up to 128 strings of 1 to 1024 characters
 ``documents``              up to 1024 entries
 short strings              ``model``, ``user``, ``session_id``, ``cache_salt``: up to 1024 characters
 =========================  =======================================================================
@@ -52,6 +57,9 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_DOCUMENTS = 1024
 MAX_SHORT_STR = 1024
 MAX_TEMPERATURE = 1e6
+MAX_REPETITION_PENALTY = 1e6
+MAX_LOGIT_BIAS = 1 << 18  # logit_bias entries, allowed_token_ids: a whole vocabulary
+MAX_BAD_WORDS = 128  # each tokenized with and without a leading space, as vLLM does
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -63,10 +71,24 @@ TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
 ShortStr = Annotated[str, Meta(max_length=MAX_SHORT_STR)]
 StopStr = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
+BadWord = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
+BiasKey = Annotated[str, Meta(pattern=r"^[0-9]{1,10}$")]  # a token id, as JSON object keys are strings
 MaxTokens = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 LooseObject = dict[str, Raw]
 TokenIds = Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)]
 
+# vLLM's logits rules the decode engine applies as vLLM's sampler does (the prefill gets them for the first token).
+LOGITS_RULES = (
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+)
+# Structured outputs: the decode node constrains each step with the same grammar (xgrammar), the prefill the first.
+STRUCTURED = ("response_format", "structured_outputs")
 # Sampling and output fields the router and the decode engine honour.
 _COMMON_DECODE = frozenset(
     {
@@ -83,6 +105,9 @@ _COMMON_DECODE = frozenset(
         "stream",
         "stream_options",
         "return_token_ids",
+        *LOGITS_RULES,
+        *STRUCTURED,
+        "min_tokens",
     }
 )
 HONOURED_BY_DECODE: dict[str, frozenset[str]] = {
@@ -101,6 +126,8 @@ DECODE_FIELDS_FOR_PREFILL = frozenset(
         "ignore_eos",
         "include_stop_str_in_output",
         "skip_special_tokens",
+        *LOGITS_RULES,
+        *STRUCTURED,
     }
 )
 
@@ -135,8 +162,7 @@ PASSED_TO_VLLM: dict[str, frozenset[str]] = {
 
 _NO_LOGPROBS = "the decode path returns no log-probabilities"
 _ONE_CHOICE = "the decode path samples one choice per request"
-_SAMPLER = "the decode engine samples with temperature, top_p and top_k only"
-_FIRST_TOKEN = "it would change the prefill's first token in a way the decode engine cannot continue"
+_SAMPLER = "the decode engine does not run this sampling extension"
 _RENDER_ONLY = "only vLLM's /render endpoints use it"
 _SET_BY_ROUTER = "the router sets it for the TileRT transfer; clients may not"
 
@@ -145,18 +171,8 @@ _COMMON_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "n": ((1,), _ONE_CHOICE),
     "use_beam_search": ((False,), "no beam search on the decode path"),
     "length_penalty": ((1, 1.0), "no beam search on the decode path"),
-    "frequency_penalty": ((0, 0.0), _SAMPLER),
-    "presence_penalty": ((0, 0.0), _SAMPLER),
-    "repetition_penalty": ((1, 1.0), _SAMPLER),
-    "min_p": ((0, 0.0), _SAMPLER),
-    "logit_bias": (({},), _SAMPLER),
-    "bad_words": (([],), _SAMPLER),
-    "allowed_token_ids": ((), _SAMPLER),
     "watermarking": ((False,), _SAMPLER),
     "vllm_xargs": (({},), "custom sampling extensions do not run on the decode path"),
-    "min_tokens": ((0,), _FIRST_TOKEN),
-    "response_format": (({"type": "text"},), "no structured output on the decode path"),
-    "structured_outputs": ((), "no structured output on the decode path"),
     "repetition_detection": ((), "the decode path does not detect repetition"),
     "thinking_token_budget": ((-1,), "the decode path does not count thinking tokens"),
     "prompt_logprobs": ((), _NO_LOGPROBS),
@@ -220,6 +236,16 @@ class _Honoured(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stream: Opt[bool] = UNSET
     stream_options: Opt[StreamOptions] = UNSET
     return_token_ids: Opt[bool] = UNSET
+    min_tokens: Opt[Annotated[int, Meta(ge=0, le=INT32_MAX)]] = UNSET
+    min_p: Opt[Annotated[float, Meta(ge=0.0, le=1.0)]] = UNSET
+    repetition_penalty: Opt[Annotated[float, Meta(gt=0.0, le=MAX_REPETITION_PENALTY)]] = UNSET
+    frequency_penalty: Opt[Annotated[float, Meta(ge=-2.0, le=2.0)]] = UNSET
+    presence_penalty: Opt[Annotated[float, Meta(ge=-2.0, le=2.0)]] = UNSET
+    logit_bias: Opt[Annotated[dict[BiasKey, float], Meta(max_length=MAX_LOGIT_BIAS)]] = UNSET
+    allowed_token_ids: Opt[Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_LOGIT_BIAS)]] = UNSET
+    bad_words: Opt[Annotated[list[BadWord], Meta(max_length=MAX_BAD_WORDS)]] = UNSET
+    response_format: Opt[LooseObject] = UNSET  # checked by validation.grammar_of
+    structured_outputs: Opt[LooseObject] = UNSET
 
 
 def _with_refused(route: str) -> Any:

@@ -37,6 +37,7 @@ class TokenLoop:
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    min_tokens: int = 0  # as in vLLM, stop strings count only once the completion is longer than this
 
     def __post_init__(self) -> None:
         self.token_ids = [self.first_token_id]
@@ -70,7 +71,8 @@ class TokenLoop:
             accepted.append(tid)
             if stop_token and i == len(ids) - 1 and not self.include_stop_str_in_output:
                 break  # the stopping token counts, its text does not
-            hit = self._out.add(self._decoder.step(tid))
+            piece = self._decoder.step(tid)
+            hit = self._out.add(piece, check=len(self.token_ids) + len(accepted) > self.min_tokens)
             if hit is not None:
                 self.finish_reason, self.stop_reason = "stop", hit
                 break

@@ -14,8 +14,10 @@ import msgspec
 import orjson
 from msgspec import UNSET
 
+from tilert import contracts as c
 from tilert.router import openai_schema as schema
 from tilert.router.errors import RouterError, bad_request, unsupported
+from tilert.router.structured import grammar_of
 
 Route = Literal["chat", "completions"]
 
@@ -48,6 +50,15 @@ class RequestPlan:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False
+    min_tokens: int = 0
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)  # clamped to +-100 as vLLM does
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    grammar: c.Grammar | None = None  # structured output
 
     @property
     def path(self) -> str:
@@ -57,6 +68,8 @@ class RequestPlan:
         """The forwarded fields with ``max_tokens=1``, no streaming, token ids on, and the TileRT claim."""
         body = dict(self.body)
         body.update(max_tokens=1, stream=False, return_token_ids=True, kv_transfer_params=kv_transfer_params)
+        if self.min_tokens:  # vLLM wants min_tokens <= max_tokens; the first token is the prefill's one
+            body["min_tokens"] = 1
         return body
 
 
@@ -76,6 +89,11 @@ def build_plan(
     if options is not None and not stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
     temperature, stop = _temperature(request.temperature), _set(request.stop) or []
+    max_tokens, min_tokens = _max_tokens(request, route, default_max_tokens), _set(request.min_tokens) or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad_request(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.", "min_tokens"
+        )
     body = _forwarded(request, route)
     if temperature is not None:  # the prefill samples the first token with the temperature the decode engine uses
         body["temperature"] = temperature
@@ -85,7 +103,7 @@ def build_plan(
         stream=stream,
         include_usage=options is not None and options.include_usage is True,
         continuous_usage=options is not None and options.continuous_usage_stats is True,
-        max_tokens=_max_tokens(request, route, default_max_tokens),
+        max_tokens=max_tokens,
         temperature=temperature,
         top_p=_set(request.top_p),
         top_k=_set(request.top_k),
@@ -96,7 +114,23 @@ def build_plan(
         include_stop_str_in_output=request.include_stop_str_in_output is True,
         skip_special_tokens=request.skip_special_tokens is not False,
         return_token_ids=request.return_token_ids is True,
+        min_tokens=min_tokens,
+        **_logits_rules(request),
+        grammar=grammar_of(_set(request.response_format), _set(request.structured_outputs)),
     )
+
+
+def _logits_rules(request: Any) -> dict[str, Any]:
+    """The plan's logits rules: unset ones None (the model's default), ``logit_bias`` clamped as vLLM does."""
+    return {
+        "min_p": _set(request.min_p),
+        "repetition_penalty": _set(request.repetition_penalty),
+        "frequency_penalty": _set(request.frequency_penalty),
+        "presence_penalty": _set(request.presence_penalty),
+        "logit_bias": {int(k): min(100.0, max(-100.0, v)) for k, v in (_set(request.logit_bias) or {}).items()},
+        "allowed_token_ids": _set(request.allowed_token_ids),
+        "bad_words": list(_set(request.bad_words) or []),
+    }
 
 
 def _decode(route: Route, raw: bytes, max_body_bytes: int) -> Any:
@@ -175,8 +209,10 @@ def _jsonable(value: Any) -> Any:
         return orjson.Fragment(bytes(value))
     if isinstance(value, list) and value and isinstance(value[0], msgspec.Raw):
         return [orjson.Fragment(bytes(item)) for item in value]
-    if isinstance(value, dict):  # the loose objects (chat_template_kwargs, ...): dict[str, Raw]
-        return {key: orjson.Fragment(bytes(item)) for key, item in value.items()}
+    if isinstance(value, dict):  # the loose objects (chat_template_kwargs, ...): dict[str, Raw]; logit_bias
+        return {
+            key: orjson.Fragment(bytes(item)) if isinstance(item, msgspec.Raw) else item for key, item in value.items()
+        }
     return value
 
 
