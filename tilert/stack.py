@@ -2,6 +2,9 @@
 
 stock vLLM (prefill, with ``TileRTConnector``)  +  the decode node  +  the router.
 
+``tilert up --prefill-instances N`` starts N prefill instances on consecutive ports from ``--prefill-port``
+(``prefill``, ``prefill-2``, ...) and gives the router all of them (:mod:`tilert.router.prefill_pool`).
+
 ``tilert up --native`` adds the native decode pool (engine plugin ``vllm``): the prefill then runs vLLM's
 ``MultiConnector`` holding ``TileRTConnector`` beside vLLM's own ``NixlConnector``, and a second stock vLLM
 instance decodes what the router sends the native way.
