@@ -108,7 +108,9 @@ async def _completion(request: Request, route: ApiRoute) -> Response:
         plan = build_plan(
             route, raw, default_max_tokens=ctx.config.default_max_tokens, max_body_bytes=ctx.config.max_body_bytes
         )
-        choice = choose_pool(ctx.config, request.headers.get(POOL_HEADER), plan.body.get("model"))
+        choice = choose_pool(
+            ctx.config, request.headers.get(POOL_HEADER), plan.body.get("model"), plan.fast_pool_refusal
+        )
     except RouterError as exc:
         ctx.metrics.request_finished(
             route, exc.outcome, None, 0, 0, anyio.current_time() - arrived, None, None, pool="none"
