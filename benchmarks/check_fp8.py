@@ -103,8 +103,9 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
         finally:
             triton_fp8.FP8_PRE_BYTES = keep
         report(f"fp8 gemv prefetched == loop path (fp32 reassociation) {tag}", got, loop, tol=1e-2)
-    # MoE: (experts, I, D, tokens); the real V3.2 expert dims with fewer experts (memory), lite dims.
-    moe = [(16, 2048, 7168, 1), (16, 2048, 7168, 4), (66, 1408, 2048, 1)]
+    # MoE: (experts, I, D, tokens); the real V3.2 expert dims with fewer experts (memory), lite dims, and a TP8
+    # rank's slice of V3.2's / GLM-5's experts (I = 256: the "narrow" configs).
+    moe = [(16, 2048, 7168, 1), (16, 2048, 7168, 4), (66, 1408, 2048, 1), (16, 256, 7168, 1), (16, 256, 6144, 3)]
     if small:
         moe = [(6, 96, 128, 1), (6, 160, 200, 3)]
     for e, i, d, nt in moe:
@@ -156,7 +157,13 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
                     ]
                 )
                 report(f"fp8 moe_up cfg={ucfg} batch invariance {tag}", a1, alone, tol=1e-30)
-        for cfg in ((16, 1, 512, 4, True), (4, 4, 512, 8, False), (8, 2, 1024, 8, True), (32, 1, 512, 8, True)):
+        for cfg in (
+            (16, 1, 512, 4, True),
+            (4, 4, 512, 8, False),
+            (8, 2, 1024, 8, True),
+            (32, 1, 512, 8, True),
+            (64, 1, 256, 8, True),
+        ):
             y1 = triton_fp8.moe_down_fp8(act, ids, wts, w2, s2, cfg=cfg)
             y2 = triton_fp8.moe_down_fp8(act, ids, wts, w2, s2, cfg=cfg)
             report(f"fp8 moe_down cfg={cfg} {tag}", y1, want, tol=2e-2)

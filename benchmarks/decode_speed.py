@@ -173,6 +173,47 @@ def bytes_per_token(args, ctx: int, sparse: bool) -> dict:
     return dict(weights=weights, head=head, kv=kv, total=weights + head + kv)
 
 
+def category_bytes(args, ctx: int, sparse: bool) -> dict:
+    """Bytes one step reads per breakdown category (``CATEGORIES``' labels; the weights as
+    :func:`bytes_per_token` counts them): the achieved bandwidth of each category is these over its kernel time."""
+    a, el = args, 2
+    d, h = a.hidden_size, a.num_heads
+    index_layers = set(a.index_layers)
+    i = a.moe_intermediate_size
+    out = dict.fromkeys([c for _, c in CATEGORIES], 0)
+    gemv, up, down, route, core, idx = (
+        "GEMVs (W_a, W_b, W_o, router, lm_head)",
+        "moe up (norm + w13 + silu*up)",
+        "moe down (+residual)",
+        "router select",
+        "attention core",
+        "indexer scores",
+    )
+    rows = min(ctx, a.index_topk) if sparse else ctx
+    for j in range(a.num_layers):
+        has_idx = j in index_layers
+        out[gemv] += _wbytes(a, "wa", a.wa_rows(has_idx), d) + _wbytes(a, "wo", d, h * a.v_head_dim)
+        if a.q_lora_rank is not None:
+            out[gemv] += _wbytes(a, "wb", a.wb_rows(has_idx), a.q_lora_rank)
+        if has_idx and a.fp8:
+            out[gemv] += a.index_n_heads * d * el
+        out[core] += _wbytes(a, "wkv_b", h * a.v_head_dim, a.kv_lora_rank)  # W_UV: in the combine kernel
+        out["mla prep"] += _wbytes(a, "wkv_b", h * a.qk_nope_head_dim, a.kv_lora_rank)
+        out[core] += rows * a.latent_dim * el
+        if has_idx and sparse:
+            out[idx] += ctx * a.index_head_dim * el
+        if a.mlp_layer_types[j] == "sparse":
+            k = a.num_experts_per_tok + a.n_shared_experts
+            out[up] += k * _wbytes(a, "w13", 1, 2 * i, d)
+            out[down] += k * _wbytes(a, "w2", 1, d, i)
+            out[route] += a.n_routed_experts * d * el
+        else:
+            out[up] += _wbytes(a, "w13", 1, 2 * a.intermediate_size, d)
+            out[down] += _wbytes(a, "w2", 1, d, a.intermediate_size)
+    out[gemv] += (a.vocab_size // a.tp_size) * d * el
+    return {k: v for k, v in out.items() if v}
+
+
 def step_row(name: str, args, ctx: int, sparse: bool, seconds: float, bw: float | None) -> dict:
     """One JSON row of the table: ``config``, ``context``, ``weights`` (bf16 / fp8), ``ms_per_step``, ``tok_s``,
     ``bytes_per_step`` and ``pct_roofline`` (the step's bytes at the copy bandwidth ``bw`` measured in the same run,
@@ -285,12 +326,30 @@ TUNING_FP8 = (
     ("triton_fp8", "FP8_PRE_BYTES", (96, 0)),
     ("triton_fp8", "UP_RSTD_EARLY", (True, False)),
     ("triton_gemv", "RSTD_MAX", (2048, 0)),
-    ("triton_fp8", ("FP8_GEMV_CFG", "k1024"), ((2, 2048, 4), (4, 1024, 4), (4, 2048, 8))),
+    ("triton_fp8", ("FP8_GEMV_CFG", "k1024"), ((2, 2048, 4), (4, 1024, 4), (4, 2048, 8), (4, 4096, 8))),
     ("triton_fp8", ("FP8_GEMV_CFG", "large"), ((8, 1024, 4), (16, 1024, 8))),
     ("triton_fp8", ("FP8_UP_CFG", "small"), ((16, 256, 4, 1), (16, 256, 4, 2), (8, 1024, 4, 1))),
     ("triton_fp8", ("FP8_UP_CFG", "large"), ((8, 1024, 4, 1), (8, 512, 4, 2))),
     ("triton_fp8", ("FP8_DOWN_CFG", "small"), ((16, 1, 512, 4, True), (32, 1, 512, 8, True), (4, 4, 512, 8, False))),
     ("triton_fp8", ("FP8_DOWN_CFG", "large"), ((16, 1, 1024, 8, True), (8, 1, 1024, 4, True), (8, 1, 1024, 8, False))),
+    (
+        "triton_fp8",
+        ("FP8_UP_CFG", "narrow"),
+        ((8, 1024, 4, 1), (16, 512, 4, 7), (8, 1024, 4, 2), (16, 1024, 8, 4)),
+    ),
+    (
+        "triton_fp8",
+        ("FP8_DOWN_CFG", "narrow"),
+        (
+            (16, 1, 1024, 8, True),
+            (64, 1, 256, 8, True),
+            (32, 1, 256, 4, True),
+            (128, 1, 256, 8, True),
+            (32, 2, 256, 4, True),
+        ),
+    ),
+    ("triton_moe", "ROUTER_SPLIT", (8, 4, 14, 16)),
+    ("triton_gemv", "LARGE_CFG", ((8, 512, 4, 3), (16, 256, 4, 4), (16, 512, 8, 3))),
     ("triton_fused", "PREP_BC_FP8", (128, 64)),
     ("triton_mla", "SPLIT_ROWS_EARLY", (True, False)),
     ("triton_mla", "UV_ONE_READ_MAX", (64, 0)),
@@ -301,7 +360,7 @@ TUNING_FP8 = (
     ("triton_mla", "UV_SB", (4, 8)),
     ("triton_mla", ("DENSE_CAP_ROWS", "one"), (32, 16, 32, 16)),
     ("triton_mla", ("DENSE_CAP_ROWS", "many"), (64, 32)),
-    ("triton_moe", "ROUTER_WARPS", (0, 1)),
+    ("triton_moe", "ROUTER_WARPS", (0, 1, 8)),
 )
 
 
@@ -415,10 +474,9 @@ def bench_engine(name, args, contexts, bw, mtp=True, profile=True, topk_compare=
             cats["gaps between kernels (graph step - kernel sum)"] = t * 1e6 - prof["total_us"]
             r["kernel_profile"] = prof
             r["breakdown_us"] = cats
-            log(
-                "   breakdown (us/step): "
-                + ", ".join(f"{k}={v:.0f}" for k, v in sorted(cats.items(), key=lambda x: -x[1]))
-            )
+            cb = category_bytes(args, ctx, sparse)
+            r["breakdown_tbs"] = {k: cb[k] / (us * 1e-6) / 1e12 for k, us in cats.items() if k in cb and us > 0}
+            log("   breakdown (us/step, achieved TB/s where the category streams counted bytes): " + _cats(r))
         if sparse and topk_compare:  # the same step with torch.topk instead of the radix top-k, same run
             triton_mla.TOPK_IMPL = "torch"
             eng._graphs.clear()
@@ -501,6 +559,14 @@ def bench_sequences(name, args, ctx, ns, capacity):
     gc.collect()
     torch.cuda.empty_cache()
     return out
+
+
+def _cats(r: dict) -> str:
+    tbs = r.get("breakdown_tbs", {})
+    return ", ".join(
+        f"{k}={v:.0f}" + (f" ({tbs[k]:.2f} TB/s)" if k in tbs else "")
+        for k, v in sorted(r["breakdown_us"].items(), key=lambda x: -x[1])
+    )
 
 
 def kernel_profile(fn, steps=3):
@@ -833,8 +899,8 @@ def main():
     for r in RESULT["runs"]:
         if "breakdown_us" in r:
             log(
-                f"breakdown {r['config']} ctx={r['ctx']} (kernel us/step, eager): "
-                + ", ".join(f"{k}={v:.0f}" for k, v in sorted(r["breakdown_us"].items(), key=lambda x: -x[1]))
+                f"breakdown {r['config']} ctx={r['ctx']} (kernel us/step, eager; TB/s): "
+                + _cats(r)
                 + f" | graph step {r['ms'] * 1e3:.0f} us"
             )
     for r in RESULT["runs"]:

@@ -4,7 +4,10 @@ repo: any other version of the file, e.g. ``git show REV:tilert/engines/tilert/o
 benchmarks/_fp8_old.py``), in CUDA graphs of PDL-chained calls rotating over weight copies (> L2). Prints one line
 per (kernel, shape, variant).
 
-    python3 benchmarks/micro_fp8.py [--out DIR] [--only gemv,up,down]
+    python3 benchmarks/micro_fp8.py [--out DIR] [--only gemv,up,down] [--rank]
+
+``--rank``: the shapes of one TP8 rank of full-size V3.2 / GLM-5 instead, each launch config first checked
+against the dequantising reference (its relative error is part of the variant's label).
 
 Writes ``benchmarks/results/<machine>-micro-fp8.json`` (``h200-micro-fp8``; under ``--out DIR`` or at
 ``--out FILE.json`` when given), starting with ``results_header``'s ``"recorded"`` (date, commit, machine,
@@ -209,16 +212,143 @@ def moes(only):
         torch.cuda.empty_cache()
 
 
+def _rel(got, want) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def rank_shapes(only):
+    """The TP8 ranks' FP8 kernels (V3.2, GLM-5: W_a + tail, W_b, W_o, the experts at width 256) at each launch
+    config: each checked against the dequantising reference on fresh inputs (rel. L2 error printed; "BAD" over
+    2e-2), then timed."""
+    from tilert.engines.tilert.ops import reference as ref
+
+    gemv_shapes = [  # name, N, K, row group, tail rows, residual
+        ("v32r wa+tail", 2240, 7168, 1, 64, False),
+        ("v32r wb", 11264, 1536, 1, 0, False),
+        ("v32r wo", 7168, 2048, 128, 0, True),
+        ("glm5r wa+tail", 2752, 6144, 1, 32, False),
+        ("glm5r wb", 6144, 2048, 1, 0, False),
+    ]
+    gemv_cfgs = {
+        7168: [(2, 2048, 4), (1, 2048, 4), (2, 2048, 8), (4, 4096, 8), (2, 8192, 8), (4, 1024, 4), (8, 1024, 8)],
+        1536: [(8, 512, 4), (4, 512, 4), (16, 512, 8), (8, 512, 8), (4, 1024, 4)],
+        2048: [(4, 2048, 8), (2, 2048, 4), (4, 1024, 4), (8, 1024, 8)],
+    }
+    gemv_cfgs[6144] = gemv_cfgs[7168]
+    for name, N, K, gn, nt, res in gemv_shapes if "gemv" in only else []:
+        nb = N * K + 4 * (N // gn) * (K // 128) + 2 * nt * K
+        c = copies(nb)
+        ws = [
+            (q(N, K), sc(N // gn, K // 128), torch.randn(max(nt, 1), K, device=DEV).to(torch.bfloat16) * 0.05)
+            for _ in range(c)
+        ]
+        x = torch.randn(1, K, device=DEV).to(torch.bfloat16)
+        g = (torch.rand(K, device=DEV) + 0.5).to(torch.bfloat16)
+        h = torch.randn(1, N, device=DEV).to(torch.bfloat16)
+        tl_ = (lambda t: t) if nt else (lambda t: None)
+        for cfg in [None, *gemv_cfgs[K]]:
+            w, s, t = ws[0]
+            xx = torch.randn(1, K, device=DEV).to(torch.bfloat16)
+            if res:
+                h1, h2 = h.clone(), h.clone()
+                triton_fp8.gemv_fp8(xx, w, s, residual=h1, cfg=cfg)
+                triton_fp8.gemv_fp8(xx, w, s, residual=h1, cfg=cfg)
+                ref.gemv_residual(h2, xx, w, h2, s)
+                ref.gemv_residual(h2, xx, w, h2, s)
+                err = _rel(h1 - h, h2 - h)
+                fns = [lambda w=w, s=s, cfg=cfg: triton_fp8.gemv_fp8(x, w, s, residual=h, cfg=cfg) for w, s, _ in ws]
+            else:
+                got = triton_fp8.gemv_fp8(xx, w, s, norm_w=g, tail=tl_(t), cfg=cfg)
+                got = triton_fp8.gemv_fp8(xx, w, s, norm_w=g, tail=tl_(t), cfg=cfg)
+                err = _rel(got, ref.gemv(xx, w, g, 1e-6, None, False, s, tail=tl_(t)))
+                fns = [
+                    lambda w=w, s=s, t=t, cfg=cfg: triton_fp8.gemv_fp8(x, w, s, norm_w=g, tail=tl_(t), cfg=cfg)
+                    for w, s, t in ws
+                ]
+            label = f"{cfg or 'default'} e={err:.1e}{' BAD' if not err < 2e-2 else ''}"
+            bench("gemv", name, label, fns, nb)
+        del ws
+        torch.cuda.empty_cache()
+    ups = [
+        None,
+        (8, 1024, 4, 1),
+        (8, 1024, 4, 7),
+        (8, 1024, 4, 4),
+        (8, 512, 4, 7),
+        (16, 1024, 8, 7),
+        (16, 512, 4, 7),
+        (4, 1024, 4, 7),
+        (8, 2048, 8, 4),
+        (16, 1024, 8, 4),
+        (8, 1024, 4, 2),
+        (16, 2048, 8, 4),
+        (4, 2048, 4, 4),
+    ]
+    downs = [
+        None,
+        (16, 1, 1024, 8, True),
+        (32, 1, 256, 4, True),
+        (64, 1, 256, 4, True),
+        (64, 1, 256, 8, True),
+        (128, 1, 256, 8, True),
+        (32, 2, 256, 4, True),
+        (64, 2, 256, 8, True),
+        (16, 16, 256, 8, False),
+        (32, 4, 256, 8, True),
+        (16, 4, 256, 4, True),
+        (128, 2, 256, 8, True),
+        (32, 16, 256, 8, False),
+    ]
+    for name, E, KK, D, I in [("v32r", 64, 9, 7168, 256), ("glm5r", 64, 9, 6144, 256)]:  # noqa: E741
+        w13, s13 = q(E, 2 * I, D), sc(E, 2 * I // 128, D // 128)
+        w2, s2 = q(E, D, I), sc(E, D // 128, I // 128)
+        x = torch.randn(1, D, device=DEV).to(torch.bfloat16)
+        g = (torch.rand(D, device=DEV) + 0.5).to(torch.bfloat16)
+        sets = [
+            (torch.randperm(E, device=DEV)[:KK].int()[None].contiguous(), torch.rand(1, KK, device=DEV))
+            for _ in range(7)
+        ]
+        xr = ref.rms_norm(x, g, 1e-6)
+        act0 = triton_fp8.moe_up_fp8(x, sets[0][0], w13, s13, norm_w=g)
+        want = ref.moe_experts(xr, sets[0][0], sets[0][1], w13, w2, s13, s2)
+        h = torch.zeros(1, D, device=DEV, dtype=torch.bfloat16)
+        nb_up, nb_dn = KK * 2 * I * D, KK * I * D
+        for cfg in ups if "up" in only else []:
+            a1 = triton_fp8.moe_up_fp8(x, sets[0][0], w13, s13, norm_w=g, cfg=cfg)
+            a1 = triton_fp8.moe_up_fp8(x, sets[0][0], w13, s13, norm_w=g, cfg=cfg)
+            err = _rel(triton_fp8.moe_down_fp8(a1, sets[0][0], sets[0][1], w2, s2), want)
+            label = f"{cfg or 'default'} e={err:.1e}{' BAD' if not err < 2e-2 else ''}"
+            fns = [
+                lambda ids=ids, cfg=cfg: triton_fp8.moe_up_fp8(x, ids, w13, s13, norm_w=g, cfg=cfg) for ids, _ in sets
+            ]
+            bench("up", name, label, fns, nb_up)
+        for cfg in downs if "down" in only else []:
+            triton_fp8.moe_down_fp8(act0, sets[0][0], sets[0][1], w2, s2, cfg=cfg)
+            err = _rel(triton_fp8.moe_down_fp8(act0, sets[0][0], sets[0][1], w2, s2, cfg=cfg), want)
+            label = f"{cfg or 'default'} e={err:.1e}{' BAD' if not err < 2e-2 else ''}"
+            fns = [
+                lambda ids=ids, wts=wts, cfg=cfg: triton_fp8.moe_down_fp8(act0, ids, wts, w2, s2, residual=h, cfg=cfg)
+                for ids, wts in sets
+            ]
+            bench("down", name, label, fns, nb_dn)
+        w13 = w2 = None
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="a directory (or FILE.json) for the JSON (default: the current result)")
     ap.add_argument("--only", default="gemv,up,down")
+    ap.add_argument("--rank", action="store_true", help="the TP8 ranks' shapes (V3.2, GLM-5), each config checked")
     a = ap.parse_args()
     only = a.only.split(",")
-    if "gemv" in only:
-        gemvs()
-    if "up" in only or "down" in only:
-        moes(only)
+    if a.rank:
+        rank_shapes(only)
+    else:
+        if "gemv" in only:
+            gemvs()
+        if "up" in only or "down" in only:
+            moes(only)
     machine = machine_kind(gpus=1)
     print(f"written: {write_json(result_path(machine, 'micro-fp8', '.json', a.out), ROWS, recorded(machine))}")
     best: dict = {}

@@ -54,6 +54,24 @@ def test_native_header_without_native_pool_is_400(tmp_path: Path) -> None:
     assert bad.value.status == 400 and "no native decode pool" in bad.value.message
 
 
+def test_what_the_tilert_pool_cannot_serve_goes_native(tmp_path: Path) -> None:
+    from tilert.router.errors import unsupported
+
+    refusal = unsupported("n", "one choice per request")
+    cfg = _config(tmp_path, native_url="http://127.0.0.1:9")
+    choice = choose_pool(cfg, None, "m", refusal)
+    assert (choice.pool, choice.reason, choice.overflow) == ("vllm", "unsupported", False)
+    assert choice.why is not None and "'n'" in choice.why
+    assert choose_pool(cfg, "vllm", "m", refusal).reason == "header"  # asked for: no reason to give
+    with pytest.raises(RouterError) as asked:  # the TileRT pool named by the header: the field's 400
+        choose_pool(cfg, "tilert", "m", refusal)
+    assert asked.value is refusal
+    for off in (_config(tmp_path), _config(tmp_path, native_url="http://127.0.0.1:9", unsupported_to_native=False)):
+        with pytest.raises(RouterError) as refused:
+            choose_pool(off, None, "m", refusal)
+        assert refused.value.status == 400 and refused.value.param == "n"
+
+
 @pytest.mark.parametrize(
     "kw,reason",
     [

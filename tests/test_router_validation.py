@@ -72,8 +72,12 @@ def plan_of(route: str, body: dict[str, Any] | bytes, **kwargs: Any) -> RequestP
 
 
 def refusal(route: str, body: dict[str, Any] | bytes, **kwargs: Any) -> RouterError:
+    """Why the TileRT pool refuses the request: a 400 from validation, or the refusal its plan carries (the
+    native pool may serve it)."""
     with pytest.raises(RouterError) as info:
-        plan_of(route, body, **kwargs)
+        plan = plan_of(route, body, **kwargs)
+        if plan.fast_pool_refusal is not None:
+            raise plan.fast_pool_refusal
     return info.value
 
 
@@ -118,6 +122,11 @@ def test_refused_field_with_a_real_value_is_400_naming_it(route: str, name: str)
     err = refusal(route, with_base(route, **{name: value}))
     assert (err.status, err.param, err.outcome) == (400, name, "unsupported")
     assert f"'{name}'" in err.message
+    if name in schema.NO_POOL:  # refused whichever pool: before any plan
+        with pytest.raises(RouterError):
+            plan_of(route, with_base(route, **{name: value}))
+    else:  # the native pool gets the field as sent
+        assert plan_of(route, with_base(route, **{name: value})).body[name] == value
 
 
 @pytest.mark.parametrize(("route", "name"), REFUSED_CASES)

@@ -108,7 +108,9 @@ async def _completion(request: Request, route: ApiRoute) -> Response:
         plan = build_plan(
             route, raw, default_max_tokens=ctx.config.default_max_tokens, max_body_bytes=ctx.config.max_body_bytes
         )
-        choice = choose_pool(ctx.config, request.headers.get(POOL_HEADER), plan.body.get("model"))
+        choice = choose_pool(
+            ctx.config, request.headers.get(POOL_HEADER), plan.body.get("model"), plan.fast_pool_refusal
+        )
         ctx.prefills.require(rid)  # no prefill instance to take it: 503 now, not after a wait for a decode slot
     except RouterError as exc:
         ctx.metrics.request_finished(

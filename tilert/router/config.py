@@ -307,6 +307,11 @@ class RouterConfig:
         help='model name -> pool, e.g. {"my-model-fast": "tilert"} (names vLLM serves, see its --served-model-name)',
     )
     overflow_wait_s: float | None = OVERFLOW_WAIT_S.field()
+    unsupported_to_native: bool = setting(
+        True,
+        help="a request with a field the TileRT pool cannot serve (n > 1, logprobs, tools, ...) goes to the native "
+        "pool when there is one (its response says so in x-tilert-pool-reason); off: refused with a 400 naming it",
+    )
     # Filled at load time from secret_file / $TILERT_SECRET_FILE / $TILERT_SECRET (tilert.auth.load_secret).
     secret: bytes = field(default=b"", repr=False)
     extra: dict[str, Any] = field(default_factory=dict)

@@ -110,7 +110,7 @@ class RequestFlow:
 
     # -- entry -------------------------------------------------------------------------------------
     async def run(self, send: Send) -> None:
-        self.out = ClientOutput(send, self.pool)
+        self.out = ClientOutput(send, self.pool, self.choice.why)
         self.ctx.metrics.running(1)
         try:
             await self._run(self.out)

@@ -7,8 +7,11 @@ adds a field fails until it is classified here):
 * ``PASSED_TO_VLLM``: shapes the prompt or is prefill metadata; vLLM's prefill honours it as sent.
 * ``HONOURED_BY_DECODE``: sampling and output fields the router and the decode engine honour. The sampling
   and stop ones also go to the prefill, which samples the first token with them.
-* ``REFUSED``: what the decode path cannot honour. Accepted only when absent, null or equal to a neutral
-  value that means "off" (then not forwarded: vLLM's default is the same), else 400 naming the field.
+* ``REFUSED``: what the TileRT decode path cannot honour. Absent, null or equal to a neutral value that means
+  "off", it is not forwarded (vLLM's default is the same); any other value sends the request to the native
+  pool (stock vLLM decodes it, so it gets the field as sent) when the router has one and
+  ``unsupported_to_native`` is on, else it is refused with a 400 naming the field. ``NO_POOL`` fields are
+  refused whichever pool would serve them.
 
 Any other field is unknown and refused (``forbid_unknown_fields``). Types are strict: no bool for an
 int, no string for a number, no float for an int; a JSON number too large for a float (``1e999``) is
@@ -189,6 +192,9 @@ _COMMON_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "kv_transfer_params": ((), _SET_BY_ROUTER),
     "ec_transfer_params": ((), "encoder-cache transfers are set by the serving stack, not by clients"),
 }
+# Refused whichever pool serves the request; every other refused field only on the TileRT pool (a request with one
+# goes to the native pool when the router has one, unless unsupported_to_native is off).
+NO_POOL = frozenset({"request_id", "kv_transfer_params", "ec_transfer_params"})
 REFUSED: dict[str, dict[str, tuple[tuple[Any, ...], str]]] = {
     "chat": {
         **_COMMON_REFUSED,

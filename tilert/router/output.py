@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from starlette.types import Message, Send
 
-from tilert.router.routing import POOL_HEADER
+from tilert.router.routing import POOL_HEADER, REASON_HEADER
 
 __all__ = ["SSE_HEADERS", "ClientOutput"]
 
@@ -18,11 +18,12 @@ SSE_HEADERS = [
 class ClientOutput:
     """The ASGI response of one request, remembering how far it got."""
 
-    def __init__(self, send: Send, pool: str | None = None) -> None:
+    def __init__(self, send: Send, pool: str | None = None, pool_reason: str | None = None) -> None:
         self._send = send
         self.started = False
         self.done = False
         self.pool = pool  # the x-tilert-pool header of the response (the pool serving the request)
+        self.pool_reason = pool_reason  # the x-tilert-pool-reason header: why not the pool the policy chose
         self._head: Message | None = None  # the response start, held until the first body goes with it
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
@@ -30,6 +31,8 @@ class ClientOutput:
         self.started = True
         if self.pool is not None:
             headers = [*headers, (POOL_HEADER.encode(), self.pool.encode())]
+        if self.pool_reason is not None:
+            headers = [*headers, (REASON_HEADER.encode(), self.pool_reason.encode("ascii", "replace"))]
         self._head = {"type": "http.response.start", "status": status, "headers": headers}
 
     async def body(self, data: bytes, more: bool = True) -> None:

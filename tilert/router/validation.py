@@ -59,6 +59,8 @@ class RequestPlan:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
     grammar: c.Grammar | None = None  # structured output
+    # The first field the TileRT pool cannot serve (a 400 naming it), None when it can: the native pool may.
+    fast_pool_refusal: RouterError | None = None
 
     @property
     def path(self) -> str:
@@ -78,9 +80,12 @@ def build_plan(
 ) -> RequestPlan:
     """Validate the raw body for ``route``; raise :class:`RouterError` (400, 413) with the reason if refused."""
     request = _decode(route, raw, max_body_bytes)
+    refusal = None
     for name, (neutral, why) in schema.REFUSED[route].items():
         if not _is_off(getattr(request, name), neutral):
-            raise unsupported(name, why)
+            if name in schema.NO_POOL:
+                raise unsupported(name, why)
+            refusal = refusal or unsupported(name, why)
     prompt = getattr(request, "prompt", None)
     if isinstance(prompt, list) and len(prompt) > 1 and not all(type(p) is int for p in prompt):
         raise unsupported("prompt", "one prompt per request (no batched prompts)")
@@ -117,6 +122,7 @@ def build_plan(
         min_tokens=min_tokens,
         **_logits_rules(request),
         grammar=grammar_of(_set(request.response_format), _set(request.structured_outputs)),
+        fast_pool_refusal=refusal,
     )
 
 
@@ -196,10 +202,14 @@ def _temperature(value: Any) -> float | None:
 def _forwarded(request: Any, route: Route) -> dict[str, Any]:
     """The fields the prefill gets as the client sent them; loose (``Raw``) contents travel as raw JSON."""
     names = schema.PASSED_TO_VLLM[route] | schema.DECODE_FIELDS_FOR_PREFILL
+    refused = schema.REFUSED[route]
     body: dict[str, Any] = {}
     for name in request.__struct_fields__:
         value = getattr(request, name)
-        if name in names and value is not UNSET and value is not None:
+        if name in refused:  # only the native pool serves it: it gets the field when it is not "off"
+            if not _is_off(value, refused[name][0]):
+                body[name] = value
+        elif name in names and value is not UNSET and value is not None:
             body[name] = _jsonable(value)
     return body
 

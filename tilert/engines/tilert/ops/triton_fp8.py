@@ -47,9 +47,11 @@ __all__ = ["gemv_fp8", "moe_up_fp8", "moe_down_fp8", "groups", "gemv_fp8_config"
 # Launch configs. GEMV: (rows BN, K tile BK (e4m3 elements), warps) per weight class (the classes of
 # triton_gemv.gemv_config: lm_head-sized, >= 64 MB in bf16, K a multiple of 1024, N >= 4096, other).
 # moe_up: (rows BI, K tile BK, warps, splits of D); moe_down: (rows BD, slots SB, I tile BI, warps, split over
-# slot groups); by hidden size: "small" D < 4096 (lite), "large" (V3.2). Chosen with benchmarks/micro_fp8.py and
-# decode_speed.py --tune on the H200: moe_down split one slot per program; moe_up split over D is kept as an
-# option (1 = off), slower at both shapes.
+# slot groups); by hidden size: "small" D < 4096 (lite), "large" (V3.2), and "narrow" for a
+# tensor-parallel rank's slice of the experts (I <= 512; moe_class). Chosen with benchmarks/micro_fp8.py
+# (--rank for the narrow class) and decode_speed.py --tune on the H200: moe_down split one slot per program (64
+# rows of the whole 256-wide slice at the narrow class); moe_up split over D is kept as an option (1 = off),
+# slower at every shape.
 FP8_GEMV_CFG = {
     "head": (16, 512, 8),
     "large": (8, 1024, 4),
@@ -62,8 +64,8 @@ FP8_GEMV_CFG = {
 # request all of them before the PDL wait and read x once (_gemv_fp8_rows_pre); 0 turns that off.
 FP8_PRE_BYTES = 96
 UP_RSTD_EARLY = True  # moe_up after the router: the routed programs' RMSNorm statistics before the PDL wait
-FP8_UP_CFG = {"small": (16, 256, 4, 1), "large": (8, 1024, 4, 1)}
-FP8_DOWN_CFG = {"small": (16, 1, 512, 4, True), "large": (16, 1, 1024, 8, True)}
+FP8_UP_CFG = {"small": (16, 256, 4, 1), "large": (8, 1024, 4, 1), "narrow": (8, 1024, 4, 1)}
+FP8_DOWN_CFG = {"small": (16, 1, 512, 4, True), "large": (16, 1, 1024, 8, True), "narrow": (64, 1, 256, 8, True)}
 VEC = 16  # e4m3 elements of one 16-byte load: the innermost, in-thread tile axis
 
 
@@ -81,6 +83,14 @@ def gemv_fp8_config(N: int, K: int) -> tuple[int, int, int]:
     if K % 1024 == 0:
         return FP8_GEMV_CFG["k2048" if K <= 2048 else "k1024"]
     return FP8_GEMV_CFG["mid"] if N >= 4096 else FP8_GEMV_CFG["small"]
+
+
+def moe_class(D: int, I: int) -> str:  # noqa: E741  (I: the expert width)
+    """The MoE config class of hidden size ``D`` and expert width ``I``: ``"narrow"`` for a tensor-parallel
+    rank's slice of a full-size model's experts (I <= 512), else by hidden size."""
+    if I <= 512:
+        return "narrow"
+    return "large" if D >= 4096 else "small"
 
 
 def _pow2_floor(x: int) -> int:
@@ -1031,7 +1041,7 @@ def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None, static=None
     gn, gk = groups(w13, s13)
     assert I % gn == 0
     act = torch.empty(n, KK, I, device=x.device, dtype=x.dtype)
-    BI, BK, nw, split = cfg or FP8_UP_CFG["large" if D >= 4096 else "small"]
+    BI, BK, nw, split = cfg or FP8_UP_CFG[moe_class(D, I)]
     BI = min(BI, _pow2_floor(gn))
     v = min(VEC, gk)
     BK = max(min(BK, triton.next_power_of_2(D)), v)
@@ -1100,7 +1110,7 @@ def moe_down_fp8(act, ids, wts, w2, s2, *, residual=None, out=None, cfg=None):
         y = out
     else:
         y = residual if residual is not None else torch.empty(n, D, device=act.device, dtype=act.dtype)
-    BD, SB, BI, nw, split = cfg or FP8_DOWN_CFG["large" if D >= 4096 else "small"]
+    BD, SB, BI, nw, split = cfg or FP8_DOWN_CFG[moe_class(D, I)]
     BD = min(BD, _pow2_floor(gn))
     SB = min(SB, triton.next_power_of_2(KK))
     G = triton.cdiv(KK, SB) if split else 1
