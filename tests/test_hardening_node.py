@@ -232,9 +232,11 @@ def test_errors_name_no_internal_ids_and_bound_leases(node: Node) -> None:
 
 
 def test_oversized_body_is_413(node: Node) -> None:
-    big = b'{"transfer_id": "' + b"a" * (c.MAX_API_BODY_BYTES + 10) + b'"}'
-    resp = httpx.post(node.http + "/v1/reserve", content=big, headers=node.headers, timeout=10)
-    assert resp.status_code == 413
+    """A release past the API limit; a reserve (which may carry a grammar and a logit bias) past its larger one."""
+    for path, limit in (("/v1/release", c.MAX_API_BODY_BYTES), ("/v1/reserve", c.MAX_DECODE_BODY_BYTES)):
+        big = b'{"transfer_id": "' + b"a" * (limit + 10) + b'"}'
+        resp = httpx.post(node.http + path, content=big, headers=node.headers, timeout=30)
+        assert resp.status_code == 413, path
     node.assert_intact()
 
 

@@ -177,8 +177,7 @@ def test_marked_native_and_plain_requests_at_once(pools: Stack) -> None:
 
 
 @pytest.mark.stack
-@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-def test_what_the_tilert_pool_cannot_serve_goes_native(pools: Stack, stream: bool) -> None:
+def test_what_the_tilert_pool_cannot_serve_goes_native(pools: Stack) -> None:
     """Log-probabilities (not served on the TileRT pool yet): the native pool serves them, its response saying
     why, with vLLM alone's tokens and log-probabilities; asking for the TileRT pool by header gets the 400
     naming the field."""
@@ -191,17 +190,13 @@ def test_what_the_tilert_pool_cannot_serve_goes_native(pools: Stack, stream: boo
         "return_token_ids": True,
     }
     alone = httpx.post(pools.prefill + "/v1/completions", json=body, timeout=120).json()["choices"][0]
-    r = httpx.post(pools.router + "/v1/completions", json={**body, "stream": stream}, timeout=120)
+    r = httpx.post(pools.router + "/v1/completions", json={**body, "stream": True}, timeout=120)
     assert r.status_code == 200, r.text
     assert r.headers[POOL] == "vllm" and "'logprobs'" in r.headers["x-tilert-pool-reason"]
-    if stream:
-        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
-        got = [c for chunk in chunks for c in chunk["choices"]]
-        ids = [t for c in got for t in c.get("token_ids") or []]
-        logprobs = [lp for c in got for lp in (c["logprobs"] or {}).get("token_logprobs", [])]
-    else:
-        choice = r.json()["choices"][0]
-        ids, logprobs = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    got = [c for chunk in chunks for c in chunk["choices"]]
+    ids = [t for c in got for t in c.get("token_ids") or []]
+    logprobs = [lp for c in got for lp in (c["logprobs"] or {}).get("token_logprobs", [])]
     assert ids == alone["token_ids"]
     assert logprobs == pytest.approx(alone["logprobs"]["token_logprobs"], abs=1e-4)
     asked = httpx.post(pools.router + "/v1/completions", json=body, headers={POOL: "tilert"}, timeout=30)
