@@ -24,6 +24,8 @@ FAULT_ONLY = {
         "overflow_wait_s (tests/test_pools.py)",
         "tilert:prefill_retries": "a prefill call runs again only when its instance failed it "
         "(tests/test_prefill_instances.py)",
+        "tilert:decode_resumes": "a stream resumes only when its decode node dies or stalls "
+        "(tests/test_stream_survives.py)",
     },
     "node": {
         "tilert:kv_transfers_failed": "a KV transfer fails only on a fault (tests/test_e2e_transports.py)",

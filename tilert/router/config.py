@@ -257,6 +257,11 @@ class RouterConfig:
         DEFAULT_TRANSFER_TIMEOUT_S, help="decode request sent -> first decode token (KV transfer wait)"
     )
     decode_idle_timeout_s: float = setting(30.0, help="longest silence between decode tokens")
+    decode_resumes: int = setting(
+        2,
+        help="times one stream is continued on another decode node when its node dies or stalls (the prompt and "
+        "the tokens already sent prefilled again; the client sees a pause); 0: the client gets the error",
+    )
     control_timeout_s: float = setting(5.0, help="reserve / release / cancel calls to a decode node")
     health_interval_s: float = setting(2.0, help="decode node health probe period")
     health_timeout_s: float = setting(2.0, help="decode node / prefill health probe timeout")

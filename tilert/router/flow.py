@@ -2,6 +2,7 @@
 
     RECEIVED -> QUEUED -> PREFILLING -> DECODING -> FINISHED
         \\          \\           \\            \\----> FAILED | CANCELLED
+         \\          \\           \\            \\--> RESUMING -> DECODING (its node died or stalled)
          \\          \\           \\-> FINISHED (prefill's single token already ends the request)
           \\          \\-> (no TileRT slot within overflow_wait_s) -> the native pool's PREFILLING
            \\-> PREFILLING (the native pool: no slot to wait for; see :mod:`tilert.router.native`)
@@ -37,13 +38,14 @@ from tilert.router.detokenize import bad_words_token_ids
 from tilert.router.errors import RouterError, bad_request
 from tilert.router.lease import NodeLease
 from tilert.router.native import available_pool, native_decode, native_prefill
+from tilert.router.node_client import DECODE_LOST
 from tilert.router.openai_format import DONE, ResponseShape, sse, usage
 from tilert.router.output import SSE_HEADERS, ClientOutput
 from tilert.router.pool import PooledNode
 from tilert.router.prefill import PrefillResult, run_prefill
 from tilert.router.routing import PoolChoice
-from tilert.router.token_loop import TokenLoop
-from tilert.router.validation import RequestPlan
+from tilert.router.token_loop import Delta, TokenLoop
+from tilert.router.validation import RequestPlan, continuation
 
 _log = structlog.get_logger("tilert.router.flow")
 
@@ -58,6 +60,7 @@ class FlowState(enum.Enum):
     FINISHED = "finished"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    RESUMING = "resuming"
 
 
 class RequestFlow:
@@ -86,6 +89,7 @@ class RequestFlow:
         self.prompt_tokens = self.completion_tokens = 0
         self.ttft_s: float | None = None
         self.node_name: str | None = None
+        self.resumes = 0  # times this stream went on on another decode node
         self.log = _log.bind(
             transfer_id=self.transfer_id,
             route=plan.route,
@@ -260,20 +264,23 @@ class RequestFlow:
         await native_decode(self.ctx, self, plugin, got, out)
         self._to(FlowState.FINISHED, finish_reason=self.finish_reason, completion_tokens=self.completion_tokens)
 
-    async def _prefill(self, node: PooledNode, transfer_id: str) -> PrefillResult:
-        """vLLM's prefill (``max_tokens=1``) with a claim that sends its KV to ``node`` as ``transfer_id``."""
+    async def _prefill(self, node: PooledNode, transfer_id: str, plan: RequestPlan | None = None) -> PrefillResult:
+        """vLLM's prefill (``max_tokens=1``) of ``plan`` (the request's own by default) with a claim that sends
+        its KV to ``node`` as ``transfer_id``."""
+        plan = plan or self.plan
         spec = node.spec
         claim = c.Claim.signed(self.ctx.config.secret, transfer_id, spec.host, spec.ctrl_port)
         t0 = anyio.current_time()
         pre = await self.ctx.prefills.call(
             lambda prefill: run_prefill(
-                prefill, self.plan, claim, request_id=self.request_id, api_key=self.ctx.config.prefill_api_key
+                prefill, plan, claim, request_id=self.request_id, api_key=self.ctx.config.prefill_api_key
             ),
-            key=self.ctx.prefills.key(self.plan.body),
+            key=self.ctx.prefills.key(plan.body),
             request_id=self.request_id,
         )
         self.ctx.metrics.prefill(anyio.current_time() - t0)
-        self.prompt_tokens, self.completion_tokens = pre.prompt_tokens, 1
+        if plan is self.plan:
+            self.prompt_tokens, self.completion_tokens = pre.prompt_tokens, 1
         return pre
 
     def shape(self, pre: PrefillResult) -> ResponseShape:
@@ -287,8 +294,8 @@ class RequestFlow:
             self.plan.return_token_ids,
         )
 
-    def _sampling(self) -> c.Sampling:
-        plan = self.plan
+    def _sampling(self, plan: RequestPlan | None = None) -> c.Sampling:
+        plan = plan or self.plan
         try:
             bad_words = bad_words_token_ids(self.ctx.tokenizer.tokenizer, plan.bad_words)
         except ValueError as exc:
@@ -360,22 +367,22 @@ class RequestFlow:
         loop: TokenLoop,
         lines: AsyncIterator[c.TokenLine | c.ErrorLine],
     ) -> None:
-        plan = self.plan
         sent_at, first = anyio.current_time(), True
         line: c.TokenLine | None = None
         while not loop.done:
-            line = await self._next_line(lines, first)
+            try:
+                line = await self._next_line(lines, first)
+            except RouterError as exc:
+                if not self._may_resume(exc):
+                    raise
+                await self._resume(out, lease, shape, pre, loop, exc)
+                return
             if first:
                 self.ctx.metrics.transfer_wait(anyio.current_time() - sent_at)
             first = False
-            delta = loop.feed(line)
+            delta = await self._emit(out, shape, pre, loop, line)
             self.ctx.metrics.token_gap(anyio.current_time() - sent_at, len(delta.token_ids))
-            sent_at, self.completion_tokens = anyio.current_time(), len(loop.token_ids)
-            if plan.stream and (delta.text or delta.finish_reason or (delta.token_ids and plan.return_token_ids)):
-                now = usage(pre.prompt_tokens, len(loop.token_ids)) if plan.continuous_usage else None
-                await out.body(
-                    sse(shape.chunk(delta.text, delta.token_ids, delta.finish_reason, delta.stop_reason, now))
-                )
+            sent_at = anyio.current_time()
         # The node's last line came: reading to EOF keeps the connection for reuse, and at EOF the node has
         # already freed the slot (it does so before its stream ends), so no release call is needed.
         node_freed = line is not None and line.finish_reason is not None and await _drain(lines)
@@ -401,6 +408,76 @@ class RequestFlow:
             await out.json(200, orjson.dumps(body))
         self.finish_reason = loop.finish_reason
         self._to(FlowState.FINISHED, finish_reason=loop.finish_reason, completion_tokens=len(loop.token_ids))
+
+    async def _emit(
+        self, out: ClientOutput, shape: ResponseShape, pre: PrefillResult, loop: TokenLoop, line: c.TokenLine
+    ) -> Delta:
+        """One node line into the answer; streamed to the client at once."""
+        plan = self.plan
+        delta = loop.feed(line)
+        self.completion_tokens = len(loop.token_ids)
+        if plan.stream and (delta.text or delta.finish_reason or (delta.token_ids and plan.return_token_ids)):
+            now = usage(pre.prompt_tokens, len(loop.token_ids)) if plan.continuous_usage else None
+            await out.body(sse(shape.chunk(delta.text, delta.token_ids, delta.finish_reason, delta.stop_reason, now)))
+        return delta
+
+    def _may_resume(self, exc: RouterError) -> bool:
+        """A node that died (its stream broke) or stalled, a request that can go on elsewhere, resumes left."""
+        return (
+            exc.outcome in (DECODE_LOST, "decode_timeout")
+            and self.plan.resumable
+            and self.resumes < self.ctx.config.decode_resumes
+        )
+
+    async def _resume(
+        self,
+        out: ClientOutput,
+        dead: NodeLease,
+        shape: ResponseShape,
+        pre: PrefillResult,
+        loop: TokenLoop,
+        why: RouterError,
+    ) -> None:
+        """The node serving this stream died or stalled: prefill the prompt and the tokens already produced again
+        (vLLM's prefix cache holds most of it) for another node, and go on with the same stream from the next
+        token. The dead node's slot is given back; the pool's health probe and watch take the node out and let
+        it back in once it answers again."""
+        self.resumes += 1
+        reason = "stalled" if why.outcome == "decode_timeout" else "lost"
+        self.ctx.metrics.decode_resumed(reason)
+        self._to(FlowState.RESUMING, node=self.node_name, reason=reason, tokens=len(loop.token_ids))
+        await dead.release()
+        ids = [*(pre.prompt_token_ids or []), *loop.token_ids]
+        room = None if self.plan.max_tokens is None else self.plan.max_tokens - len(loop.token_ids)
+        plan = continuation(self.plan, ids, room, len(loop.token_ids))
+        sampling = self._sampling(plan)
+        self.log.warning("decode_resume", reason=reason, error=why.log_reason(), tokens=len(loop.token_ids))
+        async with NodeLease(
+            self.ctx.pool,
+            self.ctx.nodes,
+            self.ctx.watches,
+            uuid.uuid4().hex,
+            queue_timeout_s=self.ctx.config.queue_timeout_s,
+            lease_s=self.ctx.config.lease_s,
+            log=self.log,
+            sampling=sampling,
+        ) as lease:
+            nxt = await lease.reserve_while(lambda node, tid: self._prefill(node, tid, plan))
+            assert lease.node is not None
+            self.transfer_id, self.node_name = lease.transfer_id, lease.node.name
+            self.log = self.log.bind(transfer_id=lease.transfer_id)
+            ended: c.FinishReason | None = "stop" if nxt.finish_reason == "stop" else ("length" if room == 1 else None)
+            stop_id = nxt.stop_reason if isinstance(nxt.stop_reason, int) else None
+            await self._emit(out, shape, pre, loop, c.TokenLine([nxt.first_token_id], ended, stop_id))
+            if loop.done:
+                await self._finish(out, lease, shape, pre, loop, False)
+                return
+            request = c.DecodeRequest(
+                lease.transfer_id, nxt.first_token_id, nxt.prompt_tokens, sampling, self._prompt_ids_for_node(nxt)
+            )
+            self._to(FlowState.DECODING, node=self.node_name, slot=lease.slot, resumed=self.resumes)
+            async with lease.client.decode(request) as lines:
+                await self._relay(out, lease, shape, pre, loop, lines)
 
     async def _next_line(self, lines: AsyncIterator[c.TokenLine | c.ErrorLine], first: bool) -> c.TokenLine:
         cfg = self.ctx.config

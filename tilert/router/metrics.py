@@ -48,6 +48,8 @@ The router's own, with no vLLM counterpart:
 - ``tilert:prefill_instance_state{instance,state}``: 1 for the circuit breaker state each prefill instance is in
   (``closed``, ``open``, ``half_open``), 0 for the others;
 - ``tilert:prefill_retries_total``: calls run again on another prefill instance after theirs failed them.
+- ``tilert:decode_resumes_total{reason}``: streams continued on another decode node after theirs died or
+  stalled (``lost``: its stream broke or ended early; ``stalled``: it sent nothing for ``decode_idle_timeout_s``).
 """
 
 from __future__ import annotations
@@ -159,6 +161,11 @@ class RouterMetrics:
         self._prefill_retries = self._counter(
             "prefill_retries", "Calls run again on another prefill instance after theirs failed them.", m
         )
+        self._resumes = self._counter(
+            "decode_resumes",
+            "Streams continued on another decode node after theirs died (lost) or stalled.",
+            m + ["reason"],
+        )
 
     def _histogram(self, name: str, doc: str, labels: list[str], buckets: tuple[float, ...]) -> Histogram:
         return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
@@ -265,6 +272,10 @@ class RouterMetrics:
         """Prefill ``instance``'s circuit breaker is in ``state`` now (one of ``states``)."""
         for each in states:
             self._prefill_state.labels(self.model_name, instance, each).set(1 if each == state else 0)
+
+    def decode_resumed(self, reason: str) -> None:
+        """A stream continues on another decode node: ``lost`` or ``stalled``."""
+        self._resumes.labels(self.model_name, reason).inc()
 
     def prefill_retried(self) -> None:
         """A call runs again on another prefill instance."""

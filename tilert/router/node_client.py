@@ -22,6 +22,7 @@ from tilert.router.config import DecodeNodeSpec
 from tilert.router.errors import RouterError
 
 _FAILURES = (aiohttp.ClientError, asyncio.TimeoutError)
+DECODE_LOST = "decode_lost"  # the outcome of a decode stream that broke or could not be opened (the node is gone)
 # A kept-alive connection the server closed while it sat in the pool: the request never got an answer.
 _STALE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientConnectionResetError)
 
@@ -169,7 +170,7 @@ class NodeClient:
         try:
             resp = await self.session.post("/v1/decode", data=c.dump(body), headers=self._headers)
         except _FAILURES as exc:
-            raise RouterError(502, f"decode node unreachable: {type(exc).__name__}", outcome="decode_error") from None
+            raise RouterError(502, f"decode node unreachable: {type(exc).__name__}", outcome=DECODE_LOST) from None
         try:
             if resp.status != 200:
                 message = node_message(await resp.read(), f"HTTP {resp.status}")
@@ -211,4 +212,4 @@ async def _lines(resp: aiohttp.ClientResponse) -> AsyncIterator[c.TokenLine | c.
     except c.ContractError as exc:
         raise RouterError(502, f"decode node sent a line outside the contract: {exc}", outcome="decode_error") from None
     except _FAILURES as exc:
-        raise RouterError(502, f"decode stream broke: {type(exc).__name__}", outcome="decode_error") from None
+        raise RouterError(502, f"decode stream broke: {type(exc).__name__}", outcome=DECODE_LOST) from None

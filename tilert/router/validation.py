@@ -7,7 +7,7 @@ honoured (by vLLM's prefill or by the decode path) or refused with a 400 naming 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import msgspec
@@ -66,6 +66,13 @@ class RequestPlan:
     def path(self) -> str:
         return "/v1/chat/completions" if self.route == "chat" else "/v1/completions"
 
+    @property
+    def resumable(self) -> bool:
+        """Whether the answer can go on from a prompt that ends with the tokens already produced: no rule
+        that treats the completion apart from the prompt (frequency / presence penalties, bad words spanning
+        tokens, a grammar's state)."""
+        return self.grammar is None and not self.frequency_penalty and not self.presence_penalty and not self.bad_words
+
     def prefill_body(self, kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
         """The forwarded fields with ``max_tokens=1``, no streaming, token ids on, and the TileRT claim."""
         body = dict(self.body)
@@ -73,6 +80,23 @@ class RequestPlan:
         if self.min_tokens:  # vLLM wants min_tokens <= max_tokens; the first token is the prefill's one
             body["min_tokens"] = 1
         return body
+
+
+def continuation(plan: RequestPlan, prompt_ids: list[int], max_tokens: int | None, produced: int) -> RequestPlan:
+    """The prefill of ``plan``'s answer from where it stands: a completions request whose prompt is the prompt's
+    ids and the ``produced`` tokens, with the same sampling, ``max_tokens`` left, and ``min_tokens`` less what
+    was produced. Stop strings stay with the router (it holds the text so far)."""
+    keep = schema.DECODE_FIELDS_FOR_PREFILL - {"stop", "include_stop_str_in_output"}
+    body = {k: v for k, v in plan.body.items() if k in keep or k in ("model", "cache_salt", "priority", "user")}
+    body["prompt"] = prompt_ids
+    return replace(
+        plan,
+        route="completions",
+        body=body,
+        max_tokens=max_tokens,
+        min_tokens=max(plan.min_tokens - produced, 0),
+        stop=[],
+    )
 
 
 def build_plan(
