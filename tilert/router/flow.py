@@ -373,7 +373,7 @@ class RequestFlow:
             try:
                 line = await self._next_line(lines, first)
             except RouterError as exc:
-                if not self._may_resume(exc):
+                if not self._may_resume(exc, pre):
                     raise
                 await self._resume(out, lease, shape, pre, loop, exc)
                 return
@@ -421,11 +421,13 @@ class RequestFlow:
             await out.body(sse(shape.chunk(delta.text, delta.token_ids, delta.finish_reason, delta.stop_reason, now)))
         return delta
 
-    def _may_resume(self, exc: RouterError) -> bool:
-        """A node that died (its stream broke) or stalled, a request that can go on elsewhere, resumes left."""
+    def _may_resume(self, exc: RouterError, pre: PrefillResult) -> bool:
+        """A node that died (its stream broke) or stalled, a request that can go on elsewhere (its prompt's ids
+        known), resumes left."""
         return (
             exc.outcome in (DECODE_LOST, "decode_timeout")
             and self.plan.resumable
+            and bool(pre.prompt_token_ids)
             and self.resumes < self.ctx.config.decode_resumes
         )
 
@@ -447,7 +449,7 @@ class RequestFlow:
         self.ctx.metrics.decode_resumed(reason)
         self._to(FlowState.RESUMING, node=self.node_name, reason=reason, tokens=len(loop.token_ids))
         await dead.release()
-        ids = [*(pre.prompt_token_ids or []), *loop.token_ids]
+        ids = [*(pre.prompt_token_ids or ()), *loop.token_ids]
         room = None if self.plan.max_tokens is None else self.plan.max_tokens - len(loop.token_ids)
         plan = continuation(self.plan, ids, room, len(loop.token_ids))
         sampling = self._sampling(plan)
