@@ -3,8 +3,9 @@ of its own, joined by veth pairs to a bridge in a fourth, with addresses only in
 For each transport the KV crosses from the prefill's host to the decode node's over that network, and greedy answers
 through the router (asked from the router's host) are vLLM alone's, token for token.
 
-NIXL's UCX is held to its TCP transport here: between two processes of one machine it would otherwise copy with the
-kernel's cross-process copy, which network namespaces do not separate, and the bytes would not cross the network.
+NIXL's UCX is held to its TCP transport and to each host's own veth here: between two processes of one machine it
+would otherwise copy with the kernel's cross-process copy, which network namespaces do not separate, and the bytes
+would not cross the network.
 
 The namespaces are made by the test and removed after it, also when it fails; their names carry the test's pid.
 Skipped, with the reason, where the machine does not let this process make network namespaces.
@@ -128,13 +129,19 @@ def test_parts_on_three_hosts(stack: Stack, hosts: Hosts, transport: str, tmp_pa
     want = [vllm_alone(stack, "completion", p, {"max_tokens": MAX_TOKENS})[0] for p in PROMPTS]
     base = replace(StackConfig(model=stack.model), transport=transport, port=ROUTER_PORT)
     pre, dec = replace(base, host=hosts.addrs["prefill"]), replace(base, host=hosts.addrs["decode"])
-    env = {**child_env(stack.secret_file), **({"UCX_TLS": "tcp"} if transport == "nixl" else {})}
+    env = child_env(stack.secret_file)
+    ucx = {part: {"UCX_TLS": "tcp", "UCX_NET_DEVICES": f"v{part[:3]}"} if transport == "nixl" else {} for part in PARTS}
     router = router_command(replace(base, host="127.0.0.1"))
     router[router.index("--prefill-url") + 1] = f"http://{pre.host}:{pre.prefill_port}"
     router[router.index("--decode") + 1] = f"{dec.host}:{dec.ctrl_port}:{dec.decode_http_port}"
     procs = [
-        _in(hosts.names["prefill"], prefill_command(pre), {**env, **prefill_env(pre)}, tmp_path / "prefill.log"),
-        _in(hosts.names["decode"], decode_command(dec), env, tmp_path / "decode.log"),
+        _in(
+            hosts.names["prefill"],
+            prefill_command(pre),
+            {**env, **prefill_env(pre), **ucx["prefill"]},
+            tmp_path / "prefill.log",
+        ),
+        _in(hosts.names["decode"], decode_command(dec), {**env, **ucx["decode"]}, tmp_path / "decode.log"),
         _in(hosts.names["router"], router, env, tmp_path / "router.log"),
     ]
     url = f"http://127.0.0.1:{ROUTER_PORT}"

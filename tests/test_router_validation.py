@@ -129,6 +129,13 @@ def test_refused_field_with_a_real_value_is_400_naming_it(route: str, name: str)
         assert plan_of(route, with_base(route, **{name: value})).body[name] == value
 
 
+def test_a_refused_field_that_cannot_be_sent_on_is_400() -> None:
+    """The native pool would get the field as sent: a JSON integer past 64 bits cannot be."""
+    raw = b'{"messages": [{"role": "user", "content": "hi"}], "include_reasoning": [-9223372036854775809]}'
+    err = refusal("chat", raw)
+    assert (err.status, err.param) == (400, "include_reasoning")
+
+
 @pytest.mark.parametrize(("route", "name"), REFUSED_CASES)
 def test_refused_field_absent_null_or_neutral_is_accepted_and_not_forwarded(route: str, name: str) -> None:
     neutral, _ = schema.REFUSED[route][name]

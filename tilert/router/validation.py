@@ -232,10 +232,19 @@ def _forwarded(request: Any, route: Route) -> dict[str, Any]:
         value = getattr(request, name)
         if name in refused:  # only the native pool serves it: it gets the field when it is not "off"
             if not _is_off(value, refused[name][0]):
-                body[name] = value
+                body[name] = _encodable(name, value)
         elif name in names and value is not UNSET and value is not None:
             body[name] = _jsonable(value)
     return body
+
+
+def _encodable(name: str, value: Any) -> Any:
+    """A refused field's value as sent, when it can be sent on (a JSON integer past 64 bits cannot)."""
+    try:
+        orjson.dumps(value)
+    except TypeError as exc:
+        raise bad_request(f"'{name}': {exc}", name) from None
+    return value
 
 
 def _jsonable(value: Any) -> Any:
