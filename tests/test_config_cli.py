@@ -6,6 +6,7 @@ Fast and offline: no vLLM, no server (``tilert up``'s children are checked from 
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -331,6 +332,53 @@ def test_up_lease_option_moves_the_node_cap() -> None:
     assert router_lease == 5000.0 and node_cap == 5000.0
     cmd = stack.decode_command(cfg)
     assert cmd[cmd.index("--max-lease-s") + 1] == "5000.0"
+
+
+def test_up_advertised_address_is_what_its_processes_dial(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bound to every interface, the stack's processes still reach each other (and print their URLs) at loopback,
+    or at ``--advertise-host``: the router's prefill URL and decode node, and the node's write grants."""
+    monkeypatch.setattr(stack, "_has_cuda", lambda: False)
+    for argv, dialled in (
+        ([], "127.0.0.1"),
+        (["--host", "0.0.0.0"], "127.0.0.1"),
+        (["--host", "0.0.0.0", "--advertise-host", "10.1.2.3"], "10.1.2.3"),
+        (["--host", "10.1.2.3"], "10.1.2.3"),
+    ):
+        cfg = up_from_cli(["up", "--model", str(model), *argv]).validate()
+        router = router_from_cli(stack.router_command(cfg)[3:])
+        decode = decode_from_cli(stack.decode_command(cfg)[3:])
+        assert router.prefill_url == f"http://{dialled}:8100", argv
+        assert [n.name for n in router.decode_nodes] == [f"{dialled}:5556:5557"], argv
+        assert decode.host == cfg.host and decode.advertised_host() == dialled, argv
+        assert router.host == cfg.host, argv
+        st = stack.Stack(cfg)
+        assert st.urls["router"] == f"http://{dialled}:8000" and st.urls["decode"] == f"http://{dialled}:5557", argv
+
+
+@pytest.mark.parametrize(
+    "argv,reason",
+    [
+        (["up", "--advertise-host", "0.0.0.0"], "advertise_host (--advertise-host, $TILERT_UP_ADVERTISE_HOST) is an"),
+        (["up", "--advertise-host", "::"], "is an address peers dial"),
+        (["up", "--host", "not a host"], "host (--host, $TILERT_UP_HOST) must be an IP address or a host name"),
+        (["decode", "--advertise-host", "0.0.0.0"], "advertise_host (--advertise-host, $TILERT_DECODE_ADVERTISE_HOST)"),
+        (["decode", "--advertise-host", "300.1.1.1"], "must be an IP address or a host name, got '300.1.1.1'"),
+    ],
+)
+def test_addresses_peers_dial_are_refused_when_they_name_none(model: Path, argv: list[str], reason: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(reason)):
+        if argv[0] == "up":
+            up_from_cli([*argv[:1], "--model", str(model), *argv[1:]]).validate()
+        else:
+            decode_from_cli([*argv[:1], "--model", str(model), *argv[1:]])
+
+
+def test_router_refuses_a_decode_node_at_every_interface(model: Path) -> None:
+    """The router writes the node's address into each claim: the prefill must be able to dial it."""
+    with pytest.raises(ConfigError, match="0.0.0.0 \\(every interface\\) names none"):
+        router_from_cli(
+            ["router", "--prefill-url", "http://127.0.0.1:1", "--decode", "0.0.0.0:1:2", "--model", str(model)]
+        )
 
 
 def test_up_prefill_in_process_runs_the_model_in_the_engine_core(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,14 +1,15 @@
-"""The three parts on three hosts: the vLLM prefill, the decode node and the router each in a Linux network namespace
-of its own, joined by veth pairs to a bridge in a fourth, with addresses only inside these namespaces (no route out).
-For each transport the KV crosses from the prefill's host to the decode node's over that network, and greedy answers
-through the router (asked from the router's host) are vLLM alone's, token for token.
+"""The three parts on three hosts: the router, the stock vLLM prefill and the decode node each in a Linux network
+namespace of its own (:mod:`support.netns`: private addresses joined by a bridge, no route anywhere else), started
+as docs/deployment.md's "On several hosts" starts them, for each transport (tcp, the real Mooncake, the real NIXL).
 
-NIXL's UCX is held to its TCP transport and to each host's own veth here: between two processes of one machine it
-would otherwise copy with the kernel's cross-process copy, which network namespaces do not separate, and the bytes
-would not cross the network.
+Each part is told only the others' addresses: the router gets the prefill's URL and the decode node's address, the
+decode node binds every interface of its host and advertises its own address (``--advertise-host``), the prefill's
+connector dials whatever each claim names. A few greedy prompts through the router, with the real OpenAI client from
+the router's host, equal the same vLLM alone token for token, and the decode host's interface counted at least the
+prompts' KV bytes arriving: the KV crossed from one namespace to the other over the link.
 
-The namespaces are made by the test and removed after it, also when it fails; their names carry the test's pid.
-Skipped, with the reason, where the machine does not let this process make network namespaces.
+UCX moves bytes between two processes of one kernel through shared memory even across network namespaces, which
+two hosts never share: the nixl parts run with ``UCX_TLS=tcp``, as two hosts without RDMA NICs would.
 """
 
 from __future__ import annotations
@@ -16,154 +17,154 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
-from support.oracle import vllm_alone
-from support.stack import Stack
-from support.waiting import wait_until
+from prometheus_client.parser import text_string_to_metric_families
+from support import netns
+from support.oracle import MAX_TOKENS, router_call, source_text, vllm_alone
+from support.stack import STARTUP_TIMEOUT_S, wait_healthy
 
-from tilert.stack import StackConfig, child_env, decode_command, prefill_command, prefill_env, router_command
+from tilert.models.checkpoint import read_json
+from tilert.stack import StackConfig, child_env, decode_command, prefill_command, prefill_env, write_secret_file
 
-pytestmark = [pytest.mark.stack, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.stack, pytest.mark.timeout(600)]
 
-PROMPTS = ["def add(a, b):", "Hello", "import os"]
-MAX_TOKENS = 24
-PARTS = ("prefill", "decode", "router")
-ROUTER_PORT = 8000
+HOSTS = ("router", "prefill", "decode")
+PORTS = {"router": 8000, "prefill": 8100, "ctrl": 5556, "http": 5557}  # the defaults: each host has its own ports
+KV_CACHE_BYTES = 32 << 20
+TRANSPORT_ENV = {"nixl": {"UCX_TLS": "tcp"}}  # see the module's docstring
 
 
-@dataclass(frozen=True)
+@dataclass
 class Hosts:
-    names: dict[str, str]  # part -> namespace
-    addrs: dict[str, str]  # part -> its address on the bridge
+    lan: netns.Lan
+    transport: str
+    model: Path
+    prefill: str
+    decode: str
+    router: str
+    started_s: float
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
-def _can_make_namespaces() -> str | None:
-    if shutil.which("ip") is None:
-        return "iproute2's ip is not installed"
-    probe = f"tlt{os.getpid()}probe"
+@pytest.fixture(scope="module", params=["tcp", "mooncake", "nixl"])
+def hosts(
+    request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Hosts]:
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(reason)
+    transport = str(request.param)
+    logs = tmp_path_factory.mktemp(f"hosts-{transport}")
+    secret = write_secret_file()
+    t0 = time.monotonic()
     try:
-        _ip("netns", "add", probe)
-    except (subprocess.CalledProcessError, PermissionError) as exc:
-        return f"this machine does not let the test make network namespaces: {exc}"
-    _ip("netns", "delete", probe)
-    return None
-
-
-@pytest.fixture(scope="module")
-def hosts() -> Iterator[Hosts]:
-    why = _can_make_namespaces()
-    if why:
-        pytest.skip(why)
-    tag, net = f"tlt{os.getpid() % 100000}", f"10.213.{os.getpid() % 250}"
-    switch = f"{tag}sw"
-    names = {part: f"{tag}{part[:3]}" for part in PARTS}
-    addrs = {part: f"{net}.{i + 2}" for i, part in enumerate(PARTS)}
-    made: list[str] = []
-    try:
-        for ns in (switch, *names.values()):
-            _ip("netns", "add", ns)
-            made.append(ns)
-            _ip("-n", ns, "link", "set", "lo", "up")
-        _ip("-n", switch, "link", "add", "br0", "type", "bridge")
-        _ip("-n", switch, "link", "set", "br0", "up")
-        for part, ns in names.items():
-            here, there = f"v{part[:3]}", f"b{part[:3]}"
-            _ip("-n", ns, "link", "add", here, "type", "veth", "peer", "name", there, "netns", switch)
-            _ip("-n", switch, "link", "set", there, "master", "br0")
-            _ip("-n", switch, "link", "set", there, "up")
-            _ip("-n", ns, "addr", "add", f"{addrs[part]}/24", "dev", here)
-            _ip("-n", ns, "link", "set", here, "up")
-        yield Hosts(names, addrs)
+        with netns.lan(HOSTS) as lan:
+            r, p, d = (lan.addr(h) for h in HOSTS)
+            cfg = StackConfig(model=tiny_model, transport=transport, kv_cache_bytes=KV_CACHE_BYTES)
+            base = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+            env = {**child_env(secret, base), **TRANSPORT_ENV.get(transport, {})}
+            prefill_cmd = _with_sender_address(prefill_command(replace(cfg, host=p)), transport, p)
+            decode_cmd = decode_command(replace(cfg, host="0.0.0.0", advertise_host=d))
+            assert decode_cmd[decode_cmd.index("--advertise-host") + 1] == d
+            router_cmd = [
+                *(sys.executable, "-m", "tilert.cli", "router", "--model", str(tiny_model)),
+                *(
+                    "--prefill-url",
+                    f"http://{p}:{PORTS['prefill']}",
+                    "--decode",
+                    f"{d}:{PORTS['ctrl']}:{PORTS['http']}",
+                ),
+                *("--host", r, "--port", str(PORTS["router"])),
+            ]
+            procs = {
+                "prefill": lan.popen("prefill", prefill_cmd, {**env, **prefill_env(cfg)}, logs / "prefill.log"),
+                "decode": lan.popen("decode", decode_cmd, env, logs / "decode.log"),
+                "router": lan.popen("router", router_cmd, env, logs / "router.log"),
+            }
+            urls = {
+                "prefill": f"http://{p}:{PORTS['prefill']}",
+                "decode": f"http://{d}:{PORTS['http']}",
+                "router": f"http://{r}:{PORTS['router']}",
+            }
+            for name in ("decode", "prefill", "router"):  # from the router's host: what it reaches, we reach
+                lan.call(
+                    "router",
+                    lambda n=name: wait_healthy(urls[n], procs[n], STARTUP_TIMEOUT_S, logs / f"{n}.log"),
+                    STARTUP_TIMEOUT_S + 10,
+                )
+            yield Hosts(
+                lan, transport, tiny_model, urls["prefill"], urls["decode"], urls["router"], time.monotonic() - t0
+            )
     finally:
-        for ns in made:
-            subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
+        shutil.rmtree(secret.parent, ignore_errors=True)
 
 
-def _in(ns: str, cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "wb") as out:
-        return subprocess.Popen(["ip", "netns", "exec", ns, *cmd], env=env, stdout=out, stderr=subprocess.STDOUT)
+def _with_sender_address(cmd: list[str], transport: str, address: str) -> list[str]:
+    """The prefill's connector told its own host's address for the transport's sender (Mooncake's engine names
+    itself by it), as docs/deployment.md's multi-host table says."""
+    if transport != "mooncake":
+        return cmd
+    i = cmd.index("--kv-transfer-config") + 1
+    config = json.loads(cmd[i])
+    config["kv_connector_extra_config"]["tilert_transport_options"] = {"hostname": address}
+    return [*cmd[:i], json.dumps(config), *cmd[i + 1 :]]
 
 
-def _ask(ns: str, url: str, timeout_s: float = 30) -> bytes | None:
-    """``GET url`` from inside ``ns`` (None when it does not answer 200)."""
-    code = (
-        "import sys, urllib.request\n"
-        f"try: sys.stdout.buffer.write(urllib.request.urlopen({url!r}, timeout={timeout_s}).read())\n"
-        "except Exception: sys.exit(1)\n"
-    )
-    done = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True, timeout=60)
-    return done.stdout if done.returncode == 0 else None
-
-
-def _completions(ns: str, router: str, model: Path) -> list[list[int]]:
-    """The router's greedy answers to ``PROMPTS``, asked from inside ``ns`` with the OpenAI client."""
-    code = (
-        "import json, sys\n"
-        "from openai import OpenAI\n"
-        f"client = OpenAI(base_url={router + '/v1'!r}, api_key='unused', timeout=120, max_retries=0)\n"
-        "out = []\n"
-        f"for prompt in {PROMPTS!r}:\n"
-        f"    r = client.completions.create(model={str(model)!r}, prompt=prompt, max_tokens={MAX_TOKENS}, "
-        "temperature=0, extra_body={'return_token_ids': True})\n"
-        "    out.append(r.choices[0].model_extra['token_ids'])\n"
-        "print(json.dumps(out))\n"
-    )
-    done = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True, timeout=300)
-    assert done.returncode == 0, done.stderr.decode()[-3000:]
-    return list(json.loads(done.stdout))
-
-
-@pytest.mark.parametrize("transport", ["tcp", "mooncake", "nixl"])
-def test_parts_on_three_hosts(stack: Stack, hosts: Hosts, transport: str, tmp_path: Path) -> None:
-    assert stack.secret_file is not None
-    want = [vllm_alone(stack, "completion", p, {"max_tokens": MAX_TOKENS})[0] for p in PROMPTS]
-    base = replace(StackConfig(model=stack.model), transport=transport, port=ROUTER_PORT)
-    pre, dec = replace(base, host=hosts.addrs["prefill"]), replace(base, host=hosts.addrs["decode"])
-    env = child_env(stack.secret_file)
-    ucx = {part: {"UCX_TLS": "tcp", "UCX_NET_DEVICES": f"v{part[:3]}"} if transport == "nixl" else {} for part in PARTS}
-    router = router_command(replace(base, host="127.0.0.1"))
-    router[router.index("--prefill-url") + 1] = f"http://{pre.host}:{pre.prefill_port}"
-    router[router.index("--decode") + 1] = f"{dec.host}:{dec.ctrl_port}:{dec.decode_http_port}"
-    procs = [
-        _in(
-            hosts.names["prefill"],
-            prefill_command(pre),
-            {**env, **prefill_env(pre), **ucx["prefill"]},
-            tmp_path / "prefill.log",
-        ),
-        _in(hosts.names["decode"], decode_command(dec), {**env, **ucx["decode"]}, tmp_path / "decode.log"),
-        _in(hosts.names["router"], router, env, tmp_path / "router.log"),
+def _prompts(model: Path) -> list[tuple[str, Any, bool]]:
+    """(kind, prompt, stream): short, about 100 tokens (several 16-token blocks), a chat of about 120."""
+    return [
+        ("completion", "def add(a, b):", False),
+        ("completion", source_text(100, model), True),
+        ("chat", [{"role": "user", "content": source_text(120, model, offset=500)}], False),
     ]
-    url = f"http://127.0.0.1:{ROUTER_PORT}"
-    try:
 
-        def ready() -> bool:
-            for proc, name in zip(procs, PARTS, strict=True):
-                assert proc.poll() is None, f"{name} exited: {(tmp_path / f'{name}.log').read_text()[-3000:]}"
-            health = _ask(hosts.names["router"], url + "/health", 5)
-            return health is not None and json.loads(health)["status"] == "ok"
 
-        wait_until(ready, 300, "the three parts healthy on their hosts", interval_s=1.0)
-        # The router's host reaches the others only over the bridge: nothing listens on its own loopback but it.
-        assert _ask(hosts.names["router"], f"http://127.0.0.1:{pre.prefill_port}/health", 2) is None
-        assert _ask(hosts.names["router"], f"http://{pre.host}:{pre.prefill_port}/health", 10) is not None
-        assert _completions(hosts.names["router"], url, stack.model) == want
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+def _kv_bytes_per_token(model: Path) -> int:
+    """What one prompt token's KV takes on the wire (the tiny DeepSeek-V3's MLA latent + rope key, float32)."""
+    config = read_json(model / "config.json")
+    width = int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"])
+    return int(config["num_hidden_layers"]) * width * 4
+
+
+def _received(decode: str) -> float:
+    text = httpx.get(decode + "/metrics", timeout=10).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "tilert:kv_transfers_received"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )
+
+
+def test_router_tokens_equal_vllm_alone_with_each_part_on_its_own_host(hosts: Hosts) -> None:
+    lan = hosts.lan
+    health = lan.call("router", lambda: httpx.get(hosts.decode + "/health", timeout=10).json())
+    assert health["transport"] == hosts.transport  # no silent fallback to another transport
+    received_before = lan.call("router", lambda: _received(hosts.decode))
+    rx_before = lan.rx_bytes("decode")
+    prompt_tokens = 0
+    t0 = time.monotonic()
+    for kind, prompt, stream in _prompts(hosts.model):
+        want_ids, want_text, n = lan.call("router", lambda k=kind, q=prompt: vllm_alone(hosts, k, q))
+        got_ids, got_text, usage = lan.call(
+            "router", lambda k=kind, q=prompt, s=stream: router_call(hosts.router, hosts.model, k, q, s)
+        )
+        assert (got_ids, got_text) == (want_ids, want_text), f"{hosts.transport}: {kind} prompt of {n} tokens"
+        assert usage["prompt_tokens"] == n and usage["completion_tokens"] == MAX_TOKENS
+        prompt_tokens += n
+    rx = lan.rx_bytes("decode") - rx_before
+    assert lan.call("router", lambda: _received(hosts.decode)) == received_before + len(_prompts(hosts.model))
+    kv = prompt_tokens * _kv_bytes_per_token(hosts.model)
+    assert rx >= kv, f"{hosts.transport}: the decode host received {rx} bytes, the prompts' KV is {kv}"
+    print(
+        f"\n{hosts.transport}: parts up in {hosts.started_s:.1f}s, prompts in {time.monotonic() - t0:.1f}s, "
+        f"{rx} bytes into the decode host for {kv} bytes of KV"
+    )

@@ -20,8 +20,10 @@ config classes share (ports, numbers, key files, the deployment's shared secret)
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
+import re
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -36,6 +38,7 @@ from tilert.auth import MIN_SECRET_BYTES, SECRET_ENV, SECRET_FILE_ENV, SecretErr
 # ---------------------------------------------------------------------------------------------------
 
 LOOPBACK = "127.0.0.1"  # every server binds loopback unless told otherwise
+WILDCARDS = ("0.0.0.0", "::", "")  # bind addresses that mean every interface: never an address a peer can dial
 NODE_CTRL_PORT = 5556  # a decode node's control port (transfer handshakes)
 NODE_HTTP_PORT = 5557  # a decode node's HTTP port (reserve / decode / release)
 ROUTER_PORT = 23333  # `tilert router`
@@ -415,6 +418,34 @@ def check_port(value: Any, what: str) -> int:
     if not 1 <= port <= 65535:
         raise ConfigError(f"{what} must be in 1..65535, got {port}")
     return port
+
+
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME_RE = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*$")
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether ``host`` binds every interface (``0.0.0.0``, ``::``): an address to listen on, not to dial."""
+    return host.strip("[]") in WILDCARDS
+
+
+def host_problem(value: Any, what: str, *, wildcard: bool) -> str | None:
+    """Why ``value`` is no IP address or host name (``None`` when it is one); ``wildcard=False`` also refuses
+    ``0.0.0.0`` / ``::``, which peers cannot dial (an address others are told about)."""
+    if not isinstance(value, str) or not value:
+        return f"{what} must be an IP address or a host name, got {value!r}"
+    if is_wildcard(value):
+        if wildcard:
+            return None
+        return f"{what} is an address peers dial: {value} (every interface) names none; give this host's address"
+    try:
+        ipaddress.ip_address(value)
+        return None
+    except ValueError:
+        pass
+    if _HOSTNAME_RE.match(value) and not value.replace(".", "").isdigit():
+        return None
+    return f"{what} must be an IP address or a host name, got {value!r}"
 
 
 def read_key_file(path: str | os.PathLike[str], what: str) -> str:

@@ -63,8 +63,10 @@ from tilert.settings import (
     check_port,
     describe,
     env_values,
+    host_problem,
     is_int,
     is_number,
+    is_wildcard,
     merge_values,
     setting,
 )
@@ -94,6 +96,13 @@ class StackConfig:
     ctrl_port: int = CTRL_PORT.field()
     decode_http_port: int = HTTP_PORT.field()
     host: str = setting(LOOPBACK, help="bind address of every process of the stack")
+    advertise_host: str | None = setting(
+        None,
+        metavar="ADDR",
+        help="the address the processes of the stack reach each other at (the router's prefill URL and decode node, "
+        "the decode node's address in each claim and write grant) and the URLs printed. Default: --host, or "
+        "127.0.0.1 with a --host that binds every interface (0.0.0.0, ::)",
+    )
     dtype: str = setting("float32", help="dtype of the prefill vLLM and the decode node: float32 or bfloat16")
     max_model_len: int = setting(
         2048, help="longest prompt + completion (the prefill's --max-model-len, the decode node's --max-seq-len)"
@@ -153,6 +162,14 @@ class StackConfig:
         "'none': nothing pinned",
     )
 
+    @property
+    def advertised(self) -> str:
+        """The address the stack's processes reach each other at: ``advertise_host``, else ``host`` unless that
+        binds every interface, then loopback (every process of the stack runs on this host)."""
+        if self.advertise_host:
+            return self.advertise_host
+        return LOOPBACK if is_wildcard(self.host) else self.host
+
     def _port_problems(self) -> list[str]:
         d = lambda name: describe(StackConfig, name)  # noqa: E731
         problems: list[str] = []
@@ -189,6 +206,9 @@ class StackConfig:
         elif too_long := context_problem(self.model, self.max_model_len, d("max_model_len")):
             problems.append(too_long)
         problems += self._port_problems()
+        problems += [p for p in (host_problem(self.host, d("host"), wildcard=True),) if p]
+        if self.advertise_host is not None:
+            problems += [p for p in (host_problem(self.advertise_host, d("advertise_host"), wildcard=False),) if p]
         if self.dtype not in DTYPES:
             problems.append(f"{d('dtype')} must be one of {', '.join(DTYPES)} ({self.dtype!r})")
         for name, low in (("max_model_len", 2), ("kv_cache_bytes", 1)):
@@ -214,8 +234,12 @@ def load_stack_config(cli: Mapping[str, Any] | None = None) -> StackConfig:
     return build_config(StackConfig, merge_values(StackConfig, [env_values(StackConfig), cli or {}]))
 
 
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
 def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"http://{_bracketed(host)}:{port}"
 
 
 CPU_PREFILL_COMPILATION_CONFIG = CPU_COMPILATION_CONFIG  # vLLM's exact RoPE for MLA on CPU (see engines.vllm)
@@ -444,6 +468,7 @@ def decode_command(cfg: StackConfig, plan: CpuPlan | None = None) -> list[str]:
         cfg.transport,
         "--host",
         cfg.host,
+        *(["--advertise-host", cfg.advertised] if cfg.advertised != cfg.host else []),
         "--ctrl-port",
         str(cfg.ctrl_port),
         "--http-port",
@@ -460,7 +485,7 @@ def decode_command(cfg: StackConfig, plan: CpuPlan | None = None) -> list[str]:
 
 
 def router_command(cfg: StackConfig) -> list[str]:
-    prefills = [arg for port in prefill_ports(cfg) for arg in ("--prefill-url", _url(cfg.host, port))]
+    prefills = [arg for port in prefill_ports(cfg) for arg in ("--prefill-url", _url(cfg.advertised, port))]
     cmd = [
         sys.executable,
         "-m",
@@ -468,7 +493,7 @@ def router_command(cfg: StackConfig) -> list[str]:
         "router",
         *prefills,
         "--decode",
-        f"{'[' + cfg.host + ']' if ':' in cfg.host else cfg.host}:{cfg.ctrl_port}:{cfg.decode_http_port}",
+        f"{_bracketed(cfg.advertised)}:{cfg.ctrl_port}:{cfg.decode_http_port}",
         "--model",
         str(cfg.model),
         "--host",
@@ -479,7 +504,7 @@ def router_command(cfg: StackConfig) -> list[str]:
         str(leases(cfg)[0]),
     ]
     if cfg.native:
-        cmd += ["--native-url", _url(cfg.host, cfg.native_port)]
+        cmd += ["--native-url", _url(cfg.advertised, cfg.native_port)]
         if cfg.overflow_wait_s is not None:
             cmd += ["--overflow-wait-s", str(cfg.overflow_wait_s)]
     return cmd
@@ -528,11 +553,11 @@ class Stack:
         self._log_files: dict[str, IO[bytes]] = {}  # each child's log, open while it may run
         self._commands: dict[str, list[str]] = {}
         self._envs: dict[str, dict[str, str]] = {}
-        self.urls = {prefill_name(i): _url(cfg.host, port) for i, port in enumerate(prefill_ports(cfg))}
+        self.urls = {prefill_name(i): _url(cfg.advertised, port) for i, port in enumerate(prefill_ports(cfg))}
         if cfg.native:
-            self.urls["native"] = _url(cfg.host, cfg.native_port)
-        self.urls["decode"] = _url(cfg.host, cfg.decode_http_port)
-        self.urls["router"] = _url(cfg.host, cfg.port)  # last: it answers once the others are up
+            self.urls["native"] = _url(cfg.advertised, cfg.native_port)
+        self.urls["decode"] = _url(cfg.advertised, cfg.decode_http_port)
+        self.urls["router"] = _url(cfg.advertised, cfg.port)  # last: it answers once the others are up
 
     def commands(self) -> dict[str, list[str]]:
         ports = enumerate(prefill_ports(self.cfg))

@@ -14,6 +14,7 @@ The deployment's shared secret (:mod:`tilert.auth`) comes from ``--secret-file``
 from __future__ import annotations
 
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,8 +34,10 @@ from tilert.settings import (
     check_port,
     describe,
     env_values,
+    host_problem,
     is_int,
     is_number,
+    is_wildcard,
     merge_values,
     secret_problem,
     setting,
@@ -74,7 +77,14 @@ class DecodeConfig:
     transport_options: dict[str, Any] = setting(
         default_factory=dict, help="JSON object passed to the transport", metavar="JSON"
     )
-    host: str = setting(LOOPBACK, help="bind address of the control and HTTP ports")
+    host: str = setting(LOOPBACK, help="bind address of the control, HTTP and transport ports")
+    advertise_host: str | None = setting(
+        None,
+        metavar="ADDR",
+        help="the address the prefill side reaches this node's transport at, named in each write grant (tcp's "
+        "host, mooncake's session; nixl keeps UCX on lo for a loopback one). Default: --host; with a --host that "
+        "binds every interface (0.0.0.0, ::), the address this host's name resolves to",
+    )
     ctrl_port: int = CTRL_PORT.field()
     http_port: int = HTTP_PORT.field()
     device: str = setting("auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
@@ -139,6 +149,15 @@ class DecodeConfig:
         """``engine_cpus`` as a set of CPU numbers (empty: no pinning)."""
         return parse_cpu_list(self.engine_cpus or "")
 
+    def advertised_host(self) -> str:
+        """The address write grants name: ``advertise_host``, else ``host`` unless that binds every interface,
+        then the address this host's name resolves to."""
+        if self.advertise_host:
+            return self.advertise_host
+        if not is_wildcard(self.host):
+            return self.host
+        return socket.gethostbyname(socket.gethostname())
+
     @property
     def speculative_tokens(self) -> int:
         """``num_speculative_tokens``, or 1 (the engine drafts only when the checkpoint has an MTP layer)."""
@@ -198,6 +217,9 @@ class DecodeConfig:
             except ConfigError as exc:
                 problems.append(str(exc))
         need(self.ctrl_port != self.http_port, f"ctrl_port and http_port must differ ({self.ctrl_port})")
+        problems += [p for p in (host_problem(self.host, d("host"), wildcard=True),) if p]
+        if self.advertise_host is not None:
+            problems += [p for p in (host_problem(self.advertise_host, d("advertise_host"), wildcard=False),) if p]
         need(isinstance(self.transport_options, dict), f"{d('transport_options')} must be a JSON object")
         need(
             isinstance(self.device, str) and bool(_DEVICE_RE.match(self.device)),

@@ -112,8 +112,11 @@ class DecodeNode:
         self.engine = engine.engine if isinstance(engine, EngineProcess) else engine
         self.node_id = f"decode-{uuid.uuid4().hex[:8]}"
         self._api_token = ("Bearer " + auth.node_api_token(config.secret)).encode()
+        self.advertised = config.advertised_host()
+        if self.advertised != config.host:
+            log.info("transport_advertised", bind=config.host, advertise=self.advertised, transport=config.transport)
         self.receiver = load_transport(config.transport).receiver(
-            host=config.host, options=dict(config.transport_options or {})
+            host=config.host, options=dict(config.transport_options or {}), advertise=self.advertised
         )
         self.table = SlotTable(
             config.slots,
@@ -432,6 +435,7 @@ class DecodeNode:
                     "decode_node_ready",
                     ctrl=f"{cfg.host}:{cfg.ctrl_port}",
                     http=f"{cfg.host}:{cfg.http_port}",
+                    advertise=self.advertised,
                     engine=self.engine.name,
                     transport=cfg.transport,
                     slots=len(self.table.slots),

@@ -37,6 +37,7 @@ from tilert.settings import (
     check_port,
     describe,
     env_values,
+    host_problem,
     is_int,
     is_number,
     merge_values,
@@ -99,6 +100,11 @@ def parse_decode_spec(spec: str) -> DecodeNodeSpec:
         raise ConfigError(f"IPv6 decode host must be in brackets ('[::1]:5556:5557'), got {spec!r}")
     if not host:
         raise ConfigError(f"decode node spec has an empty host: {spec!r}")
+    problem = host_problem(
+        host, f"the host of decode spec {spec!r} (written into each claim: the prefill dials it)", wildcard=False
+    )
+    if problem:
+        raise ConfigError(problem)
     ctrl = check_port(parts[1], f"ctrl port in decode spec {spec!r}")
     http = check_port(parts[2], f"http port in decode spec {spec!r}")
     if ctrl == http:

@@ -77,7 +77,9 @@ class Transport(ABC):
 
     @classmethod
     @abstractmethod
-    def receiver(cls, *, host: str, options: dict[str, Any]) -> Receiver: ...
+    def receiver(cls, *, host: str, options: dict[str, Any], advertise: str | None = None) -> Receiver:
+        """The decode side: ``host`` is the address it binds, ``advertise`` the one its write targets name for
+        the sender to reach it at (unset: ``host``; a decode node bound to every interface gives it)."""
 
     @classmethod
     @abstractmethod

@@ -445,15 +445,16 @@ class MooncakeSender(Sender):
 class MooncakeTransport(Transport):
     """Options (decode node's ``--transport-options`` / connector's ``tilert_transport_options``):
     ``protocol`` ("tcp" | "rdma"), ``device`` (RDMA NIC names), ``hostname`` (the address peers reach this
-    engine at), ``registration`` ("grant" | "region", receiver), ``register_source`` (sender),
+    engine at: the receiver's default is the decode node's advertised address, the sender's 127.0.0.1),
+    ``registration`` ("grant" | "region", receiver), ``register_source`` (sender),
     ``timeout_s``, ``verify_grace_s``."""
 
     name: ClassVar[str] = NAME
 
     @classmethod
-    def receiver(cls, *, host: str, options: dict[str, Any]) -> MooncakeReceiver:
+    def receiver(cls, *, host: str, options: dict[str, Any], advertise: str | None = None) -> MooncakeReceiver:
         return MooncakeReceiver(
-            host,
+            advertise or host,
             protocol=str(options.get("protocol", "tcp")),
             device=str(options.get("device", "")),
             registration=options.get("registration"),

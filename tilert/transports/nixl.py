@@ -35,8 +35,9 @@ every wait has a deadline (``timeout_s``, ``verdict_timeout_s``). A receiver who
 write at once (``NIXL_ERR_REMOTE_DISCONNECT`` or a refused reconnect); one that
 dies between the data and its verdict fails it after ``verdict_timeout_s``; a stopped one after ``timeout_s``.
 
-Where UCX listens is UCX's business: the receiver sets ``UCX_NET_DEVICES=lo`` when it serves a loopback
-host and the variable is unset (``net_devices`` overrides); tests set it too. Debian's ``ibverbs-providers``
+Where UCX listens is UCX's business (its own listeners, on ports it picks; their addresses travel in the
+metadata): the receiver sets ``UCX_NET_DEVICES=lo`` when the decode node advertises a loopback address and the
+variable is unset (``net_devices`` overrides); tests set it too. Debian's ``ibverbs-providers``
 makes UCX crash at interpreter exit (code 139): install ``libibverbs1`` without recommends, or set
 ``UCX_MODULES=^efa``.
 """
@@ -152,6 +153,7 @@ class _Grant:
 
 class NixlReceiver(Receiver):
     def __init__(self, host: str, *, net_devices: str | None = None) -> None:
+        """``host``: the address the decode node advertises (loopback: UCX kept on ``lo``)."""
         if net_devices:
             os.environ["UCX_NET_DEVICES"] = net_devices
         elif host in _LOOPBACK:
@@ -623,9 +625,9 @@ class NixlTransport(Transport):
     name: ClassVar[str] = NAME
 
     @classmethod
-    def receiver(cls, *, host: str, options: dict[str, Any]) -> NixlReceiver:
+    def receiver(cls, *, host: str, options: dict[str, Any], advertise: str | None = None) -> NixlReceiver:
         net = options.get("net_devices")
-        return NixlReceiver(host, net_devices=str(net) if net else None)
+        return NixlReceiver(advertise or host, net_devices=str(net) if net else None)
 
     @classmethod
     def sender(cls, *, options: dict[str, Any]) -> NixlSender:

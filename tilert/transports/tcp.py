@@ -1,5 +1,8 @@
 """The embedded default transport: plain TCP sockets, loopback unless configured otherwise.
 
+The receiver listens on the decode node's bind address, on ``port`` (option; 0, the default: a free port the
+kernel picks), and its grants name the node's advertised address and that port.
+
 The receiver serves at most ``max_connections`` connections at once (more are closed on arrival) and
 closes one idle for ``idle_timeout_s``.
 
@@ -56,13 +59,14 @@ class TcpReceiver(Receiver):
         timeout_s: float = 30.0,
         idle_timeout_s: float = 300.0,
         max_connections: int = 64,
+        advertise: str | None = None,
     ) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self._sock.listen(16)
-        self.host, self.port = host, self._sock.getsockname()[1]
+        self.host, self.port = advertise or host, self._sock.getsockname()[1]  # what grants name
         self._timeout_s = timeout_s
         self._idle_timeout_s = idle_timeout_s
         self._slots = threading.BoundedSemaphore(max_connections)
@@ -216,13 +220,14 @@ class TcpTransport(Transport):
     name: ClassVar[str] = "tcp"
 
     @classmethod
-    def receiver(cls, *, host: str, options: dict[str, Any]) -> TcpReceiver:
+    def receiver(cls, *, host: str, options: dict[str, Any], advertise: str | None = None) -> TcpReceiver:
         return TcpReceiver(
             host,
             int(options.get("port", 0)),
             float(options.get("timeout_s", 30.0)),
             float(options.get("idle_timeout_s", 300.0)),
             int(options.get("max_connections", 64)),
+            advertise=advertise,
         )
 
     @classmethod
