@@ -347,7 +347,7 @@ def test_up_advertised_address_is_what_its_processes_dial(model: Path, monkeypat
         cfg = up_from_cli(["up", "--model", str(model), *argv]).validate()
         router = router_from_cli(stack.router_command(cfg)[3:])
         decode = decode_from_cli(stack.decode_command(cfg)[3:])
-        assert router.prefill_url == f"http://{dialled}:8100", argv
+        assert router.prefill_urls == [f"http://{dialled}:8100"], argv
         assert [n.name for n in router.decode_nodes] == [f"{dialled}:5556:5557"], argv
         assert decode.host == cfg.host and decode.advertised_host() == dialled, argv
         assert router.host == cfg.host, argv

@@ -194,7 +194,8 @@ def test_decode_command_parses_and_its_config_validates(tmp_path: Path) -> None:
     values = cli_values(DecodeConfig, args)
     assert str(values["model"]).startswith("/models/")
     (tmp_path / "config.json").write_text("{}", encoding="utf-8")  # the checkpoint exists only in the cluster
-    build_config(DecodeConfig, {**values, "model": tmp_path}, secret=TEST_SECRET).validate()
+    pod_ip = {k: "10.1.2.3" for k, v in values.items() if v == "$(POD_IP)"}  # Kubernetes expands it in the pod
+    build_config(DecodeConfig, {**values, **pod_ip, "model": tmp_path}, secret=TEST_SECRET).validate()
 
 
 def test_router_command_parses_and_its_config_validates(tmp_path: Path) -> None:

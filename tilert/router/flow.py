@@ -493,7 +493,7 @@ class RequestFlow:
                 504, f"decode node sent nothing for {limit:g} s ({what})", outcome="decode_timeout"
             ) from None
         except StopAsyncIteration:
-            raise RouterError(502, "decode stream ended without a finish_reason", outcome="decode_error") from None
+            raise RouterError(502, "decode stream ended without a finish_reason", outcome=DECODE_LOST) from None
         if isinstance(line, c.ErrorLine):
             status = line.status if 400 <= line.status < 500 or line.status in (501, 504) else 502
             raise RouterError(status, f"decode failed: {line.message}", outcome="decode_error")
