@@ -152,8 +152,11 @@ class LogitsRules:
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """A float32 copy of ``[vocab]`` ``logits`` with the rules applied."""
+        return self.apply_(logits.float().clone())
+
+    def apply_(self, logits: torch.Tensor) -> torch.Tensor:
+        """The rules applied in place to float32 ``[vocab]`` ``logits`` (returned)."""
         p, vocab = self.params, logits.shape[-1]
-        logits = logits.float().clone()
         if p.allowed_token_ids is not None:
             allowed = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
             allowed[list(p.allowed_token_ids)] = True
@@ -214,11 +217,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> int:
         """One token id from float32 ``[vocab]`` logits."""
         p = self.params
+        if self.matcher is not None or self.rules is not None:  # one copy, the rules applied to it in place
+            logits = logits.float().clone() if self.matcher is None else logits.float().cpu().clone()
         if self.matcher is not None:
-            logits = logits.float().cpu().clone()
             self.matcher.mask(logits)
         if self.rules is not None:
-            logits = self.rules(logits)
+            self.rules.apply_(logits)
         if p.greedy:
             return int(torch.argmax(logits))
         logits = logits.float().cpu() / p.temperature
