@@ -11,7 +11,6 @@ each node must have served.
 from __future__ import annotations
 
 import contextlib
-import re
 import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from support.oracle import router_call, vllm_alone
-from support.stack import Stack, free_port, wait_healthy
+from support.stack import Stack, decodes_served, free_port, start_logged, wait_healthy, without_decode
 from support.waiting import wait_until
 
 from tilert.stack import StackConfig, child_env, decode_command, router_command
@@ -46,14 +45,14 @@ def _processes(stack: Stack, logs: Path) -> Iterator[tuple[list[str], list[str]]
     procs: list[tuple[subprocess.Popen[bytes], str, Path]] = []
     try:
         cmd = [*decode_command(small), "--max-sequences", "2"]
-        procs.append((_start(cmd, env, logs / "node-b.log"), f"http://127.0.0.1:{small.decode_http_port}", logs))
+        procs.append((start_logged(cmd, env, logs / "node-b.log"), f"http://127.0.0.1:{small.decode_http_port}", logs))
         routers = []
         for i in range(ROUTERS):
             port = free_port()
             cmd = router_command(replace(base, port=port))
-            cmd = _without_decode(cmd) + [arg for node in nodes for arg in ("--decode", node)]
+            cmd = without_decode(cmd) + [arg for node in nodes for arg in ("--decode", node)]
             routers.append(f"http://127.0.0.1:{port}")
-            procs.append((_start(cmd, env, logs / f"router-{i}.log"), routers[-1], logs))
+            procs.append((start_logged(cmd, env, logs / f"router-{i}.log"), routers[-1], logs))
         for proc, url, _ in procs:
             wait_healthy(url, proc, 300)
         yield routers, [stack.decode, procs[0][1]]
@@ -68,36 +67,11 @@ def _processes(stack: Stack, logs: Path) -> Iterator[tuple[list[str], list[str]]
                 proc.wait(10)
 
 
-def _start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "wb") as out:
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-
-
-def _without_decode(cmd: list[str]) -> list[str]:
-    """``cmd`` without its ``--decode`` flags."""
-    out: list[str] = []
-    skip = False
-    for arg in cmd:
-        if skip:
-            skip = False
-        elif arg == "--decode":
-            skip = True
-        else:
-            out.append(arg)
-    return out
-
-
-def _served(node: str) -> int:
-    """Decode requests the node has finished (its ``tilert:request_success_total`` over every reason)."""
-    text = httpx.get(node + "/metrics", timeout=10).text
-    return int(sum(float(v) for v in re.findall(r"^tilert:request_success_total\{.*\} (\S+)$", text, re.M)))
-
-
 def test_two_routers_over_two_nodes_never_double_book(stack: Stack, tmp_path: Path) -> None:
     prompts: list[tuple[str, Any]] = [("completion", f"def function_{i}(a, b):") for i in range(REQUESTS)]
     want = [vllm_alone(stack, kind, prompt)[:2] for kind, prompt in prompts]
     with _processes(stack, tmp_path) as (routers, nodes):
-        before = [_served(node) for node in nodes]
+        before = [decodes_served(node) for node in nodes]
         with ThreadPoolExecutor(max_workers=REQUESTS) as pool:
             futures = [
                 pool.submit(router_call, routers[i % ROUTERS], stack.model, kind, prompt, i % 2 == 0)
@@ -111,7 +85,7 @@ def test_two_routers_over_two_nodes_never_double_book(stack: Stack, tmp_path: Pa
             return all(h["slots_free"] == h["slots_total"] for h in health)
 
         wait_until(all_free, 10, "every slot of both nodes free", interval_s=0.1)
-        served = [_served(node) - b for node, b in zip(nodes, before, strict=True)]
+        served = [decodes_served(node) - b for node, b in zip(nodes, before, strict=True)]
         refused = (tmp_path / "node-b.log").read_text().count('"POST /v1/reserve HTTP/1.1" 429')
         print(f"requests served per node: {dict(zip(nodes, served, strict=True))}; reserves node B refused: {refused}")
         assert sum(served) == REQUESTS and all(n > 0 for n in served), served

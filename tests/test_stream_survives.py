@@ -25,7 +25,7 @@ import httpx
 import pytest
 from openai import OpenAI
 from support.oracle import router_call, vllm_alone
-from support.stack import Stack, free_port, wait_healthy
+from support.stack import Stack, decodes_served, free_port, start_logged, wait_healthy, without_decode
 from support.waiting import wait_until
 
 from tilert.stack import StackConfig, child_env, decode_command, router_command
@@ -49,7 +49,7 @@ class Nodes:
         self.urls = [f"http://127.0.0.1:{cfg.decode_http_port}" for cfg in self.configs]
         self.procs: list[subprocess.Popen[bytes]] = [self._node(i) for i in range(2)]
         port = free_port()
-        cmd = _without_decode(router_command(replace(base, port=port)))
+        cmd = without_decode(router_command(replace(base, port=port)))
         for cfg in self.configs:
             cmd += ["--decode", f"127.0.0.1:{cfg.ctrl_port}:{cfg.decode_http_port}"]
         self.router = f"http://127.0.0.1:{port}"
@@ -59,8 +59,7 @@ class Nodes:
         wait_healthy(self.router, self.router_proc, 120)
 
     def _start(self, cmd: list[str], log: str) -> subprocess.Popen[bytes]:
-        with open(self.logs / log, "ab") as out:
-            return subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        return start_logged(cmd, self.env, self.logs / log)
 
     def _node(self, i: int) -> subprocess.Popen[bytes]:
         return self._start([*decode_command(self.configs[i]), "--max-sequences", "2"], f"node-{i}.log")
@@ -90,27 +89,9 @@ class Nodes:
                 proc.wait(10)
 
 
-def _without_decode(cmd: list[str]) -> list[str]:
-    out: list[str] = []
-    skip = False
-    for arg in cmd:
-        if skip:
-            skip = False
-        elif arg == "--decode":
-            skip = True
-        else:
-            out.append(arg)
-    return out
-
-
 def _slots_in_use(node: str) -> int:
     health = httpx.get(node + "/health", timeout=10).json()
     return int(health["slots_total"] - health["slots_free"])
-
-
-def _served(node: str) -> int:
-    text = httpx.get(node + "/metrics", timeout=10).text
-    return int(sum(float(v) for v in re.findall(r"^tilert:request_success_total\{.*\} (\S+)$", text, re.M)))
 
 
 @pytest.fixture
@@ -165,7 +146,7 @@ def test_killed_node_mid_stream_the_stream_goes_on_token_exact(stack: Stack, nod
 
     # Started again, the node is admitted and serves: four requests at once need both nodes (two slots each).
     nodes.restart(killed[0])
-    before = _served(nodes.urls[killed[0]])
+    before = decodes_served(nodes.urls[killed[0]])
     wait_until(
         lambda: httpx.get(nodes.router + "/health", timeout=10).json()["status"] == "ok", 30, "the router admits it"
     )
@@ -173,4 +154,4 @@ def test_killed_node_mid_stream_the_stream_goes_on_token_exact(stack: Stack, nod
     with ThreadPoolExecutor(max_workers=4) as pool:
         got = list(pool.map(lambda p: router_call(nodes.router, stack.model, "completion", p, True)[0], prompts))
     assert got == [vllm_alone(stack, "completion", p)[0] for p in prompts]
-    assert _served(nodes.urls[killed[0]]) > before, "the restarted node served nothing"
+    assert decodes_served(nodes.urls[killed[0]]) > before, "the restarted node served nothing"

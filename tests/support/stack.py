@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -183,3 +184,29 @@ def stop_stack_checked(stack: Stack) -> None:
             with contextlib.suppress(psutil.Error):
                 p.kill()
         stop_stack(stack)
+
+
+def start_logged(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """``cmd`` started with its output in ``log`` (appended: a restarted process keeps its earlier lines)."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def without_decode(cmd: list[str]) -> list[str]:
+    """A router command without its ``--decode`` flags (a test then lists the nodes it wants)."""
+    out: list[str] = []
+    skip = False
+    for arg in cmd:
+        if skip:
+            skip = False
+        elif arg == "--decode":
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
+def decodes_served(node: str) -> int:
+    """Decode requests the node has finished (its ``tilert:request_success_total`` over every reason)."""
+    text = httpx.get(node + "/metrics", timeout=10).text
+    return int(sum(float(v) for v in re.findall(r"^tilert:request_success_total\{.*\} (\S+)$", text, re.M)))
