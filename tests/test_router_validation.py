@@ -129,6 +129,16 @@ def test_refused_field_with_a_real_value_is_400_naming_it(route: str, name: str)
         assert plan_of(route, with_base(route, **{name: value})).body[name] == value
 
 
+def test_a_constraint_the_node_does_not_compile_is_left_to_the_native_pool() -> None:
+    """A structural tag: the TileRT pool refuses it, the plan keeps it for vLLM (which compiles it)."""
+    fmt = {"type": "structural_tag", "format": {"type": "any_text"}}
+    plan = plan_of("chat", with_base("chat", response_format=fmt))
+    assert plan.grammar is None and plan.fast_pool_refusal is not None
+    assert plan.fast_pool_refusal.param == "response_format"
+    assert prefill_json(plan)["response_format"] == fmt
+    assert refusal("chat", with_base("chat", response_format={"type": "xml"})).outcome == "bad_request"
+
+
 def test_a_refused_field_that_cannot_be_sent_on_is_400() -> None:
     """The native pool would get the field as sent: a JSON integer past 64 bits cannot be."""
     raw = b'{"messages": [{"role": "user", "content": "hi"}], "include_reasoning": [-9223372036854775809]}'

@@ -104,12 +104,7 @@ def build_plan(
 ) -> RequestPlan:
     """Validate the raw body for ``route``; raise :class:`RouterError` (400, 413) with the reason if refused."""
     request = _decode(route, raw, max_body_bytes)
-    refusal = None
-    for name, (neutral, why) in schema.REFUSED[route].items():
-        if not _is_off(getattr(request, name), neutral):
-            if name in schema.NO_POOL:
-                raise unsupported(name, why)
-            refusal = refusal or unsupported(name, why)
+    refusal = _refused(request, route)
     prompt = getattr(request, "prompt", None)
     if isinstance(prompt, list) and len(prompt) > 1 and not all(type(p) is int for p in prompt):
         raise unsupported("prompt", "one prompt per request (no batched prompts)")
@@ -123,6 +118,7 @@ def build_plan(
         raise bad_request(
             f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.", "min_tokens"
         )
+    grammar, refusal = _grammar(request, refusal)
     body = _forwarded(request, route)
     if temperature is not None:  # the prefill samples the first token with the temperature the decode engine uses
         body["temperature"] = temperature
@@ -145,9 +141,32 @@ def build_plan(
         return_token_ids=request.return_token_ids is True,
         min_tokens=min_tokens,
         **_logits_rules(request),
-        grammar=grammar_of(_set(request.response_format), _set(request.structured_outputs)),
+        grammar=grammar,
         fast_pool_refusal=refusal,
     )
+
+
+def _refused(request: Any, route: Route) -> RouterError | None:
+    """The first field set that the TileRT pool does not serve (the native pool may); one that no pool takes
+    (``NO_POOL``) is raised."""
+    refusal = None
+    for name, (neutral, why) in schema.REFUSED[route].items():
+        if not _is_off(getattr(request, name), neutral):
+            if name in schema.NO_POOL:
+                raise unsupported(name, why)
+            refusal = refusal or unsupported(name, why)
+    return refusal
+
+
+def _grammar(request: Any, refusal: RouterError | None) -> tuple[c.Grammar | None, RouterError | None]:
+    """The request's grammar, and the TileRT pool's refusal: what the node does not compile (a structural tag, a
+    whitespace option) vLLM may, so it is the native pool's; a malformed constraint is a 400 for every pool."""
+    try:
+        return grammar_of(_set(request.response_format), _set(request.structured_outputs)), refusal
+    except RouterError as exc:
+        if exc.outcome != "unsupported":
+            raise
+        return None, refusal or exc
 
 
 def _logits_rules(request: Any) -> dict[str, Any]:
