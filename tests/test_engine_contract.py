@@ -393,3 +393,42 @@ def test_router_modules_import_in_no_cycle() -> None:
 
     for mod in sorted(graph):
         visit(mod, [])
+
+
+def test_shaped_stream_gives_the_per_step_samplers_tokens(tiny: Tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy with logits rules runs on the engine's shaped stream (the rules applied to the engine's own copy,
+    advanced token by token) and gives exactly the tokens of one ``forward`` a step and the host's sampler."""
+    from tilert.contracts import Sampling
+    from tilert.decode.generate import SequenceRun
+    from tilert.decode.sampling import DecodeParams
+
+    eng = tiny.engine
+    prompt = torch.randint(8, eng.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
+    rules = Sampling(
+        max_tokens=ROOM,
+        temperature=0.0,
+        repetition_penalty=1.5,
+        frequency_penalty=0.8,
+        presence_penalty=0.4,
+        min_tokens=4,
+        logit_bias={tiny.greedy[1]: -5.0, 9: 2.0},
+        bad_words_token_ids=[[tiny.greedy[2]]],
+    )
+    params = DecodeParams.of("t", rules, eng.vocab_size, None, tiny.first, PROMPT, prompt)
+    eos = frozenset({tiny.greedy[0]})  # masked while the completion is shorter than min_tokens
+    streams: list[int] = []
+    shaped = eng.shaped_greedy_stream
+    monkeypatch.setattr(eng, "shaped_greedy_stream", lambda *a, **k: (streams.append(1), shaped(*a, **k))[1])
+    fast: list[int] = []
+    finish = run_decode(
+        eng, tiny.state, tiny.layouts, PROMPT, params, eos, lambda ids, _f: fast.extend(ids), threading.Event()
+    )
+    assert streams, "greedy with rules did not take the engine's shaped stream"
+
+    ref: list[int] = []
+    run = SequenceRun(eng, params, eos, PROMPT, lambda ids, _f: ref.extend(ids), threading.Event())
+    eng.inject(tiny.state, tiny.layouts, PROMPT)
+    while run.accept([run.sample(eng.forward(torch.tensor([run.token]), run.pos)[-1])]) is None:
+        pass
+    assert fast == ref and run.finish == finish
+    assert fast[:3] != tiny.greedy[:3], "the rules changed nothing: the test shows nothing"

@@ -6,9 +6,10 @@ as soon as they exist, so nothing is batched on a timer. ``cancel`` is checked b
 The fast path comes from the engine's declared :class:`~tilert.engines.base.Capabilities`: greedy requests
 on an engine with ``mtp`` decode speculatively (``num_draft`` drafts per step, verified by the main model),
 which yields exactly the plain greedy tokens, several per step; other greedy requests use
-``greedy_stream`` when the engine declares ``pipelined_greedy``. Sampled requests (temperature > 0) and those
-whose logits a rule changes (penalties, bias, bad words, ...) decode one token per step from the logits: MTP is
-switched off for them.
+``greedy_stream`` when the engine declares ``pipelined_greedy``. Greedy requests whose logits a rule changes
+(penalties, bias, ``min_tokens``, one-token bad words, a grammar) use the engine's ``shaped_greedy_stream``, which
+applies the rules inside its own steps. Sampled requests (temperature > 0) and bad words of several tokens decode one
+token per step from the logits and the host's sampler. MTP serves plain greedy requests only.
 
 :class:`SequenceRun` owns token-level stopping for one sequence (EOS, ``stop_token_ids``, ``max_tokens``,
 the end of the engine's cache, cancellation) and says why it stopped (:class:`Finish`); :func:`run_decode`
@@ -169,6 +170,14 @@ def _fast_steps(engine: DecodeEngine, run: SequenceRun, num_draft: int) -> Gener
     elif plain_greedy and caps.pipelined_greedy:
         # The next step runs while this token is emitted (the engine pipelines them).
         for token in engine.greedy_stream(run.token, run.pos, run.limit - run.produced, seq=run.seq):
+            yield [token]
+    elif p.greedy and (rules := run.sampler.rules) is not None and rules.device_ready:
+        # The engine applies the rules (and the grammar's mask) inside its own steps.
+        shaping = rules.shaping(engine.vocab_size, "cpu")
+        matcher = run.sampler.matcher
+        next_mask = matcher.next_bitmask if matcher is not None else None
+        left = run.limit - run.produced
+        for token in engine.shaped_greedy_stream(run.token, run.pos, left, shaping, next_mask, seq=run.seq):
             yield [token]
     else:
         while True:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tilert import contracts as c
+from tilert.engines.shaping import apply_bitmask_
 
 if TYPE_CHECKING:
     import xgrammar
@@ -27,7 +28,6 @@ class Matcher:
     def __init__(self, matcher: xgrammar.GrammarMatcher, vocab_size: int) -> None:
         import xgrammar as xgr  # lazy: only structured requests load it
 
-        self._xgr = xgr
         self._matcher = matcher
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
 
@@ -44,13 +44,19 @@ class Matcher:
             if not self._matcher.accept_token(token):
                 raise ValueError(f"token {token} does not continue the request's grammar")
 
-    def mask(self, logits: torch.Tensor) -> None:
-        """Set the logits of the tokens the grammar does not allow next to -inf, in place (``[vocab]`` on the
-        CPU)."""
+    def next_bitmask(self) -> torch.Tensor | None:
+        """The tokens the grammar allows next, as xgrammar's int32 bitmask on the host (None once it is complete:
+        every token)."""
         if self.terminated:
-            return
+            return None
         self._matcher.fill_next_token_bitmask(self._bitmask, 0)
-        self._xgr.apply_token_bitmask_inplace(logits.view(1, -1), self._bitmask.to(logits.device))
+        return self._bitmask
+
+    def mask(self, logits: torch.Tensor) -> None:
+        """Set the logits of the tokens the grammar does not allow next to -inf, in place (``[vocab]``)."""
+        bitmask = self.next_bitmask()
+        if bitmask is not None:
+            apply_bitmask_(logits, bitmask.to(logits.device))
 
 
 class Grammars:

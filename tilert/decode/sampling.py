@@ -14,6 +14,7 @@ import torch
 from tilert.contracts import Grammar, Sampling
 from tilert.decode.grammar import Matcher
 from tilert.engines.base import Capabilities
+from tilert.engines.shaping import Shaping
 
 # vLLM's _SAMPLING_EPS: a temperature below it is greedy (1e-300 would divide the logits into inf).
 GREEDY_BELOW = 1e-5
@@ -135,20 +136,50 @@ class DecodeParams:
 class LogitsRules:
     """vLLM's logits processing for one sequence, in vLLM's order (its V1 ``Sampler``): the allowed ids, the bad
     words, ``min_tokens``, ``logit_bias``, then the repetition, frequency and presence penalties; ``min_p``
-    comes after the temperature (:class:`Sampler`). It tracks the completion's tokens (:meth:`observe`)."""
+    comes after the temperature (:class:`Sampler`). It tracks the completion's tokens (:meth:`observe`).
+
+    The rules are a :class:`~tilert.engines.shaping.Shaping` (:attr:`shaping`, on the logits' device, made at the
+    first step), which an engine can also apply inside its own steps (:attr:`device_ready`); only bad words of
+    several tokens, which look back on the completion, stay here."""
 
     def __init__(self, params: DecodeParams, stop_ids: frozenset[int]) -> None:
         self.params = params
         self.stop_ids = sorted(stop_ids)  # masked while the completion is shorter than min_tokens
         self.output: list[int] = [params.first_token_id]
-        self._counts: torch.Tensor | None = None  # the completion's token counts, made at the first step
-        self._prompt_mask: torch.Tensor | None = None
+        self._shaping: Shaping | None = None
+        self._long_words = [w for w in params.bad_words_token_ids if len(w) > 1]
+
+    @property
+    def device_ready(self) -> bool:
+        """Whether :attr:`shaping` holds every rule (no bad word of several tokens)."""
+        return not self._long_words
+
+    def shaping(self, vocab: int, device: torch.device | str) -> Shaping:
+        """The rules as tensors on ``device``, at the completion's current state."""
+        if self._shaping is not None and self._shaping.device != torch.device(device):
+            self._shaping = self._shaping.clone_to(device)
+        if self._shaping is None:
+            p = self.params
+            self._shaping = Shaping(
+                vocab,
+                device,
+                bias=p.logit_bias,
+                allowed_ids=p.allowed_token_ids,
+                banned_ids=[w[0] for w in p.bad_words_token_ids if len(w) == 1],
+                stop_ids=self.stop_ids,
+                min_tokens=p.min_tokens,
+                repetition_penalty=p.repetition_penalty,
+                frequency_penalty=p.frequency_penalty,
+                presence_penalty=p.presence_penalty,
+                prompt_ids=p.prompt_token_ids,
+                output_ids=self.output,
+            )
+        return self._shaping
 
     def observe(self, tokens: list[int]) -> None:
         self.output += tokens
-        if self._counts is not None:
-            for t in tokens:
-                self._counts[t] += 1
+        if self._shaping is not None:
+            self._shaping.observe(tokens)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """A float32 copy of ``[vocab]`` ``logits`` with the rules applied."""
@@ -156,39 +187,12 @@ class LogitsRules:
 
     def apply_(self, logits: torch.Tensor) -> torch.Tensor:
         """The rules applied in place to float32 ``[vocab]`` ``logits`` (returned)."""
-        p, vocab = self.params, logits.shape[-1]
-        if p.allowed_token_ids is not None:
-            allowed = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-            allowed[list(p.allowed_token_ids)] = True
-            logits.masked_fill_(~allowed, float("-inf"))
-        for word in p.bad_words_token_ids:
+        for word in self._long_words:
             prefix = len(word) - 1
-            if prefix <= len(self.output) and (prefix == 0 or self.output[-prefix:] == list(word[:-1])):
+            if prefix <= len(self.output) and self.output[-prefix:] == list(word[:-1]):
                 logits[word[-1]] = float("-inf")
-        if len(self.output) < p.min_tokens and self.stop_ids:
-            logits[self.stop_ids] = float("-inf")
-        if p.logit_bias:
-            index = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
-            logits[index] += torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=logits.device)
-        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
-            counts = self._completion_counts(vocab, logits.device)
-            if p.repetition_penalty != 1.0:
-                if self._prompt_mask is None:
-                    self._prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-                    self._prompt_mask[list(p.prompt_token_ids)] = True
-                seen = self._prompt_mask | (counts > 0)
-                penalties = torch.where(seen, p.repetition_penalty, 1.0)
-                logits *= torch.where(logits > 0, 1.0 / penalties, penalties)
-            logits -= p.frequency_penalty * counts
-            logits -= p.presence_penalty * (counts > 0).float()
+        self.shaping(logits.shape[-1], logits.device).apply_(logits)
         return logits
-
-    def _completion_counts(self, vocab: int, device: torch.device) -> torch.Tensor:
-        if self._counts is None:
-            self._counts = torch.zeros(vocab, dtype=torch.float32, device=device)
-            for t in self.output:
-                self._counts[t] += 1
-        return self._counts
 
 
 class Sampler:

@@ -21,6 +21,7 @@ from typing import ClassVar, Literal
 import torch
 
 from tilert.contracts import KVLayout
+from tilert.engines.shaping import NextMask, Shaping
 
 __all__ = ["Capabilities", "DecodeEngine", "KVLayout", "SpecStepResult", "check_decode_batch", "require_exact_layouts"]
 
@@ -189,6 +190,37 @@ class DecodeEngine(ABC):
         is then ready to continue from the last token read.
         """
         raise NotImplementedError(f"{type(self).__name__} does not declare Capabilities.pipelined_greedy")
+
+    def shaped_greedy_stream(
+        self,
+        first_token: int,
+        start_pos: int,
+        max_new: int,
+        shaping: Shaping,
+        next_mask: NextMask | None = None,
+        seq: int = 0,
+    ) -> Iterator[int]:
+        """Greedy decoding of sequence ``seq`` under logits rules, as :meth:`greedy_stream` yields plain greedy
+        tokens: each step's logits get the grammar's bitmask (``next_mask()``, asked once the caller has taken
+        the previous token) and ``shaping``'s rules, then the argmax. The engine applies the rules to its own
+        copy of ``shaping``, which it advances by each token it decides; ``shaping`` itself is the caller's.
+
+        This default runs :meth:`forward` once a step (every engine has it); an engine that pipelines its steps
+        (``Capabilities.pipelined_greedy``) overrides it to apply the rules inside them.
+        """
+        limit = self.capabilities().max_seq_len
+        end = min(start_pos + max_new, limit) if limit else start_pos + max_new
+        rules: Shaping | None = None
+        token = first_token
+        for pos in range(start_pos, end):
+            logits = self.forward(torch.tensor([token], dtype=torch.int64), pos, seq)[-1].float()
+            if rules is None:
+                rules = shaping.clone_to(logits.device)
+            bitmask = next_mask() if next_mask is not None else None
+            rules.apply_(logits, bitmask=None if bitmask is None else bitmask.to(logits.device))
+            token = int(logits.argmax())
+            rules.observe([token])
+            yield token
 
     def speculative_greedy_step(self, next_token: int, start_pos: int, num_draft: int, seq: int = 0) -> SpecStepResult:
         """One greedy speculative step of sequence ``seq`` (``Capabilities.mtp``).

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from tilert.engines.base import Capabilities, DecodeEngine, KVLayout, SpecStepResult, check_decode_batch
+from tilert.engines.shaping import NextMask, Shaping
 
 from . import layouts
 from .fast import CapturedFn
@@ -143,6 +144,13 @@ class TileRTEngine(DecodeEngine):
         self._stream_pos = torch.zeros(1, dtype=torch.int64, device=device)
         self._stream_base = torch.zeros(1, dtype=torch.int64, device=device)
         self._stream_graphs: dict[bool, CapturedFn | None] = {}
+        # shaped_greedy_stream's graphs and their static rules, logits row and grammar bitmask (made at first use)
+        self._shaped_graphs: dict[bool, CapturedFn] = {}
+        self._shape_pick: CapturedFn | None = None
+        self._shape_static: Shaping | None = None
+        self._shape_bits: torch.Tensor | None = None
+        self._shape_bits_host = torch.empty(0, dtype=torch.int32)
+        self._shape_logits = torch.empty(0, dtype=torch.float32)
         if self.use_graphs:  # where the host reads the streamed tokens (pinned: asynchronous copies)
             self._stream_host = torch.empty(2, dtype=torch.int64, pin_memory=True)
             self._stream_done = (torch.cuda.Event(), torch.cuda.Event())
@@ -433,6 +441,115 @@ class TileRTEngine(DecodeEngine):
         step = self._stream_graphs[use_indexer]
         assert step is not None
         return step
+
+    @torch.no_grad()
+    def shaped_greedy_stream(
+        self,
+        first_token: int,
+        start_pos: int,
+        max_new: int,
+        shaping: Shaping,
+        next_mask: NextMask | None = None,
+        seq: int = 0,
+    ) -> Iterator[int]:
+        """:meth:`DecodeEngine.shaped_greedy_stream`. On CUDA each step is two graph replays: the model's step into
+        a static logits row, then the rules (on the engine's static copy of ``shaping``), the grammar's bitmask,
+        the argmax and the advance of token, row and counts. Without a grammar the next step is launched before
+        token ``t`` is read, as in :meth:`greedy_stream`; with one, the model's step ``t+1`` runs while the caller
+        takes token ``t`` and the grammar fills the mask for ``t+1``."""
+        if not self.use_graphs:
+            yield from super().shaped_greedy_stream(first_token, start_pos, max_new, shaping, next_mask, seq)
+            return
+        self._check_seq(seq)
+        if not 0 <= start_pos <= self.max_seq_len:
+            raise ValueError(f"start_pos={start_pos} outside the cache (max {self.max_seq_len})")
+        max_new = min(max_new, self.max_seq_len - start_pos)
+        if max_new <= 0:
+            return
+        pick = self._shaped_pick()  # captured before the request's state is loaded (its warm-up runs advance it)
+        static, bits = self._shape_static, self._shape_bits
+        assert static is not None and bits is not None
+        static.copy_from(shaping)
+        bits.fill_(-1)  # every token, until a grammar says otherwise
+        st = self._seqs[seq]
+        st.mtp_upto = min(st.mtp_upto, max(start_pos - 1, 0))
+        base = seq * self.max_seq_len
+        self._stream_tok.fill_(first_token)
+        self._stream_pos.fill_(base + start_pos)
+        self._stream_base.fill_(base)
+        host, done = self._stream_host, self._stream_done
+
+        def model_step(pos: int) -> None:
+            self._shaped_model(self.model.args.dsa and pos + 1 > self.model.args.index_topk).replay()
+
+        def decide(slot: int) -> None:
+            if next_mask is not None:
+                mask = next_mask()
+                if mask is None:
+                    bits.fill_(-1)
+                else:
+                    self._shape_bits_host.copy_(mask.view(-1))
+                    bits.copy_(self._shape_bits_host, non_blocking=True)
+            pick.replay()
+            host[slot : slot + 1].copy_(self._stream_tok, non_blocking=True)
+            done[slot].record()
+
+        model_step(start_pos)
+        if next_mask is None:
+            decide(0)
+        for i in range(max_new):
+            pos = start_pos + i
+            if next_mask is not None:
+                decide(i % 2)
+            elif i + 1 < max_new:  # no grammar: the next step runs while token i is read
+                model_step(pos + 1)
+                decide((i + 1) % 2)
+            done[i % 2].synchronize()
+            self._note_written(st, pos, 1)
+            if next_mask is not None and i + 1 < max_new:
+                model_step(pos + 1)  # runs while the caller takes token i and the grammar moves on
+            yield int(host[i % 2])
+
+    def _shaped_model(self, use_indexer: bool) -> CapturedFn:
+        """shaped_greedy_stream's model step for the dense / DSA regime: the row ``_stream_pos`` from
+        ``_stream_tok``, its logits into ``_shape_logits`` (it leaves token and row as they are)."""
+        if use_indexer not in self._shaped_graphs:
+            m = self.model
+            row_start = self._stream_base if self.max_sequences > 1 else None
+
+            def fn() -> None:
+                hidden = m(self._stream_tok, self._stream_pos, use_indexer, row_start)
+                self._shape_logits.copy_(m.logits(hidden)[-1])
+                if self.supports_mtp:
+                    self._hidden.index_copy_(0, self._stream_pos, hidden)
+                    self._tokens.index_copy_(0, self._stream_pos, self._stream_tok)
+
+            captured = CapturedFn(fn, self.device)
+            captured.capture(pool=self._pool)  # its runs rewrite the row the next replay writes: nothing moves
+            self._shaped_graphs[use_indexer] = captured
+        return self._shaped_graphs[use_indexer]
+
+    def _shaped_pick(self) -> CapturedFn:
+        """shaped_greedy_stream's decision (:mod:`.ops.triton_shaping`): the rules and the bitmask on
+        ``_shape_logits``, the argmax into ``_stream_tok``, counted, and the next row."""
+        if self._shape_pick is None:
+            from .ops import triton_shaping  # lazy: Triton, CUDA only
+
+            self._shape_static = Shaping(self.vocab_size, self.device)
+            self._shape_bits = torch.full(((self.vocab_size + 31) // 32,), -1, dtype=torch.int32, device=self.device)
+            self._shape_bits_host = torch.empty_like(self._shape_bits, device="cpu").pin_memory()
+            self._shape_logits = torch.zeros(self.vocab_size, dtype=torch.float32, device=self.device)
+            static, bits, logits = self._shape_static, self._shape_bits, self._shape_logits
+
+            def fn() -> None:
+                triton_shaping.shape_logits_(logits, static, bits)
+                triton_shaping.advance_(logits.argmax(-1, keepdim=True), static, self._stream_tok, self._stream_pos)
+
+            torch.cuda.synchronize(self.device)
+            captured = CapturedFn(fn, self.device)
+            captured.capture(pool=self._pool)  # the caller loads the request's state and rows afterwards
+            self._shape_pick = captured
+        return self._shape_pick
 
     # ---------------------------------------------------------------------------------- MTP
 
