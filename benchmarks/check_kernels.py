@@ -377,6 +377,39 @@ def check_topk(dev, small):
         )
 
 
+def check_shaping(dev, small=False, vocab=129280) -> bool:
+    """The shaped stream's rules kernel (``ops.triton_shaping``) bit for bit against ``Shaping.apply_`` on the CPU,
+    on random logits, bias, masks, counts and bitmask."""
+    from tilert.engines.shaping import Shaping
+    from tilert.engines.tilert.ops import triton_shaping
+
+    vocab = 4099 if small else vocab
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (3000,), generator=gen).tolist()
+    rules = Shaping(
+        vocab,
+        bias={t: float(b) for t, b in zip(ids[:500], torch.randn(500, generator=gen).tolist(), strict=True)},
+        banned_ids=ids[500:600],
+        stop_ids=ids[600:610],
+        min_tokens=5,
+        repetition_penalty=1.3,
+        frequency_penalty=0.7,
+        presence_penalty=0.3,
+        prompt_ids=ids[1000:2000],
+        output_ids=ids[2000:2003],
+    )
+    bitmask = torch.randint(-(2**31), 2**31 - 1, ((vocab + 31) // 32,), generator=gen, dtype=torch.int32)
+    logits = torch.randn(vocab, generator=gen) * 8
+    want = logits.clone()
+    rules.apply_(want, every_rule=True, bitmask=bitmask)
+    got = logits.to(dev)
+    triton_shaping.shape_logits_(got, rules.clone_to(dev), bitmask.to(dev))
+    bitwise(
+        f"logits rules kernel (penalties, bias, min_tokens, bitmask) V={vocab} == CPU reference", [got.cpu()], [want]
+    )
+    return RESULTS[-1][3]
+
+
 def torch_route(logits, bias, top_k, n_group, topk_group, scale):
     scores = logits.sigmoid()
     choice = scores + bias
@@ -1128,6 +1161,7 @@ def main():
         "batch": check_batch_invariance,
         "moe": check_moe,
         "prep": check_prep,
+        "shaping": check_shaping,
         "fp8": lambda d, small: check_fp8.check_fp8_kernels(d, small, report, rnd, DTYPE),
     }
     if dev.type == "cuda":

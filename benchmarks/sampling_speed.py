@@ -31,6 +31,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
+import check_kernels  # noqa: E402
 import torch
 from engine_configs import config_args  # noqa: E402
 from results_header import machine_kind, recorded, result_path, write_json  # noqa: E402
@@ -73,35 +74,6 @@ def train_tokenizer(out_dir: str, vocab_size: int) -> None:
     tok.train(files, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(out_dir)
-
-
-def check_kernel(vocab: int) -> bool:
-    """The engine's rules kernel (``ops.triton_shaping``) bit for bit against ``Shaping.apply_`` on the CPU, on
-    random logits, counts, masks and bitmask."""
-    from tilert.engines.shaping import Shaping
-    from tilert.engines.tilert.ops import triton_shaping
-
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, vocab, (3000,), generator=gen).tolist()
-    rules = Shaping(
-        vocab,
-        bias={t: float(b) for t, b in zip(ids[:500], torch.randn(500, generator=gen).tolist(), strict=True)},
-        banned_ids=ids[500:600],
-        stop_ids=ids[600:610],
-        min_tokens=5,
-        repetition_penalty=1.3,
-        frequency_penalty=0.7,
-        presence_penalty=0.3,
-        prompt_ids=ids[1000:2000],
-        output_ids=ids[2000:2003],
-    )
-    bitmask = torch.randint(-(2**31), 2**31 - 1, ((vocab + 31) // 32,), generator=gen, dtype=torch.int32)
-    logits = torch.randn(vocab, generator=gen) * 8
-    want = logits.clone()
-    rules.apply_(want, every_rule=True, bitmask=bitmask)
-    got = logits.cuda()
-    triton_shaping.shape_logits_(got, rules.clone_to("cuda"), bitmask.cuda())
-    return torch.equal(got.cpu(), want)
 
 
 def run_one(engine, params, eos, ctx, grammars, fast: bool) -> tuple[list[int], float]:
@@ -166,7 +138,7 @@ def main() -> None:
         "json": ({"grammar": Grammar(kind="json", spec=SCHEMA)}, open_bracket),
         "json+penalties": ({**penalties, "grammar": Grammar(kind="json", spec=SCHEMA)}, open_bracket),
     }
-    kernel_ok = check_kernel(engine.vocab_size)
+    kernel_ok = check_kernels.check_shaping(dev, vocab=engine.vocab_size)
     print(f"rules kernel == CPU reference (bit for bit): {kernel_ok}", flush=True)
     rows, speeds = [], {}
     for case, (fields, first) in cases.items():
