@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
     from anyio.streams.buffered import BufferedByteReceiveStream
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 4: the choices of a decode (Sampling.n, TokenLine.index, NodeHealth.max_choices)
 MAX_FRAME_BYTES = 64 << 10  # a control frame; offers are a few hundred bytes
 MAX_API_BODY_BYTES = 64 << 10  # a decode-node HTTP request body
 MAX_DECODE_BODY_BYTES = 32 << 20  # a reserve or decode request: its grammar, its prompt's token ids

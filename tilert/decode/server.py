@@ -2,8 +2,9 @@
 
 HTTP API (bodies and replies are the types of ``tilert.contracts``; every 4xx/5xx is an ``ErrorBody``):
 
-- ``POST /v1/reserve`` ``ReserveRequest`` -> ``ReserveResponse``; 429 when every slot is taken; 422 / 501
-  when the request's sampling is wrong for this model / more than this engine can honour. Idempotent.
+- ``POST /v1/reserve`` ``ReserveRequest`` -> ``ReserveResponse``; 429 when every slot is taken (a request of
+  ``n`` choices holds ``n``); 422 / 501 when the request's sampling is wrong for this model (``n`` above the
+  sequences it decodes at once included) / more than this engine can honour. Idempotent.
 - ``POST /v1/release`` ``ReleaseRequest`` -> ``ReleaseResponse``: frees the slot whatever its state and
   cancels a running decode; idempotent.
 - ``POST /v1/decode`` ``DecodeRequest`` -> 200 ``application/x-ndjson``: one ``TokenLine`` per step as it
