@@ -101,6 +101,22 @@ def test_sequences_in_the_engine_process_decode_what_they_decode_alone(model: Pa
         proc.close()
 
 
+def test_the_choices_of_a_job_cross_the_process_boundary_each_on_its_own(model: Path, prompts: list[Prompt]) -> None:
+    """A job of 3 choices: each choice's tokens and finish come back under its index, greedy ones as alone."""
+    proc = EngineProcess(_spec(model, 3))
+    try:
+        proc.attach([p.buffer for p in prompts])
+        p, sink = prompts[1], Sink()
+        params = DecodeParams("t", p.first, p.num_tokens, 7, temperature=0.0, n=3)
+        state = state_views(p.buffer, p.layouts, p.num_tokens)
+        proc.submit(Job(state, p.layouts, p.num_tokens, params, sink.emit, sink.done, threading.Event(), None, 1))
+        assert sink.ended.wait(60) and sink.result == Finish("length")
+        assert sink.choices == {0: p.alone[:7], 1: [p.first, *p.alone[:7]], 2: [p.first, *p.alone[:7]]}
+        assert sink.finishes == {i: Finish("length") for i in range(3)}
+    finally:
+        proc.close()
+
+
 def test_a_cancel_reaches_the_engine_process_and_frees_the_sequence(model: Path, prompts: list[Prompt]) -> None:
     proc = EngineProcess(_spec(model, 1))
     try:

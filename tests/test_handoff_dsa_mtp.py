@@ -312,7 +312,7 @@ def _decode_on_node(
                 lays,
                 PROMPT,
                 params,
-                lambda new, fin: ids.extend(new),
+                lambda new, fin, index: ids.extend(new),
                 done,
                 threading.Event(),
                 offer.last_token_id,

@@ -214,6 +214,24 @@ def test_reserve_is_idempotent_and_checks_the_sampling_first(node: Node) -> None
     node.assert_intact()
 
 
+def test_a_reserve_of_n_choices_holds_n_slots_and_more_than_the_node_decodes_is_refused(node: Node) -> None:
+    """``n`` choices decode as ``n`` sequences: the reserve holds ``n`` slots, an ``n`` above what the node decodes at
+    once (here its 2 slots) is refused at reserve with the reason, and a decode must ask the ``n`` it reserved."""
+    url, h = node.http + "/v1/reserve", node.headers
+    cap = node.health()["max_choices"]
+    assert cap == 2  # --slots 2, under the engine's sequences
+    over = httpx.post(url, json={"transfer_id": "n-over", "sampling": {"n": 3}}, headers=h, timeout=5)
+    assert over.status_code == 422 and "n must be at most 2" in over.json()["error"]["message"]
+    two = httpx.post(url, json={"transfer_id": "n-two", "sampling": {"n": 2, "temperature": 1.0}}, headers=h)
+    assert two.status_code == 200 and node.health()["slots_free"] == 0
+    full = httpx.post(url, json={"transfer_id": "n-one"}, headers=h, timeout=5)
+    assert full.status_code == 429
+    body = {"transfer_id": "n-two", "first_token_id": 1, "prompt_tokens": 3}  # n=1 for a reservation of 2
+    wrong = httpx.post(node.http + "/v1/decode", json=body, headers=h, timeout=5)
+    assert wrong.status_code == 400 and "reservation was for n=2" in wrong.json()["error"]["message"]
+    node.assert_intact()  # the refused decode released its reservation: both slots back
+
+
 def test_errors_name_no_internal_ids_and_bound_leases(node: Node) -> None:
     tid = "secret-transfer-id-123"
     resp = httpx.post(

@@ -1,4 +1,5 @@
-"""Structural rules of the router package, and the pool's Retry-After, checked without servers."""
+"""Structural rules of the router package, and the pool's Retry-After and its slots for requests of several
+choices, checked without servers."""
 
 from __future__ import annotations
 
@@ -50,3 +51,35 @@ def test_retry_after_follows_the_queue() -> None:
 
     alone, one_ahead, refused = anyio.run(main)
     assert 9 <= alone <= 11 and one_ahead >= 2 * alone - 1 and refused == one_ahead
+
+
+def test_a_request_of_n_choices_takes_n_slots_in_arrival_order() -> None:
+    """A request of 3 choices waits for 3 free slots of one node; one of 1 behind it waits behind it although a slot
+    is free; giving back frees what was taken; more choices than any node decodes is the pool's 400 naming ``n``."""
+
+    async def main() -> None:
+        pool = DecodePool([DecodeNodeSpec("127.0.0.1", 1, 2)], max_queue=4, retry_after_s=1, metrics=RouterMetrics("m"))
+        node = pool.nodes[0]
+        pool.update_health(node, True, slots_total=4, slots_free=4, error=None, max_choices=3)
+        first = await pool.acquire(anyio.current_time() + 1, need=2)
+        assert node.in_use == 2
+        got: list[str] = []
+
+        async def take(name: str, need: int) -> None:
+            await pool.acquire(anyio.current_time() + 5, need=need)
+            got.append(name)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(take, "three", 3)
+            await await_until(lambda: pool.queue_depth == 1, 5, "the request of 3 in the queue")
+            tg.start_soon(take, "one", 1)
+            await await_until(lambda: pool.queue_depth == 2, 5, "the request of 1 behind it")
+            assert got == [] and node.in_use == 2  # two slots free, but the first in line needs three
+            pool.give_back(first, need=2)
+            await await_until(lambda: got == ["three", "one"], 5, "both granted, in arrival order")
+        assert node.in_use == 4
+        assert pool.choices_refusal(3) is None and pool.choices_refusal(1) is None
+        refused = pool.choices_refusal(4)
+        assert refused is not None and (refused.status, refused.param) == (400, "n") and "at most 3" in refused.message
+
+    anyio.run(main)

@@ -23,7 +23,6 @@ KV = {"tilert_host": "10.0.0.1", "tilert_ctrl_port": 7000, "tilert_transfer_id":
 
 # A realistic value that is not neutral, for every refused field (a new refused field needs one here).
 NON_NEUTRAL: dict[str, Any] = {
-    "n": 2,
     "use_beam_search": True,
     "length_penalty": 0.8,
     "frequency_penalty": 0.5,
@@ -589,3 +588,32 @@ def test_random_json_bodies_are_a_plan_or_a_4xx(route: str, extra: dict[str, Any
 @given(st.sampled_from(ROUTES), st.binary(max_size=64) | JSON.map(lambda v: json.dumps(v).encode()))
 def test_random_bytes_are_a_plan_or_a_4xx(route: str, raw: bytes) -> None:
     check_outcome(route, raw)
+
+
+# --- n: vLLM's limits, and the prefill samples one choice ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_n_choices_are_the_decodes_not_the_prefills(route: str) -> None:
+    plan = plan_of(route, with_base(route, n=3, seed=4))
+    assert plan.n == 3 and plan.fast_pool_refusal is None and not plan.resumable
+    body = prefill_json(plan)
+    assert "n" not in body and body["seed"] == 4  # vLLM samples choice 0's first token, one choice
+    assert plan_of(route, with_base(route)).n == 1 and plan_of(route, with_base(route, n=None)).n == 1
+
+
+@pytest.mark.parametrize(
+    ("fields", "defaults", "message"),
+    [
+        ({"n": 0}, {}, "n must be at least 1, got 0."),
+        ({"n": -3}, {}, "n must be at least 1, got -3."),
+        ({"n": 2, "temperature": 0}, {}, "n must be 1 when using greedy sampling, got 2."),
+        ({"n": 2, "temperature": 1e-6}, {}, "n must be 1 when using greedy sampling, got 2."),
+        ({"n": 2}, {"temperature": 0.0}, "n must be 1 when using greedy sampling, got 2."),  # the model's default
+    ],
+)
+def test_n_is_refused_as_vllm_refuses_it(fields: dict[str, Any], defaults: dict[str, Any], message: str) -> None:
+    for route in ROUTES:
+        err = refusal(route, with_base(route, **fields), sampling_defaults=defaults)
+        assert (err.status, err.param, err.message) == (400, "n", message)
+    assert plan_of("chat", with_base("chat", n=2), sampling_defaults={"temperature": 0.7}).n == 2

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
     from anyio.streams.buffered import BufferedByteReceiveStream
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 4: the choices of a decode (Sampling.n, TokenLine.index, NodeHealth.max_choices)
 MAX_FRAME_BYTES = 64 << 10  # a control frame; offers are a few hundred bytes
 MAX_API_BODY_BYTES = 64 << 10  # a decode-node HTTP request body
 MAX_DECODE_BODY_BYTES = 32 << 20  # a reserve or decode request: its grammar, its prompt's token ids
@@ -70,6 +70,7 @@ MAX_BAD_WORD_TOKENS = 128
 MAX_GRAMMAR_CHARS = 1 << 20  # a structured-output grammar or JSON schema, as text
 MAX_PROMPT_TOKEN_IDS = 1 << 21  # the prompt's ids a decode request carries for the repetition penalty
 MAX_REASON_CHARS = 2000
+MAX_CHOICES = 1 << 10  # n of a decode: the choices (engine sequences) one request decodes from its prompt
 
 TransferId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
@@ -438,7 +439,9 @@ class Sampling(_Strict):
     ``allowed_token_ids``, ``bad_words_token_ids`` (vLLM's tokenization of ``bad_words``), ``min_tokens`` (stop
     ids and EOS masked until the completion has that many tokens), ``logit_bias`` (clamped to +-100 as vLLM
     does), then the repetition (prompt and completion tokens), frequency and presence (completion tokens)
-    penalties; ``min_p`` after the temperature."""
+    penalties; ``min_p`` after the temperature. ``n``: the choices decoded from the one handed-off prompt, each an
+    engine sequence of its own with its own sampler (a reservation takes ``n`` of the node's slots); choice 0
+    continues from prefill's first token, every other samples its own from the prompt's last position."""
 
     max_tokens: Count | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0, le=1e6)] | None = None
@@ -456,6 +459,7 @@ class Sampling(_Strict):
     allowed_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_LOGIT_BIAS)] | None = None
     bad_words_token_ids: Annotated[list[BadWord], msgspec.Meta(max_length=MAX_BAD_WORDS)] = []
     grammar: Grammar | None = None  # structured output: the tokens each step may take (before every rule above)
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHOICES)] = 1
 
 
 class ReserveRequest(_Strict):
@@ -519,11 +523,13 @@ class TokenLine(_Line, tag="tokens"):
     """Tokens of one decode step, sent as soon as they exist. The last line of a decode carries
     ``finish_reason``: this node alone decides when decoding is over. ``stop``: the line's last token is
     EOS or one of the request's stop ids (``stop_token_id`` names a stop id; null for EOS); ``length``:
-    ``max_tokens`` or the end of the context was reached."""
+    ``max_tokens`` or the end of the context was reached. ``index``: the choice the line belongs to (of a decode
+    with ``n`` > 1, whose choices interleave on the stream and finish each on its own line)."""
 
     token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_LINE_TOKENS)]
     finish_reason: FinishReason | None = None
     stop_token_id: TokenId | None = None
+    index: Annotated[int, msgspec.Meta(ge=0, lt=MAX_CHOICES)] = 0
 
 
 class ErrorLine(_Line, tag="error"):
@@ -537,30 +543,40 @@ DecodeLine = TokenLine | ErrorLine
 
 
 def join_lines(lines: Sequence[TokenLine]) -> TokenLine:
-    """Consecutive token lines of one stream as one line: their tokens in order, the last line's finish (only
-    the last line of a stream has one). A side that fell behind sends or relays what queued up at once;
+    """Consecutive token lines of one stream (one choice) as one line: their tokens in order, the last line's
+    finish (only the last line of a choice has one). A side that fell behind sends or relays what queued up at once;
     at most :data:`MAX_LINE_TOKENS` tokens in all."""
     if len(lines) == 1:
         return lines[0]
     if any(line.finish_reason is not None for line in lines[:-1]):
         raise ValueError("only the last of the joined lines may carry the finish")
+    if any(line.index != lines[0].index for line in lines):
+        raise ValueError("only lines of one choice may be joined")
     ids = [t for line in lines for t in line.token_ids]
     if len(ids) > MAX_LINE_TOKENS:
         raise ValueError(f"{len(ids)} tokens is more than one line holds ({MAX_LINE_TOKENS})")
     last = lines[-1]
-    return TokenLine(ids, last.finish_reason, last.stop_token_id)
+    return TokenLine(ids, last.finish_reason, last.stop_token_id, last.index)
 
 
 def join_runs(items: Sequence[T]) -> list[T | TokenLine]:
     """``items`` in order with each run of token lines joined (:func:`join_lines`, up to :data:`MAX_LINE_TOKENS`
     tokens a line, never past a finish: what follows a last line stays separate, for the reader to refuse);
-    anything else (an error line, the decode node's own end-of-stream markers) is passed as it is."""
+    anything else (an error line, the decode node's own end-of-stream markers) is passed as it is. The lines of
+    several choices (``n`` > 1) between two such items are joined choice by choice, each choice's in order."""
+    if len(items) == 1:
+        return list(items)
     out: list[T | TokenLine] = []
     run: list[TokenLine] = []
     count = 0  # tokens in run
-    for item in items:
+    for item in _by_choice(items):
         if isinstance(item, TokenLine):
-            if run and run[-1].finish_reason is None and count + len(item.token_ids) <= MAX_LINE_TOKENS:
+            if (
+                run
+                and run[-1].index == item.index
+                and run[-1].finish_reason is None
+                and count + len(item.token_ids) <= MAX_LINE_TOKENS
+            ):
                 run.append(item)
                 count += len(item.token_ids)
                 continue
@@ -571,6 +587,22 @@ def join_runs(items: Sequence[T]) -> list[T | TokenLine]:
             out.append(item)
     if run:
         out.append(join_lines(run))
+    return out
+
+
+def _by_choice(items: Sequence[T]) -> list[T | TokenLine]:
+    """``items`` with each stretch of consecutive token lines grouped by choice (stably: a choice's lines keep their
+    order, the choices the order of their first line); anything else stays where it is."""
+    out: list[T | TokenLine] = []
+    stretch: dict[int, list[TokenLine]] = {}
+    for item in items:
+        if isinstance(item, TokenLine):
+            stretch.setdefault(item.index, []).append(item)
+            continue
+        out += [line for lines in stretch.values() for line in lines]
+        stretch = {}
+        out.append(item)
+    out += [line for lines in stretch.values() for line in lines]
     return out
 
 
@@ -598,6 +630,7 @@ class NodeHealth(_Strict):
     decodes_completed: Count
     capabilities: EngineInfo
     max_lease_s: Annotated[float, msgspec.Meta(gt=0)] | None = None  # the longest reservation lease it grants
+    max_choices: Count | None = None  # the largest ``n`` a reserve gets here (the sequences its engine decodes at once)
 
 
 class ErrorDetail(_Strict):
@@ -652,6 +685,7 @@ class EngineParams(_Strict):
     bad_words_token_ids: list[list[TokenId]]
     prompt_token_ids: list[TokenId]
     grammar: Grammar | None
+    n: Count
 
 
 class EngineReady(_EngineMsg, tag="ready"):
@@ -690,12 +724,13 @@ class EngineStop(_EngineMsg, tag="stop"):
 
 
 class EngineTokens(_EngineMsg, tag="tokens"):
-    """A step's new tokens of ``job``; ``finish`` set on its last (as :class:`TokenLine`)."""
+    """A step's new tokens of ``job``'s choice ``index``; ``finish`` set on its last (as :class:`TokenLine`)."""
 
     job: Count
     token_ids: list[TokenId]
     finish: Literal["stop", "length"] | None = None
     stop_token_id: TokenId | None = None
+    index: Count = 0
 
 
 class EngineStep(_EngineMsg, tag="step"):

@@ -15,10 +15,16 @@ class Sink:
     finish: list[Finish | None] = field(default_factory=list)
     result: Finish | BaseException | None = None
     ended: threading.Event = field(default_factory=threading.Event)
+    choices: dict[int, list[int]] = field(default_factory=dict)  # each choice's ids (a job of n choices)
+    finishes: dict[int, Finish] = field(default_factory=dict)  # each choice's finish, once it sent it
 
-    def emit(self, ids: list[int], finish: Finish | None) -> None:
+    def emit(self, ids: list[int], finish: Finish | None, index: int = 0) -> None:
         self.ids.extend(ids)
         self.finish.append(finish)
+        self.choices.setdefault(index, []).extend(ids)
+        if finish is not None:
+            assert index not in self.finishes, f"choice {index} sent a second finish"
+            self.finishes[index] = finish
 
     def done(self, result: Finish | BaseException) -> None:
         self.result = result

@@ -10,9 +10,17 @@ engine sequence (cache rows), the rest wait their turn in arrival order.
   (``engine.decode_step``, or ``decode_step_greedy`` when all of them are greedy). The engine's kernels are
   batch-invariant, so each sequence's tokens are exactly those it would get alone.
 
-Each job reports through its callbacks, from this thread: ``emit(ids, finish)`` as in
-:class:`~tilert.decode.generate.SequenceRun`, then ``done(finish)`` (or ``done(exception)`` when the engine
-failed: every sequence of that step ends with it, and the thread serves on).
+A job of ``n`` choices (``DecodeParams.n``) takes ``n`` engine sequences at once, each injected with the same
+prompt state and sampled on its own: it is admitted when ``n`` sequences are free, in arrival order (the jobs
+behind it wait behind it, so none starves), and gives every sequence back as its choices end. Choice 0 goes on
+from prefill's first token; the others draw their own first token from the prompt's last position (recomputed
+from the handed-off state and the prompt's last token) with their own random stream, seeded ``seed + index`` as
+vLLM seeds a parallel-sampling request's children (greedy: prefill's token is every choice's).
+
+Each job reports through its callbacks, from this thread: ``emit(ids, finish, index)`` for choice ``index`` as
+in :class:`~tilert.decode.generate.SequenceRun` (every choice that ends by stop or length sends its finish, on
+an empty line when it had no token left to send), then ``done(finish)`` once all its choices ended
+(``done(exception)`` when the engine failed: every sequence of that step ends with it, and the thread serves on).
 """
 
 from __future__ import annotations
@@ -22,17 +30,19 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import structlog
 import torch
 
 from tilert.decode.generate import Emit, Finish, SequenceRun, decode_alone
 from tilert.decode.grammar import Grammars
-from tilert.decode.sampling import DecodeParams
+from tilert.decode.sampling import DecodeParams, Sampler, seeded_generator
 from tilert.engines.base import DecodeEngine, KVLayout
 
 log = structlog.get_logger("tilert.decode.batch")
+
+ChoiceEmit = Callable[[list[int], Finish | None, int], None]  # (new ids, finish, choice index)
 
 
 @dataclass
@@ -43,11 +53,31 @@ class Job:
     layouts: dict[str, KVLayout]
     num_tokens: int
     params: DecodeParams
-    emit: Emit
+    emit: ChoiceEmit
     done: Callable[[Finish | BaseException], None]
     cancel: threading.Event
     last_token_id: int | None = None  # the prompt's last token, when the prefill side sent it
     slot: int = -1  # the receive slot holding ``state`` (an engine in another process reads it from there)
+
+
+@dataclass(eq=False)
+class _Running:
+    """A job in the engine: the sequence of each of its choices, the choices that sent their finish, and how many
+    are still decoding."""
+
+    job: Job
+    seqs: list[int]
+    left: int = 0
+    finished: set[int] = field(default_factory=set)
+    cancelled: bool = False
+
+    def emit_for(self, index: int) -> Emit:
+        def emit(ids: list[int], finish: Finish | None) -> None:
+            if finish is not None:
+                self.finished.add(index)
+            self.job.emit(ids, finish, index)
+
+        return emit
 
 
 class DecodeBatch:
@@ -70,7 +100,7 @@ class DecodeBatch:
         self.max_sequences = max(1, engine.capabilities().max_sequences)
         self._cv = threading.Condition()
         self._waiting: deque[Job] = deque()
-        self._active: dict[int, tuple[Job, SequenceRun]] = {}
+        self._active: dict[int, tuple[_Running, SequenceRun]] = {}  # by engine sequence
         self._free = list(range(self.max_sequences))
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="tilert-decode-batch", daemon=True)
@@ -130,45 +160,110 @@ class DecodeBatch:
             self._reap()
 
     def _waiting_for_room(self) -> bool:
-        """A request is waiting and a sequence is free for it: leave the single-sequence fast path."""
-        return bool(self._waiting) and bool(self._free)
+        """A request is waiting and the sequences it needs are free (or it can never have them: it is refused
+        then): leave the single-sequence fast path."""
+        if not self._waiting:
+            return False
+        n = self._waiting[0].params.n
+        return n > self.max_sequences or len(self._free) >= n
 
     def _admit(self) -> None:
-        while self._free:
+        """Start the waiting jobs, in arrival order, while the first has the sequences it needs."""
+        while True:
             with self._cv:
-                if not self._waiting:
+                if not self._waiting_for_room():
                     return
                 job = self._waiting.popleft()
-            seq = self._free.pop(0)
+            if job.params.n > self.max_sequences:
+                job.done(ValueError(f"n={job.params.n}: this engine decodes {self.max_sequences} sequences at once"))
+                continue
+            running = _Running(job, [self._free.pop(0) for _ in range(job.params.n)])
             try:
-                run = SequenceRun(
-                    self.engine, job.params, self.eos, job.num_tokens, job.emit, job.cancel, seq, self.grammars
-                )
-                self.engine.inject(job.state, job.layouts, job.num_tokens, seq=seq, last_token_id=job.last_token_id)
+                runs = self._start(running)
             except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
                 log.exception("decode_admit_failed", transfer_id=job.params.transfer_id)
-                self._free.append(seq)
+                self._free.extend(running.seqs)
                 job.done(exc)
                 continue
-            self._active[seq] = (job, run)
+            for run in runs:
+                self._active[run.seq] = (running, run)
+            running.left = len(runs)
+
+    def _start(self, running: _Running) -> list[SequenceRun]:
+        """Each choice's run, its first token and its sequence injected with the prompt state (a choice whose
+        first token already ends it is sent its finish here)."""
+        job, seqs = running.job, running.seqs
+        p = job.params
+        first = SequenceRun(
+            self.engine, p, self.eos, job.num_tokens, running.emit_for(0), job.cancel, seqs[0], self.grammars
+        )
+        runs = [first]
+        for i, (token, generator) in enumerate(self._first_tokens(job, first, seqs), start=1):
+            child = replace(p, first_token_id=token, seed=None if p.seed is None else p.seed + i)
+            emit = running.emit_for(i)
+            run = SequenceRun(
+                self.engine, child, self.eos, job.num_tokens, emit, job.cancel, seqs[i], self.grammars, generator
+            )
+            if token in run.eos or token in run.stop_ids:
+                run.finish = Finish("stop", None if token in run.eos else token)
+            emit([token], run.finish)  # its first token: the router has prefill's for choice 0 only
+            runs.append(run)
+        for seq in seqs:
+            self.engine.inject(job.state, job.layouts, job.num_tokens, seq=seq, last_token_id=job.last_token_id)
+        return runs
+
+    def _first_tokens(self, job: Job, first: SequenceRun, seqs: list[int]) -> list[tuple[int, torch.Generator | None]]:
+        """The first token of choices 1..n-1 and the random stream each goes on with. Greedy: prefill's token.
+        Sampled: drawn from the logits of the prompt's last position, recomputed in choice 1's sequence from the
+        prompt state and the prompt's last token (its row is written again with the same token; every sequence is
+        injected afresh after this), each choice with the rules of an empty completion and its own stream."""
+        p = job.params
+        if p.n == 1 or p.greedy:
+            return [(p.first_token_id, None)] * (p.n - 1)
+        if job.last_token_id is None:
+            raise ValueError("n > 1 with sampling needs the prompt's last token, which the prefill side did not send")
+        self.engine.inject(job.state, job.layouts, job.num_tokens, seq=seqs[1])
+        logits = self.engine.forward(torch.tensor([job.last_token_id], dtype=torch.long), job.num_tokens - 1, seqs[1])
+        stop = first.eos | first.stop_ids
+        out: list[tuple[int, torch.Generator | None]] = []
+        for i in range(1, p.n):
+            generator = seeded_generator(None if p.seed is None else p.seed + i)  # vLLM: child i's seed is seed + i
+            matcher = None if self.grammars is None or p.grammar is None else self.grammars.matcher(p.grammar, stop)
+            out.append((Sampler(p, stop, matcher, generator, completion=[])(logits[-1]), generator))
+        return out
 
     def _reap(self) -> None:
-        for seq, (job, run) in list(self._active.items()):
+        for seq, (running, run) in list(self._active.items()):
             if run.check_cancel():
                 del self._active[seq]
                 self._free.append(seq)
-                assert run.finish is not None
-                job.done(run.finish)
+                self._ended(running, run, running.seqs.index(seq))
+
+    def _ended(self, running: _Running, run: SequenceRun, index: int) -> None:
+        """Choice ``index`` of ``running`` ended: its finish sent (if it had no token left to carry it), and the
+        job done once every choice has ended."""
+        finish = run.finish
+        assert finish is not None
+        if finish.reason == "cancelled":
+            running.cancelled = True
+        elif index not in running.finished:
+            running.emit_for(index)([], finish)
+        running.left -= 1
+        if running.left == 0:
+            running.job.done(Finish("cancelled") if running.cancelled else finish)
 
     def _fail_all(self, exc: BaseException) -> None:
-        for seq, (job, _) in list(self._active.items()):
+        failed: dict[int, _Running] = {}
+        for seq, (running, _) in list(self._active.items()):
             del self._active[seq]
             self._free.append(seq)
-            job.done(exc)
+            failed[id(running)] = running
+        for running in failed.values():
+            running.job.done(exc)
 
     def _step_all(self) -> None:
         """One token for every active sequence in one engine step."""
-        items = [(job, run) for job, run in self._active.values() if not run.check_cancel()]
+        items = [(running, run) for running, run in self._active.values() if not run.check_cancel()]
         if not items:
             return
         tokens, positions, seqs = [r.token for _, r in items], [r.pos for _, r in items], [r.seq for _, r in items]

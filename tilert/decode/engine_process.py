@@ -10,8 +10,9 @@ the child over a pipe in the typed messages of :mod:`tilert.contracts` (part 5):
                                         <-  EngineReady(name, vocab, capabilities, layouts)
     the receive buffers (shared memory) ->  mapped once, by torch's tensor sharing
     EngineSubmit(job, slot, layouts...) ->  DecodeBatch.submit
-                                        <-  EngineTokens(job, ids[, finish]) ... EngineJobDone(job, finish | error)
-                                            (a step of several sequences: their tokens in one EngineStep)
+                                        <-  EngineTokens(job, ids[, finish, choice]) ... EngineJobDone(job, ...)
+                                            (finish | error; a step of several sequences: their tokens in one
+                                            EngineStep)
     EngineCancel(job)                   ->  the job's cancel flag (checked between steps)
     EngineCheck(call, layouts)          ->  <- EngineCheckResult(call, error)
     EngineStop / the pipe closed        ->  the batch closes, the process ends
@@ -295,7 +296,7 @@ class EngineProcess:
         if job is None:
             return
         if isinstance(ev, c.EngineTokens):
-            job.emit(ev.token_ids, None if ev.finish is None else Finish(ev.finish, ev.stop_token_id))
+            job.emit(ev.token_ids, None if ev.finish is None else Finish(ev.finish, ev.stop_token_id), ev.index)
         elif isinstance(ev, c.EngineJobDone):
             job.done(
                 EngineProcessError(ev.error)
@@ -400,11 +401,11 @@ def _serve(
         key, cancel = cmd.job, threading.Event()
         cancels[key] = cancel
 
-        def emit(ids: list[int], finish: Finish | None) -> None:
+        def emit(ids: list[int], finish: Finish | None, index: int) -> None:
             send(
-                c.EngineTokens(key, ids, None, None)
+                c.EngineTokens(key, ids, None, None, index)
                 if finish is None
-                else c.EngineTokens(key, ids, finish.reason, finish.stop_token_id)  # type: ignore[arg-type]
+                else c.EngineTokens(key, ids, finish.reason, finish.stop_token_id, index)  # type: ignore[arg-type]
             )
 
         def done(result: Finish | BaseException) -> None:

@@ -68,7 +68,10 @@ class SequenceRun:
         cancel: threading.Event,
         seq: int = 0,
         grammars: Grammars | None = None,
+        generator: torch.Generator | None = None,
     ) -> None:
+        """``generator``: the sequence's random stream when it began before the run (a choice that drew its own
+        first token); by default the sampler's own, seeded with ``params.seed``."""
         caps = engine.capabilities()
         room = caps.max_seq_len - num_tokens if caps.max_seq_len > 0 else None  # steps the cache has left
         limits = [n for n in (params.max_tokens, room) if n is not None]
@@ -84,7 +87,7 @@ class SequenceRun:
                 raise ValueError("this decode has no grammar compiler: structured outputs cannot be served")
             matcher = grammars.matcher(params.grammar, self.eos | self.stop_ids)
             matcher.accept([params.first_token_id])  # prefill's token, sampled under the same grammar
-        self.sampler = Sampler(params, self.eos | self.stop_ids, matcher)
+        self.sampler = Sampler(params, self.eos | self.stop_ids, matcher, generator)
         self.token, self.pos, self.produced = params.first_token_id, num_tokens, 0
         self.finish: Finish | None = None if self.limit > 0 else Finish("length")
 

@@ -46,6 +46,7 @@ class DecodeParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     prompt_token_ids: tuple[int, ...] = ()
     grammar: Grammar | None = None
+    n: int = 1  # choices decoded from the prompt (each an engine sequence of its own)
 
     @property
     def greedy(self) -> bool:
@@ -120,6 +121,7 @@ class DecodeParams:
             bad_words_token_ids=tuple(tuple(w) for w in s.bad_words_token_ids),
             prompt_token_ids=tuple(prompt_token_ids or ()) if repetition_penalty != 1.0 else (),
             grammar=s.grammar,
+            n=s.n,
         )
 
     def unsupported(self, caps: Capabilities) -> str | None:
@@ -142,10 +144,11 @@ class LogitsRules:
     first step), which an engine can also apply inside its own steps (:attr:`device_ready`); only bad words of
     several tokens, which look back on the completion, stay here."""
 
-    def __init__(self, params: DecodeParams, stop_ids: frozenset[int]) -> None:
+    def __init__(self, params: DecodeParams, stop_ids: frozenset[int], output: list[int] | None = None) -> None:
+        """``output``: the completion so far (by default prefill's first token)."""
         self.params = params
         self.stop_ids = sorted(stop_ids)  # masked while the completion is shorter than min_tokens
-        self.output: list[int] = [params.first_token_id]
+        self.output: list[int] = [params.first_token_id] if output is None else list(output)
         self._shaping: Shaping | None = None
         self._long_words = [w for w in params.bad_words_token_ids if len(w) > 1]
 
@@ -197,19 +200,25 @@ class LogitsRules:
 
 class Sampler:
     """One sequence's sampler: its grammar's mask (``matcher``), then :class:`LogitsRules`, then greedy or the
-    temperature, ``min_p``, top-k and top-p."""
+    temperature, ``min_p``, top-k and top-p.
+
+    ``generator``: the sequence's random stream (by default a new one, seeded with ``params.seed``);
+    ``completion``: the completion so far (by default prefill's first token; empty for a sampler that draws the
+    first token itself)."""
 
     def __init__(
-        self, params: DecodeParams, stop_ids: frozenset[int] = frozenset(), matcher: Matcher | None = None
+        self,
+        params: DecodeParams,
+        stop_ids: frozenset[int] = frozenset(),
+        matcher: Matcher | None = None,
+        generator: torch.Generator | None = None,
+        completion: list[int] | None = None,
     ) -> None:
         self.params = params
         self.matcher = matcher
-        self.rules = LogitsRules(params, stop_ids) if params.shapes_logits else None
-        self.generator = torch.Generator()
-        if params.seed is not None:
-            self.generator.manual_seed(params.seed & 0xFFFF_FFFF_FFFF_FFFF)
-        else:
-            self.generator.seed()
+        shaped = params.shapes_logits or (completion is not None and len(completion) < params.min_tokens)
+        self.rules = LogitsRules(params, stop_ids, completion) if shaped else None
+        self.generator = generator if generator is not None else seeded_generator(params.seed)
 
     def observe(self, tokens: list[int]) -> None:
         """The tokens the sequence emitted (what the penalties and bad words look back on)."""
@@ -244,3 +253,13 @@ class Sampler:
             sorted_probs = sorted_probs * keep
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def seeded_generator(seed: int | None) -> torch.Generator:
+    """A sequence's random stream: seeded with ``seed`` (as 64 bits), or from the system's entropy when None."""
+    generator = torch.Generator()
+    if seed is not None:
+        generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+    else:
+        generator.seed()
+    return generator

@@ -2,8 +2,9 @@
 
 HTTP API (bodies and replies are the types of ``tilert.contracts``; every 4xx/5xx is an ``ErrorBody``):
 
-- ``POST /v1/reserve`` ``ReserveRequest`` -> ``ReserveResponse``; 429 when every slot is taken; 422 / 501
-  when the request's sampling is wrong for this model / more than this engine can honour. Idempotent.
+- ``POST /v1/reserve`` ``ReserveRequest`` -> ``ReserveResponse``; 429 when every slot is taken (a request of
+  ``n`` choices holds ``n``); 422 / 501 when the request's sampling is wrong for this model (``n`` above the
+  sequences it decodes at once included) / more than this engine can honour. Idempotent.
 - ``POST /v1/release`` ``ReleaseRequest`` -> ``ReleaseResponse``: frees the slot whatever its state and
   cancels a running decode; idempotent.
 - ``POST /v1/decode`` ``DecodeRequest`` -> 200 ``application/x-ndjson``: one ``TokenLine`` per step as it
@@ -197,12 +198,13 @@ class DecodeNode:
             raise SlotError(f"lease_s must be at most {self.config.max_lease_s:g} on this node", 400)
         if body.sampling is not None:
             try:
+                self._check_choices(body.sampling.n)
                 self._check(self._sampling(body.transfer_id, body.sampling))
             except SlotError as exc:  # an offer already waiting for this reservation stops now
                 self.table.release(body.transfer_id, f"its reserve was refused: {exc}")
                 # 422: the client's request is wrong for this model (a 400 here is the router's own fault)
                 raise SlotError(str(exc), 422 if exc.status == 400 else exc.status) from None
-        slot = self.table.reserve(body.transfer_id, body.lease_s)
+        slot = self.table.reserve(body.transfer_id, body.lease_s, body.sampling.n if body.sampling else 1)
         self.metrics.slots(len(self.table.slots), self.table.free)
         return _ok(c.ReserveResponse(body.transfer_id, slot.index, self.config.max_seq_len))
 
@@ -233,6 +235,7 @@ class DecodeNode:
                 decodes_completed=self.decodes_completed,
                 capabilities=c.EngineInfo(caps.temperature, caps.top_p, caps.top_k, caps.mtp, caps.pipelined_greedy),
                 max_lease_s=self.config.max_lease_s,
+                max_choices=self.max_choices,
             )
         )
 
@@ -266,8 +269,10 @@ class DecodeNode:
 
     async def decode(self, request: Request) -> Response:
         req = await _read(request, c.DecodeRequest, c.MAX_DECODE_BODY_BYTES)
-        self.table.hold(req.transfer_id)  # queued behind a running decode, it must not expire
+        slot = self.table.hold(req.transfer_id)  # queued behind a running decode, it must not expire
         try:
+            if req.sampling.n != slot.n:
+                raise SlotError(f"n={req.sampling.n}, but the reservation was for n={slot.n}", 400)
             params = self._params(req)
         except SlotError:
             self.table.release(req.transfer_id, "refused")
@@ -319,6 +324,19 @@ class DecodeNode:
         except ValueError as exc:
             raise SlotError(str(exc), 400) from None
 
+    @property
+    def max_choices(self) -> int:
+        """The largest ``n`` this node decodes: a choice is an engine sequence, and a slot of the table."""
+        return min(self.engine.capabilities().max_sequences, len(self.table.slots))
+
+    def _check_choices(self, n: int) -> None:
+        """400 (a 422 at the reserve) when ``n`` is more than this node ever decodes at once."""
+        if n > self.max_choices:
+            raise SlotError(
+                f"n must be at most {self.max_choices} on this decode node (the sequences it decodes at once), got {n}",
+                400,
+            )
+
     def _check(self, params: DecodeParams) -> None:
         """501 when this engine cannot honour the request's sampling."""
         unsupported = params.unsupported(self.engine.capabilities())
@@ -334,10 +352,13 @@ class DecodeNode:
         try:
             await self.table.wait_ready(tid, self.config.transfer_timeout_s)
             self.metrics.transfer_wait(anyio.current_time() - started)
+            finished = 0  # choices that sent their finish
             async for line in self._run(params, bound, progress):
                 if isinstance(line, c.TokenLine) and line.finish_reason is not None:
-                    outcome = line.finish_reason
-                    self.decodes_completed += 1
+                    finished += 1
+                    if finished == params.n:
+                        outcome = line.finish_reason
+                        self.decodes_completed += 1
                 yield c.dump_line(line)
         except SlotError as exc:
             bound.warning("decode_refused", reason=str(exc))
@@ -360,8 +381,12 @@ class DecodeNode:
         loop = asyncio.get_running_loop()
         send, receive = anyio.create_memory_object_stream[_Item](math.inf)
 
-        def emit(ids: list[int], finish: Finish | None) -> None:
-            line = c.TokenLine(ids) if finish is None else c.TokenLine(ids, finish.reason, finish.stop_token_id)  # type: ignore[arg-type]
+        def emit(ids: list[int], finish: Finish | None, index: int) -> None:
+            line = (
+                c.TokenLine(ids, index=index)
+                if finish is None
+                else c.TokenLine(ids, finish.reason, finish.stop_token_id, index)  # type: ignore[arg-type]
+            )
             loop.call_soon_threadsafe(send.send_nowait, line)
 
         def done(result: Finish | BaseException) -> None:
@@ -373,19 +398,19 @@ class DecodeNode:
         except EngineProcessError as exc:
             raise SlotError(f"decode engine unavailable: {exc}", 503) from None
         self.metrics.requests(self.batch.running, self.batch.waiting)
-        last, finished = anyio.current_time(), False
+        last, finished = anyio.current_time(), 0  # choices that sent their finish
         submitted = last
         try:
             async with receive:
                 async for item in _joined(receive):
                     if not isinstance(item, c.TokenLine):
-                        if not finished:
+                        if finished < params.n:
                             yield self._last_line(item, bound)
                         return
                     now = anyio.current_time()
                     self.metrics.tokens(len(item.token_ids), now - last)
                     progress.generated(len(item.token_ids), now - submitted)
-                    last, finished = now, item.finish_reason is not None
+                    last, finished = now, finished + (item.finish_reason is not None)
                     yield item
         finally:
             slot.cancel.set()  # the reader left (or the decode ended): the batch drops the sequence
@@ -394,13 +419,14 @@ class DecodeNode:
     def _last_line(
         result: Finish | BaseException, bound: structlog.typing.FilteringBoundLogger
     ) -> c.TokenLine | c.ErrorLine:
-        """The closing line when the decode ended without emitting its finish (nothing left to emit)."""
-        if isinstance(result, Finish) and result.reason in ("stop", "length"):
-            return c.TokenLine([], result.reason, result.stop_token_id)
+        """The closing line when the decode ended before each of its choices sent its finish (the batch sends the
+        finish of every choice that ends by stop or length): it failed or was cancelled."""
         if isinstance(result, BaseException):
             bound.error("decode_failed", error=f"{type(result).__name__}: {result}")
             return c.ErrorLine(500, f"decode engine failed: {type(result).__name__}")
-        return c.ErrorLine(500, "decode cancelled")
+        if result.reason == "cancelled":
+            return c.ErrorLine(500, "decode cancelled")
+        return c.ErrorLine(500, "decode ended before each of its choices sent its finish")
 
     # ---- lifecycle ----------------------------------------------------------------------------
 

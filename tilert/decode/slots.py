@@ -65,6 +65,7 @@ class Slot:
     offer: Offer | None = None
     grant: dict[str, str | int] | None = None
     error: str | None = None
+    n: int = 1  # the choices its request decodes: the slots of the table it holds
     cancel: threading.Event = field(default_factory=threading.Event)
     changed: anyio.Event = field(default_factory=anyio.Event)
 
@@ -131,7 +132,9 @@ class SlotTable:
 
     @property
     def free(self) -> int:
-        return sum(s.state is SlotState.FREE for s in self.slots)
+        """Slots free: a request of ``n`` choices holds ``n`` (its receive buffer and ``n - 1`` more), so the table
+        never grants more sequences than it has slots."""
+        return len(self.slots) - sum(s.n for s in self.slots if s.state is not SlotState.FREE)
 
     def get(self, tid: str) -> Slot:
         slot = self._by_tid.get(tid)
@@ -144,10 +147,10 @@ class SlotTable:
 
     # ---- transitions ----------------------------------------------------------------------
 
-    def reserve(self, tid: str, lease_s: float | None = None) -> Slot:
-        """A free slot for ``tid``. Idempotent: a repeated reserve (a router retrying one whose answer a
-        dropped connection lost) gets the same slot, its lease renewed while it still waits for data; an id
-        released or refused before is refused (409)."""
+    def reserve(self, tid: str, lease_s: float | None = None, n: int = 1) -> Slot:
+        """A free slot for ``tid``, holding ``n`` slots of the table (its choices; 429 unless that many are free).
+        Idempotent: a repeated reserve (a router retrying one whose answer a dropped connection lost) gets the same
+        slot, its lease renewed while it still waits for data; an id released or refused before is refused (409)."""
         held = self._by_tid.get(tid)
         if held is not None:
             if held.state is SlotState.RESERVED:
@@ -157,10 +160,10 @@ class SlotTable:
         if tid in self._tombstones:
             raise SlotError("transfer id already used", 409)
         slot = next((s for s in self.slots if s.state is SlotState.FREE), None)
-        if slot is None:
+        if slot is None or self.free < n:
             self._tombstone(tid, "its reserve was refused: all decode slots were taken")  # an early offer stops
-            raise SlotError("all decode slots are taken", 429)
-        slot.state, slot.transfer_id, slot.error, slot.offer = SlotState.RESERVED, tid, None, None
+            raise SlotError("all decode slots are taken" if n == 1 else f"{n} slots asked, {self.free} free", 429)
+        slot.state, slot.transfer_id, slot.error, slot.offer, slot.n = SlotState.RESERVED, tid, None, None, n
         slot.deadline = time.monotonic() + (lease_s or self.default_lease_s)
         slot.cancel = threading.Event()
         self._by_tid[tid] = slot
@@ -282,7 +285,7 @@ class SlotTable:
             return False
         slot.cancel.set()
         self._revoke(slot)
-        slot.state, slot.transfer_id, slot.offer, slot.error = SlotState.FREE, None, None, None
+        slot.state, slot.transfer_id, slot.offer, slot.error, slot.n = SlotState.FREE, None, None, None, 1
         slot.notify()
         log.info("slot_released", transfer_id=tid, slot=slot.index, reason=reason)
         return True

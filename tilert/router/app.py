@@ -106,11 +106,14 @@ async def _completion(request: Request, route: ApiRoute) -> Response:
     try:
         raw = await _body(request, ctx.config.max_body_bytes)
         plan = build_plan(
-            route, raw, default_max_tokens=ctx.config.default_max_tokens, max_body_bytes=ctx.config.max_body_bytes
+            route,
+            raw,
+            default_max_tokens=ctx.config.default_max_tokens,
+            max_body_bytes=ctx.config.max_body_bytes,
+            sampling_defaults=ctx.sampling_defaults,
         )
-        choice = choose_pool(
-            ctx.config, request.headers.get(POOL_HEADER), plan.body.get("model"), plan.fast_pool_refusal
-        )
+        refusal = plan.fast_pool_refusal or ctx.pool.choices_refusal(plan.n)  # more choices than a node decodes
+        choice = choose_pool(ctx.config, request.headers.get(POOL_HEADER), plan.body.get("model"), refusal)
         ctx.prefills.require(rid)  # no prefill instance to take it: 503 now, not after a wait for a decode slot
     except RouterError as exc:
         ctx.metrics.request_finished(

@@ -149,7 +149,12 @@ class RouterContext:
             if health.ok and not await watch.opened(self.config.health_timeout_s):  # admitted only while watched
                 health = replace(health, ok=False, error=f"its watch stream is not open: {watch.reason}")
             self.pool.update_health(
-                node, health.ok, slots_total=health.slots_total, slots_free=health.slots_free, error=health.error
+                node,
+                health.ok,
+                slots_total=health.slots_total,
+                slots_free=health.slots_free,
+                error=health.error,
+                max_choices=health.max_choices,
             )
             results[node.name] = {
                 "node": node.name,

@@ -39,12 +39,12 @@ from tilert.router.errors import RouterError, bad_request
 from tilert.router.lease import NodeLease
 from tilert.router.native import available_pool, native_decode, native_prefill
 from tilert.router.node_client import DECODE_LOST
-from tilert.router.openai_format import DONE, ResponseShape, sse, usage
+from tilert.router.openai_format import DONE, ResponseShape, sse, usage, with_choices
 from tilert.router.output import SSE_HEADERS, ClientOutput
 from tilert.router.pool import PooledNode
 from tilert.router.prefill import PrefillResult, run_prefill
 from tilert.router.routing import PoolChoice
-from tilert.router.token_loop import Delta, TokenLoop
+from tilert.router.token_loop import Choices, Delta, TokenLoop
 from tilert.router.validation import RequestPlan, continuation
 
 _log = structlog.get_logger("tilert.router.flow")
@@ -203,15 +203,22 @@ class RequestFlow:
             self.node_name = lease.node.name
             shape = self.shape(pre)
             finish = "stop" if pre.finish_reason == "stop" else ("length" if self.plan.max_tokens == 1 else None)
-            if finish is not None:
+            if finish is not None and self.plan.n == 1:
                 await self.answer_from_prefill(out, lease, shape, pre, finish)
                 return
-            await self._decode(out, lease, shape, pre, sampling)
+            await self._decode(out, lease, shape, pre, sampling, finish)
 
     async def _decode(
-        self, out: ClientOutput, lease: NodeLease, shape: ResponseShape, pre: PrefillResult, sampling: c.Sampling
+        self,
+        out: ClientOutput,
+        lease: NodeLease,
+        shape: ResponseShape,
+        pre: PrefillResult,
+        sampling: c.Sampling,
+        first_finish: str | None = None,
     ) -> None:
-        """The prefill's first token to the client, then the node's decode stream."""
+        """The prefill's first token to the client, then the node's decode stream (``first_finish``: prefill's
+        token already ended choice 0 of a request of several choices; the node decodes the others)."""
         self._to(
             FlowState.DECODING,
             node=self.node_name,
@@ -233,6 +240,9 @@ class RequestFlow:
             plan.skip_special_tokens,
             plan.min_tokens,
         )
+        if first_finish is not None:
+            loop.end(first_finish, pre.stop_reason if first_finish == "stop" else None)
+        choices = Choices(loop, plan.n)
         # The node checked the sampling with the reserve; when its context also holds the request, it cannot
         # refuse the decode request for anything the client sent: stream prefill's token before asking.
         early = lease.fits(pre.prompt_tokens, sampling.max_tokens)
@@ -241,7 +251,7 @@ class RequestFlow:
         async with lease.client.decode(request) as lines:
             if not early:  # a refusal above is still the client's HTTP error, before any byte
                 await self._first_chunk(out, shape, pre, loop)
-            await self._relay(out, lease, shape, pre, loop, lines)
+            await self._relay(out, lease, shape, pre, choices, lines)
 
     async def _overflow(self, out: ClientOutput, refused: RouterError) -> None:
         """No TileRT slot within overflow_wait_s: the native pool serves the request instead of a 429."""
@@ -317,6 +327,7 @@ class RequestFlow:
             allowed_token_ids=plan.allowed_token_ids,
             bad_words_token_ids=bad_words,
             grammar=plan.grammar,
+            n=plan.n,
         )
 
     def _prompt_ids_for_node(self, pre: PrefillResult) -> list[int] | None:
@@ -351,11 +362,12 @@ class RequestFlow:
         self._to(FlowState.FINISHED, finish_reason=finish, from_prefill=True)
 
     async def _first_chunk(self, out: ClientOutput, shape: ResponseShape, pre: PrefillResult, loop: TokenLoop) -> None:
-        """Prefill's token to the client (streaming) and the time to first token."""
+        """Prefill's token to the client (streaming, as choice 0's first chunk) and the time to first token."""
         if self.plan.stream:
             await out.start(200, list(SSE_HEADERS))
             now = usage(pre.prompt_tokens, 1) if self.plan.continuous_usage else None
-            await out.body(sse(shape.chunk(loop.first_delta(), [pre.first_token_id], usage_now=now)))
+            text, ids = loop.first_delta(), [pre.first_token_id]
+            await out.body(sse(shape.chunk(text, ids, loop.finish_reason, loop.stop_reason, usage_now=now)))
         self.first_token()
 
     async def _relay(
@@ -364,29 +376,28 @@ class RequestFlow:
         lease: NodeLease,
         shape: ResponseShape,
         pre: PrefillResult,
-        loop: TokenLoop,
+        choices: Choices,
         lines: AsyncIterator[c.TokenLine | c.ErrorLine],
     ) -> None:
         sent_at, first = anyio.current_time(), True
-        line: c.TokenLine | None = None
-        while not loop.done:
+        while not choices.done:
             try:
                 line = await self._next_line(lines, first)
             except RouterError as exc:
                 if not self._may_resume(exc, pre):
                     raise
-                await self._resume(out, lease, shape, pre, loop, exc)
+                await self._resume(out, lease, shape, pre, choices, exc)
                 return
             if first:
                 self.ctx.metrics.transfer_wait(anyio.current_time() - sent_at)
             first = False
-            delta = await self._emit(out, shape, pre, loop, line)
+            delta = await self._emit(out, shape, pre, choices, line)
             self.ctx.metrics.token_gap(anyio.current_time() - sent_at, len(delta.token_ids))
             sent_at = anyio.current_time()
         # The node's last line came: reading to EOF keeps the connection for reuse, and at EOF the node has
         # already freed the slot (it does so before its stream ends), so no release call is needed.
-        node_freed = line is not None and line.finish_reason is not None and await _drain(lines)
-        await self._finish(out, lease, shape, pre, loop, node_freed)
+        node_freed = choices.node_done and await _drain(lines)
+        await self._finish(out, lease, shape, pre, choices, node_freed)
 
     async def _finish(
         self,
@@ -394,31 +405,36 @@ class RequestFlow:
         lease: NodeLease,
         shape: ResponseShape,
         pre: PrefillResult,
-        loop: TokenLoop,
+        choices: Choices,
         node_freed: bool,
     ) -> None:
-        use = usage(pre.prompt_tokens, len(loop.token_ids))
+        use = usage(pre.prompt_tokens, choices.token_count)
         await lease.release(node_freed)  # before the last byte: a client that has its answer sees the slot free
         if self.plan.stream:
             await out.body((sse(shape.usage_chunk(use)) if self.plan.include_usage else b"") + DONE, more=False)
         else:
-            body = shape.final(
-                loop.text, loop.token_ids, loop.finish_reason, loop.stop_reason, use, pre.prompt_token_ids
-            )
-            await out.json(200, orjson.dumps(body))
-        self.finish_reason = loop.finish_reason
-        self._to(FlowState.FINISHED, finish_reason=loop.finish_reason, completion_tokens=len(loop.token_ids))
+            answers = [
+                shape.final(
+                    loop.text, loop.token_ids, loop.finish_reason, loop.stop_reason, use, pre.prompt_token_ids, i
+                )
+                for i, loop in enumerate(choices.loops)
+            ]
+            await out.json(200, orjson.dumps(with_choices(answers)))
+        self.finish_reason = choices.first.finish_reason
+        self._to(FlowState.FINISHED, finish_reason=self.finish_reason, completion_tokens=choices.token_count)
 
     async def _emit(
-        self, out: ClientOutput, shape: ResponseShape, pre: PrefillResult, loop: TokenLoop, line: c.TokenLine
+        self, out: ClientOutput, shape: ResponseShape, pre: PrefillResult, choices: Choices, line: c.TokenLine
     ) -> Delta:
-        """One node line into the answer; streamed to the client at once."""
+        """One node line into its choice's answer; streamed to the client at once."""
         plan = self.plan
-        delta = loop.feed(line)
-        self.completion_tokens = len(loop.token_ids)
+        delta = choices.feed(line)
+        self.completion_tokens = choices.token_count
         if plan.stream and (delta.text or delta.finish_reason or (delta.token_ids and plan.return_token_ids)):
-            now = usage(pre.prompt_tokens, len(loop.token_ids)) if plan.continuous_usage else None
-            await out.body(sse(shape.chunk(delta.text, delta.token_ids, delta.finish_reason, delta.stop_reason, now)))
+            tokens = len(choices.loops[delta.index].token_ids)
+            now = usage(pre.prompt_tokens, tokens) if plan.continuous_usage else None
+            chunk = shape.chunk(delta.text, delta.token_ids, delta.finish_reason, delta.stop_reason, now, delta.index)
+            await out.body(sse(chunk))
         return delta
 
     def _may_resume(self, exc: RouterError, pre: PrefillResult) -> bool:
@@ -437,23 +453,23 @@ class RequestFlow:
         dead: NodeLease,
         shape: ResponseShape,
         pre: PrefillResult,
-        loop: TokenLoop,
+        choices: Choices,
         why: RouterError,
     ) -> None:
         """The node serving this stream died or stalled: prefill the prompt and the tokens already produced again
         (vLLM's prefix cache holds most of it) for another node, and go on with the same stream from the next
         token. The dead node's slot is given back; the pool's health probe and watch take the node out and let
         it back in once it answers again."""
-        self.resumes += 1
+        self.resumes += 1  # a request of one choice: one of several is not resumed (RequestPlan.resumable)
         reason = "stalled" if why.outcome == "decode_timeout" else "lost"
         self.ctx.metrics.decode_resumed(reason)
-        self._to(FlowState.RESUMING, node=self.node_name, reason=reason, tokens=len(loop.token_ids))
+        self._to(FlowState.RESUMING, node=self.node_name, reason=reason, tokens=choices.token_count)
         await dead.release()
-        ids = [*(pre.prompt_token_ids or ()), *loop.token_ids]
-        room = None if self.plan.max_tokens is None else self.plan.max_tokens - len(loop.token_ids)
-        plan = continuation(self.plan, ids, room, len(loop.token_ids))
+        ids = [*(pre.prompt_token_ids or ()), *choices.first.token_ids]
+        room = None if self.plan.max_tokens is None else self.plan.max_tokens - choices.token_count
+        plan = continuation(self.plan, ids, room, choices.token_count)
         sampling = self._sampling(plan)
-        self.log.warning("decode_resume", reason=reason, error=why.log_reason(), tokens=len(loop.token_ids))
+        self.log.warning("decode_resume", reason=reason, error=why.log_reason(), tokens=choices.token_count)
         async with NodeLease(
             self.ctx.pool,
             self.ctx.nodes,
@@ -470,16 +486,16 @@ class RequestFlow:
             self.log = self.log.bind(transfer_id=lease.transfer_id)
             ended: c.FinishReason | None = "stop" if nxt.finish_reason == "stop" else ("length" if room == 1 else None)
             stop_id = nxt.stop_reason if isinstance(nxt.stop_reason, int) else None
-            await self._emit(out, shape, pre, loop, c.TokenLine([nxt.first_token_id], ended, stop_id))
-            if loop.done:
-                await self._finish(out, lease, shape, pre, loop, False)
+            await self._emit(out, shape, pre, choices, c.TokenLine([nxt.first_token_id], ended, stop_id))
+            if choices.done:
+                await self._finish(out, lease, shape, pre, choices, False)
                 return
             request = c.DecodeRequest(
                 lease.transfer_id, nxt.first_token_id, nxt.prompt_tokens, sampling, self._prompt_ids_for_node(nxt)
             )
             self._to(FlowState.DECODING, node=self.node_name, slot=lease.slot, resumed=self.resumes)
             async with lease.client.decode(request) as lines:
-                await self._relay(out, lease, shape, pre, loop, lines)
+                await self._relay(out, lease, shape, pre, choices, lines)
 
     async def _next_line(self, lines: AsyncIterator[c.TokenLine | c.ErrorLine], first: bool) -> c.TokenLine:
         cfg = self.ctx.config
@@ -497,6 +513,8 @@ class RequestFlow:
         if isinstance(line, c.ErrorLine):
             status = line.status if 400 <= line.status < 500 or line.status in (501, 504) else 502
             raise RouterError(status, f"decode failed: {line.message}", outcome="decode_error")
+        if line.index >= self.plan.n:
+            raise RouterError(502, f"decode node sent choice {line.index} of {self.plan.n}", outcome="decode_error")
         return line
 
 

@@ -49,6 +49,7 @@ class NodeLease:
     ) -> None:
         self._pool = pool
         self._sampling = sampling  # the node checks it with the reserve
+        self._need = sampling.n if sampling is not None else 1  # slots: one a choice, on the node and in the pool
         self._clients = clients
         self._watches = watches
         self.transfer_id = transfer_id
@@ -71,7 +72,7 @@ class NodeLease:
     async def __aenter__(self) -> NodeLease:
         start = anyio.current_time()
         self._deadline = start + self._queue_timeout_s
-        self.node = await self._pool.acquire(self._deadline)
+        self.node = await self._pool.acquire(self._deadline, need=self._need)
         self._since = anyio.current_time()
         self.queued_s = self._since - start
         return self
@@ -88,7 +89,7 @@ class NodeLease:
                 self._since = anyio.current_time()
                 return done[0]
             self.transfer_id = uuid.uuid4().hex
-            self.node = await self._pool.acquire(self._deadline, front=True)
+            self.node = await self._pool.acquire(self._deadline, front=True, need=self._need)
 
     async def _attempt(self, node: PooledNode, work: Callable[[PooledNode, str], Awaitable[T]]) -> tuple[T] | None:
         """Reserve on ``node`` while the work runs: ``(its result,)``, or None when the node refused or was
@@ -144,7 +145,7 @@ class NodeLease:
         reserve may have taken there is released (tombstoned) should the node be alive after all (hung)."""
         self._log.warning("decode_node_lost_during_prefill", node=node.name)
         if self.node is node:
-            self._pool.give_back(node)
+            self._pool.give_back(node, need=self._need)
             self.node = None
             await self._forget(node)
 
@@ -157,10 +158,10 @@ class NodeLease:
             return False
         except NodeFull as exc:
             self._log.info("reserve_full", node=node.name, reason=str(exc))
-            self._pool.give_back(node, saturated=True)
+            self._pool.give_back(node, saturated=True, need=self._need)
         except NodeUnreachable as exc:
             self._pool.mark_unhealthy(node, str(exc))
-            self._pool.give_back(node)
+            self._pool.give_back(node, need=self._need)
             await self._forget(node)
         self.node = None
         return True
@@ -184,7 +185,7 @@ class NodeLease:
         self._released = True
         node = self.node
         if node_freed:
-            self._pool.give_back(node, held_s=anyio.current_time() - self._since)
+            self._pool.give_back(node, held_s=anyio.current_time() - self._since, need=self._need)
             return
         with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_BUDGET_S) as scope:
             try:
@@ -193,7 +194,7 @@ class NodeLease:
                 self._log.warning("slot_release_failed", node=node.name, error=f"{type(exc).__name__}: {exc}")
         if scope.cancelled_caught:
             self._log.warning("slot_release_timed_out", node=node.name)
-        self._pool.give_back(node, held_s=anyio.current_time() - self._since)
+        self._pool.give_back(node, held_s=anyio.current_time() - self._since, need=self._need)
 
     async def _forget(self, node: PooledNode) -> None:
         """A reserve whose answer never came may still land on a paused node: releasing the id there

@@ -41,6 +41,7 @@ class HealthView:
     slots_total: int | None = None
     slots_free: int | None = None
     error: str | None = None
+    max_choices: int | None = None
 
 
 def node_message(body: bytes, fallback: str) -> str:
@@ -143,7 +144,9 @@ class NodeClient:
                     "(raise the node's --max-lease-s or lower the router's reserve_lease_s)"
                 ),
             )
-        return HealthView(ok=True, slots_total=health.slots_total, slots_free=health.slots_free)
+        return HealthView(
+            ok=True, slots_total=health.slots_total, slots_free=health.slots_free, max_choices=health.max_choices
+        )
 
     @asynccontextmanager
     async def watch(self, silence_s: float) -> AsyncIterator[AsyncIterator[c.NodeBeat | c.TransferFailed]]:

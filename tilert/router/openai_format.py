@@ -32,7 +32,7 @@ class ResponseShape:
         self.created = created
         self.model = model
         self.return_token_ids = return_token_ids
-        self._role_sent = False
+        self._role_sent: set[int] = set()  # the choices whose first chunk went out (it carries the role)
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -44,18 +44,20 @@ class ResponseShape:
         finish_reason: str | None = None,
         stop_reason: str | int | None = None,
         usage_now: dict[str, int] | None = None,
+        index: int = 0,
     ) -> dict[str, Any]:
+        """A chunk of choice ``index``."""
         if self.route == "chat":
             delta: dict[str, Any] = {}
-            if not self._role_sent:
+            if index not in self._role_sent:
                 delta["role"] = "assistant"
-                self._role_sent = True
+                self._role_sent.add(index)
             if text or finish_reason is None:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             out = self._head("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
             out = self._head("text_completion")
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
@@ -80,10 +82,12 @@ class ResponseShape:
         stop_reason: str | int | None,
         usage_all: dict[str, int],
         prompt_token_ids: list[int] | None,
+        index: int = 0,
     ) -> dict[str, Any]:
+        """The whole answer of one choice (``index``); :func:`with_choices` joins several."""
         if self.route == "chat":
             choice: dict[str, Any] = {
-                "index": 0,
+                "index": index,
                 "message": {"role": "assistant", "content": text, "tool_calls": []},
                 "logprobs": None,
                 "finish_reason": finish_reason,
@@ -92,7 +96,7 @@ class ResponseShape:
             out = self._head("chat.completion")
         else:
             choice = {
-                "index": 0,
+                "index": index,
                 "text": text,
                 "logprobs": None,
                 "finish_reason": finish_reason,
@@ -108,6 +112,14 @@ class ResponseShape:
         if self.return_token_ids and self.route == "chat":
             out["prompt_token_ids"] = prompt_token_ids
         return out
+
+
+def with_choices(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """One answer of several choices, from each choice's own (:meth:`ResponseShape.final`, in index order): the
+    first's, holding every choice (their usage is the first's, which counts them all)."""
+    out = answers[0]
+    out["choices"] = [answer["choices"][0] for answer in answers]
+    return out
 
 
 def models_list(model: str, created: int, root: str) -> dict[str, Any]:

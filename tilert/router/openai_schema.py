@@ -6,7 +6,8 @@ adds a field fails until it is classified here):
 
 * ``PASSED_TO_VLLM``: shapes the prompt or is prefill metadata; vLLM's prefill honours it as sent.
 * ``HONOURED_BY_DECODE``: sampling and output fields the router and the decode engine honour. The sampling
-  and stop ones also go to the prefill, which samples the first token with them.
+  and stop ones also go to the prefill, which samples the first token with them (``n`` does not: the prefill
+  samples choice 0's first token, the decode node the others').
 * ``REFUSED``: what the TileRT decode path cannot honour. Absent, null or equal to a neutral value that means
   "off", it is not forwarded (vLLM's default is the same); any other value sends the request to the native
   pool (stock vLLM decodes it, so it gets the field as sent) when the router has one and
@@ -33,6 +34,8 @@ JSON nesting               32 levels, the top-level object being level 1 (``MAX_
 token ids                  0 to 2**31 - 1
 ``max_tokens``, ``top_k``  at most 2**31 - 1
 ``seed``, ``priority``     int64
+``n``                      at least 1; 1 when greedy (vLLM's rules); on the TileRT pool at most the decode nodes'
+                           ``max_choices`` (their sequences at once)
 ``temperature``            0 to 1e6
 ``min_p``                  0 to 1; ``frequency_penalty``, ``presence_penalty``: -2 to 2;
                            ``repetition_penalty``: above 0, at most 1e6
@@ -111,6 +114,7 @@ _COMMON_DECODE = frozenset(
         *LOGITS_RULES,
         *STRUCTURED,
         "min_tokens",
+        "n",
     }
 )
 HONOURED_BY_DECODE: dict[str, frozenset[str]] = {
@@ -164,14 +168,12 @@ PASSED_TO_VLLM: dict[str, frozenset[str]] = {
 }
 
 _NO_LOGPROBS = "the decode path returns no log-probabilities"
-_ONE_CHOICE = "the decode path samples one choice per request"
 _SAMPLER = "the decode engine does not run this sampling extension"
 _RENDER_ONLY = "only vLLM's /render endpoints use it"
 _SET_BY_ROUTER = "the router sets it for the TileRT transfer; clients may not"
 
 # field -> (neutral values that mean "off", why anything else is refused); null always means "off".
 _COMMON_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((1,), _ONE_CHOICE),
     "use_beam_search": ((False,), "no beam search on the decode path"),
     "length_penalty": ((1, 1.0), "no beam search on the decode path"),
     "watermarking": ((False,), _SAMPLER),
@@ -251,6 +253,7 @@ class _Honoured(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     allowed_token_ids: Opt[Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_LOGIT_BIAS)]] = UNSET
     bad_words: Opt[Annotated[list[BadWord], Meta(max_length=MAX_BAD_WORDS)]] = UNSET
     response_format: Opt[LooseObject] = UNSET  # checked by validation.grammar_of
+    n: Opt[Int64] = UNSET  # checked by validation.build_plan (vLLM's limits) and the decode pool (its nodes')
     structured_outputs: Opt[LooseObject] = UNSET
 
 

@@ -3,6 +3,10 @@
 ``Retry-After`` on a 429 is computed from the queue: how long the requests ahead would take to clear the
 slots at the average time a request has held one (an exponential moving average of recent holds).
 
+A request of ``n`` choices takes ``n`` slots of one node (the node decodes each choice as a sequence of its own,
+and counts its slots the same way); it waits, in arrival order, for a node with that many free, and a node's
+``max_choices`` (from its health report) bounds the ``n`` it is granted.
+
 The pool only counts slots this router holds; the node's own ``/v1/reserve`` is the authority. When a
 node answers 429 although the local count said it had room, it is marked saturated until one of our
 slots on it is given back or its health report shows a free slot.
@@ -33,13 +37,16 @@ class PooledNode:
     in_use: int = 0
     saturated: bool = False
     last_error: str | None = None
+    max_choices: int | None = None  # the largest n the node decodes (None: not reported yet)
 
     @property
     def name(self) -> str:
         return self.spec.name
 
-    def has_room(self) -> bool:
-        return self.healthy and not self.saturated and self.in_use < self.slots_total
+    def has_room(self, need: int = 1) -> bool:
+        """Room for a request of ``need`` choices (slots)."""
+        fits = self.max_choices is None or need <= self.max_choices
+        return self.healthy and not self.saturated and fits and self.in_use + need <= self.slots_total
 
 
 @dataclass(eq=False)
@@ -47,6 +54,7 @@ class _Waiter:
     event: anyio.Event = field(default_factory=anyio.Event)
     node: PooledNode | None = None
     error: RouterError | None = None
+    need: int = 1  # slots: the request's choices
 
 
 class DecodePool:
@@ -79,8 +87,22 @@ class DecodePool:
     def any_healthy(self) -> bool:
         return any(n.healthy for n in self.nodes)
 
-    def _pick(self) -> PooledNode | None:
-        candidates = [n for n in self.nodes if n.has_room()]
+    def choices_refusal(self, n: int) -> RouterError | None:
+        """Why no node of this pool can ever decode ``n`` choices (a 400 naming ``n``: the native pool may serve
+        the request), or None when one can (or no node has reported yet: the node's reserve then decides)."""
+        known = [node.max_choices for node in self.nodes if node.max_choices is not None]
+        if n == 1 or not known or n <= max(known):
+            return None
+        return RouterError(
+            400,
+            f"n must be at most {max(known)} on the TileRT decode pool (the sequences its decode nodes decode at "
+            f"once), got {n}",
+            outcome="unsupported",
+            param="n",
+        )
+
+    def _pick(self, need: int = 1) -> PooledNode | None:
+        candidates = [n for n in self.nodes if n.has_room(need)]
         if not candidates:
             return None
         # Least loaded by fraction, then by count; rotate the start so ties spread out.
@@ -88,18 +110,18 @@ class DecodePool:
         order = {id(n): (i - self._rr) % len(self.nodes) for i, n in enumerate(self.nodes)}
         return min(candidates, key=lambda n: (n.in_use / max(n.slots_total, 1), n.in_use, order[id(n)]))
 
-    def _take(self, node: PooledNode) -> PooledNode:
-        node.in_use += 1
+    def _take(self, node: PooledNode, need: int = 1) -> PooledNode:
+        node.in_use += need
         self._metrics.slots_in_use(node.name, node.in_use)
         return node
 
     def _dispatch(self) -> None:
         while self._waiters:
-            node = self._pick()
+            node = self._pick(self._waiters[0].need)  # the first in line first, whatever it needs
             if node is None:
                 break
             waiter = self._waiters.popleft()
-            waiter.node = self._take(node)
+            waiter.node = self._take(node, waiter.need)
             waiter.event.set()
         self._metrics.waiting(len(self._waiters))
 
@@ -119,8 +141,8 @@ class DecodePool:
     def _retry_after(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s_now())}
 
-    async def acquire(self, deadline: float, *, front: bool = False) -> PooledNode:
-        """Wait (FIFO, until the ``anyio.current_time()`` ``deadline``) for a node with a free slot.
+    async def acquire(self, deadline: float, *, front: bool = False, need: int = 1) -> PooledNode:
+        """Wait (FIFO, until the ``anyio.current_time()`` ``deadline``) for a node with ``need`` free slots.
 
         ``front`` puts a request that already waited (and lost its slot to a stale view) back at the head.
         Raises :class:`RouterError`: 503 no healthy node, 429 queue full or queue timeout.
@@ -128,9 +150,9 @@ class DecodePool:
         if not self.any_healthy():
             raise RouterError(503, "no healthy decode node", outcome="no_healthy_node", headers=self._retry_after())
         if front or not self._waiters:
-            node = self._pick()
+            node = self._pick(need)
             if node is not None:
-                return self._take(node)
+                return self._take(node, need)
         if not front and len(self._waiters) >= self.max_queue:
             raise RouterError(
                 429,
@@ -138,7 +160,7 @@ class DecodePool:
                 outcome="queue_full",
                 headers=self._retry_after(),
             )
-        waiter = _Waiter()
+        waiter = _Waiter(need=need)
         if front:
             self._waiters.appendleft(waiter)
         else:
@@ -151,7 +173,7 @@ class DecodePool:
             # Cancelled (client gone): leave the queue, and hand back a grant that raced in.
             self._leave(waiter)
             if waiter.node is not None:
-                self.give_back(waiter.node)
+                self.give_back(waiter.node, need=need)
             raise
         self._leave(waiter)
         if waiter.node is not None:
@@ -172,11 +194,13 @@ class DecodePool:
             pass
         self._metrics.waiting(len(self._waiters))
 
-    def give_back(self, node: PooledNode, *, saturated: bool = False, held_s: float | None = None) -> None:
-        """Return a slot taken by :meth:`acquire` (held for ``held_s``); wakes the next waiter."""
+    def give_back(
+        self, node: PooledNode, *, saturated: bool = False, held_s: float | None = None, need: int = 1
+    ) -> None:
+        """Return the ``need`` slots taken by :meth:`acquire` (held for ``held_s``); wakes the next waiter."""
         if held_s is not None:
             self._hold_s += 0.2 * (held_s - self._hold_s)
-        node.in_use = max(0, node.in_use - 1)
+        node.in_use = max(0, node.in_use - need)
         node.saturated = saturated
         self._metrics.slots_in_use(node.name, node.in_use)
         self._dispatch()
@@ -192,7 +216,14 @@ class DecodePool:
             self._fail_waiters(RouterError(503, "no healthy decode node", outcome="no_healthy_node"))
 
     def update_health(
-        self, node: PooledNode, ok: bool, *, slots_total: int | None, slots_free: int | None, error: str | None
+        self,
+        node: PooledNode,
+        ok: bool,
+        *,
+        slots_total: int | None,
+        slots_free: int | None,
+        error: str | None,
+        max_choices: int | None = None,
     ) -> None:
         if not ok:
             self.mark_unhealthy(node, error or "health check failed")
@@ -203,6 +234,8 @@ class DecodePool:
         node.last_error = None
         if slots_total is not None and slots_total >= 0:
             node.slots_total = slots_total
+        if max_choices is not None:
+            node.max_choices = max_choices
         node.slots_free = slots_free
         if slots_free is not None and slots_free > 0:
             node.saturated = False

@@ -5,12 +5,13 @@ and says so in its last line's ``finish_reason``. The router keeps what needs te
 vLLM does, stop *strings* (truncating the text and ending the request early: the caller then releases
 the node, which cancels the decode), and the held-back tail of a possible stop string while streaming.
 As in vLLM, the text of the token that stopped decoding is left out unless
-``include_stop_str_in_output``.
+``include_stop_str_in_output``. A request of ``n`` choices has a loop a choice (:class:`Choices`), each with its
+own text, stop strings and finish.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tokenizers import Tokenizer
 
@@ -26,13 +27,14 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    index: int = 0  # the choice
 
 
 @dataclass
 class TokenLoop:
     tokenizer: Tokenizer
     prompt_token_ids: list[int] | None
-    first_token_id: int
+    first_token_id: int | None  # None: a choice whose first token comes from the decode node with the rest
     first_text: str  # vLLM's text of the first token (stop strings already applied to it)
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
@@ -40,13 +42,14 @@ class TokenLoop:
     min_tokens: int = 0  # as in vLLM, stop strings count only once the completion is longer than this
 
     def __post_init__(self) -> None:
-        self.token_ids = [self.first_token_id]
+        self.token_ids = [] if self.first_token_id is None else [self.first_token_id]
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self._out = OutputText(self.stop, self.include_stop_str_in_output)
         self._out.text = self.first_text
         self._decoder = IncrementalDecoder(self.tokenizer, self.prompt_token_ids, self.skip_special_tokens)
-        self._decoder.step(self.first_token_id)
+        if self.first_token_id is not None:
+            self._decoder.step(self.first_token_id)
 
     @property
     def done(self) -> bool:
@@ -57,8 +60,13 @@ class TokenLoop:
         return self._out.text
 
     def first_delta(self) -> str:
-        """The first token's text as it may be streamed now (the tail of a possible stop string held)."""
-        return self._out.delta(False)
+        """The first token's text as it may be streamed now (the tail of a possible stop string held, unless the
+        first token already ended the choice)."""
+        return self._out.delta(self.done)
+
+    def end(self, finish_reason: str, stop_reason: str | int | None) -> None:
+        """The choice ended before the decode node's lines (prefill's first token ended it)."""
+        self.finish_reason, self.stop_reason = finish_reason, stop_reason
 
     def feed(self, line: TokenLine) -> Delta:
         """Take one node line; after the delta that finishes, the loop is :attr:`done`."""
@@ -80,3 +88,42 @@ class TokenLoop:
         if self.finish_reason is None and line.finish_reason is not None:
             self.finish_reason, self.stop_reason = line.finish_reason, line.stop_token_id
         return Delta(self._out.delta(self.done), accepted, self.finish_reason, self.stop_reason)
+
+
+class Choices:
+    """The token loops of one answer's ``n`` choices: choice 0 goes on from prefill's first token (``first``), the
+    others begin with the first token the decode node sends them. Lines of a choice that already ended here (a stop
+    string, prefill's token) are dropped: the node decodes it on until its own finish or the request's end."""
+
+    def __init__(self, first: TokenLoop, n: int) -> None:
+        others = [replace(first, first_token_id=None, first_text="") for _ in range(n - 1)]
+        self.loops = [first, *others]
+        self._node_ended: set[int] = set()  # choices whose finish the node sent
+
+    @property
+    def first(self) -> TokenLoop:
+        return self.loops[0]
+
+    @property
+    def done(self) -> bool:
+        return all(loop.done for loop in self.loops)
+
+    @property
+    def node_done(self) -> bool:
+        """Whether the node sent every choice's finish (its stream then ends, the slot freed)."""
+        return len(self._node_ended) == len(self.loops)
+
+    @property
+    def token_count(self) -> int:
+        """Tokens of every choice (the answer's ``completion_tokens``, as vLLM counts them)."""
+        return sum(len(loop.token_ids) for loop in self.loops)
+
+    def feed(self, line: TokenLine) -> Delta:
+        """Take one node line (its choice checked by the caller) into its choice's loop."""
+        if line.finish_reason is not None:
+            self._node_ended.add(line.index)
+        loop = self.loops[line.index]
+        if loop.done:
+            return Delta("", [], index=line.index)
+        delta = loop.feed(line)
+        return replace(delta, index=line.index) if line.index else delta

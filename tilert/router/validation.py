@@ -59,6 +59,7 @@ class RequestPlan:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
     grammar: c.Grammar | None = None  # structured output
+    n: int = 1  # choices: the decode node samples each from the one prefill
     # The first field the TileRT pool cannot serve (a 400 naming it), None when it can: the native pool may.
     fast_pool_refusal: RouterError | None = None
 
@@ -71,7 +72,13 @@ class RequestPlan:
         """Whether the answer can go on from a prompt that ends with the tokens already produced: no rule
         that treats the completion apart from the prompt (frequency / presence penalties, bad words spanning
         tokens, a grammar's state)."""
-        return self.grammar is None and not self.frequency_penalty and not self.presence_penalty and not self.bad_words
+        return (
+            self.grammar is None
+            and not self.frequency_penalty
+            and not self.presence_penalty
+            and not self.bad_words
+            and self.n == 1  # the choices of one answer go on from one prompt each: not resumed
+        )
 
     def prefill_body(self, kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
         """The forwarded fields with ``max_tokens=1``, no streaming, token ids on, and the TileRT claim."""
@@ -100,18 +107,21 @@ def continuation(plan: RequestPlan, prompt_ids: list[int], max_tokens: int | Non
 
 
 def build_plan(
-    route: Route, raw: bytes, *, default_max_tokens: int | None = None, max_body_bytes: int = 16 << 20
+    route: Route,
+    raw: bytes,
+    *,
+    default_max_tokens: int | None = None,
+    max_body_bytes: int = 16 << 20,
+    sampling_defaults: dict[str, Any] | None = None,
 ) -> RequestPlan:
-    """Validate the raw body for ``route``; raise :class:`RouterError` (400, 413) with the reason if refused."""
+    """Validate the raw body for ``route``; raise :class:`RouterError` (400, 413) with the reason if refused.
+    ``sampling_defaults``: the model's (``generation_config.json``): is an unset temperature greedy?"""
     request = _decode(route, raw, max_body_bytes)
     refusal = _refused(request, route)
     prompt = getattr(request, "prompt", None)
     if isinstance(prompt, list) and len(prompt) > 1 and not all(type(p) is int for p in prompt):
         raise unsupported("prompt", "one prompt per request (no batched prompts)")
-    stream = request.stream is True
-    options = request.stream_options or None
-    if options is not None and not stream:
-        raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    stream, options = _streaming(request)
     temperature, stop = _temperature(request.temperature), _set(request.stop) or []
     max_tokens, min_tokens = _max_tokens(request, route, default_max_tokens), _set(request.min_tokens) or 0
     if max_tokens is not None and min_tokens > max_tokens:
@@ -143,7 +153,29 @@ def build_plan(
         **_logits_rules(request),
         grammar=grammar,
         fast_pool_refusal=refusal,
+        n=_choices(request.n, temperature, sampling_defaults or {}),
     )
+
+
+def _streaming(request: Any) -> tuple[bool, schema.StreamOptions | None]:
+    """Whether the answer is streamed, and its stream options (allowed only then)."""
+    stream, options = request.stream is True, request.stream_options or None
+    if options is not None and not stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    return stream, options
+
+
+def _choices(value: Any, temperature: float | None, defaults: dict[str, Any]) -> int:
+    """``n`` as vLLM checks it (``SamplingParams``): at least 1, and 1 when greedy (the temperature sent, else the
+    model's default, under 1e-5)."""
+    n = 1 if value is UNSET or value is None else int(value)
+    if n < 1:
+        raise bad_request(f"n must be at least 1, got {n}.", "n")
+    if temperature is None:
+        temperature = float(defaults.get("temperature", 1.0))
+    if n > 1 and temperature < GREEDY_BELOW:
+        raise bad_request(f"n must be 1 when using greedy sampling, got {n}.", "n")
+    return n
 
 
 def _refused(request: Any, route: Route) -> RouterError | None:

@@ -458,6 +458,7 @@ class DecodeStandin(NodeBehaviour):
             decodes_completed=self.completed,
             capabilities=c.EngineInfo(temperature=True, top_p=True, top_k=True, mtp=False),
             max_lease_s=self.max_lease_s,
+            max_choices=1,  # it decodes one choice a request (n > 1 is the router's 400)
         )
         return Response(c.dump(health), media_type="application/json")
 
