@@ -172,7 +172,7 @@ class DecodeBatch:
         if not items:
             return
         tokens, positions, seqs = [r.token for _, r in items], [r.pos for _, r in items], [r.seq for _, r in items]
-        if all(r.params.greedy and not r.params.shapes_logits for _, r in items):
+        if all(r.params.greedy and not r.params.needs_logits for _, r in items):
             new = self.engine.decode_step_greedy(tokens, positions, seqs)
         else:
             logits = self.engine.decode_step(tokens, positions, seqs)

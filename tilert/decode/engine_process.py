@@ -295,7 +295,7 @@ class EngineProcess:
         if job is None:
             return
         if isinstance(ev, c.EngineTokens):
-            job.emit(ev.token_ids, None if ev.finish is None else Finish(ev.finish, ev.stop_token_id))
+            job.emit(ev.token_ids, None if ev.finish is None else Finish(ev.finish, ev.stop_token_id), ev.logprobs)
         elif isinstance(ev, c.EngineJobDone):
             job.done(
                 EngineProcessError(ev.error)
@@ -400,11 +400,11 @@ def _serve(
         key, cancel = cmd.job, threading.Event()
         cancels[key] = cancel
 
-        def emit(ids: list[int], finish: Finish | None) -> None:
+        def emit(ids: list[int], finish: Finish | None, logprobs: list[c.TokenLogprobs] | None = None) -> None:
             send(
-                c.EngineTokens(key, ids, None, None)
+                c.EngineTokens(key, ids, None, None, logprobs)
                 if finish is None
-                else c.EngineTokens(key, ids, finish.reason, finish.stop_token_id)  # type: ignore[arg-type]
+                else c.EngineTokens(key, ids, finish.reason, finish.stop_token_id, logprobs)  # type: ignore[arg-type]
             )
 
         def done(result: Finish | BaseException) -> None:

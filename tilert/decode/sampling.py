@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tilert.contracts import Grammar, Sampling
+from tilert.contracts import LOGPROB_FLOOR, Grammar, Sampling, TokenLogprobs
 from tilert.decode.grammar import Matcher
 from tilert.engines.base import Capabilities
 
@@ -45,10 +45,17 @@ class DecodeParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     prompt_token_ids: tuple[int, ...] = ()
     grammar: Grammar | None = None
+    logprobs: int | None = None  # each token's logprob and this many top ones (None: none)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether each step's logits are needed (a rule shapes them, or the request asks for logprobs): no greedy
+        fast path, no speculation."""
+        return self.shapes_logits or self.logprobs is not None
 
     @property
     def shapes_logits(self) -> bool:
@@ -119,6 +126,7 @@ class DecodeParams:
             bad_words_token_ids=tuple(tuple(w) for w in s.bad_words_token_ids),
             prompt_token_ids=tuple(prompt_token_ids or ()) if repetition_penalty != 1.0 else (),
             grammar=s.grammar,
+            logprobs=s.logprobs,
         )
 
     def unsupported(self, caps: Capabilities) -> str | None:
@@ -191,9 +199,26 @@ class LogitsRules:
         return self._counts
 
 
+def gather_logprobs(logprobs: torch.Tensor, token: int, num: int) -> TokenLogprobs:
+    """vLLM's ``Sampler.gather_logprobs`` for one row of log-probabilities ``[vocab]``: the ``token``'s, its rank
+    (how many are at least as likely, itself included) and the ``num`` most likely (``torch.topk``), values below
+    ``LOGPROB_FLOOR`` raised to it as vLLM's OpenAI layer shows them."""
+    chosen = logprobs[token]
+    rank = int((logprobs >= chosen).sum())
+    top = torch.topk(logprobs, min(num, logprobs.numel()))
+    return TokenLogprobs(
+        max(float(chosen), LOGPROB_FLOOR),
+        max(rank, 1),
+        top.indices.tolist(),
+        [max(v, LOGPROB_FLOOR) for v in top.values.tolist()],
+    )
+
+
 class Sampler:
     """One sequence's sampler: its grammar's mask (``matcher``), then :class:`LogitsRules`, then greedy or the
-    temperature, ``min_p``, top-k and top-p."""
+    temperature, ``min_p``, top-k and top-p. With ``params.logprobs`` set, each call also leaves the token's
+    log-probabilities in :attr:`last_logprobs`: vLLM's raw logprobs (``logprobs_mode`` ``raw_logprobs``), the
+    log-softmax of the logits as the grammar's mask left them, before the rules and the temperature."""
 
     def __init__(
         self, params: DecodeParams, stop_ids: frozenset[int] = frozenset(), matcher: Matcher | None = None
@@ -201,6 +226,7 @@ class Sampler:
         self.params = params
         self.matcher = matcher
         self.rules = LogitsRules(params, stop_ids) if params.shapes_logits else None
+        self.last_logprobs: TokenLogprobs | None = None
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed & 0xFFFF_FFFF_FFFF_FFFF)
@@ -221,8 +247,17 @@ class Sampler:
             logits = logits.float().clone() if self.matcher is None else logits.float().cpu().clone()
         if self.matcher is not None:
             self.matcher.mask(logits)
+        raw = None if p.logprobs is None else torch.log_softmax(logits.float(), dim=-1)  # before the rules
         if self.rules is not None:
             self.rules.apply_(logits)
+        token = self._draw(logits)
+        if raw is not None:
+            assert p.logprobs is not None
+            self.last_logprobs = gather_logprobs(raw, token, p.logprobs)
+        return token
+
+    def _draw(self, logits: torch.Tensor) -> int:
+        p = self.params
         if p.greedy:
             return int(torch.argmax(logits))
         logits = logits.float().cpu() / p.temperature

@@ -360,8 +360,12 @@ class DecodeNode:
         loop = asyncio.get_running_loop()
         send, receive = anyio.create_memory_object_stream[_Item](math.inf)
 
-        def emit(ids: list[int], finish: Finish | None) -> None:
-            line = c.TokenLine(ids) if finish is None else c.TokenLine(ids, finish.reason, finish.stop_token_id)  # type: ignore[arg-type]
+        def emit(ids: list[int], finish: Finish | None, logprobs: list[c.TokenLogprobs] | None = None) -> None:
+            line = (
+                c.TokenLine(ids, logprobs=logprobs)
+                if finish is None
+                else c.TokenLine(ids, finish.reason, finish.stop_token_id, logprobs)  # type: ignore[arg-type]
+            )
             loop.call_soon_threadsafe(send.send_nowait, line)
 
         def done(result: Finish | BaseException) -> None:
