@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from tilert.contracts import TokenLogprobs
 from tilert.decode.generate import Finish
 
 
@@ -15,10 +16,12 @@ class Sink:
     finish: list[Finish | None] = field(default_factory=list)
     result: Finish | BaseException | None = None
     ended: threading.Event = field(default_factory=threading.Event)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # of the tokens emitted with theirs
 
-    def emit(self, ids: list[int], finish: Finish | None) -> None:
+    def emit(self, ids: list[int], finish: Finish | None, logprobs: list[TokenLogprobs] | None = None) -> None:
         self.ids.extend(ids)
         self.finish.append(finish)
+        self.logprobs.extend(logprobs or [])
 
     def done(self, result: Finish | BaseException) -> None:
         self.result = result
