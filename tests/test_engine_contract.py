@@ -55,6 +55,7 @@ class Params:
     seed: int | None = 0
     min_p: float = 0.0
     grammar: None = None
+    logprobs: None = None
 
     @property
     def greedy(self) -> bool:
@@ -62,6 +63,10 @@ class Params:
 
     @property
     def shapes_logits(self) -> bool:
+        return False
+
+    @property
+    def needs_logits(self) -> bool:
         return False
 
 

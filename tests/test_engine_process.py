@@ -77,8 +77,15 @@ def _spec(model: Path, max_sequences: int) -> EngineSpec:
     return EngineSpec("tilert", str(model), "cpu", "float32", MAX_SEQ, max_sequences, (), 0, ())
 
 
-def _job(p: Prompt, slot: int, sink: Sink, max_tokens: int | None, cancel: threading.Event | None = None) -> Job:
-    params = DecodeParams(f"t{slot}", p.first, p.num_tokens, max_tokens, temperature=0.0)
+def _job(
+    p: Prompt,
+    slot: int,
+    sink: Sink,
+    max_tokens: int | None,
+    cancel: threading.Event | None = None,
+    logprobs: int | None = None,
+) -> Job:
+    params = DecodeParams(f"t{slot}", p.first, p.num_tokens, max_tokens, temperature=0.0, logprobs=logprobs)
     state = state_views(p.buffer, p.layouts, p.num_tokens)
     return Job(state, p.layouts, p.num_tokens, params, sink.emit, sink.done, cancel or threading.Event(), None, slot)
 
@@ -91,12 +98,16 @@ def test_sequences_in_the_engine_process_decode_what_they_decode_alone(model: Pa
         sinks = [Sink() for _ in prompts]
         lengths = [20, 6, 30, 12]  # the 2nd leaves early; the 4th waits for a free sequence, then joins
         for slot, (p, sink, n) in enumerate(zip(prompts, sinks, lengths, strict=True)):
-            proc.submit(_job(p, slot, sink, n))
+            proc.submit(_job(p, slot, sink, n, logprobs=3 if slot % 2 else None))  # with and without logprobs
         for sink in sinks:
             assert sink.ended.wait(120)
-        for p, sink, n in zip(prompts, sinks, lengths, strict=True):
+        for slot, (p, sink, n) in enumerate(zip(prompts, sinks, lengths, strict=True)):
             assert sink.result == Finish("length") and sink.finish[-1] == Finish("length")
             assert sink.ids == p.alone[:n]  # bit-identical greedy tokens, as alone in this process
+            # each token's logprobs crossed the pipe with it: greedy, the token is the most likely one
+            assert [(lp.rank, lp.top_ids[0], len(lp.top_ids)) for lp in sink.logprobs] == (
+                [(1, t, 3) for t in sink.ids] if slot % 2 else []
+            )
     finally:
         proc.close()
 

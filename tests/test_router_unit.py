@@ -382,8 +382,8 @@ def test_no_healthy_node_503(make_router: Callable[..., RouterHandle], world: St
     "extra",
     [
         {"n": 2},
-        {"logprobs": True},
-        {"top_logprobs": 3, "logprobs": True},
+        {"logprobs": True, "top_logprobs": 21},
+        {"top_logprobs": 3},
         {"presence_penalty": 2.5},
         {"frequency_penalty": "1.0"},
         {"logit_bias": {"five": 10}},
@@ -405,7 +405,7 @@ def test_unsupported_options_400(router: RouterHandle, world: Standins, extra: d
 
 
 def test_completions_only_refusals_and_bad_json(router: RouterHandle, world: Standins) -> None:
-    for extra in ({"echo": True}, {"best_of": 3}, {"logprobs": 2}, {"prompt": ["a", "b"]}):
+    for extra in ({"echo": 1}, {"best_of": 3}, {"logprobs": 21}, {"prompt_logprobs": -2}, {"prompt": ["a", "b"]}):
         r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x", **extra}, timeout=5)
         assert r.status_code == 400, (extra, r.text)
     r = httpx.post(

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tilert.router import openai_schema as schema
 from tilert.router.errors import RouterError
-from tilert.router.validation import RequestPlan, build_plan
+from tilert.router.validation import RequestPlan, build_plan, continuation
 
 ROUTES = ("chat", "completions")
 BASE: dict[str, dict[str, Any]] = {
@@ -39,9 +39,7 @@ NON_NEUTRAL: dict[str, Any] = {
     "structured_outputs": {"regex": "a+"},
     "repetition_detection": {"max_pattern_size": 8, "min_count": 3},
     "thinking_token_budget": 100,
-    "prompt_logprobs": 0,  # 0 still returns the prompt's own log-probabilities
     "logprob_token_ids": [5],
-    "return_tokens_as_token_ids": True,
     "echo": True,
     "spaces_between_special_tokens": False,
     "stream_interval": 4,
@@ -52,14 +50,13 @@ NON_NEUTRAL: dict[str, Any] = {
     "request_id": "my-id",
     "kv_transfer_params": {},
     "ec_transfer_params": {"x": 1},
-    "top_logprobs": 2,
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
     "tool_choice": "auto",
     "include_reasoning": False,
     "return_prompt_text": True,
     "prompt_embeds": "AAAA",
 }
-NON_NEUTRAL_BY_ROUTE: dict[str, dict[str, Any]] = {"chat": {"logprobs": True}, "completions": {"logprobs": 0}}
+NON_NEUTRAL_BY_ROUTE: dict[str, dict[str, Any]] = {"chat": {}, "completions": {}}
 
 
 def raw_of(body: dict[str, Any] | bytes) -> bytes:
@@ -507,6 +504,67 @@ def test_logits_rules_are_planned_and_go_to_the_prefill(vllm_models: dict[str, A
 )
 def test_bad_logits_rules_are_refused(fields: dict[str, Any], param: str) -> None:
     assert refusal("completions", with_base("completions", **fields)).param == param
+
+
+@pytest.mark.parametrize(
+    ("route", "fields", "planned", "forwarded"),
+    [
+        ("chat", {"logprobs": True, "top_logprobs": 5}, 5, {"logprobs": True, "top_logprobs": 5}),
+        ("chat", {"logprobs": True, "top_logprobs": None}, 0, {"logprobs": True}),
+        ("chat", {"logprobs": False, "top_logprobs": 0}, None, {"top_logprobs": 0}),
+        ("chat", {"prompt_logprobs": 3}, None, {"prompt_logprobs": 3}),
+        ("completions", {"logprobs": 0}, 0, {"logprobs": 0}),
+        ("completions", {"logprobs": 20, "echo": True}, 20, {"logprobs": 20, "echo": True}),
+        (
+            "completions",
+            {"echo": False, "return_tokens_as_token_ids": True},
+            None,
+            {"return_tokens_as_token_ids": True},
+        ),
+    ],
+)
+def test_logprobs_are_planned_and_go_to_the_prefill(
+    vllm_models: dict[str, Any], route: str, fields: dict[str, Any], planned: int | None, forwarded: dict[str, Any]
+) -> None:
+    plan = plan_of(route, with_base(route, **fields))
+    assert plan.fast_pool_refusal is None and plan.logprobs == planned
+    assert (plan.echo, plan.tokens_as_ids) == (fields.get("echo") is True, "return_tokens_as_token_ids" in fields)
+    body = prefill_json(plan)
+    assert {k: body[k] for k in schema.LOGPROBS[route] if k in body} == forwarded
+    vllm_models[route].model_validate(body)
+    resumed = continuation(plan, [1, 2, 3], 8, 2)
+    if planned is None:
+        assert "logprobs" not in resumed.body
+    else:  # the resumed stream's token: its logprobs read back by id
+        assert resumed.body["logprobs"] == planned and resumed.body["return_tokens_as_token_ids"] is True
+    assert "echo" not in resumed.body and "prompt_logprobs" not in resumed.body
+
+
+@pytest.mark.parametrize(
+    ("route", "fields", "param", "message"),
+    [
+        ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "greater than max allowed: 20"),
+        ("chat", {"logprobs": True, "top_logprobs": -1}, "top_logprobs", "the whole vocabulary"),
+        ("chat", {"top_logprobs": 2}, "top_logprobs", "`logprobs` must be set to true"),
+        ("chat", {"logprobs": True, "top_logprobs": -2}, "top_logprobs", "must be a positive value or -1"),
+        ("completions", {"logprobs": 21}, "logprobs", "Requested sample logprobs of 21"),
+        ("completions", {"logprobs": -5}, "logprobs", "must be a positive value or -1"),
+        ("completions", {"prompt_logprobs": 21}, "prompt_logprobs", "Requested prompt logprobs of 21"),
+        ("completions", {"prompt_logprobs": 0, "stream": True, "echo": True}, None, None),
+        ("chat", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "not available when `stream=True`"),
+        ("completions", {"logprobs": True}, "logprobs", "Expected `int"),
+        ("chat", {"logprobs": 1}, "logprobs", "Expected `bool"),
+        ("completions", {"echo": 1}, "echo", "Expected `bool"),
+    ],
+)
+def test_bad_logprobs_are_refused_as_vllm_refuses_them(
+    route: str, fields: dict[str, Any], param: str | None, message: str | None
+) -> None:
+    if param is None:  # vLLM accepts it
+        assert plan_of(route, with_base(route, **fields)).fast_pool_refusal is None
+        return
+    err = refusal(route, with_base(route, **fields))
+    assert (err.status, err.param) == (400, param) and message in err.message, err.message
 
 
 def test_a_full_completions_request(vllm_models: dict[str, Any]) -> None:

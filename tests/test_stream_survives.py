@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from openai import OpenAI
 from support.oracle import router_call, vllm_alone
@@ -155,3 +156,32 @@ def test_killed_node_mid_stream_the_stream_goes_on_token_exact(stack: Stack, nod
         got = list(pool.map(lambda p: router_call(nodes.router, stack.model, "completion", p, True)[0], prompts))
     assert got == [vllm_alone(stack, "completion", p)[0] for p in prompts]
     assert decodes_served(nodes.urls[killed[0]]) > before, "the restarted node served nothing"
+
+
+def test_a_resumed_stream_keeps_its_logprobs(stack: Stack, nodes: Nodes) -> None:
+    """``logprobs`` on a stream whose node is killed: the tokens before come from the first node, the resumed one
+    from the new prefill (asked for it as ids), the rest from the new node; all as vLLM alone's, within 1e-4."""
+    body = {"model": str(stack.model), "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "logprobs": 3}
+    want = httpx.post(stack.prefill + "/v1/completions", json={**body, "ignore_eos": True}, timeout=300).json()
+    want_lp = want["choices"][0]["logprobs"]
+    client = OpenAI(base_url=nodes.router + "/v1", api_key="unused", timeout=120, max_retries=0)
+    stream = client.completions.create(**body, stream=True, extra_body={"ignore_eos": True})  # type: ignore[call-overload]
+    got: dict[str, list[Any]] = {key: [] for key in want_lp}
+    killed: list[int] = []
+    for chunk in stream:
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                for key, values in choice.logprobs.model_dump().items():
+                    got[key] += values or []
+        if len(got["tokens"]) >= KILL_AFTER and not killed:
+            killed.append(nodes.serving())
+            nodes.kill(killed[0])
+    assert killed, "the stream ended before a node was killed"
+    metrics = httpx.get(nodes.router + "/metrics", timeout=10).text
+    assert re.search(r'^tilert:decode_resumes_total\{.*reason="lost"\} 1\.0$', metrics, re.M), metrics[-2000:]
+    assert got["tokens"] == want_lp["tokens"] and got["text_offset"] == want_lp["text_offset"]
+    for name in ("token_logprobs", "top_logprobs"):
+        for i, (a, b) in enumerate(zip(want_lp[name], got[name], strict=True)):
+            values = (a, b) if name == "token_logprobs" else (list(a.values()), list(b.values()))
+            assert name == "token_logprobs" or list(a) == list(b), (i, a, b)
+            assert np.allclose(*values, rtol=0, atol=1e-4), (i, name, a, b)

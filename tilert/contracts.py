@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
     from anyio.streams.buffered import BufferedByteReceiveStream
 
-PROTOCOL_VERSION = 4  # 4: the choices of a decode (Sampling.n, TokenLine.index, NodeHealth.max_choices)
+PROTOCOL_VERSION = 4  # 4: the choices of a decode (Sampling.n, TokenLine.index, NodeHealth.max_choices); logprobs
 MAX_FRAME_BYTES = 64 << 10  # a control frame; offers are a few hundred bytes
 MAX_API_BODY_BYTES = 64 << 10  # a decode-node HTTP request body
 MAX_DECODE_BODY_BYTES = 32 << 20  # a reserve or decode request: its grammar, its prompt's token ids
@@ -71,6 +71,10 @@ MAX_GRAMMAR_CHARS = 1 << 20  # a structured-output grammar or JSON schema, as te
 MAX_PROMPT_TOKEN_IDS = 1 << 21  # the prompt's ids a decode request carries for the repetition penalty
 MAX_REASON_CHARS = 2000
 MAX_CHOICES = 1 << 10  # n of a decode: the choices (engine sequences) one request decodes from its prompt
+MAX_LOGPROBS = 20  # top log-probabilities a token carries: vLLM's default max_logprobs
+# vLLM's OpenAI layer shows a log-probability below this (-inf: a token the grammar masks) as this value; the
+# node sends it so (JSON has no -inf), which changes nothing a client sees
+LOGPROB_FLOOR = -9999.0
 
 TransferId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
@@ -460,6 +464,8 @@ class Sampling(_Strict):
     bad_words_token_ids: Annotated[list[BadWord], msgspec.Meta(max_length=MAX_BAD_WORDS)] = []
     grammar: Grammar | None = None  # structured output: the tokens each step may take (before every rule above)
     n: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHOICES)] = 1
+    # Each emitted token's log-probability and this many top ones (vLLM's raw logprobs; None: none)
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 class ReserveRequest(_Strict):
@@ -516,7 +522,25 @@ FinishReason = Literal["stop", "length"]
 
 
 MAX_LINE_TOKENS = 1024  # tokens in one NDJSON line of the decode stream
+MAX_LINE_LOGPROB_TOKENS = 32  # tokens with their log-probabilities in one line (each up to ~1 KB of JSON)
 MAX_LINE_BYTES = 64 << 10  # one such line, encoded
+
+
+class TokenLogprobs(_Strict, array_like=True):
+    """One emitted token's log-probabilities as vLLM's sampler computes them (``logprobs_mode`` ``raw_logprobs``):
+    the log-softmax of the step's logits before any logits rule, penalty or temperature (a grammar's mask
+    applied). ``logprob``: the token's; ``rank``: 1 + how many tokens are more likely (vLLM counts those at
+    least as likely, itself included); ``top_ids`` / ``top_logprobs``: the ``Sampling.logprobs`` most likely,
+    in descending order (``torch.topk``). Values below :data:`LOGPROB_FLOOR` are sent as it."""
+
+    logprob: float
+    rank: Annotated[int, msgspec.Meta(ge=1, le=1 << 31)]
+    top_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_LOGPROBS)] = []
+    top_logprobs: Annotated[list[float], msgspec.Meta(max_length=MAX_LOGPROBS)] = []
+
+    def __post_init__(self) -> None:
+        if len(self.top_ids) != len(self.top_logprobs):
+            raise ValueError("top_ids and top_logprobs differ in length")
 
 
 class TokenLine(_Line, tag="tokens"):
@@ -524,12 +548,19 @@ class TokenLine(_Line, tag="tokens"):
     ``finish_reason``: this node alone decides when decoding is over. ``stop``: the line's last token is
     EOS or one of the request's stop ids (``stop_token_id`` names a stop id; null for EOS); ``length``:
     ``max_tokens`` or the end of the context was reached. ``index``: the choice the line belongs to (of a decode
-    with ``n`` > 1, whose choices interleave on the stream and finish each on its own line)."""
+    with ``n`` > 1, whose choices interleave on the stream and finish each on its own line). ``logprobs``: one entry
+    per token, for a request whose ``Sampling.logprobs`` is set (at most :data:`MAX_LINE_LOGPROB_TOKENS` tokens a
+    line then)."""
 
     token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_LINE_TOKENS)]
     finish_reason: FinishReason | None = None
     stop_token_id: TokenId | None = None
     index: Annotated[int, msgspec.Meta(ge=0, lt=MAX_CHOICES)] = 0
+    logprobs: Annotated[list[TokenLogprobs], msgspec.Meta(max_length=MAX_LINE_LOGPROB_TOKENS)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise ValueError(f"{len(self.logprobs)} logprobs for {len(self.token_ids)} tokens")
 
 
 class ErrorLine(_Line, tag="error"):
@@ -545,7 +576,7 @@ DecodeLine = TokenLine | ErrorLine
 def join_lines(lines: Sequence[TokenLine]) -> TokenLine:
     """Consecutive token lines of one stream (one choice) as one line: their tokens in order, the last line's
     finish (only the last line of a choice has one). A side that fell behind sends or relays what queued up at once;
-    at most :data:`MAX_LINE_TOKENS` tokens in all."""
+    at most :data:`MAX_LINE_TOKENS` tokens in all (:data:`MAX_LINE_LOGPROB_TOKENS` with their logprobs)."""
     if len(lines) == 1:
         return lines[0]
     if any(line.finish_reason is not None for line in lines[:-1]):
@@ -553,10 +584,19 @@ def join_lines(lines: Sequence[TokenLine]) -> TokenLine:
     if any(line.index != lines[0].index for line in lines):
         raise ValueError("only lines of one choice may be joined")
     ids = [t for line in lines for t in line.token_ids]
-    if len(ids) > MAX_LINE_TOKENS:
-        raise ValueError(f"{len(ids)} tokens is more than one line holds ({MAX_LINE_TOKENS})")
+    logprobs = None
+    if any(line.logprobs is not None for line in lines):
+        logprobs = [lp for line in lines for lp in line.logprobs or ()]
+    room = line_room(logprobs is not None)
+    if len(ids) > room:
+        raise ValueError(f"{len(ids)} tokens is more than one line holds ({room})")
     last = lines[-1]
-    return TokenLine(ids, last.finish_reason, last.stop_token_id, last.index)
+    return TokenLine(ids, last.finish_reason, last.stop_token_id, last.index, logprobs)
+
+
+def line_room(with_logprobs: bool) -> int:
+    """The most tokens one line holds."""
+    return MAX_LINE_LOGPROB_TOKENS if with_logprobs else MAX_LINE_TOKENS
 
 
 def join_runs(items: Sequence[T]) -> list[T | TokenLine]:
@@ -571,11 +611,12 @@ def join_runs(items: Sequence[T]) -> list[T | TokenLine]:
     count = 0  # tokens in run
     for item in _by_choice(items):
         if isinstance(item, TokenLine):
+            room = line_room(item.logprobs is not None or any(line.logprobs is not None for line in run))
             if (
                 run
                 and run[-1].index == item.index
                 and run[-1].finish_reason is None
-                and count + len(item.token_ids) <= MAX_LINE_TOKENS
+                and count + len(item.token_ids) <= room
             ):
                 run.append(item)
                 count += len(item.token_ids)
@@ -686,6 +727,7 @@ class EngineParams(_Strict):
     prompt_token_ids: list[TokenId]
     grammar: Grammar | None
     n: Count
+    logprobs: Count | None = None
 
 
 class EngineReady(_EngineMsg, tag="ready"):
@@ -724,13 +766,15 @@ class EngineStop(_EngineMsg, tag="stop"):
 
 
 class EngineTokens(_EngineMsg, tag="tokens"):
-    """A step's new tokens of ``job``'s choice ``index``; ``finish`` set on its last (as :class:`TokenLine`)."""
+    """A step's new tokens of ``job``'s choice ``index``; ``finish`` set on its last, ``logprobs`` when asked (as
+    :class:`TokenLine`)."""
 
     job: Count
     token_ids: list[TokenId]
     finish: Literal["stop", "length"] | None = None
     stop_token_id: TokenId | None = None
     index: Count = 0
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class EngineStep(_EngineMsg, tag="step"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from tilert.contracts import TokenLogprobs
 from tilert.decode.generate import Finish
 
 
@@ -17,10 +18,14 @@ class Sink:
     ended: threading.Event = field(default_factory=threading.Event)
     choices: dict[int, list[int]] = field(default_factory=dict)  # each choice's ids (a job of n choices)
     finishes: dict[int, Finish] = field(default_factory=dict)  # each choice's finish, once it sent it
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # of the tokens emitted with theirs
 
-    def emit(self, ids: list[int], finish: Finish | None, index: int = 0) -> None:
+    def emit(
+        self, ids: list[int], finish: Finish | None, index: int = 0, logprobs: list[TokenLogprobs] | None = None
+    ) -> None:
         self.ids.extend(ids)
         self.finish.append(finish)
+        self.logprobs.extend(logprobs or [])
         self.choices.setdefault(index, []).extend(ids)
         if finish is not None:
             assert index not in self.finishes, f"choice {index} sent a second finish"

@@ -17,7 +17,7 @@ from prefill's first token; the others draw their own first token from the promp
 from the handed-off state and the prompt's last token) with their own random stream, seeded ``seed + index`` as
 vLLM seeds a parallel-sampling request's children (greedy: prefill's token is every choice's).
 
-Each job reports through its callbacks, from this thread: ``emit(ids, finish, index)`` for choice ``index`` as
+Each job reports through its callbacks, from this thread: ``emit(ids, finish, index, logprobs)`` for choice ``index`` as
 in :class:`~tilert.decode.generate.SequenceRun` (every choice that ends by stop or length sends its finish, on
 an empty line when it had no token left to send), then ``done(finish)`` once all its choices ended
 (``done(exception)`` when the engine failed: every sequence of that step ends with it, and the thread serves on).
@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 import structlog
 import torch
 
+from tilert.contracts import TokenLogprobs
 from tilert.decode.generate import Emit, Finish, SequenceRun, decode_alone
 from tilert.decode.grammar import Grammars
 from tilert.decode.sampling import DecodeParams, Sampler, seeded_generator
@@ -42,7 +43,8 @@ from tilert.engines.base import DecodeEngine, KVLayout
 
 log = structlog.get_logger("tilert.decode.batch")
 
-ChoiceEmit = Callable[[list[int], Finish | None, int], None]  # (new ids, finish, choice index)
+# (new ids, finish, choice index, the ids' logprobs when the request asks for them)
+ChoiceEmit = Callable[[list[int], Finish | None, int, list[TokenLogprobs] | None], None]
 
 
 @dataclass
@@ -72,10 +74,10 @@ class _Running:
     cancelled: bool = False
 
     def emit_for(self, index: int) -> Emit:
-        def emit(ids: list[int], finish: Finish | None) -> None:
+        def emit(ids: list[int], finish: Finish | None, logprobs: list[TokenLogprobs] | None = None, /) -> None:
             if finish is not None:
                 self.finished.add(index)
-            self.job.emit(ids, finish, index)
+            self.job.emit(ids, finish, index, logprobs)
 
         return emit
 
@@ -267,7 +269,7 @@ class DecodeBatch:
         if not items:
             return
         tokens, positions, seqs = [r.token for _, r in items], [r.pos for _, r in items], [r.seq for _, r in items]
-        if all(r.params.greedy and not r.params.shapes_logits for _, r in items):
+        if all(r.params.greedy and not r.params.needs_logits for _, r in items):
             new = self.engine.decode_step_greedy(tokens, positions, seqs)
         else:
             logits = self.engine.decode_step(tokens, positions, seqs)

@@ -296,7 +296,8 @@ class EngineProcess:
         if job is None:
             return
         if isinstance(ev, c.EngineTokens):
-            job.emit(ev.token_ids, None if ev.finish is None else Finish(ev.finish, ev.stop_token_id), ev.index)
+            finish = None if ev.finish is None else Finish(ev.finish, ev.stop_token_id)
+            job.emit(ev.token_ids, finish, ev.index, ev.logprobs)
         elif isinstance(ev, c.EngineJobDone):
             job.done(
                 EngineProcessError(ev.error)
@@ -401,11 +402,11 @@ def _serve(
         key, cancel = cmd.job, threading.Event()
         cancels[key] = cancel
 
-        def emit(ids: list[int], finish: Finish | None, index: int) -> None:
+        def emit(ids: list[int], finish: Finish | None, index: int, logprobs: list[c.TokenLogprobs] | None) -> None:
             send(
-                c.EngineTokens(key, ids, None, None, index)
+                c.EngineTokens(key, ids, None, None, index, logprobs)
                 if finish is None
-                else c.EngineTokens(key, ids, finish.reason, finish.stop_token_id, index)  # type: ignore[arg-type]
+                else c.EngineTokens(key, ids, finish.reason, finish.stop_token_id, index, logprobs)  # type: ignore[arg-type]
             )
 
         def done(result: Finish | BaseException) -> None:

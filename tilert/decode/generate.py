@@ -8,8 +8,9 @@ on an engine with ``mtp`` decode speculatively (``num_draft`` drafts per step, v
 which yields exactly the plain greedy tokens, several per step; other greedy requests use
 ``greedy_stream`` when the engine declares ``pipelined_greedy``. Greedy requests whose logits a rule changes
 (penalties, bias, ``min_tokens``, one-token bad words, a grammar) use the engine's ``shaped_greedy_stream``, which
-applies the rules inside its own steps. Sampled requests (temperature > 0) and bad words of several tokens decode one
-token per step from the logits and the host's sampler. MTP serves plain greedy requests only.
+applies the rules inside its own steps. Sampled requests (temperature > 0), bad words of several tokens and requests
+that ask for each token's log-probabilities decode one token per step from the logits and the host's sampler. MTP
+serves plain greedy requests only.
 
 :class:`SequenceRun` owns token-level stopping for one sequence (EOS, ``stop_token_ids``, ``max_tokens``,
 the end of the engine's cache, cancellation) and says why it stopped (:class:`Finish`); :func:`run_decode`
@@ -21,10 +22,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
+from tilert.contracts import TokenLogprobs
 from tilert.decode.grammar import Grammars
 from tilert.decode.sampling import DecodeParams, Sampler
 from tilert.engines.base import DecodeEngine, KVLayout
@@ -46,7 +48,13 @@ class Finish:
     stop_token_id: int | None = None
 
 
-Emit = Callable[[list[int], Finish | None], None]
+class Emit(Protocol):
+    """Where a sequence's tokens go: ``emit(ids, finish)``, and ``emit(ids, finish, logprobs)`` (one entry a token)
+    for a request that asks for log-probabilities."""
+
+    def __call__(
+        self, ids: list[int], finish: Finish | None, logprobs: list[TokenLogprobs] | None = None, /
+    ) -> None: ...
 
 
 class SequenceRun:
@@ -89,6 +97,7 @@ class SequenceRun:
             matcher.accept([params.first_token_id])  # prefill's token, sampled under the same grammar
         self.sampler = Sampler(params, self.eos | self.stop_ids, matcher, generator)
         self.token, self.pos, self.produced = params.first_token_id, num_tokens, 0
+        self._logprobs: list[TokenLogprobs] = []  # of the tokens sampled and not yet emitted
         self.finish: Finish | None = None if self.limit > 0 else Finish("length")
 
     @property
@@ -101,7 +110,10 @@ class SequenceRun:
         return self.done
 
     def sample(self, logits: torch.Tensor) -> int:
-        return self.sampler(logits)
+        token = self.sampler(logits)
+        if self.sampler.last_logprobs is not None:
+            self._logprobs.append(self.sampler.last_logprobs)
+        return token
 
     def accept(self, new: list[int]) -> Finish | None:
         """Take a step's tokens: emit them (cut at the limit or at a stop token); the finish, if any."""
@@ -110,17 +122,25 @@ class SequenceRun:
         for i, t in enumerate(new):
             if t in self.eos or t in self.stop_ids:
                 self.finish = Finish("stop", None if t in self.eos else t)
-                self.emit(new[: i + 1], self.finish)
+                self._emit(new[: i + 1], self.finish)
                 return self.finish
         self.produced += len(new)
         if self.produced >= self.limit:
             self.finish = Finish("length")
-            self.emit(new, self.finish)
+            self._emit(new, self.finish)
             return self.finish
-        self.emit(new, None)
+        self._emit(new, None)
         self.pos += len(new)
         self.token = new[-1]
         return None
+
+    def _emit(self, ids: list[int], finish: Finish | None) -> None:
+        """``ids`` to ``emit``, with the logprobs of the tokens sampled since the last emit when asked."""
+        if self.params.logprobs is None:
+            self.emit(ids, finish)
+            return
+        logprobs, self._logprobs = self._logprobs[: len(ids)], []
+        self.emit(ids, finish, logprobs)
 
 
 def run_decode(
@@ -166,7 +186,7 @@ def decode_alone(
 def _fast_steps(engine: DecodeEngine, run: SequenceRun, num_draft: int) -> Generator[list[int], None, None]:
     """The new tokens of each step of ``run`` decoded alone, on the fastest path the engine declares."""
     caps, p = engine.capabilities(), run.params
-    plain_greedy = p.greedy and not p.shapes_logits  # no rule to apply to the logits: the engine's argmax
+    plain_greedy = p.greedy and not p.needs_logits  # no rule to apply to the logits: the engine's argmax
     if plain_greedy and num_draft > 0 and caps.mtp:
         while True:
             yield engine.speculative_greedy_step(run.token, run.pos, num_draft, seq=run.seq).tokens
@@ -174,7 +194,7 @@ def _fast_steps(engine: DecodeEngine, run: SequenceRun, num_draft: int) -> Gener
         # The next step runs while this token is emitted (the engine pipelines them).
         for token in engine.greedy_stream(run.token, run.pos, run.limit - run.produced, seq=run.seq):
             yield [token]
-    elif p.greedy and (rules := run.sampler.rules) is not None and rules.device_ready:
+    elif p.greedy and p.logprobs is None and (rules := run.sampler.rules) is not None and rules.device_ready:
         # The engine applies the rules (and the grammar's mask) inside its own steps.
         shaping = rules.shaping(engine.vocab_size, "cpu")
         matcher = run.sampler.matcher

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tilert.contracts import Grammar, Sampling
+from tilert.contracts import LOGPROB_FLOOR, Grammar, Sampling, TokenLogprobs
 from tilert.decode.grammar import Matcher
 from tilert.engines.base import Capabilities
 from tilert.engines.shaping import Shaping
@@ -47,10 +47,17 @@ class DecodeParams:
     prompt_token_ids: tuple[int, ...] = ()
     grammar: Grammar | None = None
     n: int = 1  # choices decoded from the prompt (each an engine sequence of its own)
+    logprobs: int | None = None  # each token's logprob and this many top ones (None: none)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether each step's logits are needed (a rule shapes them, or the request asks for logprobs): no greedy
+        fast path, no speculation."""
+        return self.shapes_logits or self.logprobs is not None
 
     @property
     def shapes_logits(self) -> bool:
@@ -122,6 +129,7 @@ class DecodeParams:
             prompt_token_ids=tuple(prompt_token_ids or ()) if repetition_penalty != 1.0 else (),
             grammar=s.grammar,
             n=s.n,
+            logprobs=s.logprobs,
         )
 
     def unsupported(self, caps: Capabilities) -> str | None:
@@ -198,9 +206,26 @@ class LogitsRules:
         return logits
 
 
+def gather_logprobs(logprobs: torch.Tensor, token: int, num: int) -> TokenLogprobs:
+    """vLLM's ``Sampler.gather_logprobs`` for one row of log-probabilities ``[vocab]``: the ``token``'s, its rank
+    (how many are at least as likely, itself included) and the ``num`` most likely (``torch.topk``), values below
+    ``LOGPROB_FLOOR`` raised to it as vLLM's OpenAI layer shows them."""
+    chosen = logprobs[token]
+    rank = int((logprobs >= chosen).sum())
+    top = torch.topk(logprobs, min(num, logprobs.numel()))
+    return TokenLogprobs(
+        max(float(chosen), LOGPROB_FLOOR),
+        max(rank, 1),
+        top.indices.tolist(),
+        [max(v, LOGPROB_FLOOR) for v in top.values.tolist()],
+    )
+
+
 class Sampler:
     """One sequence's sampler: its grammar's mask (``matcher``), then :class:`LogitsRules`, then greedy or the
-    temperature, ``min_p``, top-k and top-p.
+    temperature, ``min_p``, top-k and top-p. With ``params.logprobs`` set, each call also leaves the token's
+    log-probabilities in :attr:`last_logprobs`: vLLM's raw logprobs (``logprobs_mode`` ``raw_logprobs``), the
+    log-softmax of the logits as the grammar's mask left them, before the rules and the temperature.
 
     ``generator``: the sequence's random stream (by default a new one, seeded with ``params.seed``);
     ``completion``: the completion so far (by default prefill's first token; empty for a sampler that draws the
@@ -218,6 +243,7 @@ class Sampler:
         self.matcher = matcher
         shaped = params.shapes_logits or (completion is not None and len(completion) < params.min_tokens)
         self.rules = LogitsRules(params, stop_ids, completion) if shaped else None
+        self.last_logprobs: TokenLogprobs | None = None
         self.generator = generator if generator is not None else seeded_generator(params.seed)
 
     def observe(self, tokens: list[int]) -> None:
@@ -234,8 +260,17 @@ class Sampler:
             logits = logits.float().clone() if self.matcher is None else logits.float().cpu().clone()
         if self.matcher is not None:
             self.matcher.mask(logits)
+        raw = None if p.logprobs is None else torch.log_softmax(logits.float(), dim=-1)  # before the rules
         if self.rules is not None:
             self.rules.apply_(logits)
+        token = self._draw(logits)
+        if raw is not None:
+            assert p.logprobs is not None
+            self.last_logprobs = gather_logprobs(raw, token, p.logprobs)
+        return token
+
+    def _draw(self, logits: torch.Tensor) -> int:
+        p = self.params
         if p.greedy:
             return int(torch.argmax(logits))
         logits = logits.float().cpu() / p.temperature

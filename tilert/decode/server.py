@@ -381,11 +381,11 @@ class DecodeNode:
         loop = asyncio.get_running_loop()
         send, receive = anyio.create_memory_object_stream[_Item](math.inf)
 
-        def emit(ids: list[int], finish: Finish | None, index: int) -> None:
+        def emit(ids: list[int], finish: Finish | None, index: int, logprobs: list[c.TokenLogprobs] | None) -> None:
             line = (
-                c.TokenLine(ids, index=index)
+                c.TokenLine(ids, index=index, logprobs=logprobs)
                 if finish is None
-                else c.TokenLine(ids, finish.reason, finish.stop_token_id, index)  # type: ignore[arg-type]
+                else c.TokenLine(ids, finish.reason, finish.stop_token_id, index, logprobs)  # type: ignore[arg-type]
             )
             loop.call_soon_threadsafe(send.send_nowait, line)
 

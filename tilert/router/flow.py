@@ -37,6 +37,7 @@ from tilert.router.context import RouterContext
 from tilert.router.detokenize import bad_words_token_ids
 from tilert.router.errors import RouterError, bad_request
 from tilert.router.lease import NodeLease
+from tilert.router.logprobs import ChoiceExtras, resumed_logprobs
 from tilert.router.native import available_pool, native_decode, native_prefill
 from tilert.router.node_client import DECODE_LOST
 from tilert.router.openai_format import DONE, ResponseShape, sse, usage, with_choices
@@ -302,6 +303,7 @@ class RequestFlow:
             pre.created or int(time.time()),
             pre.model or self.ctx.config.model_name,
             self.plan.return_token_ids,
+            ChoiceExtras.of(self.plan, pre.raw, pre.prompt_token_ids, self.ctx.tokenizer.tokenizer),
         )
 
     def _sampling(self, plan: RequestPlan | None = None) -> c.Sampling:
@@ -328,6 +330,7 @@ class RequestFlow:
             bad_words_token_ids=bad_words,
             grammar=plan.grammar,
             n=plan.n,
+            logprobs=plan.logprobs,
         )
 
     def _prompt_ids_for_node(self, pre: PrefillResult) -> list[int] | None:
@@ -430,9 +433,11 @@ class RequestFlow:
         plan = self.plan
         delta = choices.feed(line)
         self.completion_tokens = choices.token_count
-        if plan.stream and (delta.text or delta.finish_reason or (delta.token_ids and plan.return_token_ids)):
-            tokens = len(choices.loops[delta.index].token_ids)
-            now = usage(pre.prompt_tokens, tokens) if plan.continuous_usage else None
+        loop = choices.loops[delta.index]
+        _add_logprobs(shape, line, delta, loop)
+        per_token = plan.return_token_ids or plan.logprobs is not None  # a chunk for every token
+        if plan.stream and (delta.text or delta.finish_reason or (delta.token_ids and per_token)):
+            now = usage(pre.prompt_tokens, len(loop.token_ids)) if plan.continuous_usage else None
             chunk = shape.chunk(delta.text, delta.token_ids, delta.finish_reason, delta.stop_reason, now, delta.index)
             await out.body(sse(chunk))
         return delta
@@ -484,9 +489,7 @@ class RequestFlow:
             assert lease.node is not None
             self.transfer_id, self.node_name = lease.transfer_id, lease.node.name
             self.log = self.log.bind(transfer_id=lease.transfer_id)
-            ended: c.FinishReason | None = "stop" if nxt.finish_reason == "stop" else ("length" if room == 1 else None)
-            stop_id = nxt.stop_reason if isinstance(nxt.stop_reason, int) else None
-            await self._emit(out, shape, pre, choices, c.TokenLine([nxt.first_token_id], ended, stop_id))
+            await self._emit(out, shape, pre, choices, self._resumed_line(nxt, room))
             if choices.done:
                 await self._finish(out, lease, shape, pre, choices, False)
                 return
@@ -496,6 +499,13 @@ class RequestFlow:
             self._to(FlowState.DECODING, node=self.node_name, slot=lease.slot, resumed=self.resumes)
             async with lease.client.decode(request) as lines:
                 await self._relay(out, lease, shape, pre, choices, lines)
+
+    def _resumed_line(self, nxt: PrefillResult, room: int | None) -> c.TokenLine:
+        """A resumed stream's prefill token as the node line it stands for (its finish, its logprobs)."""
+        ended: c.FinishReason | None = "stop" if nxt.finish_reason == "stop" else ("length" if room == 1 else None)
+        stop_id = nxt.stop_reason if isinstance(nxt.stop_reason, int) else None
+        logprobs = None if self.plan.logprobs is None else [resumed_logprobs(nxt.raw, nxt.first_token_id)]
+        return c.TokenLine([nxt.first_token_id], ended, stop_id, logprobs=logprobs)
 
     async def _next_line(self, lines: AsyncIterator[c.TokenLine | c.ErrorLine], first: bool) -> c.TokenLine:
         cfg = self.ctx.config
@@ -516,6 +526,17 @@ class RequestFlow:
         if line.index >= self.plan.n:
             raise RouterError(502, f"decode node sent choice {line.index} of {self.plan.n}", outcome="decode_error")
         return line
+
+
+def _add_logprobs(shape: ResponseShape, line: c.TokenLine, delta: Delta, loop: TokenLoop) -> None:
+    """The logprobs of the tokens a node line added to the answer (those its delta kept), when asked."""
+    logprobs = shape.extras.logprobs if shape.extras is not None else None
+    if logprobs is None or not delta.token_ids:
+        return
+    if line.logprobs is None:
+        raise RouterError(502, "the decode node sent tokens without their logprobs", outcome="decode_error")
+    n = len(delta.token_ids)
+    logprobs.add(delta.token_ids, line.logprobs[:n], loop.token_ids[:-n])
 
 
 async def _drain(lines: AsyncIterator[c.TokenLine | c.ErrorLine]) -> bool:

@@ -6,6 +6,7 @@ from typing import Any
 
 import orjson
 
+from tilert.router.logprobs import ChoiceExtras
 from tilert.router.validation import Route
 
 DONE = b"data: [DONE]\n\n"
@@ -26,12 +27,21 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 class ResponseShape:
     """Builds the client-facing objects of one request (id, created, model fixed once)."""
 
-    def __init__(self, route: Route, response_id: str, created: int, model: str, return_token_ids: bool) -> None:
+    def __init__(
+        self,
+        route: Route,
+        response_id: str,
+        created: int,
+        model: str,
+        return_token_ids: bool,
+        extras: ChoiceExtras | None = None,
+    ) -> None:
         self.route = route
         self.id = response_id
         self.created = created
         self.model = model
         self.return_token_ids = return_token_ids
+        self.extras = extras  # the echoed prompt and the logprobs of a one-choice request (each chunk: its tokens')
         self._role_sent: set[int] = set()  # the choices whose first chunk went out (it carries the role)
 
     def _head(self, obj: str) -> dict[str, Any]:
@@ -57,8 +67,11 @@ class ResponseShape:
             choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             out = self._head("chat.completion.chunk")
         else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            echo = self.extras.take_echo() if self.extras is not None else ""
+            choice = {"index": index, "text": echo + text, "logprobs": None, "finish_reason": finish_reason}
             out = self._head("text_completion")
+        if self.extras is not None:
+            choice["logprobs"] = self.extras.chunk_logprobs()
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
         if self.return_token_ids:
@@ -97,12 +110,14 @@ class ResponseShape:
         else:
             choice = {
                 "index": index,
-                "text": text,
+                "text": (self.extras.echo if self.extras is not None else "") + text,
                 "logprobs": None,
                 "finish_reason": finish_reason,
                 "stop_reason": stop_reason,
             }
             out = self._head("text_completion")
+        if self.extras is not None:
+            self.extras.complete(out, choice)
         if self.return_token_ids:
             choice["token_ids"] = token_ids
             if self.route == "completions":

@@ -43,6 +43,9 @@ token ids                  0 to 2**31 - 1
 ``allowed_token_ids``      1 to 2**18 ids
 ``bad_words``              up to 128 strings of 1 to 1024 characters
 ``documents``              up to 1024 entries
+log-probabilities          ``top_logprobs``, completions' ``logprobs``, ``prompt_logprobs``: 0 to 20 (vLLM's
+                           default ``max_logprobs``; -1, the whole vocabulary, is over it); ``top_logprobs``
+                           needs ``logprobs``, ``prompt_logprobs`` no ``stream`` (``validation._logprobs``)
 short strings              ``model``, ``user``, ``session_id``, ``cache_salt``: up to 1024 characters
 =========================  =======================================================================
 """
@@ -117,9 +120,16 @@ _COMMON_DECODE = frozenset(
         "n",
     }
 )
+# Log-probabilities (the decode node's for its tokens, the prefill's for the first token and the prompt) and the
+# echoed prompt: the prefill gets them as sent (ChatRequest's and CompletionRequest's own fields, checked by
+# validation as vLLM checks them).
+LOGPROBS: dict[str, frozenset[str]] = {
+    "chat": frozenset({"logprobs", "top_logprobs", "prompt_logprobs", "return_tokens_as_token_ids"}),
+    "completions": frozenset({"logprobs", "echo", "prompt_logprobs", "return_tokens_as_token_ids"}),
+}
 HONOURED_BY_DECODE: dict[str, frozenset[str]] = {
-    "chat": _COMMON_DECODE | {"max_completion_tokens"},
-    "completions": _COMMON_DECODE,
+    "chat": _COMMON_DECODE | {"max_completion_tokens"} | LOGPROBS["chat"],
+    "completions": _COMMON_DECODE | LOGPROBS["completions"],
 }
 # Of those, the ones the prefill also gets, to sample and stop the first token as the decode engine will.
 DECODE_FIELDS_FOR_PREFILL = frozenset(
@@ -167,7 +177,6 @@ PASSED_TO_VLLM: dict[str, frozenset[str]] = {
     "completions": _COMMON_TO_VLLM | {"prompt", "suffix"},
 }
 
-_NO_LOGPROBS = "the decode path returns no log-probabilities"
 _SAMPLER = "the decode engine does not run this sampling extension"
 _RENDER_ONLY = "only vLLM's /render endpoints use it"
 _SET_BY_ROUTER = "the router sets it for the TileRT transfer; clients may not"
@@ -180,10 +189,7 @@ _COMMON_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "vllm_xargs": (({},), "custom sampling extensions do not run on the decode path"),
     "repetition_detection": ((), "the decode path does not detect repetition"),
     "thinking_token_budget": ((-1,), "the decode path does not count thinking tokens"),
-    "prompt_logprobs": ((), _NO_LOGPROBS),
-    "logprob_token_ids": (([],), _NO_LOGPROBS),
-    "return_tokens_as_token_ids": ((False,), _NO_LOGPROBS),
-    "echo": ((False,), "the router does not echo the prompt"),
+    "logprob_token_ids": (([],), "the decode path returns the top log-probabilities, not chosen tokens'"),
     "spaces_between_special_tokens": ((True,), "the router's detokenizer has no such switch"),
     "stream_interval": ((1,), "the router streams every token as it is decoded"),
     "routed_experts_prompt_start": ((0,), "the decode path does not return routed experts"),
@@ -200,8 +206,7 @@ NO_POOL = frozenset({"request_id", "kv_transfer_params", "ec_transfer_params"})
 REFUSED: dict[str, dict[str, tuple[tuple[Any, ...], str]]] = {
     "chat": {
         **_COMMON_REFUSED,
-        "logprobs": ((False,), _NO_LOGPROBS),
-        "top_logprobs": ((0,), _NO_LOGPROBS),
+        "echo": ((False,), "the router does not prepend the last message to the answer"),
         "tools": ((), "the decode path does not parse tool calls"),
         "tool_choice": (("none",), "the decode path does not parse tool calls"),
         "include_reasoning": ((True,), "the decode path does not separate reasoning from content"),
@@ -209,7 +214,6 @@ REFUSED: dict[str, dict[str, tuple[tuple[Any, ...], str]]] = {
     },
     "completions": {
         **_COMMON_REFUSED,
-        "logprobs": ((), _NO_LOGPROBS),
         "prompt_embeds": ((), "the decode path needs the prompt's token ids"),
     },
 }
@@ -255,6 +259,8 @@ class _Honoured(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     response_format: Opt[LooseObject] = UNSET  # checked by validation.grammar_of
     n: Opt[Int64] = UNSET  # checked by validation.build_plan (vLLM's limits) and the decode pool (its nodes')
     structured_outputs: Opt[LooseObject] = UNSET
+    prompt_logprobs: Opt[Int64] = UNSET  # ranges: validation (vLLM's messages)
+    return_tokens_as_token_ids: Opt[bool] = UNSET
 
 
 def _with_refused(route: str) -> Any:
@@ -275,11 +281,15 @@ class ChatRequest(_with_refused("chat")):  # type: ignore[misc]
     media_io_kwargs: Opt[LooseObject] = UNSET
     reasoning_effort: Opt[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = UNSET
     parallel_tool_calls: Opt[bool] = UNSET  # only filters tool calls, and tools are refused: inert
+    logprobs: Opt[bool] = UNSET
+    top_logprobs: Opt[Int64] = UNSET
 
 
 class CompletionRequest(_with_refused("completions")):  # type: ignore[misc]
     prompt: str | Annotated[list[TokenId | str | TokenIds], Meta(min_length=1, max_length=MAX_PROMPT_TOKENS)]
     suffix: Opt[str] = UNSET  # fill-in-the-middle: vLLM renders it into the prompt
+    logprobs: Opt[Int64] = UNSET
+    echo: Opt[bool] = UNSET
 
 
 SCHEMAS: dict[str, type[msgspec.Struct]] = {"chat": ChatRequest, "completions": CompletionRequest}

@@ -60,6 +60,9 @@ class RequestPlan:
     bad_words: list[str] = field(default_factory=list)
     grammar: c.Grammar | None = None  # structured output
     n: int = 1  # choices: the decode node samples each from the one prefill
+    logprobs: int | None = None  # each token's logprob and this many top ones (None: not asked)
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:N"
+    echo: bool = False  # completions: the prompt before the completion (its logprobs too)
     # The first field the TileRT pool cannot serve (a 400 naming it), None when it can: the native pool may.
     fast_pool_refusal: RouterError | None = None
 
@@ -92,10 +95,13 @@ class RequestPlan:
 def continuation(plan: RequestPlan, prompt_ids: list[int], max_tokens: int | None, produced: int) -> RequestPlan:
     """The prefill of ``plan``'s answer from where it stands: a completions request whose prompt is the prompt's
     ids and the ``produced`` tokens, with the same sampling, ``max_tokens`` left, and ``min_tokens`` less what
-    was produced. Stop strings stay with the router (it holds the text so far)."""
+    was produced, and the logprobs of its token asked with the tokens as ids. Stop strings stay with the router (it
+    holds the text so far)."""
     keep = schema.DECODE_FIELDS_FOR_PREFILL - {"stop", "include_stop_str_in_output"}
     body = {k: v for k, v in plan.body.items() if k in keep or k in ("model", "cache_salt", "priority", "user")}
     body["prompt"] = prompt_ids
+    if plan.logprobs is not None:  # the next token's, read back by id (tilert.router.logprobs.resumed_logprobs)
+        body.update(logprobs=plan.logprobs, return_tokens_as_token_ids=True)
     return replace(
         plan,
         route="completions",
@@ -129,6 +135,9 @@ def build_plan(
             f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.", "min_tokens"
         )
     grammar, refusal = _grammar(request, refusal)
+    n, logprobs = _choices(request.n, temperature, sampling_defaults or {}), _logprobs(request, route, stream)
+    if n > 1 and (logprobs["logprobs"] is not None or logprobs["echo"] or _set(request.prompt_logprobs) is not None):
+        refusal = refusal or unsupported("n", "the decode path gives log-probabilities and echo to one choice only")
     body = _forwarded(request, route)
     if temperature is not None:  # the prefill samples the first token with the temperature the decode engine uses
         body["temperature"] = temperature
@@ -151,9 +160,10 @@ def build_plan(
         return_token_ids=request.return_token_ids is True,
         min_tokens=min_tokens,
         **_logits_rules(request),
+        **logprobs,
         grammar=grammar,
         fast_pool_refusal=refusal,
-        n=_choices(request.n, temperature, sampling_defaults or {}),
+        n=n,
     )
 
 
@@ -212,6 +222,51 @@ def _logits_rules(request: Any) -> dict[str, Any]:
         "allowed_token_ids": _set(request.allowed_token_ids),
         "bad_words": list(_set(request.bad_words) or []),
     }
+
+
+def _logprobs(request: Any, route: Route, stream: bool) -> dict[str, Any]:
+    """The plan's log-probability fields, checked as vLLM checks them (its messages; the limit is vLLM's default
+    ``max_logprobs``, the most the decode node returns): a 400 naming the field before any prefill."""
+    if route == "chat":
+        name, top = "top_logprobs", _set(request.top_logprobs)
+        if top is not None and top < 0 and top != -1:
+            raise _invalid("`top_logprobs` must be a positive value or -1.", name, top)
+        if top is not None and (top == -1 or top > 0) and request.logprobs is not True:
+            raise _invalid("when using `top_logprobs`, `logprobs` must be set to true.", name)
+        count = (top or 0) if request.logprobs is True else None
+    else:
+        name, count = "logprobs", _set(request.logprobs)
+        if count is not None and count < 0 and count != -1:
+            raise _invalid("`logprobs` must be a positive value or -1.", name, count)
+    _within_max_logprobs(count, "sample", name)
+    prompt = _set(request.prompt_logprobs)
+    if prompt is not None:
+        if stream and (prompt > 0 or prompt == -1):
+            raise _invalid("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+        if prompt < 0 and prompt != -1:
+            raise _invalid("`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs", prompt)
+        _within_max_logprobs(prompt, "prompt", "prompt_logprobs")
+    echo = route == "completions" and request.echo is True
+    return {"logprobs": count, "tokens_as_ids": request.return_tokens_as_token_ids is True, "echo": echo}
+
+
+def _within_max_logprobs(count: int | None, kind: str, name: str) -> None:
+    if count is not None and (count == -1 or count > c.MAX_LOGPROBS):
+        asked = "the whole vocabulary" if count == -1 else count
+        message = f"Requested {kind} logprobs of {asked}, which is greater than max allowed: {c.MAX_LOGPROBS}"
+        raise _invalid(message, name, count)
+
+
+def _invalid(message: str, name: str, value: int | None = None) -> RouterError:
+    """A 400 worded as vLLM's ``VLLMValidationError`` words it (the parameter, and the value, after the message)."""
+    named = f"parameter={name}" if value is None else f"parameter={name}, value={value}"
+    return bad_request(f"{message} ({named})", name)
+
+
+def _logprobs_body(request: Any, route: Route) -> dict[str, Any]:
+    """The log-probability fields the prefill gets: those set to something other than vLLM's default."""
+    values = {name: getattr(request, name) for name in sorted(schema.LOGPROBS[route])}
+    return {name: v for name, v in values.items() if v is not UNSET and v is not None and v is not False}
 
 
 def _decode(route: Route, raw: bytes, max_body_bytes: int) -> Any:
@@ -278,7 +333,7 @@ def _forwarded(request: Any, route: Route) -> dict[str, Any]:
     """The fields the prefill gets as the client sent them; loose (``Raw``) contents travel as raw JSON."""
     names = schema.PASSED_TO_VLLM[route] | schema.DECODE_FIELDS_FOR_PREFILL
     refused = schema.REFUSED[route]
-    body: dict[str, Any] = {}
+    body: dict[str, Any] = _logprobs_body(request, route)
     for name in request.__struct_fields__:
         value = getattr(request, name)
         if name in refused:  # only the native pool serves it: it gets the field when it is not "off"
