@@ -675,3 +675,21 @@ def test_n_is_refused_as_vllm_refuses_it(fields: dict[str, Any], defaults: dict[
         err = refusal(route, with_base(route, **fields), sampling_defaults=defaults)
         assert (err.status, err.param, err.message) == (400, "n", message)
     assert plan_of("chat", with_base("chat", n=2), sampling_defaults={"temperature": 0.7}).n == 2
+
+
+@pytest.mark.parametrize(
+    ("route", "fields"),
+    [
+        ("chat", {"logprobs": True}),
+        ("chat", {"prompt_logprobs": 2}),
+        ("completions", {"logprobs": 2}),
+        ("completions", {"echo": True}),
+    ],
+)
+def test_several_choices_with_logprobs_are_left_to_the_native_pool(route: str, fields: dict[str, Any]) -> None:
+    """One choice carries log-probabilities and echo on the TileRT pool: with n > 1 they are its refusal, naming n;
+    the same fields alone, or n alone, are served."""
+    plan = plan_of(route, with_base(route, n=2, temperature=1.0, **fields))
+    assert plan.fast_pool_refusal is not None and plan.fast_pool_refusal.param == "n"
+    assert plan_of(route, with_base(route, temperature=1.0, **fields)).fast_pool_refusal is None
+    assert plan_of(route, with_base(route, n=2, temperature=1.0)).fast_pool_refusal is None
