@@ -27,6 +27,7 @@ from tilert.router.middleware import REQUEST_ID_SCOPE_KEY, BearerAuthMiddleware,
 from tilert.router.openai_format import models_list
 from tilert.router.prefill import relay
 from tilert.router.routing import POOL_HEADER, choose_pool
+from tilert.router.tools import prepare_chat
 from tilert.router.validation import Route as ApiRoute
 from tilert.router.validation import build_plan
 
@@ -108,6 +109,7 @@ async def _completion(request: Request, route: ApiRoute) -> Response:
         plan = build_plan(
             route, raw, default_max_tokens=ctx.config.default_max_tokens, max_body_bytes=ctx.config.max_body_bytes
         )
+        plan = prepare_chat(plan, raw, ctx.parsers)  # tools and reasoning: what vLLM's parsers make of the request
         choice = choose_pool(
             ctx.config, request.headers.get(POOL_HEADER), plan.body.get("model"), plan.fast_pool_refusal
         )

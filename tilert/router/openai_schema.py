@@ -40,6 +40,7 @@ token ids                  0 to 2**31 - 1
 ``allowed_token_ids``      1 to 2**18 ids
 ``bad_words``              up to 128 strings of 1 to 1024 characters
 ``documents``              up to 1024 entries
+``tools``                  up to 1024 entries
 short strings              ``model``, ``user``, ``session_id``, ``cache_salt``: up to 1024 characters
 =========================  =======================================================================
 """
@@ -58,6 +59,7 @@ MAX_STOP = 64
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 64
 MAX_DOCUMENTS = 1024
+MAX_TOOLS = 1024
 MAX_SHORT_STR = 1024
 MAX_TEMPERATURE = 1e6
 MAX_REPETITION_PENALTY = 1e6
@@ -158,6 +160,8 @@ PASSED_TO_VLLM: dict[str, frozenset[str]] = {
         "mm_processor_kwargs",
         "media_io_kwargs",
         "reasoning_effort",
+        "tools",
+        "tool_choice",
         "parallel_tool_calls",
     },
     "completions": _COMMON_TO_VLLM | {"prompt", "suffix"},
@@ -200,8 +204,6 @@ REFUSED: dict[str, dict[str, tuple[tuple[Any, ...], str]]] = {
         **_COMMON_REFUSED,
         "logprobs": ((False,), _NO_LOGPROBS),
         "top_logprobs": ((0,), _NO_LOGPROBS),
-        "tools": ((), "the decode path does not parse tool calls"),
-        "tool_choice": (("none",), "the decode path does not parse tool calls"),
         "include_reasoning": ((True,), "the decode path does not separate reasoning from content"),
         "return_prompt_text": ((False,), "the router does not return the rendered prompt"),
     },
@@ -271,7 +273,9 @@ class ChatRequest(_with_refused("chat")):  # type: ignore[misc]
     mm_processor_kwargs: Opt[LooseObject] = UNSET
     media_io_kwargs: Opt[LooseObject] = UNSET
     reasoning_effort: Opt[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = UNSET
-    parallel_tool_calls: Opt[bool] = UNSET  # only filters tool calls, and tools are refused: inert
+    tools: Opt[Annotated[list[Raw], Meta(min_length=0, max_length=MAX_TOOLS)]] = UNSET  # vLLM checks each tool
+    tool_choice: Opt[str | LooseObject] = UNSET  # "none", "auto", "required" or a named function; vLLM checks it
+    parallel_tool_calls: Opt[bool] = UNSET
 
 
 class CompletionRequest(_with_refused("completions")):  # type: ignore[misc]
