@@ -38,11 +38,16 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model("deepseek_v3", tmp_path_factory.mktemp("models") / "tiny-deepseek-v3", seed=0)
 
 
+# vLLM's tool flags, on every process of the session stack (its vLLM alone answers with them too): requests without
+# tools are answered as without them (tests/test_tool_calls.py serves tools through them).
+TOOL_FLAGS = ("--tool-call-parser", "hermes", "--enable-auto-tool-choice")
+
+
 @pytest.fixture(scope="session")
 def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """The session's ``tilert up`` stack. Its teardown is a check: SIGINT stops ``tilert up`` (status 0) and every
     process it started, vLLM's engine core included; a failure there errors the run."""
-    handle = start_stack(tiny_model, tmp_path_factory.mktemp("logs") / "stack.log")
+    handle = start_stack(tiny_model, tmp_path_factory.mktemp("logs") / "stack.log", *TOOL_FLAGS)
     yield handle
     stop_stack_checked(handle)
 

@@ -423,9 +423,10 @@ WatchLine = NodeBeat | TransferFailed
 class Grammar(_Strict):
     """A structured-output constraint as vLLM's xgrammar backend compiles it: ``json`` (a JSON schema, as text),
     ``json_object`` (any JSON object; no spec), ``regex``, ``grammar`` (EBNF, or Lark when no line holds an EBNF
-    ``::=`` rule). vLLM's ``choice`` arrives as the EBNF grammar vLLM makes of it."""
+    ``::=`` rule), ``structural_tag`` (xgrammar's structural tag as JSON: what vLLM's tool parsers constrain tool
+    calls with). vLLM's ``choice`` arrives as the EBNF grammar vLLM makes of it."""
 
-    kind: Literal["json", "json_object", "regex", "grammar"]
+    kind: Literal["json", "json_object", "regex", "grammar", "structural_tag"]
     spec: Annotated[str, msgspec.Meta(max_length=MAX_GRAMMAR_CHARS)] = ""
 
 

@@ -50,7 +50,18 @@ from tilert.engines.vllm import CPU_COMPILATION_CONFIG
 from tilert.logs import FORMAT_ENV, LEVEL_ENV, LOG_FORMAT, LOG_LEVEL, configure, vllm_access_log_args
 from tilert.models.checkpoint import context_problem
 from tilert.plugins import PluginError
-from tilert.router.config import NATIVE_ENGINE, OVERFLOW_WAIT_S, RESERVE_LEASE_S, default_reserve_lease_s
+from tilert.router.config import (
+    ENABLE_AUTO_TOOL_CHOICE,
+    NATIVE_ENGINE,
+    OVERFLOW_WAIT_S,
+    REASONING_PARSER,
+    RESERVE_LEASE_S,
+    TOOL_CALL_PARSER,
+    TOOL_PARSER_PLUGIN,
+    default_reserve_lease_s,
+    parser_problems,
+    vllm_parser_args,
+)
 from tilert.settings import (
     LOOPBACK,
     NATIVE_PORT,
@@ -122,6 +133,11 @@ class StackConfig:
     prefill_side_port: int = setting(PREFILL_SIDE_PORT, help="the prefill's NIXL side channel (--native)")
     native_side_port: int = setting(NATIVE_SIDE_PORT, help="the native decode instance's NIXL side channel (--native)")
     overflow_wait_s: float | None = OVERFLOW_WAIT_S.field()
+    # vLLM's parser flags: the router's, and every vLLM instance's (the prefill renders and validates the tools)
+    tool_call_parser: str | None = TOOL_CALL_PARSER.field()
+    enable_auto_tool_choice: bool = ENABLE_AUTO_TOOL_CHOICE.field()
+    reasoning_parser: str | None = REASONING_PARSER.field()
+    tool_parser_plugin: str | None = TOOL_PARSER_PLUGIN.field()
     secret_file: Path | None = setting(
         None,
         metavar="PATH",
@@ -223,6 +239,7 @@ class StackConfig:
                 problems.append(f"{d('overflow_wait_s')} must be a number >= 0 ({self.overflow_wait_s!r})")
             elif not self.native:
                 problems.append(f"{d('overflow_wait_s')} overflows to the native pool: add --native")
+        problems += parser_problems(self, StackConfig)
         if problems:
             raise ConfigError("; ".join(problems))
         return self
@@ -285,7 +302,8 @@ def native_instances(cfg: StackConfig) -> tuple[NativeInstance, NativeInstance]:
 
 
 def native_command(cfg: StackConfig) -> list[str]:
-    return load_native_pool(cfg.native_engine).decode_command(native_instances(cfg)[1], cpu=not _has_cuda())
+    cmd = load_native_pool(cfg.native_engine).decode_command(native_instances(cfg)[1], cpu=not _has_cuda())
+    return cmd + vllm_parser_args(cfg)  # the native pool's decode instance parses its answers itself
 
 
 def prefill_ports(cfg: StackConfig) -> list[int]:
@@ -321,6 +339,7 @@ def prefill_command(cfg: StackConfig) -> list[str]:
         "--kv-transfer-config",
         json.dumps(kv_config),
         *vllm_access_log_args(),
+        *vllm_parser_args(cfg),  # its chat template renders the tools, and it validates them as the router does
     ]
     if not _has_cuda():
         cmd += ["--compilation-config", json.dumps(CPU_PREFILL_COMPILATION_CONFIG)]
@@ -502,6 +521,7 @@ def router_command(cfg: StackConfig) -> list[str]:
         str(cfg.port),
         "--reserve-lease-s",
         str(leases(cfg)[0]),
+        *vllm_parser_args(cfg),
     ]
     if cfg.native:
         cmd += ["--native-url", _url(cfg.advertised, cfg.native_port)]

@@ -91,6 +91,8 @@ class Grammars:
                 compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=True)
             elif grammar.kind == "regex":
                 compiled = compiler.compile_regex(grammar.spec)
+            elif grammar.kind == "structural_tag":
+                compiled = compiler.compile_structural_tag(grammar.spec)
             elif is_lark(grammar.spec):
                 compiled = compiler.compile_lark(grammar.spec)
             else:

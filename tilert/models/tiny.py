@@ -18,10 +18,19 @@ ARCHS = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
+# The tools of a request, when it has some, as one system turn of their JSON; an assistant turn's tool calls as
+# hermes-style <tool_call> blocks (what vLLM's hermes parser reads back). A conversation without tools renders as
+# it always did.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}{{ '<|system|>' + (tools | tojson) + '<|end|>' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{{ '<|' + message['role'] + '|>' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{{ '<tool_call>' + ({'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson)"
+    " + '</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|end|>' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )

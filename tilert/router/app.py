@@ -27,6 +27,7 @@ from tilert.router.middleware import REQUEST_ID_SCOPE_KEY, BearerAuthMiddleware,
 from tilert.router.openai_format import models_list
 from tilert.router.prefill import relay
 from tilert.router.routing import POOL_HEADER, choose_pool
+from tilert.router.tools import prepare_chat
 from tilert.router.validation import Route as ApiRoute
 from tilert.router.validation import build_plan
 
@@ -112,6 +113,7 @@ async def _completion(request: Request, route: ApiRoute) -> Response:
             max_body_bytes=ctx.config.max_body_bytes,
             sampling_defaults=ctx.sampling_defaults,
         )
+        plan = prepare_chat(plan, raw, ctx.parsers)  # tools and reasoning: what vLLM's parsers make of the request
         refusal = plan.fast_pool_refusal or ctx.pool.choices_refusal(plan.n)  # more choices than a node decodes
         choice = choose_pool(ctx.config, request.headers.get(POOL_HEADER), plan.body.get("model"), refusal)
         ctx.prefills.require(rid)  # no prefill instance to take it: 503 now, not after a wait for a decode slot

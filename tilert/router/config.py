@@ -17,6 +17,8 @@ Secrets never travel on a command line:
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import tomllib
 from collections.abc import Mapping
@@ -175,6 +177,74 @@ OVERFLOW_WAIT_S = Setting(
     help="a TileRT-pool request with no decode slot after this wait goes to the native pool instead of waiting on "
     "to queue_timeout_s and a 429 (needs the native pool; unset: no overflow)",
 )
+# vLLM's own flags, with vLLM's names and meanings: the router parses answers with vLLM's parsers
+# (tilert.router.tools), and `tilert up` hands the same flags to every vLLM instance it starts.
+TOOL_CALL_PARSER = Setting(
+    default=None,
+    metavar="NAME",
+    help="vLLM's --tool-call-parser: the vLLM tool parser that reads the model's tool calls back (hermes, ...); "
+    "tool_choice required or a named function needs it, auto also enable_auto_tool_choice",
+)
+ENABLE_AUTO_TOOL_CHOICE = Setting(
+    default=False,
+    help="vLLM's --enable-auto-tool-choice: serve tool_choice auto (the model decides whether it calls a tool; "
+    "needs tool_call_parser)",
+)
+REASONING_PARSER = Setting(
+    default=None,
+    metavar="NAME",
+    help="vLLM's --reasoning-parser: the vLLM reasoning parser that splits a chat answer into reasoning and "
+    "content (qwen3, deepseek_r1, ...)",
+)
+TOOL_PARSER_PLUGIN = Setting(
+    default=None,
+    metavar="PATH",
+    help="vLLM's --tool-parser-plugin: a Python file registering more tool parsers (names for tool_call_parser)",
+)
+PARSER_SETTINGS = ("tool_call_parser", "enable_auto_tool_choice", "reasoning_parser", "tool_parser_plugin")
+
+
+def vllm_parser_args(cfg: Any) -> list[str]:
+    """The parser settings of ``cfg`` (a config with the fields of :data:`PARSER_SETTINGS`) as vLLM's flags."""
+    args = ["--tool-call-parser", cfg.tool_call_parser] if cfg.tool_call_parser else []
+    args += ["--enable-auto-tool-choice"] if cfg.enable_auto_tool_choice else []
+    args += ["--reasoning-parser", cfg.reasoning_parser] if cfg.reasoning_parser else []
+    return args + (["--tool-parser-plugin", cfg.tool_parser_plugin] if cfg.tool_parser_plugin else [])
+
+
+def parser_problems(cfg: Any, cls: type) -> list[str]:
+    """Why vLLM would not start with ``cfg``'s parser settings (:data:`PARSER_SETTINGS` of config class ``cls``):
+    each name checked against vLLM's registries once the plugin is imported, as vLLM does. vLLM is imported only
+    when a parser or a plugin is named."""
+    d = lambda name: describe(cls, name)  # noqa: E731
+    problems: list[str] = []
+    if cfg.enable_auto_tool_choice and not cfg.tool_call_parser:
+        problems.append(f"{d('enable_auto_tool_choice')} needs {d('tool_call_parser')} (as vLLM's does)")
+    if not (cfg.tool_call_parser or cfg.reasoning_parser or cfg.tool_parser_plugin):
+        return problems
+    logging.getLogger("vllm").setLevel(logging.WARNING)  # its import-time notes are not the router's to log
+    from vllm.reasoning import ReasoningParserManager  # lazy: vLLM, only when a parser is named
+    from vllm.tool_parsers import ToolParserManager  # lazy: vLLM, only when a parser is named
+
+    if cfg.tool_parser_plugin and not _plugin_loaded(cfg.tool_parser_plugin):
+        problems.append(f"{d('tool_parser_plugin')}: vLLM cannot import {cfg.tool_parser_plugin!r}")
+    registries = (
+        ("tool_call_parser", "tool call", ToolParserManager.list_registered()),
+        ("reasoning_parser", "reasoning", ReasoningParserManager.list_registered()),
+    )
+    for name, kind, names in registries:
+        value = getattr(cfg, name)
+        if value and value not in names:
+            problems.append(f"{d(name)}: vLLM has no {kind} parser {value!r}; valid names: {', '.join(sorted(names))}")
+    return problems
+
+
+@functools.cache
+def _plugin_loaded(path: str) -> bool:
+    """Import a tool parser plugin as vLLM does (a module name or a file), once per process."""
+    from vllm.utils.import_utils import import_plugin  # lazy: vLLM, only with a plugin
+
+    return import_plugin(path) is not None
 
 
 @dataclass
@@ -320,9 +390,13 @@ class RouterConfig:
     overflow_wait_s: float | None = OVERFLOW_WAIT_S.field()
     unsupported_to_native: bool = setting(
         True,
-        help="a request with a field the TileRT pool cannot serve (n > 1, logprobs, tools, ...) goes to the native "
+        help="a request with a field the TileRT pool cannot serve (n > 1, logprobs, ...) goes to the native "
         "pool when there is one (its response says so in x-tilert-pool-reason); off: refused with a 400 naming it",
     )
+    tool_call_parser: str | None = TOOL_CALL_PARSER.field()
+    enable_auto_tool_choice: bool = ENABLE_AUTO_TOOL_CHOICE.field()
+    reasoning_parser: str | None = REASONING_PARSER.field()
+    tool_parser_plugin: str | None = TOOL_PARSER_PLUGIN.field()
     # Filled at load time from secret_file / $TILERT_SECRET_FILE / $TILERT_SECRET (tilert.auth.load_secret).
     secret: bytes = field(default=b"", repr=False)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -351,6 +425,7 @@ class RouterConfig:
     def validate(self) -> RouterConfig:
         """Raise :class:`ConfigError` naming every setting the router cannot start with; returns ``self``."""
         problems = self._address_problems() + self._number_problems() + self._key_problems() + self._pool_problems()
+        problems += parser_problems(self, RouterConfig)
         if problems:
             raise ConfigError("; ".join(problems))
         return self

@@ -22,9 +22,23 @@ from tilert.router.node_client import NodeClient
 from tilert.router.pool import DecodePool, PooledNode
 from tilert.router.prefill import prefill_session, vllm_session
 from tilert.router.prefill_pool import PrefillPool
+from tilert.router.tools import Parsers, load_parsers
 from tilert.router.watch import NodeWatch
 
 log = structlog.get_logger("tilert.router")
+
+
+async def _model_files(config: RouterConfig) -> tuple[TokenizerBundle, Parsers | None]:
+    """The model's tokenizer, and vLLM's parsers of the router's flags; a start-up refusal saying why not."""
+    try:
+        tokenizer = await anyio.to_thread.run_sync(load_tokenizer, config.model_dir)
+    except Exception as exc:  # noqa: BLE001 - refuse start-up with the reason
+        raise RuntimeError(f"router cannot load the tokenizer from model_dir {config.model_dir!r}: {exc}") from exc
+    try:
+        parsers = await anyio.to_thread.run_sync(load_parsers, config)
+    except Exception as exc:  # noqa: BLE001 - vLLM refuses the parsers for this model: refuse start-up with why
+        raise RuntimeError(f"the router's parsers: {exc}") from exc
+    return tokenizer, parsers
 
 
 @dataclass
@@ -42,14 +56,12 @@ class RouterContext:
     native: aiohttp.ClientSession | None = None
     native_plugin: type[NativePool] | None = None
     native_healthy: bool = False
+    parsers: Parsers | None = None  # vLLM's tool / reasoning parser of the router's flags (tilert.router.tools)
 
     @classmethod
     async def start(cls, config: RouterConfig, metrics: RouterMetrics) -> RouterContext:
         config.validate()
-        try:
-            tokenizer = await anyio.to_thread.run_sync(load_tokenizer, config.model_dir)
-        except Exception as exc:  # noqa: BLE001 - refuse start-up with the reason
-            raise RuntimeError(f"router cannot load the tokenizer from model_dir {config.model_dir!r}: {exc}") from exc
+        tokenizer, parsers = await _model_files(config)
         prefills = PrefillPool(
             config.prefill_urls,
             partial(prefill_session, timeout_s=config.prefill_timeout_s, connect_timeout_s=config.connect_timeout_s),
@@ -80,6 +92,7 @@ class RouterContext:
             watches=watches,
             tokenizer=tokenizer,
             sampling_defaults=sampling_defaults(config.model_dir),
+            parsers=parsers,
         )
         if config.native_url:
             try:

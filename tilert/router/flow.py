@@ -203,6 +203,8 @@ class RequestFlow:
                 self.transfer_id, self.log = lease.transfer_id, self.log.bind(transfer_id=lease.transfer_id)
             self.node_name = lease.node.name
             shape = self.shape(pre)
+            if self.plan.parsed is not None:  # vLLM's tool / reasoning parser runs over the answer
+                shape.parsing = self.plan.parsed.answer(pre)
             finish = "stop" if pre.finish_reason == "stop" else ("length" if self.plan.max_tokens == 1 else None)
             if finish is not None and self.plan.n == 1:
                 await self.answer_from_prefill(out, lease, shape, pre, finish)
@@ -235,7 +237,7 @@ class RequestFlow:
             self.ctx.tokenizer.tokenizer,
             pre.prompt_token_ids,
             pre.first_token_id,
-            pre.text,
+            self._first_text(shape, pre, None),
             plan.stop,
             plan.include_stop_str_in_output,
             plan.skip_special_tokens,
@@ -350,19 +352,27 @@ class RequestFlow:
         """The prefill's one token is the whole answer (``lease``: the TileRT slot to free first, if any)."""
         use, ids = usage(pre.prompt_tokens, 1), [pre.first_token_id]
         stop_reason = pre.stop_reason if finish == "stop" else None
+        text = self._first_text(shape, pre, finish)
         self.first_token()
         if lease is not None:
             await lease.release()
         if self.plan.stream:
             await out.start(200, list(SSE_HEADERS))
-            chunk = shape.chunk(pre.text, ids, finish, stop_reason, use if self.plan.continuous_usage else None)
+            chunk = shape.chunk(text, ids, finish, stop_reason, use if self.plan.continuous_usage else None)
             tail = sse(shape.usage_chunk(use)) if self.plan.include_usage else b""
             await out.body(sse(chunk) + tail + DONE, more=False)
         else:
-            body = shape.final(pre.text, ids, finish, stop_reason, use, pre.prompt_token_ids)
+            body = shape.final(text, ids, finish, stop_reason, use, pre.prompt_token_ids)
             await out.json(200, orjson.dumps(body))
         self.finish_reason = finish
         self._to(FlowState.FINISHED, finish_reason=finish, from_prefill=True)
+
+    def _first_text(self, shape: ResponseShape, pre: PrefillResult, finish: str | None) -> str:
+        """The prefill's token as text: vLLM's answer's own, or, when a parser runs over the answer, the raw text
+        (the prefill's answer was parsed already)."""
+        if shape.parsing is None:
+            return pre.text
+        return shape.parsing.first_text(self.ctx.tokenizer.tokenizer, self.plan, pre, finish)
 
     async def _first_chunk(self, out: ClientOutput, shape: ResponseShape, pre: PrefillResult, loop: TokenLoop) -> None:
         """Prefill's token to the client (streaming, as choice 0's first chunk) and the time to first token."""
@@ -436,10 +446,14 @@ class RequestFlow:
         loop = choices.loops[delta.index]
         _add_logprobs(shape, line, delta, loop)
         per_token = plan.return_token_ids or plan.logprobs is not None  # a chunk for every token
-        if plan.stream and (delta.text or delta.finish_reason or (delta.token_ids and per_token)):
+        wanted = delta.text or delta.finish_reason or (delta.token_ids and per_token)
+        if plan.stream and (wanted or shape.parsing is not None):  # a parser sees every delta, and may hold one
             now = usage(pre.prompt_tokens, len(loop.token_ids)) if plan.continuous_usage else None
-            chunk = shape.chunk(delta.text, delta.token_ids, delta.finish_reason, delta.stop_reason, now, delta.index)
-            await out.body(sse(chunk))
+            data = sse(
+                shape.chunk(delta.text, delta.token_ids, delta.finish_reason, delta.stop_reason, now, delta.index)
+            )
+            if data:
+                await out.body(data)
         return delta
 
     def _may_resume(self, exc: RouterError, pre: PrefillResult) -> bool:

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from tilert.router.logprobs import ChoiceExtras
 from tilert.router.validation import Route
 
+if TYPE_CHECKING:
+    from tilert.router.tools import AnswerParser
+
 DONE = b"data: [DONE]\n\n"
 
 
-def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+def sse(obj: dict[str, Any] | None) -> bytes:
+    """One server-sent event (none for None: a chunk with nothing to send)."""
+    return b"" if obj is None else b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -43,6 +47,7 @@ class ResponseShape:
         self.return_token_ids = return_token_ids
         self.extras = extras  # the echoed prompt and the logprobs of a one-choice request (each chunk: its tokens')
         self._role_sent: set[int] = set()  # the choices whose first chunk went out (it carries the role)
+        self.parsing: AnswerParser | None = None  # vLLM's tool / reasoning parser over a chat answer, if it has one
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -55,15 +60,15 @@ class ResponseShape:
         stop_reason: str | int | None = None,
         usage_now: dict[str, int] | None = None,
         index: int = 0,
-    ) -> dict[str, Any]:
-        """A chunk of choice ``index``."""
+    ) -> dict[str, Any] | None:
+        """The chunk of one delta of choice ``index``; None: nothing to send now (vLLM's parser holds the text
+        back)."""
         if self.route == "chat":
-            delta: dict[str, Any] = {}
-            if index not in self._role_sent:
-                delta["role"] = "assistant"
-                self._role_sent.add(index)
-            if text or finish_reason is None:
-                delta["content"] = text
+            delta = self._chat_delta(text, token_ids, finish_reason, index)
+            if delta is None:
+                return None
+            if finish_reason is not None and self.parsing is not None:
+                finish_reason = self.parsing.finish_reason(finish_reason)
             choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             out = self._head("chat.completion.chunk")
         else:
@@ -81,10 +86,26 @@ class ResponseShape:
             out["usage"] = usage_now
         return out
 
-    def usage_chunk(self, usage_all: dict[str, int]) -> dict[str, Any]:
+    def _chat_delta(
+        self, text: str, token_ids: list[int], finish_reason: str | None, index: int
+    ) -> dict[str, Any] | None:
+        sent = index in self._role_sent  # the choice's first chunk carries the role
+        if self.parsing is None:
+            delta: dict[str, Any] | None = {"content": text} if text or finish_reason is None else {}
+        else:
+            delta = self.parsing.delta(text, token_ids, finish_reason)
+            if delta is None and sent and finish_reason is None and not self.return_token_ids:
+                return None
+            delta = (delta or {}) if sent else (delta or {"content": ""})
+        if not sent:
+            self._role_sent.add(index)
+            return {"role": "assistant", **(delta or {})}
+        return delta
+
+    def usage_chunk(self, usage_all: dict[str, Any]) -> dict[str, Any]:
         out = self._head("chat.completion.chunk" if self.route == "chat" else "text_completion")
         out["choices"] = []
-        out["usage"] = usage_all
+        out["usage"] = usage_all if self.parsing is None else self.parsing.usage(usage_all)
         return out
 
     def final(
@@ -93,15 +114,19 @@ class ResponseShape:
         token_ids: list[int],
         finish_reason: str | None,
         stop_reason: str | int | None,
-        usage_all: dict[str, int],
+        usage_all: dict[str, Any],
         prompt_token_ids: list[int] | None,
         index: int = 0,
     ) -> dict[str, Any]:
         """The whole answer of one choice (``index``); :func:`with_choices` joins several."""
+        message: dict[str, Any] = {"role": "assistant", "content": text, "tool_calls": []}
+        if self.parsing is not None:
+            message, finish_reason = self.parsing.message(text, token_ids, finish_reason)
+            usage_all = self.parsing.usage(usage_all)
         if self.route == "chat":
             choice: dict[str, Any] = {
                 "index": index,
-                "message": {"role": "assistant", "content": text, "tool_calls": []},
+                "message": message,
                 "logprobs": None,
                 "finish_reason": finish_reason,
                 "stop_reason": stop_reason,

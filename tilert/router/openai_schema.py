@@ -46,6 +46,7 @@ token ids                  0 to 2**31 - 1
 log-probabilities          ``top_logprobs``, completions' ``logprobs``, ``prompt_logprobs``: 0 to 20 (vLLM's
                            default ``max_logprobs``; -1, the whole vocabulary, is over it); ``top_logprobs``
                            needs ``logprobs``, ``prompt_logprobs`` no ``stream`` (``validation._logprobs``)
+``tools``                  up to 1024 entries
 short strings              ``model``, ``user``, ``session_id``, ``cache_salt``: up to 1024 characters
 =========================  =======================================================================
 """
@@ -64,6 +65,7 @@ MAX_STOP = 64
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 64
 MAX_DOCUMENTS = 1024
+MAX_TOOLS = 1024
 MAX_SHORT_STR = 1024
 MAX_TEMPERATURE = 1e6
 MAX_REPETITION_PENALTY = 1e6
@@ -172,6 +174,8 @@ PASSED_TO_VLLM: dict[str, frozenset[str]] = {
         "mm_processor_kwargs",
         "media_io_kwargs",
         "reasoning_effort",
+        "tools",
+        "tool_choice",
         "parallel_tool_calls",
     },
     "completions": _COMMON_TO_VLLM | {"prompt", "suffix"},
@@ -207,8 +211,6 @@ REFUSED: dict[str, dict[str, tuple[tuple[Any, ...], str]]] = {
     "chat": {
         **_COMMON_REFUSED,
         "echo": ((False,), "the router does not prepend the last message to the answer"),
-        "tools": ((), "the decode path does not parse tool calls"),
-        "tool_choice": (("none",), "the decode path does not parse tool calls"),
         "include_reasoning": ((True,), "the decode path does not separate reasoning from content"),
         "return_prompt_text": ((False,), "the router does not return the rendered prompt"),
     },
@@ -280,7 +282,9 @@ class ChatRequest(_with_refused("chat")):  # type: ignore[misc]
     mm_processor_kwargs: Opt[LooseObject] = UNSET
     media_io_kwargs: Opt[LooseObject] = UNSET
     reasoning_effort: Opt[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = UNSET
-    parallel_tool_calls: Opt[bool] = UNSET  # only filters tool calls, and tools are refused: inert
+    tools: Opt[Annotated[list[Raw], Meta(min_length=0, max_length=MAX_TOOLS)]] = UNSET  # vLLM checks each tool
+    tool_choice: Opt[str | LooseObject] = UNSET  # "none", "auto", "required" or a named function; vLLM checks it
+    parallel_tool_calls: Opt[bool] = UNSET
     logprobs: Opt[bool] = UNSET
     top_logprobs: Opt[Int64] = UNSET
 

@@ -50,10 +50,10 @@ def grammar_of(
     if kind == "choice":
         if not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
             raise bad_request("structured_outputs.choice must be a non-empty list of strings", "structured_outputs")
-        return _capped(c.Grammar("grammar", choice_as_grammar(value)))
+        return capped(c.Grammar("grammar", choice_as_grammar(value)))
     if not isinstance(value, str) or not value or (kind == "regex" and "\x00" in value):
         raise bad_request(f"structured_outputs.{kind} must be a non-empty string without NUL", "structured_outputs")
-    return _capped(c.Grammar("regex" if kind == "regex" else "grammar", value))
+    return capped(c.Grammar("regex" if kind == "regex" else "grammar", value))
 
 
 def _from_response_format(fmt: dict[str, Any]) -> c.Grammar:
@@ -101,10 +101,11 @@ def _json(schema: Any, field: str) -> c.Grammar:
             raise bad_request("Invalid JSON grammar specification.", field) from None
     if not isinstance(schema, (dict, bool)):
         raise bad_request("a JSON schema must be an object", field)
-    return _capped(c.Grammar("json", json.dumps(schema)))
+    return capped(c.Grammar("json", json.dumps(schema)))
 
 
-def _capped(grammar: c.Grammar) -> c.Grammar:
+def capped(grammar: c.Grammar) -> c.Grammar:
+    """``grammar``, or a 413 when it is longer than a grammar may be."""
     if len(grammar.spec) > c.MAX_GRAMMAR_CHARS:
         raise RouterError(
             413, f"the grammar is {len(grammar.spec)} characters, over {c.MAX_GRAMMAR_CHARS}", outcome="too_large"
