@@ -134,15 +134,11 @@ def build_plan(
         raise unsupported("prompt", "one prompt per request (no batched prompts)")
     stream, options = _streaming(request)
     temperature, stop = _temperature(request.temperature), _set(request.stop) or []
-    max_tokens, min_tokens = _max_tokens(request, route, default_max_tokens), _set(request.min_tokens) or 0
-    if max_tokens is not None and min_tokens > max_tokens:
-        raise bad_request(
-            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.", "min_tokens"
-        )
+    max_tokens = _max_tokens(request, route, default_max_tokens)
+    min_tokens = _min_tokens(request, max_tokens)
     grammar, refusal = _grammar(request, refusal)
     n, logprobs = _choices(request.n, temperature, sampling_defaults or {}), _logprobs(request, route, stream)
-    if n > 1 and (logprobs["logprobs"] is not None or logprobs["echo"] or _set(request.prompt_logprobs) is not None):
-        refusal = refusal or unsupported("n", "the decode path gives log-probabilities and echo to one choice only")
+    refusal = refusal or _one_choice_only(request, n, logprobs)
     body = _forwarded(request, route)
     if temperature is not None:  # the prefill samples the first token with the temperature the decode engine uses
         body["temperature"] = temperature
@@ -170,6 +166,22 @@ def build_plan(
         fast_pool_refusal=refusal,
         n=n,
     )
+
+
+def _min_tokens(request: Any, max_tokens: int | None) -> int:
+    min_tokens: int = _set(request.min_tokens) or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad_request(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.", "min_tokens"
+        )
+    return min_tokens
+
+
+def _one_choice_only(request: Any, n: int, logprobs: dict[str, Any]) -> RouterError | None:
+    """The TileRT pool gives log-probabilities and echo to one choice: with ``n`` > 1 they are its refusal."""
+    if n > 1 and (logprobs["logprobs"] is not None or logprobs["echo"] or _set(request.prompt_logprobs) is not None):
+        return unsupported("n", "the decode path gives log-probabilities and echo to one choice only")
+    return None
 
 
 def _streaming(request: Any) -> tuple[bool, schema.StreamOptions | None]:
