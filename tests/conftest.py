@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.stack import Stack, start_stack, stop_stack_checked
+from support.stack import TOOL_FLAGS, Stack, start_stack, stop_stack_checked
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,6 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # vLLM's tool flags, on every process of the session stack (its vLLM alone answers with them too): requests without
 # tools are answered as without them (tests/test_tool_calls.py serves tools through them).
-TOOL_FLAGS = ("--tool-call-parser", "hermes", "--enable-auto-tool-choice")
 
 
 @pytest.fixture(scope="session")

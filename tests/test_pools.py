@@ -29,8 +29,9 @@ import httpx
 import psutil
 import pytest
 from support.oracle import MAX_TOKENS, POOL_HEADER, router_answer, source_text
-from support.stack import Stack, free_port, start_stack, stop_stack, wait_healthy
+from support.stack import TOOL_FLAGS, Stack, free_port, start_stack, stop_stack, wait_healthy
 from support.waiting import wait_until
+from tokenizers import Tokenizer
 
 POOL = POOL_HEADER
 
@@ -53,7 +54,7 @@ class PoolsStack:
             ports = [str(free_port()) for _ in range(3)]
             log = self.logs / f"pools-{self.starts}.log"
             flags = ("--native-port", ports[0], "--prefill-side-port", ports[1], "--native-side-port", ports[2])
-            self.stack = start_stack(self.model, log, "--native", *flags)
+            self.stack = start_stack(self.model, log, "--native", *flags, *TOOL_FLAGS)
             self.spent = False
             assert self.stack.native is not None
         return self.stack
@@ -477,3 +478,83 @@ def test_a_killed_decode_node_is_started_again_and_admitted(pools_to_heal: Stack
     assert router_answer(pools.router, pools.model, kind, prompt, True, pool="vllm")[:2] == want
     _restarted(pools, "decode")
     assert router_answer(pools.router, pools.model, kind, prompt, True, pool="tilert")[:2] == want
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}},
+    "required": ["ok"],
+    "additionalProperties": False,
+}
+PARITY: dict[str, tuple[str, dict[str, Any]]] = {
+    "penalties": ("completions", {"prompt": "def add(a, b):", "repetition_penalty": 1.3, "frequency_penalty": 0.5}),
+    "logprobs": ("chat", {"messages": [{"role": "user", "content": "import os"}], "logprobs": True, "top_logprobs": 3}),
+    "json_schema": (
+        "chat",
+        {
+            "messages": [{"role": "user", "content": "JSON please."}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}},
+        },
+    ),
+    "n": ("completions", {"prompt": "def add(a, b):", "n": 2, "temperature": 1.0, "seed": 5}),
+    "tool_choice": (
+        "chat",
+        {
+            "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "strict": True,
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}},
+                            "required": ["city"],
+                            "additionalProperties": False,
+                        },
+                    },
+                }
+            ],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        },
+    ),
+}
+
+
+@pytest.mark.stack
+@pytest.mark.parametrize("case", sorted(PARITY))
+def test_the_native_pool_serves_what_the_tilert_pool_serves(pools: Stack, case: str) -> None:
+    """The requests the TileRT pool serves (penalties, logprobs, a JSON schema, n choices), asked of the native pool
+    by header: served there, parsed by the OpenAI SDK's types, greedy ones with vLLM alone's answer."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    route, fields = PARITY[case]
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    body = {"model": str(pools.model), "max_tokens": 16, "temperature": 0, "return_token_ids": True, **fields}
+    if case == "tool_choice":  # compact JSON (whitespace-only tokens down), so the random model ends its call
+        tok = Tokenizer.from_file(str(pools.model / "tokenizer.json"))
+        spaces = [i for i in range(tok.get_vocab_size()) if tok.decode([i]) and not tok.decode([i]).strip()]
+        body |= {"max_tokens": 80, "logit_bias": {str(i): -100 for i in spaces}}
+    r = httpx.post(pools.router + path, json=body, headers={POOL: "vllm"}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.headers[POOL] == "vllm" and POOL + "-reason" not in r.headers
+    answer = (ChatCompletion if route == "chat" else Completion).model_validate(r.json())
+    if case == "n":
+        assert [c.index for c in answer.choices] == [0, 1]
+        return
+    alone = httpx.post(pools.prefill + path, json=body, timeout=120).json()
+    assert r.json()["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
+    if case == "logprobs":
+        ours = [(t.token, t.logprob) for t in answer.choices[0].logprobs.content]  # type: ignore[union-attr]
+        theirs = [(t["token"], t["logprob"]) for t in alone["choices"][0]["logprobs"]["content"]]
+        assert [t for t, _ in ours] == [t for t, _ in theirs]
+        assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(ours, theirs, strict=True))
+    if case == "tool_choice":
+        call = answer.choices[0].message.tool_calls[0]  # type: ignore[union-attr,index]
+        want = alone["choices"][0]["message"]["tool_calls"][0]["function"]
+        assert (call.function.name, json.loads(call.function.arguments)) == (
+            want["name"],
+            json.loads(want["arguments"]),
+        )

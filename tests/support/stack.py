@@ -66,6 +66,10 @@ class Stack:
         return path.read_text(errors="replace") if path.exists() else ""
 
 
+# vLLM's tool-call flags the tests' stacks run with (tilert up hands them to every vLLM it starts and the router)
+TOOL_FLAGS = ("--tool-call-parser", "hermes", "--enable-auto-tool-choice")
+
+
 def start_stack(model: Path, log: Path, *extra: str, env: dict[str, str] | None = None) -> Stack:
     """``tilert up`` on free ports, as a user starts it, with a secret file the tests know and the connector's
     test-only fault hook enabled (both next to ``log``); returns once it printed its URLs (the router's last)."""
