@@ -173,6 +173,8 @@ class ConnectorDriver:
         free an extent, at most ``poll_wait_s``), the report."""
         while not self._stop.is_set():
             self._pending.wait()
+            if self._stop.is_set():
+                return
             with self.lock:
                 if not self.scheduler.has_pending_work():
                     self._pending.clear()
