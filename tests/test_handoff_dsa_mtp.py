@@ -255,7 +255,8 @@ def handoff(pre: Prefilled, vc: VllmCaches, name: str, receiver: Any, engine: Ti
 
             def forward() -> None:  # vLLM's forward: save_kv_layer per attention layer, then wait_for_save
                 for layer in vc.caches:
-                    worker.save_layer(meta, layer)
+                    if "indexer" not in layer:  # vLLM never calls save_kv_layer for an indexer's cache
+                        worker.save_layer(meta, layer)
                 worker.flush(meta)
 
             await anyio.to_thread.run_sync(forward)

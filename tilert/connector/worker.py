@@ -5,7 +5,8 @@ at), allocates the bounded staging pool once and registers it with the transport
 cannot be allocated or registered stops vLLM from starting, with the reason.
 
 Inside the forward window, as each attention layer finishes, the rows of every claimed request whose
-prompt completes in this step are gathered out of the paged cache into that request's extent of the pool
+prompt completes in this step are gathered out of the paged cache (the layer's DSA indexer cache with it: vLLM
+calls ``save_kv_layer`` for attention layers only) into that request's extent of the pool
 (placed by the scheduler half; two requests never share one), and the layer's chunk is marked staged
 (on GPU by a CUDA event recorded after the copy). The request goes to the background sender before its
 first layer is staged, so the handshake and the first layers' writes overlap the rest of the forward; the
@@ -146,6 +147,7 @@ class WorkerSide:
         self._expected_bpt = expected_bytes_per_token
         self._staging_device = staging_device
         self._layers: dict[str, _Layer] = {}
+        self._companions: dict[str, list[str]] = {}  # attention layer -> the indexer caches of its decoder layer
         self._layouts: dict[str, KVLayout] = {}
         self._open: dict[str, _Open] = {}  # this step's requests, by req_id
         self._seen: set[str] = set()  # this step's saves acted on (staged, or refused and reported)
@@ -183,6 +185,13 @@ class WorkerSide:
                 self._layers[name] = _Layer(group, position, cache)
             base = kinds[group]
             self._layouts[group] = KVLayout(base.kind, base.dtype, base.row_bytes, len(members), base.rope_interleaved)
+        indexers: dict[int, list[str]] = {}
+        for name, layer in self._layers.items():
+            if layer.group == "indexer" and _LAYER_INDEX.search(name):
+                indexers.setdefault(_layer_index(name, -1), []).append(name)
+        for name, layer in self._layers.items():
+            if layer.group == "mla" and _LAYER_INDEX.search(name):
+                self._companions[name] = indexers.get(_layer_index(name, -1), [])
         mtp = {i for i in (_layer_index(name, 0) for name in self._layers) if i >= self._num_main_layers}
         log.info(
             "kv_caches_registered",
@@ -234,6 +243,13 @@ class WorkerSide:
         layer = self._layers.get(layer_name)
         if layer is None or not meta.saves:
             return
+        self._save(meta, layer_name, layer)
+        # vLLM calls save_kv_layer for attention layers only: a DSA indexer's cache, which the indexer writes before
+        # its layer's attention runs, is staged with the attention layer of the same decoder layer.
+        for name in self._companions.get(layer_name, ()):
+            self._save(meta, name, self._layers[name])
+
+    def _save(self, meta: TileRTConnectorMetadata, layer_name: str, layer: _Layer) -> None:
         layout = self._layouts[layer.group]
         for save in meta.saves:
             if save.req_id in self._open:

@@ -1,0 +1,265 @@
+"""Per-user speed through the whole serving path (router + decode node + KV transfer) against the engine's own.
+
+    python benchmarks/gpu_serving.py --model DIR [--device cuda|cpu] [--users 1,2,4,8] [--tokens 256]
+                                     [--prompt-len 1024] [--api completions|chat] [--transport tcp] [--out DIR]
+    python benchmarks/gpu_serving.py --smoke --device cpu          # a tiny DSA model built on the spot, users 1,2
+
+Everything after the prefill is the product: the real decode node (``tilert decode --device ...``) and the real
+router (``tilert router``), started as ``tilert up`` starts them, on loopback, with one shared secret. The prefill is
+a stand-in (stock vLLM does not run on the GPU machine) that plays vLLM's part exactly where it touches the product
+(:mod:`servelib.standin`): it answers the router's prefill leg as vLLM's OpenAI server does, prefills with the TileRT
+engine (``TileRTEngine.load(...).forward(prompt_ids, 0)``), writes the prompt's KV into paged caches in vLLM's
+layouts for the device (:mod:`servelib.paged`: on the CPU vLLM's CPU MLA latent; on CUDA ``fp8_ds_mla`` pages and
+the DSA indexer's pages for a DSA model) and hands them to the real ``TileRTConnector`` halves as vLLM calls them
+(:mod:`servelib.prefill_side`): the claim comes signed from the router, the KV goes over the node's transport.
+
+Clients: the OpenAI SDK's ``AsyncOpenAI``, ``--users`` streams at once, each greedy (``ignore_eos``) for ``--tokens``
+tokens after a ``--prompt-len``-token prompt (token ids for ``completions``; for ``chat`` their text as one message,
+which the stand-in tokenizes through the chat template). Per number of users, one row: the client's per-user tok/s
+(1000 / TPOT), the engine's own per-user speed on the node's path for that many sequences, measured in the same run
+on the same checkpoint in the stand-in's process, on the node's device unless ``--prefill-device`` names another
+(:mod:`servelib.reference`: ``greedy_stream`` alone, MTP speculative steps when the node drafts,
+``decode_step_greedy`` over several), their ratio, TTFT (and what it adds to
+the stand-in's own time answering that prefill), TPOT, ITL p50 / p99 (between chunks carrying tokens), and
+``same_tokens``: every stream equals the engine's own greedy tokens for its prompt (from the prompt's KV as the
+prefill's cache holds it; ``same_as_engine_prefill``: as the engine's own prefill cache holds it).
+
+Writes ``<machine>-serving.json`` under ``benchmarks/results/`` (``--out``: elsewhere) and prints one table; the
+parts' logs stay in the directory printed first. The work is in ``benchmarks/servelib/``, one module per concern.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+from e2elib.procs import supervised  # noqa: E402
+from results_header import machine_kind, recorded, result_path, write_json  # noqa: E402
+from servelib import clients, parts, report  # noqa: E402
+from servelib.paged import default_kind  # noqa: E402
+
+from tilert import stack  # noqa: E402
+from tilert.contracts import ConnectorSettings  # noqa: E402
+from tilert.models.checkpoint import read_json  # noqa: E402
+
+DEFAULTS = {"users": [1, 2, 4, 8], "tokens": 256, "prompt_len": 1024, "rounds": 1}
+# what --smoke changes, unless given; its prompt passes the tiny DSA model's index_topk (64): the node's decode
+# steps then select rows with the handed-off indexer keys
+SMOKE = {"users": [1, 2], "tokens": 8, "prompt_len": 72, "rounds": 1}
+
+
+def _ints(text: str) -> list[int]:
+    return sorted({int(x) for x in text.split(",") if x.strip()})
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, help="checkpoint directory (--smoke without it: a tiny deepseek_v32)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, cuda:N")
+    ap.add_argument(
+        "--prefill-device",
+        default=None,
+        help="the stand-in's (and the engine reference's) device, e.g. cuda:1 beside a node on cuda:0 (default: "
+        "--device; on one GPU the prefills of users joining share it with the decodes running)",
+    )
+    ap.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: float32 on the CPU, else bfloat16)")
+    ap.add_argument(
+        "--kv-layout",
+        choices=["auto", "dense", "fp8_ds_mla"],
+        default="auto",
+        help="the prefill's MLA cache (auto: fp8_ds_mla for a DSA model on CUDA, else the dense latent; "
+        "fp8_ds_mla on the CPU runs vLLM's CUDA layout through the same path)",
+    )
+    ap.add_argument("--transport", default="tcp", help="the KV transport (the node's --transport)")
+    ap.add_argument("--transport-options", type=json.loads, default={}, help="the connector's, as JSON")
+    ap.add_argument("--users", type=_ints, help="concurrent users, one row each (default 1,2,4,8)")
+    ap.add_argument("--tokens", type=int, help="tokens each user streams, max_tokens (default 256)")
+    ap.add_argument("--prompt-len", type=int, help="prompt tokens per user (default 1024)")
+    ap.add_argument("--api", choices=["completions", "chat"], default="completions")
+    ap.add_argument("--rounds", type=int, help="runs of every row, pooled (default 1)")
+    ap.add_argument("--drafts", type=int, default=None, help="the node's --num-speculative-tokens (default: its own)")
+    ap.add_argument("--no-warmup", action="store_true", help="no untimed run of each row first")
+    ap.add_argument("--seed", type=int, default=0, help="the prompts' seed")
+    ap.add_argument("--startup-timeout-s", type=float, default=900.0)
+    ap.add_argument("--out", type=Path, default=None, help="a directory or FILE.json (default: benchmarks/results/)")
+    ap.add_argument("--smoke", action="store_true", help=f"a quick run: {SMOKE} unless given otherwise")
+    ap.add_argument("--serve-standin", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    ap.add_argument("--max-model-len", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--max-sequences", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    for key, value in (SMOKE if args.smoke else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    args.prefill_device = args.prefill_device or args.device
+    if args.tokens < 2 or args.prompt_len < 1 or not args.users or not 1 <= min(args.users) <= max(args.users) <= 64:
+        ap.error("--tokens >= 2, --prompt-len >= 1 and --users in 1..64 (the node's --max-sequences)")
+    if args.model is None and not args.smoke and args.serve_standin is None:
+        ap.error("--model DIR is required (or --smoke)")
+    return args
+
+
+def serve_standin(args: argparse.Namespace) -> None:
+    from servelib.standin import StandinSpec, serve
+
+    settings = ConnectorSettings.from_extra(
+        {"tilert_transport": args.transport, "tilert_transport_options": args.transport_options}
+    )
+    spec = StandinSpec(
+        args.model,
+        str(args.model),
+        args.device,
+        args.dtype,
+        args.kv_layout,
+        args.max_model_len,
+        args.max_sequences,
+        settings,
+    )
+    serve(spec, args.serve_standin)
+
+
+def prompts(model: Path, count: int, length: int, seed: int) -> tuple[list[list[int]], list[str]]:
+    """``count`` prompts of ``length`` token ids (no special token), seeded, and their text."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    vocab = min(tok.get_vocab_size(), int(read_json(model / "config.json").get("vocab_size") or 1 << 30))
+    allowed = torch.tensor([i for i in range(vocab) if i not in special])
+    gen = torch.Generator().manual_seed(seed)
+    ids = [allowed[torch.randint(len(allowed), (length,), generator=gen)].tolist() for _ in range(count)]
+    return ids, [tok.decode(p) for p in ids]
+
+
+def measure(args: argparse.Namespace, urls: dict[str, str], model: Path) -> dict[str, Any]:
+    """The reference, then every row's streams (after an untimed run of it)."""
+    n = max(args.users)
+    ids, texts = prompts(model, n, args.prompt_len, args.seed)
+    bodies = [clients.request_body(args.api, ids[u], texts[u]) for u in range(n)]
+    drafts = 1 if args.drafts is None else args.drafts  # the node's default (it drafts only with an MTP layer)
+    ask = {
+        "requests": [{"route": args.api, "body": b} for b in bodies],
+        "tokens": args.tokens,
+        "users": args.users,
+        "drafts": drafts,
+    }
+    t0 = time.monotonic()
+    reference = httpx.post(urls["standin"] + "/bench/reference", json=ask, timeout=None).raise_for_status().json()
+    print(f"  engine reference: {time.monotonic() - t0:.0f} s", flush=True)
+    streams: dict[int, list[clients.Stream]] = {k: [] for k in args.users}
+    for r in range(args.rounds):
+        for k in args.users:
+            if r == 0 and not args.no_warmup:
+                tokens = min(args.tokens, 16)
+                asyncio.run(clients.run_users(urls["router"], args.api, str(model), bodies, tokens, k, f"warm-k{k}"))
+            got = asyncio.run(
+                clients.run_users(urls["router"], args.api, str(model), bodies, args.tokens, k, f"r{r}-k{k}")
+            )
+            streams[k] += got
+    timings = httpx.get(urls["standin"] + "/bench/timings", timeout=30).raise_for_status().json()
+    rows = [report.row(k, streams[k], reference, timings) for k in args.users]
+    return {"rows": rows, "reference": reference, "streams": streams, "timings": timings}
+
+
+def _smoke_model() -> Path:
+    from tilert.models.tiny import build_tiny_model
+
+    return build_tiny_model("deepseek_v32", Path(tempfile.mkdtemp(prefix="gpu-serving-model-")) / "tiny-v32")
+
+
+def _gpus(args: argparse.Namespace) -> int:
+    """GPUs the run holds: the node's, and the stand-in's when it is another one."""
+    cuda = {d if ":" in d else d + ":0" for d in (args.device, args.prefill_device) if d.startswith("cuda")}
+    return max(1, len(cuda))
+
+
+def run(args: argparse.Namespace, model: Path) -> int:
+    config = read_json(model / "config.json")
+    dsa = bool(config.get("index_topk"))
+    kind = default_kind(args.prefill_device, dsa) if args.kv_layout == "auto" else args.kv_layout
+    slack = 64 + (args.prompt_len if args.api == "chat" else 0)  # the chat template's tokens, a re-tokenized text
+    lay = parts.Layout(
+        model,
+        args.device,
+        args.prefill_device,
+        args.dtype,
+        kind,
+        args.transport,
+        args.transport_options,
+        args.prompt_len + args.tokens + slack,
+        max(args.users),
+        args.drafts,
+    )
+    log_dir = Path(tempfile.mkdtemp(prefix="gpu-serving-logs-"))
+    print(
+        f"logs: {log_dir}\nmodel: {model} ({config.get('model_type')}), node on {args.device}, prefill stand-in on "
+        f"{args.prefill_device}, {args.dtype}, prefill cache {kind}, transport {args.transport}",
+        flush=True,
+    )
+    secret_file = stack.write_secret_file()
+    try:
+        with supervised(log_dir) as procs:
+            cfg, urls = parts.start(procs, lay, Path(__file__).resolve(), secret_file, args.startup_timeout_s)
+            result = measure(args, urls, model)
+            procs.check()
+    finally:
+        shutil.rmtree(secret_file.parent, ignore_errors=True)
+    rows = result["rows"]
+    print("\n" + report.table(rows) + "\n", flush=True)
+    for r in rows:
+        if r["errors"]:
+            print(f"users {r['users']}: {r['errors']} failed streams, e.g. {r['error_samples']}", flush=True)
+    conditions = {
+        "model": str(model),
+        "model_type": config.get("model_type"),
+        "device": args.device,
+        "prefill_device": args.prefill_device,
+        "dtype": args.dtype,
+        "prefill_kv_layout": kind,
+        "transport": args.transport,
+        "api": args.api,
+        "prompt_len": args.prompt_len,
+        "tokens": args.tokens,
+        "users": args.users,
+        "rounds": args.rounds,
+        "engine_mtp": result["reference"]["mtp"],
+        "commands": parts.commands(lay, cfg, Path(__file__).resolve()),
+        "logs": str(log_dir),
+    }
+    streams = {str(k): [s.summary() for s in v] for k, v in result["streams"].items()}
+    machine = machine_kind(_gpus(args), args.device)
+    path = result_path(machine, "serving", ".json", args.out)
+    rec = recorded(machine, script="gpu_serving.py")
+    print(f"written: {write_json(path, {'conditions': conditions, 'rows': rows, 'streams': streams}, rec)}")
+    same = all(r["same_tokens"] for r in rows)
+    print("The same tokens as the engine's own greedy on every stream." if same else "TOKENS DIFFER (see same_tokens)")
+    return 0 if same and not any(r["errors"] for r in rows) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.serve_standin is not None:
+        serve_standin(args)
+        return 0
+    built = None if args.model else _smoke_model()
+    try:
+        return run(args, (args.model or built).resolve())
+    finally:
+        if built is not None:
+            shutil.rmtree(built.parent, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

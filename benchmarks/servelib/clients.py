@@ -1,0 +1,118 @@
+"""The streaming clients: the OpenAI SDK's ``AsyncOpenAI`` against the router, ``users`` streams at once, each a
+greedy request (``temperature`` 0, ``ignore_eos``, ``max_tokens`` = the tokens asked, ``return_token_ids``) timed
+at the client: each chunk that carries token ids, when it arrived and which ids."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from openai import AsyncOpenAI
+
+
+@dataclass
+class Stream:
+    """One request as the client saw it."""
+
+    user: int
+    request_id: str
+    start: float = 0.0
+    arrivals: list[float] = field(default_factory=list)  # per chunk carrying tokens
+    token_ids: list[int] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ttft_s(self) -> float:
+        return self.arrivals[0] - self.start
+
+    @property
+    def decode_s(self) -> float:
+        """First token to last."""
+        return self.arrivals[-1] - self.arrivals[0]
+
+    def gaps_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
+
+    def summary(self) -> dict[str, Any]:
+        """What the result file keeps of the stream."""
+        return {
+            "user": self.user,
+            "request_id": self.request_id,
+            "ttft_ms": 1000 * self.ttft_s if self.arrivals else None,
+            "tokens_per_s": (len(self.token_ids) - 1) / self.decode_s if len(self.arrivals) > 1 else None,
+            "tokens": len(self.token_ids),
+            "chunks": len(self.arrivals),
+            "error": self.error,
+        }
+
+
+def request_body(api: str, prompt: list[int], text: str) -> dict[str, Any]:
+    """The prompt part of a request: token ids for ``completions``, the prompt's text as one user message for
+    ``chat`` (the prefill tokenizes it through the chat template)."""
+    if api == "chat":
+        return {"messages": [{"role": "user", "content": text}]}
+    return {"prompt": prompt}
+
+
+async def stream_one(
+    client: AsyncOpenAI, api: str, model: str, body: dict[str, Any], tokens: int, user: int, request_id: str
+) -> Stream:
+    s = Stream(user, request_id)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    common: dict[str, Any] = {
+        "model": model,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "stream": True,
+        "extra_body": extra,
+        "extra_headers": {"x-request-id": request_id},
+    }
+    s.start = time.perf_counter()
+    try:
+        if api == "chat":
+            stream: Any = await client.chat.completions.create(messages=body["messages"], **common)
+        else:
+            stream = await client.completions.create(prompt=body["prompt"], **common)
+        async for chunk in stream:
+            now = time.perf_counter()
+            if not chunk.choices:
+                continue
+            ids = getattr(chunk.choices[0], "token_ids", None)
+            if ids:
+                s.arrivals.append(now)
+                s.token_ids.extend(ids)
+    except Exception as exc:  # noqa: BLE001 - a failed stream is a result to report, not a crash
+        s.error = f"{type(exc).__name__}: {exc}"[:300]
+    if s.error is None and len(s.token_ids) != tokens:
+        s.error = f"{len(s.token_ids)} of {tokens} tokens streamed"
+    return s
+
+
+async def run_users(
+    base_url: str,
+    api: str,
+    model: str,
+    bodies: list[dict[str, Any]],
+    tokens: int,
+    users: int,
+    tag: str,
+) -> list[Stream]:
+    """``users`` streams at once, user ``u`` sending ``bodies[u]``; request ids ``{tag}-u{u}``."""
+    async with AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=600.0) as client:
+        return list(
+            await asyncio.gather(
+                *(stream_one(client, api, model, bodies[u], tokens, u, f"{tag}-u{u}") for u in range(users))
+            )
+        )
+
+
+def pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def med(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None

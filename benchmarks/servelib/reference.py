@@ -1,0 +1,134 @@
+"""The engine's own tokens and speed on the same checkpoint and device, in the stand-in's process.
+
+- Tokens: for each prompt, the first token (the argmax of the engine's prefill) and the greedy continuation from the
+  prompt's KV as the prefill's paged cache holds it (:meth:`PagedCaches.held_state` through the engine's
+  ``inject``: what the decode node receives; lossless for the dense latent, fp8 for ``fp8_ds_mla`` and the DSA
+  indexer's keys, as vLLM keeps them), and from the engine's own prefill cache (nothing quantised).
+- Speed, per user: alone, ``greedy_stream`` (and the node's own path for a sequence alone: MTP speculative steps when
+  the checkpoint has an MTP layer and the node drafts); for ``k`` users, ``decode_step_greedy`` over ``k``
+  sequences, one token each per step (the node's path with company). Each timed once after an untimed run (CUDA:
+  graph captures).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from servelib.paged import PagedCaches
+from tilert.contracts import KVLayout
+
+
+def _prefill(caches: PagedCaches, ids: list[int], seq: int) -> int:
+    logits = caches.engine.forward(torch.tensor(ids), 0, seq=seq)
+    return int(logits[-1].argmax())
+
+
+def _timed_stream(caches: PagedCaches, ids: list[int], first: int, tokens: int) -> tuple[list[int], float]:
+    engine = caches.engine
+    engine_sync(engine)
+    t0 = time.perf_counter()
+    out = list(engine.greedy_stream(first, len(ids), tokens - 1))
+    return [first, *out], time.perf_counter() - t0
+
+
+def engine_sync(engine: Any) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+
+
+def prompt_tokens(caches: PagedCaches, lays: dict[str, KVLayout], ids: list[int], tokens: int) -> dict[str, Any]:
+    """The engine's ``tokens`` greedy tokens for ``ids``: ``handed`` (from the prompt's KV as the paged cache holds
+    it) and ``own`` (the engine's own prefill cache), the ``greedy_stream`` time of the ``handed`` run, and how far
+    the handed-off KV, back in the engine, lies from its own (``latent_max_err``, ``indexer_max_err``: 0 where the
+    layout is lossless, the dense latent)."""
+    engine, m, n = caches.engine, caches.engine.model, len(ids)
+    first = _prefill(caches, ids, 0)
+    own, _ = _timed_stream(caches, ids, first, tokens)
+    _prefill(caches, ids, 0)
+    mine = (m.kv_cache[:, :n].float().clone(), m.index_cache[:, :n].float().clone())
+    engine.inject(caches.held_state(n), lays, n, seq=0)
+    errors = [
+        float((after[:, :n].float() - before).abs().amax()) if before.numel() else 0.0
+        for after, before in zip((m.kv_cache, m.index_cache), mine, strict=True)
+    ]
+    handed, seconds = _timed_stream(caches, ids, first, tokens)
+    return {
+        "prompt_tokens": n,
+        "handed": handed,
+        "own": own,
+        "stream_s": seconds,
+        "latent_max_err": errors[0],
+        "indexer_max_err": errors[1],
+    }
+
+
+def _speculative(caches: PagedCaches, lays: dict[str, KVLayout], ids: list[int], tokens: int, drafts: int) -> float:
+    """Seconds for ``tokens - 1`` tokens after an injected prompt through MTP speculative steps (the node's path
+    for a greedy sequence alone)."""
+    engine, n = caches.engine, len(ids)
+    first = _prefill(caches, ids, 0)
+    engine.inject(caches.held_state(n), lays, n, seq=0, last_token_id=ids[-1])
+    engine_sync(engine)
+    t0 = time.perf_counter()
+    got, tok, pos = 0, first, n
+    while got < tokens - 1:
+        step = engine.speculative_greedy_step(tok, pos, drafts)
+        got += len(step.tokens)
+        pos += len(step.tokens)
+        tok = step.tokens[-1]
+    return time.perf_counter() - t0
+
+
+def _batch(caches: PagedCaches, lays: dict[str, KVLayout], prompts: list[list[int]], steps: int) -> tuple[list, float]:
+    """``steps`` ``decode_step_greedy`` steps over one sequence per prompt (each injected as the node receives it):
+    every sequence's tokens and the seconds the steps took."""
+    engine = caches.engine
+    tokens, positions = [], []
+    for s, ids in enumerate(prompts):
+        tokens.append(_prefill(caches, ids, s))
+        engine.inject(caches.held_state(len(ids), s), lays, len(ids), seq=s)
+        positions.append(len(ids))
+    seqs = list(range(len(prompts)))
+    out = [[t] for t in tokens]
+    engine_sync(engine)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tokens = engine.decode_step_greedy(tokens, positions, seqs)
+        positions = [p + 1 for p in positions]
+        for s, t in enumerate(tokens):
+            out[s].append(t)
+    return out, time.perf_counter() - t0
+
+
+def engine_speed(
+    caches: PagedCaches,
+    lays: dict[str, KVLayout],
+    prompts: list[list[int]],
+    alone: list[dict[str, Any]],
+    users: list[int],
+    drafts: int,
+) -> dict[int, dict[str, Any]]:
+    """Per number of users: the engine's per-user tok/s on the node's path (``tok_s``, ``path``); alone also plain
+    ``greedy_stream``'s (``stream_tok_s``); with company whether each sequence's tokens are those it gets alone
+    (``batch_same``, against ``alone``: :func:`prompt_tokens` of each prompt, run before: the untimed first run)."""
+    engine = caches.engine
+    tokens = len(alone[0]["handed"])
+    out: dict[int, dict[str, Any]] = {}
+    for k in users:
+        if k == 1:
+            stream_tok_s = (tokens - 1) / prompt_tokens(caches, lays, prompts[0], tokens)["stream_s"]
+            row: dict[str, Any] = {"path": "greedy_stream", "tok_s": stream_tok_s, "stream_tok_s": stream_tok_s}
+            if engine.supports_mtp and drafts > 0:
+                _speculative(caches, lays, prompts[0], tokens, drafts)
+                row["tok_s"] = (tokens - 1) / _speculative(caches, lays, prompts[0], tokens, drafts)
+                row["path"] = f"speculative_greedy_step (MTP, {drafts} draft{'s' if drafts > 1 else ''})"
+            out[k] = row
+            continue
+        _batch(caches, lays, prompts[:k], min(tokens - 1, 4))
+        got, seconds = _batch(caches, lays, prompts[:k], tokens - 1)
+        same = all(got[s] == alone[s]["handed"] for s in range(k))
+        out[k] = {"path": f"decode_step_greedy x {k}", "tok_s": (tokens - 1) / seconds, "batch_same": same}
+    return out

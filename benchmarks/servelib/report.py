@@ -1,0 +1,84 @@
+"""One row per number of users, from the client's streams, the stand-in's timings and the engine's reference;
+the printed table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from servelib.clients import Stream, med, pct
+
+
+def row(users: int, streams: list[Stream], reference: dict[str, Any], timings: dict[str, dict[str, float]]) -> dict:
+    """``client_tok_s``: the median user's tokens after the first over the time from the first token to the last
+    (1000 / TPOT); ``engine_tok_s``: the engine's own per-user speed on the node's path for that many sequences;
+    ``ttft_added_ms``: the client's TTFT less the stand-in's time answering that prefill (what the router, the
+    transport and the client add to the prefill); ``same_tokens``: every stream equals the engine's greedy tokens
+    from the prompt's KV as the prefill's cache holds it; ``same_as_engine_prefill``: ... from the engine's own
+    prefill cache (may differ where the cache quantises: ``fp8_ds_mla``, the DSA indexer's fp8 keys);
+    ``kv_latent_max_err`` / ``kv_indexer_max_err``: the largest difference between the users' prompt KV as handed
+    off (decoded back by the engine) and the engine's own (0 for the dense latent)."""
+    ok = [s for s in streams if s.error is None]
+    errors = [s.error for s in streams if s.error is not None]
+    prompts = reference["prompts"]
+    speed = reference["speed"][str(users)]
+    per_user = [(len(s.token_ids) - 1) / s.decode_s for s in ok if s.decode_s > 0]
+    tpot = [1000 * s.decode_s / (len(s.token_ids) - 1) for s in ok if len(s.token_ids) > 1]
+    gaps = [1000 * g for s in ok for g in s.gaps_s()]
+    mine = [timings[s.request_id] for s in ok if s.request_id in timings]
+    added = [1000 * s.ttft_s - timings[s.request_id]["handler_ms"] for s in ok if s.request_id in timings]
+    client = med(per_user)
+    engine = float(speed["tok_s"])
+    chunks = sum(len(s.arrivals) for s in ok)
+    return {
+        "users": users,
+        "requests": len(streams),
+        "errors": len(errors),
+        "error_samples": errors[:3],
+        "client_tok_s": client,
+        "engine_tok_s": engine,
+        "client_over_engine": client / engine if client else None,
+        "engine_path": speed["path"],
+        "engine_greedy_stream_tok_s": speed.get("stream_tok_s"),
+        "engine_batch_same": speed.get("batch_same"),
+        "ttft_ms": med([1000 * s.ttft_s for s in ok]),
+        "ttft_p99_ms": pct([1000 * s.ttft_s for s in ok], 99),
+        "standin_prefill_ms": med([t["prefill_ms"] for t in mine]),
+        "standin_queue_ms": med([t["queue_ms"] for t in mine]),
+        "ttft_added_ms": med(added),
+        "tpot_ms": med(tpot),
+        "itl_p50_ms": pct(gaps, 50),
+        "itl_p99_ms": pct(gaps, 99),
+        "tokens_per_chunk": sum(len(s.token_ids) for s in ok) / chunks if chunks else None,
+        "kv_latent_max_err": max(prompts[u]["latent_max_err"] for u in range(users)),
+        "kv_indexer_max_err": max(prompts[u]["indexer_max_err"] for u in range(users)),
+        "same_tokens": not errors and all(s.token_ids == prompts[s.user]["handed"] for s in streams),
+        "same_as_engine_prefill": not errors and all(s.token_ids == prompts[s.user]["own"] for s in streams),
+    }
+
+
+COLUMNS = (
+    ("users", "users", "{}"),
+    ("client_tok_s", "client tok/s", "{:.1f}"),
+    ("engine_tok_s", "engine tok/s", "{:.1f}"),
+    ("client_over_engine", "client/engine", "{:.3f}"),
+    ("ttft_ms", "TTFT ms", "{:.1f}"),
+    ("standin_prefill_ms", "prefill ms", "{:.1f}"),
+    ("ttft_added_ms", "TTFT added ms", "{:.1f}"),
+    ("tpot_ms", "TPOT ms", "{:.2f}"),
+    ("itl_p50_ms", "ITL p50 ms", "{:.2f}"),
+    ("itl_p99_ms", "ITL p99 ms", "{:.2f}"),
+    ("same_tokens", "same tokens", "{}"),
+    ("errors", "errors", "{}"),
+)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a markdown table."""
+
+    def cell(r: dict[str, Any], key: str, fmt: str) -> str:
+        return "-" if r.get(key) is None else fmt.format(r[key])
+
+    head = "| " + " | ".join(title for _, title, _ in COLUMNS) + " |"
+    rule = "|" + "|".join("---:" for _ in COLUMNS) + "|"
+    body = ["| " + " | ".join(cell(r, k, f) for k, _, f in COLUMNS) + " |" for r in rows]
+    return "\n".join([head, rule, *body])

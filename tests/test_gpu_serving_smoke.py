@@ -1,0 +1,53 @@
+"""``benchmarks/gpu_serving.py --smoke --device cpu``: the serving benchmark end to end on a tiny DSA checkpoint.
+
+The real router and decode node, the prefill stand-in prefilling with the engine and handing the prompt's KV (the
+MLA latent and the DSA indexer's keys, in vLLM's layouts) to the real connector, the OpenAI SDK streaming at one and
+two users. Its prompt passes the model's ``index_topk``, so the node's decode steps select rows with the indexer keys
+that travelled. Every stream must equal the engine's own greedy tokens for its prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "benchmarks" / "gpu_serving.py"
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_smoke_run_streams_the_engines_own_tokens(tmp_path: Path) -> None:
+    from tilert.models.tiny import build_tiny_model
+
+    model = build_tiny_model("deepseek_v32", tmp_path / "tiny-v32", seed=0)
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--device", "cpu", "--model", str(model), "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    doc = json.loads((out / "cpu-serving.json").read_text())
+    assert doc["recorded"]["machine"] == "cpu"
+    rows = {r["users"]: r for r in doc["rows"]}
+    assert set(rows) == {1, 2}
+    for users, r in rows.items():
+        assert r["errors"] == 0 and r["requests"] == users, r
+        assert r["same_tokens"] is True, r
+        assert r["client_tok_s"] > 0 and r["engine_tok_s"] > 0, r
+        assert r["ttft_ms"] > 0 and r["itl_p50_ms"] > 0, r
+    # the prefill's dense pages hold the engine's own latent exactly (the indexer's keys travel as fp8, as in vLLM)
+    assert all(r["kv_latent_max_err"] == 0.0 and r["kv_indexer_max_err"] > 0.0 for r in rows.values()), rows
+    assert rows[1]["engine_path"] == "greedy_stream"
+    assert rows[2]["engine_batch_same"] is True  # the engine's two sequences at once give each its tokens alone
+    assert doc["conditions"]["prefill_kv_layout"] == "dense"
+    assert "The same tokens as the engine's own greedy on every stream." in done.stdout
