@@ -4,6 +4,8 @@
 #                      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 #   .gpu/vllm-py.tgz   vLLM's Python sources without its compiled parts: enough to import the connector (its
 #                      KVConnectorBase_V1 and metrics) next to the image's torch; unpack into /tmp/site there.
+#   .gpu/site/tilert-*.dist-info   this checkout's package metadata (its entry points: the engine and transport
+#                      plugins), so that the source tree on PYTHONPATH finds its plugins; copy into /tmp/site there.
 # Both paths are ignored by git; carry them to the device machine. Run from the repository root after `make setup`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,4 +25,7 @@ done
 site=$(.venv/bin/python -c "import os, vllm; print(os.path.dirname(os.path.dirname(vllm.__file__)))")
 tar -C "$site" --exclude='*.so' --exclude=__pycache__ --exclude=vllm/third_party --exclude=vllm/vllm_flash_attn \
   -czf .gpu/vllm-py.tgz vllm
-du -sh .whl .gpu/vllm-py.tgz
+rm -rf .gpu/site && mkdir -p .gpu/site
+cp -r "$site"/tilert-*.dist-info .gpu/site/
+rm -f .gpu/site/tilert-*.dist-info/{RECORD,direct_url.json}
+du -sh .whl .gpu/vllm-py.tgz .gpu/site
