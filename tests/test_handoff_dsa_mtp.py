@@ -313,7 +313,7 @@ def _decode_on_node(
                 lays,
                 PROMPT,
                 params,
-                lambda new, fin, index: ids.extend(new),
+                lambda new, fin, index, logprobs: ids.extend(new),
                 done,
                 threading.Event(),
                 offer.last_token_id,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import orjson
 from tokenizers import Tokenizer
@@ -37,8 +37,17 @@ from tilert.router.errors import RouterError, bad_request, unsupported
 from tilert.router.structured import capped
 from tilert.router.validation import RequestPlan
 
-if TYPE_CHECKING:
-    from tilert.router.prefill import PrefillResult
+
+class PrefillResult(Protocol):
+    """What the parsers read of a prefill's answer (:class:`tilert.router.prefill.PrefillResult`; named here, not
+    imported, as the prefill leg's module imports the request plan that names this one's parsers)."""
+
+    @property
+    def stop_reason(self) -> str | int | None: ...
+    @property
+    def first_token_id(self) -> int: ...
+    @property
+    def prompt_token_ids(self) -> list[int] | None: ...
 
 
 @dataclass(frozen=True)

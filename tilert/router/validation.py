@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import msgspec
 import orjson
@@ -18,9 +18,6 @@ from tilert import contracts as c
 from tilert.router import openai_schema as schema
 from tilert.router.errors import RouterError, bad_request, unsupported
 from tilert.router.structured import grammar_of
-
-if TYPE_CHECKING:
-    from tilert.router.tools import ParsedRequest
 
 Route = Literal["chat", "completions"]
 
@@ -68,8 +65,9 @@ class RequestPlan:
     echo: bool = False  # completions: the prompt before the completion (its logprobs too)
     # The first field the TileRT pool cannot serve (a 400 naming it), None when it can: the native pool may.
     fast_pool_refusal: RouterError | None = None
-    # The request as vLLM's tool / reasoning parser sees it (tilert.router.tools.prepare_chat); None: not parsed.
-    parsed: ParsedRequest | None = None
+    # The request as vLLM's tool / reasoning parser sees it: a tilert.router.tools.ParsedRequest (made by its
+    # prepare_chat; typed loosely here, as that module builds on this one); None: not parsed.
+    parsed: Any = None
 
     @property
     def path(self) -> str:
