@@ -184,6 +184,15 @@ def parser() -> argparse.ArgumentParser:
     ov.add_argument("--overhead-requests", type=int, default=None, help="requests per run (default max(64, 2 x C))")
     ov.add_argument("--overhead-prompt-words", type=int, default=200)
     ov.add_argument("--standin-slots", type=int, default=4096, help=argparse.SUPPRESS)
+    ov.add_argument(
+        "--baseline-router",
+        type=Path,
+        default=None,
+        help="a second router run from this checkout's tilert (e.g. `git archive` of an earlier commit), measured in "
+        "the same rounds as `baseline`",
+    )
+    ov.add_argument("--skip-direct", action="store_true", help="measure the router path(s) alone, no direct rows")
+    ov.add_argument("--router-profile", type=Path, default=None, help="run the router under cProfile, its stats here")
     ap.add_argument("--standin", choices=["prefill", "decode"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     return ap

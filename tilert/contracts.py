@@ -609,23 +609,25 @@ def join_runs(items: Sequence[T]) -> list[T | TokenLine]:
         return list(items)
     out: list[T | TokenLine] = []
     run: list[TokenLine] = []
-    count = 0  # tokens in run
+    count, with_logprobs = 0, False  # tokens in run; whether a line of run carries logprobs
     for item in _by_choice(items):
         if isinstance(item, TokenLine):
-            room = line_room(item.logprobs is not None or any(line.logprobs is not None for line in run))
+            logprobs = with_logprobs or item.logprobs is not None
             if (
                 run
                 and run[-1].index == item.index
                 and run[-1].finish_reason is None
-                and count + len(item.token_ids) <= room
+                and count + len(item.token_ids) <= line_room(logprobs)
             ):
                 run.append(item)
-                count += len(item.token_ids)
+                count, with_logprobs = count + len(item.token_ids), logprobs
                 continue
         if run:
             out.append(join_lines(run))
-        run, count = ([item], len(item.token_ids)) if isinstance(item, TokenLine) else ([], 0)
-        if not isinstance(item, TokenLine):
+        if isinstance(item, TokenLine):
+            run, count, with_logprobs = [item], len(item.token_ids), item.logprobs is not None
+        else:
+            run, count, with_logprobs = [], 0, False
             out.append(item)
     if run:
         out.append(join_lines(run))

@@ -20,32 +20,86 @@ from e2elib.load import LoadClient, drive, overhead_prompt, summarize
 from e2elib.probes import RouterProbe
 from e2elib.procs import Procs, free_port, parse_cpus, wait_healthy
 from e2elib.tables import fmt, overhead_table
+from tilert import contracts as c
 from tilert.auth import SECRET_ENV, generate_secret, load_secret
 from tilert.testing.standins import DecodeStandin, NodeBehaviour, PrefillStandin, Script, printable_ids
 
 E2E = Path(__file__).resolve().parents[1] / "e2e.py"
-STANDIN_MAX_SEQ_LEN = 1 << 20  # the decode stand-in's context: no prompt of the benchmark reaches it
+STANDIN_MAX_SEQ_LEN = 1 << 20
+PROFILED = (
+    "import cProfile, runpy, signal, sys\n"
+    "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # uvicorn raises it again once it has stopped\n"
+    "p = cProfile.Profile()\n"
+    "p.enable()\n"
+    "try:\n"
+    "    runpy.run_module('tilert.cli', run_name='__main__')\n"
+    "finally:\n"
+    "    p.disable()\n"
+    "    p.dump_stats({out!r})\n"
+)  # the decode stand-in's context: no prompt of the benchmark reaches it
 
 
 def serve_standin(args: argparse.Namespace) -> int:
     """``e2e.py --standin prefill|decode``: one stand-in on ``--port`` (the secret from the environment); its script
-    is tokens of ``--model``'s tokenizer that each make one SSE event through the router."""
+    is tokens of ``--model``'s tokenizer that each make one SSE event through the router. The decode stand-in joins
+    the lines that queue while its stream writes, as the node does (at ``--gap-ms 0`` it answers at once), and keeps
+    idle connections as long as the node does."""
     secret = load_secret()
     tokenizer = Tokenizer.from_file(str(args.model / "tokenizer.json"))
     script = Script(tokenizer, printable_ids(tokenizer))
+    keep_alive = 5  # vLLM's (uvicorn's default)
     if args.standin == "prefill":
         app = PrefillStandin(script, secret, str(args.model)).app
     else:
         behaviour = NodeBehaviour(
-            slots=args.standin_slots, token_gap_s=args.gap_ms / 1000.0, max_seq_len=STANDIN_MAX_SEQ_LEN
+            slots=args.standin_slots,
+            token_gap_s=args.gap_ms / 1000.0,
+            max_seq_len=STANDIN_MAX_SEQ_LEN,
+            join_behind=True,
         )
         app = DecodeStandin(script, secret, behaviour).app
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False, backlog=4096)
+        keep_alive = int(c.NODE_KEEPALIVE_S)
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        backlog=4096,
+        timeout_keep_alive=keep_alive,
+    )
     return 0
 
 
-def run_overhead(args: argparse.Namespace, procs: Procs, model: Path, cond: dict[str, Any]) -> dict[str, Any]:
-    secret = generate_secret()
+def _router_command(
+    args: argparse.Namespace, ports: dict[str, int], port: int, model: Path, profile: bool
+) -> list[str]:
+    """``tilert router`` between the stand-ins (under cProfile with ``profile`` and ``--router-profile``)."""
+    if profile and args.router_profile:  # the stats written as the router stops (cProfile's own -m would not)
+        out = str(args.router_profile.resolve())
+        head = ["-c", PROFILED.format(out=out)]
+    else:
+        head = ["-m", "tilert.cli"]
+    return [
+        sys.executable,
+        *head,
+        "router",
+        "--prefill-url",
+        f"http://127.0.0.1:{ports['prefill']}",
+        "--decode",
+        f"127.0.0.1:{ports['ctrl']}:{ports['decode']}",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--max-queue",
+        str(max(256, 2 * max(args.concurrency))),
+    ]
+
+
+def _start(args: argparse.Namespace, procs: Procs, model: Path, secret: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The stand-ins and the router(s): ``router`` from this checkout, ``baseline`` from ``--baseline-router``'s (its
+    ``tilert`` first on the path), each pinned to ``--router-cpus``. Returns the ports and each server's command."""
     ports = {"prefill": free_port(), "decode": free_port(), "router": free_port(), "ctrl": free_port()}
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("TILERT_SECRET")},
@@ -54,90 +108,89 @@ def run_overhead(args: argparse.Namespace, procs: Procs, model: Path, cond: dict
         "TRANSFORMERS_OFFLINE": "1",
     }
     me = [sys.executable, str(E2E), "--model", str(model)]
+    decode_args = ["--gap-ms", str(args.gap_ms), "--standin-slots", str(args.standin_slots)]
     commands = {
         "standin-prefill": me + ["--standin", "prefill", "--port", str(ports["prefill"])],
-        "standin-decode": me
-        + [
-            "--standin",
-            "decode",
-            "--port",
-            str(ports["decode"]),
-            "--gap-ms",
-            str(args.gap_ms),
-            "--standin-slots",
-            str(args.standin_slots),
-        ],
-        "router": [
-            sys.executable,
-            "-m",
-            "tilert.cli",
-            "router",
-            "--prefill-url",
-            f"http://127.0.0.1:{ports['prefill']}",
-            "--decode",
-            f"127.0.0.1:{ports['ctrl']}:{ports['decode']}",
-            "--model",
-            str(model),
-            "--port",
-            str(ports["router"]),
-            "--max-queue",
-            str(max(256, 2 * max(args.concurrency))),
-        ],
+        "standin-decode": me + ["--standin", "decode", "--port", str(ports["decode"]), *decode_args],
+        "router": _router_command(args, ports, ports["router"], model, profile=True),
     }
     router_env = dict(env)
     if args.router_log_level:
         router_env["TILERT_LOG_LEVEL"] = args.router_log_level
+    envs = {"router": router_env}
+    if args.baseline_router:
+        ports["baseline"] = free_port()
+        commands["baseline"] = _router_command(args, ports, ports["baseline"], model, profile=False)
+        envs["baseline"] = {**router_env, "PYTHONPATH": str(args.baseline_router.resolve())}
     for name, cmd in commands.items():
-        cpus = parse_cpus(args.router_cpus) if name == "router" else None
-        procs.start(name, cmd, router_env if name == "router" else env, cpus=cpus)
-    urls = {
-        "prefill": f"http://127.0.0.1:{ports['prefill']}",
-        "decode": f"http://127.0.0.1:{ports['decode']}",
-        "router": f"http://127.0.0.1:{ports['router']}",
-    }
-    health = {"standin-prefill": urls["prefill"], "standin-decode": urls["decode"], "router": urls["router"]}
+        cpus = parse_cpus(args.router_cpus) if name in ("router", "baseline") else None
+        procs.start(name, cmd, envs.get(name, env), cpus=cpus)
+    return ports, {n: " ".join(cmd) for n, cmd in commands.items()}
+
+
+def run_overhead(args: argparse.Namespace, procs: Procs, model: Path, cond: dict[str, Any]) -> dict[str, Any]:
+    secret = generate_secret()
+    ports, commands = _start(args, procs, model, secret)
+    routers = [m for m in ("router", "baseline") if m in ports]
+    urls = {name: f"http://127.0.0.1:{ports[name]}" for name in ("prefill", "decode", *routers)}
+    health = {"standin-prefill": urls["prefill"], "standin-decode": urls["decode"], **{m: urls[m] for m in routers}}
     wait_healthy(procs, health, args.startup_timeout_s)
     prompt = overhead_prompt(args.overhead_prompt_words)
-    router_pid = procs.procs["router"].pid
+    modes = routers if args.skip_direct else ["direct", *routers]
     rows: list[dict[str, Any]] = []
 
     async def measure() -> None:
         client = LoadClient(model, secret.encode(), urls, ports["ctrl"], prompt, args.overhead_tokens)
         try:
-            for mode in ("direct", "router"):  # warm both paths (connections, caches)
-                await drive(getattr(client, "routed" if mode == "router" else "direct"), 4, 8)
+            for mode in modes:  # warm every path (connections, caches)
+                await drive(client.path(mode), 4, 8)
             for r in range(args.rounds):
                 for c in args.concurrency:
                     total = args.overhead_requests or max(64, 2 * c)
-                    modes = ("direct", "router") if r % 2 == 0 else ("router", "direct")
-                    for mode in modes:
-                        probe = RouterProbe(urls["router"], router_pid) if mode == "router" else None
-                        cpu0 = time.process_time()
-                        samples, wall = await drive(client.routed if mode == "router" else client.direct, c, total)
-                        row = {"mode": mode, "concurrency": c, "round": r, **summarize(samples, wall)}
-                        row["client_cpu_ms_per_request"] = 1000 * (time.process_time() - cpu0) / max(1, len(samples))
-                        row["nominal_tokens_per_s"] = c * 1000.0 / args.gap_ms if args.gap_ms else None
-                        if probe is not None:
-                            row.update(probe.finish())
-                        rows.append(row)
-                        print(
-                            f"  round {r} streams={c:<4} {mode:<6} TTFB p50 {fmt(row['ttfb_p50_ms'], 2)} ms p99 "
-                            f"{fmt(row['ttfb_p99_ms'], 2)} ms  ITL p50 {fmt(row['itl_p50_ms'], 2)} ms p99 "
-                            f"{fmt(row['itl_p99_ms'], 2)} ms  errors {row['errors']}  ({wall:.1f} s)",
-                            flush=True,
-                        )
-                        procs.check()
+                    for mode in modes if r % 2 == 0 else modes[::-1]:
+                        rows.append(await _one_run(args, client, procs, mode, urls, r, c, total))
         finally:
             await client.aclose()
 
     asyncio.run(measure())
     cond["loadavg_end"] = os.getloadavg()
-    table = overhead_table(rows, args.concurrency, args.gap_ms)
+    table = overhead_table(rows, args.concurrency, args.gap_ms, modes)
     return {
         "mode": "router-overhead",
         "conditions": cond,
         "settings": settings(args),
-        "servers": {n: {"command": c} for n, c in commands.items()},
+        "servers": {n: {"command": cmd} for n, cmd in commands.items()},
         "runs": rows,
         "table": table,
     }
+
+
+async def _one_run(
+    args: argparse.Namespace,
+    client: LoadClient,
+    procs: Procs,
+    mode: str,
+    urls: dict[str, str],
+    r: int,
+    c: int,
+    total: int,
+) -> dict[str, Any]:
+    """One run of ``total`` requests, ``c`` at a time, by one path; its row."""
+    probe = RouterProbe(urls[mode], procs.procs[mode].pid) if mode != "direct" else None
+    cpu0 = time.process_time()
+    samples, wall = await drive(client.path(mode), c, total)
+    row = {"mode": mode, "concurrency": c, "round": r, **summarize(samples, wall)}
+    row["client_cpu_ms_per_request"] = 1000 * (time.process_time() - cpu0) / max(1, len(samples))
+    row["nominal_tokens_per_s"] = c * 1000.0 / args.gap_ms if args.gap_ms else None
+    if probe is not None:
+        row.update(probe.finish())
+    print(
+        f"  round {r} streams={c:<4} {mode:<8} TTFB p50 {fmt(row['ttfb_p50_ms'], 2)} ms p99 "
+        f"{fmt(row['ttfb_p99_ms'], 2)} ms  ITL p50 {fmt(row['itl_p50_ms'], 2)} ms p99 "
+        f"{fmt(row['itl_p99_ms'], 2)} ms  tok/s {fmt(row['tokens_per_s'], 0)}  tokens/event "
+        f"{fmt(row['tokens_per_event'], 2)}  router CPU/token {fmt(row.get('router_cpu_us_per_token'), 1)} us  "
+        f"errors {row['errors']}  ({wall:.1f} s)",
+        flush=True,
+    )
+    procs.check()
+    return row

@@ -95,8 +95,10 @@ def markdown(result: dict[str, Any], note: str | None) -> str:
             f"words; router `tilert router` (log level {s['router_log_level'] or 'default'}, CPUs "
             f"{s['router_cpus'] or 'unpinned'}); load client: httpx "
             "async in one process; client, router and stand-ins share the machine's cores",
-            f"- {s['rounds']} round(s), direct and router interleaved at each concurrency; the table shows the median "
-            "over rounds",
+            f"- {s['rounds']} round(s), "
+            + ("the router path(s)" if s.get("skip_direct") else "direct and the router path(s)")
+            + " interleaved at each concurrency (order alternating each round); the table shows the median over "
+            "rounds" + (f"; `baseline`: the router of `{s['baseline_router']}`" if s.get("baseline_router") else ""),
             "",
             "## Results",
             "",

@@ -136,7 +136,9 @@ def _first_token_table(
     return lines
 
 
-def overhead_table(rows: list[dict[str, Any]], concurrencies: list[int], gap_ms: float) -> str:
+def overhead_table(rows: list[dict[str, Any]], concurrencies: list[int], gap_ms: float, modes: list[str]) -> str:
+    """The router-overhead table: each path (``modes``: ``direct``, ``router``, ``baseline``) at each concurrency,
+    the median over rounds, and what the router adds to ``direct``."""
     keys = (
         "ttfb_p50_ms",
         "ttfb_p99_ms",
@@ -144,6 +146,7 @@ def overhead_table(rows: list[dict[str, Any]], concurrencies: list[int], gap_ms:
         "itl_p99_ms",
         "tokens_per_s",
         "nominal_tokens_per_s",
+        "tokens_per_event",
         "client_cpu_ms_per_request",
         "router_cpu_ms_per_request",
         "router_cpu_us_per_token",
@@ -152,7 +155,7 @@ def overhead_table(rows: list[dict[str, Any]], concurrencies: list[int], gap_ms:
         "router_ttft_ms",
     )
     agg: dict[tuple[str, int], dict[str, Any]] = {}
-    for mode in ("direct", "router"):
+    for mode in modes:
         for c in concurrencies:
             group = [r for r in rows if r["mode"] == mode and r["concurrency"] == c]
             if group:
@@ -161,35 +164,38 @@ def overhead_table(rows: list[dict[str, Any]], concurrencies: list[int], gap_ms:
                 a["requests"] = sum(r["requests"] for r in group)
                 agg[(mode, c)] = a
     lines = [
-        f"Stand-ins answer at once; the decode stand-in emits one token every {gap_ms:g} ms. `direct`: the client "
-        "makes the router's calls itself (reserve, then TTFB of the prefill POST; token gaps of the decode stream, "
-        "the first counted from the prefill reply). `router`: the same request through `tilert router` (first SSE "
-        "event; gaps between SSE events). Added = router - direct. Where tokens/s falls short of the nominal rate "
-        "(streams x 1000 / gap), the machine (client, router and stand-ins together) is saturated and the latencies "
-        "are queueing; `direct` then costs the one client process more (it makes four HTTP calls per request where "
-        "`router` makes one: see client CPU), so there the router's CPU time per token, not `added`, is its cost.",
+        f"Stand-ins answer at once; the decode stand-in emits one token every {gap_ms:g} ms (0: a step per event-loop "
+        "turn), the lines that queued while its stream wrote joined into one, as the node's stream does. `direct`: "
+        "the client makes the router's calls itself (reserve, then TTFB of the prefill POST; token gaps of the decode "
+        "stream, the first counted from the prefill reply). `router`: the same request through `tilert router` "
+        "(first SSE event; gaps between SSE events); `baseline`: through the router of `--baseline-router`'s "
+        "checkout. Added = router - direct. Where tokens/s falls short of the nominal rate (streams x 1000 / gap), "
+        "the machine (client, router and stand-ins together) is saturated and the latencies are queueing; `direct` "
+        "then costs the one client process more (it makes four HTTP calls per request where `router` makes one: see "
+        "client CPU), so there the router's CPU time per token, not `added`, is its cost. Tokens per event: the "
+        "tokens of an answer over its SSE events with a choice (1: a chunk per token).",
         "",
-        "| streams | path | TTFB p50 ms | TTFB p99 ms | ITL p50 ms | ITL p99 ms | tokens/s (nominal) | requests "
-        "| errors | client CPU / request | router CPU / request | router CPU / token "
+        "| streams | path | TTFB p50 ms | TTFB p99 ms | ITL p50 ms | ITL p99 ms | tokens/s (nominal) | tokens / event "
+        "| requests | errors | client CPU / request | router CPU / request | router CPU / token "
         "| router's own means: slot wait + reserve / prefill leg / TTFT |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for c in concurrencies:
-        for mode in ("direct", "router"):
+        for mode in modes:
             m = agg.get((mode, c))
             if m:
                 extra = (
-                    f"{fmt(m['router_cpu_ms_per_request'], 2)} ms | {fmt(m['router_cpu_us_per_token'], 0)} us "
+                    f"{fmt(m['router_cpu_ms_per_request'], 2)} ms | {fmt(m['router_cpu_us_per_token'], 1)} us "
                     f"| {fmt(m['router_queue_ms'], 2)} / {fmt(m['router_prefill_ms'], 2)} / "
                     f"{fmt(m['router_ttft_ms'], 2)} ms"
-                    if mode == "router"
+                    if mode != "direct"
                     else " | | "
                 )
                 lines.append(
                     f"| {c} | {mode} | {fmt(m['ttfb_p50_ms'], 2)} | {fmt(m['ttfb_p99_ms'], 2)} "
                     f"| {fmt(m['itl_p50_ms'], 2)} | {fmt(m['itl_p99_ms'], 2)} | {fmt(m['tokens_per_s'], 0)} "
-                    f"({fmt(m['nominal_tokens_per_s'], 0)}) | {m['requests']} | {m['errors']} "
-                    f"| {fmt(m['client_cpu_ms_per_request'], 2)} ms | {extra} |"
+                    f"({fmt(m['nominal_tokens_per_s'], 0)}) | {fmt(m['tokens_per_event'], 2)} | {m['requests']} "
+                    f"| {m['errors']} | {fmt(m['client_cpu_ms_per_request'], 2)} ms | {extra} |"
                 )
         d, r = agg.get(("direct", c)), agg.get(("router", c))
         if d and r:
@@ -199,6 +205,6 @@ def overhead_table(rows: list[dict[str, Any]], concurrencies: list[int], gap_ms:
             ]
             lines.append(
                 f"| {c} | **added** | **{fmt(diff[0], 2)}** | **{fmt(diff[1], 2)}** | **{fmt(diff[2], 2)}** "
-                f"| **{fmt(diff[3], 2)}** | | | | | | | |"
+                f"| **{fmt(diff[3], 2)}** | | | | | | | | |"
             )
     return "\n".join(lines)
