@@ -27,9 +27,9 @@ from tilert.testing.standins import DecodeStandin, NodeBehaviour, PrefillStandin
 E2E = Path(__file__).resolve().parents[1] / "e2e.py"
 STANDIN_MAX_SEQ_LEN = 1 << 20
 PROFILED = (
-    "import cProfile, runpy, signal, sys\n"
+    "import cProfile, runpy, signal, sys, time\n"
     "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # uvicorn raises it again once it has stopped\n"
-    "p = cProfile.Profile()\n"
+    "p = cProfile.Profile(time.process_time)  # CPU time: the machine is shared\n"
     "p.enable()\n"
     "try:\n"
     "    runpy.run_module('tilert.cli', run_name='__main__')\n"
@@ -184,11 +184,17 @@ async def _one_run(
     row["nominal_tokens_per_s"] = c * 1000.0 / args.gap_ms if args.gap_ms else None
     if probe is not None:
         row.update(probe.finish())
+        # the router's CPU time over the run's wall time (1: its core was the bottleneck), and the tokens it would
+        # relay in one CPU second at this run's CPU time per token
+        row["router_cpu_share"] = row["router_cpu_s"] / wall if wall else None
+        per_token = row.get("router_cpu_us_per_token")
+        row["router_tokens_per_cpu_s"] = 1e6 / per_token if per_token else None
     print(
         f"  round {r} streams={c:<4} {mode:<8} TTFB p50 {fmt(row['ttfb_p50_ms'], 2)} ms p99 "
         f"{fmt(row['ttfb_p99_ms'], 2)} ms  ITL p50 {fmt(row['itl_p50_ms'], 2)} ms p99 "
         f"{fmt(row['itl_p99_ms'], 2)} ms  tok/s {fmt(row['tokens_per_s'], 0)}  tokens/event "
-        f"{fmt(row['tokens_per_event'], 2)}  router CPU/token {fmt(row.get('router_cpu_us_per_token'), 1)} us  "
+        f"{fmt(row['tokens_per_event'], 2)}  router CPU/token {fmt(row.get('router_cpu_us_per_token'), 1)} us "
+        f"(CPU share {fmt(row.get('router_cpu_share'), 2)})  "
         f"errors {row['errors']}  ({wall:.1f} s)",
         flush=True,
     )

@@ -150,6 +150,8 @@ def overhead_table(rows: list[dict[str, Any]], concurrencies: list[int], gap_ms:
         "client_cpu_ms_per_request",
         "router_cpu_ms_per_request",
         "router_cpu_us_per_token",
+        "router_cpu_share",
+        "router_tokens_per_cpu_s",
         "router_queue_ms",
         "router_prefill_ms",
         "router_ttft_ms",
@@ -173,12 +175,14 @@ def overhead_table(rows: list[dict[str, Any]], concurrencies: list[int], gap_ms:
         "the machine (client, router and stand-ins together) is saturated and the latencies are queueing; `direct` "
         "then costs the one client process more (it makes four HTTP calls per request where `router` makes one: see "
         "client CPU), so there the router's CPU time per token, not `added`, is its cost. Tokens per event: the "
-        "tokens of an answer over its SSE events with a choice (1: a chunk per token).",
+        "tokens of an answer over its SSE events with a choice (1: a chunk per token). Router CPU share: its CPU "
+        "time over the run's wall time (near 1: the router's core was the bottleneck); tokens per router CPU second: "
+        "1 / its CPU time per token, what one core of it relays at that cost.",
         "",
         "| streams | path | TTFB p50 ms | TTFB p99 ms | ITL p50 ms | ITL p99 ms | tokens/s (nominal) | tokens / event "
-        "| requests | errors | client CPU / request | router CPU / request | router CPU / token "
-        "| router's own means: slot wait + reserve / prefill leg / TTFT |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| requests | errors | client CPU / request | router CPU / request | router CPU / token | router CPU share "
+        "| tokens per router CPU second | router's own means: slot wait + reserve / prefill leg / TTFT |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for c in concurrencies:
         for mode in modes:
@@ -186,10 +190,11 @@ def overhead_table(rows: list[dict[str, Any]], concurrencies: list[int], gap_ms:
             if m:
                 extra = (
                     f"{fmt(m['router_cpu_ms_per_request'], 2)} ms | {fmt(m['router_cpu_us_per_token'], 1)} us "
+                    f"| {fmt(m['router_cpu_share'], 2)} | {fmt(m['router_tokens_per_cpu_s'], 0)} "
                     f"| {fmt(m['router_queue_ms'], 2)} / {fmt(m['router_prefill_ms'], 2)} / "
                     f"{fmt(m['router_ttft_ms'], 2)} ms"
                     if mode != "direct"
-                    else " | | "
+                    else " | | | | "
                 )
                 lines.append(
                     f"| {c} | {mode} | {fmt(m['ttfb_p50_ms'], 2)} | {fmt(m['ttfb_p99_ms'], 2)} "
@@ -205,6 +210,6 @@ def overhead_table(rows: list[dict[str, Any]], concurrencies: list[int], gap_ms:
             ]
             lines.append(
                 f"| {c} | **added** | **{fmt(diff[0], 2)}** | **{fmt(diff[1], 2)}** | **{fmt(diff[2], 2)}** "
-                f"| **{fmt(diff[3], 2)}** | | | | | | | | |"
+                f"| **{fmt(diff[3], 2)}** | | | | | | | | | | |"
             )
     return "\n".join(lines)
