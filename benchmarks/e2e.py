@@ -79,6 +79,10 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
 def _targets(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
     bad = [n for n in names if n not in TARGETS]
@@ -176,9 +180,10 @@ def parser() -> argparse.ArgumentParser:
     ov.add_argument("--router-overhead", action="store_true", help="measure the router against stand-ins")
     ov.add_argument(
         "--gap-ms",
-        type=float,
-        default=2.0,
-        help="the decode stand-in's gap between tokens (event-loop timers: ~1 ms resolution)",
+        type=_floats,
+        default=[2.0],
+        help="the decode stand-in's gap between tokens (event-loop timers: ~1 ms resolution; 0: it answers at once); "
+        "a comma list: each measured in turn, the same servers",
     )
     ov.add_argument("--overhead-tokens", type=int, default=64, help="tokens per request")
     ov.add_argument("--overhead-requests", type=int, default=None, help="requests per run (default max(64, 2 x C))")

@@ -13,6 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Mount, Route
 from tokenizers import Tokenizer
 
 from e2elib.conditions import settings
@@ -26,6 +30,7 @@ from tilert.testing.standins import DecodeStandin, NodeBehaviour, PrefillStandin
 
 E2E = Path(__file__).resolve().parents[1] / "e2e.py"
 STANDIN_MAX_SEQ_LEN = 1 << 20
+GAP_PATH = "/standin/gap"  # the decode stand-in's gap, set between runs
 PROFILED = (
     "import cProfile, runpy, signal, sys, time\n"
     "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # uvicorn raises it again once it has stopped\n"
@@ -48,16 +53,23 @@ def serve_standin(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer.from_file(str(args.model / "tokenizer.json"))
     script = Script(tokenizer, printable_ids(tokenizer))
     keep_alive = 5  # vLLM's (uvicorn's default)
+    app: Any
     if args.standin == "prefill":
         app = PrefillStandin(script, secret, str(args.model)).app
     else:
         behaviour = NodeBehaviour(
             slots=args.standin_slots,
-            token_gap_s=args.gap_ms / 1000.0,
+            token_gap_s=args.gap_ms[0] / 1000.0,
             max_seq_len=STANDIN_MAX_SEQ_LEN,
             join_behind=True,
         )
-        app = DecodeStandin(script, secret, behaviour).app
+        node = DecodeStandin(script, secret, behaviour)
+
+        async def set_gap(request: Request) -> Response:  # the next gap of --gap-ms, between runs
+            node.token_gap_s = float((await request.json())["gap_ms"]) / 1000.0
+            return Response(status_code=204)
+
+        app = Starlette(routes=[Route(GAP_PATH, set_gap, methods=["POST"]), Mount("/", node.app)])
         keep_alive = int(c.NODE_KEEPALIVE_S)
     uvicorn.run(
         app,
@@ -108,7 +120,7 @@ def _start(args: argparse.Namespace, procs: Procs, model: Path, secret: str) -> 
         "TRANSFORMERS_OFFLINE": "1",
     }
     me = [sys.executable, str(E2E), "--model", str(model)]
-    decode_args = ["--gap-ms", str(args.gap_ms), "--standin-slots", str(args.standin_slots)]
+    decode_args = ["--gap-ms", str(args.gap_ms[0]), "--standin-slots", str(args.standin_slots)]
     commands = {
         "standin-prefill": me + ["--standin", "prefill", "--port", str(ports["prefill"])],
         "standin-decode": me + ["--standin", "decode", "--port", str(ports["decode"]), *decode_args],
@@ -144,11 +156,13 @@ def run_overhead(args: argparse.Namespace, procs: Procs, model: Path, cond: dict
         try:
             for mode in modes:  # warm every path (connections, caches)
                 await drive(client.path(mode), 4, 8)
-            for r in range(args.rounds):
-                for c in args.concurrency:
-                    total = args.overhead_requests or max(64, 2 * c)
-                    for mode in modes if r % 2 == 0 else modes[::-1]:
-                        rows.append(await _one_run(args, client, procs, mode, urls, r, c, total))
+            for gap in args.gap_ms:
+                await client.client.post(urls["decode"] + GAP_PATH, json={"gap_ms": gap})
+                for r in range(args.rounds):
+                    for c in args.concurrency:
+                        total = args.overhead_requests or max(64, 2 * c)
+                        for mode in modes if r % 2 == 0 else modes[::-1]:
+                            rows.append(await _one_run(args, client, procs, mode, urls, (gap, r, c), total))
         finally:
             await client.aclose()
 
@@ -171,17 +185,18 @@ async def _one_run(
     procs: Procs,
     mode: str,
     urls: dict[str, str],
-    r: int,
-    c: int,
+    at: tuple[float, int, int],
     total: int,
 ) -> dict[str, Any]:
-    """One run of ``total`` requests, ``c`` at a time, by one path; its row."""
+    """One run of ``total`` requests by one path, ``at`` (the stand-in's gap, the round, the streams at once); its
+    row."""
+    gap, r, c = at
     probe = RouterProbe(urls[mode], procs.procs[mode].pid) if mode != "direct" else None
     cpu0 = time.process_time()
     samples, wall = await drive(client.path(mode), c, total)
-    row = {"mode": mode, "concurrency": c, "round": r, **summarize(samples, wall)}
+    row = {"mode": mode, "gap_ms": gap, "concurrency": c, "round": r, **summarize(samples, wall)}
     row["client_cpu_ms_per_request"] = 1000 * (time.process_time() - cpu0) / max(1, len(samples))
-    row["nominal_tokens_per_s"] = c * 1000.0 / args.gap_ms if args.gap_ms else None
+    row["nominal_tokens_per_s"] = c * 1000.0 / gap if gap else None
     if probe is not None:
         row.update(probe.finish())
         # the router's CPU time over the run's wall time (1: its core was the bottleneck), and the tokens it would
@@ -190,7 +205,7 @@ async def _one_run(
         per_token = row.get("router_cpu_us_per_token")
         row["router_tokens_per_cpu_s"] = 1e6 / per_token if per_token else None
     print(
-        f"  round {r} streams={c:<4} {mode:<8} TTFB p50 {fmt(row['ttfb_p50_ms'], 2)} ms p99 "
+        f"  gap {gap:g} ms round {r} streams={c:<4} {mode:<8} TTFB p50 {fmt(row['ttfb_p50_ms'], 2)} ms p99 "
         f"{fmt(row['ttfb_p99_ms'], 2)} ms  ITL p50 {fmt(row['itl_p50_ms'], 2)} ms p99 "
         f"{fmt(row['itl_p99_ms'], 2)} ms  tok/s {fmt(row['tokens_per_s'], 0)}  tokens/event "
         f"{fmt(row['tokens_per_event'], 2)}  router CPU/token {fmt(row.get('router_cpu_us_per_token'), 1)} us "
