@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -23,6 +24,8 @@ from e2elib.conditions import settings
 from e2elib.load import LoadClient, drive, overhead_prompt, summarize
 from e2elib.probes import RouterProbe
 from e2elib.procs import Procs, free_port, parse_cpus, wait_healthy
+from e2elib.profiles import profile_table
+from e2elib.profiles import summarize as summarize_profile
 from e2elib.tables import fmt, overhead_table
 from tilert import contracts as c
 from tilert.auth import SECRET_ENV, generate_secret, load_secret
@@ -31,11 +34,11 @@ from tilert.testing.standins import DecodeStandin, NodeBehaviour, PrefillStandin
 E2E = Path(__file__).resolve().parents[1] / "e2e.py"
 STANDIN_MAX_SEQ_LEN = 1 << 20
 GAP_PATH = "/standin/gap"  # the decode stand-in's gap, set between runs
-PROFILED = (
+PROFILED = (  # the profile begins at SIGUSR1 (after the warm-up); its stats are written as the router stops
     "import cProfile, runpy, signal, sys, time\n"
     "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # uvicorn raises it again once it has stopped\n"
     "p = cProfile.Profile(time.process_time)  # CPU time: the machine is shared\n"
-    "p.enable()\n"
+    "signal.signal(signal.SIGUSR1, lambda *_: p.enable())\n"
     "try:\n"
     "    runpy.run_module('tilert.cli', run_name='__main__')\n"
     "finally:\n"
@@ -84,12 +87,11 @@ def serve_standin(args: argparse.Namespace) -> int:
 
 
 def _router_command(
-    args: argparse.Namespace, ports: dict[str, int], port: int, model: Path, profile: bool
+    args: argparse.Namespace, ports: dict[str, int], port: int, model: Path, profile: Path | None
 ) -> list[str]:
-    """``tilert router`` between the stand-ins (under cProfile with ``profile`` and ``--router-profile``)."""
-    if profile and args.router_profile:  # the stats written as the router stops (cProfile's own -m would not)
-        out = str(args.router_profile.resolve())
-        head = ["-c", PROFILED.format(out=out)]
+    """``tilert router`` between the stand-ins (under cProfile into ``profile`` when given)."""
+    if profile is not None:  # the stats written as the router stops (cProfile's own -m would not)
+        head = ["-c", PROFILED.format(out=str(profile))]
     else:
         head = ["-m", "tilert.cli"]
     return [
@@ -109,6 +111,27 @@ def _router_command(
     ]
 
 
+def _profile_path(args: argparse.Namespace, mode: str) -> Path | None:
+    """Where router ``mode``'s profile goes with ``--router-profile DIR`` (None: not profiled)."""
+    return (args.router_profile / f"{mode}.pstats").resolve() if args.router_profile else None
+
+
+def _profiles(args: argparse.Namespace, procs: Procs, rows: list[dict[str, Any]], routers: list[str]) -> str:
+    """Stop each profiled router (its stats are written as it stops) and sum its profile by part
+    (:mod:`e2elib.profiles`), per token and request of the measured runs; the markdown table of them."""
+    found: dict[str, dict[str, Any]] = {}
+    for mode in routers:
+        path = _profile_path(args, mode)
+        if path is None:
+            continue
+        procs.stop(mode, grace_s=60.0)
+        tokens = sum(r.get("router_tokens") or 0 for r in rows if r["mode"] == mode)
+        requests = sum(r.get("router_requests") or 0 for r in rows if r["mode"] == mode)
+        found[mode] = summarize_profile(path, tokens, requests)
+    args.profiles = found
+    return profile_table(found) if found else ""
+
+
 def _start(args: argparse.Namespace, procs: Procs, model: Path, secret: str) -> tuple[dict[str, Any], dict[str, str]]:
     """The stand-ins and the router(s): ``router`` from this checkout, ``baseline`` from ``--baseline-router``'s (its
     ``tilert`` first on the path), each pinned to ``--router-cpus``. Returns the ports and each server's command."""
@@ -124,7 +147,7 @@ def _start(args: argparse.Namespace, procs: Procs, model: Path, secret: str) -> 
     commands = {
         "standin-prefill": me + ["--standin", "prefill", "--port", str(ports["prefill"])],
         "standin-decode": me + ["--standin", "decode", "--port", str(ports["decode"]), *decode_args],
-        "router": _router_command(args, ports, ports["router"], model, profile=True),
+        "router": _router_command(args, ports, ports["router"], model, _profile_path(args, "router")),
     }
     router_env = dict(env)
     if args.router_log_level:
@@ -132,7 +155,7 @@ def _start(args: argparse.Namespace, procs: Procs, model: Path, secret: str) -> 
     envs = {"router": router_env}
     if args.baseline_router:
         ports["baseline"] = free_port()
-        commands["baseline"] = _router_command(args, ports, ports["baseline"], model, profile=False)
+        commands["baseline"] = _router_command(args, ports, ports["baseline"], model, _profile_path(args, "baseline"))
         envs["baseline"] = {**router_env, "PYTHONPATH": str(args.baseline_router.resolve())}
     for name, cmd in commands.items():
         cpus = parse_cpus(args.router_cpus) if name in ("router", "baseline") else None
@@ -156,6 +179,9 @@ def run_overhead(args: argparse.Namespace, procs: Procs, model: Path, cond: dict
         try:
             for mode in modes:  # warm every path (connections, caches)
                 await drive(client.path(mode), 4, 8)
+            for mode in routers:  # the profiles begin now
+                if _profile_path(args, mode) is not None:
+                    os.kill(procs.procs[mode].pid, signal.SIGUSR1)
             for gap in args.gap_ms:
                 await client.client.post(urls["decode"] + GAP_PATH, json={"gap_ms": gap})
                 for r in range(args.rounds):
@@ -169,12 +195,17 @@ def run_overhead(args: argparse.Namespace, procs: Procs, model: Path, cond: dict
     asyncio.run(measure())
     cond["loadavg_end"] = os.getloadavg()
     table = overhead_table(rows, args.concurrency, args.gap_ms, modes)
+    profiled = _profiles(args, procs, rows, routers)
+    if profiled:
+        table += "\n\nWhere each router's CPU time went in the runs above (cProfile, process CPU time; each part's own "
+        table += "time; the profiler's own cost inflates the many small calls):\n\n" + profiled
     return {
         "mode": "router-overhead",
         "conditions": cond,
         "settings": settings(args),
         "servers": {n: {"command": cmd} for n, cmd in commands.items()},
         "runs": rows,
+        "profiles": getattr(args, "profiles", {}),
         "table": table,
     }
 
