@@ -40,9 +40,14 @@ each concurrency it runs, interleaved,
 - ``direct``: the router's own calls made by the client itself: reserve, the prefill POST (time to first byte),
   then the decode NDJSON stream (gap between tokens, the first one counted from the prefill reply);
 - ``router``: the same request through the router (time to the first SSE event, gaps between SSE events),
+- ``baseline`` (with ``--baseline-router DIR``): the same through a second router run from DIR's ``tilert`` (an
+  earlier commit's, e.g. from ``git archive``), so that two versions meet the same load in the same rounds,
 
 and prints p50/p99 of each, the latency the router adds, the errors (must be 0), the client's and the router's
-CPU time per request and the router's per relayed token.
+CPU time per request and the router's per relayed token, the tokens per SSE event and the router's CPU share.
+``--gap-ms`` takes a comma list (each gap in turn, the same servers; 0: the decode stand-in answers at once);
+``--skip-direct`` leaves the direct path out; ``--router-profile DIR`` profiles each router over the measured runs
+and says where its CPU time went (``e2elib/profiles.py``).
 
 This script is the command line; the work is in ``benchmarks/e2elib/`` (one module per concern).
 
@@ -55,6 +60,8 @@ Examples::
     python benchmarks/e2e.py                                                   # the full comparison
     python benchmarks/e2e.py --concurrency 1,2 --rounds 1 --num-prompts 4 --out /tmp/e2e   # a smoke run
     python benchmarks/e2e.py --router-overhead --concurrency 1,64,512
+    python benchmarks/e2e.py --router-overhead --concurrency 8,64 --gap-ms 0,1.5 --router-cpus 1 --skip-direct \
+        --baseline-router /tmp/before --name cpu-router-relay       # this checkout's relay against an earlier one
 """
 
 from __future__ import annotations
@@ -77,6 +84,10 @@ from tilert import stack
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
 
 
 def _targets(text: str) -> list[str]:
@@ -176,14 +187,31 @@ def parser() -> argparse.ArgumentParser:
     ov.add_argument("--router-overhead", action="store_true", help="measure the router against stand-ins")
     ov.add_argument(
         "--gap-ms",
-        type=float,
-        default=2.0,
-        help="the decode stand-in's gap between tokens (event-loop timers: ~1 ms resolution)",
+        type=_floats,
+        default=[2.0],
+        help="the decode stand-in's gap between tokens (event-loop timers: ~1 ms resolution; 0: it answers at once); "
+        "a comma list: each measured in turn, the same servers",
     )
     ov.add_argument("--overhead-tokens", type=int, default=64, help="tokens per request")
     ov.add_argument("--overhead-requests", type=int, default=None, help="requests per run (default max(64, 2 x C))")
     ov.add_argument("--overhead-prompt-words", type=int, default=200)
     ov.add_argument("--standin-slots", type=int, default=4096, help=argparse.SUPPRESS)
+    ov.add_argument(
+        "--baseline-router",
+        type=Path,
+        default=None,
+        help="a second router run from this checkout's tilert (e.g. `git archive` of an earlier commit), measured in "
+        "the same rounds as `baseline`",
+    )
+    ov.add_argument("--skip-direct", action="store_true", help="measure the router path(s) alone, no direct rows")
+    ov.add_argument(
+        "--router-profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run each router under cProfile from the end of the warm-up (DIR/router.pstats, DIR/baseline.pstats); "
+        "the result says where their CPU time went",
+    )
     ap.add_argument("--standin", choices=["prefill", "decode"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     return ap

@@ -132,20 +132,23 @@ def test_decode_precedence_flag_env_default(model: Path, monkeypatch: pytest.Mon
 
 def test_decode_sequences_default_follows_the_device(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No ``--max-sequences``: 8 on a CPU host, 4 on a GPU (``auto`` asks CUDA); given, it wins; the receive
-    slots follow (one more); out of range is refused."""
+    slots follow (as many); out of range is refused, and more slots than sequences."""
     import torch
 
     monkeypatch.setenv("TILERT_DECODE_MODEL", str(model))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cpu = decode_from_cli(["decode"])
-    assert cpu.max_sequences is None and cpu.sequences == 8 and cpu.slots == 9
+    assert cpu.max_sequences is None and cpu.sequences == 8 and cpu.slots == 8
     assert decode_from_cli(["decode", "--device", "cuda"]).sequences == 4  # as given, checked when loading
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert decode_from_cli(["decode"]).sequences == 4 and decode_from_cli(["decode", "--device", "cpu"]).sequences == 8
     given = decode_from_cli(["decode", "--max-sequences", "3"])
-    assert given.sequences == 3 and given.slots == 4
+    assert given.sequences == 3 and given.slots == 3
     with pytest.raises(ConfigError, match="must be in 1..64"):
         decode_from_cli(["decode", "--max-sequences", "0"])
+    assert decode_from_cli(["decode", "--max-sequences", "3", "--slots", "2"]).slots == 2
+    with pytest.raises(ConfigError, match=r"--slots.* must be at most the sequences decoded at once.*\(4 > 3\)"):
+        decode_from_cli(["decode", "--max-sequences", "3", "--slots", "4"])
 
 
 # -- secrets ----------------------------------------------------------------------------------------

@@ -553,6 +553,35 @@ def test_decode_refusal_4xx(router: RouterHandle, world: Standins) -> None:
     assert _wait_for(lambda: not world.node.reservations and _slots_in_use(router) == 0)
 
 
+@pytest.mark.parametrize("stall", ["before the first line", "between lines"])
+def test_a_silent_decode_stream_ends_in_the_error_event_of_its_timeout(
+    make_router: Callable[..., RouterHandle], world: Standins, stall: str
+) -> None:
+    """The node sends nothing before its first line (``transfer_timeout_s``) or stops between lines
+    (``decode_idle_timeout_s``): after prefill's token the client gets the 504 naming the wait, no sooner than the
+    limit, and the slot is released (which cancels the decode there)."""
+    router = make_router(transfer_timeout_s=0.6, decode_idle_timeout_s=0.4, decode_resumes=0)
+    if stall == "before the first line":
+        world.node.hold = True
+        limit, what = 0.6, "waiting for the KV transfer and first decode step"
+    else:
+        world.node.hang_after = 2
+        limit, what = 0.4, "between decode tokens"
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 50, "stream": True, "return_token_ids": True}
+    t0 = time.monotonic()
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=10) as resp:
+        events = [line.removeprefix("data: ") for line in resp.iter_lines() if line.startswith("data: ")]
+    elapsed = time.monotonic() - t0
+    assert resp.status_code == 200 and events[-1] == "[DONE]"
+    error = orjson.loads(events[-2])["error"]
+    assert error["code"] == 504 and error["message"] == f"decode node sent nothing for {limit:g} s ({what})"
+    ids = [t for event in events[:-2] for choice in orjson.loads(event)["choices"] for t in choice["token_ids"]]
+    assert len(ids) == (1 if stall == "before the first line" else 3)  # prefill's token (and 2 decoded ones)
+    assert limit <= elapsed < limit + 2.0
+    assert _wait_for(lambda: not world.node.reservations and _slots_in_use(router) == 0)
+    assert world.node.cancels, "the release cancels the decode on the node"
+
+
 def test_client_disconnect_cancels_decode_and_releases(router: RouterHandle, world: Standins) -> None:
     world.node.hang_after = 1
     with httpx.Client(timeout=10) as client:

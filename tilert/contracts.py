@@ -607,29 +607,54 @@ def join_runs(items: Sequence[T]) -> list[T | TokenLine]:
     several choices (``n`` > 1) between two such items are joined choice by choice, each choice's in order."""
     if len(items) == 1:
         return list(items)
+    one = _one_run(items)
+    if one is not None:
+        return [one]
     out: list[T | TokenLine] = []
     run: list[TokenLine] = []
-    count = 0  # tokens in run
+    count, with_logprobs = 0, False  # tokens in run; whether a line of run carries logprobs
     for item in _by_choice(items):
         if isinstance(item, TokenLine):
-            room = line_room(item.logprobs is not None or any(line.logprobs is not None for line in run))
+            logprobs = with_logprobs or item.logprobs is not None
             if (
                 run
                 and run[-1].index == item.index
                 and run[-1].finish_reason is None
-                and count + len(item.token_ids) <= room
+                and count + len(item.token_ids) <= line_room(logprobs)
             ):
                 run.append(item)
-                count += len(item.token_ids)
+                count, with_logprobs = count + len(item.token_ids), logprobs
                 continue
         if run:
             out.append(join_lines(run))
-        run, count = ([item], len(item.token_ids)) if isinstance(item, TokenLine) else ([], 0)
-        if not isinstance(item, TokenLine):
+        if isinstance(item, TokenLine):
+            run, count, with_logprobs = [item], len(item.token_ids), item.logprobs is not None
+        else:
+            run, count, with_logprobs = [], 0, False
             out.append(item)
     if run:
         out.append(join_lines(run))
     return out
+
+
+def _one_run(items: Sequence[object]) -> TokenLine | None:
+    """The common case of :func:`join_runs` in one pass: token lines of one choice without logprobs, only the last
+    one finished, that fit one line, joined; None when ``items`` are anything else."""
+    ids: list[int] = []
+    first = items[0]
+    if not isinstance(first, TokenLine):
+        return None
+    for line in items:
+        if type(line) is not TokenLine or line.index != first.index or line.logprobs is not None:
+            return None
+        if line.finish_reason is not None and line is not items[-1]:
+            return None
+        ids += line.token_ids
+    if len(ids) > MAX_LINE_TOKENS:
+        return None
+    last = items[-1]
+    assert isinstance(last, TokenLine)
+    return TokenLine(ids, last.finish_reason, last.stop_token_id, last.index)
 
 
 def _by_choice(items: Sequence[T]) -> list[T | TokenLine]:
@@ -857,6 +882,16 @@ def parse(cls: type[T], raw: bytes | str, *, limit: int = MAX_API_BODY_BYTES) ->
 
 def parse_line(raw: bytes | str) -> TokenLine | ErrorLine:
     return parse(DecodeLine, raw)  # type: ignore[arg-type]
+
+
+def parse_lines(raw: bytes) -> list[TokenLine | ErrorLine]:
+    """The decode stream's complete lines in ``raw`` (newline-delimited; blank lines skipped), decoded in one call."""
+    try:
+        return _decoder(DecodeLine).decode_lines(raw)
+    except msgspec.ValidationError as exc:
+        raise ContractError(f"invalid line: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ContractError(f"malformed JSON: {exc}") from None
 
 
 def parse_watch_line(raw: bytes | str) -> NodeBeat | TransferFailed:

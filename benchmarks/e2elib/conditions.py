@@ -88,5 +88,5 @@ def conditions() -> dict[str, Any]:
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
     """The command line's settings as recorded (paths as text; the run's own bookkeeping left out)."""
-    skip = {"func", "log_dir", "_cleanup", "standin"}
+    skip = {"func", "log_dir", "_cleanup", "standin", "profiles"}
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in skip}

@@ -5,6 +5,7 @@ direct one (the router's own calls made by the client: reserve, prefill, decode 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -35,6 +36,7 @@ class Sample:
     ttfb_s: float | None = None
     gaps_s: list[float] = field(default_factory=list)
     tokens: int = 0
+    events: int = 0  # SSE events that carried a choice (routed path)
     error: str | None = None
 
 
@@ -56,8 +58,14 @@ class LoadClient:
     async def aclose(self) -> None:
         await self.client.aclose()
 
-    async def routed(self) -> Sample:
-        """One streaming completion through the router: first SSE event, then the gaps between events."""
+    def path(self, mode: str) -> Callable[[], Awaitable[Sample]]:
+        """``direct``, or a router's path by its name in ``urls``."""
+        if mode == "direct":
+            return self.direct
+        return functools.partial(self.routed, self.urls[mode])
+
+    async def routed(self, url: str) -> Sample:
+        """One streaming completion through the router at ``url``: first SSE event, then the gaps between events."""
         body = {
             "model": self.model,
             "prompt": self.prompt,
@@ -72,7 +80,7 @@ class LoadClient:
         last = t0
         done = False
         try:
-            async with self.client.stream("POST", self.urls["router"] + "/v1/completions", json=body) as resp:
+            async with self.client.stream("POST", url + "/v1/completions", json=body) as resp:
                 if resp.status_code != 200:
                     s.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                     return s
@@ -90,6 +98,7 @@ class LoadClient:
                         if "error" in obj:
                             s.error = str(obj["error"])[:200]
                         elif obj.get("choices"):
+                            s.events += 1
                             if s.ttfb_s is None:
                                 s.ttfb_s = now - t0
                             else:
@@ -211,5 +220,6 @@ def summarize(samples: list[Sample], wall_s: float) -> dict[str, Any]:
         "itl_p50_ms": _pct(gaps, 50),
         "itl_p99_ms": _pct(gaps, 99),
         "tokens_per_s": sum(s.tokens for s in ok) / wall_s if wall_s else None,
+        "tokens_per_event": sum(s.tokens for s in ok) / events if (events := sum(s.events for s in ok)) else None,
         "wall_s": wall_s,
     }

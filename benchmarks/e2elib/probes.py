@@ -70,6 +70,7 @@ class RouterProbe:
         out: dict[str, float | None] = {
             "router_requests": requests,
             "router_tokens": tokens,
+            "router_cpu_s": cpu,
             "router_cpu_ms_per_request": 1000 * cpu / requests if requests else None,
             "router_cpu_us_per_token": 1e6 * cpu / tokens if tokens else None,
         }

@@ -91,12 +91,15 @@ def markdown(result: dict[str, Any], note: str | None) -> str:
         out += [
             "- stand-ins: `tilert.testing.standins` served by `benchmarks/e2e.py --standin` (Starlette + uvicorn, one "
             f"process each); decode gap "
-            f"{s['gap_ms']:g} ms, {s['overhead_tokens']} tokens per request, prompt of {s['overhead_prompt_words']} "
+            f"{', '.join(f'{g:g}' for g in s['gap_ms'])} ms, "
+            f"{s['overhead_tokens']} tokens per request, prompt of {s['overhead_prompt_words']} "
             f"words; router `tilert router` (log level {s['router_log_level'] or 'default'}, CPUs "
             f"{s['router_cpus'] or 'unpinned'}); load client: httpx "
             "async in one process; client, router and stand-ins share the machine's cores",
-            f"- {s['rounds']} round(s), direct and router interleaved at each concurrency; the table shows the median "
-            "over rounds",
+            f"- {s['rounds']} round(s), "
+            + ("the router path(s)" if s.get("skip_direct") else "direct and the router path(s)")
+            + " interleaved at each concurrency (order alternating each round); the table shows the median over "
+            "rounds" + (f"; `baseline`: the router of `{s['baseline_router']}`" if s.get("baseline_router") else ""),
             "",
             "## Results",
             "",

@@ -136,7 +136,9 @@ def _first_token_table(
     return lines
 
 
-def overhead_table(rows: list[dict[str, Any]], concurrencies: list[int], gap_ms: float) -> str:
+def overhead_table(rows: list[dict[str, Any]], concurrencies: list[int], gaps_ms: list[float], modes: list[str]) -> str:
+    """The router-overhead table: each path (``modes``: ``direct``, ``router``, ``baseline``) at each of the decode
+    stand-in's gaps and each concurrency, the median over rounds, and what the router adds to ``direct``."""
     keys = (
         "ttfb_p50_ms",
         "ttfb_p99_ms",
@@ -144,61 +146,82 @@ def overhead_table(rows: list[dict[str, Any]], concurrencies: list[int], gap_ms:
         "itl_p99_ms",
         "tokens_per_s",
         "nominal_tokens_per_s",
+        "tokens_per_event",
         "client_cpu_ms_per_request",
         "router_cpu_ms_per_request",
         "router_cpu_us_per_token",
+        "router_cpu_share",
+        "router_tokens_per_cpu_s",
         "router_queue_ms",
         "router_prefill_ms",
         "router_ttft_ms",
     )
-    agg: dict[tuple[str, int], dict[str, Any]] = {}
-    for mode in ("direct", "router"):
-        for c in concurrencies:
-            group = [r for r in rows if r["mode"] == mode and r["concurrency"] == c]
-            if group:
-                a: dict[str, Any] = {k: median([r.get(k) for r in group]) for k in keys}
-                a["errors"] = sum(r["errors"] for r in group)
-                a["requests"] = sum(r["requests"] for r in group)
-                agg[(mode, c)] = a
+    agg: dict[tuple[str, float, int], dict[str, Any]] = {}
+    for mode in modes:
+        for gap in gaps_ms:
+            for c in concurrencies:
+                group = [r for r in rows if r["mode"] == mode and r["concurrency"] == c and r["gap_ms"] == gap]
+                if group:
+                    a: dict[str, Any] = {k: median([r.get(k) for r in group]) for k in keys}
+                    a["errors"] = sum(r["errors"] for r in group)
+                    a["requests"] = sum(r["requests"] for r in group)
+                    agg[(mode, gap, c)] = a
     lines = [
-        f"Stand-ins answer at once; the decode stand-in emits one token every {gap_ms:g} ms. `direct`: the client "
-        "makes the router's calls itself (reserve, then TTFB of the prefill POST; token gaps of the decode stream, "
-        "the first counted from the prefill reply). `router`: the same request through `tilert router` (first SSE "
-        "event; gaps between SSE events). Added = router - direct. Where tokens/s falls short of the nominal rate "
-        "(streams x 1000 / gap), the machine (client, router and stand-ins together) is saturated and the latencies "
-        "are queueing; `direct` then costs the one client process more (it makes four HTTP calls per request where "
-        "`router` makes one: see client CPU), so there the router's CPU time per token, not `added`, is its cost.",
+        "Stand-ins answer at once; the decode stand-in emits one token every `gap` ms (0: a step per event-loop "
+        "turn), the lines that queued while its stream wrote joined into one, as the node's stream does. `direct`: "
+        "the client makes the router's calls itself (reserve, then TTFB of the prefill POST; token gaps of the decode "
+        "stream, the first counted from the prefill reply). `router`: the same request through `tilert router` "
+        "(first SSE event; gaps between SSE events); `baseline`: through the router of `--baseline-router`'s "
+        "checkout. Added = router - direct. Where tokens/s falls short of the nominal rate (streams x 1000 / gap), "
+        "the machine (client, router and stand-ins together) is saturated and the latencies are queueing; `direct` "
+        "then costs the one client process more (it makes four HTTP calls per request where `router` makes one: see "
+        "client CPU), so there the router's CPU time per token, not `added`, is its cost. Tokens per event: the "
+        "tokens of an answer over its SSE events with a choice (1: a chunk per token). Router CPU share: its CPU "
+        "time over the run's wall time (near 1: the router's core was the bottleneck); tokens per router CPU second: "
+        "1 / its CPU time per token, what one core of it relays at that cost.",
         "",
-        "| streams | path | TTFB p50 ms | TTFB p99 ms | ITL p50 ms | ITL p99 ms | tokens/s (nominal) | requests "
-        "| errors | client CPU / request | router CPU / request | router CPU / token "
+        "| gap ms | streams | path | TTFB p50 ms | TTFB p99 ms | ITL p50 ms | ITL p99 ms | tokens/s (nominal) "
+        "| tokens / event | requests | errors | client CPU / request | router CPU / request | router CPU / token "
+        "| router CPU share | tokens per router CPU second "
         "| router's own means: slot wait + reserve / prefill leg / TTFT |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for c in concurrencies:
-        for mode in ("direct", "router"):
-            m = agg.get((mode, c))
-            if m:
-                extra = (
-                    f"{fmt(m['router_cpu_ms_per_request'], 2)} ms | {fmt(m['router_cpu_us_per_token'], 0)} us "
-                    f"| {fmt(m['router_queue_ms'], 2)} / {fmt(m['router_prefill_ms'], 2)} / "
-                    f"{fmt(m['router_ttft_ms'], 2)} ms"
-                    if mode == "router"
-                    else " | | "
-                )
-                lines.append(
-                    f"| {c} | {mode} | {fmt(m['ttfb_p50_ms'], 2)} | {fmt(m['ttfb_p99_ms'], 2)} "
-                    f"| {fmt(m['itl_p50_ms'], 2)} | {fmt(m['itl_p99_ms'], 2)} | {fmt(m['tokens_per_s'], 0)} "
-                    f"({fmt(m['nominal_tokens_per_s'], 0)}) | {m['requests']} | {m['errors']} "
-                    f"| {fmt(m['client_cpu_ms_per_request'], 2)} ms | {extra} |"
-                )
-        d, r = agg.get(("direct", c)), agg.get(("router", c))
-        if d and r:
-            diff = [
-                None if r[k] is None or d[k] is None else r[k] - d[k]
-                for k in ("ttfb_p50_ms", "ttfb_p99_ms", "itl_p50_ms", "itl_p99_ms")
-            ]
-            lines.append(
-                f"| {c} | **added** | **{fmt(diff[0], 2)}** | **{fmt(diff[1], 2)}** | **{fmt(diff[2], 2)}** "
-                f"| **{fmt(diff[3], 2)}** | | | | | | | |"
-            )
+    for gap in gaps_ms:
+        for c in concurrencies:
+            lines += _overhead_rows(agg, modes, gap, c)
     return "\n".join(lines)
+
+
+def _overhead_rows(
+    agg: dict[tuple[str, float, int], dict[str, Any]], modes: list[str], gap: float, c: int
+) -> list[str]:
+    """The table's rows at one gap and concurrency: each path's, and what the router adds to ``direct``."""
+    lines = []
+    for mode in modes:
+        m = agg.get((mode, gap, c))
+        if m:
+            extra = (
+                f"{fmt(m['router_cpu_ms_per_request'], 2)} ms | {fmt(m['router_cpu_us_per_token'], 1)} us "
+                f"| {fmt(m['router_cpu_share'], 2)} | {fmt(m['router_tokens_per_cpu_s'], 0)} "
+                f"| {fmt(m['router_queue_ms'], 2)} / {fmt(m['router_prefill_ms'], 2)} / "
+                f"{fmt(m['router_ttft_ms'], 2)} ms"
+                if mode != "direct"
+                else " | | | | "
+            )
+            lines.append(
+                f"| {gap:g} | {c} | {mode} | {fmt(m['ttfb_p50_ms'], 2)} | {fmt(m['ttfb_p99_ms'], 2)} "
+                f"| {fmt(m['itl_p50_ms'], 2)} | {fmt(m['itl_p99_ms'], 2)} | {fmt(m['tokens_per_s'], 0)} "
+                f"({fmt(m['nominal_tokens_per_s'], 0)}) | {fmt(m['tokens_per_event'], 2)} | {m['requests']} "
+                f"| {m['errors']} | {fmt(m['client_cpu_ms_per_request'], 2)} ms | {extra} |"
+            )
+    d, r = agg.get(("direct", gap, c)), agg.get(("router", gap, c))
+    if d and r:
+        diff = [
+            None if r[k] is None or d[k] is None else r[k] - d[k]
+            for k in ("ttfb_p50_ms", "ttfb_p99_ms", "itl_p50_ms", "itl_p99_ms")
+        ]
+        lines.append(
+            f"| {gap:g} | {c} | **added** | **{fmt(diff[0], 2)}** | **{fmt(diff[1], 2)}** | **{fmt(diff[2], 2)}** "
+            f"| **{fmt(diff[3], 2)}** | | | | | | | | | | |"
+        )
+    return lines

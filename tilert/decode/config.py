@@ -100,8 +100,9 @@ class DecodeConfig:
         None,
         flag="--slots",
         aliases=("--num-slots",),
-        help="receive buffers, each held by one request from reserve to the end of its decode (default: "
-        "max_sequences + 1, so the next transfer lands while the others decode); the router admits this many",
+        help="receive buffers, each held by one request from reserve to the end of its decode; the router admits "
+        "this many. At most max_sequences (its default): a reservation is granted only when a sequence is free to "
+        "decode it, so a request beyond them waits in the router's queue, not silent inside the node",
     )
     lease_s: float = setting(30.0, help="slot lease when a reserve names none")
     max_lease_s: float = setting(
@@ -165,8 +166,8 @@ class DecodeConfig:
 
     @property
     def slots(self) -> int:
-        """Receive slots: ``num_slots``, or one more than :attr:`sequences`."""
-        return self.num_slots if self.num_slots is not None else self.sequences + 1
+        """Receive slots: ``num_slots``, or :attr:`sequences` (never more: a reservation is a sequence to decode)."""
+        return self.num_slots if self.num_slots is not None else self.sequences
 
     @property
     def sequences(self) -> int:
@@ -185,14 +186,20 @@ class DecodeConfig:
                 problems.append(message)
 
         need((Path(self.model) / "config.json").is_file(), f"{d('model')} must hold a config.json ({self.model})")
-        need(
-            self.max_sequences is None or (is_int(self.max_sequences) and 1 <= self.max_sequences <= 64),
-            f"{d('max_sequences')} must be in 1..64 ({self.max_sequences})",
-        )
+        given = self.max_sequences
+        sequences_ok = given is None or (is_int(given) and 1 <= given <= 64)
+        need(sequences_ok, f"{d('max_sequences')} must be in 1..64 ({self.max_sequences})")
         need(
             self.num_slots is None or (is_int(self.num_slots) and self.num_slots >= 1),
             f"{d('num_slots')} must be >= 1 ({self.num_slots})",
         )
+        slots = self.num_slots
+        if sequences_ok and isinstance(slots, int) and slots > self.sequences:
+            problems.append(
+                f"{d('num_slots')} must be at most the sequences decoded at once, {d('max_sequences')} "
+                f"({slots} > {self.sequences}): a reservation beyond them would wait inside the node, its "
+                "decode stream silent past the router's transfer timeout"
+            )
         need(
             is_int(self.max_seq_len) and self.max_seq_len >= 2, f"{d('max_seq_len')} must be >= 2 ({self.max_seq_len})"
         )

@@ -23,8 +23,9 @@ HTTP API (bodies and replies are the types of ``tilert.contracts``; every 4xx/5x
 
 ``/v1/*`` needs ``Authorization: Bearer <tilert.auth.node_api_token(secret)>``: only a router holding the
 deployment's secret can reserve, decode or release. Up to the engine's ``max_sequences`` decode together
-(:mod:`tilert.decode.batch`), each at its own position; with more receive slots than that, the next
-requests' transfers land while the others decode.
+(:mod:`tilert.decode.batch`), each at its own position; the node has no more receive slots than that, so a
+reservation it grants is a sequence that decodes at once (a request beyond them waits in the router's queue, not
+inside the node with its stream silent).
 """
 
 from __future__ import annotations
@@ -119,8 +120,11 @@ class DecodeNode:
         self.receiver = load_transport(config.transport).receiver(
             host=config.host, options=dict(config.transport_options or {}), advertise=self.advertised
         )
+        sequences = self.engine.capabilities().max_sequences
+        if config.slots > sequences:  # an engine may hold fewer sequences than asked: a slot is one it decodes
+            log.info("slots_capped", slots=config.slots, engine_sequences=sequences)
         self.table = SlotTable(
-            config.slots,
+            min(config.slots, max(1, sequences)),
             self.engine.expected_layouts(),
             config.max_seq_len,
             self.receiver,

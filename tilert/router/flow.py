@@ -19,6 +19,7 @@ event followed by ``data: [DONE]``.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
 import uuid
@@ -392,25 +393,46 @@ class RequestFlow:
         choices: Choices,
         lines: AsyncIterator[c.TokenLine | c.ErrorLine],
     ) -> None:
-        sent_at, first = anyio.current_time(), True
-        while not choices.done:
-            try:
-                line = await self._next_line(lines, first)
-            except RouterError as exc:
-                if not self._may_resume(exc, pre):
-                    raise
-                await self._resume(out, lease, shape, pre, choices, exc)
-                return
-            if first:
-                self.ctx.metrics.transfer_wait(anyio.current_time() - sent_at)
-            first = False
-            delta = await self._emit(out, shape, pre, choices, line)
-            self.ctx.metrics.token_gap(anyio.current_time() - sent_at, len(delta.token_ids))
-            sent_at = anyio.current_time()
+        try:
+            await self._relay_lines(out, shape, pre, choices, lines)
+        except RouterError as exc:
+            if not self._may_resume(exc, pre):
+                raise
+            await self._resume(out, lease, shape, pre, choices, exc)
+            return
         # The node's last line came: reading to EOF keeps the connection for reuse, and at EOF the node has
         # already freed the slot (it does so before its stream ends), so no release call is needed.
         node_freed = choices.node_done and await _drain(lines)
         await self._finish(out, lease, shape, pre, choices, node_freed)
+
+    async def _relay_lines(
+        self,
+        out: ClientOutput,
+        shape: ResponseShape,
+        pre: PrefillResult,
+        choices: Choices,
+        lines: AsyncIterator[c.TokenLine | c.ErrorLine],
+    ) -> None:
+        """The node's lines to the client until every choice ended. The stream may stay silent
+        ``transfer_timeout_s`` before its first line and ``decode_idle_timeout_s`` between lines (sending to the
+        client does not count): a :class:`Silence` watches it, one timer for the stream rather than one a line."""
+        cfg = self.ctx.config
+        with anyio.CancelScope() as scope, Silence(scope, cfg.transfer_timeout_s) as silence:
+            sent_at = time.monotonic()
+            while not choices.done:
+                line = await self._next_line(lines, silence)
+                now = time.monotonic()
+                if silence.first:
+                    self.ctx.metrics.transfer_wait(now - sent_at)
+                delta = await self._emit(out, shape, pre, choices, line)
+                self.ctx.metrics.token_gap(now - sent_at, len(delta.token_ids))
+                sent_at = now
+                silence.arm(cfg.decode_idle_timeout_s)
+        if silence.expired:
+            what = "waiting for the KV transfer and first decode step" if silence.first else "between decode tokens"
+            raise RouterError(
+                504, f"decode node sent nothing for {silence.limit:g} s ({what})", outcome="decode_timeout"
+            )
 
     async def _finish(
         self,
@@ -521,25 +543,55 @@ class RequestFlow:
         logprobs = None if self.plan.logprobs is None else [resumed_logprobs(nxt.raw, nxt.first_token_id)]
         return c.TokenLine([nxt.first_token_id], ended, stop_id, logprobs=logprobs)
 
-    async def _next_line(self, lines: AsyncIterator[c.TokenLine | c.ErrorLine], first: bool) -> c.TokenLine:
-        cfg = self.ctx.config
-        limit = cfg.transfer_timeout_s if first else cfg.decode_idle_timeout_s
+    async def _next_line(self, lines: AsyncIterator[c.TokenLine | c.ErrorLine], silence: Silence) -> c.TokenLine:
+        """The stream's next token line (``silence`` watches the wait); its errors as :class:`RouterError`."""
+        silence.waiting = True
         try:
-            with anyio.fail_after(limit):
-                line = await lines.__anext__()
-        except TimeoutError:
-            what = "waiting for the KV transfer and first decode step" if first else "between decode tokens"
-            raise RouterError(
-                504, f"decode node sent nothing for {limit:g} s ({what})", outcome="decode_timeout"
-            ) from None
+            line = await lines.__anext__()
         except StopAsyncIteration:
             raise RouterError(502, "decode stream ended without a finish_reason", outcome=DECODE_LOST) from None
+        finally:
+            silence.waiting = False
         if isinstance(line, c.ErrorLine):
             status = line.status if 400 <= line.status < 500 or line.status in (501, 504) else 502
             raise RouterError(status, f"decode failed: {line.message}", outcome="decode_error")
         if line.index >= self.plan.n:
             raise RouterError(502, f"decode node sent choice {line.index} of {self.plan.n}", outcome="decode_error")
         return line
+
+
+class Silence:
+    """How long a decode stream has been silent while the relay waits for its next line, as one timer a stream
+    (it fires when the limit could have run out, and checks) instead of a timeout set and cleared for every line.
+    Past the limit it cancels ``scope`` (:attr:`expired`)."""
+
+    def __init__(self, scope: anyio.CancelScope, limit: float) -> None:
+        self.limit = limit  # the silence allowed now
+        self.since = time.monotonic()  # when the wait for the next line began (the last line came)
+        self.waiting = False  # the relay is waiting for a line (not sending one to the client)
+        self.first = True  # no line came yet
+        self.expired = False
+        self._scope = scope
+        self._loop = asyncio.get_running_loop()
+        self._timer = self._loop.call_later(limit, self._check)
+
+    def __enter__(self) -> Silence:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+
+    def arm(self, limit: float) -> None:
+        """A line came (now): the next may be ``limit`` seconds away."""
+        self.limit, self.since, self.first = limit, time.monotonic(), False
+
+    def _check(self) -> None:
+        left = self.since + self.limit - time.monotonic()
+        if left <= 0 and self.waiting:
+            self.expired = True
+            self._scope.cancel()
+            return
+        self._timer = self._loop.call_later(left if left > 0 else self.limit, self._check)
 
 
 def _add_logprobs(shape: ResponseShape, line: c.TokenLine, delta: Delta, loop: TokenLoop) -> None:

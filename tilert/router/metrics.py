@@ -54,6 +54,9 @@ The router's own, with no vLLM counterpart:
 
 from __future__ import annotations
 
+import bisect
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -65,6 +68,26 @@ from tilert.metric_conventions import (
     TOKEN_COUNT_BUCKETS,
     WAIT_BUCKETS,
 )
+
+
+class ManyObservations:
+    """``n`` observations of one value at once into a histogram (its child, labels applied): the sum and the bucket
+    ``observe`` counts (the first bound at or above the value) grow as by ``n`` calls of ``observe``, in one step
+    (prometheus_client observes one value at a time)."""
+
+    def __init__(self, histogram: Histogram) -> None:
+        self._histogram = histogram
+        parts: list[Any] = [getattr(histogram, name, None) for name in ("_buckets", "_upper_bounds", "_sum")]
+        self._parts = None if None in parts else parts  # not the layout this relies on: one by one
+
+    def observe(self, value: float, n: int) -> None:
+        if n == 1 or self._parts is None:
+            for _ in range(n):
+                self._histogram.observe(value)
+            return
+        buckets, bounds, total = self._parts
+        total.inc(value * n)
+        buckets[bisect.bisect_left(bounds, value)].inc(n)
 
 
 class RouterMetrics:
@@ -83,6 +106,7 @@ class RouterMetrics:
         series = (self._running, self._waiting, self._prompt_tokens, self._generation_tokens, self._overflows)
         for metric in (*series, self._prefill_retries):
             metric.labels(model_name)
+        self._itl_many = ManyObservations(self._itl.labels(model_name))  # observed for every relayed chunk
 
     def _declare_latencies(self, m: list[str]) -> None:
         hist = self._histogram
@@ -191,11 +215,8 @@ class RouterMetrics:
 
     def token_gap(self, seconds: float, n: int = 1) -> None:
         """``n`` decode tokens arrived ``seconds`` after the previous ones: ``n`` gaps of ``seconds / n``."""
-        if n <= 0:
-            return
-        child, gap = self._itl.labels(self.model_name), seconds / n
-        for _ in range(n):
-            child.observe(gap)
+        if n > 0:
+            self._itl_many.observe(seconds / n, n)
 
     def request_finished(
         self,

@@ -205,11 +205,14 @@ async def _lines(resp: aiohttp.ClientResponse) -> AsyncIterator[c.TokenLine | c.
     rest = b""
     try:
         while chunk := await resp.content.readany():
-            *complete, rest = (rest + chunk).split(b"\n")
+            data = rest + chunk if rest else chunk
+            end = data.rfind(b"\n") + 1  # past the last complete line
+            rest = data[end:]
             if len(rest) > c.MAX_LINE_BYTES:
                 raise RouterError(502, "decode node sent an over-long line", outcome="decode_error")
-            for line in c.join_runs([c.parse_line(raw) for raw in complete if raw.strip()]):
-                yield line
+            if end:
+                for line in c.join_runs(c.parse_lines(data[:end] if rest else data)):
+                    yield line
         if rest.strip():
             yield c.parse_line(rest)
     except c.ContractError as exc:

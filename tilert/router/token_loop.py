@@ -74,6 +74,13 @@ class TokenLoop:
             raise RuntimeError("the token loop already finished")
         ids = line.token_ids
         stop_token = line.finish_reason == "stop" and bool(ids)
+        if not self.stop:  # no stop string can end the text early: every token is taken, their text at once
+            texted = ids[:-1] if stop_token and not self.include_stop_str_in_output else ids
+            self._out.add("".join([self._decoder.step(tid) for tid in texted]))
+            self.token_ids.extend(ids)
+            if line.finish_reason is not None:
+                self.finish_reason, self.stop_reason = line.finish_reason, line.stop_token_id
+            return Delta(self._out.delta(self.done), ids, self.finish_reason, self.stop_reason)
         accepted: list[int] = []
         for i, tid in enumerate(ids):
             accepted.append(tid)
@@ -106,7 +113,7 @@ class Choices:
 
     @property
     def done(self) -> bool:
-        return all(loop.done for loop in self.loops)
+        return self.loops[0].done if len(self.loops) == 1 else all(loop.done for loop in self.loops)
 
     @property
     def node_done(self) -> bool:

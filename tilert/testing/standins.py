@@ -17,7 +17,9 @@ the transfer had landed.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import math
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -26,12 +28,14 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, TypeVar
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 from tokenizers import Tokenizer
 
 from tilert import auth
@@ -217,7 +221,10 @@ class NodeBehaviour:
     """How the decode stand-in answers.
 
     ``slots``: reservations it holds at once (429 beyond); ``token_gap_s``: the wait before each token line;
-    ``tokens_per_line``: tokens a line carries (more than one: as an MTP engine sends them); ``max_seq_len``: its
+    ``tokens_per_line``: tokens a line carries (more than one: as an MTP engine sends them); ``join_behind``: the
+    decode runs as a task of its own (one step per event-loop turn when the gap is 0, a decode that answers at once)
+    and the lines that queued while the stream was writing go out as one, as the node's stream joins them
+    (``contracts.join_runs``); ``max_seq_len``: its
     context, as its reserve answers it; ``max_lease_s``: the longest lease it grants, as its health says it
     (None: not said; a longer lease asked is refused, 400). Faults: ``reserve_refusal`` / ``decode_refusal``
     (status, message) answers every reserve / decode so; ``error_after``: an ``ErrorLine`` after that many tokens;
@@ -229,6 +236,7 @@ class NodeBehaviour:
     slots: int = 2
     token_gap_s: float = 0.002
     tokens_per_line: int = 1
+    join_behind: bool = False
     max_seq_len: int = 4096
     max_lease_s: float | None = None
     ctrl_port: int = 1  # what its health reports; the stand-in has no control port
@@ -361,9 +369,11 @@ class DecodeStandin(NodeBehaviour):
         self.decode_bodies.append(msgspec.to_builtins(req))
         self.transfers += 1
         cancelled = self._running[req.transfer_id] = anyio.Event()
-        return StreamingResponse(self._lines(req, cancelled), media_type="application/x-ndjson")
+        if self.join_behind:
+            return _JoinedLines(self._lines(req, cancelled))
+        return StreamingResponse(_dumped(self._lines(req, cancelled)), media_type="application/x-ndjson")
 
-    async def _lines(self, req: c.DecodeRequest, cancelled: anyio.Event) -> AsyncIterator[bytes]:
+    async def _lines(self, req: c.DecodeRequest, cancelled: anyio.Event) -> AsyncIterator[c.DecodeLine]:
         """One line every ``token_gap_s`` as the script says; a release ends it as the node's cancel does."""
         tid, sampling = req.transfer_id, req.sampling
         limit = (
@@ -379,7 +389,7 @@ class DecodeStandin(NodeBehaviour):
                 await cancelled.wait()
             return cancelled.is_set()
 
-        cancel_line = c.dump_line(c.ErrorLine(500, "decode cancelled"))
+        cancel_line = c.ErrorLine(500, "decode cancelled")
         try:
             while self.hold:
                 if await cancelled_after(0.005):
@@ -388,7 +398,7 @@ class DecodeStandin(NodeBehaviour):
             pending: list[int] = []
             for step in range(limit):
                 if self.error_after is not None and step >= self.error_after:
-                    yield c.dump_line(c.ErrorLine(500, "injected decode failure"))
+                    yield c.ErrorLine(500, "injected decode failure")
                     return
                 if self.hang_after is not None and step >= self.hang_after and await cancelled_after(3600):
                     yield cancel_line
@@ -400,16 +410,18 @@ class DecodeStandin(NodeBehaviour):
                 if last or len(pending) >= self.tokens_per_line:
                     if self.token_gap_s:
                         await anyio.sleep(self.token_gap_s)  # cheaper than a cancellable wait: seen after the gap
+                    elif self.join_behind:
+                        await anyio.lowlevel.checkpoint()  # the next step on the loop's next turn
                     if cancelled.is_set():
                         yield cancel_line
                         return
                     finish: c.FinishReason | None = ("stop" if eos or tok in stop_ids else "length") if last else None
-                    yield c.dump_line(c.TokenLine(pending, finish, tok if finish == "stop" and not eos else None))
+                    yield c.TokenLine(pending, finish, tok if finish == "stop" and not eos else None)
                     pending = []
                     if last:
                         self.completed += 1
                         return
-            yield c.dump_line(c.TokenLine([], "length"))  # max_tokens 0 (the node's context was already full)
+            yield c.TokenLine([], "length")  # max_tokens 0 (the node's context was already full)
             self.completed += 1
         finally:
             self._running.pop(tid, None)
@@ -461,6 +473,42 @@ class DecodeStandin(NodeBehaviour):
             max_choices=1,  # it decodes one choice a request (n > 1 is the router's 400)
         )
         return Response(c.dump(health), media_type="application/json")
+
+
+async def _dumped(lines: AsyncIterator[c.DecodeLine]) -> AsyncIterator[bytes]:
+    async for line in lines:
+        yield c.dump_line(line)
+
+
+class _JoinedLines(Response):
+    """The NDJSON decode stream of ``lines`` made by a task of their own; the lines that queued while the previous
+    write was under way go out as one write, their token lines joined (``contracts.join_runs``), as the node's stream
+    sends them."""
+
+    def __init__(self, lines: AsyncIterator[c.DecodeLine]) -> None:
+        self._lines = lines
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = [(b"content-type", b"application/x-ndjson")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        tx, rx = anyio.create_memory_object_stream[c.DecodeLine](math.inf)
+
+        async def produce() -> None:
+            async with tx:
+                async for line in self._lines:
+                    tx.send_nowait(line)
+
+        async with anyio.create_task_group() as tg, rx:
+            tg.start_soon(produce)
+            async for first in rx:
+                batch = [first]
+                with contextlib.suppress(anyio.WouldBlock, anyio.EndOfStream):
+                    while True:
+                        batch.append(rx.receive_nowait())
+                body = b"".join(c.dump_line(line) for line in c.join_runs(batch))
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 @dataclass
