@@ -44,7 +44,12 @@ step .venv/bin/python -m pip install -q --no-deps $nixl_pins
 # distribution name, so .venv/bin/vllm runs vLLM's CLI through the launcher that answers that name.
 printf '#!/bin/sh\nexec "%s/.venv/bin/python" "%s/benchmarks/vllm_bench.py" "$@"\n' "$PWD" "$PWD" >.venv/bin/vllm
 chmod +x .venv/bin/vllm
-step .venv/bin/python -c "import vllm, torch, transformers, tilert.connector"
+# The imports that matter load; the versions they report end the set-up's one line (vLLM imports once).
+ready=$(.venv/bin/python -c "
+import vllm, torch, transformers, tilert.connector
+print(f'vllm {vllm.__version__}, torch {torch.__version__}')" 2>>"$LOG") ||
+  { echo "bootstrap: failed: import vllm, torch, transformers, tilert.connector; the last lines of $LOG:" >&2
+    tail -n 30 "$LOG" >&2; exit 1; }
 step .venv/bin/python -c "import locust"  # alone: locust patches the standard library with gevent at import
 # Both transports load, and a NIXL agent (UCX) starts and exits cleanly: a crash at exit means Debian's
 # ibverbs-providers is installed (remove it, or set UCX_MODULES=^efa).
@@ -54,4 +59,4 @@ from tilert.plugins import load_transport
 load_transport('nixl').sender(options={}).close()
 import nixl._api  # vLLM's NixlConnector imports this name
 " >>"$LOG" 2>&1 || { echo "bootstrap: the mooncake/nixl transports do not load or exit cleanly (see $LOG)" >&2; exit 1; }
-.venv/bin/python -c "import vllm, torch; print(f'tilert: .venv ready (vllm {vllm.__version__}, torch {torch.__version__})')"
+echo "tilert: .venv ready ($ready)"

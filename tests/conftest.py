@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.stack import TOOL_FLAGS, Stack, start_stack, stop_stack_checked
+from support.stack import TOOL_FLAGS, Launch, Stack, launch_stack, stop_launch, stop_stack_checked
 
 
 @pytest.fixture(scope="module")
@@ -38,15 +38,33 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model("deepseek_v3", tmp_path_factory.mktemp("models") / "tiny-deepseek-v3", seed=0)
 
 
-# vLLM's tool flags, on every process of the session stack (its vLLM alone answers with them too): requests without
-# tools are answered as without them (tests/test_tool_calls.py serves tools through them).
+def _launch_session_stack(request: pytest.FixtureRequest) -> Launch:
+    tiny_model = request.getfixturevalue("tiny_model")
+    logs = request.getfixturevalue("tmp_path_factory").mktemp("logs")
+    # vLLM's tool flags, on every process of the session stack (its vLLM alone answers with them too): requests
+    # without tools are answered as without them (tests/test_tool_calls.py serves tools through them).
+    return launch_stack(tiny_model, logs / "stack.log", *TOOL_FLAGS)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stack_launched(request: pytest.FixtureRequest, _offline_env: None) -> Iterator[Launch | None]:
+    """The session stack's ``tilert up`` started before the first test when a selected test uses the stack, so
+    that its start-up (mostly one process importing) overlaps the tests that run before the first that uses it;
+    stopped here if no test waited for it."""
+    if not any("stack" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        yield None
+        return
+    launch = _launch_session_stack(request)
+    yield launch
+    stop_launch(launch)  # nothing left to do once the stack fixture stopped it
 
 
 @pytest.fixture(scope="session")
-def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(request: pytest.FixtureRequest, _stack_launched: Launch | None) -> Iterator[Stack]:
     """The session's ``tilert up`` stack. Its teardown is a check: SIGINT stops ``tilert up`` (status 0) and every
     process it started, vLLM's engine core included; a failure there errors the run."""
-    handle = start_stack(tiny_model, tmp_path_factory.mktemp("logs") / "stack.log", *TOOL_FLAGS)
+    launch = _stack_launched or _launch_session_stack(request)  # only asked for by name (getfixturevalue): now
+    handle = launch.wait()
     yield handle
     stop_stack_checked(handle)
 

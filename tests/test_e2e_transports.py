@@ -1,19 +1,20 @@
-"""The core oracle through every transport: a whole stack (stock vLLM prefill + connector, decode node,
-router) started with ``tilert up --transport NAME`` for the real Mooncake and NIXL libraries (tcp is the
-session stack's), each process separate, on loopback; router output == the same vLLM alone, token for
-token, streaming and not, for prompts up to about 500 tokens.
+"""The core oracle through every transport: a whole stack (stock vLLM prefill + connector, decode node, router) started
+with ``tilert up --transport NAME`` for the real Mooncake and NIXL libraries (tcp is the session stack's), each
+process separate, on loopback; router output == the same vLLM alone, token for token, streaming and not, for prompts
+up to about 500 tokens.
 
-Fail fast through each transport, at the router, with the real OpenAI client: handshake
-refused, extraction error, transport error, peer gone (the decode node killed mid-transfer) and timeout
-each reach the client as a terminal error in under a second (the node tells the router on its watch stream, or
-the stream closes, while vLLM still computes the prefill), and afterwards the connector's staging pool
-is whole again on vLLM's own ``/metrics`` (``tilert:staging_pool_used_bytes`` 0, no transfer in flight) and
-every receive slot is free on the decode node's ``/health``. The three stacks are this module's (tcp: the
-session stack), one vLLM each. Handshake refused and peer gone use other decode nodes + routers on the same
-vLLM (a node of a 2-layer model refuses the offer of the 3-layer KV for real; a node the test can kill
-without stopping ``tilert up``). Extraction error, transport error and timeout are armed for one transfer through
-the connector's test-only fault hook (:mod:`tilert.connector.faults`): the real parts cannot produce them
-on demand; everything after the fault is real.
+Fail fast through each transport, at the router, with the real OpenAI client: handshake refused, extraction error,
+transport error, peer gone (the decode node killed mid-transfer) and timeout each reach the client as a terminal
+error in under a second (the node tells the router on its watch stream, or the stream closes, while vLLM still
+computes the prefill), and afterwards the connector's staging pool is whole again on vLLM's own ``/metrics``
+(``tilert:staging_pool_used_bytes`` 0, no transfer in flight) and every receive slot is free on the decode node's
+``/health``. The three stacks are this module's (tcp: the session stack), one vLLM each, started together with every
+spare node and router the selected tests use (each start-up is mostly one process importing: started side by side
+they overlap). Handshake refused and peer gone use other decode nodes + routers on the same vLLM (a node of a
+2-layer model refuses the offer of the 3-layer KV for real; a node the test can kill without stopping ``tilert
+up``). Extraction error, transport error and timeout are armed for one transfer through the connector's test-only
+fault hook (:mod:`tilert.connector.faults`): the real parts cannot produce them on demand; everything after the
+fault is real.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,16 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support.oracle import MAX_TOKENS, prompts, router_call, source_text, vllm_alone
-from support.stack import Stack, free_port, start_stack, stop_stack_checked, wait_healthy
+from support.stack import (
+    Launch,
+    Stack,
+    free_port,
+    launch_stack,
+    stop_launch,
+    stop_stack,
+    stop_stack_checked,
+    wait_healthy,
+)
 from support.waiting import wait_until
 
 from tilert.connector import faults
@@ -47,20 +56,154 @@ FAIL_LIMIT_S = 1.0  # from the failure to the client's terminal error
 SANITY_S = 30.0  # from the request to the client's error (the failure comes first, inside the prefill)
 
 
+@dataclass
+class Spare:
+    """Another decode node and a router in front of it, on a stack's vLLM and secret."""
+
+    node: subprocess.Popen[bytes]
+    router: subprocess.Popen[bytes]
+    decode_url: str
+    router_url: str
+    ctrl_port: int
+    logs: Path
+
+
+def _launch_spare(model: Path, node_model: Path, transport: str, secret: Path, prefill_port: int, logs: Path) -> Spare:
+    """The node (serving ``node_model``) and its router started; :func:`_wait_spare` waits for both."""
+    cfg = StackConfig(
+        model=model,
+        port=free_port(),
+        prefill_port=prefill_port,
+        ctrl_port=free_port(),
+        decode_http_port=free_port(),
+        transport=transport,
+    )
+    env = {**child_env(secret), "UCX_NET_DEVICES": "lo"}
+    with open(logs / "node.log", "w") as node_log, open(logs / "router.log", "w") as router_log:
+        node = subprocess.Popen(
+            decode_command(replace(cfg, model=node_model)), env=env, stdout=node_log, stderr=subprocess.STDOUT
+        )
+        router = subprocess.Popen(router_command(cfg), env=env, stdout=router_log, stderr=subprocess.STDOUT)
+    return Spare(
+        node, router, f"http://127.0.0.1:{cfg.decode_http_port}", f"http://127.0.0.1:{cfg.port}", cfg.ctrl_port, logs
+    )
+
+
+def _wait_spare(spare: Spare) -> None:
+    wait_healthy(spare.decode_url, spare.node, 300, spare.logs / "node.log")
+    wait_healthy(spare.router_url, spare.router, 300, spare.logs / "router.log")
+
+
+def _stop_spare(spare: Spare) -> None:
+    for proc in (spare.router, spare.node):
+        if proc.poll() is None:
+            proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+@dataclass
+class Rig:
+    """One transport's parts: its stack (tcp: the session's) and the spares on that stack's vLLM the tests use:
+    ``spare``, a node of the stack's own model for a test to kill; ``refusing``, a node whose model has 2 layers
+    where the stack's has 3 (it refuses the offer of vLLM's 3-layer KV)."""
+
+    stack: Stack
+    spare: Spare | None = None
+    refusing: Spare | None = None
+
+
+SPARES = ("spare", "refusing_spare")
+
+
+def _wanted(request: pytest.FixtureRequest) -> dict[str, set[str]]:
+    """The transports this run's tests of this module use (``-k`` may select a few), each with the spares its tests
+    use."""
+    wanted: dict[str, set[str]] = {}
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if getattr(item, "module", None) is not request.module or callspec is None:
+            continue
+        if "transport_stack" in callspec.params:
+            uses = wanted.setdefault(callspec.params["transport_stack"], set())
+            uses.update(name for name in SPARES if name in getattr(item, "fixturenames", ()))
+    return wanted
+
+
+@pytest.fixture(scope="module")
+def rigs(
+    request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Rig]]:
+    """Every transport's stack and spares the selected tests use, all started at once, since each start-up is mostly
+    one process importing: ``tilert up --transport NAME`` for mooncake and nixl (tcp: the session stack), stopped at
+    the module's end by SIGINT and checked (status 0, no process left)."""
+    from tilert.models.tiny import build_tiny_model
+
+    wanted = _wanted(request)
+    root = tmp_path_factory.mktemp("transports")
+    launches: dict[str, Launch] = {}
+    stacks: dict[str, Stack] = {}
+    spares: dict[tuple[str, str], Spare] = {}
+    two_layers = None
+    if any("refusing_spare" in uses for uses in wanted.values()):
+        two_layers = build_tiny_model("deepseek_v3", root / "two-layers", seed=0, num_hidden_layers=2)
+
+    def launch_spares(name: str, secret: Path, prefill_port: int) -> None:
+        for kind in sorted(wanted[name]):
+            logs = root / f"{kind}-{name}"
+            logs.mkdir()
+            node_model = two_layers if kind == "refusing_spare" else tiny_model
+            assert node_model is not None
+            spares[name, kind] = _launch_spare(tiny_model, node_model, name, secret, prefill_port, logs)
+
+    try:
+        env = {**os.environ, "UCX_NET_DEVICES": "lo", "VLLM_CPU_OMP_THREADS_BIND": "1"}
+        for name in sorted(wanted.keys() - {"tcp"}):
+            (root / name).mkdir()
+            launches[name] = launch_stack(tiny_model, root / name / "stack.log", "--transport", name, env=env)
+            launch_spares(name, launches[name].secret_file, launches[name].prefill_port)
+        if "tcp" in wanted:  # the session stack (its oracle is test_e2e_stack's)
+            stacks["tcp"] = request.getfixturevalue("stack")
+            assert stacks["tcp"].secret_file is not None
+            launch_spares("tcp", stacks["tcp"].secret_file, int(stacks["tcp"].prefill.rsplit(":", 1)[1]))
+        for name, launch in launches.items():
+            stacks[name] = launch.wait()
+            stacks[name].transport = name
+        for spare in spares.values():
+            _wait_spare(spare)
+    except BaseException:
+        for spare in spares.values():
+            _stop_spare(spare)
+        for name, launch in launches.items():
+            if name in stacks:
+                stop_stack(stacks[name])
+            else:
+                stop_launch(launch)
+        raise
+    try:
+        yield {
+            name: Rig(stacks[name], spares.get((name, "spare")), spares.get((name, "refusing_spare")))
+            for name in wanted
+        }
+    finally:
+        for spare in spares.values():
+            _stop_spare(spare)
+    failed: list[BaseException] = []
+    for name in launches:
+        try:
+            stop_stack_checked(stacks[name])  # SIGINT: status 0, no process left
+        except BaseException as exc:  # noqa: BLE001 - every stack is stopped, then the first failure raised
+            failed.append(exc)
+    if failed:
+        raise failed[0]
+
+
 @pytest.fixture(scope="module", params=["tcp", "mooncake", "nixl"])
-def transport_stack(
-    request: pytest.FixtureRequest, tiny_model: Any, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Stack]:
-    name = request.param
-    if name == "tcp":  # the session stack (its oracle is test_e2e_stack's)
-        yield request.getfixturevalue("stack")
-        return
-    log = tmp_path_factory.mktemp(f"stack-{name}") / "stack.log"
-    env = {**os.environ, "UCX_NET_DEVICES": "lo", "VLLM_CPU_OMP_THREADS_BIND": "1"}
-    handle = start_stack(tiny_model, log, "--transport", name, env=env)
-    handle.transport = name
-    yield handle
-    stop_stack_checked(handle)  # SIGINT: status 0, no process left
+def transport_stack(request: pytest.FixtureRequest, rigs: dict[str, Rig]) -> Stack:
+    return rigs[request.param].stack
 
 
 @pytest.fixture(autouse=True)
@@ -87,69 +230,20 @@ def test_router_tokens_equal_vllm_alone_through_each_transport(transport_stack: 
 # ---- fail fast at the router, per transport -----------------------------------------------------------
 
 
-@dataclass
-class Spare:
-    """Another decode node and a router in front of it, on the stack's vLLM and secret."""
-
-    node: subprocess.Popen[bytes]
-    router: subprocess.Popen[bytes]
-    decode_url: str
-    router_url: str
-    ctrl_port: int
-
-
-@contextmanager
-def _spare(stack: Stack, node_model: Path, logs: Path) -> Iterator[Spare]:
-    assert stack.secret_file is not None
-    prefill_port = int(stack.prefill.rsplit(":", 1)[1])
-    cfg = StackConfig(
-        model=stack.model,
-        port=free_port(),
-        prefill_port=prefill_port,
-        ctrl_port=free_port(),
-        decode_http_port=free_port(),
-        transport=stack.transport,
-    )
-    env = {**child_env(stack.secret_file), "UCX_NET_DEVICES": "lo"}
-    with open(logs / "node.log", "w") as node_log, open(logs / "router.log", "w") as router_log:
-        node = subprocess.Popen(
-            decode_command(replace(cfg, model=node_model)), env=env, stdout=node_log, stderr=subprocess.STDOUT
-        )
-        router = subprocess.Popen(router_command(cfg), env=env, stdout=router_log, stderr=subprocess.STDOUT)
-    spare = Spare(
-        node, router, f"http://127.0.0.1:{cfg.decode_http_port}", f"http://127.0.0.1:{cfg.port}", cfg.ctrl_port
-    )
-    try:
-        wait_healthy(spare.decode_url, node, 300, logs / "node.log")
-        wait_healthy(spare.router_url, router, 300, logs / "router.log")
-        yield spare
-    finally:
-        for proc in (router, node):
-            if proc.poll() is None:
-                proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-
-
 @pytest.fixture(scope="module")
-def spare(transport_stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Spare]:
+def spare(transport_stack: Stack, rigs: dict[str, Rig]) -> Spare:
     """A node of the stack's own model, for the test to kill."""
-    with _spare(transport_stack, transport_stack.model, tmp_path_factory.mktemp("spare")) as handle:
-        yield handle
+    handle = rigs[transport_stack.transport].spare
+    assert handle is not None
+    return handle
 
 
 @pytest.fixture(scope="module")
-def refusing_spare(transport_stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Spare]:
+def refusing_spare(transport_stack: Stack, rigs: dict[str, Rig]) -> Spare:
     """A node whose model has 2 layers where the stack's has 3: it refuses the offer of vLLM's 3-layer KV."""
-    from tilert.models.tiny import build_tiny_model
-
-    root = tmp_path_factory.mktemp("refusing")
-    other = build_tiny_model("deepseek_v3", root / "two-layers", seed=0, num_hidden_layers=2)
-    with _spare(transport_stack, other, root) as handle:
-        yield handle
+    handle = rigs[transport_stack.transport].refusing
+    assert handle is not None
+    return handle
 
 
 def _fails_fast(router: str, model: Path, prompt: str, limit_s: float) -> tuple[openai.APIStatusError, float]:

@@ -14,12 +14,13 @@ two hosts never share: the nixl parts run with ``UCX_TLS=tcp``, as two hosts wit
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -53,57 +54,90 @@ class Hosts:
     started_s: float
 
 
-@pytest.fixture(scope="module", params=["tcp", "mooncake", "nixl"])
-def hosts(
+def _transports(request: pytest.FixtureRequest) -> list[str]:
+    """The transports this run's tests of this module use (``-k`` may select a few)."""
+    wanted = set()
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if getattr(item, "module", None) is request.module and callspec is not None and "hosts" in callspec.params:
+            wanted.add(str(callspec.params["hosts"]))
+    return sorted(wanted)
+
+
+def _start_parts(lan: netns.Lan, transport: str, model: Path, secret: Path, logs: Path) -> Callable[[], None]:
+    """The three parts started, each on its host, for ``transport``; returns the wait for all three to answer."""
+    r, p, d = (lan.addr(h) for h in HOSTS)
+    cfg = StackConfig(model=model, transport=transport, kv_cache_bytes=KV_CACHE_BYTES)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    env = {**child_env(secret, base), **TRANSPORT_ENV.get(transport, {})}
+    prefill_cmd = _with_sender_address(prefill_command(replace(cfg, host=p)), transport, p)
+    decode_cmd = decode_command(replace(cfg, host="0.0.0.0", advertise_host=d))
+    assert decode_cmd[decode_cmd.index("--advertise-host") + 1] == d
+    router_cmd = [
+        *(sys.executable, "-m", "tilert.cli", "router", "--model", str(model)),
+        *("--prefill-url", f"http://{p}:{PORTS['prefill']}", "--decode", f"{d}:{PORTS['ctrl']}:{PORTS['http']}"),
+        *("--host", r, "--port", str(PORTS["router"])),
+    ]
+    procs = {
+        "prefill": lan.popen("prefill", prefill_cmd, {**env, **prefill_env(cfg)}, logs / "prefill.log"),
+        "decode": lan.popen("decode", decode_cmd, env, logs / "decode.log"),
+        "router": lan.popen("router", router_cmd, env, logs / "router.log"),
+    }
+
+    def wait() -> None:
+        for name in ("decode", "prefill", "router"):  # from the router's host: what it reaches, we reach
+            lan.call(
+                "router",
+                lambda n=name: wait_healthy(_urls(lan)[n], procs[n], STARTUP_TIMEOUT_S, logs / f"{n}.log"),
+                STARTUP_TIMEOUT_S + 10,
+            )
+
+    return wait
+
+
+def _urls(lan: netns.Lan) -> dict[str, str]:
+    r, p, d = (lan.addr(h) for h in HOSTS)
+    return {
+        "prefill": f"http://{p}:{PORTS['prefill']}",
+        "decode": f"http://{d}:{PORTS['http']}",
+        "router": f"http://{r}:{PORTS['router']}",
+    }
+
+
+@pytest.fixture(scope="module")
+def every_hosts(
     request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Hosts]:
+) -> Iterator[dict[str, Hosts]]:
+    """For each transport the selected tests use, its three hosts with their parts, all transports started at once
+    (each start-up is mostly one process importing: started side by side they overlap); every namespace
+    and process removed at the module's end."""
     reason = netns.unavailable()
     if reason:
         pytest.skip(reason)
-    transport = str(request.param)
-    logs = tmp_path_factory.mktemp(f"hosts-{transport}")
     secret = write_secret_file()
     t0 = time.monotonic()
     try:
-        with netns.lan(HOSTS) as lan:
-            r, p, d = (lan.addr(h) for h in HOSTS)
-            cfg = StackConfig(model=tiny_model, transport=transport, kv_cache_bytes=KV_CACHE_BYTES)
-            base = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
-            env = {**child_env(secret, base), **TRANSPORT_ENV.get(transport, {})}
-            prefill_cmd = _with_sender_address(prefill_command(replace(cfg, host=p)), transport, p)
-            decode_cmd = decode_command(replace(cfg, host="0.0.0.0", advertise_host=d))
-            assert decode_cmd[decode_cmd.index("--advertise-host") + 1] == d
-            router_cmd = [
-                *(sys.executable, "-m", "tilert.cli", "router", "--model", str(tiny_model)),
-                *(
-                    "--prefill-url",
-                    f"http://{p}:{PORTS['prefill']}",
-                    "--decode",
-                    f"{d}:{PORTS['ctrl']}:{PORTS['http']}",
-                ),
-                *("--host", r, "--port", str(PORTS["router"])),
-            ]
-            procs = {
-                "prefill": lan.popen("prefill", prefill_cmd, {**env, **prefill_env(cfg)}, logs / "prefill.log"),
-                "decode": lan.popen("decode", decode_cmd, env, logs / "decode.log"),
-                "router": lan.popen("router", router_cmd, env, logs / "router.log"),
+        with contextlib.ExitStack() as stack:
+            waits = {}
+            lans = {}
+            for transport in _transports(request):
+                lans[transport] = stack.enter_context(netns.lan(HOSTS))
+                logs = tmp_path_factory.mktemp(f"hosts-{transport}")
+                waits[transport] = _start_parts(lans[transport], transport, tiny_model, secret, logs)
+            for wait in waits.values():
+                wait()
+            started_s = time.monotonic() - t0
+            yield {
+                transport: Hosts(lan, transport, tiny_model, *_urls(lan).values(), started_s)
+                for transport, lan in lans.items()
             }
-            urls = {
-                "prefill": f"http://{p}:{PORTS['prefill']}",
-                "decode": f"http://{d}:{PORTS['http']}",
-                "router": f"http://{r}:{PORTS['router']}",
-            }
-            for name in ("decode", "prefill", "router"):  # from the router's host: what it reaches, we reach
-                lan.call(
-                    "router",
-                    lambda n=name: wait_healthy(urls[n], procs[n], STARTUP_TIMEOUT_S, logs / f"{n}.log"),
-                    STARTUP_TIMEOUT_S + 10,
-                )
-            yield Hosts(
-                lan, transport, tiny_model, urls["prefill"], urls["decode"], urls["router"], time.monotonic() - t0
-            )
     finally:
         shutil.rmtree(secret.parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", params=["tcp", "mooncake", "nixl"])
+def hosts(request: pytest.FixtureRequest, every_hosts: dict[str, Hosts]) -> Hosts:
+    return every_hosts[request.param]
 
 
 def _with_sender_address(cmd: list[str], transport: str, address: str) -> list[str]:

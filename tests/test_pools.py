@@ -11,6 +11,7 @@ spent; whichever test comes after it (in any order) gets a fresh stack.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -101,6 +102,7 @@ def _restarted(stack: Stack, name: str) -> None:
     assert f"tilert up: {name} exited with status -9; starting it again in 1 s" in said, said[-3000:]
 
 
+@functools.cache
 def _prompts(model: Path) -> list[tuple[str, Any]]:
     return [
         ("completion", "def add(a, b):"),
@@ -132,6 +134,17 @@ def _alone(stack: Stack, kind: str, prompt: Any, max_tokens: int = MAX_TOKENS) -
     return choice["token_ids"], choice["message"]["content"] if kind == "chat" else choice["text"]
 
 
+_ORACLE: dict[tuple[str, str, str], tuple[list[int], str]] = {}
+
+
+def _oracle(stack: Stack, kind: str, prompt: Any) -> tuple[list[int], str]:
+    """:func:`_alone` asked once per stack and prompt: a greedy answer is the same every time it is asked alone."""
+    key = (stack.prefill, kind, json.dumps(prompt))
+    if key not in _ORACLE:
+        _ORACLE[key] = _alone(stack, kind, prompt)
+    return _ORACLE[key]
+
+
 def _metrics(url: str) -> str:
     return httpx.get(url + "/metrics", timeout=10).text
 
@@ -140,7 +153,7 @@ def _metrics(url: str) -> str:
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_both_pools_token_identical_to_prefill_alone(pools: Stack, stream: bool) -> None:
     for kind, prompt in _prompts(pools.model):
-        want_ids, want_text = _alone(pools, kind, prompt)
+        want_ids, want_text = _oracle(pools, kind, prompt)
         assert len(want_ids) == MAX_TOKENS
         for pool in ("tilert", "vllm"):
             ids, text, usage, served = router_answer(pools.router, pools.model, kind, prompt, stream, pool=pool)
@@ -159,7 +172,7 @@ def test_marked_native_and_plain_requests_at_once(pools: Stack) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     prompts = [_prompts(pools.model)[i] for i in (0, 2)]
-    solo = [_alone(pools, kind, p) for kind, p in prompts]
+    solo = [_oracle(pools, kind, p) for kind, p in prompts]
     with ThreadPoolExecutor(max_workers=9) as ex:
         jobs = [
             (ex.submit(router_answer, pools.router, pools.model, kind, p, stream, pool=pool), i)
@@ -210,38 +223,31 @@ def test_bad_pool_header_is_refused(pools: Stack) -> None:
 
 
 @contextmanager
-def _router(stack: Stack, *flags: str) -> Iterator[str]:
-    """A second router (``tilert router``, as a user starts it) in front of the same prefill and pools."""
+def _routers(stack: Stack, *flags: tuple[str, ...]) -> Iterator[list[str]]:
+    """More routers (``tilert router``, as a user starts it), one per tuple of ``flags``, in front of the same
+    prefill and pools; started together, their URLs once all answer."""
     decode = urlparse(stack.decode)
     ctrl = int(httpx.get(stack.decode + "/health", timeout=10).json()["ctrl_port"])
     router_proc = next(p for p in psutil.Process(stack.proc.pid).children(recursive=True) if "router" in p.cmdline())
     env = {**os.environ, "TILERT_SECRET_FILE": router_proc.environ()["TILERT_SECRET_FILE"]}
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "tilert.cli",
-        "router",
-        "--prefill-url",
-        stack.prefill,
-        "--decode",
-        f"{decode.hostname}:{ctrl}:{decode.port}",
-        "--model",
-        str(stack.model),
-        "--port",
-        str(port),
-        "--native-url",
-        str(stack.native),
-        *flags,
-    ]
-    proc = subprocess.Popen(cmd, env=env)
+    procs: list[tuple[subprocess.Popen[bytes], str]] = []
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, proc, 60)
-        yield url
+        for own in flags:
+            port = free_port()
+            cmd = [
+                *(sys.executable, "-m", "tilert.cli", "router", "--prefill-url", stack.prefill),
+                *("--decode", f"{decode.hostname}:{ctrl}:{decode.port}", "--model", str(stack.model)),
+                *("--port", str(port), "--native-url", str(stack.native), *own),
+            ]
+            procs.append((subprocess.Popen(cmd, env=env), f"http://127.0.0.1:{port}"))
+        for proc, url in procs:
+            wait_healthy(url, proc, 60)
+        yield [url for _, url in procs]
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        for proc, _ in procs:
+            proc.terminate()
+        for proc, _ in procs:
+            proc.wait(timeout=30)
 
 
 @contextmanager
@@ -270,12 +276,10 @@ def test_routing_by_model_and_overflow_to_native(pools: Stack) -> None:
     """Router A: the model routes to the native pool, a header overrides it, and a TileRT request that finds
     no slot within 0.5 s completes on the native pool. Router B (no overflow): 429 with Retry-After."""
     kind, prompt = _prompts(pools.model)[0]
-    want = _alone(pools, kind, prompt)
+    want = _oracle(pools, kind, prompt)
     models = json.dumps({str(pools.model): "vllm"})
-    with (
-        _router(pools, "--pool-models", models, "--overflow-wait-s", "0.5", "--queue-timeout-s", "120") as a,
-        _router(pools, "--queue-timeout-s", "0.5") as b,
-    ):
+    flags_a = ("--pool-models", models, "--overflow-wait-s", "0.5", "--queue-timeout-s", "120")
+    with _routers(pools, flags_a, ("--queue-timeout-s", "0.5")) as (a, b):
         ids, text, _, served = router_answer(a, pools.model, kind, prompt, True)
         assert (ids, text, served) == (*want, "vllm")
         ids, text, _, served = router_answer(a, pools.model, kind, prompt, False, pool="tilert")
@@ -448,7 +452,7 @@ def test_killing_native_decode_fails_its_stream_fast_and_spares_tilert(pools_to_
     # The stack keeps serving the TileRT pool; the native pool answers 503 at once.
     assert pools.proc.poll() is None
     kind, prompt = _prompts(pools.model)[0]
-    assert router_answer(pools.router, pools.model, kind, prompt, True, pool="tilert")[:2] == _alone(
+    assert router_answer(pools.router, pools.model, kind, prompt, True, pool="tilert")[:2] == _oracle(
         pools, kind, prompt
     )
     t0 = time.monotonic()
@@ -461,7 +465,7 @@ def test_killing_native_decode_fails_its_stream_fast_and_spares_tilert(pools_to_
     assert r2.status_code == 503 and time.monotonic() - t0 < 5
     assert _router_health(pools)["status"] == "degraded"
     _restarted(pools, "native")
-    assert router_answer(pools.router, pools.model, kind, prompt, True, pool="vllm")[:2] == _alone(pools, kind, prompt)
+    assert router_answer(pools.router, pools.model, kind, prompt, True, pool="vllm")[:2] == _oracle(pools, kind, prompt)
 
 
 @pytest.mark.stack
@@ -474,7 +478,7 @@ def test_a_killed_decode_node_is_started_again_and_admitted(pools_to_heal: Stack
     os.killpg(node.pid, signal.SIGKILL)
     wait_until(lambda: _router_health(pools)["status"] == "degraded", 10, "the router sees the node gone")
     kind, prompt = _prompts(pools.model)[0]
-    want = _alone(pools, kind, prompt)
+    want = _oracle(pools, kind, prompt)
     assert router_answer(pools.router, pools.model, kind, prompt, True, pool="vllm")[:2] == want
     _restarted(pools, "decode")
     assert router_answer(pools.router, pools.model, kind, prompt, True, pool="tilert")[:2] == want

@@ -80,7 +80,6 @@ def published(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     weights = root / "tilert-weights"
     convert = [PY, "-m", "tilert.models.preprocess.weight_converter", "--model_type", "deepseek-v3"]
     convert += ["--model_dir", str(tiny_model), "--save_dir", str(weights)]
-    subprocess.run(convert, check=True, env=env, timeout=300)
     ctrl, http, prefill, router = (free_port() for _ in range(4))
     extra = {"tilert_host": "127.0.0.1", "tilert_ctrl_port": ctrl, "tilert_model": "deepseek-v3"}
     kv = {
@@ -117,8 +116,10 @@ def published(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         ],
         "router": [PY, "-m", "tilert.pd_vllm.pd_router", *pd_router.split(), "--model-path", str(tiny_model)],
     }
-    procs = {name: _spawn(cmd, root / f"{name}.log", env) for name, cmd in cmds.items()}
-    try:
+    procs = {name: _spawn(cmd, root / f"{name}.log", env) for name, cmd in cmds.items() if name != "decode"}
+    try:  # the prefill and the router start while the weights convert (the decode node needs them)
+        subprocess.run(convert, check=True, env=env, timeout=300)
+        procs["decode"] = _spawn(cmds["decode"], root / "decode.log", env)
         for name, port in (("decode", http), ("prefill", prefill), ("router", router)):
             wait_healthy(f"http://127.0.0.1:{port}", procs[name], 600, root / f"{name}.log")
         base = "http://127.0.0.1"

@@ -20,7 +20,7 @@ import httpx
 import psutil
 import pytest
 import torch
-from support.ranks import run_ranks
+from support.ranks import run_ranks_beside
 from support.stack import free_port, wait_healthy
 
 from tilert import auth
@@ -137,10 +137,15 @@ def test_two_ranks_equal_one_rank(ckpts: dict[str, Path]) -> None:
     """Logits within float32 rounding of the one-rank engine's (the ranks sum partials in another order) and
     the same greedy tokens, on every family, for every call the decode node makes."""
     states = {name: _prompt_state(ckpts[name]) for name in FAMILIES}
-    got = run_ranks(_rank, ({name: str(ckpts[name]) for name in FAMILIES}, states), timeout_s=240)
+    torch.set_num_threads(1)
+
+    def one_rank() -> dict[str, dict[str, Any]]:
+        return {name: scenario(_load(ckpts[name]), _load(ckpts[name]).vocab_size, *states[name]) for name in FAMILIES}
+
+    paths = {name: str(ckpts[name]) for name in FAMILIES}
+    got, refs = run_ranks_beside(_rank, (paths, states), one_rank, timeout_s=240)
     for name in FAMILIES:
-        torch.set_num_threads(1)
-        ref = scenario(_load(ckpts[name]), _load(ckpts[name]).vocab_size, *states[name])
+        ref = refs[name]
         two = got[name]
         for key in ("prefill", "steps", "after"):
             want, have = ref[key], torch.tensor(two[key])

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.ranks import run_ranks
+from support.ranks import run_ranks_beside
 
 from tilert.engines.base import DecodeEngine
 from tilert.engines.tilert import fp8, parallel, sharding
@@ -121,12 +121,21 @@ def _rel(have: torch.Tensor, want: torch.Tensor) -> float:
 
 def test_fp8_two_ranks_equal_one_rank(cases: dict[str, tuple[Path, Path]]) -> None:
     """Two ranks loading ``tilert convert --tp 2`` shards decode what one rank decodes from the FP8 checkpoint."""
-    got = run_ranks(_rank, ({name: str(cases[name][1]) for name in CASES},), timeout_s=360)
     torch.set_num_threads(1)
+
+    def one_rank() -> dict[str, dict[str, Any]]:
+        refs = {}
+        for name in CASES:
+            one = TileRTEngine.load(
+                cases[name][0], device="cpu", dtype=torch.float32, max_seq_len=MAX_SEQ, max_sequences=2
+            )
+            assert one.model.args.fp8 and one.model.args.tp_size == 1
+            refs[name] = scenario(one, one.vocab_size)
+        return refs
+
+    got, refs = run_ranks_beside(_rank, ({name: str(cases[name][1]) for name in CASES},), one_rank, timeout_s=360)
     for name in CASES:
-        one = TileRTEngine.load(cases[name][0], device="cpu", dtype=torch.float32, max_seq_len=MAX_SEQ, max_sequences=2)
-        assert one.model.args.fp8 and one.model.args.tp_size == 1
-        ref = scenario(one, one.vocab_size)
+        ref = refs[name]
         two = got[name]
         print(
             f"{name}: one rank {ref['seconds']:.1f} s, two ranks {two['seconds']:.1f} s; accepted per speculative "

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import torch
 from support.stack import free_port
+
+T = TypeVar("T")
 
 
 def run_ranks(target: Callable[..., None], args: tuple[Any, ...], *, ranks: int = 2, timeout_s: float = 360) -> Any:
@@ -28,3 +31,15 @@ def run_ranks(target: Callable[..., None], args: tuple[Any, ...], *, ranks: int 
                 p.kill()
     assert [p.exitcode for p in procs] == [0] * ranks
     return got
+
+
+def run_ranks_beside(
+    target: Callable[..., None], args: tuple[Any, ...], beside: Callable[[], T], *, timeout_s: float = 360
+) -> tuple[Any, T]:
+    """:func:`run_ranks` (two ranks), with ``beside()`` run in this process meanwhile (a one-rank reference: the
+    ranks spend part of their time importing and waiting on each other, so the machine has room for it); returns
+    what rank 0 put and what ``beside()`` returned."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        ranks = pool.submit(run_ranks, target, args, timeout_s=timeout_s)
+        mine = beside()
+        return ranks.result(), mine

@@ -70,9 +70,50 @@ class Stack:
 TOOL_FLAGS = ("--tool-call-parser", "hermes", "--enable-auto-tool-choice")
 
 
-def start_stack(model: Path, log: Path, *extra: str, env: dict[str, str] | None = None) -> Stack:
-    """``tilert up`` on free ports, as a user starts it, with a secret file the tests know and the connector's
-    test-only fault hook enabled (both next to ``log``); returns once it printed its URLs (the router's last)."""
+@dataclass
+class Launch:
+    """A ``tilert up`` started and not yet waited for (:func:`launch_stack`): its ports and secret are known, so
+    processes that join the stack can start while it comes up; :meth:`wait` returns the :class:`Stack`."""
+
+    proc: subprocess.Popen[str]
+    model: Path
+    log: Path
+    prefill_port: int
+    secret_file: Path
+    fault_dir: Path
+
+    def wait(self) -> Stack:
+        """Once ``tilert up`` printed its URLs (the router's last); fails the test if it stopped first."""
+        urls: dict[str, str] = {}
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        assert self.proc.stdout is not None
+        while "router" not in urls and time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            name, _, rest = line.strip().partition(": ")
+            if name in ("prefill", "native", "decode", "router"):
+                urls[name] = rest.split()[0]
+        if len(urls) < 3:
+            self.proc.kill()
+            pytest.fail(f"tilert up did not come up; log tail:\n{_tail(self.log)}")
+        return Stack(
+            self.proc,
+            self.model,
+            urls["prefill"],
+            urls["decode"],
+            urls["router"],
+            self.log,
+            native=urls.get("native"),
+            secret_file=self.secret_file,
+            fault_dir=self.fault_dir,
+            log_dir=self.log.with_suffix(""),
+        )
+
+
+def launch_stack(model: Path, log: Path, *extra: str, env: dict[str, str] | None = None) -> Launch:
+    """``tilert up`` started on free ports, as a user starts it, with a secret file the tests know and the connector's
+    test-only fault hook enabled (both next to ``log``); :meth:`Launch.wait` waits for it."""
     from tilert.connector.faults import ENV as FAULTS_ENV
     from tilert.stack import write_secret_file
 
@@ -89,31 +130,23 @@ def start_stack(model: Path, log: Path, *extra: str, env: dict[str, str] | None 
     ]
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-    urls: dict[str, str] = {}
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    assert proc.stdout is not None
-    while "router" not in urls and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        name, _, rest = line.strip().partition(": ")
-        if name in ("prefill", "native", "decode", "router"):
-            urls[name] = rest.split()[0]
-    if len(urls) < 3:
-        proc.kill()
-        pytest.fail(f"tilert up did not come up; log tail:\n{_tail(log)}")
-    return Stack(
-        proc,
-        model,
-        urls["prefill"],
-        urls["decode"],
-        urls["router"],
-        log,
-        native=urls.get("native"),
-        secret_file=secret_file,
-        fault_dir=fault_dir,
-        log_dir=log.with_suffix(""),
-    )
+    return Launch(proc, model, log, ports[1], secret_file, fault_dir)
+
+
+def stop_launch(launch: Launch) -> None:
+    """SIGINT a ``tilert up`` that was never waited for (SIGKILL after ``SHUTDOWN_TIMEOUT_S``), its secret removed."""
+    if launch.proc.poll() is None:
+        launch.proc.send_signal(signal.SIGINT)
+        try:
+            launch.proc.wait(timeout=SHUTDOWN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            launch.proc.kill()
+    shutil.rmtree(launch.secret_file.parent, ignore_errors=True)
+
+
+def start_stack(model: Path, log: Path, *extra: str, env: dict[str, str] | None = None) -> Stack:
+    """:func:`launch_stack`, then :meth:`Launch.wait`: returns once the stack serves."""
+    return launch_stack(model, log, *extra, env=env).wait()
 
 
 def stop_stack(stack: Stack) -> None:
