@@ -967,6 +967,38 @@ def check_engine_families(dev, small):
         torch.cuda.empty_cache()
 
 
+def check_batch_stream(eng, model, toks, pos, topk, steps=8):
+    """``greedy_batch_stream`` (pipelined graph steps while the rows share an attention regime, step by step
+    across the dense -> DSA boundary, ending where a cache ends) gives every step's tokens as successive
+    ``decode_step_greedy`` calls from the same caches."""
+    saved = model.kv_cache.clone(), model.index_cache.clone()
+    cases = (
+        ([0, 2], [pos[0], pos[2]]),  # dense rows
+        ([1, 3], [pos[1], pos[3]]),  # DSA rows, sequence 3 meets the end of its cache
+        ([2, 0, 1], [topk - 3, 20, pos[1]]),  # mixed, then all DSA
+        ([0, 2], [topk - 3, 30]),  # dense, then one row crosses into the DSA regime
+    )
+    for seqs, ps in cases:
+        tk = [toks[s] for s in seqs]
+        want, t, p = [], tk, ps
+        for _ in range(min(steps, eng.max_seq_len - max(ps))):
+            t = eng.decode_step_greedy(t, p, seqs)
+            p = [x + 1 for x in p]
+            want.append(t)
+        model.kv_cache.copy_(saved[0])
+        model.index_cache.copy_(saved[1])
+        got = list(eng.greedy_batch_stream(tk, ps, seqs, steps))
+        model.kv_cache.copy_(saved[0])
+        model.index_cache.copy_(saved[1])
+        ok = got == want
+        RESULTS.append((f"greedy_batch_stream {seqs} at {ps}", 0.0, 0.0, ok))
+        print(
+            f"{'PASS' if ok else 'FAIL'}  greedy_batch_stream, sequences {seqs} at {ps} == {len(want)} "
+            "decode_step_greedy steps",
+            flush=True,
+        )
+
+
 def check_engine_multiseq(dev, small, flat=None):
     """Several sequences in one engine (4 slots, one cache): ``decode_step`` over any subset and order of them,
     dense and DSA rows in one call, equals ``forward()`` of each row alone, bit for bit (the graphs of n = 1..4
@@ -1021,6 +1053,7 @@ def check_engine_multiseq(dev, small, flat=None):
             )
             rows.update({s: batch[i] for i, s in enumerate(seqs)})
         print(f"      graphs captured: {sorted(k for k, v in eng._graphs.items() if v)}", flush=True)
+        check_batch_stream(eng, mb, toks, pos, topk)
         m1 = random_model(args, device=dev, dtype=DTYPE, max_seq_len=S, seed=4)
         e1 = TileRTEngine(m1, dev, DTYPE, S)
         for b in range(B):

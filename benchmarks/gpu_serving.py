@@ -19,7 +19,7 @@ which the stand-in tokenizes through the chat template). Per number of users, on
 (1000 / TPOT), the engine's own per-user speed on the node's path for that many sequences, measured in the same run
 on the same checkpoint in the stand-in's process, on the node's device unless ``--prefill-device`` names another
 (:mod:`servelib.reference`: ``greedy_stream`` alone, MTP speculative steps when the node drafts,
-``decode_step_greedy`` over several), their ratio, TTFT (and what it adds to
+``greedy_batch_stream`` over several), their ratio, TTFT (and what it adds to
 the stand-in's own time answering that prefill), TPOT, ITL p50 / p99 (between chunks carrying tokens), and
 ``same_tokens``: every stream equals the engine's own greedy tokens for its prompt (from the prompt's KV as the
 prefill's cache holds it; ``same_as_engine_prefill``: as the engine's own prefill cache holds it).
@@ -38,6 +38,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,23 @@ SMOKE = {"users": [1, 2], "tokens": 8, "prompt_len": 72, "rounds": 1}
 
 def _ints(text: str) -> list[int]:
     return sorted({int(x) for x in text.split(",") if x.strip()})
+
+
+def _node_configs(text: str) -> list[tuple[int, bool]]:
+    """``"0,1,3all"`` -> ``[(0, False), (1, False), (3, True)]``."""
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        count = item.removesuffix("all")
+        if not count.isdigit() or (item.endswith("all") and int(count) == 0):
+            raise argparse.ArgumentTypeError(f"{item!r}: a number of drafts, or 'Nall' with N > 0")
+        out.append((int(count), item.endswith("all")))
+    return out
+
+
+def node_label(drafts: int | None, accept_all: bool) -> str:
+    if drafts is None:
+        return "default"
+    return f"MTP {drafts}" + (" all accepted" if accept_all else "") if drafts else "MTP off"
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -89,7 +107,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, help="prompt tokens per user (default 1024)")
     ap.add_argument("--api", choices=["completions", "chat"], default="completions")
     ap.add_argument("--rounds", type=int, help="runs of every row, pooled (default 1)")
-    ap.add_argument("--drafts", type=int, default=None, help="the node's --num-speculative-tokens (default: its own)")
+    ap.add_argument(
+        "--drafts",
+        type=_node_configs,
+        default=None,
+        help="the node's --num-speculative-tokens, one node per item, e.g. 0,1,3all: the first at every --users, the "
+        "others (MTP serves a sequence alone) at one user; 'Nall': N drafts and --accept-all-drafts (benchmarks "
+        "only: the serving path at full acceptance). Default: the node's own",
+    )
     ap.add_argument("--no-warmup", action="store_true", help="no untimed run of each row first")
     ap.add_argument("--seed", type=int, default=0, help="the prompts' seed")
     ap.add_argument("--startup-timeout-s", type=float, default=900.0)
@@ -143,24 +168,27 @@ def prompts(model: Path, count: int, length: int, seed: int) -> tuple[list[list[
     return ids, [tok.decode(p) for p in ids]
 
 
-def measure(args: argparse.Namespace, urls: dict[str, str], model: Path) -> dict[str, Any]:
-    """The reference, then every row's streams (after an untimed run of it)."""
+def measure(
+    args: argparse.Namespace, urls: dict[str, str], model: Path, lay: parts.Layout, users: list[int]
+) -> dict[str, Any]:
+    """The reference, then every row's streams (after an untimed run of it), for the node ``lay`` starts."""
     n = max(args.users)
     ids, texts = prompts(model, n, args.prompt_len, args.seed)
     bodies = [clients.request_body(args.api, ids[u], texts[u]) for u in range(n)]
-    drafts = 1 if args.drafts is None else args.drafts  # the node's default (it drafts only with an MTP layer)
+    drafts = 1 if lay.drafts is None else lay.drafts  # the node's default (it drafts only with an MTP layer)
     ask = {
         "requests": [{"route": args.api, "body": b} for b in bodies],
         "tokens": args.tokens,
-        "users": args.users,
+        "users": users,
         "drafts": drafts,
+        "accept_all": lay.accept_all_drafts,
     }
     t0 = time.monotonic()
     reference = httpx.post(urls["standin"] + "/bench/reference", json=ask, timeout=None).raise_for_status().json()
     print(f"  engine reference: {time.monotonic() - t0:.0f} s", flush=True)
-    streams: dict[int, list[clients.Stream]] = {k: [] for k in args.users}
+    streams: dict[int, list[clients.Stream]] = {k: [] for k in users}
     for r in range(args.rounds):
-        for k in args.users:
+        for k in users:
             if r == 0 and not args.no_warmup:
                 tokens = min(args.tokens, 16)
                 asyncio.run(clients.run_users(urls["router"], args.api, str(model), bodies, tokens, k, f"warm-k{k}"))
@@ -169,7 +197,8 @@ def measure(args: argparse.Namespace, urls: dict[str, str], model: Path) -> dict
             )
             streams[k] += got
     timings = httpx.get(urls["standin"] + "/bench/timings", timeout=30).raise_for_status().json()
-    rows = [report.row(k, streams[k], reference, timings) for k in args.users]
+    label = node_label(lay.drafts, lay.accept_all_drafts)
+    rows = [{"node": label, **report.row(k, streams[k], reference, timings)} for k in users]
     return {"rows": rows, "reference": reference, "streams": streams, "timings": timings}
 
 
@@ -200,8 +229,9 @@ def run(args: argparse.Namespace, model: Path) -> int:
         args.transport_options,
         args.prompt_len + args.tokens + slack,
         max(args.users),
-        args.drafts,
+        None,
     )
+    nodes = [replace(lay, drafts=d, accept_all_drafts=a) for d, a in (args.drafts or [(None, False)])]
     log_dir = Path(tempfile.mkdtemp(prefix="gpu-serving-logs-"))
     print(
         f"logs: {log_dir}\nmodel: {model} ({config.get('model_type')}), node on {args.device}, prefill stand-in on "
@@ -209,14 +239,20 @@ def run(args: argparse.Namespace, model: Path) -> int:
         flush=True,
     )
     secret_file = stack.write_secret_file()
+    script = Path(__file__).resolve()
+    results = []
     try:
         with supervised(log_dir) as procs:
-            cfg, urls = parts.start(procs, lay, Path(__file__).resolve(), secret_file, args.startup_timeout_s)
-            result = measure(args, urls, model)
-            procs.check()
+            cfg, urls = parts.start(procs, nodes[0], script, secret_file, args.startup_timeout_s)
+            for i, node in enumerate(nodes):
+                if i:
+                    print(f"node: {node_label(node.drafts, node.accept_all_drafts)}", flush=True)
+                    parts.restart_node(procs, node, cfg, script, secret_file, args.startup_timeout_s)
+                results.append(measure(args, urls, model, node, args.users if i == 0 else [1]))
+                procs.check()
     finally:
         shutil.rmtree(secret_file.parent, ignore_errors=True)
-    rows = result["rows"]
+    rows = [r for result in results for r in result["rows"]]
     print("\n" + report.table(rows) + "\n", flush=True)
     for r in rows:
         if r["errors"]:
@@ -234,11 +270,16 @@ def run(args: argparse.Namespace, model: Path) -> int:
         "tokens": args.tokens,
         "users": args.users,
         "rounds": args.rounds,
-        "engine_mtp": result["reference"]["mtp"],
-        "commands": parts.commands(lay, cfg, Path(__file__).resolve()),
+        "engine_mtp": results[0]["reference"]["mtp"],
+        "commands": parts.commands(nodes[0], cfg, script),
+        "decode_commands": [parts.commands(node, cfg, script)["decode"] for node in nodes],
         "logs": str(log_dir),
     }
-    streams = {str(k): [s.summary() for s in v] for k, v in result["streams"].items()}
+    streams = {
+        f"{node_label(node.drafts, node.accept_all_drafts)}, {k}": [s.summary() for s in v]
+        for node, result in zip(nodes, results, strict=True)
+        for k, v in result["streams"].items()
+    }
     machine = machine_kind(_gpus(args), args.device)
     path = result_path(machine, "serving", ".json", args.out)
     rec = recorded(machine, script="gpu_serving.py")

@@ -260,3 +260,22 @@ def test_flat_addressing_on_cpu(ckpts: dict[str, Path], arch: str) -> None:
         alone.inject(*prompts[1][:3])
         plain = greedy_generate(alone, prompts[1][3], prompts[1][2], len(fed[1]) + 10)
         assert drafted > 0 and out[:10] == plain[len(fed[1]) : len(fed[1]) + 10]
+
+
+def test_greedy_batch_stream_gives_each_sequence_its_greedy_tokens(ckpts: dict[str, Path]) -> None:
+    path = ckpts["deepseek_v3"]
+    p = [_prompt(path, n, seed=50 + i) for i, n in enumerate((9, 4, 14))]
+    eng = _load(path, max_sequences=3)
+    for s in range(3):
+        eng.inject(p[s][0], p[s][1], p[s][2], seq=s)
+    order = [2, 0, 1]
+    stream = eng.greedy_batch_stream([p[s][3] for s in order], [p[s][2] for s in order], order, 8)
+    steps = [next(stream) for _ in range(5)]
+    stream.close()  # stopped early: the sequences go on from the tokens read
+    steps += list(eng.greedy_batch_stream(steps[-1], [p[s][2] + 5 for s in order], order, 3))
+    for i, s in enumerate(order):
+        alone = _load(path)
+        alone.inject(p[s][0], p[s][1], p[s][2])
+        assert [step[i] for step in steps] == greedy_generate(alone, p[s][3], p[s][2], 8), s
+    end = eng.max_seq_len - 3  # the stream ends where the first cache does
+    assert len(list(eng.greedy_batch_stream([1, 2], [end, 4], [0, 1], 10))) == 3

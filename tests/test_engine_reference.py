@@ -387,3 +387,24 @@ def test_decode_loop_speculative_and_stops(cases: dict[str, Case], tmp_path: Pat
     assert sampled_a == sampled_b and len(sampled_a) == 24
     greedy_via_topk, _ = run(temperature=1.0, top_k=1, seed=3)
     assert greedy_via_topk == plain
+
+
+def test_mtp_accept_all_takes_every_draft(cases: dict[str, Case], tmp_path: Path) -> None:
+    """The benchmark switch: every draft is accepted and the step's last token is the main model's after the last
+    draft, so the sequence goes on as if it had been fed those tokens (its next greedy tokens are those of a
+    forward over them)."""
+    case = cases["deepseek_v32"]
+    eng = case.engine(_add_mtp(case, tmp_path / "mtp"))
+    first = int(eng.forward(case.prompt, 0)[-1].argmax())
+    tok, pos, fed = first, PROMPT_LEN, [first]
+    for _ in range(3):
+        res = eng.speculative_greedy_step(tok, pos, 3, accept_all=True)
+        if pos > PROMPT_LEN:  # the first step has no hidden state for the prompt's last position: no drafts
+            assert res.num_drafted == res.num_accepted == 3 and len(res.tokens) == 4
+        fed += res.tokens
+        tok, pos = res.tokens[-1], pos + len(res.tokens)
+    after = greedy_generate(eng, tok, pos, 4)
+    ref = case.engine()
+    logits = ref.forward(torch.cat([case.prompt, torch.tensor(fed[:-1])]), 0)
+    assert logits[-1].argmax().item() == fed[-1]  # the last token is the main model's after the drafts
+    assert greedy_generate(ref, fed[-1], pos, 4) == after

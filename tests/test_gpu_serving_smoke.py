@@ -2,8 +2,10 @@
 
 The real router and decode node, the prefill stand-in prefilling with the engine and handing the prompt's KV (the
 MLA latent and the DSA indexer's keys, in vLLM's layouts) to the real connector, the OpenAI SDK streaming at one and
-two users. Its prompt passes the model's ``index_topk``, so the node's decode steps select rows with the indexer keys
-that travelled. Every stream must equal the engine's own greedy tokens for its prompt.
+two users, then one user on a node that drafts with the checkpoint's MTP layer and accepts every draft. Its prompt
+passes the model's ``index_topk``, so the node's decode steps select rows with the indexer keys that travelled.
+Every stream must equal the engine's own tokens for its prompt (greedy; with every draft accepted, the engine's on
+that path).
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_smoke_run_streams_the_engines_own_tokens(tmp_path: Path) -> None:
-    from tilert.models.tiny import build_tiny_model
+    from tilert.models.tiny import add_mtp_layer, build_tiny_model
 
-    model = build_tiny_model("deepseek_v32", tmp_path / "tiny-v32", seed=0)
+    model = add_mtp_layer(build_tiny_model("deepseek_v32", tmp_path / "tiny-v32", seed=0), tmp_path / "tiny-v32-mtp")
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, str(SCRIPT), "--smoke", "--device", "cpu", "--model", str(model), "--out", str(out)]
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--device", "cpu", "--model", str(model), "--out", str(out)],
+        [*cmd, "--drafts", "0,2all"],
         env=env,
         capture_output=True,
         text=True,
@@ -38,11 +41,14 @@ def test_smoke_run_streams_the_engines_own_tokens(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     doc = json.loads((out / "cpu-serving.json").read_text())
     assert doc["recorded"]["machine"] == "cpu"
-    rows = {r["users"]: r for r in doc["rows"]}
-    assert set(rows) == {1, 2}
-    for users, r in rows.items():
-        assert r["errors"] == 0 and r["requests"] == users, r
+    assert [(r["node"], r["users"]) for r in doc["rows"]] == [("MTP off", 1), ("MTP off", 2), ("MTP 2 all accepted", 1)]
+    for r in doc["rows"]:
+        assert r["errors"] == 0 and r["requests"] == r["users"], r
         assert r["same_tokens"] is True, r
+    accepted = doc["rows"][2]
+    assert accepted["engine_tokens_per_step"] == 3.0 and "every draft accepted" in accepted["engine_path"], accepted
+    rows = {r["users"]: r for r in doc["rows"][:2]}
+    for r in rows.values():
         assert r["client_tok_s"] > 0 and r["engine_tok_s"] > 0, r
         assert r["ttft_ms"] > 0 and r["itl_p50_ms"] > 0, r
     # the prefill's dense pages hold the engine's own latent exactly (the indexer's keys travel as fp8, as in vLLM)

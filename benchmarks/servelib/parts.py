@@ -29,6 +29,7 @@ class Layout:
     max_model_len: int
     max_sequences: int
     drafts: int | None  # the node's --num-speculative-tokens (None: its default)
+    accept_all_drafts: bool = False  # the node's --accept-all-drafts (benchmarks only)
 
 
 def stack_config(lay: Layout) -> stack.StackConfig:
@@ -75,6 +76,8 @@ def commands(lay: Layout, cfg: stack.StackConfig, script: Path) -> dict[str, lis
     decode = [*stack.decode_command(cfg), "--device", lay.device, "--max-sequences", str(lay.max_sequences)]
     if lay.drafts is not None:
         decode += ["--num-speculative-tokens", str(lay.drafts)]
+    if lay.accept_all_drafts:
+        decode += ["--accept-all-drafts"]
     return {"standin": standin, "decode": decode, "router": stack.router_command(cfg)}
 
 
@@ -83,17 +86,41 @@ def start(
 ) -> tuple[stack.StackConfig, dict]:
     """Every part started and answering ``/health``; the config and each part's URL."""
     cfg = stack_config(lay)
+    env = _env(lay, script, secret_file)
+    for name, cmd in commands(lay, cfg, script).items():
+        procs.start(name, cmd, env)
+    urls = _urls(cfg)
+    wait_healthy(procs, urls, timeout_s)
+    return cfg, urls
+
+
+def restart_node(
+    procs: Procs, lay: Layout, cfg: stack.StackConfig, script: Path, secret_file: Path, timeout_s: float
+) -> None:
+    """The decode node (and the router, which then finds it fresh) started again as ``lay`` says, on the same
+    ports, beside the stand-in that keeps running."""
+    env = _env(lay, script, secret_file)
+    cmds = commands(lay, cfg, script)
+    for name in ("router", "decode"):
+        procs.stop(name)
+    for name in ("decode", "router"):
+        procs.start(name, cmds[name], env)
+    urls = _urls(cfg)
+    wait_healthy(procs, {name: urls[name] for name in ("decode", "router")}, timeout_s)
+
+
+def _env(lay: Layout, script: Path, secret_file: Path) -> dict[str, str]:
     env = stack.child_env(secret_file)
     if lay.transport in ("nixl", "mooncake"):
         env.setdefault("UCX_NET_DEVICES", "lo")
         env.setdefault("MC_LOG_LEVEL", "WARNING")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(script.parent.parent), env.get("PYTHONPATH", "")) if p)
-    for name, cmd in commands(lay, cfg, script).items():
-        procs.start(name, cmd, env)
-    urls = {
+    return env
+
+
+def _urls(cfg: stack.StackConfig) -> dict[str, str]:
+    return {
         "standin": f"http://127.0.0.1:{cfg.prefill_port}",
         "decode": f"http://127.0.0.1:{cfg.decode_http_port}",
         "router": f"http://127.0.0.1:{cfg.port}",
     }
-    wait_healthy(procs, urls, timeout_s)
-    return cfg, urls

@@ -5,7 +5,7 @@
   ``inject``: what the decode node receives; lossless for the dense latent, fp8 for ``fp8_ds_mla`` and the DSA
   indexer's keys, as vLLM keeps them), and from the engine's own prefill cache (nothing quantised).
 - Speed, per user: alone, ``greedy_stream`` (and the node's own path for a sequence alone: MTP speculative steps when
-  the checkpoint has an MTP layer and the node drafts); for ``k`` users, ``decode_step_greedy`` over ``k``
+  the checkpoint has an MTP layer and the node drafts); for ``k`` users, ``greedy_batch_stream`` over ``k``
   sequences, one token each per step (the node's path with company). Each timed once after an untimed run (CUDA:
   graph captures).
 """
@@ -65,25 +65,29 @@ def prompt_tokens(caches: PagedCaches, lays: dict[str, KVLayout], ids: list[int]
     }
 
 
-def _speculative(caches: PagedCaches, lays: dict[str, KVLayout], ids: list[int], tokens: int, drafts: int) -> float:
-    """Seconds for ``tokens - 1`` tokens after an injected prompt through MTP speculative steps (the node's path
-    for a greedy sequence alone)."""
+def _speculative(
+    caches: PagedCaches, lays: dict[str, KVLayout], ids: list[int], tokens: int, drafts: int, accept_all: bool
+) -> tuple[float, list[int], float]:
+    """``tokens - 1`` tokens after an injected prompt through MTP speculative steps (the node's path for a greedy
+    sequence alone; ``accept_all``: every draft accepted, as ``tilert decode --accept-all-drafts``): the seconds
+    they took, the tokens (prefill's first, then the steps', cut at ``tokens``) and the tokens per step."""
     engine, n = caches.engine, len(ids)
     first = _prefill(caches, ids, 0)
     engine.inject(caches.held_state(n), lays, n, seq=0, last_token_id=ids[-1])
     engine_sync(engine)
     t0 = time.perf_counter()
-    got, tok, pos = 0, first, n
-    while got < tokens - 1:
-        step = engine.speculative_greedy_step(tok, pos, drafts)
-        got += len(step.tokens)
+    out, steps, tok, pos = [first], 0, first, n
+    while len(out) < tokens:
+        step = engine.speculative_greedy_step(tok, pos, drafts, accept_all=accept_all)
+        out += step.tokens
+        steps += 1
         pos += len(step.tokens)
         tok = step.tokens[-1]
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, out[:tokens], (len(out) - 1) / steps
 
 
 def _batch(caches: PagedCaches, lays: dict[str, KVLayout], prompts: list[list[int]], steps: int) -> tuple[list, float]:
-    """``steps`` ``decode_step_greedy`` steps over one sequence per prompt (each injected as the node receives it):
+    """``steps`` steps of ``greedy_batch_stream`` over one sequence per prompt (each injected as the node receives it):
     every sequence's tokens and the seconds the steps took."""
     engine = caches.engine
     tokens, positions = [], []
@@ -95,10 +99,8 @@ def _batch(caches: PagedCaches, lays: dict[str, KVLayout], prompts: list[list[in
     out = [[t] for t in tokens]
     engine_sync(engine)
     t0 = time.perf_counter()
-    for _ in range(steps):
-        tokens = engine.decode_step_greedy(tokens, positions, seqs)
-        positions = [p + 1 for p in positions]
-        for s, t in enumerate(tokens):
+    for step in engine.greedy_batch_stream(tokens, positions, seqs, steps):
+        for s, t in enumerate(step):
             out[s].append(t)
     return out, time.perf_counter() - t0
 
@@ -110,10 +112,13 @@ def engine_speed(
     alone: list[dict[str, Any]],
     users: list[int],
     drafts: int,
+    accept_all: bool = False,
 ) -> dict[int, dict[str, Any]]:
     """Per number of users: the engine's per-user tok/s on the node's path (``tok_s``, ``path``); alone also plain
-    ``greedy_stream``'s (``stream_tok_s``); with company whether each sequence's tokens are those it gets alone
-    (``batch_same``, against ``alone``: :func:`prompt_tokens` of each prompt, run before: the untimed first run)."""
+    ``greedy_stream``'s (``stream_tok_s``) and, with MTP, the tokens per speculative step (``tokens_per_step``)
+    and, when every draft is accepted, the tokens of the first prompt (``tokens``: not greedy's); with company
+    whether each sequence's tokens are those it gets alone (``batch_same``, against ``alone``: :func:`prompt_tokens`
+    of each prompt, run before: the untimed first run)."""
     engine = caches.engine
     tokens = len(alone[0]["handed"])
     out: dict[int, dict[str, Any]] = {}
@@ -122,13 +127,18 @@ def engine_speed(
             stream_tok_s = (tokens - 1) / prompt_tokens(caches, lays, prompts[0], tokens)["stream_s"]
             row: dict[str, Any] = {"path": "greedy_stream", "tok_s": stream_tok_s, "stream_tok_s": stream_tok_s}
             if engine.supports_mtp and drafts > 0:
-                _speculative(caches, lays, prompts[0], tokens, drafts)
-                row["tok_s"] = (tokens - 1) / _speculative(caches, lays, prompts[0], tokens, drafts)
-                row["path"] = f"speculative_greedy_step (MTP, {drafts} draft{'s' if drafts > 1 else ''})"
+                _speculative(caches, lays, prompts[0], tokens, drafts, accept_all)
+                seconds, spec, per_step = _speculative(caches, lays, prompts[0], tokens, drafts, accept_all)
+                row["tok_s"] = (tokens - 1) / seconds
+                row["tokens_per_step"] = per_step
+                how = ", every draft accepted" if accept_all else ""
+                row["path"] = f"speculative_greedy_step (MTP, {drafts} draft{'s' if drafts > 1 else ''}{how})"
+                if accept_all:
+                    row["tokens"] = spec
             out[k] = row
             continue
         _batch(caches, lays, prompts[:k], min(tokens - 1, 4))
         got, seconds = _batch(caches, lays, prompts[:k], tokens - 1)
         same = all(got[s] == alone[s]["handed"] for s in range(k))
-        out[k] = {"path": f"decode_step_greedy x {k}", "tok_s": (tokens - 1) / seconds, "batch_same": same}
+        out[k] = {"path": f"greedy_batch_stream x {k}", "tok_s": (tokens - 1) / seconds, "batch_same": same}
     return out

@@ -13,7 +13,9 @@ def row(users: int, streams: list[Stream], reference: dict[str, Any], timings: d
     (1000 / TPOT); ``engine_tok_s``: the engine's own per-user speed on the node's path for that many sequences;
     ``ttft_added_ms``: the client's TTFT less the stand-in's time answering that prefill (what the router, the
     transport and the client add to the prefill); ``same_tokens``: every stream equals the engine's greedy tokens
-    from the prompt's KV as the prefill's cache holds it; ``same_as_engine_prefill``: ... from the engine's own
+    from the prompt's KV as the prefill's cache holds it (with every MTP draft accepted: the engine's tokens on that
+    path); ``engine_tokens_per_step``: with MTP, the engine's tokens per speculative step (its accepted length);
+    ``same_as_engine_prefill``: ... from the engine's own
     prefill cache (may differ where the cache quantises: ``fp8_ds_mla``, the DSA indexer's fp8 keys);
     ``kv_latent_max_err`` / ``kv_indexer_max_err``: the largest difference between the users' prompt KV as handed
     off (decoded back by the engine) and the engine's own (0 for the dense latent)."""
@@ -28,6 +30,9 @@ def row(users: int, streams: list[Stream], reference: dict[str, Any], timings: d
     added = [1000 * s.ttft_s - timings[s.request_id]["handler_ms"] for s in ok if s.request_id in timings]
     client = med(per_user)
     engine = float(speed["tok_s"])
+    want = [prompts[u]["handed"] for u in range(users)]
+    if "tokens" in speed:  # every draft accepted: the engine's tokens on that path, not greedy's
+        want[0] = speed["tokens"]
     chunks = sum(len(s.arrivals) for s in ok)
     return {
         "users": users,
@@ -51,12 +56,14 @@ def row(users: int, streams: list[Stream], reference: dict[str, Any], timings: d
         "tokens_per_chunk": sum(len(s.token_ids) for s in ok) / chunks if chunks else None,
         "kv_latent_max_err": max(prompts[u]["latent_max_err"] for u in range(users)),
         "kv_indexer_max_err": max(prompts[u]["indexer_max_err"] for u in range(users)),
-        "same_tokens": not errors and all(s.token_ids == prompts[s.user]["handed"] for s in streams),
+        "engine_tokens_per_step": speed.get("tokens_per_step"),
+        "same_tokens": not errors and all(s.token_ids == want[s.user] for s in streams),
         "same_as_engine_prefill": not errors and all(s.token_ids == prompts[s.user]["own"] for s in streams),
     }
 
 
 COLUMNS = (
+    ("node", "node", "{}"),
     ("users", "users", "{}"),
     ("client_tok_s", "client tok/s", "{:.1f}"),
     ("engine_tok_s", "engine tok/s", "{:.1f}"),
@@ -67,6 +74,8 @@ COLUMNS = (
     ("tpot_ms", "TPOT ms", "{:.2f}"),
     ("itl_p50_ms", "ITL p50 ms", "{:.2f}"),
     ("itl_p99_ms", "ITL p99 ms", "{:.2f}"),
+    ("engine_tokens_per_step", "engine tok/step", "{:.2f}"),
+    ("tokens_per_chunk", "client tok/chunk", "{:.2f}"),
     ("same_tokens", "same tokens", "{}"),
     ("errors", "errors", "{}"),
 )

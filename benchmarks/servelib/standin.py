@@ -190,8 +190,8 @@ class PrefillStandin:
         return _json(self.timings)
 
     async def _reference(self, request: Request) -> Response:
-        """``{"requests": [{"route", "body"}], "tokens", "users", "drafts"}``: each request's prompt ids and the
-        engine's tokens for it, and the engine's speed per number of users."""
+        """``{"requests": [{"route", "body"}], "tokens", "users", "drafts", "accept_all"}``: each request's prompt ids
+        and the engine's tokens for it, and the engine's speed per number of users."""
         ask = orjson.loads(await request.body())
         prompts = [self.prompt_ids(r["route"] == "chat", r["body"]) for r in ask["requests"]]
 
@@ -199,7 +199,9 @@ class PrefillStandin:
             with self.driver.lock:
                 lays = self.driver.worker.layouts
                 alone = [prompt_tokens(self.caches, lays, ids, ask["tokens"]) for ids in prompts]
-                speed = engine_speed(self.caches, lays, prompts, alone, ask["users"], ask["drafts"])
+                speed = engine_speed(
+                    self.caches, lays, prompts, alone, ask["users"], ask["drafts"], ask.get("accept_all", False)
+                )
             return {"prompts": alone, "speed": {str(k): v for k, v in speed.items()}, "mtp": self.engine.supports_mtp}
 
         return _json(await anyio.to_thread.run_sync(run))

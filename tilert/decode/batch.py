@@ -91,8 +91,10 @@ class DecodeBatch:
         cpus: frozenset[int] = frozenset(),
         step_scope: Callable[[], AbstractContextManager[object]] = nullcontext,
         grammars: Grammars | None = None,
+        accept_all_drafts: bool = False,
     ) -> None:
         self.engine = engine
+        self.accept_all_drafts = accept_all_drafts  # benchmarks only (DecodeConfig.accept_all_drafts)
         self.grammars = grammars  # structured outputs (None: a request with a grammar fails)
         # Around the emits of one step of several sequences: the engine process sends them as one message.
         self._step_scope = step_scope
@@ -153,7 +155,7 @@ class DecodeBatch:
                 self._reap()
                 if len(self._active) == 1 and not self._waiting_for_room():
                     _, run = next(iter(self._active.values()))
-                    decode_alone(self.engine, run, self.num_draft, self._waiting_for_room)
+                    decode_alone(self.engine, run, self.num_draft, self._waiting_for_room, self.accept_all_drafts)
                 elif self._active:
                     self._step_all()
             except Exception as exc:  # noqa: BLE001 - the sequences of this step end with it; serve on
@@ -270,6 +272,9 @@ class DecodeBatch:
             return
         tokens, positions, seqs = [r.token for _, r in items], [r.pos for _, r in items], [r.seq for _, r in items]
         if all(r.params.greedy and not r.params.needs_logits for _, r in items):
+            if self.engine.capabilities().pipelined_greedy:
+                self._stream_all([run for _, run in items])
+                return
             new = self.engine.decode_step_greedy(tokens, positions, seqs)
         else:
             logits = self.engine.decode_step(tokens, positions, seqs)
@@ -277,3 +282,21 @@ class DecodeBatch:
         with self._step_scope():
             for (_, run), token in zip(items, new, strict=True):
                 run.accept([token])
+
+    def _stream_all(self, runs: list[SequenceRun]) -> None:
+        """Plain greedy sequences together on the engine's pipelined stream, one token each per step, until one of
+        them ends or is cancelled or a waiting request can join (the next step has then already run; its rows are
+        rewritten when the sequences go on)."""
+        left = min(run.limit - run.produced for run in runs)
+        steps = self.engine.greedy_batch_stream(
+            [run.token for run in runs], [run.pos for run in runs], [run.seq for run in runs], left
+        )
+        try:
+            for new in steps:
+                with self._step_scope():
+                    for run, token in zip(runs, new, strict=True):
+                        run.accept([token])
+                if any(run.done or run.check_cancel() for run in runs) or self._waiting_for_room():
+                    return
+        finally:
+            steps.close()

@@ -114,6 +114,12 @@ class DecodeConfig:
         help="MTP drafts per step for greedy requests (0: off); more than 0 needs a checkpoint with an MTP layer. "
         "Default: 1 when the checkpoint has one, else off",
     )
+    accept_all_drafts: bool = setting(
+        False,
+        help="benchmarks only: every MTP draft is accepted whatever the main model says (the tokens are then not "
+        "the greedy ones), to measure the serving path at full acceptance; needs num_speculative_tokens > 0, not "
+        "with --tp",
+    )
     engine_cpus: str | None = setting(
         None,
         metavar="LIST",
@@ -207,6 +213,10 @@ class DecodeConfig:
             self.num_speculative_tokens is None
             or (is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= 8),
             f"{d('num_speculative_tokens')} must be in 0..8 ({self.num_speculative_tokens})",
+        )
+        need(
+            not self.accept_all_drafts or (self.speculative_tokens > 0 and self.tp == 1),
+            f"{d('accept_all_drafts')} needs {d('num_speculative_tokens')} > 0 and {d('tp')} 1",
         )
         problems += self._checkpoint_problems()
         for name in ("lease_s", "max_lease_s", "transfer_timeout_s"):

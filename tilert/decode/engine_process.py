@@ -79,6 +79,7 @@ class EngineSpec:
     eos_token_ids: tuple[int, ...]
     num_draft: int
     cpus: tuple[int, ...]
+    accept_all_drafts: bool = False
 
     def load(self) -> DecodeEngine:
         """The engine, loaded in the calling process (the node's own, or the engine process)."""
@@ -351,6 +352,7 @@ def _main(conn: Connection, spec: EngineSpec) -> None:
         frozenset(spec.cpus),
         send.step,
         Grammars(spec.model, engine.vocab_size),
+        spec.accept_all_drafts,
     )
     try:
         _serve(conn, engine, batch, buffers, send)
@@ -465,4 +467,5 @@ def spec_for(config: DecodeConfig, eos: frozenset[int]) -> EngineSpec:
         eos_token_ids=tuple(sorted(eos)),
         num_draft=config.speculative_tokens,
         cpus=tuple(sorted(config.engine_cpu_set)),
+        accept_all_drafts=config.accept_all_drafts,
     )

@@ -167,11 +167,16 @@ def run_decode(
 
 
 def decode_alone(
-    engine: DecodeEngine, run: SequenceRun, num_draft: int, yield_to: Callable[[], bool] = lambda: False
+    engine: DecodeEngine,
+    run: SequenceRun,
+    num_draft: int,
+    yield_to: Callable[[], bool] = lambda: False,
+    accept_all_drafts: bool = False,
 ) -> None:
     """Step ``run`` alone on its fast path until it finishes, or ``yield_to()`` says another sequence should
-    join (the run then continues later from ``run.token`` at ``run.pos``)."""
-    steps = _fast_steps(engine, run, num_draft)
+    join (the run then continues later from ``run.token`` at ``run.pos``). ``accept_all_drafts``: the MTP steps
+    accept every draft (benchmarks only: see :meth:`DecodeEngine.speculative_greedy_step`)."""
+    steps = _fast_steps(engine, run, num_draft, accept_all_drafts)
     try:
         while not run.check_cancel() and not yield_to():
             new = next(steps, None)
@@ -183,13 +188,16 @@ def decode_alone(
         steps.close()
 
 
-def _fast_steps(engine: DecodeEngine, run: SequenceRun, num_draft: int) -> Generator[list[int], None, None]:
+def _fast_steps(
+    engine: DecodeEngine, run: SequenceRun, num_draft: int, accept_all_drafts: bool = False
+) -> Generator[list[int], None, None]:
     """The new tokens of each step of ``run`` decoded alone, on the fastest path the engine declares."""
     caps, p = engine.capabilities(), run.params
     plain_greedy = p.greedy and not p.needs_logits  # no rule to apply to the logits: the engine's argmax
     if plain_greedy and num_draft > 0 and caps.mtp:
         while True:
-            yield engine.speculative_greedy_step(run.token, run.pos, num_draft, seq=run.seq).tokens
+            step = engine.speculative_greedy_step(run.token, run.pos, num_draft, run.seq, accept_all_drafts)
+            yield step.tokens
     elif plain_greedy and caps.pipelined_greedy:
         # The next step runs while this token is emitted (the engine pipelines them).
         for token in engine.greedy_stream(run.token, run.pos, run.limit - run.produced, seq=run.seq):

@@ -148,6 +148,7 @@ class DecodeNode:
                 config.speculative_tokens,
                 config.engine_cpu_set,
                 grammars=Grammars(config.model, engine.vocab_size),
+                accept_all_drafts=config.accept_all_drafts,
             )
         self.decodes_completed = 0
         self._watchers: set[MemoryObjectSendStream[bytes]] = set()  # one per open watch stream

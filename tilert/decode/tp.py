@@ -195,7 +195,11 @@ class LeaderEngine(DecodeEngine):
             self.channel.send(Op.DECODE_GREEDY, rows=[tokens, positions, seqs], n=_same_len(tokens, positions, seqs))
             return self.engine.decode_step_greedy(tokens, positions, seqs)
 
-    def speculative_greedy_step(self, next_token: int, start_pos: int, num_draft: int, seq: int = 0) -> SpecStepResult:
+    def speculative_greedy_step(
+        self, next_token: int, start_pos: int, num_draft: int, seq: int = 0, accept_all: bool = False
+    ) -> SpecStepResult:
+        if accept_all:  # the followers' step would verify: refused at start-up (DecodeConfig.validate)
+            raise ValueError("accept_all is not served tensor parallel")
         with self._lock:
             self.channel.send(Op.SPEC, seq, start_pos, num_draft, rows=[[next_token]], n=1)
             return self.engine.speculative_greedy_step(next_token, start_pos, num_draft, seq)

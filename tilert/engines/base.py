@@ -13,7 +13,7 @@ loaded with ``tilert.engines.plugin.load_engine``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -178,6 +178,28 @@ class DecodeEngine(ABC):
         host read): the next greedy token of each sequence."""
         return self.decode_step(tokens, positions, seqs).argmax(-1).tolist()
 
+    def greedy_batch_stream(
+        self, tokens: list[int], positions: list[int], seqs: list[int], max_new: int
+    ) -> Generator[list[int], None, None]:
+        """Plain greedy decoding of several sequences together: feed ``tokens[i]`` at ``positions[i]`` of
+        sequence ``seqs[i]`` and yield, step by step, the next token of every sequence (in ``seqs``' order), up to
+        ``max_new`` steps: exactly what successive :meth:`decode_step_greedy` calls give. Ends early when a
+        sequence's cache is full. The caller may stop iterating at any time (e.g. when one sequence ends or another
+        joins); at most one step beyond the last one read has run (its rows lie beyond each sequence and are
+        overwritten later), and the engine goes on from the tokens read.
+
+        This default calls :meth:`decode_step_greedy` once a step; an engine that pipelines its steps
+        (``Capabilities.pipelined_greedy``) overrides it to launch step ``t+1`` before step ``t``'s tokens are read.
+        """
+        check_decode_batch(tokens, positions, seqs)
+        limit = self.capabilities().max_seq_len
+        steps = min(max_new, limit - max(positions)) if limit else max_new
+        toks, pos = list(tokens), list(positions)
+        for _ in range(max(steps, 0)):
+            toks = self.decode_step_greedy(toks, pos, seqs)
+            pos = [p + 1 for p in pos]
+            yield toks
+
     # ------------------------------------------------------------------ optional fast paths
     # Called only when ``capabilities()`` sets the flag named in each docstring.
 
@@ -222,12 +244,18 @@ class DecodeEngine(ABC):
             rules.observe([token])
             yield token
 
-    def speculative_greedy_step(self, next_token: int, start_pos: int, num_draft: int, seq: int = 0) -> SpecStepResult:
+    def speculative_greedy_step(
+        self, next_token: int, start_pos: int, num_draft: int, seq: int = 0, accept_all: bool = False
+    ) -> SpecStepResult:
         """One greedy speculative step of sequence ``seq`` (``Capabilities.mtp``).
 
         Precondition: positions ``0..start_pos-1`` are in the cache and ``next_token`` is the greedy token
         at ``start_pos``, not yet run. Drafts up to ``num_draft`` tokens, verifies them with the main model
         and returns the accepted drafts plus one bonus token: token for token what plain greedy decoding
         would emit. ``start_pos`` must be below ``max_seq_len``.
+
+        ``accept_all`` (benchmarks only: ``tilert decode --accept-all-drafts``): every draft is accepted whatever
+        the main model says, then its token after the last draft; the tokens are then not greedy's. It measures
+        the serving path at full acceptance, which random weights never reach.
         """
         raise NotImplementedError(f"{type(self).__name__} does not declare Capabilities.mtp")

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,6 +144,9 @@ class TileRTEngine(DecodeEngine):
         self._stream_pos = torch.zeros(1, dtype=torch.int64, device=device)
         self._stream_base = torch.zeros(1, dtype=torch.int64, device=device)
         self._stream_graphs: dict[bool, CapturedFn | None] = {}
+        # greedy_batch_stream's graphs by (rows, regime) and their static tokens / cache rows / first rows by rows
+        self._batch_graphs: dict[tuple[int, bool], CapturedFn] = {}
+        self._batch_bufs: dict[int, tuple[torch.Tensor, ...]] = {}
         # shaped_greedy_stream's graphs and their static rules, logits row and grammar bitmask (made at first use)
         self._shaped_graphs: dict[bool, CapturedFn] = {}
         self._shape_pick: CapturedFn | None = None
@@ -154,6 +157,7 @@ class TileRTEngine(DecodeEngine):
         if self.use_graphs:  # where the host reads the streamed tokens (pinned: asynchronous copies)
             self._stream_host = torch.empty(2, dtype=torch.int64, pin_memory=True)
             self._stream_done = (torch.cuda.Event(), torch.cuda.Event())
+            self._batch_host = torch.empty(2, GRAPH_MAX_TOKENS, dtype=torch.int64, pin_memory=True)
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None  # shared by the graphs
 
     # ----------------------------------------------------------------------------- contract
@@ -443,6 +447,114 @@ class TileRTEngine(DecodeEngine):
         return step
 
     @torch.no_grad()
+    def greedy_batch_stream(
+        self, tokens: list[int], positions: list[int], seqs: list[int], max_new: int
+    ) -> Generator[list[int], None, None]:
+        """:meth:`DecodeEngine.greedy_batch_stream`. On CUDA, while every row is in one attention regime (dense /
+        DSA) and there are at most ``GRAPH_MAX_TOKENS`` of them, each step is one graph replay over the rows that
+        also takes each row's argmax and advances its token and cache row on the device, so step ``t+1`` is
+        launched before step ``t``'s tokens are read, as in :meth:`greedy_stream`. Rows that would cross from the
+        dense regime into the DSA one go on step by step through :meth:`decode_step_greedy` until they all run in
+        one regime."""
+        self._check_batch(tokens, positions, seqs)
+        n = len(seqs)
+        max_new = min(max_new, self.max_seq_len - max(positions))  # ends early when a cache is full
+        toks, pos = list(tokens), list(positions)
+        while max_new > 0:
+            run = self._one_regime_steps(pos, max_new) if self.use_graphs and n <= GRAPH_MAX_TOKENS else 0
+            if run == 0:  # mixed regimes (or no graphs): one step at a time
+                toks = self.decode_step_greedy(toks, pos, seqs)
+                steps: Iterator[list[int]] = iter([toks])
+                run = 1
+            else:
+                steps = self._batch_stream_run(toks, pos, seqs, run)
+            for toks in steps:
+                pos = [p + 1 for p in pos]
+                max_new -= 1
+                yield toks
+
+    def _one_regime_steps(self, positions: Sequence[int], max_new: int) -> int:
+        """How many of the next ``max_new`` steps of rows at ``positions`` keep every row in one attention regime
+        (0: the rows are in different regimes now)."""
+        a = self.model.args
+        if not a.dsa:
+            return max_new
+        sparse = [p + 1 > a.index_topk for p in positions]
+        if all(sparse):
+            return max_new
+        if any(sparse):
+            return 0
+        return min(max_new, a.index_topk - max(positions))  # the first row to reach the DSA regime ends the run
+
+    def _batch_stream_run(
+        self, tokens: list[int], positions: list[int], seqs: list[int], steps: int
+    ) -> Iterator[list[int]]:
+        """``steps`` pipelined graph steps over rows that stay in one regime (:meth:`greedy_batch_stream`)."""
+        n, a = len(seqs), self.model.args
+        use_indexer = a.dsa and positions[0] + 1 > a.index_topk
+        tok_b, rows_b, start_b = self._batch_stream_buffers(n)
+        S = self.max_seq_len
+        cols = torch.tensor([tokens, [s * S + p for s, p in zip(seqs, positions, strict=True)], [s * S for s in seqs]])
+        tok_b.copy_(cols[0])
+        rows_b.copy_(cols[1])
+        start_b.copy_(cols[2])
+        step = self._batch_stream_step(n, use_indexer)
+        states = [self._seqs[s] for s in seqs]
+        for st, p in zip(states, positions, strict=True):
+            st.mtp_upto = min(st.mtp_upto, max(p - 1, 0))
+        host, done = self._batch_host, self._stream_done
+
+        def launch(slot: int) -> None:
+            step.replay()
+            host[slot, :n].copy_(tok_b, non_blocking=True)
+            done[slot].record()
+
+        launch(0)
+        for i in range(steps):
+            if i + 1 < steps:
+                launch((i + 1) % 2)  # runs while step i's tokens are read
+            done[i % 2].synchronize()
+            for st, p in zip(states, positions, strict=True):
+                self._note_written(st, p + i, 1)
+            yield host[i % 2, :n].tolist()
+
+    def _batch_stream_buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The static tokens, cache rows and first rows of :meth:`_batch_stream_step`'s graphs for ``n`` rows."""
+        if n not in self._batch_bufs:
+            self._batch_bufs[n] = tuple(torch.zeros(n, dtype=torch.int64, device=self.device) for _ in range(3))
+        tok_b, rows_b, start_b = self._batch_bufs[n]
+        return tok_b, rows_b, start_b
+
+    def _batch_stream_step(self, n: int, use_indexer: bool) -> CapturedFn:
+        """greedy_batch_stream's graph for ``n`` rows in the dense / DSA regime: one step over the rows, each of
+        whose tokens it then replaces by its argmax, and each row by the next one."""
+        key = (n, use_indexer)
+        if key not in self._batch_graphs:
+            m = self.model
+            tok_b, rows_b, start_b = self._batch_stream_buffers(n)
+            row_start = start_b if self.max_sequences > 1 else None
+
+            def fn() -> None:
+                hidden = m(tok_b, rows_b, use_indexer, row_start)
+                nxt = m.logits(hidden).argmax(-1)
+                if self.supports_mtp:
+                    self._hidden.index_copy_(0, rows_b, hidden)
+                    self._tokens.index_copy_(0, rows_b, tok_b)
+                tok_b.copy_(nxt)
+                rows_b.add_(1)
+
+            # captured on the rows the caller loaded: its runs write their next rows as the stream will, then move
+            # them on; put them back
+            torch.cuda.synchronize(self.device)
+            saved = tok_b.clone(), rows_b.clone()
+            captured = CapturedFn(fn, self.device)
+            captured.capture(pool=self._pool)
+            tok_b.copy_(saved[0])
+            rows_b.copy_(saved[1])
+            self._batch_graphs[key] = captured
+        return self._batch_graphs[key]
+
+    @torch.no_grad()
     def shaped_greedy_stream(
         self,
         first_token: int,
@@ -554,7 +666,9 @@ class TileRTEngine(DecodeEngine):
     # ---------------------------------------------------------------------------------- MTP
 
     @torch.no_grad()
-    def speculative_greedy_step(self, next_token: int, start_pos: int, num_draft: int, seq: int = 0) -> SpecStepResult:
+    def speculative_greedy_step(
+        self, next_token: int, start_pos: int, num_draft: int, seq: int = 0, accept_all: bool = False
+    ) -> SpecStepResult:
         """One greedy speculative step of sequence ``seq`` with the MTP module.
 
         Precondition: positions ``0..start_pos-1`` are in the cache and ``next_token`` is the (greedy)
@@ -613,6 +727,9 @@ class TileRTEngine(DecodeEngine):
         drafts, greedy = out[:k_max], out[k_max:]
         st.mtp_upto = L  # rows >= L hold draft data only
         self._note_written(st, L, k_max + 1)
+        if accept_all:  # every draft, then the main model's token after the last
+            st.len = L + k_max + 1
+            return SpecStepResult(tokens=[*drafts, greedy[k_max]], num_drafted=k_max, num_accepted=k_max)
         n_acc = 0
         while n_acc < k_max and drafts[n_acc] == greedy[n_acc]:
             n_acc += 1
