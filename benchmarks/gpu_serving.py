@@ -31,7 +31,6 @@ parts' logs stay in the directory printed first. The work is in ``benchmarks/ser
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
@@ -169,7 +168,12 @@ def prompts(model: Path, count: int, length: int, seed: int) -> tuple[list[list[
 
 
 def measure(
-    args: argparse.Namespace, urls: dict[str, str], model: Path, lay: parts.Layout, users: list[int]
+    args: argparse.Namespace,
+    urls: dict[str, str],
+    model: Path,
+    lay: parts.Layout,
+    users: list[int],
+    users_at: clients.Clients,
 ) -> dict[str, Any]:
     """The reference, then every row's streams (after an untimed run of it), for the node ``lay`` starts."""
     n = max(args.users)
@@ -191,10 +195,8 @@ def measure(
         for k in users:
             if r == 0 and not args.no_warmup:
                 tokens = min(args.tokens, 16)
-                asyncio.run(clients.run_users(urls["router"], args.api, str(model), bodies, tokens, k, f"warm-k{k}"))
-            got = asyncio.run(
-                clients.run_users(urls["router"], args.api, str(model), bodies, args.tokens, k, f"r{r}-k{k}")
-            )
+                users_at.run_users(urls["router"], args.api, str(model), bodies, tokens, k, f"warm-k{k}")
+            got = users_at.run_users(urls["router"], args.api, str(model), bodies, args.tokens, k, f"r{r}-k{k}")
             streams[k] += got
     timings = httpx.get(urls["standin"] + "/bench/timings", timeout=30).raise_for_status().json()
     label = node_label(lay.drafts, lay.accept_all_drafts)
@@ -241,6 +243,7 @@ def run(args: argparse.Namespace, model: Path) -> int:
     secret_file = stack.write_secret_file()
     script = Path(__file__).resolve()
     results = []
+    users_at = clients.Clients(max(args.users))
     try:
         with supervised(log_dir) as procs:
             cfg, urls = parts.start(procs, nodes[0], script, secret_file, args.startup_timeout_s)
@@ -248,9 +251,10 @@ def run(args: argparse.Namespace, model: Path) -> int:
                 if i:
                     print(f"node: {node_label(node.drafts, node.accept_all_drafts)}", flush=True)
                     parts.restart_node(procs, node, cfg, script, secret_file, args.startup_timeout_s)
-                results.append(measure(args, urls, model, node, args.users if i == 0 else [1]))
+                results.append(measure(args, urls, model, node, args.users if i == 0 else [1], users_at))
                 procs.check()
     finally:
+        users_at.close()
         shutil.rmtree(secret_file.parent, ignore_errors=True)
     rows = [r for result in results for r in result["rows"]]
     print("\n" + report.table(rows) + "\n", flush=True)

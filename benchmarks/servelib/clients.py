@@ -1,12 +1,16 @@
 """The streaming clients: the OpenAI SDK's ``AsyncOpenAI`` against the router, ``users`` streams at once, each a
 greedy request (``temperature`` 0, ``ignore_eos``, ``max_tokens`` = the tokens asked, ``return_token_ids``) timed
-at the client: each chunk that carries token ids, when it arrived and which ids."""
+at the client: each chunk that carries token ids, when it arrived and which ids. Each user streams from a process of
+its own (:class:`Clients`), all starting at one instant, so that parsing the SDK's chunks never slows another
+user's stream: the client's speed is not what is measured."""
 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
 import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,22 +96,38 @@ async def stream_one(
     return s
 
 
-async def run_users(
-    base_url: str,
-    api: str,
-    model: str,
-    bodies: list[dict[str, Any]],
-    tokens: int,
-    users: int,
-    tag: str,
-) -> list[Stream]:
-    """``users`` streams at once, user ``u`` sending ``bodies[u]``; request ids ``{tag}-u{u}``."""
-    async with AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=600.0) as client:
-        return list(
-            await asyncio.gather(
-                *(stream_one(client, api, model, bodies[u], tokens, u, f"{tag}-u{u}") for u in range(users))
-            )
-        )
+def _user(
+    base_url: str, api: str, model: str, body: dict[str, Any], tokens: int, user: int, rid: str, at: float
+) -> Stream:
+    """One user's stream in a client process, sent at wall-clock time ``at``."""
+
+    async def go() -> Stream:
+        async with AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=600.0) as client:
+            await asyncio.sleep(max(0.0, at - time.time()))
+            return await stream_one(client, api, model, body, tokens, user, rid)
+
+    return asyncio.run(go())
+
+
+class Clients:
+    """A process per user (spawned once, kept for every row)."""
+
+    def __init__(self, users: int) -> None:
+        self.pool = ProcessPoolExecutor(max_workers=users, mp_context=mp.get_context("spawn"))
+        list(self.pool.map(time.sleep, [0.0] * users))  # the processes started before the first row
+
+    def close(self) -> None:
+        self.pool.shutdown(cancel_futures=True)
+
+    def run_users(
+        self, base_url: str, api: str, model: str, bodies: list[dict[str, Any]], tokens: int, users: int, tag: str
+    ) -> list[Stream]:
+        """``users`` streams at once, user ``u`` sending ``bodies[u]``; request ids ``{tag}-u{u}``."""
+        at = time.time() + 0.2  # every process has its client ready by then
+        futures = [
+            self.pool.submit(_user, base_url, api, model, bodies[u], tokens, u, f"{tag}-u{u}", at) for u in range(users)
+        ]
+        return [f.result() for f in futures]
 
 
 def pct(values: list[float], q: float) -> float | None:

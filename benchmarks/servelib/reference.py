@@ -115,8 +115,9 @@ def engine_speed(
     accept_all: bool = False,
 ) -> dict[int, dict[str, Any]]:
     """Per number of users: the engine's per-user tok/s on the node's path (``tok_s``, ``path``); alone also plain
-    ``greedy_stream``'s (``stream_tok_s``) and, with MTP, the tokens per speculative step (``tokens_per_step``)
-    and, when every draft is accepted, the tokens of the first prompt (``tokens``: not greedy's); with company
+    ``greedy_stream``'s (``stream_tok_s``) and, with MTP, the tokens per speculative step (``tokens_per_step``),
+    the first prompt's tokens on that path (``tokens``) and, unless every draft is accepted, whether they are those
+    of the plain stream (``spec_same_as_stream``); with company
     whether each sequence's tokens are those it gets alone (``batch_same``, against ``alone``: :func:`prompt_tokens`
     of each prompt, run before: the untimed first run)."""
     engine = caches.engine
@@ -133,8 +134,11 @@ def engine_speed(
                 row["tokens_per_step"] = per_step
                 how = ", every draft accepted" if accept_all else ""
                 row["path"] = f"speculative_greedy_step (MTP, {drafts} draft{'s' if drafts > 1 else ''}{how})"
-                if accept_all:
-                    row["tokens"] = spec
+                # the node's tokens on that path: with fp8 pages the prompt's last row, recomputed to draft from
+                # the first step, is no longer the fp8 row the plain stream reads, so greedy's may differ
+                row["tokens"] = spec
+                if not accept_all:
+                    row["spec_same_as_stream"] = spec == alone[0]["handed"]
             out[k] = row
             continue
         _batch(caches, lays, prompts[:k], min(tokens - 1, 4))

@@ -13,8 +13,9 @@ def row(users: int, streams: list[Stream], reference: dict[str, Any], timings: d
     (1000 / TPOT); ``engine_tok_s``: the engine's own per-user speed on the node's path for that many sequences;
     ``ttft_added_ms``: the client's TTFT less the stand-in's time answering that prefill (what the router, the
     transport and the client add to the prefill); ``same_tokens``: every stream equals the engine's greedy tokens
-    from the prompt's KV as the prefill's cache holds it (with every MTP draft accepted: the engine's tokens on that
-    path); ``engine_tokens_per_step``: with MTP, the engine's tokens per speculative step (its accepted length);
+    from the prompt's KV as the prefill's cache holds it (with MTP: the engine's tokens on that path, every draft
+    accepted or not); ``engine_spec_same_as_stream``: MTP's tokens are the plain stream's;
+    ``engine_tokens_per_step``: with MTP, the engine's tokens per speculative step (its accepted length);
     ``same_as_engine_prefill``: ... from the engine's own
     prefill cache (may differ where the cache quantises: ``fp8_ds_mla``, the DSA indexer's fp8 keys);
     ``kv_latent_max_err`` / ``kv_indexer_max_err``: the largest difference between the users' prompt KV as handed
@@ -31,7 +32,7 @@ def row(users: int, streams: list[Stream], reference: dict[str, Any], timings: d
     client = med(per_user)
     engine = float(speed["tok_s"])
     want = [prompts[u]["handed"] for u in range(users)]
-    if "tokens" in speed:  # every draft accepted: the engine's tokens on that path, not greedy's
+    if "tokens" in speed:  # MTP: the engine's tokens on that path
         want[0] = speed["tokens"]
     chunks = sum(len(s.arrivals) for s in ok)
     return {
@@ -57,6 +58,7 @@ def row(users: int, streams: list[Stream], reference: dict[str, Any], timings: d
         "kv_latent_max_err": max(prompts[u]["latent_max_err"] for u in range(users)),
         "kv_indexer_max_err": max(prompts[u]["indexer_max_err"] for u in range(users)),
         "engine_tokens_per_step": speed.get("tokens_per_step"),
+        "engine_spec_same_as_stream": speed.get("spec_same_as_stream"),
         "same_tokens": not errors and all(s.token_ids == want[s.user] for s in streams),
         "same_as_engine_prefill": not errors and all(s.token_ids == prompts[s.user]["own"] for s in streams),
     }

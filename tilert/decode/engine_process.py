@@ -82,15 +82,17 @@ class EngineSpec:
     accept_all_drafts: bool = False
 
     def load(self) -> DecodeEngine:
-        """The engine, loaded in the calling process (the node's own, or the engine process)."""
+        """The engine, loaded in the calling process (the node's own, or the engine process), and warmed up."""
         device = resolve_device(self.device)
-        return load_engine(self.engine).load(
+        engine = load_engine(self.engine).load(
             Path(self.model),
             device=device,
             dtype=resolve_dtype(self.dtype, device),
             max_seq_len=self.max_seq_len,
             max_sequences=self.max_sequences,
         )
+        engine.warm_up()
+        return engine
 
 
 def params_to_wire(p: DecodeParams) -> c.EngineParams:

@@ -200,6 +200,10 @@ class DecodeEngine(ABC):
             pos = [p + 1 for p in pos]
             yield toks
 
+    def warm_up(self) -> None:
+        """Prepare what the first requests would otherwise wait for (e.g. captured graphs), before any sequence is
+        injected; the decode node calls it once, after :meth:`load`. This default does nothing."""
+
     # ------------------------------------------------------------------ optional fast paths
     # Called only when ``capabilities()`` sets the flag named in each docstring.
 

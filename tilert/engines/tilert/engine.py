@@ -447,6 +447,23 @@ class TileRTEngine(DecodeEngine):
         return step
 
     @torch.no_grad()
+    def warm_up(self) -> None:
+        """On CUDA, capture the graphs of the node's plain greedy paths now, in each attention regime: the
+        ``greedy_stream`` step and the ``greedy_batch_stream`` step of every row count up to ``max_sequences``
+        (a request would otherwise wait for a capture when that many sequences first decode together). The steps
+        write cache rows of every sequence: nothing is injected yet, and the sequences' bookkeeping is reset."""
+        if not self.use_graphs:
+            return
+        a = self.model.args
+        starts = [0] + ([a.index_topk] if a.dsa and a.index_topk + 2 < self.max_seq_len else [])
+        for start in starts:
+            list(self.greedy_stream(0, start, 2))
+            for n in range(2, min(self.max_sequences, GRAPH_MAX_TOKENS) + 1):
+                list(self.greedy_batch_stream([0] * n, [start] * n, list(range(n)), 2))
+        torch.cuda.synchronize(self.device)
+        self._seqs = [_Seq() for _ in range(self.max_sequences)]
+
+    @torch.no_grad()
     def greedy_batch_stream(
         self, tokens: list[int], positions: list[int], seqs: list[int], max_new: int
     ) -> Generator[list[int], None, None]:
