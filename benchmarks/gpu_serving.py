@@ -191,6 +191,8 @@ def measure(
     reference = httpx.post(urls["standin"] + "/bench/reference", json=ask, timeout=None).raise_for_status().json()
     print(f"  engine reference: {time.monotonic() - t0:.0f} s", flush=True)
     streams: dict[int, list[clients.Stream]] = {k: [] for k in users}
+    if not args.no_warmup:  # every client process streams once (its first request builds the SDK's parsers)
+        users_at.run_users(urls["router"], args.api, str(model), bodies, min(args.tokens, 16), n, "warm-all")
     for r in range(args.rounds):
         for k in users:
             if r == 0 and not args.no_warmup:
