@@ -36,7 +36,8 @@ log = structlog.get_logger("tilert.connector.faults")
 
 ENV = "TILERT_TEST_FAULTS"
 FAULTS = ("extraction_error", "transport_error", "timeout", "stall")
-STALL_S = 0.5  # the forward's stall before the second layer ("timeout", "stall")
+STALL_S = 1.0  # the forward's stall before the second layer ("timeout", "stall"): well past TIMEOUT_S, so that a
+# sender slow to begin its wait on a loaded host still times out inside the stall
 TIMEOUT_S = 0.3  # the sender's wait for the next staged layer under "timeout"
 AT_LAYER = 1  # faults strike before staging this layer (the first layer is staged, and written, before)
 
