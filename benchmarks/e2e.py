@@ -73,6 +73,7 @@ from pathlib import Path
 
 from e2elib.conditions import DEFAULT_MODEL_DIR, conditions, ensure_model
 from e2elib.e2e_runs import run_e2e
+from e2elib.load import CLIENTS
 from e2elib.overhead import run_overhead, serve_standin
 from e2elib.procs import supervised
 from e2elib.report import write_outputs
@@ -204,6 +205,30 @@ def parser() -> argparse.ArgumentParser:
         "the same rounds as `baseline`",
     )
     ov.add_argument("--skip-direct", action="store_true", help="measure the router path(s) alone, no direct rows")
+    ov.add_argument(
+        "--client",
+        choices=CLIENTS,
+        default="raw",
+        help="the router path's load client (raw: asyncio streams, the cheapest per event; default: %(default)s)",
+    )
+    ov.add_argument(
+        "--client-procs",
+        type=int,
+        default=1,
+        help="load-client processes, each an event loop with its share of every run's streams (default: %(default)s)",
+    )
+    ov.add_argument("--client-cpus", default="", help="CPU list of the client processes, one CPU each in turn")
+    ov.add_argument(
+        "--standin-decode-procs",
+        type=int,
+        default=1,
+        help="decode stand-ins, each a node of the router's pool in a process of its own (default: %(default)s)",
+    )
+    ov.add_argument(
+        "--standin-cpus",
+        default="",
+        help="CPU list of the stand-ins, one CPU each in turn: the decode stand-ins first, then the prefill",
+    )
     ov.add_argument(
         "--router-profile",
         type=Path,
