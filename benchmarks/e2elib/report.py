@@ -90,7 +90,8 @@ def markdown(result: dict[str, Any], note: str | None) -> str:
     else:
         out += [
             "- stand-ins: `tilert.testing.standins` served by `benchmarks/e2e.py --standin` (Starlette + uvicorn, one "
-            f"process each); decode gap "
+            f"process each: the prefill and {s.get('standin_decode_procs', 1)} decode node(s) of the router's pool); "
+            "decode gap "
             f"{', '.join(f'{g:g}' for g in s['gap_ms'])} ms, "
             f"{s['overhead_tokens']} tokens per request, prompt of {s['overhead_prompt_words']} "
             f"words; router `tilert router` (log level {s['router_log_level'] or 'default'}, CPUs "
