@@ -194,6 +194,13 @@ def measure(a: argparse.Namespace, kv: tuple[Any, ...], model: Path, log_dir: Pa
 def table(rows: list[dict[str, Any]]) -> str:
     keys = ("tokens_per_s", "tokens_per_line", "loop_us_per_token", "other_us_per_token", "node_us_per_token")
     lines = [
+        "The median over rounds. `engine`: in a process of its own (`--engine-process`, `tilert up`'s on a CPU "
+        "host) or on the node's worker thread; `node`: this checkout, `baseline`: `--baseline`'s; tokens/s: what the "
+        "node got out meanwhile (the engine's speed, less what the node's own work took from it); event loop: the "
+        "node's main thread (the streams, their lines, HTTP); other threads: the pipe's reader (own process) or the "
+        "batch's worker thread, the engine's compute included (node thread); node process: all of the node's "
+        "process (not the engine's own), each per generated token.",
+        "",
         "| engine | streams | node | tokens/s | tokens / line | event loop us / token | other threads us / token "
         "| node process us / token |",
         "|---|---:|---|---:|---:|---:|---:|---:|",

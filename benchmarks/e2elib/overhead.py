@@ -176,7 +176,20 @@ def _start(args: argparse.Namespace, procs: Procs, model: Path, secret: str) -> 
     return ports, {n: " ".join(cmd) for n, cmd in commands.items()}
 
 
+def _check_cpus(args: argparse.Namespace) -> None:
+    """Every CPU the placement options name is one this process may run on (else the children fail to start)."""
+    allowed = os.sched_getaffinity(0)
+    for option in ("router_cpus", "standin_cpus", "client_cpus"):
+        wanted = parse_cpus(getattr(args, option)) or set()
+        if not wanted <= allowed:
+            flag = "--" + option.replace("_", "-")
+            raise RuntimeError(
+                f"{flag} names CPUs {sorted(wanted - allowed)} outside this machine's usable CPUs {sorted(allowed)}"
+            )
+
+
 def run_overhead(args: argparse.Namespace, procs: Procs, model: Path, cond: dict[str, Any]) -> dict[str, Any]:
+    _check_cpus(args)
     secret = generate_secret()
     ports, commands = _start(args, procs, model, secret)
     routers = [m for m in ("router", "baseline") if m in ports]

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import importlib.util
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -354,10 +355,11 @@ class DecodeNode:
     async def _stream(self, params: DecodeParams) -> AsyncIterator[bytes]:
         tid = params.transfer_id
         bound = log.bind(transfer_id=tid)
-        started, outcome, progress = anyio.current_time(), "error", _Progress()
+        # time.monotonic, not the loop's clock: uvloop's counts whole milliseconds, coarser than a decode step
+        started, outcome, progress = time.monotonic(), "error", _Progress()
         try:
             await self.table.wait_ready(tid, self.config.transfer_timeout_s)
-            self.metrics.transfer_wait(anyio.current_time() - started)
+            self.metrics.transfer_wait(time.monotonic() - started)
             finished = 0  # choices that sent their finish
             async for lines in self._run(params, bound, progress):
                 for line in lines:
@@ -374,7 +376,7 @@ class DecodeNode:
             self.table.release(tid, "decode ended")
             self.metrics.slots(len(self.table.slots), self.table.free)
             self.metrics.requests(self.batch.running, self.batch.waiting)
-            self.metrics.request_done(anyio.current_time() - started, outcome, progress.time_per_token)
+            self.metrics.request_done(time.monotonic() - started, outcome, progress.time_per_token)
 
     async def _run(
         self, params: DecodeParams, bound: structlog.typing.FilteringBoundLogger, progress: _Progress
@@ -405,7 +407,7 @@ class DecodeNode:
         except EngineProcessError as exc:
             raise SlotError(f"decode engine unavailable: {exc}", 503) from None
         self.metrics.requests(self.batch.running, self.batch.waiting)
-        last, finished = anyio.current_time(), 0  # choices that sent their finish
+        last, finished = time.monotonic(), 0  # choices that sent their finish
         submitted = last
         try:
             while True:
@@ -417,7 +419,7 @@ class DecodeNode:
                         if lines:
                             yield lines
                         return
-                    now = anyio.current_time()
+                    now = time.monotonic()
                     self.metrics.tokens(len(item.token_ids), now - last)
                     progress.generated(len(item.token_ids), now - submitted)
                     last, finished = now, finished + (item.finish_reason is not None)
