@@ -10,13 +10,15 @@ router's correction bias float32), experts one by one in DeepSeek's naming, and 
 ``eh_proj`` and ``shared_head.norm``). ``tilert convert`` and the engine read it as they read the real one.
 
 The values make a numerically sane model (finite logits of unit scale, a greedy stream of varied tokens), with
-the statistics of the engine's own random models (``weights.random_model``): e4m3 values ``N(0, 1)`` whose block
+the statistics of the engine's own random models (``weights.random_model``): e4m3 weights of unit RMS whose block
 scales carry ``fan_in^-0.5`` (times ``U(0.5, 1.5)``), bf16 matrices ``N(0, fan_in^-1)``, the embedding ``N(0, 1)``,
-norms ``1 + 0.1 N(0, 1)``, biases small; but the projections that write into the residual stream (``o_proj``,
-``down_proj``) are ``(2 * layers)^-0.5`` smaller, as GPT-2 initialises them: without that, a deep model's layers
-drown the current token's embedding in what the context adds at every step, and greedy decoding settles on one
-token. They are drawn on the GPU when there is one (then copied to the host and written), each shard by its own
-thread with its own seeded generator: the same ``seed`` and shard split give the same bytes.
+norms ``1 + 0.1 N(0, 1)``, biases small. The e4m3 values are random bytes with the exponent field made one of 5..8
+(every sign and mantissa, magnitudes 0.25 to 3.75; several times cheaper to draw on a CPU than normals). The
+projections that write into the residual stream (``o_proj``, ``down_proj``) are ``(2 * layers)^-0.5`` smaller, as
+GPT-2 initialises them: without that, a deep model's layers drown the current token's embedding in what the context
+adds at every step, and greedy decoding settles on one token. The values are drawn on the GPU when there is one
+(then copied to the host and written), each shard by its own thread with its own seeded generator: the same
+``seed``, shard split and device give the same bytes.
 
 A tokenizer directory can be copied in (:func:`write_fp8_checkpoint`'s ``tokenizer``; its BOS / EOS ids go
 into ``config.json``); :func:`write_tokenizer` trains a byte-level BPE of a model's vocabulary size locally.
@@ -43,6 +45,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 SHARD_BYTES = 1 << 30  # the shards' size, about (the published checkpoints' are a few GB)
 # The linears whose output is added to the residual stream (drawn (2 * layers)^-0.5 times smaller: module docstring)
 RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight")
+# The e4m3 values drawn (module docstring): every sign, mantissa and exponent field 5..8 equally likely; their RMS
+E4M3_RMS = float(torch.arange(0x28, 0x48, dtype=torch.uint8).view(fp8.E4M3).float().pow(2).mean().sqrt())
 
 Spec = tuple[torch.dtype, tuple[int, ...]]
 
@@ -111,10 +115,12 @@ def _values(name: str, spec: Spec, fan_in: int, residual_gain: float, gen: torch
     dtype, shape = spec
     dev = gen.device
     gain = residual_gain if name.removesuffix("_scale_inv").endswith(RESIDUAL_OUTPUTS) else 1.0
-    if dtype == fp8.E4M3:
-        return torch.randn(shape, generator=gen, device=dev).clamp_(-fp8.E4M3_MAX, fp8.E4M3_MAX).to(dtype)
+    if dtype == fp8.E4M3:  # random bytes, sign and mantissa kept, the exponent field made one of 5..8
+        n = math.prod(shape)
+        words = torch.empty(-(-n // 8), dtype=torch.int64, device=dev).random_(-(2**63), None, generator=gen)
+        return words.view(torch.uint8)[:n].bitwise_and_(0x9F).add_(0x28).view(dtype).reshape(shape)
     if name.endswith("_scale_inv"):
-        return torch.rand(shape, generator=gen, device=dev).add_(0.5).mul_(gain * fan_in**-0.5)
+        return torch.rand(shape, generator=gen, device=dev).add_(0.5).mul_(gain * fan_in**-0.5 / E4M3_RMS)
     t = torch.randn(shape, generator=gen, device=dev)
     if name.endswith("correction_bias"):
         t.mul_(0.01)
