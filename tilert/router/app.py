@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -218,6 +219,15 @@ async def metrics(request: Request) -> Response:
     return Response(metrics.render(), media_type=metrics.content_type)
 
 
+def _freeze_startup_heap() -> None:
+    """What start-up built (modules, the app, the tokenizer, vLLM's parsers) lives as long as the router: it is
+    moved out of the garbage collector's generations (``gc.freeze``, as vLLM's server does), so that a full
+    collection during a request walks what requests made, not the whole heap, and no request's first token waits
+    for a walk of it."""
+    gc.collect()
+    gc.freeze()
+
+
 def build_app(config: RouterConfig | None = None) -> Starlette:
     """The router app. Without ``config`` it is read at start-up from ``$TILERT_ROUTER_CONFIG``.
 
@@ -235,6 +245,7 @@ def build_app(config: RouterConfig | None = None) -> Starlette:
         except Exception as exc:
             log.error("router_startup_refused", reason=str(exc))
             raise RuntimeError(f"tilert router refused to start: {exc}") from exc
+        _freeze_startup_heap()
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(holder.ctx.run)
