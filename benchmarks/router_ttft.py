@@ -6,9 +6,12 @@ decode node's API; both answer at once) on loopback, the real router (``tilert r
 against the same stand-ins in the same rounds. Each request is a greedy streaming request of ``--tokens`` tokens
 after a ``--prompt-tokens``-token prompt, of each kind of ``--kinds``:
 
-- ``ids``: a completion whose prompt is the token ids;
-- ``text``: a completion whose prompt is their text;
-- ``chat``: a chat completion with the text as one user message;
+- ``ids``: a completion whose prompt is the token ids of a text (code-like words);
+- ``random``: a completion whose prompt is seeded random token ids, as ``gpu_serving.py`` sends, whose text has no
+  clean tail (no last 4 to 23 tokens decode without U+FFFD; about one random prompt in four on the tiny
+  tokenizer): the router's detokenizer then primes with the whole prompt, as vLLM's did;
+- ``text``: a completion whose prompt is the text of ``ids``;
+- ``chat``: a chat completion with that text as one user message;
 
 sent by each client of ``--clients``:
 
@@ -21,10 +24,10 @@ not streamed, the router's claim): its time to the answer; ``router`` / ``baseli
 the time to its first SSE event that carries a choice (the stream is then read to its end). ``added`` = router -
 direct: what the router and its extra hop add to the prefill's own time (the prefill stand-in's time is in both).
 
-A run is ``--requests`` requests one after another; each round runs every kind, client and path (the paths'
-order alternating between rounds), so the machine's noise meets them alike. The table shows, per kind and client,
-the median over rounds of each run's p50 and p90, and the router's own means from its ``/metrics`` (time to first
-token, prefill leg) and its CPU time per request.
+A run is ``--requests`` requests of each path one after another, the paths taking turns request by request (their
+order alternating), so a spell of load on the shared machine meets them alike; each round runs every kind and
+client. The table shows, per kind and client, the median over rounds of each run's p50 and p90, and the router's
+own means from its ``/metrics`` (time to first token, prefill leg) and its CPU time per request.
 
 Writes ``NAME.json`` and ``NAME.md`` (default ``benchmarks/results/cpu-router-ttft``; ``--out DIR``, ``--name``).
 
@@ -61,7 +64,7 @@ from tokenizers import Tokenizer
 from tilert import contracts as c
 from tilert.auth import SECRET_ENV, generate_secret
 
-KINDS = ("ids", "text", "chat")
+KINDS = ("ids", "random", "text", "chat")
 CLIENTS = ("httpx", "sdk")
 E2E = Path(__file__).resolve().parent / "e2e.py"
 
@@ -95,7 +98,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 class Prompt:
-    """The prompt of every request: ``ids`` (``--prompt-tokens`` of them) and their text."""
+    """The prompt of every request: ``ids`` (``--prompt-tokens`` of them), their text, and as many random ids."""
 
     def __init__(self, model: Path, tokens: int) -> None:
         tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
@@ -104,12 +107,19 @@ class Prompt:
             words *= 2
         self.ids: list[int] = ids[:tokens]
         self.text: str = tokenizer.decode(self.ids)
+        special = set(tokenizer.get_added_tokens_decoder())
+        allowed = [i for i in range(tokenizer.get_vocab_size()) if i not in special]
+        for seed in range(1000):  # the first seed whose ids have no clean tail (about one in four)
+            self.random: list[int] = [int(i) for i in np.random.default_rng(seed).choice(allowed, tokens)]
+            tails = (tokenizer.decode(self.random[-n:], skip_special_tokens=False) for n in range(4, 24))
+            if all("\ufffd" in tail for tail in tails):
+                break
 
     def fields(self, kind: str) -> tuple[str, dict[str, Any]]:
         """The route's path and the prompt's fields of a request of ``kind``."""
         if kind == "chat":
             return "/v1/chat/completions", {"messages": [{"role": "user", "content": self.text}]}
-        return "/v1/completions", {"prompt": self.ids if kind == "ids" else self.text}
+        return "/v1/completions", {"prompt": {"ids": self.ids, "random": self.random, "text": self.text}[kind]}
 
 
 class Paths:
@@ -251,10 +261,6 @@ def _start(args: argparse.Namespace, procs: Procs, secret: str) -> tuple[dict[st
     return urls, {n: " ".join(cmd) for n, cmd in commands.items()}, ports["ctrl"]
 
 
-async def _run(one: Callable[[], Awaitable[float]], requests: int) -> list[float]:
-    return [1000 * await one() for _ in range(requests)]
-
-
 def cpu_ns(pid: int) -> int:
     """CPU time of every thread of process ``pid`` so far, in ns (the scheduler's count, finer than stat's ticks)."""
     total = 0
@@ -270,34 +276,45 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q))
 
 
+async def _runs(paths: dict[str, Callable[[], Awaitable[float]]], requests: int) -> dict[str, list[float]]:
+    """``requests`` requests of each path, the paths taking turns request by request (their order alternating), so
+    that a spell of load on the shared machine meets each alike: each path's times to first token, in ms."""
+    times: dict[str, list[float]] = {path: [] for path in paths}
+    order = list(paths)
+    for i in range(requests):
+        for path in order if i % 2 == 0 else order[::-1]:
+            times[path].append(1000 * await paths[path]())
+    return times
+
+
 async def measure(args: argparse.Namespace, procs: Procs, urls: dict[str, str], ctrl: int, secret: str) -> list[dict]:
-    """Every round: each kind and client, each path (order alternating): a run of ``--requests``; its row."""
+    """Every round: each kind and client, a run of ``--requests`` of each path taking turns; a row per path."""
     paths = [p for p in ("direct", "router", "baseline") if p == "direct" or p in urls]
     client = Paths(str(args.model), urls, Prompt(args.model, args.prompt_tokens), args.tokens, secret.encode(), ctrl)
+    pids = {path: procs.procs[path].pid for path in paths if path != "direct"}
     rows: list[dict[str, Any]] = []
     try:
         for kind in args.kinds:  # warm every path: connections, caches
             for name in args.clients:
-                for path in paths:
-                    await _run(client.one(path, kind, name), 5)
+                await _runs({path: client.one(path, kind, name) for path in paths}, 5)
         for r in range(args.rounds):
             for kind in args.kinds:
                 for name in args.clients:
-                    for path in paths if r % 2 == 0 else paths[::-1]:
-                        pid = procs.procs[path].pid if path != "direct" else None
-                        probe = RouterProbe(urls[path], pid) if pid is not None else None
-                        cpu0 = cpu_ns(pid) if pid is not None else 0
-                        ms = await _run(client.one(path, kind, name), args.requests)
+                    probes = {path: (RouterProbe(urls[path], pid), cpu_ns(pid)) for path, pid in pids.items()}
+                    times = await _runs({path: client.one(path, kind, name) for path in paths}, args.requests)
+                    for path, ms in times.items():
                         row = {"round": r, "kind": kind, "client": name, "path": path, "ttft_ms": ms}
-                        row.update(p50_ms=_pct(ms, 50), p90_ms=_pct(ms, 90), **(probe.finish() if probe else {}))
-                        if pid is not None:  # per request: its whole stream (16 tokens), not its first token alone
-                            row["router_cpu_ms_per_request"] = (cpu_ns(pid) - cpu0) / 1e6 / args.requests
+                        row.update(p50_ms=_pct(ms, 50), p90_ms=_pct(ms, 90))
+                        if path in probes:  # CPU per request: its whole stream, not its first token alone
+                            probe, cpu0 = probes[path]
+                            row.update(probe.finish())
+                            row["router_cpu_ms_per_request"] = (cpu_ns(pids[path]) - cpu0) / 1e6 / args.requests
                         rows.append(row)
-                        print(
-                            f"  round {r} {kind:<4} {name:<5} {path:<8} p50 {row['p50_ms']:6.2f} ms  "
-                            f"p90 {row['p90_ms']:6.2f} ms",
-                            flush=True,
-                        )
+                    print(
+                        f"  round {r} {kind:<4} {name:<5} "
+                        + "  ".join(f"{p} p50 {_pct(ms, 50):6.2f} ms" for p, ms in times.items()),
+                        flush=True,
+                    )
                 procs.check()
     finally:
         await client.aclose()
