@@ -8,8 +8,8 @@ after a ``--prompt-tokens``-token prompt, of each kind of ``--kinds``:
 
 - ``ids``: a completion whose prompt is the token ids of a text (code-like words);
 - ``random``: a completion whose prompt is seeded random token ids, as ``gpu_serving.py`` sends, whose text has no
-  clean tail (no last 4 to 23 tokens decode without U+FFFD; about one random prompt in four on the tiny
-  tokenizer): the router's detokenizer then primes with the whole prompt, as vLLM's did;
+  clean tail (no last 4 to 23 tokens decode without U+FFFD): the router's detokenizer then primes with the whole
+  prompt, as vLLM's did;
 - ``text``: a completion whose prompt is the text of ``ids``;
 - ``chat``: a chat completion with that text as one user message;
 
@@ -109,7 +109,7 @@ class Prompt:
         self.text: str = tokenizer.decode(self.ids)
         special = set(tokenizer.get_added_tokens_decoder())
         allowed = [i for i in range(tokenizer.get_vocab_size()) if i not in special]
-        for seed in range(1000):  # the first seed whose ids have no clean tail (about one in four)
+        for seed in range(1000):  # the first seed whose ids have no clean tail
             self.random: list[int] = [int(i) for i in np.random.default_rng(seed).choice(allowed, tokens)]
             tails = (tokenizer.decode(self.random[-n:], skip_special_tokens=False) for n in range(4, 24))
             if all("\ufffd" in tail for tail in tails):

@@ -81,8 +81,8 @@ async def stream_one(
             stream: Any = await client.chat.completions.create(messages=body["messages"], **common)
         else:
             # The ids in extra_body, which the SDK sends as it is: as ``prompt`` it walks every id through its request
-            # types before sending (milliseconds of client CPU per thousand ids, more than the router's whole part of
-            # the first token), and the time to first token would measure the client.
+            # types before sending (client CPU linear in the prompt), and the time to first token would measure the
+            # client more than the serving path.
             common["extra_body"] = {**extra, "prompt": body["prompt"]}
             stream = await client.completions.create(prompt="", **common)
         async for chunk in stream:
