@@ -34,8 +34,13 @@ on Ctrl-C / SIGTERM.
 **Router overhead** (``--router-overhead``): the stand-in prefill and decode servers of ``tilert.testing.standins``
 on loopback (real HTTP, one process each, served by this script's ``--standin`` mode: vLLM's non-streaming prefill
 reply with the TileRT ``kv_transfer_params``, the decode node's API on ``tilert.contracts``) that answer at once and
-emit decode tokens every ``--gap-ms``, the real router (``tilert router``) in between, and an httpx load client. At
-each concurrency it runs, interleaved,
+emit decode tokens every ``--gap-ms``, the real router (``tilert router``) in between, and a load client in
+``--client-procs`` processes of its own (``--client``: ``raw`` asyncio streams by default, the cheapest per event;
+``httpx``, ``aiohttp``), each with its share of every run's streams. ``--standin-decode-procs N`` serves N decode
+stand-ins, each a node of the router's pool; ``--router-cpus``, ``--standin-cpus`` and ``--client-cpus`` place the
+processes (on a host with the cores for it: the router alone on its core, so that a run it saturates shows what one
+core relays; every run records the router's, the busiest client's and the decode stand-in's CPU share, and the one
+near 1 is what capped it). At each concurrency it runs, interleaved,
 
 - ``direct``: the router's own calls made by the client itself: reserve, the prefill POST (time to first byte),
   then the decode NDJSON stream (gap between tokens, the first one counted from the prefill reply);
@@ -62,6 +67,9 @@ Examples::
     python benchmarks/e2e.py --router-overhead --concurrency 1,64,512
     python benchmarks/e2e.py --router-overhead --concurrency 8,64 --gap-ms 0,1.5 --router-cpus 1 --skip-direct \
         --baseline-router /tmp/before --name cpu-router-relay       # this checkout's relay against an earlier one
+    python benchmarks/e2e.py --router-overhead --concurrency 64 --gap-ms 0,1.5 --overhead-tokens 256 --rounds 3 \
+        --skip-direct --router-cpus 0 --standin-decode-procs 3 --standin-cpus 1-4 --client-procs 6 --client-cpus 5-10 \
+        --out /tmp/relay-16                                         # one router core, on a 16-core host
 """
 
 from __future__ import annotations
@@ -73,6 +81,7 @@ from pathlib import Path
 
 from e2elib.conditions import DEFAULT_MODEL_DIR, conditions, ensure_model
 from e2elib.e2e_runs import run_e2e
+from e2elib.load import CLIENTS
 from e2elib.overhead import run_overhead, serve_standin
 from e2elib.procs import supervised
 from e2elib.report import write_outputs
@@ -204,6 +213,30 @@ def parser() -> argparse.ArgumentParser:
         "the same rounds as `baseline`",
     )
     ov.add_argument("--skip-direct", action="store_true", help="measure the router path(s) alone, no direct rows")
+    ov.add_argument(
+        "--client",
+        choices=CLIENTS,
+        default="raw",
+        help="the router path's load client (raw: asyncio streams, the cheapest per event; default: %(default)s)",
+    )
+    ov.add_argument(
+        "--client-procs",
+        type=int,
+        default=1,
+        help="load-client processes, each an event loop with its share of every run's streams (default: %(default)s)",
+    )
+    ov.add_argument("--client-cpus", default="", help="CPU list of the client processes, one CPU each in turn")
+    ov.add_argument(
+        "--standin-decode-procs",
+        type=int,
+        default=1,
+        help="decode stand-ins, each a node of the router's pool in a process of its own (default: %(default)s)",
+    )
+    ov.add_argument(
+        "--standin-cpus",
+        default="",
+        help="CPU list of the stand-ins, one CPU each in turn: the decode stand-ins first, then the prefill",
+    )
     ov.add_argument(
         "--router-profile",
         type=Path,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import replace
+from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -112,6 +113,64 @@ def small(args: ModelArgs, layers: int, vocab: int = 32000) -> ModelArgs:
         vocab_size=vocab,
         mlp_layer_types=["dense"] * dense + ["sparse"] * (layers - dense),
         indexer_types=["full"] * layers,
+    )
+
+
+# Configurations written as synthetic block-FP8 HF checkpoints (``gpu_serving.py --synthetic NAME``,
+# ``tilert.models.synthetic``): lite-v32, and a tiny one of the same family for the CPU (its vocabulary is the
+# tokenizer's it is written with).
+TINY_V32 = v32_args(
+    hidden=256,
+    layers=2,
+    heads=4,
+    experts=8,
+    top_k=2,
+    n_shared=1,
+    moe_inter=128,
+    dense_inter=512,
+    vocab=2048,
+    idx_heads=4,
+    q_lora=128,
+    nope=32,
+    v=32,
+    idx_dim=64,
+    idx_topk=64,
+)
+SYNTHETIC = {"lite-v32": LITE_V32, "tiny-v32": TINY_V32}
+
+
+def hf_overrides(args: ModelArgs) -> dict[str, Any]:
+    """A DeepSeek-V3.2-shaped configuration (``v32_args``) as the fields of transformers' ``DeepseekV32Config``
+    that differ from its defaults' or are set anyway: what its checkpoint's ``config.json`` holds
+    (``weights.args_from_hf_config`` reads them back as ``args``, rope included: theta 10000, no scaling)."""
+    dense = args.mlp_layer_types.count("dense")
+    if args.mlp_layer_types != ["dense"] * dense + ["sparse"] * (args.num_layers - dense):
+        raise ValueError("the dense layers must come first (first_k_dense_replace)")
+    return dict(
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        moe_intermediate_size=args.moe_intermediate_size,
+        num_hidden_layers=args.num_layers,
+        first_k_dense_replace=dense,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_heads,
+        q_lora_rank=args.q_lora_rank,
+        kv_lora_rank=args.kv_lora_rank,
+        qk_nope_head_dim=args.qk_nope_head_dim,
+        qk_rope_head_dim=args.qk_rope_head_dim,
+        v_head_dim=args.v_head_dim,
+        n_routed_experts=args.n_routed_experts,
+        n_shared_experts=args.n_shared_experts,
+        num_experts_per_tok=args.num_experts_per_tok,
+        n_group=args.n_group,
+        topk_group=args.topk_group,
+        norm_topk_prob=args.norm_topk_prob,
+        routed_scaling_factor=args.routed_scaling_factor,
+        rms_norm_eps=args.rms_norm_eps,
+        index_n_heads=args.index_n_heads,
+        index_head_dim=args.index_head_dim,
+        index_topk=args.index_topk,
     )
 
 

@@ -3,6 +3,12 @@
     python benchmarks/gpu_serving.py --model DIR [--device cuda|cpu] [--users 1,2,4,8] [--tokens 256]
                                      [--prompt-len 1024] [--api completions|chat] [--transport tcp] [--out DIR]
     python benchmarks/gpu_serving.py --smoke --device cpu          # a tiny DSA model built on the spot, users 1,2
+    python benchmarks/gpu_serving.py --synthetic lite-v32 --tokenizer DIR [--synthetic-dir DIR] ...
+
+``--synthetic NAME`` (``engine_configs.SYNTHETIC``: ``lite-v32``, ``tiny-v32`` for the CPU) serves a synthetic
+block-FP8 checkpoint of that configuration with its MTP layer, written in DeepSeek's HF format on the spot and
+converted by ``tilert convert`` (:mod:`servelib.synthetic`), kept in ``--synthetic-dir`` when given (a later run can
+then pass its ``converted/`` as ``--model``).
 
 Everything after the prefill is the product: the real decode node (``tilert decode --device ...``) and the real
 router (``tilert router``), started as ``tilert up`` starts them, on loopback, with one shared secret. The prefill is
@@ -46,6 +52,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import httpx  # noqa: E402
 import torch  # noqa: E402
 from e2elib.procs import supervised  # noqa: E402
+from engine_configs import SYNTHETIC  # noqa: E402
 from results_header import machine_kind, recorded, result_path, write_json  # noqa: E402
 from servelib import clients, parts, report  # noqa: E402
 from servelib.paged import default_kind  # noqa: E402
@@ -119,6 +126,23 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--startup-timeout-s", type=float, default=900.0)
     ap.add_argument("--out", type=Path, default=None, help="a directory or FILE.json (default: benchmarks/results/)")
     ap.add_argument("--smoke", action="store_true", help=f"a quick run: {SMOKE} unless given otherwise")
+    ap.add_argument(
+        "--synthetic",
+        choices=sorted(SYNTHETIC),
+        help="serve a synthetic block-FP8 checkpoint of this configuration, written and converted first",
+    )
+    ap.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="with --synthetic: the tokenizer directory copied into the checkpoint (default: one trained here; "
+        "for lite-v32 that takes minutes)",
+    )
+    ap.add_argument(
+        "--synthetic-dir",
+        type=Path,
+        help="with --synthetic: where the checkpoint (hf/) and its conversion (converted/) are written and kept "
+        "(default: a temporary directory, removed at the end)",
+    )
     ap.add_argument("--serve-standin", type=int, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("--max-model-len", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--max-sequences", type=int, help=argparse.SUPPRESS)
@@ -130,8 +154,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.prefill_device = args.prefill_device or args.device
     if args.tokens < 2 or args.prompt_len < 1 or not args.users or not 1 <= min(args.users) <= max(args.users) <= 64:
         ap.error("--tokens >= 2, --prompt-len >= 1 and --users in 1..64 (the node's --max-sequences)")
-    if args.model is None and not args.smoke and args.serve_standin is None:
-        ap.error("--model DIR is required (or --smoke)")
+    if args.model is None and not args.smoke and not args.synthetic and args.serve_standin is None:
+        ap.error("--model DIR is required (or --smoke, or --synthetic NAME)")
+    if args.synthetic and args.model is not None:
+        ap.error("--synthetic writes its own checkpoint: no --model")
+    if not args.synthetic and (args.tokenizer is not None or args.synthetic_dir is not None):
+        ap.error("--tokenizer and --synthetic-dir go with --synthetic")
+    if args.synthetic_dir is not None and args.synthetic_dir.exists() and any(args.synthetic_dir.iterdir()):
+        ap.error(f"--synthetic-dir {args.synthetic_dir} is not empty (its converted/ can be served with --model)")
     return args
 
 
@@ -218,7 +248,7 @@ def _gpus(args: argparse.Namespace) -> int:
     return max(1, len(cuda))
 
 
-def run(args: argparse.Namespace, model: Path) -> int:
+def run(args: argparse.Namespace, model: Path, synthetic: dict[str, Any] | None = None) -> int:
     config = read_json(model / "config.json")
     dsa = bool(config.get("index_topk"))
     kind = default_kind(args.prefill_device, dsa) if args.kv_layout == "auto" else args.kv_layout
@@ -281,6 +311,8 @@ def run(args: argparse.Namespace, model: Path) -> int:
         "decode_commands": [parts.commands(node, cfg, script)["decode"] for node in nodes],
         "logs": str(log_dir),
     }
+    if synthetic is not None:
+        conditions["synthetic"] = synthetic
     streams = {
         f"{node_label(node.drafts, node.accept_all_drafts)}, {k}": [s.summary() for s in v]
         for node, result in zip(nodes, results, strict=True)
@@ -300,6 +332,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_standin is not None:
         serve_standin(args)
         return 0
+    if args.synthetic:
+        from servelib import synthetic
+
+        root = args.synthetic_dir or Path(tempfile.mkdtemp(prefix="gpu-serving-synthetic-"))
+        try:
+            model, facts = synthetic.build(args.synthetic, root, args.tokenizer, args.device)
+            return run(args, model.resolve(), facts)
+        finally:
+            if args.synthetic_dir is None:
+                shutil.rmtree(root, ignore_errors=True)
     built = None if args.model else _smoke_model()
     try:
         return run(args, (args.model or built).resolve())

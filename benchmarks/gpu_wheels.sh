@@ -16,7 +16,7 @@ PIP+=(--platform manylinux2014_x86_64)
 NAMES="orjson msgspec structlog starlette uvicorn tenacity xgrammar apache-tvm-ffi pydantic pydantic-core
 annotated-types typing-inspection pyzmq cachetools cbor2 blake3 pybase64 setproctitle httpx2 httpcore2 brotli dill
 email-validator dnspython fastapi greenlet llguidance openai jiter sniffio oss-harmony distro partial-json-parser
-pydantic-extra-types python-multipart truststore"
+pydantic-extra-types python-multipart truststore httptools uvloop"
 mkdir -p .whl .gpu
 for name in $NAMES; do
   version=$(.venv/bin/python -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name" 2>/dev/null || true)

@@ -40,40 +40,9 @@ from tilert.contracts import Grammar, Sampling  # noqa: E402
 from tilert.decode.generate import SequenceRun, decode_alone  # noqa: E402
 from tilert.decode.grammar import Grammars  # noqa: E402
 from tilert.decode.sampling import DecodeParams  # noqa: E402
+from tilert.models.synthetic import write_tokenizer  # noqa: E402
 
 SCHEMA = '{"type": "array", "items": {"type": "integer"}, "minItems": 400}'
-
-
-def train_tokenizer(out_dir: str, vocab_size: int) -> None:
-    """A byte-level BPE of ``vocab_size`` tokens (or as many as the corpus gives) on the Python standard library's
-    sources, saved as a transformers tokenizer in ``out_dir``."""
-    import sysconfig
-    from pathlib import Path
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    files, total = [], 0
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
-        data = path.read_bytes()
-        try:
-            data.decode("utf-8")
-        except UnicodeDecodeError:
-            continue
-        files.append(str(path))
-        total += len(data)
-        if total > 40e6:
-            break
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<s>", "</s>"], initial_alphabet=alphabet, show_progress=False
-    )
-    tok.train(files, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(out_dir)
 
 
 def run_one(engine, params, eos, ctx, grammars, fast: bool) -> tuple[list[int], float]:
@@ -113,7 +82,7 @@ def main() -> None:
     args = replace(config_args(opts.config), fp8=True)
     if opts.train_tokenizer:
         t0 = time.time()
-        train_tokenizer(opts.tokenizer, args.vocab_size)
+        write_tokenizer(opts.tokenizer, args.vocab_size)
         print(f"tokenizer trained in {time.time() - t0:.0f} s", flush=True)
     register_device_kernels()
     dev, ctx = torch.device("cuda"), opts.context

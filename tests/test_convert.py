@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-from support.checkpoints import checkpoint_shapes
 
 from tilert.engines.tilert import convert, st_io
 from tilert.engines.tilert.engine import TileRTEngine
+from tilert.models.synthetic import checkpoint_shapes
 
 # ~0.97 GB of bf16 in 1,000+ tensors: DeepSeek-V3 layout, 64 experts per MoE layer; the largest tensors are the
 # embedding and the head (65.5 MB each).

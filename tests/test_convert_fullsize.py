@@ -1,16 +1,16 @@
 """``tilert convert --tp 8`` at full dimensions: a synthetic block-FP8 DeepSeek-V3.2 checkpoint with every
 dimension of the full-size model (hidden 7168, 128 heads, q_lora 1536, expert width 2048, dense width 18432, the
 DSA indexer; from transformers' ``DeepseekV32Config`` defaults) but two layers (one dense, one MoE) plus the MTP
-layer, 8 routed experts and a 4K vocabulary, generated here tensor by tensor (never committed), converted to
-TP 8 shards in a subprocess whose peak RSS is measured: it must stay far below the checkpoint's size, and each
-rank's shard must load into exactly the tensors the engine makes of the original checkpoint for that rank.
+layer, 8 routed experts and a 4K vocabulary, generated tensor by tensor (``tilert.models.synthetic``, never
+committed), converted to TP 8 shards in a subprocess whose peak RSS is measured: it must stay far below the
+checkpoint's size, and each rank's shard must load into exactly the tensors the engine makes of the original
+checkpoint for that rank.
 The peak RSS and the seconds per GB are printed (recorded in ``benchmarks/results/``).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 import time
@@ -19,67 +19,15 @@ from typing import Any
 
 import pytest
 import torch
-from support.checkpoints import checkpoint_shapes
 
-from tilert.engines.tilert import converted, fp8, sharding, st_io, weights
+from tilert.engines.tilert import converted, fp8, sharding, weights
 from tilert.engines.tilert.convert import LazyCheckpoint
-from tilert.models.quantize import QUANTIZATION_CONFIG, is_quantized_linear
+from tilert.models.synthetic import write_fp8_checkpoint
 
 pytestmark = pytest.mark.timeout(600)
 
 TP = 8
 REDUCE: dict[str, Any] = dict(num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=8, vocab_size=4096)
-
-
-def write_fp8_checkpoint(out: Path, files: int = 6) -> int:
-    """The synthetic checkpoint (module docstring) in DeepSeek's FP8 format: e4m3 weights with float32
-    ``weight_scale_inv`` per 128x128 block for every linear the published checkpoints quantise, per-expert
-    naming, the MTP layer ``model.layers.2`` with its own norms and ``eh_proj``; written tensor by tensor over
-    ``files`` shards. Returns the checkpoint's size in bytes."""
-    import transformers as tf
-
-    cfg = tf.DeepseekV32Config(**REDUCE)
-    n = cfg.num_hidden_layers
-    out.mkdir(parents=True)
-    cfg.save_pretrained(out)
-    raw = json.loads((out / "config.json").read_text())
-    raw.update(quantization_config=QUANTIZATION_CONFIG, num_nextn_predict_layers=1)
-    (out / "config.json").write_text(json.dumps(raw, indent=1))
-    with torch.device("meta"):
-        model = tf.DeepseekV32ForCausalLM(cfg)
-    shapes = checkpoint_shapes(model)
-    last, mtp = f"model.layers.{n - 1}.", f"model.layers.{n}."
-    d = cfg.hidden_size
-    for name in list(shapes):
-        if name.startswith(last):
-            shapes[mtp + name[len(last) :]] = shapes[name]
-    for name, shape in (("enorm", (d,)), ("hnorm", (d,)), ("shared_head.norm", (d,)), ("eh_proj", (d, 2 * d))):
-        shapes[f"{mtp}{name}.weight"] = shape
-    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-    for name, shape in shapes.items():
-        if is_quantized_linear(name, torch.empty(shape, device="meta")):
-            specs[name] = (fp8.E4M3, shape)
-            specs[name + "_scale_inv"] = (torch.float32, (-(-shape[0] // fp8.BLOCK), -(-shape[1] // fp8.BLOCK)))
-        else:
-            specs[name] = (torch.float32 if name.endswith("correction_bias") else torch.bfloat16, shape)
-    names = list(specs)
-    per = math.ceil(len(names) / files)
-    gen = torch.Generator().manual_seed(0)
-    for f in range(files):
-        chunk = names[f * per : (f + 1) * per]
-        w = st_io.ShardWriter(out / f"model-{f:05d}.safetensors", {k: specs[k] for k in chunk})
-        for k in chunk:
-            dtype, shape = specs[k]
-            if dtype == fp8.E4M3:  # random bytes with the lowest exponent bit cleared: never NaN
-                b = torch.empty(shape, dtype=torch.uint8).random_(generator=gen)
-                t = b.bitwise_and_(0xF7).view(fp8.E4M3)
-            elif k.endswith("_scale_inv"):
-                t = torch.rand(shape, generator=gen).add_(0.5).mul_(1e-3)
-            else:
-                t = torch.randn(shape, generator=gen).mul_(0.02 if len(shape) > 1 else 1.0).to(dtype)
-            w.write(k, t)
-        w.close()
-    return sum(f.stat().st_size for f in out.glob("*.safetensors"))
 
 
 _MEASURE = """
@@ -102,7 +50,7 @@ print(json.dumps({"base_kb": base, "peak_kb": status("VmHWM"), "seconds": time.p
 def test_full_dimension_fp8_checkpoint_converts_to_tp8_in_bounded_memory(tmp_path: Path) -> None:
     src, out = tmp_path / "src", tmp_path / "tp8"
     t0 = time.perf_counter()
-    size = write_fp8_checkpoint(src)
+    size = write_fp8_checkpoint(src, "DeepseekV32Config", REDUCE, files=6)
     made = time.perf_counter() - t0
     args = weights.args_from_hf_config(weights.load_hf_config(src), weights.checkpoint_keys(src))
     assert args.fp8 and args.hidden_size == 7168 and args.num_heads == 128 and args.num_mtp_layers == 1

@@ -57,3 +57,31 @@ def test_smoke_run_streams_the_engines_own_tokens(tmp_path: Path) -> None:
     assert rows[2]["engine_batch_same"] is True  # the engine's two sequences at once give each its tokens alone
     assert doc["conditions"]["prefill_kv_layout"] == "dense"
     assert "The same tokens as the engine's own greedy on every stream." in done.stdout
+
+
+def test_synthetic_checkpoint_written_converted_and_served(tmp_path: Path) -> None:
+    """``--synthetic tiny-v32``: the checkpoint written in DeepSeek's FP8 format with its MTP layer, converted by
+    ``tilert convert``, then served; the streams are the engine's own tokens and the conditions say how long the
+    two steps took."""
+    out, keep = tmp_path / "out", tmp_path / "synthetic"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    argv = ["--synthetic", "tiny-v32", "--synthetic-dir", str(keep), "--device", "cpu", "--out", str(out)]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *argv, "--users", "1,2", "--tokens", "4", "--prompt-len", "72", "--no-warmup"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    doc = json.loads((out / "cpu-serving.json").read_text())
+    rows = {r["users"]: r for r in doc["rows"]}
+    assert set(rows) == {1, 2} and all(r["same_tokens"] is True and r["errors"] == 0 for r in rows.values()), rows
+    syn = doc["conditions"]["synthetic"]
+    assert syn["name"] == "tiny-v32" and syn["write_s"] > 0 and syn["convert_s"] > 0 and syn["checkpoint_gb"] > 0
+    assert doc["conditions"]["model"] == str((keep / "converted").resolve())
+    assert doc["conditions"]["engine_mtp"] is True  # the MTP layer came through the conversion
+    assert json.loads((keep / "hf" / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+    assert (keep / "converted" / "tilert_manifest.json").is_file()
+    assert "written:" in done.stdout and "converted:" in done.stdout
+    assert "The same tokens as the engine's own greedy on every stream." in done.stdout

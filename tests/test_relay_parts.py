@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from tokenizers import Tokenizer
 
 from tilert import contracts as c
+from tilert.metric_conventions import ManyObservations
 from tilert.models.tiny import train_tokenizer
-from tilert.router.metrics import ManyObservations
 from tilert.router.token_loop import TokenLoop
 
 TEXT = " return fibonacci(n - 1) + fibonacci(n - 2)  # the sum of the two before, as a stop string may cut it"

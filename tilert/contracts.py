@@ -906,5 +906,13 @@ def dump_line(msg: TokenLine | ErrorLine) -> bytes:
     return msgspec.json.encode(msg) + b"\n"
 
 
+def dump_lines(lines: Sequence[TokenLine | ErrorLine]) -> bytes:
+    """Several lines of the decode stream in one call (each as :func:`dump_line` writes it)."""
+    return _line_encoder.encode_lines(lines)
+
+
+_line_encoder = msgspec.json.Encoder()
+
+
 def error_body(message: str, code: int) -> bytes:
     return dump(ErrorBody(ErrorDetail(message[:MAX_REASON_CHARS], code)))

@@ -1,10 +1,16 @@
-"""What the router's and the decode node's ``/metrics`` share: the name prefix and vLLM's histogram buckets.
+"""What the router's and the decode node's ``/metrics`` share: the name prefix, vLLM's histogram buckets, and
+:class:`ManyObservations` (the inter-token gaps of a line of several tokens observed at once).
 
 Both name their series after vLLM's, with ``tilert:`` for ``vllm:``, so one dashboard reads vLLM, the router
 (:mod:`tilert.router.metrics`) and the decode nodes (:mod:`tilert.decode.metrics`).
 """
 
 from __future__ import annotations
+
+import bisect
+from typing import Any
+
+from prometheus_client import Histogram
 
 PREFIX = "tilert:"
 
@@ -131,3 +137,23 @@ TOKEN_COUNT_BUCKETS = (
     500000,
     1000000,
 )
+
+
+class ManyObservations:
+    """``n`` observations of one value at once into a histogram (its child, labels applied): the sum and the bucket
+    ``observe`` counts (the first bound at or above the value) grow as by ``n`` calls of ``observe``, in one step
+    (prometheus_client observes one value at a time)."""
+
+    def __init__(self, histogram: Histogram) -> None:
+        self._histogram = histogram
+        parts: list[Any] = [getattr(histogram, name, None) for name in ("_buckets", "_upper_bounds", "_sum")]
+        self._parts = None if None in parts else parts  # not the layout this relies on: one by one
+
+    def observe(self, value: float, n: int) -> None:
+        if n == 1 or self._parts is None:
+            for _ in range(n):
+                self._histogram.observe(value)
+            return
+        buckets, bounds, total = self._parts
+        total.inc(value * n)
+        buckets[bisect.bisect_left(bounds, value)].inc(n)

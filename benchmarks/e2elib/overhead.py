@@ -1,18 +1,18 @@
 """Router overhead: the real router (``tilert router``) between the stand-ins of :mod:`tilert.testing.standins`
-(each served in a process of its own by ``e2e.py --standin``), driven by :mod:`e2elib.load` at each concurrency,
-``direct`` and ``router`` interleaved."""
+(each served in a process of its own by ``e2e.py --standin``), driven by :mod:`e2elib.load` in the client processes
+of :mod:`e2elib.clients` at each concurrency, ``direct`` and ``router`` interleaved. Each run records the CPU share
+of the router, of the busiest client process and of each stand-in: the one near 1 is what capped the run."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -20,10 +20,11 @@ from starlette.responses import Response
 from starlette.routing import Mount, Route
 from tokenizers import Tokenizer
 
+from e2elib.clients import ClientProcs, ClientSpec
 from e2elib.conditions import settings
-from e2elib.load import LoadClient, drive, overhead_prompt, summarize
+from e2elib.load import overhead_prompt, summarize
 from e2elib.probes import RouterProbe
-from e2elib.procs import Procs, free_port, parse_cpus, wait_healthy
+from e2elib.procs import Procs, free_port, parse_cpus, process_cpu_s, wait_healthy
 from e2elib.profiles import profile_table
 from e2elib.profiles import summarize as summarize_profile
 from e2elib.tables import fmt, overhead_table
@@ -86,22 +87,28 @@ def serve_standin(args: argparse.Namespace) -> int:
     return 0
 
 
+def _decode_names(args: argparse.Namespace) -> list[str]:
+    """The decode stand-ins' names (``--standin-decode-procs``): ``decode``, ``decode-1``, ..."""
+    return ["decode", *(f"decode-{i}" for i in range(1, max(1, args.standin_decode_procs)))]
+
+
 def _router_command(
     args: argparse.Namespace, ports: dict[str, int], port: int, model: Path, profile: Path | None
 ) -> list[str]:
-    """``tilert router`` between the stand-ins (under cProfile into ``profile`` when given)."""
+    """``tilert router`` between the stand-ins, every decode stand-in a node of its pool (under cProfile into
+    ``profile`` when given)."""
     if profile is not None:  # the stats written as the router stops (cProfile's own -m would not)
         head = ["-c", PROFILED.format(out=str(profile))]
     else:
         head = ["-m", "tilert.cli"]
+    nodes = [arg for d in _decode_names(args) for arg in ("--decode", f"127.0.0.1:{ports['ctrl-' + d]}:{ports[d]}")]
     return [
         sys.executable,
         *head,
         "router",
         "--prefill-url",
         f"http://127.0.0.1:{ports['prefill']}",
-        "--decode",
-        f"127.0.0.1:{ports['ctrl']}:{ports['decode']}",
+        *nodes,
         "--model",
         str(model),
         "--port",
@@ -134,8 +141,13 @@ def _profiles(args: argparse.Namespace, procs: Procs, rows: list[dict[str, Any]]
 
 def _start(args: argparse.Namespace, procs: Procs, model: Path, secret: str) -> tuple[dict[str, Any], dict[str, str]]:
     """The stand-ins and the router(s): ``router`` from this checkout, ``baseline`` from ``--baseline-router``'s (its
-    ``tilert`` first on the path), each pinned to ``--router-cpus``. Returns the ports and each server's command."""
-    ports = {"prefill": free_port(), "decode": free_port(), "router": free_port(), "ctrl": free_port()}
+    ``tilert`` first on the path), each pinned to ``--router-cpus``; each stand-in on a CPU of ``--standin-cpus`` in
+    turn (the decode stand-ins first, then the prefill). Returns the ports and each server's command."""
+    decodes = _decode_names(args)
+    if args.router_profile:
+        args.router_profile.mkdir(parents=True, exist_ok=True)
+    ports = {name: free_port() for name in ("prefill", "router", *decodes, *(f"ctrl-{d}" for d in decodes))}
+    ports["ctrl"] = ports["ctrl-decode"]  # the first node's, as the direct path claims for it
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("TILERT_SECRET")},
         SECRET_ENV: secret,
@@ -144,11 +156,9 @@ def _start(args: argparse.Namespace, procs: Procs, model: Path, secret: str) -> 
     }
     me = [sys.executable, str(E2E), "--model", str(model)]
     decode_args = ["--gap-ms", str(args.gap_ms[0]), "--standin-slots", str(args.standin_slots)]
-    commands = {
-        "standin-prefill": me + ["--standin", "prefill", "--port", str(ports["prefill"])],
-        "standin-decode": me + ["--standin", "decode", "--port", str(ports["decode"]), *decode_args],
-        "router": _router_command(args, ports, ports["router"], model, _profile_path(args, "router")),
-    }
+    commands = {f"standin-{d}": me + ["--standin", "decode", "--port", str(ports[d]), *decode_args] for d in decodes}
+    commands["standin-prefill"] = me + ["--standin", "prefill", "--port", str(ports["prefill"])]
+    commands["router"] = _router_command(args, ports, ports["router"], model, _profile_path(args, "router"))
     router_env = dict(env)
     if args.router_log_level:
         router_env["TILERT_LOG_LEVEL"] = args.router_log_level
@@ -157,42 +167,55 @@ def _start(args: argparse.Namespace, procs: Procs, model: Path, secret: str) -> 
         ports["baseline"] = free_port()
         commands["baseline"] = _router_command(args, ports, ports["baseline"], model, _profile_path(args, "baseline"))
         envs["baseline"] = {**router_env, "PYTHONPATH": str(args.baseline_router.resolve())}
-    for name, cmd in commands.items():
+    standin_cpus = sorted(parse_cpus(args.standin_cpus) or ())
+    for i, (name, cmd) in enumerate(commands.items()):  # the stand-ins come first, in the order above
         cpus = parse_cpus(args.router_cpus) if name in ("router", "baseline") else None
+        if name.startswith("standin-") and standin_cpus:
+            cpus = {standin_cpus[i % len(standin_cpus)]}
         procs.start(name, cmd, envs.get(name, env), cpus=cpus)
     return ports, {n: " ".join(cmd) for n, cmd in commands.items()}
 
 
+def _check_cpus(args: argparse.Namespace) -> None:
+    """Every CPU the placement options name is one this process may run on (else the children fail to start)."""
+    allowed = os.sched_getaffinity(0)
+    for option in ("router_cpus", "standin_cpus", "client_cpus"):
+        wanted = parse_cpus(getattr(args, option)) or set()
+        if not wanted <= allowed:
+            flag = "--" + option.replace("_", "-")
+            raise RuntimeError(
+                f"{flag} names CPUs {sorted(wanted - allowed)} outside this machine's usable CPUs {sorted(allowed)}"
+            )
+
+
 def run_overhead(args: argparse.Namespace, procs: Procs, model: Path, cond: dict[str, Any]) -> dict[str, Any]:
+    _check_cpus(args)
     secret = generate_secret()
     ports, commands = _start(args, procs, model, secret)
     routers = [m for m in ("router", "baseline") if m in ports]
-    urls = {name: f"http://127.0.0.1:{ports[name]}" for name in ("prefill", "decode", *routers)}
-    health = {"standin-prefill": urls["prefill"], "standin-decode": urls["decode"], **{m: urls[m] for m in routers}}
+    decodes = _decode_names(args)
+    urls = {name: f"http://127.0.0.1:{ports[name]}" for name in ("prefill", *decodes, *routers)}
+    health = {f"standin-{n}": urls[n] for n in ("prefill", *decodes)} | {m: urls[m] for m in routers}
     wait_healthy(procs, health, args.startup_timeout_s)
     prompt = overhead_prompt(args.overhead_prompt_words)
     modes = routers if args.skip_direct else ["direct", *routers]
     rows: list[dict[str, Any]] = []
-
-    async def measure() -> None:
-        client = LoadClient(model, secret.encode(), urls, ports["ctrl"], prompt, args.overhead_tokens)
-        try:
-            for mode in modes:  # warm every path (connections, caches)
-                await drive(client.path(mode), 4, 8)
-            for mode in routers:  # the profiles begin now
-                if _profile_path(args, mode) is not None:
-                    os.kill(procs.procs[mode].pid, signal.SIGUSR1)
-            for gap in args.gap_ms:
-                await client.client.post(urls["decode"] + GAP_PATH, json={"gap_ms": gap})
-                for r in range(args.rounds):
-                    for c in args.concurrency:
-                        total = args.overhead_requests or max(64, 2 * c)
-                        for mode in modes if r % 2 == 0 else modes[::-1]:
-                            rows.append(await _one_run(args, client, procs, mode, urls, (gap, r, c), total))
-        finally:
-            await client.aclose()
-
-    asyncio.run(measure())
+    spec = ClientSpec(str(model), secret.encode(), urls, ports["ctrl"], prompt, args.overhead_tokens, args.client)
+    client_cpus = sorted(parse_cpus(args.client_cpus) or ()) or None
+    with ClientProcs(spec, args.client_procs, client_cpus) as clients:
+        for mode in modes:  # warm every path (connections, caches) in every client process
+            clients.run(mode, 4 * clients.count, 8 * clients.count)
+        for mode in routers:  # the profiles begin now
+            if _profile_path(args, mode) is not None:
+                os.kill(procs.procs[mode].pid, signal.SIGUSR1)
+        for gap in args.gap_ms:
+            for d in decodes:
+                httpx.post(urls[d] + GAP_PATH, json={"gap_ms": gap}, timeout=10.0).raise_for_status()
+            for r in range(args.rounds):
+                for c in args.concurrency:
+                    total = args.overhead_requests or max(64, 2 * c)
+                    for mode in modes if r % 2 == 0 else modes[::-1]:
+                        rows.append(_one_run(args, clients, procs, mode, urls, (gap, r, c), total))
     cond["loadavg_end"] = os.getloadavg()
     table = overhead_table(rows, args.concurrency, args.gap_ms, modes)
     profiled = _profiles(args, procs, rows, routers)
@@ -210,9 +233,9 @@ def run_overhead(args: argparse.Namespace, procs: Procs, model: Path, cond: dict
     }
 
 
-async def _one_run(
+def _one_run(
     args: argparse.Namespace,
-    client: LoadClient,
+    clients: ClientProcs,
     procs: Procs,
     mode: str,
     urls: dict[str, str],
@@ -223,10 +246,18 @@ async def _one_run(
     row."""
     gap, r, c = at
     probe = RouterProbe(urls[mode], procs.procs[mode].pid) if mode != "direct" else None
-    cpu0 = time.process_time()
-    samples, wall = await drive(client.path(mode), c, total)
+    standins = {name: proc.pid for name, proc in procs.procs.items() if name.startswith("standin-")}
+    standin_cpu0 = {name: process_cpu_s(pid) for name, pid in standins.items()}
+    run = clients.run(mode, c, total)
+    samples, wall = run.samples, run.wall_s
     row = {"mode": mode, "gap_ms": gap, "concurrency": c, "round": r, **summarize(samples, wall)}
-    row["client_cpu_ms_per_request"] = 1000 * (time.process_time() - cpu0) / max(1, len(samples))
+    row["client_procs"] = len(run.cpu_s)
+    row["client_cpu_ms_per_request"] = 1000 * sum(run.cpu_s) / max(1, len(samples))
+    row["client_cpu_share_max"] = max(run.cpu_share)  # the busiest client process's
+    shares = {name: (process_cpu_s(pid) - standin_cpu0[name]) / wall if wall else 0.0 for name, pid in standins.items()}
+    row["standin_cpu_shares"] = shares  # each stand-in's CPU time over the run's wall time
+    row["standin_prefill_cpu_share"] = shares.pop("standin-prefill")
+    row["standin_decode_cpu_share"] = max(shares.values())  # the busiest decode stand-in's
     row["nominal_tokens_per_s"] = c * 1000.0 / gap if gap else None
     if probe is not None:
         row.update(probe.finish())
@@ -240,7 +271,8 @@ async def _one_run(
         f"{fmt(row['ttfb_p99_ms'], 2)} ms  ITL p50 {fmt(row['itl_p50_ms'], 2)} ms p99 "
         f"{fmt(row['itl_p99_ms'], 2)} ms  tok/s {fmt(row['tokens_per_s'], 0)}  tokens/event "
         f"{fmt(row['tokens_per_event'], 2)}  router CPU/token {fmt(row.get('router_cpu_us_per_token'), 1)} us "
-        f"(CPU share {fmt(row.get('router_cpu_share'), 2)})  "
+        f"(CPU share {fmt(row.get('router_cpu_share'), 2)})  CPU share: busiest client "
+        f"{fmt(row['client_cpu_share_max'], 2)}, decode stand-in {fmt(row['standin_decode_cpu_share'], 2)}  "
         f"errors {row['errors']}  ({wall:.1f} s)",
         flush=True,
     )

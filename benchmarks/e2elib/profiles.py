@@ -9,7 +9,16 @@ from typing import Any
 
 # (part, path fragments of the functions it holds), first match wins; the rest is "other"
 PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("decode stream read (aiohttp)", ("aiohttp/streams.py", "aiohttp/client_proto.py", "aiohttp/base_protocol.py")),
+    (
+        "decode stream read (decode_stream / aiohttp)",
+        (
+            "tilert/router/decode_stream.py",
+            "httptools",
+            "aiohttp/streams.py",
+            "aiohttp/client_proto.py",
+            "aiohttp/base_protocol.py",
+        ),
+    ),
     ("node lines: parse and join (msgspec, contracts)", ("tilert/contracts.py", "msgspec", "node_client.py:_lines")),
     ("token loop and detokenizer", ("tilert/router/token_loop.py", "tilert/router/detokenize.py", "DecodeStream")),
     ("SSE chunk (openai_format, orjson)", ("tilert/router/openai_format.py", "orjson")),

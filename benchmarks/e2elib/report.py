@@ -90,12 +90,12 @@ def markdown(result: dict[str, Any], note: str | None) -> str:
     else:
         out += [
             "- stand-ins: `tilert.testing.standins` served by `benchmarks/e2e.py --standin` (Starlette + uvicorn, one "
-            f"process each); decode gap "
+            f"process each: the prefill and {s.get('standin_decode_procs', 1)} decode node(s) of the router's pool); "
+            "decode gap "
             f"{', '.join(f'{g:g}' for g in s['gap_ms'])} ms, "
             f"{s['overhead_tokens']} tokens per request, prompt of {s['overhead_prompt_words']} "
             f"words; router `tilert router` (log level {s['router_log_level'] or 'default'}, CPUs "
-            f"{s['router_cpus'] or 'unpinned'}); load client: httpx "
-            "async in one process; client, router and stand-ins share the machine's cores",
+            f"{s['router_cpus'] or 'unpinned'}); " + _placement(s),
             f"- {s['rounds']} round(s), "
             + ("the router path(s)" if s.get("skip_direct") else "direct and the router path(s)")
             + " interleaved at each concurrency (order alternating each round); the table shows the median over "
@@ -106,6 +106,15 @@ def markdown(result: dict[str, Any], note: str | None) -> str:
             result["table"],
         ]
     return "\n".join(out) + "\n"
+
+
+def _placement(s: dict[str, Any]) -> str:
+    """Where the load client and the stand-ins ran (results of before these settings: httpx in one process)."""
+    kind, procs = s.get("client", "httpx"), s.get("client_procs", 1)
+    client = f"load client: {kind} in {procs} process{'es' if procs != 1 else ''}"
+    client += f" (CPUs {s['client_cpus']}, one each)" if s.get("client_cpus") else ""
+    standins = f"stand-ins on CPUs {s['standin_cpus']}" if s.get("standin_cpus") else "stand-ins unpinned"
+    return f"{client}; {standins}; the rest shares the machine's cores"
 
 
 def _load(values: Any) -> str:

@@ -151,6 +151,8 @@ def overhead_table(rows: list[dict[str, Any]], concurrencies: list[int], gaps_ms
         "router_cpu_ms_per_request",
         "router_cpu_us_per_token",
         "router_cpu_share",
+        "client_cpu_share_max",
+        "standin_decode_cpu_share",
         "router_tokens_per_cpu_s",
         "router_queue_ms",
         "router_prefill_ms",
@@ -174,17 +176,19 @@ def overhead_table(rows: list[dict[str, Any]], concurrencies: list[int], gaps_ms
         "(first SSE event; gaps between SSE events); `baseline`: through the router of `--baseline-router`'s "
         "checkout. Added = router - direct. Where tokens/s falls short of the nominal rate (streams x 1000 / gap), "
         "the machine (client, router and stand-ins together) is saturated and the latencies are queueing; `direct` "
-        "then costs the one client process more (it makes four HTTP calls per request where `router` makes one: see "
+        "then costs the client processes more (it makes four HTTP calls per request where `router` makes one: see "
         "client CPU), so there the router's CPU time per token, not `added`, is its cost. Tokens per event: the "
         "tokens of an answer over its SSE events with a choice (1: a chunk per token). Router CPU share: its CPU "
-        "time over the run's wall time (near 1: the router's core was the bottleneck); tokens per router CPU second: "
-        "1 / its CPU time per token, what one core of it relays at that cost.",
+        "time over the run's wall time (near 1: the router's core was the bottleneck; then tokens/s is what its one "
+        "core relays); client / stand-in CPU share: the busiest load-client process's and the decode stand-in's (near "
+        "1: that process, not the router, capped the run); tokens per router CPU second: 1 / its CPU time per token, "
+        "what one core of it relays at that cost.",
         "",
         "| gap ms | streams | path | TTFB p50 ms | TTFB p99 ms | ITL p50 ms | ITL p99 ms | tokens/s (nominal) "
         "| tokens / event | requests | errors | client CPU / request | router CPU / request | router CPU / token "
-        "| router CPU share | tokens per router CPU second "
+        "| router CPU share | CPU share: busiest client / decode stand-in | tokens per router CPU second "
         "| router's own means: slot wait + reserve / prefill leg / TTFT |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for gap in gaps_ms:
         for c in concurrencies:
@@ -200,13 +204,14 @@ def _overhead_rows(
     for mode in modes:
         m = agg.get((mode, gap, c))
         if m:
+            shares = f"{fmt(m['client_cpu_share_max'], 2)} / {fmt(m['standin_decode_cpu_share'], 2)}"
             extra = (
                 f"{fmt(m['router_cpu_ms_per_request'], 2)} ms | {fmt(m['router_cpu_us_per_token'], 1)} us "
-                f"| {fmt(m['router_cpu_share'], 2)} | {fmt(m['router_tokens_per_cpu_s'], 0)} "
+                f"| {fmt(m['router_cpu_share'], 2)} | {shares} | {fmt(m['router_tokens_per_cpu_s'], 0)} "
                 f"| {fmt(m['router_queue_ms'], 2)} / {fmt(m['router_prefill_ms'], 2)} / "
                 f"{fmt(m['router_ttft_ms'], 2)} ms"
                 if mode != "direct"
-                else " | | | | "
+                else f" | | | {shares} | | "
             )
             lines.append(
                 f"| {gap:g} | {c} | {mode} | {fmt(m['ttfb_p50_ms'], 2)} | {fmt(m['ttfb_p99_ms'], 2)} "
@@ -222,6 +227,6 @@ def _overhead_rows(
         ]
         lines.append(
             f"| {gap:g} | {c} | **added** | **{fmt(diff[0], 2)}** | **{fmt(diff[1], 2)}** | **{fmt(diff[2], 2)}** "
-            f"| **{fmt(diff[3], 2)}** | | | | | | | | | | |"
+            f"| **{fmt(diff[3], 2)}** | | | | | | | | | | | |"
         )
     return lines

@@ -5,5 +5,6 @@
 - :mod:`standin`: the prefill stand-in's server (vLLM's OpenAI answer to the router's prefill leg);
 - :mod:`reference`: the engine's own tokens and speed on the same checkpoint and device;
 - :mod:`parts`: the stand-in, the decode node and the router as supervised processes;
-- :mod:`clients`: the streaming OpenAI clients; :mod:`report`: the rows and the table.
+- :mod:`clients`: the streaming OpenAI clients; :mod:`report`: the rows and the table;
+- :mod:`synthetic`: ``--synthetic NAME``'s checkpoint, written and converted before the run.
 """

@@ -26,6 +26,7 @@ class Stream:
     request_id: str
     start: float = 0.0
     arrivals: list[float] = field(default_factory=list)  # per chunk carrying tokens
+    counts: list[int] = field(default_factory=list)  # the tokens of each of those chunks
     token_ids: list[int] = field(default_factory=list)
     error: str | None = None
 
@@ -37,6 +38,10 @@ class Stream:
     def decode_s(self) -> float:
         """First token to last."""
         return self.arrivals[-1] - self.arrivals[0]
+
+    def tokens_between(self, t0: float, t1: float) -> int:
+        """Tokens whose chunk arrived in ``(t0, t1]``."""
+        return sum(n for t, n in zip(self.arrivals, self.counts, strict=True) if t0 < t <= t1)
 
     def gaps_s(self) -> list[float]:
         return [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
@@ -92,6 +97,7 @@ async def stream_one(
             ids = getattr(chunk.choices[0], "token_ids", None)
             if ids:
                 s.arrivals.append(now)
+                s.counts.append(len(ids))
                 s.token_ids.extend(ids)
     except Exception as exc:  # noqa: BLE001 - a failed stream is a result to report, not a crash
         s.error = f"{type(exc).__name__}: {exc}"[:300]
@@ -145,6 +151,17 @@ class Clients:
             self.pool.submit(_user, base_url, api, model, bodies[u], tokens, u, f"{tag}-u{u}", at) for u in range(users)
         ]
         return [f.result() for f in futures]
+
+
+def steady_tok_s(streams: list[Stream]) -> float | None:
+    """The median user's tok/s while every stream decodes: from the last stream's first decode chunk (every prefill
+    and transfer done) to the first stream's last chunk. None when the streams never decode all at once."""
+    if not streams or any(len(s.arrivals) < 3 for s in streams):
+        return None
+    t0, t1 = max(s.arrivals[1] for s in streams), min(s.arrivals[-1] for s in streams)
+    if t1 <= t0:
+        return None
+    return med([s.tokens_between(t0, t1) / (t1 - t0) for s in streams])
 
 
 def pct(values: list[float], q: float) -> float | None:

@@ -130,17 +130,20 @@ class ConnectorDriver:
         self.worker.save_layer(meta, attention_name(layer))
 
     @contextmanager
-    def step(self, req_id: str, params: dict[str, Any] | None, prompt: list[int]) -> Iterator[None]:
+    def step(
+        self, req_id: str, params: dict[str, Any] | None, prompt: list[int], computed: bool = True
+    ) -> Iterator[None]:
         """One prefill step of ``prompt`` (under :attr:`lock`): the scheduler's metadata, then the engine's forward
         (run by the caller inside this block) saving each layer as it completes, then ``wait_for_save`` and the
-        worker's report."""
+        worker's report. ``computed=False``: the caller restores the prompt's cache rows instead of running the
+        forward (a prefix-cache hit); every layer is saved after the block."""
         n = len(prompt)
         blocks = self.caches.block_table(n)
         meta = self.scheduler.build_meta(_scheduler_output(req_id, params, prompt, blocks))
         slots = self.caches.slots(blocks, n)
         engine = self.caches.engine
         # A prompt the engine runs as a CUDA graph (its forward hooks fire only while capturing) is saved after it.
-        layer_by_layer = not engine.use_graphs or n > GRAPH_MAX_TOKENS
+        layer_by_layer = computed and (not engine.use_graphs or n > GRAPH_MAX_TOKENS)
         self._step = (meta, slots, n) if layer_by_layer and meta.saves else None
         try:
             yield

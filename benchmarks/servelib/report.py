@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from servelib.clients import Stream, med, pct
+from servelib.clients import Stream, med, pct, steady_tok_s
 
 
 def row(users: int, streams: list[Stream], reference: dict[str, Any], timings: dict[str, dict[str, float]]) -> dict:
     """``client_tok_s``: the median user's tokens after the first over the time from the first token to the last
-    (1000 / TPOT); ``engine_tok_s``: the engine's own per-user speed on the node's path for that many sequences;
+    (1000 / TPOT); ``client_steady_tok_s``: the median user's tok/s while every stream decodes (after the last
+    prefill and transfer: on one GPU the stand-in's prefills of users joining share it with the decodes running);
+    ``engine_tok_s``: the engine's own per-user speed on the node's path for that many sequences;
     ``ttft_added_ms``: the client's TTFT less the stand-in's time answering that prefill (what the router, the
     transport and the client add to the prefill); ``same_tokens``: every stream equals the engine's greedy tokens
     from the prompt's KV as the prefill's cache holds it (with MTP: the engine's tokens on that path, every draft
@@ -30,6 +32,7 @@ def row(users: int, streams: list[Stream], reference: dict[str, Any], timings: d
     mine = [timings[s.request_id] for s in ok if s.request_id in timings]
     added = [1000 * s.ttft_s - timings[s.request_id]["handler_ms"] for s in ok if s.request_id in timings]
     client = med(per_user)
+    steady = steady_tok_s(ok) if len(ok) == len(streams) else None
     engine = float(speed["tok_s"])
     want = [prompts[u]["handed"] for u in range(users)]
     if "tokens" in speed:  # MTP: the engine's tokens on that path
@@ -43,6 +46,8 @@ def row(users: int, streams: list[Stream], reference: dict[str, Any], timings: d
         "client_tok_s": client,
         "engine_tok_s": engine,
         "client_over_engine": client / engine if client else None,
+        "client_steady_tok_s": steady,
+        "steady_over_engine": steady / engine if steady else None,
         "engine_path": speed["path"],
         "engine_greedy_stream_tok_s": speed.get("stream_tok_s"),
         "engine_batch_same": speed.get("batch_same"),
@@ -70,6 +75,8 @@ COLUMNS = (
     ("client_tok_s", "client tok/s", "{:.1f}"),
     ("engine_tok_s", "engine tok/s", "{:.1f}"),
     ("client_over_engine", "client/engine", "{:.3f}"),
+    ("client_steady_tok_s", "client steady tok/s", "{:.1f}"),
+    ("steady_over_engine", "steady/engine", "{:.3f}"),
     ("ttft_ms", "TTFT ms", "{:.1f}"),
     ("standin_prefill_ms", "prefill ms", "{:.1f}"),
     ("ttft_added_ms", "TTFT added ms", "{:.1f}"),

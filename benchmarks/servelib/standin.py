@@ -82,6 +82,9 @@ class PrefillStandin:
         hf_config = AutoConfig.from_pretrained(spec.model)
         self.driver = ConnectorDriver(self.caches, hf_config, load_secret(), spec.connector, spec.max_model_len)
         self.timings: dict[str, dict[str, float]] = {}
+        # prompt -> its first token and the engine's cache rows for it (sequence 0): a prompt seen before is a
+        # prefix-cache hit, as in vLLM (its pages are filled from these rows and saved through the connector)
+        self._prefixes: dict[tuple[int, ...], tuple[int, list[torch.Tensor]]] = {}
         self._ids = itertools.count()
         self.app = Starlette(
             routes=[
@@ -144,14 +147,26 @@ class PrefillStandin:
     def _prefill(self, req_id: str, ids: list[int], params: Any) -> tuple[int, dict | None, dict[str, float]]:
         """One prefill step through the connector (one at a time): first token, ``kv_transfer_params``, times."""
         t0 = time.perf_counter()
+        claim = params if isinstance(params, dict) else None
         with self.driver.lock:
             t1 = time.perf_counter()
-            with self.driver.step(req_id, params if isinstance(params, dict) else None, ids):
-                logits = self.engine.forward(torch.tensor(ids), 0)
-            first = int(logits[-1].argmax())
-            result = self.driver.finished(req_id, params if isinstance(params, dict) else None, first, len(ids))
+            hit = self._prefixes.get(tuple(ids))
+            with self.driver.step(req_id, claim, ids, computed=hit is None):
+                if hit is None:
+                    first = int(self.engine.forward(torch.tensor(ids), 0)[-1].argmax())
+                    self._prefixes[tuple(ids)] = (first, [c[:, : len(ids)].clone() for c in self._rows()])
+                else:
+                    first = hit[0]
+                    for cache, saved in zip(self._rows(), hit[1], strict=True):
+                        cache[:, : len(ids)] = saved
+            result = self.driver.finished(req_id, claim, first, len(ids))
             t2 = time.perf_counter()
-        return first, result, {"queue_ms": 1000 * (t1 - t0), "prefill_ms": 1000 * (t2 - t1)}
+        return first, result, {"queue_ms": 1000 * (t1 - t0), "prefill_ms": 1000 * (t2 - t1), "cached": hit is not None}
+
+    def _rows(self) -> list[torch.Tensor]:
+        """The engine's caches the paged caches are filled from (sequence 0's rows first)."""
+        m = self.engine.model
+        return [m.kv_cache, m.index_cache] if m.index_cache.numel() else [m.kv_cache]
 
     def _reply(
         self, body: dict[str, Any], chat: bool, req_id: str, ids: list[int], first: int, result: dict | None

@@ -37,7 +37,13 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from tilert.metric_conventions import INTER_TOKEN_LATENCY_BUCKETS, PREFIX, REQUEST_LATENCY_BUCKETS, WAIT_BUCKETS
+from tilert.metric_conventions import (
+    INTER_TOKEN_LATENCY_BUCKETS,
+    PREFIX,
+    REQUEST_LATENCY_BUCKETS,
+    WAIT_BUCKETS,
+    ManyObservations,
+)
 
 
 class DecodeMetrics:
@@ -102,6 +108,9 @@ class DecodeMetrics:
             self._expired,
         ):
             metric.labels(model_name)
+        # observed for every line a decode stream sends: their labelled children looked up once
+        self._tokens_child = self._generation_tokens.labels(model_name)
+        self._itl_many = ManyObservations(self._itl.labels(model_name))
 
     def requests(self, running: int, waiting: int) -> None:
         """Decodes on the engine and decodes waiting for it, now."""
@@ -128,12 +137,9 @@ class DecodeMetrics:
         counted without a latency); each of the ``n`` gets ``seconds / n`` of inter-token latency."""
         if n <= 0:
             return
-        m = self.model_name
-        self._generation_tokens.labels(m).inc(n)
+        self._tokens_child.inc(n)
         if seconds is not None:
-            child, gap = self._itl.labels(m), seconds / n
-            for _ in range(n):
-                child.observe(gap)
+            self._itl_many.observe(seconds / n, n)
 
     def request_done(self, seconds: float, finished_reason: str | None = None, tpot_s: float | None = None) -> None:
         """A decode request ended ``seconds`` after it arrived; ``finished_reason`` when it finished

@@ -31,7 +31,9 @@ inside the node with its stream silent).
 from __future__ import annotations
 
 import asyncio
-import math
+import collections
+import importlib.util
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -41,7 +43,7 @@ from typing import TypeVar
 import anyio
 import structlog
 import uvicorn
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectSendStream
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -151,6 +153,7 @@ class DecodeNode:
                 accept_all_drafts=config.accept_all_drafts,
             )
         self.decodes_completed = 0
+        self._handoffs: _Handoff | None = None  # the worker's items to the decode streams (made on the loop)
         self._watchers: set[MemoryObjectSendStream[bytes]] = set()  # one per open watch stream
         self._stopping = False  # the HTTP server began to shut down: the watch streams end
         self.app = Starlette(
@@ -353,18 +356,20 @@ class DecodeNode:
     async def _stream(self, params: DecodeParams) -> AsyncIterator[bytes]:
         tid = params.transfer_id
         bound = log.bind(transfer_id=tid)
-        started, outcome, progress = anyio.current_time(), "error", _Progress()
+        # time.monotonic, not the loop's clock: uvloop's counts whole milliseconds, coarser than a decode step
+        started, outcome, progress = time.monotonic(), "error", _Progress()
         try:
             await self.table.wait_ready(tid, self.config.transfer_timeout_s)
-            self.metrics.transfer_wait(anyio.current_time() - started)
+            self.metrics.transfer_wait(time.monotonic() - started)
             finished = 0  # choices that sent their finish
-            async for line in self._run(params, bound, progress):
-                if isinstance(line, c.TokenLine) and line.finish_reason is not None:
-                    finished += 1
-                    if finished == params.n:
-                        outcome = line.finish_reason
-                        self.decodes_completed += 1
-                yield c.dump_line(line)
+            async for lines in self._run(params, bound, progress):
+                for line in lines:
+                    if isinstance(line, c.TokenLine) and line.finish_reason is not None:
+                        finished += 1
+                        if finished == params.n:
+                            outcome = line.finish_reason
+                            self.decodes_completed += 1
+                yield c.dump_lines(lines)  # what queued meanwhile: one write
         except SlotError as exc:
             bound.warning("decode_refused", reason=str(exc))
             yield c.dump_line(c.ErrorLine(exc.status, str(exc)))
@@ -372,19 +377,20 @@ class DecodeNode:
             self.table.release(tid, "decode ended")
             self.metrics.slots(len(self.table.slots), self.table.free)
             self.metrics.requests(self.batch.running, self.batch.waiting)
-            self.metrics.request_done(anyio.current_time() - started, outcome, progress.time_per_token)
+            self.metrics.request_done(time.monotonic() - started, outcome, progress.time_per_token)
 
     async def _run(
         self, params: DecodeParams, bound: structlog.typing.FilteringBoundLogger, progress: _Progress
-    ) -> AsyncIterator[c.TokenLine | c.ErrorLine]:
+    ) -> AsyncIterator[list[c.TokenLine | c.ErrorLine]]:
         """Hand the request to the batch (it decodes on its worker thread, with whatever other sequences
-        run); relay each step's tokens as a line the moment they exist, counting them in ``progress``."""
+        run); relay each step's tokens as a line the moment they exist, counting them in ``progress``. Each yield
+        is what the worker handed over since the last (the token lines of a choice joined:
+        ``contracts.join_runs``), so a stream that fell behind catches up in one write instead of one per step."""
         slot = self.table.start_decode(params.transfer_id)
         state, layouts, num_tokens = slot.tensors()
         if num_tokens != params.prompt_tokens:
             raise SlotError(f"prefill sent {num_tokens} prompt tokens, the router says {params.prompt_tokens}", 409)
-        loop = asyncio.get_running_loop()
-        send, receive = anyio.create_memory_object_stream[_Item](math.inf)
+        inbox = self._handoff().inbox()
 
         def emit(ids: list[int], finish: Finish | None, index: int, logprobs: list[c.TokenLogprobs] | None) -> None:
             line = (
@@ -392,33 +398,43 @@ class DecodeNode:
                 if finish is None
                 else c.TokenLine(ids, finish.reason, finish.stop_token_id, index, logprobs)  # type: ignore[arg-type]
             )
-            loop.call_soon_threadsafe(send.send_nowait, line)
-
-        def done(result: Finish | BaseException) -> None:
-            loop.call_soon_threadsafe(send.send_nowait, result)
+            inbox.put(line)
 
         last_token = slot.offer.last_token_id if slot.offer is not None else None
         try:
-            self.batch.submit(Job(state, layouts, num_tokens, params, emit, done, slot.cancel, last_token, slot.index))
+            self.batch.submit(
+                Job(state, layouts, num_tokens, params, emit, inbox.put, slot.cancel, last_token, slot.index)
+            )
         except EngineProcessError as exc:
             raise SlotError(f"decode engine unavailable: {exc}", 503) from None
         self.metrics.requests(self.batch.running, self.batch.waiting)
-        last, finished = anyio.current_time(), 0  # choices that sent their finish
+        last, finished = time.monotonic(), 0  # choices that sent their finish
         submitted = last
         try:
-            async with receive:
-                async for item in _joined(receive):
+            while True:
+                lines: list[c.TokenLine | c.ErrorLine] = []
+                for item in c.join_runs(await inbox.take()):
                     if not isinstance(item, c.TokenLine):
                         if finished < params.n:
-                            yield self._last_line(item, bound)
+                            lines.append(self._last_line(item, bound))
+                        if lines:
+                            yield lines
                         return
-                    now = anyio.current_time()
+                    now = time.monotonic()
                     self.metrics.tokens(len(item.token_ids), now - last)
                     progress.generated(len(item.token_ids), now - submitted)
                     last, finished = now, finished + (item.finish_reason is not None)
-                    yield item
+                    lines.append(item)
+                if lines:
+                    yield lines
         finally:
             slot.cancel.set()  # the reader left (or the decode ended): the batch drops the sequence
+
+    def _handoff(self) -> _Handoff:
+        """The worker's hand-off to this node's event loop (made on the loop, at the first decode)."""
+        if self._handoffs is None:
+            self._handoffs = _Handoff(asyncio.get_running_loop())
+        return self._handoffs
 
     @staticmethod
     def _last_line(
@@ -498,8 +514,13 @@ def build_node(config: DecodeConfig) -> DecodeNode:
 
 def serve(config: DecodeConfig) -> None:
     """One process, one engine (``--tp 1``; ``tilert.decode.tp.serve_tp`` serves several ranks)."""
-    node = build_node(config)
-    anyio.run(node.serve)
+    run_node(build_node(config))
+
+
+def run_node(node: DecodeNode) -> None:
+    """Serve ``node`` until it stops, on uvloop's event loop where it is installed (as uvicorn runs the router): its
+    socket writes and wake-ups from the worker thread cost each line of a decode stream less than asyncio's."""
+    anyio.run(node.serve, backend_options={"use_uvloop": importlib.util.find_spec("uvloop") is not None})
 
 
 _Item = c.TokenLine | Finish | BaseException  # what the batch's worker thread hands a decode stream
@@ -523,22 +544,58 @@ class _Progress:
         return self.seconds / self.tokens if self.tokens else None
 
 
-async def _joined(receive: MemoryObjectReceiveStream[_Item]) -> AsyncIterator[_Item]:
-    """The worker's items, with the token lines that queued up while the stream was busy joined into one
-    (``contracts.join_runs``): a stream that fell behind catches up in one write instead of one per step."""
-    while (item := await _receive(receive)) is not None:
-        batch: list[_Item] = [item]
-        while True:
+class _Handoff:
+    """What the batch's worker thread hands the decode streams of one node, onto the event loop. The thread puts
+    each item in its stream's :class:`_Inbox`; one ``call_soon_threadsafe`` delivers everything that queued until the
+    loop ran it (the lines of a step of several sequences: one wake-up of the loop for the step, not one a line)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: collections.deque[tuple[_Inbox, _Item]] = collections.deque()
+        self._pending = False  # a delivery is scheduled on the loop and has not begun
+
+    def inbox(self) -> _Inbox:
+        return _Inbox(self)
+
+    def put(self, inbox: _Inbox, item: _Item) -> None:
+        """From the worker thread."""
+        self._queue.append((inbox, item))
+        if not self._pending:
+            self._pending = True
+            self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        self._pending = False  # before taking: an item put from now on schedules the next delivery
+        queue = self._queue
+        while queue:
+            inbox, item = queue.popleft()
+            inbox.items.append(item)
+            waiter = inbox.waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+
+class _Inbox:
+    """One decode stream's items from the worker (delivered by :class:`_Handoff`), taken by the stream in batches."""
+
+    __slots__ = ("_handoff", "items", "waiter")
+
+    def __init__(self, handoff: _Handoff) -> None:
+        self._handoff = handoff
+        self.items: list[_Item] = []
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: _Item) -> None:
+        """From the worker thread (``Job.emit``'s lines, ``Job.done``'s result)."""
+        self._handoff.put(self, item)
+
+    async def take(self) -> list[_Item]:
+        """Every item delivered since the last take (at least one)."""
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
             try:
-                batch.append(receive.receive_nowait())
-            except (anyio.WouldBlock, anyio.EndOfStream):
-                break
-        for joined in c.join_runs(batch):
-            yield joined
-
-
-async def _receive(receive: MemoryObjectReceiveStream[_Item]) -> _Item | None:
-    try:
-        return await receive.receive()
-    except anyio.EndOfStream:
-        return None
+                await self.waiter
+            finally:
+                self.waiter = None
+        items, self.items = self.items, []
+        return items

@@ -34,11 +34,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import anyio
 import torch
 
 from tilert.decode.config import DecodeConfig, resolve_device, resolve_dtype
-from tilert.decode.server import DecodeNode
+from tilert.decode.server import DecodeNode, run_node
 from tilert.engines.base import Capabilities, DecodeEngine, KVLayout, SpecStepResult
 from tilert.engines.tilert import parallel, sharding
 from tilert.engines.tilert.engine import GRAPH_MAX_TOKENS, TileRTEngine
@@ -388,7 +387,7 @@ def serve_tp(config: DecodeConfig) -> None:
         leader = LeaderEngine(engine, channel)
         node = DecodeNode(config, leader)
         log.info("tilert decode: rank 0 of %d serving (pid %d)", config.tp, os.getpid())
-        anyio.run(node.serve)
+        run_node(node)
     finally:
         if leader is not None:
             leader.close()

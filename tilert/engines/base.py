@@ -203,6 +203,7 @@ class DecodeEngine(ABC):
     def warm_up(self) -> None:
         """Prepare what the first requests would otherwise wait for (e.g. captured graphs), before any sequence is
         injected; the decode node calls it once, after :meth:`load`. This default does nothing."""
+        return None
 
     # ------------------------------------------------------------------ optional fast paths
     # Called only when ``capabilities()`` sets the flag named in each docstring.

@@ -72,18 +72,22 @@ _PER_ARCH: dict[str, dict[str, Any]] = {
 }
 
 
-def train_tokenizer(vocab_size: int = 2048) -> Any:
-    """Train a byte-level BPE on the Python standard library's sources (always on disk, deterministic)."""
+def train_tokenizer(
+    vocab_size: int = 2048, special_tokens: list[str] | None = None, files: list[str] | None = None
+) -> Any:
+    """Train a byte-level BPE on the Python standard library's sources (always on disk, deterministic):
+    ``files`` (default: its first 120 top-level modules), ``special_tokens`` first (default :data:`SPECIAL_TOKENS`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(str(p) for p in stdlib.glob("*.py"))[:120]
+    if files is None:
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        files = sorted(str(p) for p in stdlib.glob("*.py"))[:120]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS if special_tokens is None else special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -91,27 +95,33 @@ def train_tokenizer(vocab_size: int = 2048) -> Any:
     return tok
 
 
-def build_tiny_model(arch: str, out_dir: Path | str, seed: int = 0, **config_overrides: Any) -> Path:
-    """Write a seeded random checkpoint of family ``arch`` and its tokenizer to ``out_dir``."""
-    import torch
-    import transformers
+def save_tiny_tokenizer(out_dir: Path | str) -> Any:
+    """The tiny models' tokenizer (:func:`train_tokenizer`'s defaults, with :data:`CHAT_TEMPLATE`) saved as a
+    transformers tokenizer in ``out_dir``; returns it (a ``PreTrainedTokenizerFast``)."""
     from transformers import PreTrainedTokenizerFast
 
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-
-    tok = train_tokenizer()
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+        tokenizer_object=train_tokenizer(),
         bos_token="<|bos|>",
         eos_token="<|eos|>",
         pad_token="<|pad|>",
         model_max_length=4096,
     )
     fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def build_tiny_model(arch: str, out_dir: Path | str, seed: int = 0, **config_overrides: Any) -> Path:
+    """Write a seeded random checkpoint of family ``arch`` and its tokenizer to ``out_dir``."""
+    import torch
+    import transformers
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fast = save_tiny_tokenizer(out)
 
     values = {**_COMMON, **_PER_ARCH[arch], **config_overrides}
     values.setdefault("vocab_size", 2048)

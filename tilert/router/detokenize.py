@@ -89,10 +89,30 @@ class IncrementalDecoder:
         try:
             piece = self._stream.step(self._tok, token_id)
         except Exception as exc:  # noqa: BLE001 - tokenizers raises on an invalid prefix; vLLM resets too
-            log.warning("detokenizer_reset", token_id=token_id, error=str(exc))
-            self._stream = DecodeStream(skip_special_tokens=self._skip)
-            piece = self._stream.step(self._tok, token_id)
+            piece = self._reset(token_id, exc)
         return piece or ""
+
+    def steps(self, token_ids: Sequence[int]) -> str:
+        """The text of several tokens, each stepped as by :meth:`step` (without a Python call a token)."""
+        if self._unprimed is not None:
+            self.prime()
+        pieces: list[str] = []
+        stream, tok = self._stream, self._tok
+        for tid in token_ids:
+            try:
+                piece = stream.step(tok, tid)
+            except Exception as exc:  # noqa: BLE001 - as in step
+                piece = self._reset(tid, exc)
+                stream = self._stream
+            if piece:
+                pieces.append(piece)
+        return "".join(pieces)
+
+    def _reset(self, token_id: int, exc: Exception) -> str | None:
+        """A fresh stream from ``token_id`` on, after the old one refused it."""
+        log.warning("detokenizer_reset", token_id=token_id, error=str(exc))
+        self._stream = DecodeStream(skip_special_tokens=self._skip)
+        return self._stream.step(self._tok, token_id)
 
 
 def _clean_tail(tokenizer: Tokenizer, prompt: list[int]) -> list[int]:

@@ -35,12 +35,12 @@ from starlette.types import Send
 from tilert import contracts as c
 from tilert.router.config import NATIVE_POOL
 from tilert.router.context import RouterContext
+from tilert.router.decode_stream import DECODE_LOST
 from tilert.router.detokenize import bad_words_token_ids
 from tilert.router.errors import RouterError, bad_request
 from tilert.router.lease import NodeLease
 from tilert.router.logprobs import ChoiceExtras, resumed_logprobs
 from tilert.router.native import available_pool, native_decode, native_prefill
-from tilert.router.node_client import DECODE_LOST
 from tilert.router.openai_format import DONE, ResponseShape, sse, usage, with_choices
 from tilert.router.output import SSE_HEADERS, ClientOutput
 from tilert.router.pool import PooledNode

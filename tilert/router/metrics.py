@@ -54,9 +54,6 @@ The router's own, with no vLLM counterpart:
 
 from __future__ import annotations
 
-import bisect
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -67,27 +64,8 @@ from tilert.metric_conventions import (
     TIME_TO_FIRST_TOKEN_BUCKETS,
     TOKEN_COUNT_BUCKETS,
     WAIT_BUCKETS,
+    ManyObservations,
 )
-
-
-class ManyObservations:
-    """``n`` observations of one value at once into a histogram (its child, labels applied): the sum and the bucket
-    ``observe`` counts (the first bound at or above the value) grow as by ``n`` calls of ``observe``, in one step
-    (prometheus_client observes one value at a time)."""
-
-    def __init__(self, histogram: Histogram) -> None:
-        self._histogram = histogram
-        parts: list[Any] = [getattr(histogram, name, None) for name in ("_buckets", "_upper_bounds", "_sum")]
-        self._parts = None if None in parts else parts  # not the layout this relies on: one by one
-
-    def observe(self, value: float, n: int) -> None:
-        if n == 1 or self._parts is None:
-            for _ in range(n):
-                self._histogram.observe(value)
-            return
-        buckets, bounds, total = self._parts
-        total.inc(value * n)
-        buckets[bisect.bisect_left(bounds, value)].inc(n)
 
 
 class RouterMetrics:

@@ -2,9 +2,9 @@
 health, the NDJSON decode stream and the watch stream (``router.watch``). Every call carries the node API
 token derived from the deployment's secret.
 
-aiohttp rather than httpx here: these calls sit on every request's path (reserve, decode, release) and
-the stream on every token's, and an aiohttp call costs a fraction of an httpx call on loopback (client and
-server together).
+aiohttp rather than httpx here: these calls sit on every request's path (reserve, release) and an aiohttp call
+costs a fraction of an httpx call on loopback (client and server together). The decode stream, on every token's
+path, is read by :mod:`tilert.router.decode_stream` (httptools on a plain asyncio protocol), cheaper again.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import aiohttp
 from tilert import auth
 from tilert import contracts as c
 from tilert.router.config import DecodeNodeSpec
+from tilert.router.decode_stream import DECODE_LOST, DecodeConnections, DecodeLines, StreamBroke
 from tilert.router.errors import RouterError
 
 _FAILURES = (aiohttp.ClientError, asyncio.TimeoutError)
-DECODE_LOST = "decode_lost"  # the outcome of a decode stream that broke or could not be opened (the node is gone)
 # A kept-alive connection the server closed while it sat in the pool: the request never got an answer.
 _STALE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientConnectionResetError)
 
@@ -77,8 +77,12 @@ class NodeClient:
         self.session = _session(spec, connect_timeout_s)
         self._timeout = aiohttp.ClientTimeout(total=control_timeout_s)
         self._headers = {"content-type": "application/json", "authorization": "Bearer " + auth.node_api_token(secret)}
+        self.streams = DecodeConnections(
+            spec.host, spec.http_port, self._headers, connect_timeout_s, idle_s=c.NODE_KEEPALIVE_S / 2
+        )
 
     async def aclose(self) -> None:
+        self.streams.close()
         await self.session.close()
 
     async def _post(self, path: str, body: c.ReserveRequest | c.ReleaseRequest) -> tuple[int, bytes]:
@@ -171,20 +175,24 @@ class NodeClient:
         A refusal (the node checks the request before streaming) raises :class:`RouterError` with the
         node's status for 4xx and 501, else 502."""
         try:
-            resp = await self.session.post("/v1/decode", data=c.dump(body), headers=self._headers)
-        except _FAILURES as exc:
+            status, lines = await self.streams.open(c.dump(body))
+        except (OSError, TimeoutError, StreamBroke) as exc:
             raise RouterError(502, f"decode node unreachable: {type(exc).__name__}", outcome=DECODE_LOST) from None
         try:
-            if resp.status != 200:
-                message = node_message(await resp.read(), f"HTTP {resp.status}")
-                status = resp.status if 400 <= resp.status < 500 or resp.status == 501 else 502
-                raise RouterError(status, message, outcome="decode_refused")
-            yield _lines(resp)
+            if status != 200:
+                message = node_message(await _refusal(lines), f"HTTP {status}")
+                refused = status if 400 <= status < 500 or status == 501 else 502
+                raise RouterError(refused, message, outcome="decode_refused")
+            yield lines
         finally:
-            if resp.content.at_eof():
-                resp.release()  # read to its end: the connection goes back to the pool
-            else:
-                resp.close()  # left early: closing the connection tells the node to stop
+            self.streams.finish(lines)  # read to its end: kept for the next stream; else closed (the node stops)
+
+
+async def _refusal(lines: DecodeLines) -> bytes:
+    try:
+        return await lines.read_all()
+    except StreamBroke:
+        return b""
 
 
 async def _watch_lines(resp: aiohttp.ClientResponse, silence_s: float) -> AsyncIterator[c.NodeBeat | c.TransferFailed]:
@@ -197,25 +205,3 @@ async def _watch_lines(resp: aiohttp.ClientResponse, silence_s: float) -> AsyncI
         raise NodeUnreachable(f"watch silent for {silence_s:g} s") from None
     except _FAILURES as exc:
         raise NodeUnreachable(f"watch broke: {type(exc).__name__}") from None
-
-
-async def _lines(resp: aiohttp.ClientResponse) -> AsyncIterator[c.TokenLine | c.ErrorLine]:
-    """The stream's lines; token lines that arrived together are joined into one (``contracts.join_runs``),
-    so a relay that fell behind catches up with one event instead of one per line."""
-    rest = b""
-    try:
-        while chunk := await resp.content.readany():
-            data = rest + chunk if rest else chunk
-            end = data.rfind(b"\n") + 1  # past the last complete line
-            rest = data[end:]
-            if len(rest) > c.MAX_LINE_BYTES:
-                raise RouterError(502, "decode node sent an over-long line", outcome="decode_error")
-            if end:
-                for line in c.join_runs(c.parse_lines(data[:end] if rest else data)):
-                    yield line
-        if rest.strip():
-            yield c.parse_line(rest)
-    except c.ContractError as exc:
-        raise RouterError(502, f"decode node sent a line outside the contract: {exc}", outcome="decode_error") from None
-    except _FAILURES as exc:
-        raise RouterError(502, f"decode stream broke: {type(exc).__name__}", outcome=DECODE_LOST) from None

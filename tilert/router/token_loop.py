@@ -79,7 +79,7 @@ class TokenLoop:
         stop_token = line.finish_reason == "stop" and bool(ids)
         if not self.stop:  # no stop string can end the text early: every token is taken, their text at once
             texted = ids[:-1] if stop_token and not self.include_stop_str_in_output else ids
-            self._out.add("".join([self._decoder.step(tid) for tid in texted]))
+            self._out.add(self._decoder.steps(texted))
             self.token_ids.extend(ids)
             if line.finish_reason is not None:
                 self.finish_reason, self.stop_reason = line.finish_reason, line.stop_token_id

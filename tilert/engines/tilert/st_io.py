@@ -102,12 +102,18 @@ def read_tensor(entry: Entry) -> torch.Tensor:
 class ShardWriter:
     """Write one safetensors file: :meth:`write` each tensor (or piece of one) at its place, then :meth:`close`.
 
-    ``specs``: ``name -> (dtype, shape)`` in file order; ``metadata``: the header's ``__metadata__``."""
+    ``specs``: ``name -> (dtype, shape)`` in file order; ``metadata``: the header's ``__metadata__``; ``sync``:
+    :meth:`close` waits until the file is on disk (``fsync``), else leaves it to the page cache."""
 
     def __init__(
-        self, path: Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None
+        self,
+        path: Path,
+        specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+        sync: bool = True,
     ) -> None:
         self.path = path
+        self.sync = sync
         header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
         self.offsets: dict[str, tuple[int, int]] = {}
         pos = 0
@@ -137,7 +143,8 @@ class ShardWriter:
     def close(self) -> None:
         short = [n for n, (lo, hi) in self.offsets.items() if self.written[n] != hi - lo]
         self._f.flush()
-        os.fsync(self._f.fileno())
+        if self.sync:
+            os.fsync(self._f.fileno())
         self._f.close()
         if short:
             raise ValueError(f"{self.path}: tensors not completely written: {short[:8]}")
