@@ -250,6 +250,26 @@ def test_completions_streaming_and_length(router: RouterHandle, world: Standins)
     assert _wait_for(lambda: _slots_in_use(router) == 0)
 
 
+def test_completion_of_a_long_prompt_of_token_ids(router: RouterHandle, world: Standins) -> None:
+    """A 1K-token prompt of ids reaches the prefill as those ids, counts as them in the usage, and the stream (whose
+    detokenizer primes from the prompt's tail after the first chunk) is the script's text; the OpenAI SDK sends the
+    ids through ``extra_body`` as they are."""
+    ids = (world.script.ids[:-1] * 200)[:1024]
+    stream = router.client().completions.create(
+        model="tiny",
+        prompt="",
+        max_tokens=100,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"prompt": ids},
+    )
+    chunks = list(stream)
+    assert world.prefill.bodies[-1]["prompt"] == ids
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == world.script.text(world.script.ids[:-1])
+    usage = chunks[-1].usage
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (1024, len(world.script.ids))
+
+
 def test_router_side_stop_string_spanning_tokens(router: RouterHandle, world: Standins) -> None:
     full = world.script.text(world.script.ids[:-1])
     stop = "return bar"

@@ -85,7 +85,11 @@ async def stream_one(
         if api == "chat":
             stream: Any = await client.chat.completions.create(messages=body["messages"], **common)
         else:
-            stream = await client.completions.create(prompt=body["prompt"], **common)
+            # The ids in extra_body, which the SDK sends as it is: as ``prompt`` it walks every id through its request
+            # types before sending (client CPU linear in the prompt), and the time to first token would measure the
+            # client more than the serving path.
+            common["extra_body"] = {**extra, "prompt": body["prompt"]}
+            stream = await client.completions.create(prompt="", **common)
         async for chunk in stream:
             now = time.perf_counter()
             if not chunk.choices:
@@ -102,17 +106,30 @@ async def stream_one(
     return s
 
 
+class _Process:
+    """What a client process keeps from one request to the next: its event loop and its client of each router (its
+    connection kept alive, as a user's client keeps it: a new one would put a TCP connection in every first token)."""
+
+    loop: asyncio.AbstractEventLoop | None = None
+    clients: dict[str, AsyncOpenAI] = {}  # noqa: RUF012 - one process's state
+
+
 def _user(
     base_url: str, api: str, model: str, body: dict[str, Any], tokens: int, user: int, rid: str, at: float
 ) -> Stream:
     """One user's stream in a client process, sent at wall-clock time ``at``."""
 
     async def go() -> Stream:
-        async with AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=600.0) as client:
-            await asyncio.sleep(max(0.0, at - time.time()))
-            return await stream_one(client, api, model, body, tokens, user, rid)
+        client = _Process.clients.get(base_url)
+        if client is None:
+            client = AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=600.0)
+            _Process.clients[base_url] = client
+        await asyncio.sleep(max(0.0, at - time.time()))
+        return await stream_one(client, api, model, body, tokens, user, rid)
 
-    return asyncio.run(go())
+    if _Process.loop is None:
+        _Process.loop = asyncio.new_event_loop()
+    return _Process.loop.run_until_complete(go())
 
 
 class Clients:

@@ -49,7 +49,7 @@ class _RouterPackage(types.ModuleType):
                 print(f"tilert router: {exc}", file=sys.stderr)
                 raise SystemExit(2) from None
             configure(config.log_level, config.log_format)
-            built = self.__dict__["_asgi_app"] = build_app(config)
+            built = self.__dict__["_asgi_app"] = build_app(config, own_process=True)
         return built
 
     @app.setter

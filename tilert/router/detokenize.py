@@ -53,24 +53,39 @@ def load_tokenizer(model_dir: str | Path) -> TokenizerBundle:
 
 
 class IncrementalDecoder:
-    """Token ids in, text pieces out, with the same priming vLLM's fast incremental detokenizer uses."""
+    """Token ids in, text pieces out, with the same priming vLLM's fast incremental detokenizer uses.
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int] | None, skip_special_tokens: bool) -> None:
+    The priming (the prompt's tail, then ``then``: tokens already sampled whose text the caller has) runs at the first
+    :meth:`step`, or earlier by :meth:`prime`: a prompt without a clean tail primes with all of it, which the text
+    of a first token the caller already has need not wait for."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int] | None,
+        skip_special_tokens: bool,
+        then: Sequence[int] = (),
+    ) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        prompt = list(prompt_token_ids or [])
-        suffix = prompt
-        if len(prompt) > 4:
-            for i in range(4, min(len(prompt) + 1, 24)):
-                candidate = prompt[-i:]
-                if _REPLACEMENT not in tokenizer.decode(candidate, skip_special_tokens=False):
-                    suffix = candidate
-                    break
-        for tid in suffix:
-            self.step(tid)
+        self._unprimed: tuple[list[int], Sequence[int]] | None = (prompt_token_ids or [], then)
+
+    def prime(self) -> None:
+        """Step the prompt's tail and ``then`` now (once)."""
+        if self._unprimed is None:
+            return
+        prompt, then = self._unprimed
+        self._unprimed = None
+        for tid in (*_clean_tail(self._tok, prompt), *then):
+            self._step(tid)
 
     def step(self, token_id: int) -> str:
+        if self._unprimed is not None:
+            self.prime()
+        return self._step(token_id)
+
+    def _step(self, token_id: int) -> str:
         try:
             piece = self._stream.step(self._tok, token_id)
         except Exception as exc:  # noqa: BLE001 - tokenizers raises on an invalid prefix; vLLM resets too
@@ -79,6 +94,8 @@ class IncrementalDecoder:
 
     def steps(self, token_ids: Sequence[int]) -> str:
         """The text of several tokens, each stepped as by :meth:`step` (without a Python call a token)."""
+        if self._unprimed is not None:
+            self.prime()
         pieces: list[str] = []
         stream, tok = self._stream, self._tok
         for tid in token_ids:
@@ -96,6 +113,17 @@ class IncrementalDecoder:
         log.warning("detokenizer_reset", token_id=token_id, error=str(exc))
         self._stream = DecodeStream(skip_special_tokens=self._skip)
         return self._stream.step(self._tok, token_id)
+
+
+def _clean_tail(tokenizer: Tokenizer, prompt: list[int]) -> list[int]:
+    """What vLLM primes its stream with: the shortest tail of 4 to 23 tokens whose text is clean (no U+FFFD), else
+    the whole prompt."""
+    if len(prompt) > 4:
+        for i in range(4, min(len(prompt) + 1, 24)):
+            candidate = prompt[-i:]
+            if _REPLACEMENT not in tokenizer.decode(candidate, skip_special_tokens=False):
+                return candidate
+    return prompt
 
 
 def find_stop(text: str, new_chars: int, stops: list[str], include_in_output: bool) -> tuple[str, int] | None:

@@ -255,6 +255,7 @@ class RequestFlow:
         async with lease.client.decode(request) as lines:
             if not early:  # a refusal above is still the client's HTTP error, before any byte
                 await self._first_chunk(out, shape, pre, loop)
+            choices.prime()  # the detokenizers' priming, off the first token's path: the node works meanwhile
             await self._relay(out, lease, shape, pre, choices, lines)
 
     async def _overflow(self, out: ClientOutput, refused: RouterError) -> None:

@@ -21,6 +21,7 @@ from types import TracebackType
 from typing import TypeVar
 
 import anyio
+import anyio.lowlevel
 import structlog
 
 from tilert import contracts as c
@@ -96,16 +97,19 @@ class NodeLease:
         lost meanwhile (its watch stream ended: it died, stopped or hung; the work is then cancelled). The work
         goes out first (it is the longer of the two). Its failure cancels the reserve and is raised as it is, as
         are the node's refusal of the request's sampling and its report that the transfer failed (anyio's task
-        group would wrap any of them in an exception group)."""
+        group would wrap any of them in an exception group). A reserve that already answered when the work
+        returns is not waited for: the result goes on at once."""
         result: list[T] = []
         failed: list[Exception] = []
         refused: list[bool] = []
         reserved = anyio.Event()
-        watch = self._watches[node.name]
-        lost = watch.lost
 
         async def reserve() -> None:
             try:
+                # aiohttp writes a request's body on a task of its own (Python < 3.12: not started eagerly), queued
+                # when the work sent its request: one turn of the loop first puts the work's request on the wire
+                # before this one is built.
+                await anyio.lowlevel.checkpoint()
                 if await self._reserve(node):
                     refused.append(True)
                     tg.cancel_scope.cancel()
@@ -115,25 +119,22 @@ class NodeLease:
             finally:
                 reserved.set()
 
-        with watch.transfer(self.transfer_id) as failure:
-            async with anyio.create_task_group() as tg:
+        def news() -> None:  # from the node's watch: it was lost, or the transfer failed
+            if told.failed is not None:
+                failed.append(RouterError(502, f"KV transfer failed: {told.failed}", outcome="transfer_failed"))
+            tg.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            with self._watches[node.name].transfer(self.transfer_id, news) as told:
                 tg.start_soon(reserve)
-                tg.start_soon(_stop_on, lost, tg.cancel_scope, lambda: refused.append(True))
-                tg.start_soon(
-                    _stop_on,
-                    failure.event,
-                    tg.cancel_scope,
-                    lambda: failed.append(
-                        RouterError(502, f"KV transfer failed: {failure.reason}", outcome="transfer_failed")
-                    ),
-                )
                 try:
                     result.append(await work(node, self.transfer_id))
-                    await reserved.wait()
+                    if not reserved.is_set():
+                        await reserved.wait()
                 except Exception as exc:  # noqa: BLE001 - raised below, outside the task group
                     failed.append(exc)
                 tg.cancel_scope.cancel()
-        if lost.is_set():
+        if told.lost:
             await self._lost(node)
             return None
         if failed:
@@ -205,13 +206,6 @@ class NodeLease:
                 await self._clients[node.name].release(self.transfer_id)
             except Exception:  # noqa: BLE001 - best effort; the node is already marked unhealthy
                 pass
-
-
-async def _stop_on(event: anyio.Event, scope: anyio.CancelScope, then: Callable[[], None]) -> None:
-    """Once ``event`` is set: ``then()``, and cancel ``scope``."""
-    await event.wait()
-    then()
-    scope.cancel()
 
 
 __all__ = ["NodeLease"]

@@ -47,13 +47,16 @@ class TokenLoop:
         self.stop_reason: str | int | None = None
         self._out = OutputText(self.stop, self.include_stop_str_in_output)
         self._out.text = self.first_text
-        self._decoder = IncrementalDecoder(self.tokenizer, self.prompt_token_ids, self.skip_special_tokens)
-        if self.first_token_id is not None:
-            self._decoder.step(self.first_token_id)
+        first = () if self.first_token_id is None else (self.first_token_id,)  # its text is first_text
+        self._decoder = IncrementalDecoder(self.tokenizer, self.prompt_token_ids, self.skip_special_tokens, first)
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    def prime(self) -> None:
+        """Prime the detokenizer now (its first line would otherwise): while the decode node works on that line."""
+        self._decoder.prime()
 
     @property
     def text(self) -> str:
@@ -114,6 +117,11 @@ class Choices:
     @property
     def done(self) -> bool:
         return self.loops[0].done if len(self.loops) == 1 else all(loop.done for loop in self.loops)
+
+    def prime(self) -> None:
+        """Every choice's :meth:`TokenLoop.prime`."""
+        for loop in self.loops:
+            loop.prime()
 
     @property
     def node_done(self) -> bool:

@@ -128,7 +128,7 @@ def build_plan(
     request = _decode(route, raw, max_body_bytes)
     refusal = _refused(request, route)
     prompt = getattr(request, "prompt", None)
-    if isinstance(prompt, list) and len(prompt) > 1 and not all(type(p) is int for p in prompt):
+    if isinstance(prompt, list) and len(prompt) > 1 and set(map(type, prompt)) != {int}:  # one C pass over the ids
         raise unsupported("prompt", "one prompt per request (no batched prompts)")
     stream, options = _streaming(request)
     temperature, stop = _temperature(request.temperature), _set(request.stop) or []

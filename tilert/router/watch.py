@@ -2,8 +2,9 @@
 
 A node that dies (even by SIGKILL: the kernel closes its sockets), stops, or stays silent past
 ``node_silence_s`` (hung, or its host unreachable) ends the stream. The router then knows at once, not at its
-next health probe nor when a request's prefill comes back: :attr:`NodeWatch.lost` is set, and every request
-whose prefill runs for the node moves on (``router.lease``; one already decoding there sees its stream break).
+next health probe nor when a request's prefill comes back: every request whose prefill runs for the node
+(:meth:`NodeWatch.transfer`) hears it and moves on (``router.lease``; one already decoding there sees its stream
+break).
 The health probe admits a node only while its watch is open (:meth:`NodeWatch.opened`), so no request is leased
 on a node the router could not see die.
 
@@ -11,7 +12,7 @@ The node also says on it when a transfer fails (``TransferFailed``): a request e
 (:meth:`NodeWatch.transfer`) learns it at once, while vLLM may still be computing its prefill.
 
 States: closed (opening it is tried every ``retry_s``, or at once when :meth:`opened` asks) -> open -> lost
-(``lost`` is set and replaced by a fresh event for the next open stream) -> closed.
+(every transfer watched then is told) -> closed.
 """
 
 from __future__ import annotations
@@ -28,39 +29,47 @@ from tilert.router.node_client import NodeClient, NodeUnreachable
 log = structlog.get_logger("tilert.router")
 
 
-class TransferFailure:
-    """Set when the node reports the transfer failed: ``reason`` is the node's."""
+class TransferWatch:
+    """What the node's watch stream says of one transfer while a request waits for its prefill: the node was lost
+    (``lost``), or the transfer failed (``failed``: the node's reason). ``on_news`` runs once, at the first of them,
+    from the watch's own task (a callback, not a task a request: nothing to cancel when the prefill answers)."""
 
-    def __init__(self) -> None:
-        self.event = anyio.Event()
-        self.reason = ""
+    def __init__(self, on_news: Callable[[], None]) -> None:
+        self.lost = False
+        self.failed: str | None = None
+        self._on_news: Callable[[], None] | None = on_news
+
+    def _news(self) -> None:
+        on_news, self._on_news = self._on_news, None
+        if on_news is not None:
+            on_news()
 
 
 class NodeWatch:
     def __init__(self) -> None:
-        self.lost = anyio.Event()  # set when the stream open now (or the next one) ends
         self.reason = "not opened yet"  # why the stream is not open
         self._opened = anyio.Event()  # set while the stream is open (a fresh one once it is lost)
         self._wake = anyio.Event()
-        self._expected: dict[str, TransferFailure] = {}
+        self._expected: dict[str, TransferWatch] = {}
 
     @contextmanager
-    def transfer(self, transfer_id: str) -> Iterator[TransferFailure]:
-        """While inside, a ``TransferFailed`` the node reports for ``transfer_id`` sets the failure's event."""
-        failure = self._expected[transfer_id] = TransferFailure()
+    def transfer(self, transfer_id: str, on_news: Callable[[], None]) -> Iterator[TransferWatch]:
+        """While inside, the node's loss and a ``TransferFailed`` it reports for ``transfer_id`` are the yielded
+        watch's news (``on_news`` runs at the first)."""
+        watch = self._expected[transfer_id] = TransferWatch(on_news)
         try:
-            yield failure
+            yield watch
         finally:
             self._expected.pop(transfer_id, None)
 
     def _told(self, line: c.NodeBeat | c.TransferFailed) -> None:
-        if isinstance(line, c.TransferFailed) and (failure := self._expected.get(line.transfer_id)) is not None:
-            failure.reason = line.reason
-            failure.event.set()
+        if isinstance(line, c.TransferFailed) and (watch := self._expected.get(line.transfer_id)) is not None:
+            watch.failed = line.reason
+            watch._news()
 
     async def run(self, client: NodeClient, silence_s: float, retry_s: float, on_lost: Callable[[str], None]) -> None:
-        """Keep the node's stream open, forever; ``on_lost(reason)`` runs when an open one ends, before
-        ``lost`` is set (the pool stops granting the node before the requests on it look elsewhere)."""
+        """Keep the node's stream open, forever; ``on_lost(reason)`` runs when an open one ends, before the
+        transfers watched hear it (the pool stops granting the node before the requests on it look elsewhere)."""
         told: str | None = None
         while True:
             try:
@@ -89,8 +98,9 @@ class NodeWatch:
     def _to_lost(self, on_lost: Callable[[str], None]) -> None:
         self._opened = anyio.Event()
         on_lost(self.reason)
-        lost, self.lost = self.lost, anyio.Event()
-        lost.set()
+        for watch in list(self._expected.values()):
+            watch.lost = True
+            watch._news()
 
     @property
     def is_open(self) -> bool:
@@ -105,4 +115,4 @@ class NodeWatch:
         return self.is_open
 
 
-__all__ = ["NodeWatch"]
+__all__ = ["NodeWatch", "TransferWatch"]

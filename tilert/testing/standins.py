@@ -172,7 +172,10 @@ class PrefillStandin(PrefillBehaviour):
 
     def _reply(self, body: dict[str, Any], chat: bool, tid: str) -> dict[str, Any]:
         prompt = " ".join(str(m.get("content", "")) for m in body.get("messages", [])) if chat else body.get("prompt")
-        prompt_ids = self.script.tokenizer.encode(str(prompt)).ids or [self.script.first()]
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            prompt_ids = list(prompt)  # token ids: the prompt as it is, as vLLM takes it
+        else:
+            prompt_ids = self.script.tokenizer.encode(str(prompt)).ids or [self.script.first()]
         first = self.script.first()
         text = self.script.text([first])
         finish, stop_reason = ("stop" if first == self.script.eos_id else "length"), None
