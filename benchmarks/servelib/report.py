@@ -32,7 +32,10 @@ def row(users: int, streams: list[Stream], reference: dict[str, Any], timings: d
     mine = [timings[s.request_id] for s in ok if s.request_id in timings]
     added = [1000 * s.ttft_s - timings[s.request_id]["handler_ms"] for s in ok if s.request_id in timings]
     client = med(per_user)
-    steady = steady_tok_s(ok) if len(ok) == len(streams) else None
+    rounds: dict[str, list[Stream]] = {}  # the streams of one run of the row (request ids "{tag}-u{user}")
+    for s in ok:
+        rounds.setdefault(s.request_id.rsplit("-u", 1)[0], []).append(s)
+    steady = med([x for g in rounds.values() if len(g) == users and (x := steady_tok_s(g)) is not None])
     engine = float(speed["tok_s"])
     want = [prompts[u]["handed"] for u in range(users)]
     if "tokens" in speed:  # MTP: the engine's tokens on that path
