@@ -135,12 +135,7 @@ def launch_stack(model: Path, log: Path, *extra: str, env: dict[str, str] | None
 
 def stop_launch(launch: Launch) -> None:
     """SIGINT a ``tilert up`` that was never waited for (SIGKILL after ``SHUTDOWN_TIMEOUT_S``), its secret removed."""
-    if launch.proc.poll() is None:
-        launch.proc.send_signal(signal.SIGINT)
-        try:
-            launch.proc.wait(timeout=SHUTDOWN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            launch.proc.kill()
+    _interrupt(launch.proc)
     shutil.rmtree(launch.secret_file.parent, ignore_errors=True)
 
 
@@ -151,14 +146,19 @@ def start_stack(model: Path, log: Path, *extra: str, env: dict[str, str] | None 
 
 def stop_stack(stack: Stack) -> None:
     """SIGINT ``tilert up`` (SIGKILL after ``SHUTDOWN_TIMEOUT_S``) and remove its secret; checks nothing."""
-    if stack.proc.poll() is None:
-        stack.proc.send_signal(signal.SIGINT)
-        try:
-            stack.proc.wait(timeout=SHUTDOWN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            stack.proc.kill()
+    _interrupt(stack.proc)
     if stack.secret_file is not None:
         shutil.rmtree(stack.secret_file.parent, ignore_errors=True)
+
+
+def _interrupt(proc: subprocess.Popen[str]) -> None:
+    """SIGINT ``tilert up`` if it still runs; SIGKILL after ``SHUTDOWN_TIMEOUT_S``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=SHUTDOWN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def _alive(proc: psutil.Process) -> bool:
