@@ -10,7 +10,6 @@ The session stack's prefill serves a decode node of two sequences behind a route
 
 from __future__ import annotations
 
-import contextlib
 import re
 import subprocess
 import time
@@ -23,7 +22,7 @@ import httpx
 import pytest
 from openai import OpenAI
 from support.oracle import vllm_alone
-from support.stack import Stack, free_port, start_logged, wait_healthy
+from support.stack import Stack, free_port, start_logged, stop_procs, wait_healthy
 
 from tilert.stack import StackConfig, child_env, decode_command, router_command
 
@@ -62,14 +61,7 @@ def served(stack: Stack, tmp_path: Path) -> Iterator[Served]:
         wait_healthy(router, procs[1], 120, tmp_path / "router.log")
         yield Served(node, router, procs)
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(30)
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+        stop_procs(procs)
 
 
 def _stream(router: str, model: Path) -> tuple[list[int], float, float]:

@@ -41,6 +41,7 @@ from support.stack import (
     free_port,
     launch_stack,
     stop_launch,
+    stop_procs,
     stop_stack,
     stop_stack_checked,
     wait_healthy,
@@ -95,14 +96,7 @@ def _wait_spare(spare: Spare) -> None:
 
 
 def _stop_spare(spare: Spare) -> None:
-    for proc in (spare.router, spare.node):
-        if proc.poll() is None:
-            proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+    stop_procs([spare.router, spare.node])
 
 
 @dataclass

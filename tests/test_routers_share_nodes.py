@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from support.oracle import router_call, vllm_alone
-from support.stack import Stack, decodes_served, free_port, start_logged, wait_healthy, without_decode
+from support.stack import Stack, decodes_served, free_port, start_logged, stop_procs, wait_healthy, without_decode
 from support.waiting import wait_until
 
 from tilert.stack import StackConfig, child_env, decode_command, router_command
@@ -57,14 +57,7 @@ def _processes(stack: Stack, logs: Path) -> Iterator[tuple[list[str], list[str]]
             wait_healthy(url, proc, 300)
         yield routers, [stack.decode, procs[0][1]]
     finally:
-        for proc, _, _ in procs:
-            proc.terminate()
-        for proc, _, _ in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_procs([proc for proc, _, _ in procs])
 
 
 def test_two_routers_over_two_nodes_never_double_book(stack: Stack, tmp_path: Path) -> None:

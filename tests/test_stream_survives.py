@@ -9,7 +9,6 @@ The session stack's prefill serves two new decode nodes (two sequences each) beh
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
@@ -26,7 +25,7 @@ import numpy as np
 import pytest
 from openai import OpenAI
 from support.oracle import router_call, vllm_alone
-from support.stack import Stack, decodes_served, free_port, start_logged, wait_healthy, without_decode
+from support.stack import Stack, decodes_served, free_port, start_logged, stop_procs, wait_healthy, without_decode
 from support.waiting import wait_until
 
 from tilert.stack import StackConfig, child_env, decode_command, router_command
@@ -80,14 +79,7 @@ class Nodes:
         wait_healthy(self.urls[i], self.procs[i], 300)
 
     def close(self) -> None:
-        for proc in (*self.procs, self.router_proc):
-            proc.terminate()
-        for proc in (*self.procs, self.router_proc):
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(30)
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+        stop_procs([*self.procs, self.router_proc])
 
 
 def _slots_in_use(node: str) -> int:

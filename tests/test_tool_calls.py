@@ -14,7 +14,6 @@ without ``--enable-auto-tool-choice``.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import httpx
 import orjson
 import pytest
 from openai import OpenAI
-from support.stack import Stack, free_port, start_logged, wait_healthy
+from support.stack import Stack, free_port, start_logged, stop_procs, wait_healthy
 from tokenizers import Tokenizer
 
 from tilert.router.config import RouterConfig
@@ -336,14 +335,7 @@ def reasoning(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         wait_healthy(world.router, procs[1], 60, logs / "router.log")
         yield world
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(30)
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+        stop_procs(procs)
 
 
 @pytest.mark.stack

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,19 @@ def stop_stack(stack: Stack) -> None:
     _interrupt(stack.proc)
     if stack.secret_file is not None:
         shutil.rmtree(stack.secret_file.parent, ignore_errors=True)
+
+
+def stop_procs(procs: Sequence[subprocess.Popen[Any]], grace_s: float = 30.0) -> None:
+    """SIGTERM every process at once, then wait for each (SIGKILL after ``grace_s``)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 def _interrupt(proc: subprocess.Popen[str]) -> None:
