@@ -204,11 +204,11 @@ def measure(
     lay: parts.Layout,
     users: list[int],
     users_at: clients.Clients,
+    bodies: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    """The reference, then every row's streams (after an untimed run of it), for the node ``lay`` starts."""
-    n = max(args.users)
-    ids, texts = prompts(model, n, args.prompt_len, args.seed)
-    bodies = [clients.request_body(args.api, ids[u], texts[u]) for u in range(n)]
+    """The reference, then every row's streams (after an untimed run of it), for the node ``lay`` starts; user
+    ``u`` sends ``bodies[u]``."""
+    n = len(bodies)
     drafts = 1 if lay.drafts is None else lay.drafts  # the node's default (it drafts only with an MTP layer)
     ask = {
         "requests": [{"route": args.api, "body": b} for b in bodies],
@@ -275,6 +275,8 @@ def run(args: argparse.Namespace, model: Path, synthetic: dict[str, Any] | None 
     secret_file = stack.write_secret_file()
     script = Path(__file__).resolve()
     results = []
+    ids, texts = prompts(model, max(args.users), args.prompt_len, args.seed)
+    bodies = [clients.request_body(args.api, i, text) for i, text in zip(ids, texts, strict=True)]
     users_at = clients.Clients(max(args.users))
     try:
         with supervised(log_dir) as procs:
@@ -283,7 +285,8 @@ def run(args: argparse.Namespace, model: Path, synthetic: dict[str, Any] | None 
                 if i:
                     print(f"node: {node_label(node.drafts, node.accept_all_drafts)}", flush=True)
                     parts.restart_node(procs, node, cfg, script, secret_file, args.startup_timeout_s)
-                results.append(measure(args, urls, model, node, args.users if i == 0 else [1], users_at))
+                users = args.users if i == 0 else [1]
+                results.append(measure(args, urls, model, node, users, users_at, bodies))
                 procs.check()
     finally:
         users_at.close()

@@ -303,7 +303,8 @@ async def measure(args: argparse.Namespace, procs: Procs, urls: dict[str, str], 
                     probes = {path: (RouterProbe(urls[path], pid), cpu_ns(pid)) for path, pid in pids.items()}
                     times = await _runs({path: client.one(path, kind, name) for path in paths}, args.requests)
                     for path, ms in times.items():
-                        row = {"round": r, "kind": kind, "client": name, "path": path, "ttft_ms": ms}
+                        kept = [round(x, 3) for x in ms]  # each request's, to the microsecond
+                        row = {"round": r, "kind": kind, "client": name, "path": path, "ttft_ms": kept}
                         row.update(p50_ms=_pct(ms, 50), p90_ms=_pct(ms, 90))
                         if path in probes:  # CPU per request: its whole stream, not its first token alone
                             probe, cpu0 = probes[path]

@@ -37,7 +37,7 @@ from servelib.paged import MlaKind, PagedCaches
 from servelib.prefill_side import ConnectorDriver
 from servelib.reference import engine_speed, prompt_tokens
 from tilert.auth import load_secret
-from tilert.contracts import ConnectorSettings
+from tilert.contracts import ConnectorSettings, KVLayout
 from tilert.decode.config import resolve_dtype
 from tilert.engines.tilert.engine import TileRTEngine
 from tilert.models.checkpoint import eos_token_ids
@@ -85,6 +85,7 @@ class PrefillStandin:
         # prompt -> its first token and the engine's cache rows for it (sequence 0): a prompt seen before is a
         # prefix-cache hit, as in vLLM (its pages are filled from these rows and saved through the connector)
         self._prefixes: dict[tuple[int, ...], tuple[int, list[torch.Tensor]]] = {}
+        self._alone: dict[tuple[tuple[int, ...], int], dict[str, Any]] = {}  # the reference's tokens per prompt
         self._ids = itertools.count()
         self.app = Starlette(
             routes=[
@@ -204,6 +205,14 @@ class PrefillStandin:
     async def _timings(self, request: Request) -> Response:
         return _json(self.timings)
 
+    def _prompt_tokens(self, lays: dict[str, KVLayout], ids: list[int], tokens: int) -> dict[str, Any]:
+        """:func:`prompt_tokens` of a prompt, once per prompt and length: a run of several node configurations asks
+        for the same prompts again (the engine and its caches are the same, and so are the tokens)."""
+        key = (tuple(ids), tokens)
+        if key not in self._alone:
+            self._alone[key] = prompt_tokens(self.caches, lays, ids, tokens)
+        return self._alone[key]
+
     async def _reference(self, request: Request) -> Response:
         """``{"requests": [{"route", "body"}], "tokens", "users", "drafts", "accept_all"}``: each request's prompt ids
         and the engine's tokens for it, and the engine's speed per number of users."""
@@ -213,7 +222,7 @@ class PrefillStandin:
         def run() -> dict[str, Any]:
             with self.driver.lock:
                 lays = self.driver.worker.layouts
-                alone = [prompt_tokens(self.caches, lays, ids, ask["tokens"]) for ids in prompts]
+                alone = [self._prompt_tokens(lays, ids, ask["tokens"]) for ids in prompts]
                 speed = engine_speed(
                     self.caches, lays, prompts, alone, ask["users"], ask["drafts"], ask.get("accept_all", False)
                 )

@@ -478,17 +478,26 @@ class TileRTEngine(DecodeEngine):
         max_new = min(max_new, self.max_seq_len - max(positions))  # ends early when a cache is full
         toks, pos = list(tokens), list(positions)
         while max_new > 0:
-            run = self._one_regime_steps(pos, max_new) if self.use_graphs and n <= GRAPH_MAX_TOKENS else 0
-            if run == 0:  # mixed regimes (or no graphs): one step at a time
-                toks = self.decode_step_greedy(toks, pos, seqs)
-                steps: Iterator[list[int]] = iter([toks])
-                run = 1
+            run = self._one_regime_steps(pos, max_new) if self._batch_graph_ready(n, pos) else 0
+            steps: Iterator[list[int]]
+            if run == 0:  # mixed regimes (or no graph to use): one step at a time
+                steps = iter([self.decode_step_greedy(toks, pos, seqs)])
             else:
                 steps = self._batch_stream_run(toks, pos, seqs, run)
             for toks in steps:
                 pos = [p + 1 for p in pos]
                 max_new -= 1
                 yield toks
+
+    def _batch_graph_ready(self, n: int, positions: Sequence[int]) -> bool:
+        """Whether ``n`` rows at ``positions`` can run on a batch-stream graph: CUDA, at most ``GRAPH_MAX_TOKENS``
+        rows, and the graph captured already or capturable here (its warm-up runs write each row's next position
+        too, which must lie inside its sequence's cache)."""
+        if not self.use_graphs or n > GRAPH_MAX_TOKENS:
+            return False
+        a = self.model.args
+        captured = (n, a.dsa and positions[0] + 1 > a.index_topk) in self._batch_graphs
+        return captured or max(positions) + 1 < self.max_seq_len
 
     def _one_regime_steps(self, positions: Sequence[int], max_new: int) -> int:
         """How many of the next ``max_new`` steps of rows at ``positions`` keep every row in one attention regime
