@@ -136,33 +136,54 @@ def _wbytes(a, leaf: str, *shape: int) -> int:
     return math.prod(shape) + 4 * math.prod(fp8.scale_shape(leaf, shape))
 
 
-def bytes_per_token(args, ctx: int, sparse: bool) -> dict:
+def _attn_bytes(a, has_indexer: bool) -> int:
+    """One layer's attention weights: W_a (with the indexer's rows where it runs its own), W_b, W_kv_b, W_o."""
+    d, h = a.hidden_size, a.num_heads
+    b = (
+        _wbytes(a, "wa", a.wa_rows(has_indexer), d)
+        + _wbytes(a, "wkv_b", h * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)
+        + _wbytes(a, "wo", d, h * a.v_head_dim)
+    )
+    if a.q_lora_rank is not None:
+        b += _wbytes(a, "wb", a.wb_rows(has_indexer), a.q_lora_rank)
+    if has_indexer and a.fp8:  # indexer.weights_proj, kept bf16 apart from W_a
+        b += a.index_n_heads * a.hidden_size * 2
+    return b
+
+
+def routed_union(args, tokens: int) -> float:
+    """Expected distinct routed experts a layer reads for ``tokens`` tokens routed independently and uniformly (random
+    weights route so; a trained model's consecutive tokens share more): ``E (1 - (1 - k / E) ** tokens)``."""
+    e, k = args.n_routed_experts, args.num_experts_per_tok
+    return e * (1 - (1 - k / e) ** tokens)
+
+
+def _moe_bytes(a, tokens: int = 1) -> float:
+    """One MoE layer's weights for ``tokens`` tokens: the router's gate, the shared experts, the routed union."""
+    d, i = a.hidden_size, a.moe_intermediate_size
+    slot = _wbytes(a, "w13", 1, 2 * i, d) + _wbytes(a, "w2", 1, d, i)
+    return (routed_union(a, tokens) + a.n_shared_experts) * slot + a.n_routed_experts * d * 2
+
+
+def _dense_bytes(a) -> int:
+    return _wbytes(a, "w13", 1, 2 * a.intermediate_size, a.hidden_size) + _wbytes(
+        a, "w2", 1, a.hidden_size, a.intermediate_size
+    )
+
+
+def bytes_per_token(args, ctx: int, sparse: bool, tokens: int = 1) -> dict:
     """Bytes one decode step reads (weights actually touched + KV rows), counted from the engine's args (rank-local
     args: that rank's share, its ``V / tp`` rows of ``lm_head``). Per layer: attention (the indexer's weights in
     layers that run their own), then the router and the top-k + shared experts of a MoE layer or the dense MLP;
-    the MTP layer is not read by a plain step."""
+    the MTP layer is not read by a plain step. ``tokens`` > 1: a step over that many tokens at once (a verify), whose
+    MoE layers read the union of the experts its tokens route to (:func:`routed_union`)."""
     a, el = args, 2
-    d, h = a.hidden_size, a.num_heads
+    d = a.hidden_size
     index_layers = set(a.index_layers)
-
-    def attn(has_indexer: bool) -> int:
-        b = (
-            _wbytes(a, "wa", a.wa_rows(has_indexer), d)
-            + _wbytes(a, "wkv_b", h * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)
-            + _wbytes(a, "wo", d, h * a.v_head_dim)
-        )
-        if a.q_lora_rank is not None:
-            b += _wbytes(a, "wb", a.wb_rows(has_indexer), a.q_lora_rank)
-        if has_indexer and a.fp8:  # indexer.weights_proj, kept bf16 apart from W_a
-            b += a.index_n_heads * d * el
-        return b
-
-    i = a.moe_intermediate_size
-    slot = _wbytes(a, "w13", 1, 2 * i, d) + _wbytes(a, "w2", 1, d, i)
-    moe = (a.num_experts_per_tok + a.n_shared_experts) * slot + a.n_routed_experts * d * el
-    dense = _wbytes(a, "w13", 1, 2 * a.intermediate_size, d) + _wbytes(a, "w2", 1, d, a.intermediate_size)
     weights = sum(
-        attn(j in index_layers) + (moe if a.mlp_layer_types[j] == "sparse" else dense) for j in range(a.num_layers)
+        _attn_bytes(a, j in index_layers)
+        + (_moe_bytes(a, tokens) if a.mlp_layer_types[j] == "sparse" else _dense_bytes(a))
+        for j in range(a.num_layers)
     )
     head = d * el + (a.vocab_size // a.tp_size) * d * el  # the embedding row and this rank's lm_head rows
     row = a.latent_dim * el
@@ -171,6 +192,32 @@ def bytes_per_token(args, ctx: int, sparse: bool) -> dict:
     else:
         kv = a.num_layers * ctx * row
     return dict(weights=weights, head=head, kv=kv, total=weights + head + kv)
+
+
+def spec_bytes_per_step(args, ctx: int, sparse: bool, drafts: int, caught_up: int) -> dict:
+    """Bytes of one speculative step (``speculative_greedy_step``): the MTP layer over the ``caught_up`` rows the
+    previous step accepted (1 when it accepted no draft, ``drafts`` + 1 when it accepted all), then ``drafts`` - 1
+    more MTP steps of one row, each draft reading ``lm_head``, and the main model's verify of ``drafts`` + 1 tokens
+    (:func:`bytes_per_token` over that many). ``ratio``: over the plain step's bytes; ``ceiling_speedup``: the
+    tokens a step yields when every draft is accepted over that ratio, the speedup over MTP off at equal bandwidth."""
+    a, el = args, 2
+    d = a.hidden_size
+    head = (a.vocab_size // a.tp_size) * d * el + (d * el if a.mtp_own_embed else 0)
+    mlp = (lambda t: _moe_bytes(a, t)) if a.mtp_moe else (lambda t: _dense_bytes(a))
+    layer = lambda t: 2 * d * 2 * d + _attn_bytes(a, a.mtp_indexer) + mlp(t)  # noqa: E731 (eh_proj stays bf16)
+    mtp_kv = ctx * a.latent_dim * el
+    mtp = layer(caught_up) + head + mtp_kv + (drafts - 1) * (layer(1) + head + mtp_kv)
+    verify = bytes_per_token(a, ctx, sparse, tokens=drafts + 1)["total"]
+    plain = bytes_per_token(a, ctx, sparse)["total"]
+    total = mtp + verify
+    return dict(
+        mtp=mtp,
+        verify=verify,
+        total=total,
+        plain=plain,
+        ratio=total / plain,
+        ceiling_speedup=(drafts + 1) * plain / total,
+    )
 
 
 def category_bytes(args, ctx: int, sparse: bool) -> dict:
@@ -290,11 +337,18 @@ def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
         tg = time_graph(step, iters=10, reps=3)
         tw = wall_per_call(lambda K=K: spec_call(K))
         rates = {a: a / tw for a in (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0) if a <= K + 1}
+        full = spec_bytes_per_step(eng.model.args, ctx, sparse, K, K + 1)  # after a step that accepted every draft
         out["steps"][K] = dict(
-            graph_ms=tg * 1e3, wall_ms=tw * 1e3, ratio_to_plain=tg / plain_graph_s, tok_s_at_accepted_len=rates
+            graph_ms=tg * 1e3,
+            wall_ms=tw * 1e3,
+            ratio_to_plain=tg / plain_graph_s,
+            tok_s_at_accepted_len=rates,
+            bytes_ratio_to_plain=full["ratio"],
+            ceiling_speedup_all_accepted=full["ceiling_speedup"],
         )
         log(
-            f"[{name}] ctx={ctx} MTP K={K}: draft+verify graph {tg * 1e3:.3f} ms ({tg / plain_graph_s:.2f}x plain), "
+            f"[{name}] ctx={ctx} MTP K={K}: draft+verify graph {tg * 1e3:.3f} ms ({tg / plain_graph_s:.2f}x plain; "
+            f"{full['ratio']:.2f}x its bytes, every draft accepted: at most {full['ceiling_speedup']:.2f}x MTP off), "
             f"call {tw * 1e3:.3f} ms; tok/s at accepted length " + ", ".join(f"{a}: {r:.0f}" for a, r in rates.items())
         )
     return out

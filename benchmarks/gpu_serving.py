@@ -61,10 +61,10 @@ from tilert import stack  # noqa: E402
 from tilert.contracts import ConnectorSettings  # noqa: E402
 from tilert.models.checkpoint import read_json  # noqa: E402
 
-DEFAULTS = {"users": [1, 2, 4, 8], "tokens": 256, "prompt_len": 1024, "rounds": 1}
+DEFAULTS = {"users": [1, 2, 4, 8], "tokens": 256, "prompt_len": 1024, "rounds": 1, "ttft_pairs": 20}
 # what --smoke changes, unless given; its prompt passes the tiny DSA model's index_topk (64): the node's decode
 # steps then select rows with the handed-off indexer keys
-SMOKE = {"users": [1, 2], "tokens": 8, "prompt_len": 72, "rounds": 1}
+SMOKE = {"users": [1, 2], "tokens": 8, "prompt_len": 72, "rounds": 1, "ttft_pairs": 3}
 
 
 def _ints(text: str) -> list[int]:
@@ -121,6 +121,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "others (MTP serves a sequence alone) at one user; 'Nall': N drafts and --accept-all-drafts (benchmarks "
         "only: the serving path at full acceptance). Default: the node's own",
     )
+    ap.add_argument(
+        "--ttft-pairs",
+        type=int,
+        help="time to first token: this many requests of one user through the router, each followed by the same "
+        "request sent to the prefill stand-in directly (as to vLLM alone), on the first node (0: none; default 20)",
+    )
     ap.add_argument("--no-warmup", action="store_true", help="no untimed run of each row first")
     ap.add_argument("--seed", type=int, default=0, help="the prompts' seed")
     ap.add_argument("--startup-timeout-s", type=float, default=900.0)
@@ -150,6 +156,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in (SMOKE if args.smoke else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.ttft_pairs < 0:
+        ap.error("--ttft-pairs >= 0")
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     args.prefill_device = args.prefill_device or args.device
     if args.tokens < 2 or args.prompt_len < 1 or not args.users or not 1 <= min(args.users) <= max(args.users) <= 64:
@@ -236,6 +244,23 @@ def measure(
     return {"rows": rows, "reference": reference, "streams": streams, "timings": timings}
 
 
+def measure_ttft(
+    args: argparse.Namespace, urls: dict[str, str], model: Path, users_at: clients.Clients, body: dict[str, Any]
+) -> dict[str, Any]:
+    """One user's time to first token through the router (two tokens streamed) and calling the stand-in directly
+    (its one token streamed), request by request in turns, the same prompt (a prefix-cache hit in both)."""
+    routed: list[clients.Stream] = []
+    direct: list[clients.Stream] = []
+    for i in range(args.ttft_pairs + 1):  # the first pair untimed
+        got_r = users_at.run_users(urls["router"], args.api, str(model), [body], 2, 1, f"ttft{i}-router")
+        got_d = users_at.run_users(urls["standin"], args.api, str(model), [body], 1, 1, f"ttft{i}-direct")
+        if i:
+            routed += got_r
+            direct += got_d
+    timings = httpx.get(urls["standin"] + "/bench/timings", timeout=30).raise_for_status().json()
+    return report.ttft(routed, direct, timings)
+
+
 def _smoke_model() -> Path:
     from tilert.models.tiny import build_tiny_model
 
@@ -275,6 +300,7 @@ def run(args: argparse.Namespace, model: Path, synthetic: dict[str, Any] | None 
     secret_file = stack.write_secret_file()
     script = Path(__file__).resolve()
     results = []
+    ttft: dict[str, Any] | None = None
     ids, texts = prompts(model, max(args.users), args.prompt_len, args.seed)
     bodies = [clients.request_body(args.api, i, text) for i, text in zip(ids, texts, strict=True)]
     users_at = clients.Clients(max(args.users))
@@ -287,12 +313,16 @@ def run(args: argparse.Namespace, model: Path, synthetic: dict[str, Any] | None 
                     parts.restart_node(procs, node, cfg, script, secret_file, args.startup_timeout_s)
                 users = args.users if i == 0 else [1]
                 results.append(measure(args, urls, model, node, users, users_at, bodies))
+                if i == 0 and args.ttft_pairs:
+                    ttft = measure_ttft(args, urls, model, users_at, bodies[0])
                 procs.check()
     finally:
         users_at.close()
         shutil.rmtree(secret_file.parent, ignore_errors=True)
     rows = [r for result in results for r in result["rows"]]
     print("\n" + report.table(rows) + "\n", flush=True)
+    if ttft is not None:
+        print(report.ttft_table(ttft) + "\n", flush=True)
     for r in rows:
         if r["errors"]:
             print(f"users {r['users']}: {r['errors']} failed streams, e.g. {r['error_samples']}", flush=True)
@@ -324,10 +354,12 @@ def run(args: argparse.Namespace, model: Path, synthetic: dict[str, Any] | None 
     machine = machine_kind(_gpus(args), args.device)
     path = result_path(machine, "serving", ".json", args.out)
     rec = recorded(machine, script="gpu_serving.py")
-    print(f"written: {write_json(path, {'conditions': conditions, 'rows': rows, 'streams': streams}, rec)}")
+    body = {"conditions": conditions, "rows": rows, "ttft": ttft, "streams": streams}
+    print(f"written: {write_json(path, body, rec)}")
     same = all(r["same_tokens"] for r in rows)
     print("The same tokens as the engine's own greedy on every stream." if same else "TOKENS DIFFER (see same_tokens)")
-    return 0 if same and not any(r["errors"] for r in rows) else 1
+    failed = any(r["errors"] for r in rows) or (ttft is not None and ttft["errors"])
+    return 0 if same and not failed else 1
 
 
 def main(argv: list[str] | None = None) -> int:

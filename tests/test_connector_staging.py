@@ -399,15 +399,15 @@ def test_refused_handshake_fails_the_slot_and_frees_the_extent(rig: Rig) -> None
 
 def test_extraction_error_aborts_at_once(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
     tid = _tid("extract")
-    real = worker_module.gather_rows
+    real = worker_module.take_rows
     broken = rig.caches[NAMES[2]]
 
-    def gather(kind: str, row: int, cache: torch.Tensor, slots: torch.Tensor, bs: int) -> torch.Tensor:
+    def gather(kind: str, cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         if cache is broken:
             raise RuntimeError("simulated gather failure")
-        return real(kind, row, cache, slots, bs)
+        return real(kind, cache, index)
 
-    monkeypatch.setattr(worker_module, "gather_rows", gather)
+    monkeypatch.setattr(worker_module, "take_rows", gather)
 
     async def body(table: SlotTable, port: int) -> None:
         table.reserve(tid)

@@ -56,6 +56,14 @@ def test_smoke_run_streams_the_engines_own_tokens(tmp_path: Path) -> None:
     assert rows[1]["engine_path"] == "greedy_stream"
     assert rows[2]["engine_batch_same"] is True  # the engine's two sequences at once give each its tokens alone
     assert doc["conditions"]["prefill_kv_layout"] == "dense"
+    # time to first token through the router and calling the stand-in directly (its one token streamed as vLLM does)
+    ttft = doc["ttft"]
+    assert ttft["pairs"] == 3 and ttft["errors"] == 0, ttft
+    assert len(ttft["routed_ms"]) == len(ttft["direct_ms"]) == 3 and ttft["direct_ttft_ms"] > 0, ttft
+    hooks = ttft["routed_connector_hooks_ms"]  # the routed prefill ran the connector's hooks, the direct one did not
+    assert hooks["save_kv_layer"] > 0 and hooks["build_connector_meta"] > 0 and ttft["routed_connector_ms"] > 0, ttft
+    assert ttft["added_ms"] > 0, ttft
+    assert "TTFT added by the router, the node and the transfer" in done.stdout
     assert "The same tokens as the engine's own greedy on every stream." in done.stdout
 
 

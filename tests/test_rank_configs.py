@@ -111,3 +111,22 @@ def test_projection_adds_the_collectives_of_each_step(tmp_path: Path) -> None:
     k3 = spec[(32768, 4.0)]  # K = 3: t_spec(3) measured at 1K, plus the plain step's growth to 32K
     assert k3["mtp"] == 3 and math.isclose(k3["ms_per_step"], 7.0 + 2.0 + (122 + 8) * 0.01 + 5 * 0.02)
     assert math.isclose(k3["tok_s"], 4.0 * 1e3 / k3["ms_per_step"])
+
+
+def test_speculative_step_bytes() -> None:
+    """The bytes of a speculative step: a verify of one token reads what a plain step reads; with more tokens the
+    MoE layers read the union of their experts (random routing), so at full acceptance a step yields fewer tokens
+    per byte than ``drafts + 1`` plain steps would, and the ceiling it sets stays below ``drafts + 1``."""
+    a = engine_configs.LITE_V32
+    k, e = a.num_experts_per_tok, a.n_routed_experts
+    assert decode_speed.routed_union(a, 1) == pytest.approx(k)
+    assert k < decode_speed.routed_union(a, 4) < min(4 * k, e)
+    plain = decode_speed.bytes_per_token(a, 1024, False)
+    assert decode_speed.bytes_per_token(a, 1024, False, tokens=1) == plain
+    one = decode_speed.spec_bytes_per_step(a, 1024, False, 1, 1)
+    assert one["verify"] > plain["total"] and one["ratio"] > 1
+    full = decode_speed.spec_bytes_per_step(a, 1024, False, 3, 4)
+    assert full["total"] == pytest.approx(full["mtp"] + full["verify"])
+    assert full["mtp"] > decode_speed.spec_bytes_per_step(a, 1024, False, 3, 1)["mtp"]  # the catch-up's union
+    assert 1 < full["ceiling_speedup"] < 4
+    assert full["ceiling_speedup"] == pytest.approx(4 * plain["total"] / full["total"])

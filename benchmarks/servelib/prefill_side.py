@@ -23,6 +23,7 @@ KV travels, as from the stack's prefill; the decode node recomputes the prompt's
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -107,6 +108,19 @@ class ConnectorDriver:
             for i, layer in enumerate(caches.engine.model.layers)
         ]
         self._step: tuple[TileRTConnectorMetadata, torch.Tensor, int] | None = None  # the forward being saved
+        # seconds spent in the connector's own calls (the host's side of them), per hook, since the caller cleared it
+        self.connector_s: dict[str, float] = {}
+
+    @contextmanager
+    def _connector(self, hook: str) -> Iterator[None]:
+        """Time a connector hook: wall seconds under ``hook``, this thread's CPU seconds under ``hook + "_cpu"`` (the
+        difference is waiting: for the GIL, for the device)."""
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            for key, dt in ((hook, time.perf_counter() - t0), (hook + "_cpu", time.thread_time() - c0)):
+                self.connector_s[key] = self.connector_s.get(key, 0.0) + dt
 
     def close(self) -> None:
         self._stop.set()
@@ -127,7 +141,8 @@ class ConnectorDriver:
         assert self._step is not None
         meta, slots, n = self._step
         self.caches.write_layer(layer, slots, n)
-        self.worker.save_layer(meta, attention_name(layer))
+        with self._connector("save_kv_layer"):
+            self.worker.save_layer(meta, attention_name(layer))
 
     @contextmanager
     def step(
@@ -139,7 +154,8 @@ class ConnectorDriver:
         forward (a prefix-cache hit); every layer is saved after the block."""
         n = len(prompt)
         blocks = self.caches.block_table(n)
-        meta = self.scheduler.build_meta(_scheduler_output(req_id, params, prompt, blocks))
+        with self._connector("build_connector_meta"):
+            meta = self.scheduler.build_meta(_scheduler_output(req_id, params, prompt, blocks))
         slots = self.caches.slots(blocks, n)
         engine = self.caches.engine
         # A prompt the engine runs as a CUDA graph (its forward hooks fire only while capturing) is saved after it.
@@ -156,8 +172,9 @@ class ConnectorDriver:
                     self._save(layer)
             finally:
                 self._step = None
-        self.worker.flush(meta)
-        self._report()
+        with self._connector("wait_for_save"):
+            self.worker.flush(meta)
+            self._report()
         if meta.saves:
             self._pending.set()
 
@@ -166,7 +183,8 @@ class ConnectorDriver:
         request = SimpleNamespace(
             request_id=req_id, kv_transfer_params=params, output_token_ids=[first], num_prompt_tokens=prompt_tokens
         )
-        return self.scheduler.request_finished(request)  # type: ignore[arg-type]
+        with self._connector("request_finished"):
+            return self.scheduler.request_finished(request)  # type: ignore[arg-type]
 
     def _report(self) -> None:
         self.scheduler.update(SimpleNamespace(kv_connector_worker_meta=self.worker.take_report()))  # type: ignore[arg-type]

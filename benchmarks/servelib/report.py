@@ -8,13 +8,19 @@ from typing import Any
 from servelib.clients import Stream, med, pct, steady_tok_s
 
 
+def _added_ms(s: Stream, t: dict[str, float]) -> float:
+    """What the serving path adds to a first token over the prefill server's own work: the client's TTFT less the
+    stand-in's time answering the prefill, plus the connector's own calls inside that time (its scheduler and
+    worker hooks, which run in vLLM's step: the transfer's part of the prefill)."""
+    return 1000 * s.ttft_s - t["handler_ms"] + t.get("connector_ms", 0.0)
+
+
 def row(users: int, streams: list[Stream], reference: dict[str, Any], timings: dict[str, dict[str, float]]) -> dict:
     """``client_tok_s``: the median user's tokens after the first over the time from the first token to the last
     (1000 / TPOT); ``client_steady_tok_s``: the median user's tok/s while every stream decodes (after the last
     prefill and transfer: on one GPU the stand-in's prefills of users joining share it with the decodes running);
     ``engine_tok_s``: the engine's own per-user speed on the node's path for that many sequences;
-    ``ttft_added_ms``: the client's TTFT less the stand-in's time answering that prefill (what the router, the
-    transport and the client add to the prefill); ``same_tokens``: every stream equals the engine's greedy tokens
+    ``ttft_added_ms``: :func:`_added_ms`; ``same_tokens``: every stream equals the engine's greedy tokens
     from the prompt's KV as the prefill's cache holds it (with MTP: the engine's tokens on that path, every draft
     accepted or not); ``engine_spec_same_as_stream``: MTP's tokens are the plain stream's;
     ``engine_tokens_per_step``: with MTP, the engine's tokens per speculative step (its accepted length);
@@ -30,7 +36,7 @@ def row(users: int, streams: list[Stream], reference: dict[str, Any], timings: d
     tpot = [1000 * s.decode_s / (len(s.token_ids) - 1) for s in ok if len(s.token_ids) > 1]
     gaps = [1000 * g for s in ok for g in s.gaps_s()]
     mine = [timings[s.request_id] for s in ok if s.request_id in timings]
-    added = [1000 * s.ttft_s - timings[s.request_id]["handler_ms"] for s in ok if s.request_id in timings]
+    added = [_added_ms(s, timings[s.request_id]) for s in ok if s.request_id in timings]
     client = med(per_user)
     rounds: dict[str, list[Stream]] = {}  # the streams of one run of the row (request ids "{tag}-u{user}")
     for s in ok:
@@ -70,6 +76,74 @@ def row(users: int, streams: list[Stream], reference: dict[str, Any], timings: d
         "same_tokens": not errors and all(s.token_ids == want[s.user] for s in streams),
         "same_as_engine_prefill": not errors and all(s.token_ids == prompts[s.user]["own"] for s in streams),
     }
+
+
+def ttft(routed: list[Stream], direct: list[Stream], timings: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Time to first token through the router against calling the prefill directly, at the client. ``added_ms``
+    (the median of :func:`_added_ms`): what the router, the node and the transfer add over the prefill server's own
+    work. ``added_over_direct_ms``: the median routed TTFT less the median direct one, what a user sees beside the
+    prefill server alone (on a prefix-cache hit it also counts the stand-in writing the prompt's pages for the
+    connector to save, which a direct request skips); ``*_outside_ms``: each path's TTFT less the stand-in's time
+    answering it (the hops and the client); ``routed_connector_ms``: the connector's calls inside that time."""
+    ok_r = [s for s in routed if s.error is None]
+    ok_d = [s for s in direct if s.error is None]
+
+    def ms(streams: list[Stream]) -> list[float]:
+        return [1000 * s.ttft_s for s in streams]
+
+    def handler(streams: list[Stream]) -> list[float]:
+        return [timings[s.request_id]["handler_ms"] for s in streams if s.request_id in timings]
+
+    def outside(streams: list[Stream]) -> list[float]:
+        return [1000 * s.ttft_s - timings[s.request_id]["handler_ms"] for s in streams if s.request_id in timings]
+
+    def connector(streams: list[Stream]) -> list[float]:
+        return [timings[s.request_id].get("connector_ms", 0.0) for s in streams if s.request_id in timings]
+
+    routed_ms, direct_ms = med(ms(ok_r)), med(ms(ok_d))
+    return {
+        "pairs": len(routed),
+        "errors": len(routed) + len(direct) - len(ok_r) - len(ok_d),
+        "error_samples": [s.error for s in routed + direct if s.error is not None][:3],
+        "routed_ttft_ms": routed_ms,
+        "routed_ttft_p90_ms": pct(ms(ok_r), 90),
+        "direct_ttft_ms": direct_ms,
+        "direct_ttft_p90_ms": pct(ms(ok_d), 90),
+        "added_over_direct_ms": routed_ms - direct_ms if routed_ms is not None and direct_ms is not None else None,
+        "routed_handler_ms": med(handler(ok_r)),
+        "direct_handler_ms": med(handler(ok_d)),
+        "added_ms": med([_added_ms(s, timings[s.request_id]) for s in ok_r if s.request_id in timings]),
+        "routed_connector_ms": med(connector(ok_r)),
+        "routed_connector_hooks_ms": {
+            k.removeprefix("connector_").removesuffix("_ms"): med([timings[s.request_id][k] for s in ok_r])
+            for k in sorted({k for s in ok_r for k in timings.get(s.request_id, {})})
+            if k.startswith("connector_") and k != "connector_ms" and all(k in timings[s.request_id] for s in ok_r)
+        },
+        "routed_outside_ms": med(outside(ok_r)),
+        "direct_outside_ms": med(outside(ok_d)),
+        "routed_ms": ms(ok_r),
+        "direct_ms": ms(ok_d),
+    }
+
+
+def ttft_table(t: dict[str, Any]) -> str:
+    """:func:`ttft` as a markdown table."""
+
+    def f(key: str) -> str:
+        return "-" if t.get(key) is None else f"{t[key]:.2f}"
+
+    return "\n".join(
+        [
+            "| path | TTFT p50 ms | TTFT p90 ms | stand-in's handler ms | its connector calls ms | outside it ms |",
+            "|---|---:|---:|---:|---:|---:|",
+            f"| router | {f('routed_ttft_ms')} | {f('routed_ttft_p90_ms')} | {f('routed_handler_ms')} | "
+            f"{f('routed_connector_ms')} | {f('routed_outside_ms')} |",
+            f"| direct | {f('direct_ttft_ms')} | {f('direct_ttft_p90_ms')} | {f('direct_handler_ms')} | - | "
+            f"{f('direct_outside_ms')} |",
+            f"\nTTFT added by the router, the node and the transfer ({t['pairs']} requests, p50): "
+            f"**{f('added_ms')} ms**; routed p50 less direct p50: {f('added_over_direct_ms')} ms",
+        ]
+    )
 
 
 COLUMNS = (

@@ -8,16 +8,20 @@ tokenizer's chat template with the generation prompt, then without special token
 (``forward(prompt_ids, 0)``, the first token its argmax), the KV written into vLLM's paged caches and saved layer by
 layer by the connector's worker half, and vLLM's non-streaming reply with ``token_ids``, ``prompt_token_ids``, usage,
 and the connector's ``request_finished`` answer (the :class:`~tilert.contracts.ClaimResult`) in
-``kv_transfer_params``. Prefills run one at a time (vLLM's engine core steps one batch at a time; this one batches
-nothing). It refuses what it does not compute: sampling (temperature > 0), ``n`` > 1, more than one token.
+``kv_transfer_params``. Asked to stream (a client calling it directly, as it would call vLLM alone), it answers
+vLLM's stream of that one token: a chunk with the token, a chunk with the finish reason, ``[DONE]``. Prefills run
+one at a time (vLLM's engine core steps one batch at a time; this one batches nothing). It refuses what it does not
+compute: sampling (temperature > 0), ``n`` > 1, more than one token.
 
 For the benchmark: ``POST /bench/reference`` (the engine's own tokens and speed, :mod:`servelib.reference`),
-``GET /bench/timings`` (each prefill's time here, by the request's ``x-request-id``, which the router forwards).
+``GET /bench/timings`` (each prefill's time here, by the request's ``x-request-id``, which the router forwards:
+waiting for the engine, the prefill step, the part of it in the connector's own calls, the whole handler).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -62,6 +66,25 @@ def _json(body: Any, status: int = 200) -> Response:
 def _refuse(message: str, status: int = 400, param: str | None = None) -> Response:
     kind = "NotFoundError" if status == 404 else "BadRequestError"
     return _json({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+
+
+def _sse(reply: dict[str, Any], chat: bool) -> Response:
+    """``reply`` as vLLM streams it: the token's chunk, the finish reason's chunk, ``[DONE]`` (one write: the token is
+    known before the first byte goes out)."""
+    choice = reply["choices"][0]
+    head = {k: reply[k] for k in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    if chat:
+        first = {"index": 0, "delta": {"role": "assistant", "content": choice["message"]["content"]}}
+        last = {"index": 0, "delta": {}}
+    else:
+        first, last = {"index": 0, "text": choice["text"]}, {"index": 0, "text": ""}
+    first |= {"logprobs": None, "finish_reason": None, "token_ids": choice["token_ids"]}
+    last |= {"logprobs": None, "finish_reason": choice["finish_reason"], "stop_reason": choice["stop_reason"]}
+    events = [orjson.dumps({**head, "choices": [c]}) for c in (first, last)]
+    return Response(
+        b"".join(b"data: " + e + b"\n\n" for e in events) + b"data: [DONE]\n\n", media_type="text/event-stream"
+    )
 
 
 class PrefillStandin:
@@ -114,8 +137,8 @@ class PrefillStandin:
     def _refusal(self, body: dict[str, Any], chat: bool) -> Response | None:
         if body.get("model") != self.spec.served_name:
             return _refuse(f"The model `{body.get('model')}` does not exist.", 404, "model")
-        if body.get("max_tokens") != 1 or body.get("stream"):
-            return _refuse("the prefill stand-in answers the router's prefill leg: max_tokens=1, not streamed")
+        if body.get("max_tokens") != 1:
+            return _refuse("the prefill stand-in answers a prefill: max_tokens=1", param="max_tokens")
         if (body.get("temperature") or 0) > 0 or (body.get("n") or 1) != 1:
             return _refuse("the prefill stand-in prefills greedily: temperature 0, n 1", param="temperature")
         if chat and not isinstance(body.get("messages"), list):
@@ -140,10 +163,26 @@ class PrefillStandin:
             return _refuse(f"a prompt of {len(ids)} tokens: 1 to {self.spec.max_model_len - 1} fit", param="prompt")
         req_id = f"{'chatcmpl' if chat else 'cmpl'}-standin-{next(self._ids)}"
         params = body.get("kv_transfer_params")
-        first, result, times = await anyio.to_thread.run_sync(self._prefill, req_id, ids, params)
+        first, result, times = await anyio.to_thread.run_sync(self._profiled, req_id, ids, params)
         times["handler_ms"] = 1000 * (time.perf_counter() - arrived)
         self.timings[request.headers.get("x-request-id", req_id)] = times
-        return _json(self._reply(body, chat, req_id, ids, first, result))
+        reply = self._reply(body, chat, req_id, ids, first, result)
+        return _sse(reply, chat) if body.get("stream") else _json(reply)
+
+    def _profiled(self, req_id: str, ids: list[int], params: Any) -> tuple[int, dict | None, dict[str, float]]:
+        out = os.environ.get("STANDIN_PROFILE")
+        if not out or not isinstance(params, dict):
+            return self._prefill(req_id, ids, params)
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        got = prof.runcall(self._prefill, req_id, ids, params)
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+        Path(out).write_text(text.getvalue())
+        return got
 
     def _prefill(self, req_id: str, ids: list[int], params: Any) -> tuple[int, dict | None, dict[str, float]]:
         """One prefill step through the connector (one at a time): first token, ``kv_transfer_params``, times."""
@@ -151,6 +190,7 @@ class PrefillStandin:
         claim = params if isinstance(params, dict) else None
         with self.driver.lock:
             t1 = time.perf_counter()
+            self.driver.connector_s.clear()
             hit = self._prefixes.get(tuple(ids))
             with self.driver.step(req_id, claim, ids, computed=hit is None):
                 if hit is None:
@@ -162,7 +202,10 @@ class PrefillStandin:
                         cache[:, : len(ids)] = saved
             result = self.driver.finished(req_id, claim, first, len(ids))
             t2 = time.perf_counter()
-        return first, result, {"queue_ms": 1000 * (t1 - t0), "prefill_ms": 1000 * (t2 - t1), "cached": hit is not None}
+            hooks = {f"connector_{k}_ms": 1000 * v for k, v in self.driver.connector_s.items()}
+        times = {"queue_ms": 1000 * (t1 - t0), "prefill_ms": 1000 * (t2 - t1), **hooks}
+        times["connector_ms"] = sum(v for k, v in hooks.items() if not k.endswith("_cpu_ms"))
+        return first, result, {**times, "cached": hit is not None}
 
     def _rows(self) -> list[torch.Tensor]:
         """The engine's caches the paged caches are filled from (sequence 0's rows first)."""

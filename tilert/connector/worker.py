@@ -79,21 +79,37 @@ def classify(
     )
 
 
+def row_index(kind: str, row_bytes: int, cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
+    """What :func:`take_rows` reads for ``slots`` (block_id * block_size + offset) from a cache of this shape: the rows'
+    numbers, or for the DSA indexer's block-major pages (per block, block_size fp8 keys of row_bytes-4 bytes, then
+    block_size fp32 scales) each row's ``row_bytes`` byte offsets. Every layer of a group has the same shape: one
+    index serves all of them."""
+    if kind == "dsa_indexer":
+        key_bytes = row_bytes - INDEXER_SCALE_BYTES
+        block_bytes = cache[0].numel()
+        bs = block_bytes // row_bytes
+        base = (slots // block_size) * block_bytes
+        offset = slots % block_size
+        keys = (base + offset * key_bytes)[:, None] + torch.arange(key_bytes, device=slots.device)
+        scales = (base + bs * key_bytes + offset * INDEXER_SCALE_BYTES)[:, None]
+        return torch.cat([keys, scales + torch.arange(INDEXER_SCALE_BYTES, device=slots.device)], dim=1)
+    rows = cache.shape.numel() // cache.shape[-1]
+    if rows % block_size:
+        raise ValueError(f"cache of {rows} rows is not a whole number of {block_size}-token blocks")
+    return slots
+
+
+def take_rows(kind: str, cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The ``[T, row_bytes]`` uint8 rows that ``index`` (:func:`row_index`) names, from one layer's cache: one gather,
+    which reads only those rows."""
+    if kind == "dsa_indexer":
+        return cache.take(index)
+    return cache.reshape(-1, cache.shape[-1]).index_select(0, index).view(torch.uint8).reshape(index.numel(), -1)
+
+
 def gather_rows(kind: str, row_bytes: int, cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
     """The ``[T, row_bytes]`` uint8 rows of ``slots`` (block_id * block_size + offset) from one layer."""
-    if kind == "dsa_indexer":
-        # Block-major: per block, block_size fp8 keys of row_bytes-4 bytes, then block_size fp32 scales.
-        key_bytes = row_bytes - INDEXER_SCALE_BYTES
-        blocks = cache.reshape(cache.shape[0], -1)
-        bs = blocks.shape[1] // row_bytes
-        keys = blocks[:, : bs * key_bytes].reshape(-1, key_bytes)
-        scales = blocks[:, bs * key_bytes :].reshape(-1, INDEXER_SCALE_BYTES)
-        s = (slots // block_size) * bs + slots % block_size
-        return torch.cat([keys.index_select(0, s), scales.index_select(0, s)], dim=1)
-    rows = cache.reshape(-1, cache.shape[-1])
-    if rows.shape[0] % block_size:
-        raise ValueError(f"cache of {rows.shape[0]} rows is not a whole number of {block_size}-token blocks")
-    return rows.index_select(0, slots).view(torch.uint8).reshape(slots.numel(), -1)
+    return take_rows(kind, cache, row_index(kind, row_bytes, cache, slots, block_size))
 
 
 @dataclass
@@ -105,6 +121,8 @@ class _Open:
     views: dict[str, torch.Tensor]  # group -> uint8 [num_layers, num_tokens, row_bytes] within the extent
     chunk_base: dict[str, int]  # group -> index of its first layer's chunk
     slots: torch.Tensor
+    stream: Any = None  # the forward's CUDA stream (the copies' events are recorded on it); None on the CPU
+    index: dict[str, torch.Tensor] = field(default_factory=dict)  # group -> its row_index for these slots
     layers_done: set[str] = field(default_factory=set)
     fault: Fault | None = None  # armed through the test-only hook (tilert.connector.faults)
 
@@ -243,41 +261,52 @@ class WorkerSide:
         layer = self._layers.get(layer_name)
         if layer is None or not meta.saves:
             return
-        self._save(meta, layer_name, layer)
         # vLLM calls save_kv_layer for attention layers only: a DSA indexer's cache, which the indexer writes before
         # its layer's attention runs, is staged with the attention layer of the same decoder layer.
-        for name in self._companions.get(layer_name, ()):
-            self._save(meta, name, self._layers[name])
-
-    def _save(self, meta: TileRTConnectorMetadata, layer_name: str, layer: _Layer) -> None:
-        layout = self._layouts[layer.group]
+        names = (layer_name, *self._companions.get(layer_name, ()))
         for save in meta.saves:
-            if save.req_id in self._open:
-                req = self._open[save.req_id]
-            elif save.req_id in self._seen:
-                continue  # refused at its first layer
-            else:
-                self._seen.add(save.req_id)
-                opened = self._start(save, layer.cache.device)
-                if opened is None:
+            req = self._request(save, layer.cache.device)
+            if req is not None and not req.staged.closed:  # closed: the transfer already ended (refused, aborted)
+                self._stage(req, names)
+
+    def _request(self, save: SaveRequest, device: torch.device) -> _Open | None:
+        """The request being staged in this step: opened at its first layer (None: refused then)."""
+        if save.req_id in self._open:
+            return self._open[save.req_id]
+        if save.req_id in self._seen:
+            return None  # refused at its first layer
+        self._seen.add(save.req_id)
+        return self._start(save, device)
+
+    def _stage(self, req: _Open, names: tuple[str, ...]) -> None:
+        """Copy the request's rows of each cache in ``names`` into its extent, then mark those chunks staged (on the
+        GPU: once one event recorded after the copies completes)."""
+        chunks: list[int] = []
+        name = names[0]
+        try:
+            for name in names:
+                if name in req.layers_done:
                     continue
-                req = opened
-            if req.staged.closed or layer_name in req.layers_done:
-                continue  # the transfer already ended (refused, aborted): nothing to stage for
-            try:
+                layer = self._layers[name]
+                layout = self._layouts[layer.group]
                 if req.fault is not None:
                     req.fault.before_layer(len(req.layers_done))
-                rows = gather_rows(layout.kind, layout.row_bytes, layer.cache, req.slots, save.block_size)
-                req.views[layer.group][layer.position].copy_(rows, non_blocking=True)
-                event = None
-                if rows.device.type == "cuda":
-                    event = torch.cuda.Event()
-                    event.record()  # after this layer's copy on the current stream
-                req.layers_done.add(layer_name)
-                req.staged.ready(req.chunk_base[layer.group] + layer.position, event)
-            except Exception as exc:  # noqa: BLE001 - never break vLLM's forward: abort this transfer instead
-                log.exception("staging_failed", transfer_id=save.claim.transfer_id, layer=layer_name)
-                req.staged.fail(f"KV extraction failed at {layer_name}: {type(exc).__name__}: {exc}")
+                index = req.index.get(layer.group)
+                if index is None:
+                    index = row_index(layout.kind, layout.row_bytes, layer.cache, req.slots, req.save.block_size)
+                    req.index[layer.group] = index
+                req.views[layer.group][layer.position].copy_(take_rows(layout.kind, layer.cache, index), True)
+                req.layers_done.add(name)
+                chunks.append(req.chunk_base[layer.group] + layer.position)
+            event = None
+            if chunks and req.stream is not None:
+                event = torch.cuda.Event()
+                event.record(req.stream)  # after these copies
+            for chunk in chunks:
+                req.staged.ready(chunk, event)
+        except Exception as exc:  # noqa: BLE001 - never break vLLM's forward: abort this transfer instead
+            log.exception("staging_failed", transfer_id=req.save.claim.transfer_id, layer=name)
+            req.staged.fail(f"KV extraction failed at {name}: {type(exc).__name__}: {exc}")
 
     def _start(self, save: SaveRequest, device: torch.device) -> _Open | None:
         """Take the request's extent (as the scheduler placed it) and hand the transfer to the sender now."""
@@ -316,7 +345,8 @@ class WorkerSide:
         )
         slots = torch.tensor(save.slot_ids(), dtype=torch.long, device=device)
         staged.fault = self._faults.take(tid) if self._faults is not None else None
-        req = _Open(save, staged, views, bases, slots, fault=staged.fault)
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        req = _Open(save, staged, views, bases, slots, stream, fault=staged.fault)
         self._open[save.req_id] = req
         self.transfers = [*self.transfers[-15:], staged]
         try:
