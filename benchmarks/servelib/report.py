@@ -79,12 +79,15 @@ def row(users: int, streams: list[Stream], reference: dict[str, Any], timings: d
 
 
 def ttft(routed: list[Stream], direct: list[Stream], timings: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """Time to first token through the router against calling the prefill directly, at the client. ``added_ms``
-    (the median of :func:`_added_ms`): what the router, the node and the transfer add over the prefill server's own
-    work. ``added_over_direct_ms``: the median routed TTFT less the median direct one, what a user sees beside the
-    prefill server alone (on a prefix-cache hit it also counts the stand-in writing the prompt's pages for the
-    connector to save, which a direct request skips); ``*_outside_ms``: each path's TTFT less the stand-in's time
-    answering it (the hops and the client); ``routed_connector_ms``: the connector's calls inside that time."""
+    """Time to first token through the router against calling the prefill directly, at the client, the same prompt
+    (a prefix-cache hit) in turns. ``added_ms``: what the router, the node and the transfer add to a first token over
+    the prefill server called alone: the routed TTFT less the direct one, less the difference in the stand-in's own
+    work between them (the connector's calls count as added: ``*_outside_ms`` differ, plus
+    ``routed_connector_ms``); ``added_outside_prefill_ms``: :func:`_added_ms` (the routed TTFT less the stand-in's
+    own work: also the client's and HTTP's part, which a direct call has too); ``added_over_direct_ms``: the routed
+    TTFT less the direct one as they are (with the stand-in writing the prompt's pages again for the connector to
+    save, which vLLM's prefix cache would not, and a direct request skips); ``*_outside_ms``: each path's TTFT less
+    the stand-in's time answering it (the hops and the client)."""
     ok_r = [s for s in routed if s.error is None]
     ok_d = [s for s in direct if s.error is None]
 
@@ -101,6 +104,7 @@ def ttft(routed: list[Stream], direct: list[Stream], timings: dict[str, dict[str
         return [timings[s.request_id].get("connector_ms", 0.0) for s in streams if s.request_id in timings]
 
     routed_ms, direct_ms = med(ms(ok_r)), med(ms(ok_d))
+    out_r, out_d, conn = med(outside(ok_r)), med(outside(ok_d)), med(connector(ok_r))
     return {
         "pairs": len(routed),
         "errors": len(routed) + len(direct) - len(ok_r) - len(ok_d),
@@ -112,15 +116,16 @@ def ttft(routed: list[Stream], direct: list[Stream], timings: dict[str, dict[str
         "added_over_direct_ms": routed_ms - direct_ms if routed_ms is not None and direct_ms is not None else None,
         "routed_handler_ms": med(handler(ok_r)),
         "direct_handler_ms": med(handler(ok_d)),
-        "added_ms": med([_added_ms(s, timings[s.request_id]) for s in ok_r if s.request_id in timings]),
-        "routed_connector_ms": med(connector(ok_r)),
+        "added_ms": None if out_r is None or out_d is None or conn is None else out_r - out_d + conn,
+        "added_outside_prefill_ms": med([_added_ms(s, timings[s.request_id]) for s in ok_r if s.request_id in timings]),
+        "routed_connector_ms": conn,
         "routed_connector_hooks_ms": {
             k.removeprefix("connector_").removesuffix("_ms"): med([timings[s.request_id][k] for s in ok_r])
             for k in sorted({k for s in ok_r for k in timings.get(s.request_id, {})})
             if k.startswith("connector_") and k != "connector_ms" and all(k in timings[s.request_id] for s in ok_r)
         },
-        "routed_outside_ms": med(outside(ok_r)),
-        "direct_outside_ms": med(outside(ok_d)),
+        "routed_outside_ms": out_r,
+        "direct_outside_ms": out_d,
         "routed_ms": ms(ok_r),
         "direct_ms": ms(ok_d),
     }
@@ -140,8 +145,10 @@ def ttft_table(t: dict[str, Any]) -> str:
             f"{f('routed_connector_ms')} | {f('routed_outside_ms')} |",
             f"| direct | {f('direct_ttft_ms')} | {f('direct_ttft_p90_ms')} | {f('direct_handler_ms')} | - | "
             f"{f('direct_outside_ms')} |",
-            f"\nTTFT added by the router, the node and the transfer ({t['pairs']} requests, p50): "
-            f"**{f('added_ms')} ms**; routed p50 less direct p50: {f('added_over_direct_ms')} ms",
+            f"\nTTFT added by the router, the node and the transfer over the prefill alone ({t['pairs']} pairs, p50s: "
+            f"router's outside - direct's outside + the connector's calls): **{f('added_ms')} ms**; routed TTFT less "
+            f"the stand-in's own work: {f('added_outside_prefill_ms')} ms; routed p50 less direct p50 as they are: "
+            f"{f('added_over_direct_ms')} ms",
         ]
     )
 

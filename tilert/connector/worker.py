@@ -104,7 +104,8 @@ def take_rows(kind: str, cache: torch.Tensor, index: torch.Tensor) -> torch.Tens
     which reads only those rows."""
     if kind == "dsa_indexer":
         return cache.take(index)
-    return cache.reshape(-1, cache.shape[-1]).index_select(0, index).view(torch.uint8).reshape(index.numel(), -1)
+    rows = cache.reshape(-1, cache.shape[-1]).index_select(0, index)
+    return rows if rows.dtype == torch.uint8 else rows.view(torch.uint8)
 
 
 def gather_rows(kind: str, row_bytes: int, cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
