@@ -103,6 +103,7 @@ def ttft(routed: list[Stream], direct: list[Stream], timings: dict[str, dict[str
     def connector(streams: list[Stream]) -> list[float]:
         return [timings[s.request_id].get("connector_ms", 0.0) for s in streams if s.request_id in timings]
 
+    timed_r = [timings[s.request_id] for s in ok_r if s.request_id in timings]
     routed_ms, direct_ms = med(ms(ok_r)), med(ms(ok_d))
     out_r, out_d, conn = med(outside(ok_r)), med(outside(ok_d)), med(connector(ok_r))
     return {
@@ -120,9 +121,9 @@ def ttft(routed: list[Stream], direct: list[Stream], timings: dict[str, dict[str
         "added_outside_prefill_ms": med([_added_ms(s, timings[s.request_id]) for s in ok_r if s.request_id in timings]),
         "routed_connector_ms": conn,
         "routed_connector_hooks_ms": {
-            k.removeprefix("connector_").removesuffix("_ms"): med([timings[s.request_id][k] for s in ok_r])
-            for k in sorted({k for s in ok_r for k in timings.get(s.request_id, {})})
-            if k.startswith("connector_") and k != "connector_ms" and all(k in timings[s.request_id] for s in ok_r)
+            k.removeprefix("connector_").removesuffix("_ms"): med([t[k] for t in timed_r])
+            for k in sorted({k for t in timed_r for k in t})
+            if k.startswith("connector_") and k != "connector_ms" and all(k in t for t in timed_r)
         },
         "routed_outside_ms": out_r,
         "direct_outside_ms": out_d,

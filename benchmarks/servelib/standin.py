@@ -21,7 +21,6 @@ waiting for the engine, the prefill step, the part of it in the connector's own 
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -163,26 +162,11 @@ class PrefillStandin:
             return _refuse(f"a prompt of {len(ids)} tokens: 1 to {self.spec.max_model_len - 1} fit", param="prompt")
         req_id = f"{'chatcmpl' if chat else 'cmpl'}-standin-{next(self._ids)}"
         params = body.get("kv_transfer_params")
-        first, result, times = await anyio.to_thread.run_sync(self._profiled, req_id, ids, params)
+        first, result, times = await anyio.to_thread.run_sync(self._prefill, req_id, ids, params)
         times["handler_ms"] = 1000 * (time.perf_counter() - arrived)
         self.timings[request.headers.get("x-request-id", req_id)] = times
         reply = self._reply(body, chat, req_id, ids, first, result)
         return _sse(reply, chat) if body.get("stream") else _json(reply)
-
-    def _profiled(self, req_id: str, ids: list[int], params: Any) -> tuple[int, dict | None, dict[str, float]]:
-        out = os.environ.get("STANDIN_PROFILE")
-        if not out or not isinstance(params, dict):
-            return self._prefill(req_id, ids, params)
-        import cProfile
-        import io
-        import pstats
-
-        prof = cProfile.Profile()
-        got = prof.runcall(self._prefill, req_id, ids, params)
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
-        Path(out).write_text(text.getvalue())
-        return got
 
     def _prefill(self, req_id: str, ids: list[int], params: Any) -> tuple[int, dict | None, dict[str, float]]:
         """One prefill step through the connector (one at a time): first token, ``kv_transfer_params``, times."""

@@ -122,7 +122,7 @@ class _Open:
     views: dict[str, torch.Tensor]  # group -> uint8 [num_layers, num_tokens, row_bytes] within the extent
     chunk_base: dict[str, int]  # group -> index of its first layer's chunk
     slots: torch.Tensor
-    stream: Any = None  # the forward's CUDA stream (the copies' events are recorded on it); None on the CPU
+    stream: torch.cuda.Stream | None = None  # the forward's stream (the copies' events are recorded on it); None on CPU
     index: dict[str, torch.Tensor] = field(default_factory=dict)  # group -> its row_index for these slots
     layers_done: set[str] = field(default_factory=set)
     fault: Fault | None = None  # armed through the test-only hook (tilert.connector.faults)
@@ -296,7 +296,8 @@ class WorkerSide:
                 if index is None:
                     index = row_index(layout.kind, layout.row_bytes, layer.cache, req.slots, req.save.block_size)
                     req.index[layer.group] = index
-                req.views[layer.group][layer.position].copy_(take_rows(layout.kind, layer.cache, index), True)
+                rows = take_rows(layout.kind, layer.cache, index)
+                req.views[layer.group][layer.position].copy_(rows, non_blocking=True)
                 req.layers_done.add(name)
                 chunks.append(req.chunk_base[layer.group] + layer.position)
             event = None
