@@ -11,7 +11,7 @@ import torch
 from tilert import contracts as p
 from tilert.connector.claims import SaveRequest
 from tilert.connector.sender import BackgroundSender
-from tilert.connector.worker import WorkerSide, gather_rows
+from tilert.connector.worker import WorkerSide, gather_rows, slot_tensor
 from tilert.contracts import Claim
 from tilert.decode.slots import SlotTable
 from tilert.engines.tilert import layouts
@@ -66,6 +66,13 @@ def test_indexer_rows_gathered_through_the_block_table() -> None:
     slots = torch.tensor(SaveRequest("r", Claim("t", "h", 1, "unsigned"), [3, 1], 64, n).slot_ids())
     got = gather_rows("dsa_indexer", head_dim + 4, shuffled, slots, 64)
     assert torch.equal(got, rows)
+
+
+@pytest.mark.parametrize(("blocks", "block_size", "tokens"), [([3, 1], 64, 70), ([4, 0, 2], 16, 48), ([7], 16, 1)])
+def test_slot_tensor_is_the_slot_list(blocks: list[int], block_size: int, tokens: int) -> None:
+    save = SaveRequest("r", Claim("t", "h", 1, "unsigned"), blocks, block_size, tokens)
+    got = slot_tensor(save, torch.device("cpu"))
+    assert got.dtype == torch.long and got.tolist() == save.slot_ids()
 
 
 def test_dense_rows_gathered_through_the_block_table() -> None:

@@ -108,6 +108,14 @@ def take_rows(kind: str, cache: torch.Tensor, index: torch.Tensor) -> torch.Tens
     return rows if rows.dtype == torch.uint8 else rows.view(torch.uint8)
 
 
+def slot_tensor(save: SaveRequest, device: torch.device) -> torch.Tensor:
+    """``save.slot_ids()`` as an int64 tensor on ``device``, built from the block table: a few tensor ops whatever
+    the prompt's length (the list costs Python work per token)."""
+    bs = save.block_size
+    blocks = torch.tensor(save.block_ids, dtype=torch.long)
+    return (blocks[:, None] * bs + torch.arange(bs)).reshape(-1)[: save.num_tokens].to(device)
+
+
 def gather_rows(kind: str, row_bytes: int, cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
     """The ``[T, row_bytes]`` uint8 rows of ``slots`` (block_id * block_size + offset) from one layer."""
     return take_rows(kind, cache, row_index(kind, row_bytes, cache, slots, block_size))
@@ -302,7 +310,9 @@ class WorkerSide:
                 chunks.append(req.chunk_base[layer.group] + layer.position)
             event = None
             if chunks and req.stream is not None:
-                event = torch.cuda.Event()
+                # blocking: the sender's thread sleeps in its wait for the copies instead of spinning in the driver
+                # beside the forward's launches
+                event = torch.cuda.Event(blocking=True)
                 event.record(req.stream)  # after these copies
             for chunk in chunks:
                 req.staged.ready(chunk, event)
@@ -345,7 +355,7 @@ class WorkerSide:
             lambda: self._release(save.req_id, save.offset),
             save.last_token_id,
         )
-        slots = torch.tensor(save.slot_ids(), dtype=torch.long, device=device)
+        slots = slot_tensor(save, device)
         staged.fault = self._faults.take(tid) if self._faults is not None else None
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         req = _Open(save, staged, views, bases, slots, stream, fault=staged.fault)
