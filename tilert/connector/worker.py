@@ -310,9 +310,7 @@ class WorkerSide:
                 chunks.append(req.chunk_base[layer.group] + layer.position)
             event = None
             if chunks and req.stream is not None:
-                # blocking: the sender's thread sleeps in its wait for the copies instead of spinning in the driver
-                # beside the forward's launches
-                event = torch.cuda.Event(blocking=True)
+                event = torch.cuda.Event()
                 event.record(req.stream)  # after these copies
             for chunk in chunks:
                 req.staged.ready(chunk, event)
