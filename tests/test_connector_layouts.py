@@ -11,7 +11,7 @@ import torch
 from tilert import contracts as p
 from tilert.connector.claims import SaveRequest
 from tilert.connector.sender import BackgroundSender
-from tilert.connector.worker import WorkerSide, gather_rows, slot_tensor
+from tilert.connector.worker import WorkerSide, row_index, slot_tensor, take_rows
 from tilert.contracts import Claim
 from tilert.decode.slots import SlotTable
 from tilert.engines.tilert import layouts
@@ -64,7 +64,7 @@ def test_indexer_rows_gathered_through_the_block_table() -> None:
     shuffled = torch.zeros(5, blocks.shape[1], dtype=torch.uint8)
     shuffled[3], shuffled[1] = blocks[0], blocks[1]  # the request's block table is [3, 1]
     slots = torch.tensor(SaveRequest("r", Claim("t", "h", 1, "unsigned"), [3, 1], 64, n).slot_ids())
-    got = gather_rows("dsa_indexer", head_dim + 4, shuffled, slots, 64)
+    got = take_rows("dsa_indexer", shuffled, row_index("dsa_indexer", head_dim + 4, shuffled, slots, 64))
     assert torch.equal(got, rows)
 
 
@@ -78,7 +78,7 @@ def test_slot_tensor_is_the_slot_list(blocks: list[int], block_size: int, tokens
 def test_dense_rows_gathered_through_the_block_table() -> None:
     cache = torch.randn(6, 1, 16, 576)  # vLLM CPU_MLA: [num_blocks, 1, 16, 576]
     save = SaveRequest("r", Claim("t", "h", 1, "unsigned"), [4, 0, 2], 16, 40)
-    got = gather_rows("mla_dense", 576 * 4, cache, torch.tensor(save.slot_ids()), 16)
+    got = take_rows("mla_dense", cache, row_index("mla_dense", 576 * 4, cache, torch.tensor(save.slot_ids()), 16))
     flat = cache.reshape(-1, 576)
     want = torch.cat([flat[64:80], flat[0:16], flat[32:40]]).view(torch.uint8).reshape(40, -1)
     assert torch.equal(got, want)

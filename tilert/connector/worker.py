@@ -116,11 +116,6 @@ def slot_tensor(save: SaveRequest, device: torch.device) -> torch.Tensor:
     return (blocks[:, None] * bs + torch.arange(bs)).reshape(-1)[: save.num_tokens].to(device)
 
 
-def gather_rows(kind: str, row_bytes: int, cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The ``[T, row_bytes]`` uint8 rows of ``slots`` (block_id * block_size + offset) from one layer."""
-    return take_rows(kind, cache, row_index(kind, row_bytes, cache, slots, block_size))
-
-
 @dataclass
 class _Open:
     """A request being staged in this step."""
