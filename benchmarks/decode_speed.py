@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
-from engine_configs import CONFIGS, CPU_REDUCE, RANK_CONFIGS, config_args, rank_args  # noqa: E402
+from engine_configs import CONFIGS, CPU_REDUCE, RANK_CONFIGS, config_args, hf_overrides, rank_args  # noqa: E402
 from results_header import machine_kind, recorded, result_path, write_json  # noqa: E402
 
 from tilert.engines.tilert.fast import CapturedFn  # noqa: E402
@@ -650,36 +650,11 @@ def kernel_profile(fn, steps=3):
 
 
 def hf_config(args: ModelArgs):
-    """transformers' DeepseekV32Config with the engine config's shapes (for the side-by-side eager run)."""
+    """transformers' DeepseekV32Config with the engine config's shapes (for the side-by-side eager run): the fields a
+    synthetic checkpoint of these args writes (``engine_configs.hf_overrides``), positions for the longest context."""
     from transformers import DeepseekV32Config
 
-    return DeepseekV32Config(
-        vocab_size=args.vocab_size,
-        hidden_size=args.hidden_size,
-        intermediate_size=args.intermediate_size,
-        moe_intermediate_size=args.moe_intermediate_size,
-        num_hidden_layers=args.num_layers,
-        num_attention_heads=args.num_heads,
-        num_key_value_heads=args.num_heads,
-        n_shared_experts=args.n_shared_experts,
-        n_routed_experts=args.n_routed_experts,
-        num_experts_per_tok=args.num_experts_per_tok,
-        routed_scaling_factor=args.routed_scaling_factor,
-        kv_lora_rank=args.kv_lora_rank,
-        q_lora_rank=args.q_lora_rank,
-        qk_rope_head_dim=args.qk_rope_head_dim,
-        v_head_dim=args.v_head_dim,
-        qk_nope_head_dim=args.qk_nope_head_dim,
-        n_group=args.n_group,
-        topk_group=args.topk_group,
-        first_k_dense_replace=args.mlp_layer_types.count("dense"),
-        norm_topk_prob=True,
-        max_position_embeddings=65536,
-        index_n_heads=args.index_n_heads,
-        index_head_dim=args.index_head_dim,
-        index_topk=args.index_topk,
-        tie_word_embeddings=False,
-    )
+    return DeepseekV32Config(**hf_overrides(args), max_position_embeddings=65536, tie_word_embeddings=False)
 
 
 @torch.no_grad()
