@@ -24,21 +24,20 @@ SCRIPT = REPO / "benchmarks" / "gpu_serving.py"
 pytestmark = pytest.mark.timeout(300)
 
 
+def _run(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``gpu_serving.py argv`` with this checkout on its path; it must succeed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(SCRIPT), *argv], env=env, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return done
+
+
 def test_smoke_run_streams_the_engines_own_tokens(tmp_path: Path) -> None:
     from tilert.models.tiny import add_mtp_layer, build_tiny_model
 
     model = add_mtp_layer(build_tiny_model("deepseek_v32", tmp_path / "tiny-v32", seed=0), tmp_path / "tiny-v32-mtp")
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, str(SCRIPT), "--smoke", "--device", "cpu", "--model", str(model), "--out", str(out)]
-    done = subprocess.run(
-        [*cmd, "--drafts", "0,2all"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    done = _run("--smoke", "--device", "cpu", "--model", str(model), "--out", str(out), "--drafts", "0,2all")
     doc = json.loads((out / "cpu-serving.json").read_text())
     assert doc["recorded"]["machine"] == "cpu"
     assert [(r["node"], r["users"]) for r in doc["rows"]] == [("MTP off", 1), ("MTP off", 2), ("MTP 2 all accepted", 1)]
@@ -72,16 +71,8 @@ def test_synthetic_checkpoint_written_converted_and_served(tmp_path: Path) -> No
     ``tilert convert``, then served; the streams are the engine's own tokens and the conditions say how long the
     two steps took."""
     out, keep = tmp_path / "out", tmp_path / "synthetic"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     argv = ["--synthetic", "tiny-v32", "--synthetic-dir", str(keep), "--device", "cpu", "--out", str(out)]
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), *argv, "--users", "1,2", "--tokens", "4", "--prompt-len", "72", "--no-warmup"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    done = _run(*argv, "--users", "1,2", "--tokens", "4", "--prompt-len", "72", "--no-warmup")
     doc = json.loads((out / "cpu-serving.json").read_text())
     rows = {r["users"]: r for r in doc["rows"]}
     assert set(rows) == {1, 2} and all(r["same_tokens"] is True and r["errors"] == 0 for r in rows.values()), rows
