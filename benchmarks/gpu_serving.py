@@ -251,14 +251,32 @@ def measure_ttft(
     (its one token streamed), request by request in turns, the same prompt (a prefix-cache hit in both)."""
     routed: list[clients.Stream] = []
     direct: list[clients.Stream] = []
+    legs: dict[str, tuple[float, float]] = {}
     for i in range(args.ttft_pairs + 1):  # the first pair untimed
         got_r = users_at.run_users(urls["router"], args.api, str(model), [body], 2, 1, f"ttft{i}-router")
         got_d = users_at.run_users(urls["standin"], args.api, str(model), [body], 1, 1, f"ttft{i}-direct")
         if i:
             routed += got_r
             direct += got_d
+        else:
+            legs = router_legs(urls["router"])
     timings = httpx.get(urls["standin"] + "/bench/timings", timeout=30).raise_for_status().json()
-    return report.ttft(routed, direct, timings)
+    return report.ttft(routed, direct, timings, report.router_own_ms(legs, router_legs(urls["router"])))
+
+
+def router_legs(router: str) -> dict[str, tuple[float, float]]:
+    """The router's own histograms of a request's first token and its prefill call (``report.ROUTER_LEGS``): each
+    one's (sum of seconds, count) over every label."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(router + "/metrics", timeout=30).raise_for_status().text
+    sums = {name: [0.0, 0.0] for name in report.ROUTER_LEGS}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name, _, part = sample.name.rpartition("_")
+            if name in sums and part in ("sum", "count"):
+                sums[name][part == "count"] += sample.value
+    return {name: (v[0], v[1]) for name, v in sums.items()}
 
 
 def _smoke_model() -> Path:

@@ -10,8 +10,9 @@ import torch
 
 from tilert import contracts as p
 from tilert.connector.claims import SaveRequest
+from tilert.connector.gather import RequestRows, geometry, row_index, take_rows
 from tilert.connector.sender import BackgroundSender
-from tilert.connector.worker import WorkerSide, row_index, slot_tensor, take_rows
+from tilert.connector.worker import WorkerSide
 from tilert.contracts import Claim
 from tilert.decode.slots import SlotTable
 from tilert.engines.tilert import layouts
@@ -69,10 +70,45 @@ def test_indexer_rows_gathered_through_the_block_table() -> None:
 
 
 @pytest.mark.parametrize(("blocks", "block_size", "tokens"), [([3, 1], 64, 70), ([4, 0, 2], 16, 48), ([7], 16, 1)])
-def test_slot_tensor_is_the_slot_list(blocks: list[int], block_size: int, tokens: int) -> None:
+def test_request_slots_are_the_slot_list(blocks: list[int], block_size: int, tokens: int) -> None:
     save = SaveRequest("r", Claim("t", "h", 1, "unsigned"), blocks, block_size, tokens)
-    got = slot_tensor(save, torch.device("cpu"))
+    got = RequestRows(save.block_ids, tokens, block_size, torch.device("cpu")).slots()
     assert got.dtype == torch.long and got.tolist() == save.slot_ids()
+
+
+@pytest.mark.parametrize(
+    ("kind", "row_bytes", "cache"),
+    [
+        ("fp8_ds_mla", 656, torch.randint(0, 255, (6, 16, 656), dtype=torch.uint8)),  # vLLM GPU fp8_ds_mla
+        ("mla_dense", 1152, torch.randn(6, 16, 576).to(torch.bfloat16)),  # vLLM GPU bf16
+        ("mla_dense", 2304, torch.randn(6, 1, 16, 576)),  # vLLM CPU_MLA, fp32
+        ("dsa_indexer", 132, torch.randint(0, 255, (6, 16 * 132), dtype=torch.uint8)),  # block-major indexer pages
+    ],
+)
+def test_page_geometry_addresses_the_reference_rows(kind: str, row_bytes: int, cache: torch.Tensor) -> None:
+    """The GPU copy addresses a token's row by :func:`geometry` (whole 4-byte words): read that way, through a
+    shuffled block table, the bytes are the reference gather's."""
+    table, tokens = [4, 0, 5], 40
+    rows = RequestRows(table, tokens, 16, torch.device("cpu"))
+    want = take_rows(kind, cache, row_index(kind, row_bytes, cache, rows.slots(), 16))
+    geo = geometry(kind, row_bytes, cache)
+    assert geo is not None and geo.words() is not None
+    flat = cache.reshape(cache.shape[0], -1).view(torch.uint8).reshape(-1)
+    got = []
+    for t in range(tokens):
+        page, offset = table[t // 16] * geo.block_stride, t % 16
+        a = page + offset * geo.a_stride
+        b = page + geo.b_base + offset * geo.b_stride
+        got.append(torch.cat([flat[a : a + geo.a_bytes], flat[b : b + geo.b_bytes]]))
+    assert torch.equal(torch.stack(got), want)
+
+
+def test_pages_that_are_not_whole_rows_are_left_to_the_reference() -> None:
+    assert geometry("mla_dense", 1152, torch.zeros(6, 16, 576, dtype=torch.bfloat16)[:, :, :576]) is not None
+    assert geometry("fp8_ds_mla", 656, torch.zeros(6, 16, 656 * 2, dtype=torch.uint8)[:, :, ::2]) is None  # strided
+    assert geometry("fp8_ds_mla", 656, torch.zeros(6, 2, 16, 656, dtype=torch.uint8)) is None  # two token axes
+    odd = geometry("mla_dense", 6, torch.zeros(6, 16, 3, dtype=torch.float16))
+    assert odd is not None and odd.words() is None  # 6-byte rows: not whole words
 
 
 def test_dense_rows_gathered_through_the_block_table() -> None:

@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from types import SimpleNamespace
@@ -32,7 +33,7 @@ import pytest
 import torch
 
 from tilert import contracts as c
-from tilert.connector import worker as worker_module
+from tilert.connector import gather as gather_module
 from tilert.connector.claims import SaveRequest, TileRTConnectorMetadata, TileRTWorkerMeta
 from tilert.connector.scheduler import SchedulerSide
 from tilert.connector.sender import BackgroundSender
@@ -142,20 +143,29 @@ def _tid(what: str) -> str:
     return f"{what}-{uuid.uuid4().hex[:8]}"
 
 
-@pytest.fixture(scope="module", params=TRANSPORTS)
-def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
-    transport: str = request.param
+@contextmanager
+def _rig(transport: str, stage_batch_bytes: int | None = None) -> Iterator[Rig]:
     receiver = load_transport(transport).receiver(host="127.0.0.1", options={})
     sender = BackgroundSender(transport, {"timeout_s": 5, "verdict_timeout_s": 2}, SECRET, timeout_s=5.0)
     cfg = SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64, num_hidden_layers=LAYERS)
     gen = torch.Generator().manual_seed(0)
     caches = {name: torch.randn(NUM_BLOCKS, 1, BLOCK, 576, generator=gen) for name in NAMES}  # vLLM CPU_MLA
-    worker = WorkerSide(cfg, sender, staging_bytes=POOL, expected_bytes_per_token=BPT)
+    worker = WorkerSide(
+        cfg, sender, staging_bytes=POOL, expected_bytes_per_token=BPT, stage_batch_bytes=stage_batch_bytes
+    )
     worker.register(caches)
     sched = SchedulerSide(BLOCK, SECRET, bytes_per_token=BPT, pool_bytes=pool_bytes(POOL, BPT, 0))
-    yield Rig(transport, receiver, sender, worker, sched, caches)
-    worker.close()
-    receiver.close()
+    try:
+        yield Rig(transport, receiver, sender, worker, sched, caches)
+    finally:
+        worker.close()
+        receiver.close()
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
+    with _rig(request.param) as made:  # caches on the CPU: each layer copied as it completes
+        yield made
 
 
 async def _with_node(
@@ -358,6 +368,37 @@ def test_first_layer_written_before_the_last_layer_is_staged(rig: Rig) -> None:
     assert sum(w.nbytes for w in staged.writes) == n * BPT and len(staged.writes) >= 2
 
 
+@pytest.mark.parametrize("layers_a_batch", [2, LAYERS + 1])
+def test_layers_are_copied_in_batches_of_stage_batch_bytes(layers_a_batch: int) -> None:
+    """``tilert_stage_batch_bytes``: a request's layers are copied once they hold that many bytes, the rest at
+    ``wait_for_save``. Room for two layers: two copies of two layers (the first written while the forward goes on);
+    room for more than the request: one copy at the end of the forward, one write. The bytes arrive intact."""
+    tid, n, blocks = _tid("batched"), 60, [8, 3, 11, 6]
+    with _rig("tcp", stage_batch_bytes=layers_a_batch * n * ROW) as rig:
+
+        async def body(table: SlotTable, port: int) -> None:
+            table.reserve(tid)
+            meta = rig.sched.build_meta(_output([("r-batch", _claim(tid, port), n, blocks)]))
+            seen: list[int] = []
+
+            def forward(i: int) -> None:
+                if i:
+                    seen.append(rig.worker.transfers[-1].staged_chunks)
+                if i == LAYERS - 1 and layers_a_batch == 2:
+                    _wait_for(lambda: bool(rig.worker.transfers[-1].writes))  # the first batch, written
+
+            await anyio.to_thread.run_sync(rig.step, meta, forward)
+            slot = await table.wait_ready(tid, 10)
+            assert torch.equal(slot.tensors()[0]["mla"], rig.expected_rows(n, blocks))
+            assert seen == ([0, 2, 2] if layers_a_batch == 2 else [0, 0, 0])  # staged before layers 1, 2, 3
+            await anyio.to_thread.run_sync(rig.pool_whole_within, 5.0)
+
+        anyio.run(_with_node, rig, body)
+        staged = rig.worker.transfers[-1]
+        assert staged.outcome == "done"
+        assert [w.nbytes for w in staged.writes] == [n * ROW * k for k in ((2, 2) if layers_a_batch == 2 else (4,))]
+
+
 def test_stale_scheduler_view_refuses_busy_while_an_extent_is_out(rig: Rig) -> None:
     """With the real worker: until the worker's report comes back the extent stays used for the scheduler."""
     ta, tb = _tid("hold"), _tid("busy")
@@ -399,7 +440,7 @@ def test_refused_handshake_fails_the_slot_and_frees_the_extent(rig: Rig) -> None
 
 def test_extraction_error_aborts_at_once(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
     tid = _tid("extract")
-    real = worker_module.take_rows
+    real = gather_module.take_rows
     broken = rig.caches[NAMES[2]]
 
     def gather(kind: str, cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -407,7 +448,7 @@ def test_extraction_error_aborts_at_once(rig: Rig, monkeypatch: pytest.MonkeyPat
             raise RuntimeError("simulated gather failure")
         return real(kind, cache, index)
 
-    monkeypatch.setattr(worker_module, "take_rows", gather)
+    monkeypatch.setattr(gather_module, "take_rows", gather)
 
     async def body(table: SlotTable, port: int) -> None:
         table.reserve(tid)

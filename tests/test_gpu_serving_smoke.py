@@ -62,6 +62,8 @@ def test_smoke_run_streams_the_engines_own_tokens(tmp_path: Path) -> None:
     hooks = ttft["routed_connector_hooks_ms"]  # the routed prefill ran the connector's hooks, the direct one did not
     assert hooks["save_kv_layer"] > 0 and hooks["build_connector_meta"] > 0 and ttft["routed_connector_ms"] > 0, ttft
     assert ttft["added_ms"] > 0, ttft
+    # the router's own part, from its metrics over the timed pairs: inside the routed TTFT, outside the prefill
+    assert 0 < ttft["router_own_ms"] < ttft["routed_ttft_ms"], ttft
     assert "TTFT added by the router, the node and the transfer" in done.stdout
     assert "The same tokens as the engine's own greedy on every stream." in done.stdout
 

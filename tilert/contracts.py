@@ -102,6 +102,10 @@ TransportOption = str | int | float | bool | list[str] | None
 # such steps back to back while a connector has work pending): a request arriving meanwhile waits as long to be
 # scheduled, and it keeps vLLM to at most 1 / wait such steps a second.
 DEFAULT_POLL_WAIT_S = 0.01
+# On a GPU, a request's layers are copied out of vLLM's cache once they hold this many bytes (and the rest at the end
+# of the forward): a prompt of a few thousand tokens is copied in one go, for a few launches of host time, and a long
+# one a layer or two at a time, its transfer overlapping the rest of the forward.
+DEFAULT_STAGE_BATCH_BYTES = 32 << 20
 
 
 class ConnectorSettings(_Strict, kw_only=True, omit_defaults=True, rename=lambda name: CLAIM_PREFIX + name):
@@ -114,7 +118,9 @@ class ConnectorSettings(_Strict, kw_only=True, omit_defaults=True, rename=lambda
     never below one); ``staging_device``: ``cpu`` (host memory, pinned on GPU machines) or ``cache`` (the
     caches' device, for a transport that reads device memory); ``sender_threads``: transfers shipped at once;
     ``busy_retry_after_s``: the ``Retry-After`` a client gets when its claim found the pool full;
-    ``poll_wait_s``: see :data:`DEFAULT_POLL_WAIT_S`; ``secret_file``: the deployment's shared secret
+    ``poll_wait_s``: see :data:`DEFAULT_POLL_WAIT_S`; ``stage_batch_bytes``: a request's layers are copied out of the
+    cache once they hold this many bytes (0: each layer as it completes; unset: :data:`DEFAULT_STAGE_BATCH_BYTES` on
+    a GPU, 0 on CPU, where a copy costs no launch); ``secret_file``: the deployment's shared secret
     (unset: ``$TILERT_SECRET_FILE`` / ``$TILERT_SECRET``)."""
 
     transport: Name = "tcp"
@@ -125,6 +131,7 @@ class ConnectorSettings(_Strict, kw_only=True, omit_defaults=True, rename=lambda
     sender_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
     busy_retry_after_s: Annotated[int, msgspec.Meta(ge=0, le=3600)] = 1
     poll_wait_s: Annotated[float, msgspec.Meta(ge=0, le=10)] = DEFAULT_POLL_WAIT_S
+    stage_batch_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] | None = None
     secret_file: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] | None = None
 
     @classmethod

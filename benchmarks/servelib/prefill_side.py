@@ -90,6 +90,7 @@ class ConnectorDriver:
             max_model_len=max_model_len,
             staging_device=settings.staging_device,
             poll_wait_s=settings.poll_wait_s,
+            stage_batch_bytes=settings.stage_batch_bytes,
         )
         self.worker.register(caches.caches)
         # vLLM's figure comes from its KV cache config; here from the same pages (the worker's own count of them)

@@ -78,7 +78,24 @@ def row(users: int, streams: list[Stream], reference: dict[str, Any], timings: d
     }
 
 
-def ttft(routed: list[Stream], direct: list[Stream], timings: dict[str, dict[str, float]]) -> dict[str, Any]:
+ROUTER_LEGS = ("tilert:time_to_first_token_seconds", "tilert:request_prefill_time_seconds")
+
+
+def router_own_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> float | None:
+    """The router's mean time from a request's arrival to its first token, outside its prefill call, between two
+    readings of its :data:`ROUTER_LEGS` histograms (None when it served no request in between)."""
+    means = []
+    for name in ROUTER_LEGS:
+        total, count = (a - b for a, b in zip(after.get(name, (0.0, 0.0)), before.get(name, (0.0, 0.0)), strict=True))
+        if count <= 0:
+            return None
+        means.append(1000 * total / count)
+    return means[0] - means[1]
+
+
+def ttft(
+    routed: list[Stream], direct: list[Stream], timings: dict[str, dict[str, float]], router_own: float | None = None
+) -> dict[str, Any]:
     """Time to first token through the router against calling the prefill directly, at the client, the same prompt
     (a prefix-cache hit) in turns. ``added_ms``: what the router, the node and the transfer add to a first token over
     the prefill server called alone: the routed TTFT less the direct one, less the difference in the stand-in's own
@@ -87,7 +104,7 @@ def ttft(routed: list[Stream], direct: list[Stream], timings: dict[str, dict[str
     own work: also the client's and HTTP's part, which a direct call has too); ``added_over_direct_ms``: the routed
     TTFT less the direct one as they are (with the stand-in writing the prompt's pages again for the connector to
     save, which vLLM's prefix cache would not, and a direct request skips); ``*_outside_ms``: each path's TTFT less
-    the stand-in's time answering it (the hops and the client)."""
+    the stand-in's time answering it (the hops and the client); ``router_own_ms``: :func:`router_own_ms`."""
     ok_r = [s for s in routed if s.error is None]
     ok_d = [s for s in direct if s.error is None]
 
@@ -118,6 +135,7 @@ def ttft(routed: list[Stream], direct: list[Stream], timings: dict[str, dict[str
         "routed_handler_ms": med(handler(ok_r)),
         "direct_handler_ms": med(handler(ok_d)),
         "added_ms": None if out_r is None or out_d is None or conn is None else out_r - out_d + conn,
+        "router_own_ms": router_own,
         "added_outside_prefill_ms": med([_added_ms(s, timings[s.request_id]) for s in ok_r if s.request_id in timings]),
         "routed_connector_ms": conn,
         "routed_connector_hooks_ms": {
@@ -149,7 +167,8 @@ def ttft_table(t: dict[str, Any]) -> str:
             f"\nTTFT added by the router, the node and the transfer over the prefill alone ({t['pairs']} pairs, p50s: "
             f"router's outside - direct's outside + the connector's calls): **{f('added_ms')} ms**; routed TTFT less "
             f"the stand-in's own work: {f('added_outside_prefill_ms')} ms; routed p50 less direct p50 as they are: "
-            f"{f('added_over_direct_ms')} ms",
+            f"{f('added_over_direct_ms')} ms; the router's own time outside its prefill call (its metrics, mean): "
+            f"{f('router_own_ms')} ms",
         ]
     )
 

@@ -89,6 +89,7 @@ class TileRTConnector(KVConnectorBase_V1):
                 expected_bytes_per_token=per_token,
                 staging_device=settings.staging_device,
                 poll_wait_s=settings.poll_wait_s,
+                stage_batch_bytes=settings.stage_batch_bytes,
             )
             _warn_cpu_rope(vllm_config)
 

@@ -155,7 +155,6 @@ class SchedulerSide:
                 req_id, pending.claim, pending.block_ids, self.block_size, tokens, offset, pending.last_token_id
             )
         )
-        log.info("save_scheduled", req_id=req_id, transfer_id=tid, tokens=tokens, offset=offset, nbytes=nbytes)
 
     def _refuse(self, req_id: str, tid: str, *, busy: bool, reason: str) -> None:
         self._refused[req_id] = _Refusal(reason, busy)

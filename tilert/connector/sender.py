@@ -85,7 +85,7 @@ class Staged:
         self.fault: Fault | None = None  # armed through the test-only hook (tilert.connector.faults)
         self.buffer, self.chunks = buffer, chunks
         self._on_release = on_release
-        self._ready: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
+        self._ready: queue.SimpleQueue[tuple[list[int], Any] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self.failure: str | None = None
         self.released = threading.Event()
@@ -105,18 +105,18 @@ class Staged:
     ) -> Staged:
         """An already complete staging (one chunk, staged): shipped in one write, without pipelining."""
         staged = cls(claim, num_tokens, layouts, buffer, [(0, buffer.numel())], on_release)
-        staged.ready(0)
+        staged.ready([0])
         return staged
 
     # ---- the worker's side ----------------------------------------------------------------------
 
-    def ready(self, index: int, event: Any = None) -> None:
-        """Chunk ``index`` is staged (on GPU: once ``event``, recorded after its copy, completes)."""
+    def ready(self, indices: list[int], event: Any = None) -> None:
+        """Chunks ``indices`` are staged (on GPU: once ``event``, recorded after their copies, completes)."""
         with self._lock:
-            self._staged.add(index)
+            self._staged.update(indices)
             if len(self._staged) == len(self.chunks) and self.staged_at is None:
                 self.staged_at = time.monotonic()
-        self._ready.put((index, event))
+        self._ready.put((indices, event))
 
     def fail(self, reason: str) -> None:
         """Staging failed: the sender aborts the transfer (the first reason wins)."""
@@ -126,13 +126,19 @@ class Staged:
         self._ready.put(None)
 
     @property
+    def staged_chunks(self) -> int:
+        """How many chunks the worker has marked staged so far."""
+        with self._lock:
+            return len(self._staged)
+
+    @property
     def closed(self) -> bool:
         """The sender is done with the extent: staging into it is pointless (and it may be reused)."""
         return self.released.is_set()
 
     # ---- the sender's side ----------------------------------------------------------------------
 
-    def next_ready(self, timeout_s: float) -> list[tuple[int, Any]]:
+    def next_ready(self, timeout_s: float) -> list[tuple[list[int], Any]]:
         """Block until at least one more chunk is staged; every chunk staged by then. ``StagingError`` when
         the worker failed, or none came within ``timeout_s``."""
         try:
@@ -322,13 +328,14 @@ class BackgroundSender:
             batch = staged.next_ready(timeout_s)
             for _, event in batch:
                 if event is not None:
-                    event.synchronize()  # the chunk's device-to-staging copy has completed
-            for start, end in _runs(sorted({i for i, _ in batch} & remaining), staged.chunks):
+                    event.synchronize()  # the chunks' copies into the staging extent have completed
+            staged_now = {i for indices, _ in batch for i in indices}
+            for start, end in _runs(sorted(staged_now & remaining), staged.chunks):
                 if fault is not None:
                     fault.before_write()
                 self._transport.write(target, staged.buffer[start:end], offset=start)
                 staged.writes.append(WriteRecord(start, end - start, time.monotonic()))
-            remaining -= {i for i, _ in batch}
+            remaining -= staged_now
 
     def _abort(self, claim: Claim, reason: str) -> None:
         try:

@@ -5,12 +5,16 @@ at), allocates the bounded staging pool once and registers it with the transport
 cannot be allocated or registered stops vLLM from starting, with the reason.
 
 Inside the forward window, as each attention layer finishes, the rows of every claimed request whose
-prompt completes in this step are gathered out of the paged cache (the layer's DSA indexer cache with it: vLLM
+prompt completes in this step are copied out of the paged cache (the layer's DSA indexer cache with it: vLLM
 calls ``save_kv_layer`` for attention layers only) into that request's extent of the pool
-(placed by the scheduler half; two requests never share one), and the layer's chunk is marked staged
-(on GPU by a CUDA event recorded after the copy). The request goes to the background sender before its
-first layer is staged, so the handshake and the first layers' writes overlap the rest of the forward; the
-paged blocks can be recycled as soon as the forward ends. An extraction error never escapes into vLLM's
+(placed by the scheduler half; two requests never share one), and the layers' chunks are marked staged
+(on GPU by a CUDA event recorded after the copy). The copies go in batches (``tilert_stage_batch_bytes``): a
+request's layers are copied together, in one launch per group on a GPU (:mod:`tilert.connector.gather`), once
+they hold that many bytes, and whatever is left at ``wait_for_save``. A short prompt is then copied in one go
+at the end of the forward, for a few launches of host time, and a long one a layer or two at a time, its writes
+overlapping the rest of the forward. The request goes to the background sender before its first layer is
+copied, so the handshake overlaps the forward; the paged blocks can be recycled as soon as the forward ends (the
+copies are queued on the forward's stream before it ends). An extraction error never escapes into vLLM's
 forward: the transfer is aborted instead. Extents the sender is done with are reported to the scheduler
 (``take_report``, through vLLM's ``build_connector_worker_meta``).
 """
@@ -28,15 +32,15 @@ import torch
 
 from tilert.connector.claims import SaveRequest, TileRTConnectorMetadata, TileRTWorkerMeta
 from tilert.connector.faults import Fault, FaultHook
+from tilert.connector.gather import INDEXER_SCALE_BYTES, LayerGroup, RequestRows
 from tilert.connector.sender import BackgroundSender, Staged
 from tilert.connector.staging import ExtentAllocator, pool_bytes
-from tilert.contracts import DEFAULT_POLL_WAIT_S, KVLayout
+from tilert.contracts import DEFAULT_POLL_WAIT_S, DEFAULT_STAGE_BATCH_BYTES, KVLayout
 from tilert.transports.base import TransferError
 
 log = structlog.get_logger("tilert.connector.worker")
 
 FP8_DS_MLA_ROW = 656
-INDEXER_SCALE_BYTES = 4  # one fp32 scale per token's fp8 key
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 _DENSE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -79,43 +83,6 @@ def classify(
     )
 
 
-def row_index(kind: str, row_bytes: int, cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
-    """What :func:`take_rows` reads for ``slots`` (block_id * block_size + offset) from a cache of this shape: the rows'
-    numbers, or for the DSA indexer's block-major pages (per block, block_size fp8 keys of row_bytes-4 bytes, then
-    block_size fp32 scales) each row's ``row_bytes`` byte offsets. Every layer of a group has the same shape: one
-    index serves all of them."""
-    if kind == "dsa_indexer":
-        key_bytes = row_bytes - INDEXER_SCALE_BYTES
-        block_bytes = cache[0].numel()
-        bs = block_bytes // row_bytes
-        base = (slots // block_size) * block_bytes
-        offset = slots % block_size
-        keys = (base + offset * key_bytes)[:, None] + torch.arange(key_bytes, device=slots.device)
-        scales = (base + bs * key_bytes + offset * INDEXER_SCALE_BYTES)[:, None]
-        return torch.cat([keys, scales + torch.arange(INDEXER_SCALE_BYTES, device=slots.device)], dim=1)
-    rows = cache.shape.numel() // cache.shape[-1]
-    if rows % block_size:
-        raise ValueError(f"cache of {rows} rows is not a whole number of {block_size}-token blocks")
-    return slots
-
-
-def take_rows(kind: str, cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """The ``[T, row_bytes]`` uint8 rows that ``index`` (:func:`row_index`) names, from one layer's cache: one gather,
-    which reads only those rows."""
-    if kind == "dsa_indexer":
-        return cache.take(index)
-    rows = cache.reshape(-1, cache.shape[-1]).index_select(0, index)
-    return rows if rows.dtype == torch.uint8 else rows.view(torch.uint8)
-
-
-def slot_tensor(save: SaveRequest, device: torch.device) -> torch.Tensor:
-    """``save.slot_ids()`` as an int64 tensor on ``device``, built from the block table: a few tensor ops whatever
-    the prompt's length (the list costs Python work per token)."""
-    bs = save.block_size
-    blocks = torch.tensor(save.block_ids, dtype=torch.long)
-    return (blocks[:, None] * bs + torch.arange(bs)).reshape(-1)[: save.num_tokens].to(device)
-
-
 @dataclass
 class _Open:
     """A request being staged in this step."""
@@ -124,10 +91,12 @@ class _Open:
     staged: Staged
     views: dict[str, torch.Tensor]  # group -> uint8 [num_layers, num_tokens, row_bytes] within the extent
     chunk_base: dict[str, int]  # group -> index of its first layer's chunk
-    slots: torch.Tensor
+    rows: RequestRows
     stream: torch.cuda.Stream | None = None  # the forward's stream (the copies' events are recorded on it); None on CPU
-    index: dict[str, torch.Tensor] = field(default_factory=dict)  # group -> its row_index for these slots
-    layers_done: set[str] = field(default_factory=set)
+    reached: set[str] = field(default_factory=set)  # caches the forward has written
+    pending: list[str] = field(default_factory=list)  # of those, the ones not copied yet
+    pending_bytes: int = 0
+    layers_done: set[str] = field(default_factory=set)  # caches copied (queued, on a GPU)
     fault: Fault | None = None  # armed through the test-only hook (tilert.connector.faults)
 
 
@@ -147,13 +116,16 @@ class WorkerSide:
         expected_bytes_per_token: int | None = None,
         staging_device: str = "cpu",
         poll_wait_s: float = DEFAULT_POLL_WAIT_S,
+        stage_batch_bytes: int | None = None,
     ) -> None:
         """``staging_bytes`` (``tilert_staging_bytes``) / ``max_model_len`` size the pool (see
         ``staging.pool_bytes``); ``expected_bytes_per_token`` is the scheduler's figure (from vLLM's KV cache
         config), checked against the cache tensors at registration; ``staging_device``: ``"cpu"`` (host
         memory, pinned when the caches are on a GPU) or ``"cache"`` (the caches' own device, for a transport
         that reads device memory); ``poll_wait_s``: the longest a step that only polls for the end of
-        transfers (``TileRTConnectorMetadata.poll``) waits for one (see :meth:`flush`)."""
+        transfers (``TileRTConnectorMetadata.poll``) waits for one (see :meth:`flush`); ``stage_batch_bytes``: a
+        request's layers reached by the forward are copied once they hold this many bytes (0: each layer as it
+        completes; unset: ``DEFAULT_STAGE_BATCH_BYTES`` when the caches are on a GPU, 0 otherwise)."""
         lora, rope = getattr(hf_config, "kv_lora_rank", None), getattr(hf_config, "qk_rope_head_dim", None)
         if not lora or not rope:
             raise ValueError("TileRTConnector needs an MLA model (config without kv_lora_rank/qk_rope_head_dim)")
@@ -179,6 +151,12 @@ class WorkerSide:
         self._released = threading.Condition(self._lock)  # notified whenever the sender frees an extent
         self._freed: list[tuple[str, int]] = []
         self._poll_wait_s = poll_wait_s
+        self._batch_setting = stage_batch_bytes
+        self._stage_batch_bytes = 0  # fixed by register, once the caches' device is known
+        self._groups: dict[str, LayerGroup] = {}
+        # what save_kv_layer(name) stages: the caches (an attention layer's DSA indexer with it), their bytes a token,
+        # their device
+        self._save_plans: dict[str, tuple[tuple[str, ...], int, torch.device]] = {}
         self.transfers: list[Staged] = []  # the most recent ones (tests, benchmarks)
         self._faults = FaultHook.from_env()  # None unless TILERT_TEST_FAULTS is set (tests only)
 
@@ -207,6 +185,7 @@ class WorkerSide:
                 self._layers[name] = _Layer(group, position, cache)
             base = kinds[group]
             self._layouts[group] = KVLayout(base.kind, base.dtype, base.row_bytes, len(members), base.rope_interleaved)
+            self._groups[group] = LayerGroup(group, base.kind, base.row_bytes, [cache for _, _, cache in members])
         indexers: dict[int, list[str]] = {}
         for name, layer in self._layers.items():
             if layer.group == "indexer" and _LAYER_INDEX.search(name):
@@ -221,6 +200,19 @@ class WorkerSide:
             layouts={g: msgspec.to_builtins(lay) for g, lay in self._layouts.items()},
         )
         device = next(iter(kv_caches.values())).device if kv_caches else torch.device("cpu")
+        gpu_default = DEFAULT_STAGE_BATCH_BYTES if device.type == "cuda" else 0
+        self._stage_batch_bytes = gpu_default if self._batch_setting is None else self._batch_setting
+        # vLLM calls save_kv_layer for attention layers only: a DSA indexer's cache, which the indexer writes before
+        # its layer's attention runs, is staged with the attention layer of the same decoder layer.
+        for name, layer in self._layers.items():
+            names = (name, *self._companions.get(name, ()))
+            row_bytes = sum(self._layouts[self._layers[n].group].row_bytes for n in names)
+            self._save_plans[name] = (names, row_bytes, layer.cache.device)
+        log.info(
+            "kv_copy_plan",
+            stage_batch_bytes=self._stage_batch_bytes,
+            kernel={g: grp.on_gpu_kernel for g, grp in self._groups.items()},
+        )
         self._allocate_pool(device)
 
     def _allocate_pool(self, cache_device: torch.device) -> None:
@@ -262,53 +254,52 @@ class WorkerSide:
     # ---- inside the forward -------------------------------------------------------------------
 
     def save_layer(self, meta: TileRTConnectorMetadata, layer_name: str) -> None:
-        layer = self._layers.get(layer_name)
-        if layer is None or not meta.saves:
+        plan = self._save_plans.get(layer_name)
+        if plan is None or not meta.saves:
             return
-        # vLLM calls save_kv_layer for attention layers only: a DSA indexer's cache, which the indexer writes before
-        # its layer's attention runs, is staged with the attention layer of the same decoder layer.
-        names = (layer_name, *self._companions.get(layer_name, ()))
+        names, row_bytes, device = plan
         for save in meta.saves:
-            req = self._request(save, layer.cache.device)
-            if req is not None and not req.staged.closed:  # closed: the transfer already ended (refused, aborted)
-                self._stage(req, names)
+            req = self._request(save, device)
+            if req is None or req.staged.closed or names[0] in req.reached:  # closed: ended (refused, aborted)
+                continue
+            req.reached.update(names)
+            req.pending += names
+            req.pending_bytes += save.num_tokens * row_bytes
+            if req.pending_bytes >= self._stage_batch_bytes:
+                self._stage(req)
 
     def _request(self, save: SaveRequest, device: torch.device) -> _Open | None:
         """The request being staged in this step: opened at its first layer (None: refused then)."""
-        if save.req_id in self._open:
-            return self._open[save.req_id]
+        req = self._open.get(save.req_id)
+        if req is not None:
+            return req
         if save.req_id in self._seen:
             return None  # refused at its first layer
         self._seen.add(save.req_id)
         return self._start(save, device)
 
-    def _stage(self, req: _Open, names: tuple[str, ...]) -> None:
-        """Copy the request's rows of each cache in ``names`` into its extent, then mark those chunks staged (on the
-        GPU: once one event recorded after the copies completes)."""
+    def _stage(self, req: _Open) -> None:
+        """Copy the request's pending layers into its extent (one copy per run of consecutive layers of a group),
+        then mark their chunks staged (on the GPU: once one event recorded after the copies completes)."""
+        names, req.pending, req.pending_bytes = req.pending, [], 0
         chunks: list[int] = []
-        name = names[0]
+        name = names[0] if names else ""
         try:
-            for name in names:
-                if name in req.layers_done:
-                    continue
-                layer = self._layers[name]
-                layout = self._layouts[layer.group]
+            layers = sorted((self._layers[n].group, self._layers[n].position) for n in names)
+            for group, first, count in _runs_of(layers):
+                name = f"{group} layer {first}"
                 if req.fault is not None:
-                    req.fault.before_layer(len(req.layers_done))
-                index = req.index.get(layer.group)
-                if index is None:
-                    index = row_index(layout.kind, layout.row_bytes, layer.cache, req.slots, req.save.block_size)
-                    req.index[layer.group] = index
-                rows = take_rows(layout.kind, layer.cache, index)
-                req.views[layer.group][layer.position].copy_(rows, non_blocking=True)
-                req.layers_done.add(name)
-                chunks.append(req.chunk_base[layer.group] + layer.position)
+                    for k in range(count):
+                        req.fault.before_layer(len(req.layers_done) + len(chunks) + k)
+                self._groups[group].copy(req.rows, req.views[group], first, count)
+                chunks += range(req.chunk_base[group] + first, req.chunk_base[group] + first + count)
+            req.layers_done.update(names)
             event = None
             if chunks and req.stream is not None:
                 event = torch.cuda.Event()
                 event.record(req.stream)  # after these copies
-            for chunk in chunks:
-                req.staged.ready(chunk, event)
+            if chunks:
+                req.staged.ready(chunks, event)
         except Exception as exc:  # noqa: BLE001 - never break vLLM's forward: abort this transfer instead
             log.exception("staging_failed", transfer_id=req.save.claim.transfer_id, layer=name)
             req.staged.fail(f"KV extraction failed at {name}: {type(exc).__name__}: {exc}")
@@ -348,10 +339,10 @@ class WorkerSide:
             lambda: self._release(save.req_id, save.offset),
             save.last_token_id,
         )
-        slots = slot_tensor(save, device)
+        rows = RequestRows(save.block_ids, save.num_tokens, save.block_size, device)
         staged.fault = self._faults.take(tid) if self._faults is not None else None
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-        req = _Open(save, staged, views, bases, slots, stream, fault=staged.fault)
+        req = _Open(save, staged, views, bases, rows, stream, fault=staged.fault)
         self._open[save.req_id] = req
         self.transfers = [*self.transfers[-15:], staged]
         try:
@@ -394,6 +385,8 @@ class WorkerSide:
             del self._open[req_id]
             if req.staged.closed:
                 continue  # the transfer already ended (and said why)
+            if req.pending:
+                self._stage(req)
             if len(req.layers_done) != len(self._layers):
                 missing = len(self._layers) - len(req.layers_done)
                 log.error("staging_incomplete", transfer_id=req.save.claim.transfer_id, missing_layers=missing)
@@ -421,3 +414,14 @@ class WorkerSide:
 
     def close(self) -> None:
         self._sender.close()
+
+
+def _runs_of(layers: list[tuple[str, int]]) -> list[tuple[str, int, int]]:
+    """Sorted ``(group, position)`` pairs as runs ``(group, first, count)`` of consecutive positions."""
+    runs: list[tuple[str, int, int]] = []
+    for group, position in layers:
+        if runs and runs[-1][0] == group and runs[-1][1] + runs[-1][2] == position:
+            runs[-1] = (group, runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((group, position, 1))
+    return runs
