@@ -28,7 +28,7 @@ from tilert.connector.gather import LayerGroup, RequestRows
 
 LAYOUTS = {  # group, kind, row bytes, one layer's cache for num_blocks blocks of block_size tokens
     "fp8_ds_mla": ("mla", 656, lambda nb, bs: torch.randint(0, 256, (nb, bs, 656), dtype=torch.uint8)),
-    "dsa_indexer": ("indexer", 132, lambda nb, bs: torch.randint(0, 256, (nb, bs * 132), dtype=torch.uint8)),
+    "dsa_indexer": ("indexer", 132, lambda nb, bs: torch.randint(0, 256, (nb, bs, 132), dtype=torch.uint8)),
     "mla_dense": ("mla", 1152, lambda nb, bs: torch.randn(nb, bs, 576).to(torch.bfloat16)),
 }
 

@@ -82,7 +82,8 @@ def test_request_slots_are_the_slot_list(blocks: list[int], block_size: int, tok
         ("fp8_ds_mla", 656, torch.randint(0, 255, (6, 16, 656), dtype=torch.uint8)),  # vLLM GPU fp8_ds_mla
         ("mla_dense", 1152, torch.randn(6, 16, 576).to(torch.bfloat16)),  # vLLM GPU bf16
         ("mla_dense", 2304, torch.randn(6, 1, 16, 576)),  # vLLM CPU_MLA, fp32
-        ("dsa_indexer", 132, torch.randint(0, 255, (6, 16 * 132), dtype=torch.uint8)),  # block-major indexer pages
+        ("dsa_indexer", 132, torch.randint(0, 255, (6, 16, 132), dtype=torch.uint8)),  # vLLM's indexer pages
+        ("dsa_indexer", 132, torch.randint(0, 255, (6, 16 * 132), dtype=torch.uint8)),  # the same, one row a block
     ],
 )
 def test_page_geometry_addresses_the_reference_rows(kind: str, row_bytes: int, cache: torch.Tensor) -> None:

@@ -118,11 +118,11 @@ def geometry(kind: str, row_bytes: int, cache: torch.Tensor) -> Geometry | None:
     size = cache.element_size()
     if cache.stride(-1) != 1:
         return None
-    if kind == "dsa_indexer":
-        if cache.dim() != 2:
+    if kind == "dsa_indexer":  # uint8 [num_blocks, ...]: each block one contiguous page (keys, then scales)
+        if cache.dim() < 2 or not cache[0].is_contiguous():
             return None
         key_bytes = row_bytes - INDEXER_SCALE_BYTES
-        bs = cache.shape[1] // row_bytes
+        bs = cache[0].numel() // row_bytes
         return Geometry(cache.stride(0), key_bytes, key_bytes, bs * key_bytes, INDEXER_SCALE_BYTES, INDEXER_SCALE_BYTES)
     # MLA: [num_blocks, (1,) block_size, row]; a block's tokens along its one dimension of size above 1
     tokens = [d for d in range(1, cache.dim() - 1) if cache.shape[d] != 1]
