@@ -3,6 +3,7 @@ takes: same layout descriptors, and rows gathered through the block table equal 
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from tilert import contracts as p
 from tilert.connector.claims import SaveRequest
-from tilert.connector.gather import RequestRows, geometry, row_index, take_rows
+from tilert.connector.gather import Group, KVCopier, RequestRows, geometry, row_index, take_rows
 from tilert.connector.sender import BackgroundSender
 from tilert.connector.worker import WorkerSide
 from tilert.contracts import Claim
@@ -102,6 +103,29 @@ def test_page_geometry_addresses_the_reference_rows(kind: str, row_bytes: int, c
         b = page + geo.b_base + offset * geo.b_stride
         got.append(torch.cat([flat[a : a + geo.a_bytes], flat[b : b + geo.b_bytes]]))
     assert torch.equal(torch.stack(got), want)
+
+
+def test_the_copier_fills_the_extent_group_after_group_in_runs_of_items() -> None:
+    """Items go decoder layer by decoder layer (a forward's completed layers are one run); the extent holds the groups
+    one after the other, each ``[layers, T, row]``: copied in any split of runs, through a shuffled block table, every
+    byte is the token's row of its layer, and the chunks tile the extent in that order."""
+    layers, tokens, table = 3, 40, [4, 0, 5]
+    mla = [torch.randint(0, 255, (6, 16, 656), dtype=torch.uint8) for _ in range(layers)]
+    indexer = [torch.randint(0, 255, (6, 16, 132), dtype=torch.uint8) for _ in range(layers)]
+    copier = KVCopier([Group("mla", "fp8_ds_mla", 656, mla), Group("indexer", "dsa_indexer", 132, indexer)])
+    assert copier.items == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)] and copier.item_of["indexer", 1] == 3
+    assert copier.chunk_of == [0, 3, 1, 4, 2, 5]  # the extent's order: every MLA layer, then every indexer layer
+    rows = RequestRows(table, tokens, 16, torch.device("cpu"))
+    extent = torch.zeros(tokens * layers * (656 + 132), dtype=torch.uint8)
+    for first, count in ((0, 1), (1, 4), (5, 1)):
+        copier.copy(rows, extent, first, count)
+    slots = rows.slots()
+    want = [take_rows("fp8_ds_mla", c, slots) for c in mla]
+    want += [take_rows("dsa_indexer", c, row_index("dsa_indexer", 132, c, slots, 16)) for c in indexer]
+    chunks = copier.extent_chunks(tokens)
+    assert [c[0] for c in chunks] == list(itertools.accumulate([0] + [c[1] for c in chunks[:-1]]))
+    for (offset, nbytes), rows_of_layer in zip(chunks, want, strict=True):
+        assert torch.equal(extent[offset : offset + nbytes].view(tokens, -1), rows_of_layer)
 
 
 def test_pages_that_are_not_whole_rows_are_left_to_the_reference() -> None:

@@ -1,18 +1,21 @@
 """Reading a request's KV rows out of vLLM's paged caches into its staging extent.
 
-One contract, :meth:`LayerGroup.copy`: rows ``0..T-1`` of a request (through its block table) of a run of one
-group's layers, into ``dst[layer, token]`` of the request's extent. Two implementations of it:
+The extent holds the groups one after the other (``mla``, then ``indexer``: as the offer lists them), each
+``[layers, T, row_bytes]``. Its pieces are numbered *items*, decoder layer by decoder layer (layer 0's MLA rows,
+layer 0's indexer rows, layer 1's ...), so that the layers a forward has completed are one run of items. One contract,
+:meth:`KVCopier.copy`: a run of items, rows ``0..T-1`` of the request through its block table, into the extent. Two
+implementations of it:
 
-- the reference, on every device: per layer, one gather (:func:`take_rows` over :func:`row_index`) and one copy
-  into the extent;
-- on CUDA, one Triton kernel per run of layers (:mod:`tilert.connector.gather_triton`): it reads the rows through
-  the block table and writes them straight into the extent, pinned host memory included (the kernel's stores
-  cross PCIe themselves), so a run costs one launch of host time however many layers and tokens it holds, and no
-  temporary on the GPU. ``benchmarks/check_connector_gather.py`` checks it against the reference on a GPU.
+- the reference, on every device: per item, one gather (:func:`take_rows` over :func:`row_index`) and one copy into
+  the extent;
+- on CUDA, one Triton kernel a run (:mod:`tilert.connector.gather_triton`): it reads the rows through the block table
+  and writes them straight into the extent, pinned host memory included (the kernel's stores cross PCIe
+  themselves), so a run costs one launch of host time however many layers and tokens it holds, and no temporary on
+  the GPU. ``benchmarks/check_connector_gather.py`` checks it against the reference on a GPU.
 
-The kernel reads every cache of a group through the first one's address plus a per-layer difference, in 4-byte
-words: a group whose caches cannot be addressed so (a row or a stride not a whole number of words, a row not
-contiguous) uses the reference, as does a machine without Triton.
+The kernel reads every cache through the first one's address plus a difference, in 4-byte words: caches that cannot
+be addressed so (a row or a stride not a whole number of words, rows not contiguous) use the reference, as does a
+machine without Triton.
 """
 
 from __future__ import annotations
@@ -78,10 +81,12 @@ class RequestRows:
             self._slots = _to(self.device, (blocks[:, None] * bs + torch.arange(bs)).reshape(-1)[: self.num_tokens])
         return self._slots
 
-    def blocks(self) -> torch.Tensor:
-        """The block table, int32 on the caches' device (the kernel's input)."""
+    def pinned_blocks(self) -> torch.Tensor:
+        """The block table, int32 in pinned host memory: the kernel reads it there (a few bytes a program), with no
+        copy to queue. The caller keeps it until the kernel has run (torch's caching host allocator would hand the
+        memory out again as soon as the tensor is freed)."""
         if self._blocks is None:
-            self._blocks = _to(self.device, torch.tensor(self.block_ids, dtype=torch.int32))
+            self._blocks = torch.tensor(self.block_ids, dtype=torch.int32).pin_memory()
         return self._blocks
 
 
@@ -132,45 +137,81 @@ def geometry(kind: str, row_bytes: int, cache: torch.Tensor) -> Geometry | None:
     return Geometry(cache.stride(0) * size, token_stride * size, row_bytes)
 
 
-class LayerGroup:
-    """One group's caches, by position, and the copy of a run of them into a request's extent."""
+@dataclass(frozen=True)
+class Group:
+    """One group of caches (``mla``, ``indexer``) in the extent's order: its layout kind, row bytes, caches by
+    position."""
 
-    def __init__(
-        self, group: str, kind: str, row_bytes: int, caches: list[torch.Tensor], *, kernel: bool = True
-    ) -> None:
+    name: str
+    kind: str
+    row_bytes: int
+    caches: list[torch.Tensor]
+
+
+class KVCopier:
+    """Every group's caches, and the copy of a run of items (see the module's doc) into a request's extent."""
+
+    def __init__(self, groups: list[Group], *, kernel: bool = True) -> None:
         """``kernel=False``: the reference even on a GPU (to check the kernel against)."""
-        self.group, self.kind, self.row_bytes, self.caches = group, kind, row_bytes, caches
+        self.groups = groups
+        depth = max((len(g.caches) for g in groups), default=0)
+        self.items = [(gi, pos) for pos in range(depth) for gi, g in enumerate(groups) if pos < len(g.caches)]
+        self.item_of = {(groups[gi].name, pos): i for i, (gi, pos) in enumerate(self.items)}
+        group_base = [sum(len(g.caches) for g in groups[:gi]) for gi in range(len(groups))]
+        self.chunk_of = [group_base[gi] + pos for gi, pos in self.items]  # the item's chunk (extent order)
+        # bytes of the extent before each group's rows, and before each item's, per token of the request
+        self._before = [sum(len(g.caches) * g.row_bytes for g in groups[:gi]) for gi in range(len(groups))]
+        self.prefix = [self._before[gi] + pos * groups[gi].row_bytes for gi, pos in self.items]
         self._kernel: Any = None  # gather_triton.Kernel when the GPU path applies
-        if kernel and caches and caches[0].is_cuda:
+        if kernel and groups and groups[0].caches and groups[0].caches[0].is_cuda:
             self._kernel = self._gpu_kernel()
 
     def _gpu_kernel(self) -> Any:
-        geo = geometry(self.kind, self.row_bytes, self.caches[0])
-        words = geo.words() if geo is not None else None
-        first = self.caches[0]
-        if words is None or any(c.shape != first.shape or c.stride() != first.stride() for c in self.caches):
-            log.warning("connector_gather_reference", group=self.group, reason="pages not addressable in words")
-            return None
+        words: list[tuple[int, ...]] = []
+        for g in self.groups:
+            geo = geometry(g.kind, g.row_bytes, g.caches[0])
+            w = geo.words() if geo is not None else None
+            first = g.caches[0]
+            if w is None or any(c.shape != first.shape or c.stride() != first.stride() for c in g.caches):
+                log.warning("connector_gather_reference", group=g.name, reason="pages not addressable in words")
+                return None
+            words.append(w)
         try:
             from tilert.connector import gather_triton  # lazy: Triton exists only where vLLM runs on a GPU
         except ImportError as exc:
-            log.warning("connector_gather_reference", group=self.group, reason=f"no Triton: {exc}")
+            log.warning("connector_gather_reference", reason=f"no Triton: {exc}")
             return None
-        return gather_triton.Kernel(self.caches, words)
+        caches = [self.groups[gi].caches[pos] for gi, pos in self.items]
+        layout = [(*words[gi], self.prefix[i] // WORD) for i, (gi, _) in enumerate(self.items)]
+        return gather_triton.Kernel(caches, layout)
 
     @property
     def on_gpu_kernel(self) -> bool:
         return self._kernel is not None
 
-    def copy(self, rows: RequestRows, dst: torch.Tensor, first: int, count: int) -> None:
-        """Layers ``first .. first+count-1``'s rows of the request into ``dst[layer]`` (uint8 ``[layers, T,
-        row_bytes]``: the group's view of the extent), queued on the current stream."""
+    def extent_chunks(self, num_tokens: int) -> list[tuple[int, int]]:
+        """The extent's chunks ``(offset, nbytes)``, one per cache layer, in byte order (groups one after the other)."""
+        return [
+            (num_tokens * (before + pos * g.row_bytes), num_tokens * g.row_bytes)
+            for g, before in zip(self.groups, self._before, strict=True)
+            for pos in range(len(g.caches))
+        ]
+
+    def copy(self, rows: RequestRows, extent: torch.Tensor, first: int, count: int) -> Any:
+        """Items ``first .. first+count-1`` of the request into ``extent`` (its uint8 bytes), queued on the current
+        stream. Returns what must outlive the copy (the pinned block table the kernel reads), or None."""
+        t = rows.num_tokens
         if self._kernel is not None:
-            self._kernel.copy(rows.blocks(), rows.block_size, rows.num_tokens, dst, first, count)
-            return
-        index = rows.index.get(self.group)
-        if index is None:
-            index = row_index(self.kind, self.row_bytes, self.caches[0], rows.slots(), rows.block_size)
-            rows.index[self.group] = index
-        for position in range(first, first + count):
-            dst[position].copy_(take_rows(self.kind, self.caches[position], index), non_blocking=True)
+            blocks = rows.pinned_blocks()
+            self._kernel.copy(blocks, rows.block_size, t, extent, first, count)
+            return blocks
+        for item in range(first, first + count):
+            gi, pos = self.items[item]
+            g = self.groups[gi]
+            index = rows.index.get(g.name)
+            if index is None:
+                index = row_index(g.kind, g.row_bytes, g.caches[0], rows.slots(), rows.block_size)
+                rows.index[g.name] = index
+            dst = extent[t * self.prefix[item] : t * (self.prefix[item] + g.row_bytes)].view(t, g.row_bytes)
+            dst.copy_(take_rows(g.kind, g.caches[pos], index), non_blocking=True)
+        return None

@@ -9,8 +9,8 @@ prompt completes in this step are copied out of the paged cache (the layer's DSA
 calls ``save_kv_layer`` for attention layers only) into that request's extent of the pool
 (placed by the scheduler half; two requests never share one), and the layers' chunks are marked staged
 (on GPU by a CUDA event recorded after the copy). The copies go in batches (``tilert_stage_batch_bytes``): a
-request's layers are copied together, in one launch per group on a GPU (:mod:`tilert.connector.gather`), once
-they hold that many bytes, and whatever is left at ``wait_for_save``. A short prompt is then copied in one go
+request's layers are copied together, in one launch on a GPU (:mod:`tilert.connector.gather`), once they hold
+that many bytes, and whatever is left at ``wait_for_save``. A short prompt is then copied in one go
 at the end of the forward, for a few launches of host time, and a long one a layer or two at a time, its writes
 overlapping the rest of the forward. The request goes to the background sender before its first layer is
 copied, so the handshake overlaps the forward; the paged blocks can be recycled as soon as the forward ends (the
@@ -21,6 +21,7 @@ forward: the transfer is aborted instead. Extents the sender is done with are re
 
 from __future__ import annotations
 
+import collections
 import re
 import threading
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ import torch
 
 from tilert.connector.claims import SaveRequest, TileRTConnectorMetadata, TileRTWorkerMeta
 from tilert.connector.faults import Fault, FaultHook
-from tilert.connector.gather import INDEXER_SCALE_BYTES, LayerGroup, RequestRows
+from tilert.connector.gather import INDEXER_SCALE_BYTES, Group, KVCopier, RequestRows
 from tilert.connector.sender import BackgroundSender, Staged
 from tilert.connector.staging import ExtentAllocator, pool_bytes
 from tilert.contracts import DEFAULT_POLL_WAIT_S, DEFAULT_STAGE_BATCH_BYTES, KVLayout
@@ -89,14 +90,12 @@ class _Open:
 
     save: SaveRequest
     staged: Staged
-    views: dict[str, torch.Tensor]  # group -> uint8 [num_layers, num_tokens, row_bytes] within the extent
-    chunk_base: dict[str, int]  # group -> index of its first layer's chunk
     rows: RequestRows
     stream: torch.cuda.Stream | None = None  # the forward's stream (the copies' events are recorded on it); None on CPU
-    reached: set[str] = field(default_factory=set)  # caches the forward has written
-    pending: list[str] = field(default_factory=list)  # of those, the ones not copied yet
+    reached: set[int] = field(default_factory=set)  # the copier's items the forward has written
+    pending: list[int] = field(default_factory=list)  # of those, the ones not copied yet
     pending_bytes: int = 0
-    layers_done: set[str] = field(default_factory=set)  # caches copied (queued, on a GPU)
+    done: set[int] = field(default_factory=set)  # items copied (queued, on a GPU)
     fault: Fault | None = None  # armed through the test-only hook (tilert.connector.faults)
 
 
@@ -153,10 +152,12 @@ class WorkerSide:
         self._poll_wait_s = poll_wait_s
         self._batch_setting = stage_batch_bytes
         self._stage_batch_bytes = 0  # fixed by register, once the caches' device is known
-        self._groups: dict[str, LayerGroup] = {}
-        # what save_kv_layer(name) stages: the caches (an attention layer's DSA indexer with it), their bytes a token,
-        # their device
-        self._save_plans: dict[str, tuple[tuple[str, ...], int, torch.device]] = {}
+        self._copier: KVCopier | None = None
+        # what save_kv_layer(name) stages: the copier's items (an attention layer's DSA indexer with it), their bytes
+        # a token, their device
+        self._save_plans: dict[str, tuple[tuple[int, ...], int, torch.device]] = {}
+        # host memory that queued copies read (their block tables), with the event after them: kept until it completes
+        self._in_flight: collections.deque[tuple[Any, Any]] = collections.deque()
         self.transfers: list[Staged] = []  # the most recent ones (tests, benchmarks)
         self._faults = FaultHook.from_env()  # None unless TILERT_TEST_FAULTS is set (tests only)
 
@@ -185,7 +186,6 @@ class WorkerSide:
                 self._layers[name] = _Layer(group, position, cache)
             base = kinds[group]
             self._layouts[group] = KVLayout(base.kind, base.dtype, base.row_bytes, len(members), base.rope_interleaved)
-            self._groups[group] = LayerGroup(group, base.kind, base.row_bytes, [cache for _, _, cache in members])
         indexers: dict[int, list[str]] = {}
         for name, layer in self._layers.items():
             if layer.group == "indexer" and _LAYER_INDEX.search(name):
@@ -204,15 +204,17 @@ class WorkerSide:
         self._stage_batch_bytes = gpu_default if self._batch_setting is None else self._batch_setting
         # vLLM calls save_kv_layer for attention layers only: a DSA indexer's cache, which the indexer writes before
         # its layer's attention runs, is staged with the attention layer of the same decoder layer.
+        by_group: dict[str, list[torch.Tensor]] = {group: [] for group in self._layouts}
+        for layer in sorted(self._layers.values(), key=lambda lay: lay.position):
+            by_group[layer.group].append(layer.cache)
+        copier = KVCopier([Group(g, lay.kind, lay.row_bytes, by_group[g]) for g, lay in self._layouts.items()])
         for name, layer in self._layers.items():
             names = (name, *self._companions.get(name, ()))
+            items = tuple(copier.item_of[self._layers[n].group, self._layers[n].position] for n in names)
             row_bytes = sum(self._layouts[self._layers[n].group].row_bytes for n in names)
-            self._save_plans[name] = (names, row_bytes, layer.cache.device)
-        log.info(
-            "kv_copy_plan",
-            stage_batch_bytes=self._stage_batch_bytes,
-            kernel={g: grp.on_gpu_kernel for g, grp in self._groups.items()},
-        )
+            self._save_plans[name] = (items, row_bytes, layer.cache.device)
+        self._copier = copier
+        log.info("kv_copy_plan", stage_batch_bytes=self._stage_batch_bytes, kernel=copier.on_gpu_kernel)
         self._allocate_pool(device)
 
     def _allocate_pool(self, cache_device: torch.device) -> None:
@@ -257,13 +259,13 @@ class WorkerSide:
         plan = self._save_plans.get(layer_name)
         if plan is None or not meta.saves:
             return
-        names, row_bytes, device = plan
+        items, row_bytes, device = plan
         for save in meta.saves:
             req = self._request(save, device)
-            if req is None or req.staged.closed or names[0] in req.reached:  # closed: ended (refused, aborted)
+            if req is None or req.staged.closed or items[0] in req.reached:  # closed: ended (refused, aborted)
                 continue
-            req.reached.update(names)
-            req.pending += names
+            req.reached.update(items)
+            req.pending += items
             req.pending_bytes += save.num_tokens * row_bytes
             if req.pending_bytes >= self._stage_batch_bytes:
                 self._stage(req)
@@ -279,30 +281,36 @@ class WorkerSide:
         return self._start(save, device)
 
     def _stage(self, req: _Open) -> None:
-        """Copy the request's pending layers into its extent (one copy per run of consecutive layers of a group),
-        then mark their chunks staged (on the GPU: once one event recorded after the copies completes)."""
-        names, req.pending, req.pending_bytes = req.pending, [], 0
-        chunks: list[int] = []
-        name = names[0] if names else ""
+        """Copy the request's pending items into its extent (one copy a run of consecutive items), then mark their
+        chunks staged (on the GPU: once one event recorded after the copies completes)."""
+        assert self._copier is not None
+        items, req.pending, req.pending_bytes = sorted(req.pending), [], 0
+        where = f"item {items[0]}" if items else ""
         try:
-            layers = sorted((self._layers[n].group, self._layers[n].position) for n in names)
-            for group, first, count in _runs_of(layers):
-                name = f"{group} layer {first}"
+            keep = []
+            for first, count in _runs_of(items):
+                where = f"items {first}..{first + count - 1}"
                 if req.fault is not None:
                     for k in range(count):
-                        req.fault.before_layer(len(req.layers_done) + len(chunks) + k)
-                self._groups[group].copy(req.rows, req.views[group], first, count)
-                chunks += range(req.chunk_base[group] + first, req.chunk_base[group] + first + count)
-            req.layers_done.update(names)
+                        req.fault.before_layer(len(req.done) + k)
+                keep.append(self._copier.copy(req.rows, req.staged.buffer, first, count))
+                req.done.update(range(first, first + count))
             event = None
-            if chunks and req.stream is not None:
+            if items and req.stream is not None:
                 event = torch.cuda.Event()
                 event.record(req.stream)  # after these copies
-            if chunks:
-                req.staged.ready(chunks, event)
+                self._keep_until(event, keep)
+            if items:
+                req.staged.ready([self._copier.chunk_of[i] for i in items], event)
         except Exception as exc:  # noqa: BLE001 - never break vLLM's forward: abort this transfer instead
-            log.exception("staging_failed", transfer_id=req.save.claim.transfer_id, layer=name)
-            req.staged.fail(f"KV extraction failed at {name}: {type(exc).__name__}: {exc}")
+            log.exception("staging_failed", transfer_id=req.save.claim.transfer_id, at=where)
+            req.staged.fail(f"KV extraction failed at {where}: {type(exc).__name__}: {exc}")
+
+    def _keep_until(self, event: Any, host_memory: list[Any]) -> None:
+        """Hold ``host_memory`` (what the queued copies read) until ``event`` completes; let go of earlier ones."""
+        while self._in_flight and self._in_flight[0][0].query():
+            self._in_flight.popleft()
+        self._in_flight.append((event, host_memory))
 
     def _start(self, save: SaveRequest, device: torch.device) -> _Open | None:
         """Take the request's extent (as the scheduler placed it) and hand the transfer to the sender now."""
@@ -318,18 +326,9 @@ class WorkerSide:
             with self._lock:
                 self._freed.append((save.req_id, save.offset))  # the scheduler's record of it must go
             return None
+        assert self._copier is not None
         buffer = self.pool[save.offset : save.offset + total]
-        views: dict[str, torch.Tensor] = {}
-        bases: dict[str, int] = {}
-        chunks: list[tuple[int, int]] = []
-        offset = 0
-        for group, lay in self._layouts.items():
-            n = lay.nbytes(save.num_tokens)
-            views[group] = buffer[offset : offset + n].view(lay.num_layers, save.num_tokens, lay.row_bytes)
-            bases[group] = len(chunks)
-            per_layer = save.num_tokens * lay.row_bytes
-            chunks += [(offset + i * per_layer, per_layer) for i in range(lay.num_layers)]
-            offset += n
+        chunks = self._copier.extent_chunks(save.num_tokens)
         staged = Staged(
             save.claim,
             save.num_tokens,
@@ -342,7 +341,7 @@ class WorkerSide:
         rows = RequestRows(save.block_ids, save.num_tokens, save.block_size, device)
         staged.fault = self._faults.take(tid) if self._faults is not None else None
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-        req = _Open(save, staged, views, bases, rows, stream, fault=staged.fault)
+        req = _Open(save, staged, rows, stream, fault=staged.fault)
         self._open[save.req_id] = req
         self.transfers = [*self.transfers[-15:], staged]
         try:
@@ -387,10 +386,10 @@ class WorkerSide:
                 continue  # the transfer already ended (and said why)
             if req.pending:
                 self._stage(req)
-            if len(req.layers_done) != len(self._layers):
-                missing = len(self._layers) - len(req.layers_done)
+            if len(req.done) != len(self._layers):
+                missing = len(self._layers) - len(req.done)
                 log.error("staging_incomplete", transfer_id=req.save.claim.transfer_id, missing_layers=missing)
-                req.staged.fail(f"prefill staged {len(req.layers_done)}/{len(self._layers)} layers")
+                req.staged.fail(f"prefill staged {len(req.done)}/{len(self._layers)} layers")
         if meta is not None and meta.poll and self._poll_wait_s > 0:
             self.wait_for_release(self._poll_wait_s)
 
@@ -416,12 +415,12 @@ class WorkerSide:
         self._sender.close()
 
 
-def _runs_of(layers: list[tuple[str, int]]) -> list[tuple[str, int, int]]:
-    """Sorted ``(group, position)`` pairs as runs ``(group, first, count)`` of consecutive positions."""
-    runs: list[tuple[str, int, int]] = []
-    for group, position in layers:
-        if runs and runs[-1][0] == group and runs[-1][1] + runs[-1][2] == position:
-            runs[-1] = (group, runs[-1][1], runs[-1][2] + 1)
+def _runs_of(items: list[int]) -> list[tuple[int, int]]:
+    """Sorted item numbers as runs ``(first, count)`` of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for item in items:
+        if runs and runs[-1][0] + runs[-1][1] == item:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:
-            runs.append((group, position, 1))
+            runs.append((item, 1))
     return runs
