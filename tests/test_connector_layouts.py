@@ -128,6 +128,16 @@ def test_the_copier_fills_the_extent_group_after_group_in_runs_of_items() -> Non
         assert torch.equal(extent[offset : offset + nbytes].view(tokens, -1), rows_of_layer)
 
 
+@pytest.mark.parametrize(("table", "tokens"), [([4, 0], 40), ([4, 6, 0], 40)])
+def test_a_block_table_that_does_not_fit_the_cache_is_refused_before_any_copy(table: list[int], tokens: int) -> None:
+    """Too few blocks for the tokens, or a block past the cache's end: refused with the reason before anything is
+    read (on a GPU the kernel would read out of bounds), so the worker aborts that transfer and nothing else."""
+    copier = KVCopier([Group("mla", "fp8_ds_mla", 656, [torch.zeros(6, 16, 656, dtype=torch.uint8)])])
+    extent = torch.zeros(tokens * 656, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="block table of"):
+        copier.copy(RequestRows(table, tokens, 16, torch.device("cpu")), extent, 0, 1)
+
+
 def test_pages_that_are_not_whole_rows_are_left_to_the_reference() -> None:
     assert geometry("mla_dense", 1152, torch.zeros(6, 16, 576, dtype=torch.bfloat16)[:, :, :576]) is not None
     assert geometry("fp8_ds_mla", 656, torch.zeros(6, 16, 656 * 2, dtype=torch.uint8)[:, :, ::2]) is None  # strided

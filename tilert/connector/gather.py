@@ -162,6 +162,8 @@ class KVCopier:
         # bytes of the extent before each group's rows, and before each item's, per token of the request
         self._before = [sum(len(g.caches) * g.row_bytes for g in groups[:gi]) for gi in range(len(groups))]
         self.prefix = [self._before[gi] + pos * groups[gi].row_bytes for gi, pos in self.items]
+        # the fewest blocks any cache has: a block id at or past it is refused (on a GPU, read out of bounds)
+        self._num_blocks = min((g.caches[0].shape[0] for g in groups if g.caches), default=0)
         self._kernel: Any = None  # gather_triton.Kernel when the GPU path applies
         if kernel and groups and groups[0].caches and groups[0].caches[0].is_cuda:
             self._kernel = self._gpu_kernel()
@@ -201,6 +203,11 @@ class KVCopier:
         """Items ``first .. first+count-1`` of the request into ``extent`` (its uint8 bytes), queued on the current
         stream. Returns what must outlive the copy (the pinned block table the kernel reads), or None."""
         t = rows.num_tokens
+        if len(rows.block_ids) * rows.block_size < t or max(rows.block_ids, default=0) >= self._num_blocks:
+            raise ValueError(
+                f"a block table of {len(rows.block_ids)} blocks of {rows.block_size} tokens (highest "
+                f"{max(rows.block_ids, default=0)}) for {t} tokens of a {self._num_blocks}-block cache"
+            )
         if self._kernel is not None:
             blocks = rows.pinned_blocks()
             self._kernel.copy(blocks, rows.block_size, t, extent, first, count)

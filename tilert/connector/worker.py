@@ -286,8 +286,9 @@ class WorkerSide:
         assert self._copier is not None
         items, req.pending, req.pending_bytes = sorted(req.pending), [], 0
         where = f"item {items[0]}" if items else ""
+        keep: list[Any] = []  # host memory the queued copies read
+        event = None
         try:
-            keep = []
             for first, count in _runs_of(items):
                 where = f"items {first}..{first + count - 1}"
                 if req.fault is not None:
@@ -295,16 +296,20 @@ class WorkerSide:
                         req.fault.before_layer(len(req.done) + k)
                 keep.append(self._copier.copy(req.rows, req.staged.buffer, first, count))
                 req.done.update(range(first, first + count))
-            event = None
             if items and req.stream is not None:
                 event = torch.cuda.Event()
                 event.record(req.stream)  # after these copies
-                self._keep_until(event, keep)
             if items:
                 req.staged.ready([self._copier.chunk_of[i] for i in items], event)
         except Exception as exc:  # noqa: BLE001 - never break vLLM's forward: abort this transfer instead
             log.exception("staging_failed", transfer_id=req.save.claim.transfer_id, at=where)
             req.staged.fail(f"KV extraction failed at {where}: {type(exc).__name__}: {exc}")
+        finally:
+            if req.stream is not None and any(k is not None for k in keep):
+                if event is None:  # failed after a copy was queued: it still reads that memory
+                    event = torch.cuda.Event()
+                    event.record(req.stream)
+                self._keep_until(event, keep)
 
     def _keep_until(self, event: Any, host_memory: list[Any]) -> None:
         """Hold ``host_memory`` (what the queued copies read) until ``event`` completes; let go of earlier ones."""
