@@ -103,7 +103,7 @@ TransportOption = str | int | float | bool | list[str] | None
 # scheduled, and it keeps vLLM to at most 1 / wait such steps a second.
 DEFAULT_POLL_WAIT_S = 0.01
 # On a GPU, a request's layers are copied out of vLLM's cache once they hold this many bytes (and the rest at the end
-# of the forward): a prompt of a few thousand tokens is copied in one go, for a few launches of host time, and a long
+# of the forward): a prompt of a few thousand tokens is copied in one go, for one launch of host time, and a long
 # one a layer or two at a time, its transfer overlapping the rest of the forward.
 DEFAULT_STAGE_BATCH_BYTES = 32 << 20
 

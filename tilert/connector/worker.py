@@ -11,7 +11,7 @@ calls ``save_kv_layer`` for attention layers only) into that request's extent of
 (on GPU by a CUDA event recorded after the copy). The copies go in batches (``tilert_stage_batch_bytes``): a
 request's layers are copied together, in one launch on a GPU (:mod:`tilert.connector.gather`), once they hold
 that many bytes, and whatever is left at ``wait_for_save``. A short prompt is then copied in one go
-at the end of the forward, for a few launches of host time, and a long one a layer or two at a time, its writes
+at the end of the forward, for one launch of host time, and a long one a layer or two at a time, its writes
 overlapping the rest of the forward. The request goes to the background sender before its first layer is
 copied, so the handshake overlaps the forward; the paged blocks can be recycled as soon as the forward ends (the
 copies are queued on the forward's stream before it ends). An extraction error never escapes into vLLM's
