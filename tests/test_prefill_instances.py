@@ -2,10 +2,10 @@
 comes back.
 
 The session stack's prefill and decode node are joined by a second vLLM prefill instance (the same command ``tilert
-up`` starts it with), a second decode node, and two routers that list both instances and both nodes, one choosing
-the least loaded instance, the other by prompt prefix. A bounded load through both routers at once must answer
-what vLLM alone answers, token for token, leave no decode slot held, and reach both prefill instances (counted by
-the routers and by each vLLM's own metrics).
+up`` starts it with, its connector copying in batches: ``STAGE_BATCH_BYTES``), a second decode node, and two routers
+that list both instances and both nodes, one choosing the least loaded instance, the other by prompt prefix. A
+bounded load through both routers at once must answer what vLLM alone answers, token for token, leave no decode slot
+held, and reach both prefill instances (counted by the routers and by each vLLM's own metrics).
 
 The breaker test gives a third router a prefill instance on a port nobody listens on: its requests are retried on
 the other instance (no client sees an error) until its circuit breaker takes it out; then the port is served, and
@@ -17,6 +17,7 @@ instance the router lets back in, and whose answers are checked, is the real vLL
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -91,6 +92,19 @@ def _router(base: StackConfig, prefills: list[str], nodes: list[str], *extra: st
     return [*out, *extra], f"http://127.0.0.1:{port}"
 
 
+# The second instance's connector copies a request's KV in batches (on CPU each layer goes as it completes by
+# default): the short completions here (about 10 tokens) at wait_for_save, after the forward, the chats (their system
+# prompt) a layer at a time during it. Its answers, checked like the first instance's, show both against real vLLM.
+STAGE_BATCH_BYTES = 100_000
+
+
+def _batched_copies(cmd: list[str]) -> list[str]:
+    i = cmd.index("--kv-transfer-config") + 1
+    config = json.loads(cmd[i])
+    config["kv_connector_extra_config"]["tilert_stage_batch_bytes"] = STAGE_BATCH_BYTES
+    return [*cmd[:i], json.dumps(config), *cmd[i + 1 :]]
+
+
 @pytest.fixture(scope="module")
 def world(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     """A second vLLM prefill instance, a second decode node, two routers over both of each (one per policy)."""
@@ -104,7 +118,7 @@ def world(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wo
     prefills = [stack.prefill, f"http://127.0.0.1:{base.prefill_port}"]
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        prefill = _start(prefill_command(base), {**env, **prefill_env(base)}, logs / "prefill-2.log")
+        prefill = _start(_batched_copies(prefill_command(base)), {**env, **prefill_env(base)}, logs / "prefill-2.log")
         procs.append(prefill)
         node = _start([*decode_command(base), "--max-sequences", "4"], env, logs / "node-b.log")
         procs.append(node)
