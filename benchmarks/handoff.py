@@ -80,6 +80,7 @@ from tilert.connector.worker import WorkerSide  # noqa: E402
 from tilert.cpus import parse_cpu_list  # noqa: E402
 from tilert.decode.control import ControlServer  # noqa: E402
 from tilert.decode.slots import SlotTable  # noqa: E402
+from tilert.netio import free_port  # noqa: E402
 from tilert.plugins import load_transport  # noqa: E402
 
 SECRET = b"handoff-benchmark-secret-0123456789abcdef"
@@ -355,7 +356,7 @@ def run_vllm(
     model = model or _tiny_model(max_tokens)
     secret_file = write_secret_file()
     secret = load_secret(secret_file)
-    port = _free_port()
+    port = free_port()
     cfg = StackConfig(
         model=model,
         prefill_port=port,
@@ -455,14 +456,6 @@ def run_vllm(
 
         shutil.rmtree(secret_file.parent, ignore_errors=True)
     return results
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def conditions() -> str:

@@ -633,3 +633,19 @@ def test_allowed_cpus_is_the_cpuset_not_the_current_pinning() -> None:
         assert allowed_cpus() == every and os.sched_getaffinity(0) == {min(every)}  # and it leaves the pinning
     finally:
         os.sched_setaffinity(0, mine)
+
+
+def test_free_ports_are_below_the_ephemeral_range_and_free() -> None:
+    """A port handed out for a process to bind later is never one the kernel may give an outgoing connection
+    meanwhile (below ``ip_local_port_range``), and nothing listens on it."""
+    import socket
+    from pathlib import Path
+
+    from tilert.netio import free_port
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 1
+    assert low <= 21000 or all(20000 <= p < low for p in ports)  # a kernel that leaves no room below: any free port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", next(iter(ports))))

@@ -1,8 +1,11 @@
-"""Exact reads from blocking sockets, shared by the control channel and the TCP transport."""
+"""Exact reads from blocking sockets, shared by the control channel and the TCP transport; a free port to listen
+on."""
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
 
 _CHUNK = 1 << 22  # bound each recv so a huge payload is read in steady pieces
 
@@ -21,3 +24,31 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     recv_into(sock, memoryview(buf))
     return bytes(buf)
+
+
+_PORTS = random.Random()
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to outgoing connections (``ip_local_port_range``)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on now on ``host``, for a process that binds it a little later. Taken below the
+    kernel's ephemeral range: a port from that range (what binding port 0 gives) can become the local end of any
+    outgoing connection before that process binds it, and its bind then fails with "Address already in use" (a
+    stack's decode node binds its ports only after vLLM has started)."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = _PORTS.randrange(20000, low) if low > 21000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise OSError(f"no free port on {host} below the ephemeral range")

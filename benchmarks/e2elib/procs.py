@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -116,12 +115,6 @@ def supervised(log_dir: Path) -> Iterator[Procs]:
             signal.signal(signal.SIGINT, previous_int)
             for s, handler in old.items():
                 signal.signal(s, handler)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_healthy(procs: Procs, urls: dict[str, str], timeout_s: float) -> dict[str, float]:

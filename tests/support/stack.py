@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,15 +21,11 @@ import psutil
 import pytest
 from support.waiting import wait_until
 
+from tilert.netio import free_port
+
 STARTUP_TIMEOUT_S = 600
 SHUTDOWN_TIMEOUT_S = 60  # from the SIGINT to ``tilert up``'s exit
 LEFTOVER_TIMEOUT_S = 15  # from ``tilert up``'s exit until none of its processes is left
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[Any], timeout_s: float, log: Path | None = None) -> None:

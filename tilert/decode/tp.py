@@ -27,7 +27,6 @@ from __future__ import annotations
 import enum
 import logging
 import os
-import socket
 import threading
 from collections.abc import Mapping
 from dataclasses import replace
@@ -45,6 +44,7 @@ from tilert.engines.tilert.ops import register_device_kernels
 from tilert.engines.tilert.parallel import Group
 from tilert.engines.tilert.weights import args_from_hf_config, checkpoint_keys, load_hf_config, load_model
 from tilert.logs import configure
+from tilert.netio import free_port
 from tilert.settings import ConfigError
 
 log = logging.getLogger(__name__)
@@ -322,12 +322,6 @@ def _follower_main(
     )
     follow(engine, channel)
     torch.distributed.destroy_process_group()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def check_tp(config: DecodeConfig, device: str) -> None:
