@@ -32,11 +32,12 @@ from typing import Any
 
 import httpx
 import orjson
-from e2elib.procs import free_port, supervised, wait_healthy
+from e2elib.procs import supervised, wait_healthy
 from results_header import recorded, result_path, write_json, write_md
 
 from tilert import auth
 from tilert import contracts as c
+from tilert.netio import free_port
 
 SECRET = "node-stream-bench-" + "0123456789abcdef" * 2
 PROMPT = 16  # prompt tokens (their KV sent to the node)

@@ -55,7 +55,7 @@ import orjson
 from e2elib.conditions import DEFAULT_MODEL_DIR, conditions, ensure_model
 from e2elib.load import overhead_prompt
 from e2elib.probes import RouterProbe
-from e2elib.procs import Procs, free_port, parse_cpus, supervised, wait_healthy
+from e2elib.procs import Procs, parse_cpus, supervised, wait_healthy
 from e2elib.tables import fmt
 from openai import AsyncOpenAI
 from results_header import RESULTS_DIR, recorded, write_json, write_md
@@ -63,6 +63,7 @@ from tokenizers import Tokenizer
 
 from tilert import contracts as c
 from tilert.auth import SECRET_ENV, generate_secret
+from tilert.netio import free_port
 
 KINDS = ("ids", "random", "text", "chat")
 CLIENTS = ("httpx", "sdk")

@@ -915,7 +915,7 @@ def main(argv: list[str] | None = None) -> None:
     machine = machine_kind(gpus=opts.tp, device=opts.device)
     opts.result_path = str(result_path(machine, opts.name or f"tp{opts.tp}", ".json", opts.out))
     opts.recorded = recorded(machine, script="tp_decode.py")
-    from tilert.decode.tp import free_port
+    from tilert.netio import free_port
 
     port = free_port()
     torch.multiprocessing.spawn(rank_main, args=(opts.tp, port, opts), nprocs=opts.tp, join=True)

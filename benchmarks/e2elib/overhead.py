@@ -24,12 +24,13 @@ from e2elib.clients import ClientProcs, ClientSpec
 from e2elib.conditions import settings
 from e2elib.load import overhead_prompt, summarize
 from e2elib.probes import RouterProbe
-from e2elib.procs import Procs, free_port, parse_cpus, process_cpu_s, wait_healthy
+from e2elib.procs import Procs, parse_cpus, process_cpu_s, wait_healthy
 from e2elib.profiles import profile_table
 from e2elib.profiles import summarize as summarize_profile
 from e2elib.tables import fmt, overhead_table
 from tilert import contracts as c
 from tilert.auth import SECRET_ENV, generate_secret, load_secret
+from tilert.netio import free_port
 from tilert.testing.standins import DecodeStandin, NodeBehaviour, PrefillStandin, Script, printable_ids
 
 E2E = Path(__file__).resolve().parents[1] / "e2e.py"

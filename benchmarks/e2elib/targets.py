@@ -14,9 +14,10 @@ from typing import Any
 
 import httpx
 
-from e2elib.procs import Procs, free_port, parse_cpus
+from e2elib.procs import Procs, parse_cpus
 from tilert import stack
 from tilert.cpus import allowed_cpus, parse_cpu_list
+from tilert.netio import free_port
 
 KV_CACHE_BYTES = 134_217_728  # each vLLM's KV cache
 MAX_MODEL_LEN = 2048

@@ -10,9 +10,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from e2elib.procs import Procs, free_port, wait_healthy
+from e2elib.procs import Procs, wait_healthy
 
 from tilert import stack
+from tilert.netio import free_port
 
 
 @dataclass(frozen=True)
