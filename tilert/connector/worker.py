@@ -92,8 +92,7 @@ class _Open:
     staged: Staged
     rows: RequestRows
     stream: torch.cuda.Stream | None = None  # the forward's stream (the copies' events are recorded on it); None on CPU
-    reached: set[int] = field(default_factory=set)  # the copier's items the forward has written
-    pending: list[int] = field(default_factory=list)  # of those, the ones not copied yet
+    pending: set[int] = field(default_factory=set)  # the copier's items the forward has written, not copied yet
     pending_bytes: int = 0
     done: set[int] = field(default_factory=set)  # items copied (queued, on a GPU)
     fault: Fault | None = None  # armed through the test-only hook (tilert.connector.faults)
@@ -154,8 +153,9 @@ class WorkerSide:
         self._stage_batch_bytes = 0  # fixed by register, once the caches' device is known
         self._copier: KVCopier | None = None
         # what save_kv_layer(name) stages: the copier's items (an attention layer's DSA indexer with it), their bytes
-        # a token, their device
-        self._save_plans: dict[str, tuple[tuple[int, ...], int, torch.device]] = {}
+        # a token
+        self._save_plans: dict[str, tuple[tuple[int, ...], int]] = {}
+        self._device = torch.device("cpu")  # the caches'
         # host memory that queued copies read (their block tables), with the event after them: kept until it completes
         self._in_flight: collections.deque[tuple[Any, Any]] = collections.deque()
         self.transfers: list[Staged] = []  # the most recent ones (tests, benchmarks)
@@ -199,7 +199,7 @@ class WorkerSide:
             mtp_layers=len(mtp),
             layouts={g: msgspec.to_builtins(lay) for g, lay in self._layouts.items()},
         )
-        device = next(iter(kv_caches.values())).device if kv_caches else torch.device("cpu")
+        device = self._device = next(iter(kv_caches.values())).device if kv_caches else torch.device("cpu")
         gpu_default = DEFAULT_STAGE_BATCH_BYTES if device.type == "cuda" else 0
         self._stage_batch_bytes = gpu_default if self._batch_setting is None else self._batch_setting
         # vLLM calls save_kv_layer for attention layers only: a DSA indexer's cache, which the indexer writes before
@@ -208,11 +208,11 @@ class WorkerSide:
         for layer in sorted(self._layers.values(), key=lambda lay: lay.position):
             by_group[layer.group].append(layer.cache)
         copier = KVCopier([Group(g, lay.kind, lay.row_bytes, by_group[g]) for g, lay in self._layouts.items()])
-        for name, layer in self._layers.items():
+        for name in self._layers:
             names = (name, *self._companions.get(name, ()))
             items = tuple(copier.item_of[self._layers[n].group, self._layers[n].position] for n in names)
             row_bytes = sum(self._layouts[self._layers[n].group].row_bytes for n in names)
-            self._save_plans[name] = (items, row_bytes, layer.cache.device)
+            self._save_plans[name] = (items, row_bytes)
         self._copier = copier
         log.info("kv_copy_plan", stage_batch_bytes=self._stage_batch_bytes, kernel=copier.on_gpu_kernel)
         self._allocate_pool(device)
@@ -259,13 +259,14 @@ class WorkerSide:
         plan = self._save_plans.get(layer_name)
         if plan is None or not meta.saves:
             return
-        items, row_bytes, device = plan
+        items, row_bytes = plan
         for save in meta.saves:
-            req = self._request(save, device)
-            if req is None or req.staged.closed or items[0] in req.reached:  # closed: ended (refused, aborted)
+            req = self._request(save, self._device)
+            if req is None or req.staged.closed:  # closed: the transfer already ended (refused, aborted)
                 continue
-            req.reached.update(items)
-            req.pending += items
+            if items[0] in req.pending or items[0] in req.done:
+                continue
+            req.pending.update(items)
             req.pending_bytes += save.num_tokens * row_bytes
             if req.pending_bytes >= self._stage_batch_bytes:
                 self._stage(req)
@@ -284,7 +285,7 @@ class WorkerSide:
         """Copy the request's pending items into its extent (one copy a run of consecutive items), then mark their
         chunks staged (on the GPU: once one event recorded after the copies completes)."""
         assert self._copier is not None
-        items, req.pending, req.pending_bytes = sorted(req.pending), [], 0
+        items, req.pending, req.pending_bytes = sorted(req.pending), set(), 0
         where = f"item {items[0]}" if items else ""
         keep: list[Any] = []  # host memory the queued copies read
         event = None
