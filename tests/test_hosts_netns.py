@@ -15,7 +15,6 @@ two hosts never share: the nixl parts run with ``UCX_TLS=tcp``, as two hosts wit
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import sys
@@ -30,7 +29,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support import netns
 from support.oracle import MAX_TOKENS, router_call, source_text, vllm_alone
-from support.stack import STARTUP_TIMEOUT_S, wait_healthy
+from support.stack import STARTUP_TIMEOUT_S, wait_healthy, with_connector_settings
 
 from tilert.models.checkpoint import read_json
 from tilert.stack import StackConfig, child_env, decode_command, prefill_command, prefill_env, write_secret_file
@@ -145,10 +144,7 @@ def _with_sender_address(cmd: list[str], transport: str, address: str) -> list[s
     itself by it), as docs/deployment.md's multi-host table says."""
     if transport != "mooncake":
         return cmd
-    i = cmd.index("--kv-transfer-config") + 1
-    config = json.loads(cmd[i])
-    config["kv_connector_extra_config"]["tilert_transport_options"] = {"hostname": address}
-    return [*cmd[:i], json.dumps(config), *cmd[i + 1 :]]
+    return with_connector_settings(cmd, tilert_transport_options={"hostname": address})
 
 
 def _prompts(model: Path) -> list[tuple[str, Any, bool]]:

@@ -17,7 +17,6 @@ instance the router lets back in, and whose answers are checked, is the real vLL
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -34,7 +33,7 @@ from typing import Any
 import httpx
 import pytest
 from support.oracle import router_call, vllm_alone
-from support.stack import Stack, free_port, wait_healthy
+from support.stack import Stack, free_port, wait_healthy, with_connector_settings
 from support.waiting import wait_until
 
 from tilert.stack import StackConfig, child_env, decode_command, prefill_command, prefill_env, router_command
@@ -98,13 +97,6 @@ def _router(base: StackConfig, prefills: list[str], nodes: list[str], *extra: st
 STAGE_BATCH_BYTES = 100_000
 
 
-def _batched_copies(cmd: list[str]) -> list[str]:
-    i = cmd.index("--kv-transfer-config") + 1
-    config = json.loads(cmd[i])
-    config["kv_connector_extra_config"]["tilert_stage_batch_bytes"] = STAGE_BATCH_BYTES
-    return [*cmd[:i], json.dumps(config), *cmd[i + 1 :]]
-
-
 @pytest.fixture(scope="module")
 def world(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     """A second vLLM prefill instance, a second decode node, two routers over both of each (one per policy)."""
@@ -118,7 +110,11 @@ def world(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wo
     prefills = [stack.prefill, f"http://127.0.0.1:{base.prefill_port}"]
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        prefill = _start(_batched_copies(prefill_command(base)), {**env, **prefill_env(base)}, logs / "prefill-2.log")
+        prefill = _start(
+            with_connector_settings(prefill_command(base), tilert_stage_batch_bytes=STAGE_BATCH_BYTES),
+            {**env, **prefill_env(base)},
+            logs / "prefill-2.log",
+        )
         procs.append(prefill)
         node = _start([*decode_command(base), "--max-sequences", "4"], env, logs / "node-b.log")
         procs.append(node)

@@ -4,6 +4,7 @@ session-wide ``stack`` fixture (``tests/conftest.py``) and the tests that start 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -26,6 +27,15 @@ from tilert.netio import free_port
 STARTUP_TIMEOUT_S = 600
 SHUTDOWN_TIMEOUT_S = 60  # from the SIGINT to ``tilert up``'s exit
 LEFTOVER_TIMEOUT_S = 15  # from ``tilert up``'s exit until none of its processes is left
+
+
+def with_connector_settings(cmd: list[str], **settings: object) -> list[str]:
+    """A prefill command (``tilert.stack.prefill_command``) with these ``tilert_*`` keys set in its connector's
+    ``kv_connector_extra_config``."""
+    i = cmd.index("--kv-transfer-config") + 1
+    config = json.loads(cmd[i])
+    config["kv_connector_extra_config"].update(settings)
+    return [*cmd[:i], json.dumps(config), *cmd[i + 1 :]]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[Any], timeout_s: float, log: Path | None = None) -> None:
