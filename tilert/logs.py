@@ -10,19 +10,21 @@ tilert's own lines come from structlog with the request or transfer id bound to 
 that log through :mod:`logging` (uvicorn's server and access logs) are rendered by the same processors, so a
 process writes one format with one timestamp (ISO 8601, UTC). uvicorn's access log leaves out the paths that are
 polled all the time (:data:`QUIET_PATHS`): a health check, a metrics scrape, the router's watch stream of a node.
+Inside vLLM, whose :mod:`logging` is its own, the connector's lines follow the same two environment variables
+(:func:`configure_embedded`).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TextIO
 
 import structlog
 
-from tilert.settings import ConfigError, Setting
+from tilert.settings import ConfigError, Setting, build_config, env_values, merge_values
 
 LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("console", "json")
@@ -100,22 +102,7 @@ def configure(level: str = "info", log_format: str = "console", file: TextIO | N
     to ``file`` (unset: stderr)."""
     out: Any = file if file is not None else _CurrentStderr()
     level_no = getattr(logging, level.upper())
-    renderer: Any = (
-        structlog.processors.JSONRenderer() if log_format == "json" else structlog.dev.ConsoleRenderer(colors=False)
-    )
-    stamp = structlog.processors.TimeStamper(fmt="iso", utc=True)
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            stamp,
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(level_no),
-        logger_factory=structlog.PrintLoggerFactory(file=out),
-        cache_logger_on_first_use=False,
-    )
+    renderer, stamp = _configure_structlog(level_no, log_format, out)
     handler = logging.StreamHandler(out)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
@@ -141,6 +128,38 @@ def configure(level: str = "info", log_format: str = "console", file: TextIO | N
     access = logging.getLogger("uvicorn.access")
     if not any(isinstance(f, QuietPaths) for f in access.filters):
         access.addFilter(QuietPaths())
+
+
+def configure_embedded(environ: Mapping[str, str] | None = None) -> None:
+    """tilert's own lines inside a process whose :mod:`logging` belongs to its host (the connector in vLLM): the
+    settings from the environment, structlog alone configured, and nothing at all if it already is (a tilert
+    process, or a host that set structlog up itself). A wrong setting is a :class:`ConfigError`."""
+    if structlog.is_configured():
+        return
+    config = build_config(LogConfig, merge_values(LogConfig, [env_values(LogConfig, environ)]))
+    _configure_structlog(getattr(logging, config.log_level.upper()), config.log_format, _CurrentStderr())
+
+
+def _configure_structlog(level_no: int, log_format: str, out: Any) -> tuple[Any, Any]:
+    """structlog's processors (an exception as plain text: the default's rich rendering takes a large part of a
+    second on the thread that logs it); the renderer and time stamp, for :mod:`logging`'s lines to share."""
+    renderer: Any = (
+        structlog.processors.JSONRenderer() if log_format == "json" else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    stamp = structlog.processors.TimeStamper(fmt="iso", utc=True)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            stamp,
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level_no),
+        logger_factory=structlog.PrintLoggerFactory(file=out),
+        cache_logger_on_first_use=False,
+    )
+    return renderer, stamp
 
 
 def vllm_access_log_args() -> list[str]:

@@ -33,6 +33,7 @@ from tilert.connector.staging import bytes_per_token, pool_bytes
 from tilert.connector.stats import TileRTConnectorStats, TileRTPromMetrics
 from tilert.connector.worker import WorkerSide
 from tilert.contracts import ConnectorSettings
+from tilert.logs import configure_embedded
 
 log = structlog.get_logger("tilert.connector")
 
@@ -51,6 +52,7 @@ class TileRTConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]  # None from older callers
+        configure_embedded()  # tilert's log settings from the environment; vLLM's own logging untouched
         cfg = self._kv_transfer_config
         if not cfg.is_kv_producer or cfg.is_kv_consumer:
             raise ValueError('TileRTConnector is a pure producer: set "kv_role": "kv_producer"')

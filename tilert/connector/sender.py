@@ -298,22 +298,23 @@ class BackgroundSender:
             )
         except Exception as exc:  # noqa: BLE001 - every failure ends the same way: Abort, extent back
             staged.outcome = f"{type(exc).__name__}: {exc}"
-            if isinstance(exc, (OSError, p.ContractError, TransferError, StagingError)):
-                bound.error(
-                    "transfer_failed",
-                    error=staged.outcome,
-                    control_up=sock is not None,
-                    phase=phase,
-                    writes=len(staged.writes),
-                    seconds=round(time.monotonic() - start, 4),
-                )
-            else:
-                bound.exception("transfer_failed_unexpectedly")
-            if sock is not None:
+            control_up, seconds = sock is not None, round(time.monotonic() - start, 4)
+            if sock is not None:  # the node hears first; the log (a traceback is slow to render) after
                 try:
                     p.send_msg(sock, p.Abort(tid, f"prefill side: {exc}"[: p.MAX_REASON_CHARS]))
                 except OSError:
                     pass
+            if isinstance(exc, (OSError, p.ContractError, TransferError, StagingError)):
+                bound.error(
+                    "transfer_failed",
+                    error=staged.outcome,
+                    control_up=control_up,
+                    phase=phase,
+                    writes=len(staged.writes),
+                    seconds=seconds,
+                )
+            else:
+                bound.exception("transfer_failed_unexpectedly")
         finally:
             if sock is not None:
                 sock.close()

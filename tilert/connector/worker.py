@@ -303,8 +303,9 @@ class WorkerSide:
             if items:
                 req.staged.ready([self._copier.chunk_of[i] for i in items], event)
         except Exception as exc:  # noqa: BLE001 - never break vLLM's forward: abort this transfer instead
-            log.exception("staging_failed", transfer_id=req.save.claim.transfer_id, at=where)
+            # The transfer ends first; rendering the traceback after it can take a while.
             req.staged.fail(f"KV extraction failed at {where}: {type(exc).__name__}: {exc}")
+            log.exception("staging_failed", transfer_id=req.save.claim.transfer_id, at=where)
         finally:
             if req.stream is not None and any(k is not None for k in keep):
                 if event is None:  # failed after a copy was queued: it still reads that memory

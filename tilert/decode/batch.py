@@ -159,8 +159,9 @@ class DecodeBatch:
                 elif self._active:
                     self._step_all()
             except Exception as exc:  # noqa: BLE001 - the sequences of this step end with it; serve on
-                log.exception("decode_step_failed", sequences=len(self._active))
-                self._fail_all(exc)
+                sequences = len(self._active)
+                self._fail_all(exc)  # before the traceback is rendered: the requests end at once
+                log.exception("decode_step_failed", sequences=sequences)
             self._reap()
 
     def _waiting_for_room(self) -> bool:
@@ -185,9 +186,9 @@ class DecodeBatch:
             try:
                 runs = self._start(running)
             except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
-                log.exception("decode_admit_failed", transfer_id=job.params.transfer_id)
                 self._free.extend(running.seqs)
                 job.done(exc)
+                log.exception("decode_admit_failed", transfer_id=job.params.transfer_id)
                 continue
             for run in runs:
                 self._active[run.seq] = (running, run)
