@@ -189,7 +189,7 @@ def test_uvicorn_app_configured_by_file(stack: Stack, tmp_path: Path) -> None:
     assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+Z", line["timestamp"]) for line in lines)
     done = [line for line in lines if line["event"] == "request_done"]
     assert len(done) == 1 and done[0]["outcome"] == "ok", lines
-    access = [line for line in lines if line.get("logger") == "uvicorn.access"]
+    access = [line for line in lines if line.get("logger") == "tilert.access"]
     assert [line["request_id"] for line in access] == [done[0]["request_id"]], access
     assert any(line.get("logger") == "uvicorn.error" for line in lines), lines  # uvicorn's own, same format
     assert not [line for line in access if "/health" in line["event"] or "/metrics" in line["event"]]
@@ -221,7 +221,7 @@ def test_access_logs_leave_out_what_is_polled(stack: Stack) -> None:
     router_call(stack.router, stack.model, "completion", "def add(a, b):", False)
     wait_until(lambda: '"POST /v1/reserve' in stack.process_log("decode"), 10, "the node's access line of a reserve")
     for name in ("router", "decode"):
-        access = [line for line in stack.process_log(name).splitlines() if "uvicorn.access" in line]
+        access = [line for line in stack.process_log(name).splitlines() if "tilert.access" in line]
         assert access, name
         polled = [
             line for line in access if any(f'"GET {path}' in line for path in ("/health", "/metrics", "/v1/watch"))

@@ -7,8 +7,9 @@ Two settings, the same on every command (a flag of each command, and one environ
   (one JSON object a line, for a log shipper).
 
 tilert's own lines come from structlog with the request or transfer id bound to them; the lines of the libraries
-that log through :mod:`logging` (uvicorn's server and access logs) are rendered by the same processors, so a
-process writes one format with one timestamp (ISO 8601, UTC). uvicorn's access log leaves out the paths that are
+that log through :mod:`logging` (uvicorn's server log) are rendered by the same processors, so a process writes one
+format with one timestamp (ISO 8601, UTC). A server's access log is :class:`AccessLog`'s, in uvicorn's format, one
+line as each response ends (not as it starts: that would delay every stream's first byte), none for the paths
 polled all the time (:data:`QUIET_PATHS`): a health check, a metrics scrape, the router's watch stream of a node.
 Inside vLLM, whose :mod:`logging` is its own, the connector's lines follow the same two environment variables
 (:func:`configure_embedded`).
@@ -18,11 +19,13 @@ from __future__ import annotations
 
 import logging
 import sys
+from asyncio import CancelledError
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TextIO
 
 import structlog
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tilert.settings import ConfigError, Setting, build_config, env_values, merge_values
 
@@ -33,6 +36,7 @@ FORMAT_ENV = "TILERT_LOG_FORMAT"
 
 CHATTY_LIBRARIES = ("httpx", "httpcore")  # a line per request they make, at info: warnings and up only
 QUIET_PATHS = ("/health", "/metrics", "/v1/watch")  # polled all the time: no access-log line
+ACCESS_LOGGER = "tilert.access"
 
 
 def _choice(name: str, choices: tuple[str, ...]) -> Any:
@@ -82,19 +86,47 @@ class _CurrentStderr:
         sys.stderr.flush()
 
 
-class QuietPaths(logging.Filter):
-    """Drops uvicorn access-log records of requests to ``paths`` (its record's arguments are client, method,
-    path with query, HTTP version, status)."""
+class AccessLog:
+    """ASGI middleware: one access line for each HTTP request, written when its response has ended (uvicorn's own
+    comes as the response starts, and rendering it then delays the first byte of every stream: the first token).
+    uvicorn's format and arguments (client, method, path with query, HTTP version, status), on the
+    :data:`ACCESS_LOGGER` logger; none for :data:`QUIET_PATHS`. A response that never started (the app raised, or
+    the client left first) is logged with status 500, or 499 when the request was cancelled."""
 
-    def __init__(self, paths: Iterable[str] = QUIET_PATHS) -> None:
-        super().__init__()
-        self.paths = tuple(paths)
+    def __init__(self, app: ASGIApp, quiet: Iterable[str] = QUIET_PATHS) -> None:
+        self.app = app
+        self.quiet = frozenset(quiet)
+        self._log = logging.getLogger(ACCESS_LOGGER)
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args
-        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
-            return args[2].split("?", 1)[0] not in self.paths
-        return True
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.quiet or not self._log.isEnabledFor(logging.INFO):
+            await self.app(scope, receive, send)
+            return
+        status = 0
+
+        async def send_noting_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_status)
+        except BaseException as exc:
+            status = status or (499 if isinstance(exc, CancelledError) else 500)
+            raise
+        finally:
+            client = scope.get("client")
+            path = scope.get("root_path", "") + scope["path"]
+            query = scope.get("query_string", b"")
+            self._log.info(
+                '%s - "%s %s HTTP/%s" %d',
+                f"{client[0]}:{client[1]}" if client else "-",
+                scope["method"],
+                f"{path}?{query.decode('latin-1')}" if query else path,
+                scope.get("http_version", "1.1"),
+                status,
+            )
 
 
 def configure(level: str = "info", log_format: str = "console", file: TextIO | None = None) -> None:
@@ -118,16 +150,14 @@ def configure(level: str = "info", log_format: str = "console", file: TextIO | N
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level_no)
-    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):  # through the root's handler, at its level
+    for name in ("uvicorn", "uvicorn.error", ACCESS_LOGGER):  # through the root's handler, at its level
         logger = logging.getLogger(name)
         logger.handlers.clear()
         logger.propagate = True
         logger.setLevel(logging.NOTSET)
     for name in CHATTY_LIBRARIES:
         logging.getLogger(name).setLevel(max(level_no, logging.WARNING))
-    access = logging.getLogger("uvicorn.access")
-    if not any(isinstance(f, QuietPaths) for f in access.filters):
-        access.addFilter(QuietPaths())
+    logging.getLogger("uvicorn.access").disabled = True  # :class:`AccessLog` writes the access lines
 
 
 def configure_embedded(environ: Mapping[str, str] | None = None) -> None:
@@ -168,5 +198,6 @@ def vllm_access_log_args() -> list[str]:
 
 
 def uvicorn_options() -> dict[str, Any]:
-    """What a tilert server passes to uvicorn so that :func:`configure`'s set-up stays in place."""
-    return {"log_config": None, "log_level": None, "access_log": True}
+    """What a tilert server passes to uvicorn so that :func:`configure`'s set-up stays in place (its app wrapped in
+    :class:`AccessLog`, which replaces uvicorn's access log)."""
+    return {"log_config": None, "log_level": None, "access_log": False}

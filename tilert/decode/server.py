@@ -63,7 +63,7 @@ from tilert.decode.metrics import DecodeMetrics
 from tilert.decode.sampling import DecodeParams
 from tilert.decode.slots import SlotError, SlotTable
 from tilert.engines.base import DecodeEngine
-from tilert.logs import uvicorn_options
+from tilert.logs import AccessLog, uvicorn_options
 from tilert.models.checkpoint import eos_token_ids, sampling_defaults
 from tilert.plugins import load_transport
 
@@ -464,7 +464,7 @@ class DecodeNode:
         loop = asyncio.get_running_loop()
         server = _Server(
             uvicorn.Config(
-                self,
+                AccessLog(self),
                 host=cfg.host,
                 port=cfg.http_port,
                 lifespan="off",

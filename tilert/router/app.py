@@ -18,7 +18,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from tilert.logs import uvicorn_options
+from tilert.logs import AccessLog, uvicorn_options
 from tilert.router.config import RouterConfig, load_config_from_env
 from tilert.router.context import RouterContext
 from tilert.router.errors import RouterError, error_payload
@@ -278,6 +278,7 @@ def build_app(config: RouterConfig | None = None, *, own_process: bool = False) 
         ],
         middleware=[
             Middleware(RequestIdMiddleware),
+            Middleware(AccessLog),  # inside the request id's binding: its line carries the id
             Middleware(BearerAuthMiddleware, api_key=holder.api_key),
         ],
         lifespan=_lifespan(holder, own_process),
