@@ -452,6 +452,26 @@ def test_prefill_5xx_is_502(router: RouterHandle, world: Standins) -> None:
     assert _wait_for(lambda: not world.node.reservations)
 
 
+def test_a_bug_in_the_router_is_a_500_and_frees_the_slot(
+    router: RouterHandle, world: Standins, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fake: a router bug after the prefill (no real part can be made to raise there) is the client's 500 with
+    the exception's type, the decode slot is freed, and the router serves on."""
+    from tilert.router.flow import RequestFlow
+
+    def broken(self: RequestFlow, pre: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(RequestFlow, "shape", broken)
+    r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "stream": True}, timeout=5)
+    assert r.status_code == 500 and r.json()["error"]["message"] == "internal router error: RuntimeError"
+    assert _wait_for(lambda: not world.node.reservations) and _slots_in_use(router) == 0
+    monkeypatch.undo()
+    text, _ = _expected(world)
+    out = router.client().completions.create(model="tiny", prompt="x", max_tokens=64)
+    assert out.choices[0].text == text
+
+
 def test_a_dead_prefill_instance_is_passed_over_and_taken_out(
     make_router: Callable[..., RouterHandle], world: Standins, standins: tuple[Standins, _Server, _Server]
 ) -> None:

@@ -67,14 +67,17 @@ class ControlServer:
             return
         self.connections += 1
         in_flight: set[str] = set()
+        error: Exception | None = None
         try:
             await self._handle(stream, BufferedByteReceiveStream(stream), in_flight)
-        except Exception:  # noqa: BLE001 - a bug in one connection must not stop the node
-            log.exception("control_connection_failed")
+        except Exception as exc:  # noqa: BLE001 - a bug in one connection must not stop the node
+            error = exc
         finally:
             self.connections -= 1
             for tid in in_flight:
                 self.table.fail(tid, "prefill sender disconnected mid-transfer")
+            if error is not None:  # after the slots failed: a traceback takes a while to render
+                log.error("control_connection_failed", exc_info=error)
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
 

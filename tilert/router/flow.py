@@ -130,9 +130,11 @@ class RequestFlow:
             raise
         except Exception as exc:  # noqa: BLE001 - the client must still get an answer
             self.outcome = "internal_error"
-            self.log.exception("request_internal_error")
             self._to(FlowState.FAILED, status=500, reason=type(exc).__name__)
-            await self._report(self.out, RouterError(500, f"internal router error: {type(exc).__name__}"))
+            try:
+                await self._report(self.out, RouterError(500, f"internal router error: {type(exc).__name__}"))
+            finally:  # the answer first: a traceback takes a while to render
+                self.log.exception("request_internal_error")
         finally:
             self._account()
 
