@@ -124,13 +124,16 @@ class TcpReceiver(Receiver):
     def _serve(self, conn: socket.socket) -> None:
         """One connection: frames until the peer leaves, a refused write, or ``idle_timeout_s`` of silence
         (the sender then reconnects). Any fault ends this connection only."""
+        error: Exception | None = None
         try:
             self._frames(conn)
-        except Exception:  # noqa: BLE001 - nothing a peer sends may stop the receiver
-            log.exception("tcp_connection_failed")
+        except Exception as exc:  # noqa: BLE001 - nothing a peer sends may stop the receiver
+            error = exc
         finally:
             conn.close()
             self._slots.release()
+        if error is not None:  # after the peer saw the close: a traceback takes a while to render
+            log.error("tcp_connection_failed", exc_info=error)
 
     def _frames(self, conn: socket.socket) -> None:
         with conn:
