@@ -370,9 +370,12 @@ def check_topk(dev, small):
         for _rep in range(2):
             got = triton_topk.topk(sc, pos, k)
             ok = ok and topk_exact(sc, pos, k, got)
-        RESULTS.append((f"radix topk n={n} S={S} k={k} {kind}", 0.0, 0.0, ok))
+        ws = triton_topk.workspace(n, S, k, sc.device)
+        zeroed = not (ws.fine.any() or ws.coarse.any())
+        RESULTS.append((f"radix topk n={n} S={S} k={k} {kind}", 0.0, 0.0, ok and zeroed))
         print(
-            f"{'PASS' if ok else 'FAIL'}  radix top-k n={n} S={S} k={k} {kind}: exact set, deterministic order, twice",
+            f"{'PASS' if ok and zeroed else 'FAIL'}  radix top-k n={n} S={S} k={k} {kind}: exact set, deterministic "
+            f"order, twice{'' if zeroed else '; histograms NOT left zeroed'}",
             flush=True,
         )
 

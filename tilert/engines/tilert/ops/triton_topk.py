@@ -7,17 +7,18 @@ histograms the low 16 bits of the keys inside that bin. That fixes the exact thr
 keys equal to ``T`` are taken; two compaction passes then write the winners at deterministic positions:
 keys ``> T`` in index order, then the lowest-index keys ``== T``. No host sync, fixed grids: graph-capturable.
 
-Launches (grid ``(chunks of CH scores, n)`` unless noted):
+Launches (grid ``(chunks of CH scores, n)``):
 
 1. ``hist_hi``: pass-1 histogram. On the DSA path it is fused into the indexer score kernel
    (``triton_mla.indexer_scores(..., topk_ws=...)``); ``topk`` runs it standalone for given scores.
-2. ``scan`` (grid ``n``): threshold bin of pass 1; zeroes the pass-1 coarse counters.
-3. ``hist_lo``: pass-2 histogram of the keys in that bin; zeroes the pass-1 bins it read.
-4. ``scan`` (grid ``n``): threshold key ``T`` and the number of keys ``== T`` taken.
-5. ``count``: per-chunk counts of keys ``> T`` and ``== T``; zeroes the pass-2 bins.
-6. ``write``: the compaction (rows with ``positions[i] + 1 <= K``: ``0..positions[i]`` then ``-1``).
+2. ``hist_lo``: each program finds pass 1's threshold bin itself (2 x 256 counters: no launch of its own for that
+   scan), then histograms the low 16 bits of its keys inside that bin (pass 2).
+3. ``count``: each program finds the threshold key ``T`` and the number of keys ``== T`` taken from pass 2's
+   counters the same way, then counts its keys ``> T`` and ``== T``.
+4. ``write``: the compaction (rows with ``positions[i] + 1 <= K``: ``0..positions[i]`` then ``-1``).
 
-Every histogram is zeroed by the kernel that reads it last, so each replay starts from zero (the workspace is
+A histogram is read by every program of the launch after the one that fills it, so it is zeroed one launch later
+still: pass 1's by ``count``, pass 2's by ``write``; each replay then starts from zero (the workspace is
 allocated zeroed). ``benchmarks/decode_speed.py`` times it against ``torch.topk`` in the same step.
 """
 
@@ -90,35 +91,45 @@ def _hist_hi_kernel(s_ptr, pos_ptr, fine_ptr, coarse_ptr, S, stride_s, CHUNK: tl
 
 
 @triton.jit
-def _scan_kernel(fine_ptr, coarse_ptr, state_ptr, n, K: tl.constexpr, PASS: tl.constexpr, PDL: tl.constexpr):
-    """One program per row: the bin holding the ``need``-th largest key (need = K, or what pass 1 left)."""
-    pdl_begin(PDL)
-    i = tl.program_id(0)
+def _scan(fine_ptr, coarse_ptr, i, n, need, PASS: tl.constexpr):
+    """Row ``i``'s threshold bin of pass ``PASS`` (16 bits) holding its ``need``-th largest key, and how many keys are
+    still needed from inside it: the coarse counters, then the 256 fine ones under the coarse bin found."""
     bins = tl.arange(0, 256)
-    if PASS == 0:
-        need = K + 0 * i
-    else:
-        need = tl.load(state_ptr + i * 4 + 1)
-    crow = coarse_ptr + (PASS * n + i) * 256
-    cb, need = _select_bin(tl.load(crow + bins), need)
+    cb, need = _select_bin(tl.load(coarse_ptr + (PASS * n + i) * 256 + bins), need)
     fb, need = _select_bin(tl.load(fine_ptr + (PASS * n + i).to(tl.int64) * 65536 + cb * 256 + bins), need)
-    tl.store(crow + bins, tl.zeros([256], dtype=tl.int32))
-    tl.store(state_ptr + i * 4 + 2 * PASS, cb * 256 + fb)
-    tl.store(state_ptr + i * 4 + 2 * PASS + 1, need)
+    return cb * 256 + fb, need
+
+
+@triton.jit
+def _zero_row(coarse_ptr, i, n, PASS: tl.constexpr):
+    """Program 0 of row ``i`` zeroes its pass-``PASS`` coarse counters (every reader of them has completed)."""
+    if tl.program_id(0) == 0:
+        tl.store(coarse_ptr + (PASS * n + i) * 256 + tl.arange(0, 256), tl.zeros([256], dtype=tl.int32))
 
 
 @triton.jit
 def _hist_lo_kernel(
-    s_ptr, pos_ptr, fine_ptr, coarse_ptr, state_ptr, S, n, stride_s, CHUNK: tl.constexpr, PDL: tl.constexpr
+    s_ptr,
+    pos_ptr,
+    fine_ptr,
+    coarse_ptr,
+    state_ptr,
+    S,
+    n,
+    stride_s,
+    K: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
     i, total, offs, valid, key = _chunk(s_ptr, pos_ptr, S, stride_s, CHUNK)
-    hi = (key >> 16).to(tl.int32)
-    tl.store(fine_ptr + i * 65536 + hi, 0, mask=valid)  # pass-1 bins: read by the scan, done
-    b = tl.load(state_ptr + i * 4)
+    b, need = _scan(fine_ptr, coarse_ptr, i, n, K + 0 * i, 0)
+    if tl.program_id(0) == 0:  # for the launches after this one (this launch's programs each found it)
+        tl.store(state_ptr + i * 4, b)
+        tl.store(state_ptr + i * 4 + 1, need)
     hist_update(
         (key & 0xFFFF).to(tl.int32),
-        valid & (hi == b),
+        valid & ((key >> 16).to(tl.int32) == b),
         fine_ptr + (n + i).to(tl.int64) * 65536,
         coarse_ptr + (n + i) * 256,
     )
@@ -129,6 +140,7 @@ def _count_kernel(
     s_ptr,
     pos_ptr,
     fine_ptr,
+    coarse_ptr,
     state_ptr,
     cnt_ptr,
     S,
@@ -140,22 +152,30 @@ def _count_kernel(
 ):
     pdl_begin(PDL)
     i, total, offs, valid, key = _chunk(s_ptr, pos_ptr, S, stride_s, CHUNK)
-    b, thr = _threshold(state_ptr, i)
+    b = tl.load(state_ptr + i * 4).to(tl.int64)
+    lo, take_eq = _scan(fine_ptr, coarse_ptr, i, n, tl.load(state_ptr + i * 4 + 1), 1)
+    thr = (b << 16) | lo.to(tl.int64)
     c = tl.program_id(0)
+    if c == 0:  # for the write launch
+        tl.store(state_ptr + i * 4 + 2, lo)
+        tl.store(state_ptr + i * 4 + 3, take_eq)
     tl.store(cnt_ptr + (i * 2) * NCHP + c, tl.sum((valid & (key > thr)).to(tl.int32), 0))
     tl.store(cnt_ptr + (i * 2 + 1) * NCHP + c, tl.sum((valid & (key == thr)).to(tl.int32), 0))
-    lo = (key & 0xFFFF).to(tl.int32)
-    tl.store(fine_ptr + (n + i).to(tl.int64) * 65536 + lo, 0, mask=valid & ((key >> 16) == b))  # pass-2 bins
+    tl.store(fine_ptr + i * 65536 + (key >> 16).to(tl.int32), 0, mask=valid)  # pass 1's bins: hist_lo read them
+    _zero_row(coarse_ptr, i, n, 0)
 
 
 @triton.jit
 def _write_kernel(
     s_ptr,
     pos_ptr,
+    fine_ptr,
+    coarse_ptr,
     state_ptr,
     cnt_ptr,
     out_ptr,
     S,
+    n,
     stride_s,
     stride_o,
     K: tl.constexpr,
@@ -165,11 +185,14 @@ def _write_kernel(
 ):
     pdl_begin(PDL)
     i, total, offs, valid, key = _chunk(s_ptr, pos_ptr, S, stride_s, CHUNK)
+    b, thr = _threshold(state_ptr, i)
+    in_bin = valid & ((key >> 16) == b)
+    tl.store(fine_ptr + (n + i).to(tl.int64) * 65536 + (key & 0xFFFF).to(tl.int32), 0, mask=in_bin)  # count read them
+    _zero_row(coarse_ptr, i, n, 1)
     orow = out_ptr + i * stride_o
     if total <= K:  # every valid row is selected: 0..total-1, then -1
         tl.store(orow + offs, tl.where(valid, offs, -1).to(tl.int32), mask=offs < K)
     else:
-        _, thr = _threshold(state_ptr, i)
         take_eq = tl.load(state_ptr + i * 4 + 3)
         chunks = tl.arange(0, NCHP)
         before = chunks < tl.program_id(0)
@@ -211,22 +234,21 @@ def workspace(n: int, S: int, K: int, device: torch.device) -> TopkWorkspace:
 
 
 def select_from_hist(scores: torch.Tensor, positions: torch.Tensor, ws: TopkWorkspace, out=None) -> torch.Tensor:
-    """Launches 2-6: ``scores [n, S]`` fp32 whose pass-1 histogram is already in ``ws`` -> ``[n, K]`` int32."""
+    """Launches 2-4: ``scores [n, S]`` fp32 whose pass-1 histogram is already in ``ws`` -> ``[n, K]`` int32."""
     n, S = scores.shape
     K = ws.K
     assert scores.stride(-1) == 1 and (n, S) == (ws.n, ws.S)
     res = out if out is not None else torch.empty(n, K, device=scores.device, dtype=torch.int32)
     pdl = triton_pdl.kw()
     grid = (ws.chunks, n)
-    _scan_kernel[(n,)](ws.fine, ws.coarse, ws.state, n, K=K, PASS=0, num_warps=4, **pdl)
     _hist_lo_kernel[grid](
-        scores, positions, ws.fine, ws.coarse, ws.state, S, n, scores.stride(0), CHUNK=CH, num_warps=4, **pdl
+        scores, positions, ws.fine, ws.coarse, ws.state, S, n, scores.stride(0), K=K, CHUNK=CH, num_warps=4, **pdl
     )
-    _scan_kernel[(n,)](ws.fine, ws.coarse, ws.state, n, K=K, PASS=1, num_warps=4, **pdl)
     _count_kernel[grid](
         scores,
         positions,
         ws.fine,
+        ws.coarse,
         ws.state,
         ws.counts,
         S,
@@ -240,10 +262,13 @@ def select_from_hist(scores: torch.Tensor, positions: torch.Tensor, ws: TopkWork
     _write_kernel[(ws.write_chunks, n)](
         scores,
         positions,
+        ws.fine,
+        ws.coarse,
         ws.state,
         ws.counts,
         res,
         S,
+        n,
         scores.stride(0),
         res.stride(0),
         K=K,
