@@ -4,6 +4,7 @@ choices, checked without servers."""
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -83,3 +84,47 @@ def test_a_request_of_n_choices_takes_n_slots_in_arrival_order() -> None:
         assert refused is not None and (refused.status, refused.param) == (400, "n") and "at most 3" in refused.message
 
     anyio.run(main)
+
+
+def test_overflow_is_decided_when_the_wait_ends_and_waits_on_while_the_fallback_is_down() -> None:
+    """A lease that may overflow ends in the pool's 429 after ``after_s`` only when the fallback is ready then;
+    while it is not, the request keeps waiting for a slot (and gets one that frees), or overflows as soon as the
+    fallback comes back; with neither, it is the queue's timeout."""
+    import structlog
+
+    from tilert.router.lease import NodeLease, Overflow
+
+    async def lease_outcome(ready: Callable[[], bool], free_at: float | None, up_at: float | None) -> tuple[str, float]:
+        pool = DecodePool([DecodeNodeSpec("127.0.0.1", 1, 2)], max_queue=4, retry_after_s=1, metrics=RouterMetrics("m"))
+        held = await pool.acquire(anyio.current_time() + 1)  # the node's one slot is taken
+        flag = {"up": False}
+        lease = NodeLease(
+            pool, {}, {}, "t", queue_timeout_s=2.0, lease_s=5.0, log=structlog.get_logger("test"),
+            overflow=Overflow(0.1, lambda: ready() or flag["up"], recheck_s=0.05),
+        )  # fmt: skip
+        t0 = anyio.current_time()
+        async with anyio.create_task_group() as tg:
+            if free_at is not None:
+                tg.start_soon(lambda: _later(free_at, lambda: pool.give_back(held)))
+            if up_at is not None:
+                tg.start_soon(lambda: _later(up_at, lambda: flag.update(up=True)))
+            try:
+                await lease.__aenter__()
+                outcome = "slot"
+            except RouterError as exc:
+                outcome = exc.outcome
+            tg.cancel_scope.cancel()
+        return outcome, anyio.current_time() - t0
+
+    async def _later(delay: float, fn: Callable[[], object]) -> None:
+        await anyio.sleep(delay)
+        fn()
+
+    outcome, took = anyio.run(lease_outcome, lambda: True, None, None)
+    assert outcome == "queue_timeout" and 0.09 <= took < 1.0  # fallback ready: overflow after 0.1 s
+    outcome, took = anyio.run(lease_outcome, lambda: False, 0.5, None)
+    assert outcome == "slot" and 0.45 <= took < 1.5  # fallback down: waited on, got the slot freed at 0.5 s
+    outcome, took = anyio.run(lease_outcome, lambda: False, None, 0.5)
+    assert outcome == "queue_timeout" and 0.45 <= took < 1.5  # fallback back at 0.5 s: overflow then
+    outcome, took = anyio.run(lease_outcome, lambda: False, None, None)
+    assert outcome == "queue_timeout" and took >= 1.95  # neither: the queue's own timeout

@@ -174,8 +174,9 @@ RESERVE_LEASE_S = Setting(
 NATIVE_ENGINE = Setting(default=NATIVE_POOL, help="the native pool's engine plugin (tilert.engines group)")
 OVERFLOW_WAIT_S = Setting(
     default=None,
-    help="a TileRT-pool request with no decode slot after this wait goes to the native pool instead of waiting on "
-    "to queue_timeout_s and a 429 (needs the native pool; unset: no overflow)",
+    help="a TileRT-pool request with no decode slot after this wait goes to the native pool (when it is healthy "
+    "then, or as soon as it is again) instead of waiting on to queue_timeout_s and a 429 (needs the native pool; "
+    "unset: no overflow)",
 )
 # vLLM's own flags, with vLLM's names and meanings: the router parses answers with vLLM's parsers
 # (tilert.router.tools), and `tilert up` hands the same flags to every vLLM instance it starts.

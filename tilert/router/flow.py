@@ -38,7 +38,7 @@ from tilert.router.context import RouterContext
 from tilert.router.decode_stream import DECODE_LOST
 from tilert.router.detokenize import bad_words_token_ids
 from tilert.router.errors import RouterError, bad_request
-from tilert.router.lease import NodeLease
+from tilert.router.lease import NO_SLOT_OUTCOMES, NodeLease, Overflow
 from tilert.router.logprobs import ChoiceExtras, resumed_logprobs
 from tilert.router.native import available_pool, native_decode, native_prefill
 from tilert.router.openai_format import DONE, ResponseShape, sse, usage, with_choices
@@ -51,7 +51,6 @@ from tilert.router.validation import RequestPlan, continuation
 
 _log = structlog.get_logger("tilert.router.flow")
 
-NO_SLOT_OUTCOMES = ("queue_full", "queue_timeout")  # the pool's 429s: what overflow to the native pool answers
 
 
 class FlowState(enum.Enum):
@@ -174,10 +173,11 @@ class RequestFlow:
             await self._native(out)
             return
         cfg = self.ctx.config
-        # None: no overflow to the native pool (0 is valid: overflow at once when no slot is free)
-        overflow_wait = cfg.overflow_wait_s if self.choice.overflow and self.ctx.native_healthy else None
-        overflow = overflow_wait is not None
-        wait = cfg.queue_timeout_s if overflow_wait is None else min(overflow_wait, cfg.queue_timeout_s)
+        # The native pool takes the request after overflow_wait_s (0: at once when no slot is free) if it is
+        # healthy then; while it is not, the request waits on for a TileRT slot (NodeLease).
+        overflow = None
+        if self.choice.overflow and cfg.overflow_wait_s is not None:
+            overflow = Overflow(cfg.overflow_wait_s, lambda: self.ctx.native_healthy)
         self._to(FlowState.QUEUED, queue_depth=self.ctx.pool.queue_depth)
         sampling = self._sampling()
         lease = NodeLease(
@@ -185,10 +185,11 @@ class RequestFlow:
             self.ctx.nodes,
             self.ctx.watches,
             self.transfer_id,
-            queue_timeout_s=wait,
+            queue_timeout_s=cfg.queue_timeout_s,
             lease_s=cfg.lease_s,
             log=self.log,
             sampling=sampling,
+            overflow=overflow,
         )
         async with AsyncExitStack() as held:
             try:
@@ -197,7 +198,7 @@ class RequestFlow:
                 self._to(FlowState.PREFILLING)
                 pre = await lease.reserve_while(self._prefill)  # the node's reserve runs during the prefill
             except RouterError as exc:  # no TileRT slot in time (also after a node refused the reserve)
-                if not (overflow and exc.outcome in NO_SLOT_OUTCOMES):
+                if not (overflow is not None and exc.outcome in NO_SLOT_OUTCOMES and overflow.ready()):
                     raise
                 await self._overflow(out, exc)
                 return

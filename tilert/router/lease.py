@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TypeVar
 
@@ -31,6 +32,18 @@ from tilert.router.pool import DecodePool, PooledNode
 from tilert.router.watch import NodeWatch
 
 RELEASE_BUDGET_S = 1.0
+NO_SLOT_OUTCOMES = ("queue_full", "queue_timeout")  # the pool's 429s: what an overflow answers instead
+
+
+@dataclass(frozen=True)
+class Overflow:
+    """Where a request that waits too long for a slot may go instead (the native pool): after ``after_s`` in
+    the queue, when ``ready()`` says so; while it does not, the request waits on for a slot, asking again
+    every ``recheck_s``."""
+
+    after_s: float
+    ready: Callable[[], bool]
+    recheck_s: float = 0.25
 
 T = TypeVar("T")
 
@@ -47,6 +60,7 @@ class NodeLease:
         lease_s: float,
         log: structlog.typing.FilteringBoundLogger,
         sampling: c.Sampling | None = None,
+        overflow: Overflow | None = None,
     ) -> None:
         self._pool = pool
         self._sampling = sampling  # the node checks it with the reserve
@@ -55,6 +69,8 @@ class NodeLease:
         self._watches = watches
         self.transfer_id = transfer_id
         self._queue_timeout_s = queue_timeout_s
+        self._overflow = overflow
+        self._overflow_at = 0.0
         self._lease_s = lease_s
         self._log = log
         self.node: PooledNode | None = None
@@ -73,10 +89,31 @@ class NodeLease:
     async def __aenter__(self) -> NodeLease:
         start = anyio.current_time()
         self._deadline = start + self._queue_timeout_s
-        self.node = await self._pool.acquire(self._deadline, need=self._need)
+        if self._overflow is not None:
+            self._overflow_at = start + min(self._overflow.after_s, self._queue_timeout_s)
+        self.node = await self._acquire()
         self._since = anyio.current_time()
         self.queued_s = self._since - start
         return self
+
+    async def _acquire(self, front: bool = False) -> PooledNode:
+        """The pool's grant, waiting until the queue's deadline. With an :class:`Overflow`, a wait past its
+        ``after_s`` ends in the pool's no-slot error as soon as the fallback is ready (checked then, and every
+        ``recheck_s`` after it while it is not: the request keeps its place meanwhile)."""
+        while True:
+            overflow = self._overflow
+            if overflow is None:
+                return await self._pool.acquire(self._deadline, front=front, need=self._need)
+            now = anyio.current_time()
+            until = min(self._deadline, max(self._overflow_at, now + overflow.recheck_s))
+            try:
+                return await self._pool.acquire(until, front=front, need=self._need)
+            except RouterError as exc:
+                if exc.outcome not in NO_SLOT_OUTCOMES or overflow.ready():
+                    raise
+                if exc.outcome == "queue_full" or anyio.current_time() >= self._deadline:
+                    raise
+                front = True  # the fallback is not ready: wait on for a slot, first in line
 
     async def reserve_while(self, work: Callable[[PooledNode, str], Awaitable[T]]) -> T:
         """Reserve the slot on the leased node while ``work(node, transfer_id)`` runs; its result once both
@@ -90,7 +127,7 @@ class NodeLease:
                 self._since = anyio.current_time()
                 return done[0]
             self.transfer_id = uuid.uuid4().hex
-            self.node = await self._pool.acquire(self._deadline, front=True, need=self._need)
+            self.node = await self._acquire(front=True)
 
     async def _attempt(self, node: PooledNode, work: Callable[[PooledNode, str], Awaitable[T]]) -> tuple[T] | None:
         """Reserve on ``node`` while the work runs: ``(its result,)``, or None when the node refused or was
@@ -208,4 +245,4 @@ class NodeLease:
                 pass
 
 
-__all__ = ["NodeLease"]
+__all__ = ["NO_SLOT_OUTCOMES", "NodeLease", "Overflow"]
