@@ -52,7 +52,6 @@ from tilert.router.validation import RequestPlan, continuation
 _log = structlog.get_logger("tilert.router.flow")
 
 
-
 class FlowState(enum.Enum):
     RECEIVED = "received"
     QUEUED = "queued"

@@ -45,6 +45,7 @@ class Overflow:
     ready: Callable[[], bool]
     recheck_s: float = 0.25
 
+
 T = TypeVar("T")
 
 
