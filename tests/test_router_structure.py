@@ -128,3 +128,26 @@ def test_overflow_is_decided_when_the_wait_ends_and_waits_on_while_the_fallback_
     assert outcome == "queue_timeout" and 0.45 <= took < 1.5  # fallback back at 0.5 s: overflow then
     outcome, took = anyio.run(lease_outcome, lambda: False, None, None)
     assert outcome == "queue_timeout" and took >= 1.95  # neither: the queue's own timeout
+
+
+def test_one_probe_that_times_out_does_not_take_a_node_out() -> None:
+    """A health probe that only timed out is inconclusive (a busy node or a busy router): the node stays in until
+    ``PROBE_TIMEOUTS_TO_FAIL`` in a row; a probe's error takes it out at once; an answer resets the count."""
+    from tilert.router.pool import PROBE_TIMEOUTS_TO_FAIL
+
+    pool = DecodePool([DecodeNodeSpec("127.0.0.1", 1, 2)], max_queue=1, retry_after_s=1, metrics=RouterMetrics("m"))
+    node = pool.nodes[0]
+    probe = {"slots_total": 1, "slots_free": 1, "error": None}
+    timeout = {"slots_total": None, "slots_free": None, "error": "TimeoutError", "timed_out": True}
+    for _ in range(PROBE_TIMEOUTS_TO_FAIL - 1):
+        pool.update_health(node, False, **timeout)
+    assert node.healthy
+    pool.update_health(node, True, **probe)
+    pool.update_health(node, False, **timeout)
+    assert node.healthy, "an answer in between starts the count again"
+    for _ in range(PROBE_TIMEOUTS_TO_FAIL - 1):
+        pool.update_health(node, False, **timeout)
+    assert not node.healthy and node.last_error == "TimeoutError"
+    pool.update_health(node, True, **probe)
+    pool.update_health(node, False, slots_total=None, slots_free=None, error="health answered HTTP 503")
+    assert not node.healthy and node.last_error == "health answered HTTP 503"

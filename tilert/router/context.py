@@ -19,7 +19,7 @@ from tilert.router.config import RouterConfig
 from tilert.router.detokenize import TokenizerBundle, load_tokenizer
 from tilert.router.metrics import RouterMetrics
 from tilert.router.node_client import NodeClient
-from tilert.router.pool import DecodePool, PooledNode
+from tilert.router.pool import PROBE_TIMEOUTS_TO_FAIL, DecodePool, PooledNode
 from tilert.router.prefill import prefill_session, vllm_session
 from tilert.router.prefill_pool import PrefillPool
 from tilert.router.tools import Parsers, load_parsers
@@ -56,6 +56,7 @@ class RouterContext:
     native: aiohttp.ClientSession | None = None
     native_plugin: type[NativePool] | None = None
     native_healthy: bool = False
+    native_probe_timeouts: int = 0  # its health probes in a row that got no answer in time
     parsers: Parsers | None = None  # vLLM's tool / reasoning parser of the router's flags (tilert.router.tools)
 
     @classmethod
@@ -168,6 +169,7 @@ class RouterContext:
                 slots_free=health.slots_free,
                 error=health.error,
                 max_choices=health.max_choices,
+                timed_out=health.timed_out,
             )
             results[node.name] = {
                 "node": node.name,
@@ -192,6 +194,11 @@ class RouterContext:
         if self.native is None:
             return None
         result = await self._probe(self.native, self.config.native_url or "")
+        timed_out = result.pop("timed_out")
+        self.native_probe_timeouts = self.native_probe_timeouts + 1 if timed_out else 0
+        if timed_out and self.native_healthy and self.native_probe_timeouts < PROBE_TIMEOUTS_TO_FAIL:
+            log.info("native_pool_probe_timed_out", in_a_row=self.native_probe_timeouts)  # as for a decode node
+            return result  # still counted healthy (native_healthy) until the next one times out too
         if result["ok"] != self.native_healthy:
             (log.info if result["ok"] else log.warning)("native_pool_health", ok=result["ok"], error=result["error"])
         self.native_healthy = bool(result["ok"])
@@ -203,8 +210,10 @@ class RouterContext:
             async with session.get("/health", timeout=timeout) as resp:
                 status = resp.status
         except (TimeoutError, aiohttp.ClientError) as exc:
-            return {"url": url, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        return {"url": url, "ok": status == 200, "error": None if status == 200 else f"HTTP {status}"}
+            error = f"{type(exc).__name__}: {exc}"
+            return {"url": url, "ok": False, "error": error, "timed_out": isinstance(exc, TimeoutError)}
+        ok = status == 200
+        return {"url": url, "ok": ok, "error": None if ok else f"HTTP {status}", "timed_out": False}
 
     async def health_loop(self) -> None:
         while True:

@@ -42,6 +42,7 @@ class HealthView:
     slots_free: int | None = None
     error: str | None = None
     max_choices: int | None = None
+    timed_out: bool = False  # no answer within the probe's timeout: inconclusive (a busy node, or a busy router)
 
 
 def node_message(body: bytes, fallback: str) -> str:
@@ -131,7 +132,8 @@ class NodeClient:
             async with self.session.get("/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 status, body = resp.status, await resp.read()
         except _FAILURES as exc:
-            return HealthView(ok=False, error=f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            return HealthView(ok=False, error=error, timed_out=isinstance(exc, asyncio.TimeoutError))
         if status != 200:
             return HealthView(ok=False, error=f"health answered HTTP {status}")
         try:

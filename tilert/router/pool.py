@@ -28,6 +28,9 @@ from tilert.router.metrics import RouterMetrics
 log = structlog.get_logger("tilert.router.pool")
 
 
+PROBE_TIMEOUTS_TO_FAIL = 2  # health probes in a row without an answer that take a node out
+
+
 @dataclass(eq=False)
 class PooledNode:
     spec: DecodeNodeSpec
@@ -38,6 +41,7 @@ class PooledNode:
     saturated: bool = False
     last_error: str | None = None
     max_choices: int | None = None  # the largest n the node decodes (None: not reported yet)
+    probe_timeouts: int = 0  # health probes in a row that got no answer in time
 
     @property
     def name(self) -> str:
@@ -224,10 +228,19 @@ class DecodePool:
         slots_free: int | None,
         error: str | None,
         max_choices: int | None = None,
+        timed_out: bool = False,
     ) -> None:
+        """One health probe's result. A refusal, an error or a broken connection takes the node out at once; a probe
+        that only timed out does so when :data:`PROBE_TIMEOUTS_TO_FAIL` have in a row (a node that stopped
+        answering is lost sooner through its watch stream: ``router.watch``)."""
         if not ok:
+            node.probe_timeouts = node.probe_timeouts + 1 if timed_out else 0
+            if timed_out and node.healthy and node.probe_timeouts < PROBE_TIMEOUTS_TO_FAIL:
+                log.info("decode_node_probe_timed_out", node=node.name, in_a_row=node.probe_timeouts)
+                return
             self.mark_unhealthy(node, error or "health check failed")
             return
+        node.probe_timeouts = 0
         if not node.healthy:
             log.info("decode_node_healthy", node=node.name)
         node.healthy = True
