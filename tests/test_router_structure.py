@@ -94,13 +94,15 @@ def test_overflow_is_decided_when_the_wait_ends_and_waits_on_while_the_fallback_
 
     from tilert.router.lease import NodeLease, Overflow
 
-    async def lease_outcome(ready: Callable[[], bool], free_at: float | None, up_at: float | None) -> tuple[str, float]:
+    async def lease_outcome(
+        ready: Callable[[], bool], free_at: float | None, up_at: float | None, after_s: float = 0.1
+    ) -> tuple[str, float]:
         pool = DecodePool([DecodeNodeSpec("127.0.0.1", 1, 2)], max_queue=4, retry_after_s=1, metrics=RouterMetrics("m"))
         held = await pool.acquire(anyio.current_time() + 1)  # the node's one slot is taken
         flag = {"up": False}
         lease = NodeLease(
             pool, {}, {}, "t", queue_timeout_s=2.0, lease_s=5.0, log=structlog.get_logger("test"),
-            overflow=Overflow(0.1, lambda: ready() or flag["up"], recheck_s=0.05),
+            overflow=Overflow(after_s, lambda: ready() or flag["up"], recheck_s=0.05),
         )  # fmt: skip
         t0 = anyio.current_time()
         async with anyio.create_task_group() as tg:
@@ -120,6 +122,8 @@ def test_overflow_is_decided_when_the_wait_ends_and_waits_on_while_the_fallback_
         await anyio.sleep(delay)
         fn()
 
+    outcome, took = anyio.run(lease_outcome, lambda: True, None, None, 0.0)
+    assert outcome == "queue_timeout" and took < 0.05  # after_s 0: at once
     outcome, took = anyio.run(lease_outcome, lambda: True, None, None)
     assert outcome == "queue_timeout" and 0.09 <= took < 1.0  # fallback ready: overflow after 0.1 s
     outcome, took = anyio.run(lease_outcome, lambda: False, 0.5, None)

@@ -106,9 +106,12 @@ class NodeLease:
             if overflow is None:
                 return await self._pool.acquire(self._deadline, front=front, need=self._need)
             now = anyio.current_time()
-            until = min(self._deadline, max(self._overflow_at, now + overflow.recheck_s))
+            if now < self._overflow_at:
+                until = self._overflow_at
+            else:  # past after_s: a slot free now, else the fallback if it is ready, else wait a little longer
+                until = now if overflow.ready() else now + overflow.recheck_s
             try:
-                return await self._pool.acquire(until, front=front, need=self._need)
+                return await self._pool.acquire(min(until, self._deadline), front=front, need=self._need)
             except RouterError as exc:
                 if exc.outcome not in NO_SLOT_OUTCOMES or overflow.ready():
                     raise
