@@ -63,7 +63,7 @@ def test_the_access_line_is_written_when_the_response_has_ended(caplog: pytest.L
 
 
 EMBEDDED_LOGS = """
-import logging, sys, time
+import logging
 import structlog
 from tilert.logs import configure_embedded
 root = list(logging.getLogger().handlers)
@@ -74,23 +74,21 @@ log.info("below_the_level")
 try:
     raise RuntimeError("boom")
 except RuntimeError:
-    t0 = time.monotonic()
     log.exception("staging_failed", transfer_id="t-1")
-    print(f"rendered in {time.monotonic() - t0:.3f}s", file=sys.stdout)
 """
 
 
 def test_the_connector_logs_follow_tilerts_settings_inside_its_host() -> None:
     """In vLLM's process the connector's lines take ``TILERT_LOG_LEVEL`` / ``TILERT_LOG_FORMAT`` (the stack sets
     them), leave vLLM's :mod:`logging` alone, and render an exception as plain text (structlog's default rich
-    traceback holds the logging thread, vLLM's forward, for a large part of a second). A wrong value refuses."""
+    traceback, with every frame's locals, holds the logging thread, vLLM's forward, for a large part of a second).
+    A wrong value refuses."""
     env = {"TILERT_LOG_LEVEL": "warning", "TILERT_LOG_FORMAT": "json", "PATH": ""}
     proc = subprocess.run([sys.executable, "-c", EMBEDDED_LOGS], capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in proc.stderr.splitlines()]
     assert [line["event"] for line in lines] == ["staging_failed"]
-    assert lines[0]["transfer_id"] == "t-1" and "RuntimeError: boom" in lines[0]["exception"]
-    assert float(proc.stdout.split()[2].rstrip("s")) < 0.1, proc.stdout
+    assert lines[0]["transfer_id"] == "t-1" and "RuntimeError: boom" in lines[0]["exception"]  # plain text
     env = {"TILERT_LOG_FORMAT": "xml"}
     bad = subprocess.run([sys.executable, "-c", EMBEDDED_LOGS], capture_output=True, text=True, timeout=60, env=env)
     assert bad.returncode != 0 and "the log format must be one of console, json" in bad.stderr
