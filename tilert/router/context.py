@@ -19,7 +19,7 @@ from tilert.router.config import RouterConfig
 from tilert.router.detokenize import TokenizerBundle, load_tokenizer
 from tilert.router.metrics import RouterMetrics
 from tilert.router.node_client import NodeClient
-from tilert.router.pool import PROBE_TIMEOUTS_TO_FAIL, DecodePool, PooledNode
+from tilert.router.pool import DecodePool, PooledNode, ProbeTimeouts
 from tilert.router.prefill import prefill_session, vllm_session
 from tilert.router.prefill_pool import PrefillPool
 from tilert.router.tools import Parsers, load_parsers
@@ -56,7 +56,7 @@ class RouterContext:
     native: aiohttp.ClientSession | None = None
     native_plugin: type[NativePool] | None = None
     native_healthy: bool = False
-    native_probe_timeouts: int = 0  # its health probes in a row that got no answer in time
+    native_probe_timeouts: ProbeTimeouts = field(default_factory=ProbeTimeouts)
     parsers: Parsers | None = None  # vLLM's tool / reasoning parser of the router's flags (tilert.router.tools)
 
     @classmethod
@@ -194,10 +194,8 @@ class RouterContext:
         if self.native is None:
             return None
         result = await self._probe(self.native, self.config.native_url or "")
-        timed_out = result.pop("timed_out")
-        self.native_probe_timeouts = self.native_probe_timeouts + 1 if timed_out else 0
-        if timed_out and self.native_healthy and self.native_probe_timeouts < PROBE_TIMEOUTS_TO_FAIL:
-            log.info("native_pool_probe_timed_out", in_a_row=self.native_probe_timeouts)  # as for a decode node
+        if self.native_probe_timeouts.ignore(result["ok"], result.pop("timed_out"), self.native_healthy):
+            log.info("native_pool_probe_timed_out", in_a_row=self.native_probe_timeouts.in_a_row)
             return result  # still counted healthy (native_healthy) until the next one times out too
         if result["ok"] != self.native_healthy:
             (log.info if result["ok"] else log.warning)("native_pool_health", ok=result["ok"], error=result["error"])

@@ -31,6 +31,19 @@ log = structlog.get_logger("tilert.router.pool")
 PROBE_TIMEOUTS_TO_FAIL = 2  # health probes in a row without an answer that take a node out
 
 
+@dataclass
+class ProbeTimeouts:
+    """A probed target's health probes in a row that got no answer in time. One alone is inconclusive (a busy
+    target, or a busy router): a target counted healthy stays so until :data:`PROBE_TIMEOUTS_TO_FAIL` have."""
+
+    in_a_row: int = 0
+
+    def ignore(self, ok: bool, timed_out: bool, healthy: bool) -> bool:
+        """Count one probe's result; True when it failed but must not count (yet)."""
+        self.in_a_row = self.in_a_row + 1 if not ok and timed_out else 0
+        return 0 < self.in_a_row < PROBE_TIMEOUTS_TO_FAIL and healthy
+
+
 @dataclass(eq=False)
 class PooledNode:
     spec: DecodeNodeSpec
@@ -41,7 +54,7 @@ class PooledNode:
     saturated: bool = False
     last_error: str | None = None
     max_choices: int | None = None  # the largest n the node decodes (None: not reported yet)
-    probe_timeouts: int = 0  # health probes in a row that got no answer in time
+    probe_timeouts: ProbeTimeouts = field(default_factory=ProbeTimeouts)
 
     @property
     def name(self) -> str:
@@ -233,14 +246,12 @@ class DecodePool:
         """One health probe's result. A refusal, an error or a broken connection takes the node out at once; a probe
         that only timed out does so when :data:`PROBE_TIMEOUTS_TO_FAIL` have in a row (a node that stopped
         answering is lost sooner through its watch stream: ``router.watch``)."""
+        if node.probe_timeouts.ignore(ok, timed_out, node.healthy):
+            log.info("decode_node_probe_timed_out", node=node.name, in_a_row=node.probe_timeouts.in_a_row)
+            return
         if not ok:
-            node.probe_timeouts = node.probe_timeouts + 1 if timed_out else 0
-            if timed_out and node.healthy and node.probe_timeouts < PROBE_TIMEOUTS_TO_FAIL:
-                log.info("decode_node_probe_timed_out", node=node.name, in_a_row=node.probe_timeouts)
-                return
             self.mark_unhealthy(node, error or "health check failed")
             return
-        node.probe_timeouts = 0
         if not node.healthy:
             log.info("decode_node_healthy", node=node.name)
         node.healthy = True
