@@ -38,7 +38,7 @@ from tilert.router.context import RouterContext
 from tilert.router.decode_stream import DECODE_LOST
 from tilert.router.detokenize import bad_words_token_ids
 from tilert.router.errors import RouterError, bad_request
-from tilert.router.lease import NO_SLOT_OUTCOMES, NodeLease, Overflow
+from tilert.router.lease import NodeLease, Overflow
 from tilert.router.logprobs import ChoiceExtras, resumed_logprobs
 from tilert.router.native import available_pool, native_decode, native_prefill
 from tilert.router.openai_format import DONE, ResponseShape, sse, usage, with_choices
@@ -197,7 +197,7 @@ class RequestFlow:
                 self._to(FlowState.PREFILLING)
                 pre = await lease.reserve_while(self._prefill)  # the node's reserve runs during the prefill
             except RouterError as exc:  # no TileRT slot in time (also after a node refused the reserve)
-                if not (overflow is not None and exc.outcome in NO_SLOT_OUTCOMES and overflow.ready()):
+                if not lease.overflows:
                     raise
                 await self._overflow(out, exc)
                 return

@@ -32,7 +32,7 @@ from tilert.router.pool import DecodePool, PooledNode
 from tilert.router.watch import NodeWatch
 
 RELEASE_BUDGET_S = 1.0
-NO_SLOT_OUTCOMES = ("queue_full", "queue_timeout")  # the pool's 429s: what an overflow answers instead
+NO_SLOT_OUTCOMES = ("queue_full", "queue_timeout")  # the pool's 429s: what an overflow serves instead
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,7 @@ class NodeLease:
         self._queue_timeout_s = queue_timeout_s
         self._overflow = overflow
         self._overflow_at = 0.0
+        self.overflows = False  # the wait ended for the overflow: no slot, and its fallback ready
         self._lease_s = lease_s
         self._log = log
         self.node: PooledNode | None = None
@@ -113,9 +114,10 @@ class NodeLease:
             try:
                 return await self._pool.acquire(min(until, self._deadline), front=front, need=self._need)
             except RouterError as exc:
-                if exc.outcome not in NO_SLOT_OUTCOMES or overflow.ready():
+                if exc.outcome in NO_SLOT_OUTCOMES and overflow.ready():
+                    self.overflows = True  # the caller serves the request there instead
                     raise
-                if exc.outcome == "queue_full" or anyio.current_time() >= self._deadline:
+                if exc.outcome != "queue_timeout" or anyio.current_time() >= self._deadline:
                     raise
                 front = True  # the fallback is not ready: wait on for a slot, first in line
 
@@ -249,4 +251,4 @@ class NodeLease:
                 pass
 
 
-__all__ = ["NO_SLOT_OUTCOMES", "NodeLease", "Overflow"]
+__all__ = ["NodeLease", "Overflow"]
