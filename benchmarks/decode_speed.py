@@ -354,6 +354,8 @@ def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
     return out
 
 
+# The DSA top-k's passes (a context past index_topk only): scores per program, warps per program.
+TOPK_TUNING = (("triton_topk", "CH", (1024, 512, 256, 2048)), ("triton_topk", "WARPS", (4, 2, 8)))
 TUNING = (  # (module, attribute, values): variants re-timed in the whole captured step (first context)
     ("triton_mla", "DENSE_MIN_TOKENS_PER_SPLIT", (32, 64, 16)),
     ("triton_mla", "SPLIT_ROWS_EARLY", (True, False)),
@@ -371,6 +373,7 @@ TUNING = (  # (module, attribute, values): variants re-timed in the whole captur
     ),
     ("triton_gemv", "MID_CFG", ((8, 512, 4, 3), (4, 512, 4, 3), (2, 512, 4, 4), (16, 512, 8, 3))),
     ("triton_gemv", "HEAD_CFG", ((16, 256, 4, 4), (8, 512, 4, 3), (16, 512, 8, 3), (32, 256, 8, 4))),
+    *TOPK_TUNING,
 )
 # FP8 weights (ops/triton_fp8.py): (module, attribute or (dict attribute, key), values), the first the default.
 # GEMV / moe_up (rows, K tile, warps); moe_down (rows, slots, I tile, warps).
@@ -415,6 +418,7 @@ TUNING_FP8 = (
     ("triton_mla", ("DENSE_CAP_ROWS", "one"), (32, 16, 32, 16)),
     ("triton_mla", ("DENSE_CAP_ROWS", "many"), (64, 32)),
     ("triton_moe", "ROUTER_WARPS", (0, 1, 8)),
+    *TOPK_TUNING,
 )
 
 

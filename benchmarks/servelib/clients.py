@@ -7,6 +7,7 @@ user's stream: the client's speed is not what is measured."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import multiprocessing as mp
 import statistics
 import time
@@ -90,15 +91,16 @@ async def stream_one(
             # client more than the serving path.
             common["extra_body"] = {**extra, "prompt": body["prompt"]}
             stream = await client.completions.create(prompt="", **common)
-        async for chunk in stream:
-            now = time.perf_counter()
-            if not chunk.choices:
-                continue
-            ids = getattr(chunk.choices[0], "token_ids", None)
-            if ids:
-                s.arrivals.append(now)
-                s.counts.append(len(ids))
-                s.token_ids.extend(ids)
+        async with stream:  # closed here, in this loop: not left to the collector once the loop has stopped
+            async for chunk in stream:
+                now = time.perf_counter()
+                if not chunk.choices:
+                    continue
+                ids = getattr(chunk.choices[0], "token_ids", None)
+                if ids:
+                    s.arrivals.append(now)
+                    s.counts.append(len(ids))
+                    s.token_ids.extend(ids)
     except Exception as exc:  # noqa: BLE001 - a failed stream is a result to report, not a crash
         s.error = f"{type(exc).__name__}: {exc}"[:300]
     if s.error is None and len(s.token_ids) != tokens:
@@ -129,7 +131,22 @@ def _user(
 
     if _Process.loop is None:
         _Process.loop = asyncio.new_event_loop()
+        atexit.register(_close_clients)
     return _Process.loop.run_until_complete(go())
+
+
+def _close_clients() -> None:
+    """The process's clients closed in their own loop as it exits (their connections' tasks end there, not in the
+    collector after the loop is gone)."""
+
+    async def close_all() -> None:
+        await asyncio.gather(*(c.close() for c in _Process.clients.values()))
+
+    loop = _Process.loop
+    if loop is not None and not loop.is_closed():
+        loop.run_until_complete(close_all())
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
 
 
 class Clients:

@@ -142,7 +142,8 @@ class ConnectorDriver:
         assert self._step is not None
         meta, slots, n = self._step
         self.caches.write_layer(layer, slots, n)
-        with self._connector("save_kv_layer"):
+        # the first layer's call opens the request and hands it to the sender: timed apart from the others
+        with self._connector("save_kv_layer_open" if layer == 0 else "save_kv_layer"):
             self.worker.save_layer(meta, attention_name(layer))
 
     @contextmanager

@@ -33,7 +33,8 @@ from .triton_pdl import pdl_begin
 
 __all__ = ["TopkWorkspace", "topk", "select_from_hist"]
 
-CH = 1024  # scores per program in the per-chunk passes
+CH = 1024  # scores per program in the per-chunk passes (a workspace keeps the value it was made with)
+WARPS = 4  # warps per program of the standalone passes
 BINS = 65536  # 16-bit digits
 COARSE = 256
 
@@ -212,7 +213,7 @@ class TopkWorkspace:
     One per call site shape; the kernels leave the histograms zeroed, so it is reused across replays."""
 
     def __init__(self, n: int, S: int, K: int, device: torch.device) -> None:
-        self.n, self.S, self.K = n, S, K
+        self.n, self.S, self.K, self.ch = n, S, K, CH
         self.chunks = triton.cdiv(S, CH)
         self.write_chunks = triton.cdiv(max(S, K), CH)
         self.nchp = triton.next_power_of_2(self.write_chunks)
@@ -226,7 +227,7 @@ _WS: dict = {}
 
 
 def workspace(n: int, S: int, K: int, device: torch.device) -> TopkWorkspace:
-    key = (n, S, K, device)
+    key = (n, S, K, device, CH)
     ws = _WS.get(key)
     if ws is None:
         ws = _WS[key] = TopkWorkspace(n, S, K, device)
@@ -242,7 +243,18 @@ def select_from_hist(scores: torch.Tensor, positions: torch.Tensor, ws: TopkWork
     pdl = triton_pdl.kw()
     grid = (ws.chunks, n)
     _hist_lo_kernel[grid](
-        scores, positions, ws.fine, ws.coarse, ws.state, S, n, scores.stride(0), K=K, CHUNK=CH, num_warps=4, **pdl
+        scores,
+        positions,
+        ws.fine,
+        ws.coarse,
+        ws.state,
+        S,
+        n,
+        scores.stride(0),
+        K=K,
+        CHUNK=ws.ch,
+        num_warps=WARPS,
+        **pdl,
     )
     _count_kernel[grid](
         scores,
@@ -255,8 +267,8 @@ def select_from_hist(scores: torch.Tensor, positions: torch.Tensor, ws: TopkWork
         n,
         scores.stride(0),
         NCHP=ws.nchp,
-        CHUNK=CH,
-        num_warps=4,
+        CHUNK=ws.ch,
+        num_warps=WARPS,
         **pdl,
     )
     _write_kernel[(ws.write_chunks, n)](
@@ -273,8 +285,8 @@ def select_from_hist(scores: torch.Tensor, positions: torch.Tensor, ws: TopkWork
         res.stride(0),
         K=K,
         NCHP=ws.nchp,
-        CHUNK=CH,
-        num_warps=4,
+        CHUNK=ws.ch,
+        num_warps=WARPS,
         **pdl,
     )
     return res
@@ -288,6 +300,6 @@ def topk(scores: torch.Tensor, positions: torch.Tensor, k: int, out=None) -> tor
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     ws = workspace(n, S, k, scores.device)
     _hist_hi_kernel[(ws.chunks, n)](
-        scores, positions, ws.fine, ws.coarse, S, scores.stride(0), CHUNK=CH, num_warps=4, **triton_pdl.kw()
+        scores, positions, ws.fine, ws.coarse, S, scores.stride(0), CHUNK=ws.ch, num_warps=WARPS, **triton_pdl.kw()
     )
     return select_from_hist(scores, positions, ws, out=out)
