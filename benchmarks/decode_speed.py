@@ -355,7 +355,7 @@ def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
 
 
 # The DSA top-k's passes (a context past index_topk only): scores per program, warps per program.
-TOPK_TUNING = (("triton_topk", "CH", (256, 128, 512, 1024)), ("triton_topk", "WARPS", (4, 8, 2)))
+TOPK_TUNING = (("triton_topk", "CH", (256, 512, 1024)), ("triton_topk", "WARPS", (8, 4)))
 TUNING = (  # (module, attribute, values): variants re-timed in the whole captured step (first context)
     ("triton_mla", "DENSE_MIN_TOKENS_PER_SPLIT", (32, 64, 16)),
     ("triton_mla", "SPLIT_ROWS_EARLY", (True, False)),

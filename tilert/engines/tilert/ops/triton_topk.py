@@ -34,7 +34,7 @@ from .triton_pdl import pdl_begin
 __all__ = ["TopkWorkspace", "topk", "select_from_hist"]
 
 CH = 256  # scores per program in the per-chunk passes (a workspace keeps the value it was made with)
-WARPS = 4  # warps per program of the standalone passes
+WARPS = 8  # warps per program of the standalone passes
 BINS = 65536  # 16-bit digits
 COARSE = 256
 
