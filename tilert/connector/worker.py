@@ -96,6 +96,8 @@ class _Open:
     pending_bytes: int = 0
     done: set[int] = field(default_factory=set)  # items copied (queued, on a GPU)
     fault: Fault | None = None  # armed through the test-only hook (tilert.connector.faults)
+    batched: bool = False  # its layers are copied a batch at a time during the forward (else all at flush)
+    first_layer: int = 0  # the step's layers from this one on are its own (opened at the step's first, normally)
 
 
 def layouts_bytes_per_token(layouts: dict[str, KVLayout]) -> int:
@@ -143,6 +145,12 @@ class WorkerSide:
         self._layouts: dict[str, KVLayout] = {}
         self._open: dict[str, _Open] = {}  # this step's requests, by req_id
         self._seen: set[str] = set()  # this step's saves acted on (staged, or refused and reported)
+        # this step: its metadata, the layers its forward reached in order (and each one's place), its requests
+        # copied a batch at a time during the forward
+        self._step_meta: TileRTConnectorMetadata | None = None
+        self._step_layers: list[str] = []
+        self._layer_at: dict[str, int] = {}
+        self._batched: list[_Open] = []
         self.pool: torch.Tensor | None = None
         self._extents: ExtentAllocator | None = None
         self._lock = threading.Lock()  # extents + freed list: the sender's threads release into them
@@ -256,30 +264,44 @@ class WorkerSide:
     # ---- inside the forward -------------------------------------------------------------------
 
     def save_layer(self, meta: TileRTConnectorMetadata, layer_name: str) -> None:
+        """The forward wrote ``layer_name``'s pages. The step's first layer opens its requests (each goes to the
+        sender); a request of fewer bytes than one batch is copied whole at :meth:`flush`, so for it a layer is
+        only noted here; the others take the layer into their next batch now."""
         plan = self._save_plans.get(layer_name)
         if plan is None or not meta.saves:
             return
+        if meta is not self._step_meta:  # the step's first layer (vLLM binds one metadata a step)
+            self._step_meta = meta
+            self._open_step(meta, self._layer_at.get(layer_name, len(self._step_layers)))
+        if layer_name in self._layer_at:
+            return
+        self._layer_at[layer_name] = len(self._step_layers)
+        self._step_layers.append(layer_name)
+        if not self._batched:
+            return
         items, row_bytes = plan
-        for save in meta.saves:
-            req = self._request(save, self._device)
-            if req is None or req.staged.closed:  # closed: the transfer already ended (refused, aborted)
-                continue
-            if items[0] in req.pending or items[0] in req.done:
+        for req in self._batched:
+            if req.staged.closed:  # the transfer already ended (refused, aborted)
                 continue
             req.pending.update(items)
-            req.pending_bytes += save.num_tokens * row_bytes
+            req.pending_bytes += req.save.num_tokens * row_bytes
             if req.pending_bytes >= self._stage_batch_bytes:
                 self._stage(req)
 
-    def _request(self, save: SaveRequest, device: torch.device) -> _Open | None:
-        """The request being staged in this step: opened at its first layer (None: refused then)."""
-        req = self._open.get(save.req_id)
-        if req is not None:
-            return req
-        if save.req_id in self._seen:
-            return None  # refused at its first layer
-        self._seen.add(save.req_id)
-        return self._start(save, device)
+    def _open_step(self, meta: TileRTConnectorMetadata, first_layer: int) -> None:
+        """``meta``'s requests not yet seen this step opened (or refused), from the step's ``first_layer``-th
+        layer on; those copied a batch at a time during the forward noted."""
+        for save in meta.saves:
+            if save.req_id in self._seen:
+                continue
+            self._seen.add(save.req_id)
+            req = self._start(save, self._device)
+            if req is None:
+                continue
+            req.first_layer = first_layer
+            if save.num_tokens * self.bytes_per_token >= self._stage_batch_bytes:
+                req.batched = True
+                self._batched.append(req)
 
     def _stage(self, req: _Open) -> None:
         """Copy the request's pending items into its extent (one copy a run of consecutive items), then mark their
@@ -387,10 +409,16 @@ class WorkerSide:
                 with self._lock:
                     self._freed.append((save.req_id, save.offset))
         self._seen.clear()
+        layers, self._step_layers, self._layer_at = self._step_layers, [], {}
+        self._batched, self._step_meta = [], None
         for req_id, req in list(self._open.items()):
             del self._open[req_id]
             if req.staged.closed:
                 continue  # the transfer already ended (and said why)
+            for name in layers[req.first_layer :]:  # every layer the forward reached since it opened, not copied yet
+                items = self._save_plans[name][0]
+                if items[0] not in req.done:
+                    req.pending.update(items)
             if req.pending:
                 self._stage(req)
             if len(req.done) != len(self._layers):
