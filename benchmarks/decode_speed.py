@@ -354,8 +354,14 @@ def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
     return out
 
 
-# The DSA top-k's passes (a context past index_topk only): scores per program, warps per program.
-TOPK_TUNING = (("triton_topk", "CH", (256, 512, 1024)), ("triton_topk", "WARPS", (8, 4)))
+# The DSA path (a context past index_topk only): the indexer's rows and warps per program, the top-k's passes'
+# scores and warps per program.
+TOPK_TUNING = (
+    ("triton_mla", "INDEXER_BT", (128, 64, 256)),
+    ("triton_mla", "INDEXER_WARPS", (4, 8)),
+    ("triton_topk", "CH", (256, 512, 1024)),
+    ("triton_topk", "WARPS", (8, 4)),
+)
 TUNING = (  # (module, attribute, values): variants re-timed in the whole captured step (first context)
     ("triton_mla", "DENSE_MIN_TOKENS_PER_SPLIT", (32, 64, 16)),
     ("triton_mla", "SPLIT_ROWS_EARLY", (True, False)),

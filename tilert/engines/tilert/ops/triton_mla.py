@@ -528,7 +528,7 @@ def indexer_scores(
     S = k_cache.shape[0]
     k = k_cache.reshape(S, -1)
     res = out if out is not None else torch.empty(n, S, device=q.device, dtype=torch.float32)
-    BT = 128
+    BT = INDEXER_BT
     BH = 16 if Hi <= 16 else 32
     hist = topk_ws is not None
     fine, coarse = (topk_ws.fine, topk_ws.coarse) if topk_ws is not None else (res, res)
@@ -554,11 +554,15 @@ def indexer_scores(
         BT=BT,
         HIST=hist,
         HAS_START=row_start is not None,
-        num_warps=4,
+        num_warps=INDEXER_WARPS,
         num_stages=2,
         **triton_pdl.kw(),
     )
     return res
+
+
+INDEXER_BT = 128  # cache rows per program of the indexer's score kernel
+INDEXER_WARPS = 4
 
 
 # "radix" (default): triton_topk's multi-program radix select, pass 1 fused into the score kernel;
