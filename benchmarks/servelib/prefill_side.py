@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -39,6 +39,8 @@ from tilert.connector.staging import pool_bytes
 from tilert.connector.worker import WorkerSide
 from tilert.contracts import ConnectorSettings
 from tilert.engines.tilert.engine import GRAPH_MAX_TOKENS
+
+T = TypeVar("T")
 
 
 def _scheduler_output(req_id: str, params: dict[str, Any] | None, prompt: list[int], blocks: list[int]) -> Any:
@@ -112,16 +114,18 @@ class ConnectorDriver:
         # seconds spent in the connector's own calls (the host's side of them), per hook, since the caller cleared it
         self.connector_s: dict[str, float] = {}
 
-    @contextmanager
-    def _connector(self, hook: str) -> Iterator[None]:
-        """Time a connector hook: wall seconds under ``hook``, this thread's CPU seconds under ``hook + "_cpu"`` (the
-        difference is waiting: for the GIL, for the device)."""
+    def _connector(self, hook: str, call: Callable[..., T], *args: Any) -> T:
+        """``call(*args)``, a connector hook, timed: wall seconds under ``hook``, this thread's CPU seconds under
+        ``hook + "_cpu"`` (the difference is waiting: for the GIL, for the device). Plain calls, no context
+        manager: what is timed is the hook, as near as two clock reads allow."""
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
-            yield
+            return call(*args)
         finally:
-            for key, dt in ((hook, time.perf_counter() - t0), (hook + "_cpu", time.thread_time() - c0)):
-                self.connector_s[key] = self.connector_s.get(key, 0.0) + dt
+            t1, c1 = time.perf_counter(), time.thread_time()
+            spent = self.connector_s
+            spent[hook] = spent.get(hook, 0.0) + (t1 - t0)
+            spent[hook + "_cpu"] = spent.get(hook + "_cpu", 0.0) + (c1 - c0)
 
     def close(self) -> None:
         self._stop.set()
@@ -143,8 +147,8 @@ class ConnectorDriver:
         meta, slots, n = self._step
         self.caches.write_layer(layer, slots, n)
         # the first layer's call opens the request and hands it to the sender: timed apart from the others
-        with self._connector("save_kv_layer_open" if layer == 0 else "save_kv_layer"):
-            self.worker.save_layer(meta, attention_name(layer))
+        hook = "save_kv_layer_open" if layer == 0 else "save_kv_layer"
+        self._connector(hook, self.worker.save_layer, meta, attention_name(layer))
 
     @contextmanager
     def step(
@@ -156,8 +160,9 @@ class ConnectorDriver:
         forward (a prefix-cache hit); every layer is saved after the block."""
         n = len(prompt)
         blocks = self.caches.block_table(n)
-        with self._connector("build_connector_meta"):
-            meta = self.scheduler.build_meta(_scheduler_output(req_id, params, prompt, blocks))
+        meta = self._connector(
+            "build_connector_meta", self.scheduler.build_meta, _scheduler_output(req_id, params, prompt, blocks)
+        )
         slots = self.caches.slots(blocks, n)
         engine = self.caches.engine
         # A prompt the engine runs as a CUDA graph (its forward hooks fire only while capturing) is saved after it.
@@ -174,9 +179,7 @@ class ConnectorDriver:
                     self._save(layer)
             finally:
                 self._step = None
-        with self._connector("wait_for_save"):
-            self.worker.flush(meta)
-            self._report()
+        self._connector("wait_for_save", self._wait_for_save, meta)
         if meta.saves:
             self._pending.set()
 
@@ -185,8 +188,12 @@ class ConnectorDriver:
         request = SimpleNamespace(
             request_id=req_id, kv_transfer_params=params, output_token_ids=[first], num_prompt_tokens=prompt_tokens
         )
-        with self._connector("request_finished"):
-            return self.scheduler.request_finished(request)  # type: ignore[arg-type]
+        return self._connector("request_finished", self.scheduler.request_finished, request)
+
+    def _wait_for_save(self, meta: TileRTConnectorMetadata) -> None:
+        """vLLM's ``wait_for_save`` after the forward, then the worker's report to the scheduler."""
+        self.worker.flush(meta)
+        self._report()
 
     def _report(self) -> None:
         self.scheduler.update(SimpleNamespace(kv_connector_worker_meta=self.worker.take_report()))  # type: ignore[arg-type]
