@@ -356,7 +356,7 @@ def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
 
 # The DSA path (a context past index_topk only): the indexer's rows and warps per program, the top-k's passes'
 # scores and warps per program.
-TOPK_TUNING = (
+DSA_TUNING = (
     ("triton_mla", "INDEXER_BT", (128, 64, 256)),
     ("triton_mla", "INDEXER_WARPS", (4, 8)),
     ("triton_topk", "CH", (256, 512, 1024)),
@@ -379,7 +379,7 @@ TUNING = (  # (module, attribute, values): variants re-timed in the whole captur
     ),
     ("triton_gemv", "MID_CFG", ((8, 512, 4, 3), (4, 512, 4, 3), (2, 512, 4, 4), (16, 512, 8, 3))),
     ("triton_gemv", "HEAD_CFG", ((16, 256, 4, 4), (8, 512, 4, 3), (16, 512, 8, 3), (32, 256, 8, 4))),
-    *TOPK_TUNING,
+    *DSA_TUNING,
 )
 # FP8 weights (ops/triton_fp8.py): (module, attribute or (dict attribute, key), values), the first the default.
 # GEMV / moe_up (rows, K tile, warps); moe_down (rows, slots, I tile, warps).
@@ -424,7 +424,7 @@ TUNING_FP8 = (
     ("triton_mla", ("DENSE_CAP_ROWS", "one"), (32, 16, 32, 16)),
     ("triton_mla", ("DENSE_CAP_ROWS", "many"), (64, 32)),
     ("triton_moe", "ROUTER_WARPS", (0, 1, 8)),
-    *TOPK_TUNING,
+    *DSA_TUNING,
 )
 
 

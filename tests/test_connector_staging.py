@@ -399,6 +399,25 @@ def test_layers_are_copied_in_batches_of_stage_batch_bytes(layers_a_batch: int) 
         assert [w.nbytes for w in staged.writes] == [n * ROW * k for k in ((2, 2) if layers_a_batch == 2 else (4,))]
 
 
+@pytest.mark.parametrize("layers_a_batch", [0, LAYERS + 1])
+def test_a_forward_that_stops_short_fails_the_transfer(layers_a_batch: int) -> None:
+    """A forward that ends before its last layer (vLLM still calls ``wait_for_save``): the layers it reached are not
+    shipped as the prompt's KV; the transfer fails naming how many were staged, and the extent comes back. Copied
+    layer by layer (0) and copied whole at ``wait_for_save`` (a request smaller than one batch) alike."""
+    tid, n, blocks = _tid("short"), 60, [8, 3, 11, 6]
+    with _rig("tcp", stage_batch_bytes=layers_a_batch * n * ROW) as rig:
+
+        async def body(table: SlotTable, port: int) -> None:
+            table.reserve(tid)
+            meta = rig.sched.build_meta(_output([("r-short", _claim(tid, port), n, blocks)]))
+            await anyio.to_thread.run_sync(lambda: rig.step(meta, layers=LAYERS - 1))
+            await _fails_within(table, tid, FAIL_LIMIT_S, f"staged {LAYERS - 1}/{LAYERS} layers")
+            await anyio.to_thread.run_sync(rig.pool_whole_within, 5.0)
+
+        anyio.run(_with_node, rig, body)
+        assert f"staged {LAYERS - 1}/{LAYERS} layers" in (rig.worker.transfers[-1].outcome or "")
+
+
 def test_stale_scheduler_view_refuses_busy_while_an_extent_is_out(rig: Rig) -> None:
     """With the real worker: until the worker's report comes back the extent stays used for the scheduler."""
     ta, tb = _tid("hold"), _tid("busy")

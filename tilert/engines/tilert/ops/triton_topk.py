@@ -214,8 +214,8 @@ class TopkWorkspace:
 
     def __init__(self, n: int, S: int, K: int, device: torch.device) -> None:
         self.n, self.S, self.K, self.ch = n, S, K, CH
-        self.chunks = triton.cdiv(S, CH)
-        self.write_chunks = triton.cdiv(max(S, K), CH)
+        self.chunks = triton.cdiv(S, self.ch)
+        self.write_chunks = triton.cdiv(max(S, K), self.ch)
         self.nchp = triton.next_power_of_2(self.write_chunks)
         self.fine = torch.zeros(2, n, BINS, dtype=torch.int32, device=device)
         self.coarse = torch.zeros(2, n, COARSE, dtype=torch.int32, device=device)
