@@ -96,7 +96,6 @@ class _Open:
     pending_bytes: int = 0
     done: set[int] = field(default_factory=set)  # items copied (queued, on a GPU)
     fault: Fault | None = None  # armed through the test-only hook (tilert.connector.faults)
-    batched: bool = False  # its layers are copied a batch at a time during the forward (else all at flush)
     first_layer: int = 0  # the step's layers from this one on are its own (opened at the step's first, normally)
 
 
@@ -145,10 +144,9 @@ class WorkerSide:
         self._layouts: dict[str, KVLayout] = {}
         self._open: dict[str, _Open] = {}  # this step's requests, by req_id
         self._seen: set[str] = set()  # this step's saves acted on (staged, or refused and reported)
-        # this step: its metadata, the layers its forward reached in order (and each one's place), its requests
-        # copied a batch at a time during the forward
+        # this step: its metadata, the layers its forward reached (in order: each one's place), its requests copied
+        # a batch at a time during the forward
         self._step_meta: TileRTConnectorMetadata | None = None
-        self._step_layers: list[str] = []
         self._layer_at: dict[str, int] = {}
         self._batched: list[_Open] = []
         self.pool: torch.Tensor | None = None
@@ -272,11 +270,10 @@ class WorkerSide:
             return
         if meta is not self._step_meta:  # the step's first layer (vLLM binds one metadata a step)
             self._step_meta = meta
-            self._open_step(meta, self._layer_at.get(layer_name, len(self._step_layers)))
+            self._open_step(meta, self._layer_at.get(layer_name, len(self._layer_at)))
         if layer_name in self._layer_at:
             return
-        self._layer_at[layer_name] = len(self._step_layers)
-        self._step_layers.append(layer_name)
+        self._layer_at[layer_name] = len(self._layer_at)
         if not self._batched:
             return
         items, row_bytes = plan
@@ -300,7 +297,6 @@ class WorkerSide:
                 continue
             req.first_layer = first_layer
             if save.num_tokens * self.bytes_per_token >= self._stage_batch_bytes:
-                req.batched = True
                 self._batched.append(req)
 
     def _stage(self, req: _Open) -> None:
@@ -409,7 +405,7 @@ class WorkerSide:
                 with self._lock:
                     self._freed.append((save.req_id, save.offset))
         self._seen.clear()
-        layers, self._step_layers, self._layer_at = self._step_layers, [], {}
+        layers, self._layer_at = list(self._layer_at), {}
         self._batched, self._step_meta = [], None
         for req_id, req in list(self._open.items()):
             del self._open[req_id]
