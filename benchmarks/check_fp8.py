@@ -314,8 +314,28 @@ def check_fp8_engine(dev, small, report) -> None:
             with decisions_pinned(rec):
                 ref32 = cpu.forward(tok, p0)
             report(f"{arch}: FP8 engine bf16 CUDA {label} vs FP8 fp32 CPU (CUDA's choices)", got, ref32, tol=5e-2)
+        _check_l2_plan(arch, eng, ids[T : T + 1].to(dev), T, report)
         del tf32, eng, cpu
         torch.cuda.empty_cache()
+
+
+def _check_l2_plan(arch, eng, tok, pos, report) -> None:
+    """Every L2 prefetch site on (``triton_prefetch.ALL_SITES``, the experts' loads evict-first included): the
+    graph step's logits bit for bit those without (a cache hint may change the time, never the result)."""
+    from tilert.engines.tilert.ops import triton_prefetch
+
+    plan = triton_prefetch.SITES
+    try:
+        eng._graphs.clear()
+        triton_prefetch.SITES = ()
+        base = eng.forward(tok, pos).clone()
+        eng._graphs.clear()
+        triton_prefetch.SITES = triton_prefetch.ALL_SITES
+        hinted = eng.forward(tok, pos).clone()
+    finally:
+        triton_prefetch.SITES = plan
+        eng._graphs.clear()
+    report(f"{arch}: FP8 engine graph step with every L2 prefetch site, bit for bit", hinted, base, tol=1e-9)
 
 
 def check_fp8_engine_interpreted(dev, small, report) -> None:

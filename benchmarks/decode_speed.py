@@ -362,6 +362,23 @@ DSA_TUNING = (
     ("triton_topk", "CH", (256, 512, 1024)),
     ("triton_topk", "WARPS", (8, 4)),
 )
+# Weights brought into L2 while latency-bound kernels run (ops/triton_prefetch.py): which sites, as whole plans.
+L2_TUNING = (
+    (
+        "triton_prefetch",
+        "SITES",
+        (
+            (),
+            ("wo",),
+            ("wo", "gate"),
+            ("wo", "gate", "shared"),
+            ("wo", "gate", "shared", "wa_next"),
+            ("wo", "gate", "shared", "wa_next", "moe_evict_first"),
+            ("wo", "gate", "shared", "moe_evict_first"),
+            ("wa_next", "moe_evict_first"),
+        ),
+    ),
+)
 TUNING = (  # (module, attribute, values): variants re-timed in the whole captured step (first context)
     ("triton_mla", "DENSE_MIN_TOKENS_PER_SPLIT", (32, 64, 16)),
     ("triton_mla", "SPLIT_ROWS_EARLY", (True, False)),
@@ -425,6 +442,7 @@ TUNING_FP8 = (
     ("triton_mla", ("DENSE_CAP_ROWS", "many"), (64, 32)),
     ("triton_moe", "ROUTER_WARPS", (0, 1, 8)),
     *DSA_TUNING,
+    *L2_TUNING,
 )
 
 

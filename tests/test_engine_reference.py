@@ -109,6 +109,45 @@ def test_cpu_fast_path_is_the_tested_path(cases: dict[str, Case], arch: str, mon
     assert list(fast.greedy_stream(first, PROMPT_LEN, 24)) == list(ref.greedy_stream(first, PROMPT_LEN, 24))
 
 
+def test_cache_hints_name_the_weights_read_next(cases: dict[str, Case], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model's cache hints (``tilert::l2_prefetch``), two a layer in a captured step (here: any step): once the
+    attention's projections are done, ``W_o`` and the router's gate; before the MLP, the shared experts' slots and
+    the next layer's ``W_a`` / ``W_b``. The hints change nothing: the logits are those without them."""
+    from types import SimpleNamespace
+
+    from tilert.engines.tilert import model as model_module
+    from tilert.engines.tilert.ops import cpu
+
+    case = cases["deepseek_v32"]
+    eng = case.engine()
+    model = eng.model
+    want = eng.forward(case.prompt[:4], 0)
+    monkeypatch.setattr(model_module, "_captured", lambda x: True)
+    calls: list[tuple[list[torch.Tensor], list[str]]] = []
+    table = SimpleNamespace(**{name: getattr(cpu, name) for name in cpu.__all__})
+    table.l2_prefetch = lambda tensors, sites: calls.append((tensors, sites.split(",")))
+    model.use_kernels(table)
+    got = eng.forward(case.prompt[:4], 0)
+    assert torch.equal(got, want)
+    layers = list(model.layers)
+    assert len(calls) == 2 * len(layers)
+    for i, layer in enumerate(layers):
+        (early, early_sites), (late, late_sites) = calls[2 * i], calls[2 * i + 1]
+        mlp, e = layer.mlp, model.args.n_routed_experts
+        assert early[0] is layer.attn.wo and early_sites == ["wo"] + (["gate"] if mlp.routed else [])
+        if mlp.routed:
+            assert early[1] is mlp.gate
+        shared = [t for t, site in zip(late, late_sites, strict=True) if site == "shared"]
+        if mlp.routed:
+            assert [t.data_ptr() for t in shared] == [mlp.w13[e].data_ptr(), mlp.w2[e].data_ptr()]
+            assert [t.shape[0] for t in shared] == [model.args.n_shared_experts] * 2
+        nxt = [t for t, site in zip(late, late_sites, strict=True) if site == "wa_next"]
+        if i + 1 < len(layers):
+            assert nxt[0] is layers[i + 1].attn.wa and nxt[-1] is layers[i + 1].attn.wb
+        else:
+            assert nxt == []
+
+
 @pytest.mark.parametrize(
     "variant",
     [{"q_lora_rank": None}, {"rope_parameters": YARN}, {"rope_interleave": False}],

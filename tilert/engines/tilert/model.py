@@ -86,6 +86,7 @@ Tensor parallelism over ``N`` ranks (``sharding.py`` shards the weights, ``paral
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -94,6 +95,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import fp8, ops, parallel
+
+Ahead = tuple[tuple[str, Tensor], ...]
+"""Weights a later kernel reads, each with the name of its site, for the kernels to bring into cache early
+(``tilert::l2_prefetch``)."""
 
 
 @dataclass
@@ -236,6 +241,7 @@ class MLAttention(nn.Module):
         topk: Tensor | None,
         use_indexer: bool,
         row_start: Tensor | None = None,
+        ahead: Callable[[], Ahead] = lambda: (),
     ) -> Tensor | None:
         """``h += attn(rms(h))`` in place, for ``h [n, D]`` at cache rows ``positions [n]``.
 
@@ -244,7 +250,8 @@ class MLAttention(nn.Module):
         ``< index_topk``, where the top-k is every row). ``topk``: a GLM-5 "shared" layer's rows from the
         previous full layer. ``row_start`` (int64 ``[1]`` or ``[n]``): each token's first usable cache row
         (its sequence's first row, or the MTP layer's first valid row; a device tensor, so one CUDA graph
-        serves every value). Returns the top-k rows this layer attended to (``None`` when dense).
+        serves every value). ``ahead``: weights read after this attention, brought into cache with
+        ``W_o`` once the projections are done. Returns the top-k rows this layer attended to (``None`` when dense).
         """
         a = self.args
         k = self.k
@@ -258,6 +265,7 @@ class MLAttention(nn.Module):
             b = k.gemv(wa[:, :qa], self.wb, self.q_norm, 1e-6, scale=self.wb_scale)
         else:
             b = wa
+        _prefetch(k, h, lambda: _site("wo", self.wo, self.wo_scale) + ahead())  # read after the attention core
         index_scale = (a.index_n_heads**-0.5 * a.index_head_dim**-0.5) if self.has_indexer else 1.0
         q, index_q, index_w = k.mla_prep(
             wa,
@@ -306,6 +314,11 @@ class MLAttention(nn.Module):
             k.gemv_residual(out, o, self.wo, base, self.wo_scale)
         self.tp.reduce_into(h, out)
         return topk
+
+    def weights_ahead(self) -> Ahead:
+        """This attention's first weights (``W_a``, ``W_b``), for the layer before to bring into cache."""
+        wb = (self.wb, self.wb_scale) if self.args.q_lora_rank is not None else ()
+        return _site("wa_next", self.wa, self.wa_scale, self.index_wproj, *wb)
 
 
 class MoE(nn.Module):
@@ -364,6 +377,17 @@ class MoE(nn.Module):
                 h, self.ffn_norm, a.rms_norm_eps, ids, weights, self.w13, self.w2, self.w13_scale, self.w2_scale
             )
 
+    def gate_ahead(self) -> Ahead:
+        """The router's gate, for the attention before to bring into cache."""
+        return _site("gate", self.gate) if self.routed else ()
+
+    def shared_ahead(self) -> Ahead:
+        """The shared experts' weights (the last slots), for the kernels before the router to bring into cache."""
+        if not (self.routed and self.args.n_shared_experts):
+            return ()
+        e = self.args.n_routed_experts
+        return _site("shared", *(t[e:] for t in (self.w13, self.w13_scale, self.w2, self.w2_scale) if t is not None))
+
     def _forward_parallel(self, h: Tensor) -> None:
         """Several ranks: the one-GPU MoE over this rank's slice of every expert's width, written as ``h`` plus
         the share (rank 0) or the share alone (the others), then all-reduced into ``h`` (as attention's ``W_o``)."""
@@ -390,6 +414,26 @@ class MoE(nn.Module):
         self.tp.reduce_into(h, out)
 
 
+def _site(site: str, *tensors: Tensor | None) -> Ahead:
+    """``tensors`` (the ``None`` ones left out) named as ``site``."""
+    return tuple((site, t) for t in tensors if t is not None)
+
+
+def _captured(x: Tensor) -> bool:
+    """Whether ``x``'s step is being captured as a CUDA graph (the decode steps)."""
+    return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _prefetch(k: Any, x: Tensor, ahead: Callable[[], Ahead]) -> None:
+    """Ask the kernels ``k`` to bring ``ahead()``'s weights into the device's cache (a hint, no result), in a
+    captured step only (``x``: its activations): the steps that stream every weight for a few tokens. Eager runs
+    (prompts, warm-ups) and the CPU engine's steps build nothing."""
+    if not _captured(x):
+        return
+    if tensors := ahead():
+        k.l2_prefetch([t for _, t in tensors], ",".join(site for site, _ in tensors))
+
+
 def _one_slot(n: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """The routing of a dense MLP (a one-slot MoE): slot 0, weight 1, for each of ``n`` tokens."""
     return (torch.zeros(n, 1, dtype=torch.int32, device=device), torch.ones(n, 1, dtype=torch.float32, device=device))
@@ -413,9 +457,13 @@ class DecoderLayer(nn.Module):
         topk: Tensor | None,
         use_indexer: bool,
         row_start: Tensor | None = None,
+        next_layer: DecoderLayer | None = None,
     ) -> Tensor | None:
-        topk = self.attn(h, positions, rope, kv_cache, index_cache, topk, use_indexer, row_start)
-        self.mlp(h)
+        """The block; ``next_layer``'s first weights are brought into cache before the MLP."""
+        mlp = self.mlp
+        topk = self.attn(h, positions, rope, kv_cache, index_cache, topk, use_indexer, row_start, mlp.gate_ahead)
+        _prefetch(mlp.k, h, lambda: mlp.shared_ahead() + (next_layer.attn.weights_ahead() if next_layer else ()))
+        mlp(h)
         return topk
 
 
@@ -543,10 +591,12 @@ class Transformer(nn.Module):
         h = F.embedding(tokens, self.embed)
         rope = (self.rope_cos, self.rope_sin)
         topk: Tensor | None = None
-        for i, layer in enumerate(self.layers):
+        layers = cast(list[DecoderLayer], list(self.layers))
+        for i, layer in enumerate(layers):
             slot = self.index_slot.get(i)
             index_cache = idx[slot] if slot is not None else None
-            topk = layer(h, positions, rope, kv[i], index_cache, topk, use_indexer, row_start)
+            nxt = layers[i + 1] if i + 1 < len(layers) else None
+            topk = layer(h, positions, rope, kv[i], index_cache, topk, use_indexer, row_start, nxt)
         return self.k.rms_norm(h, self.norm, self.args.rms_norm_eps)
 
     def logits(self, hidden: Tensor) -> Tensor:

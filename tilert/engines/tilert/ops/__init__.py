@@ -42,6 +42,7 @@ __all__ = [
     "mla_prep",
     "mla_uv",
     "mla_attention_uv",
+    "l2_prefetch",
 ]
 
 
@@ -415,6 +416,18 @@ def mla_attention_uv(
 @mla_attention_uv.register_fake
 def _(q, kv_cache, positions, indices, scale, kv_lora_rank, row_start, kv_b, nope_dim, kv_b_scale=None):
     return q.new_empty((q.shape[0], kv_b.shape[0] - q.shape[1] * nope_dim))
+
+
+@torch.library.custom_op("tilert::l2_prefetch", mutates_args=())
+def l2_prefetch(tensors: list[Tensor], sites: str) -> None:
+    """A hint: bring weights a later kernel reads into the device's cache ahead of it (``sites``: comma-separated,
+    the i-th names what ``tensors[i]`` is). Computes nothing; see :func:`reference.l2_prefetch`."""
+    reference.l2_prefetch(tensors, sites)
+
+
+@l2_prefetch.register_fake
+def _(tensors, sites):
+    return None
 
 
 def register_device_kernels() -> bool:

@@ -64,9 +64,12 @@ __all__ = [
     "moe_block",
     "router",
     "moe_partial",
+    "l2_prefetch",
 ]
 
 _F32 = torch.float32
+
+l2_prefetch = reference.l2_prefetch  # a cache hint: nothing to do on the CPU
 
 ROWWISE_MAX = 64
 """Steps of up to this many rows compute row by row (a decode step of several sequences, an MTP verification);

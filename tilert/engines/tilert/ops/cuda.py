@@ -302,6 +302,12 @@ def _moe_block_cuda(
     return ids, wts
 
 
+def _l2_prefetch_cuda(tensors, sites):
+    from .triton_prefetch import l2_prefetch  # lazy: Triton, on CUDA machines only
+
+    l2_prefetch(tensors, sites)
+
+
 def _mla_prep_cuda(
     a,
     b,
@@ -469,6 +475,7 @@ _KERNELS: dict[str, Callable[..., Any]] = {
     "mla_prep": _mla_prep_cuda,
     "mla_uv": _mla_uv_cuda,
     "mla_attention_uv": _mla_attention_uv_cuda,
+    "l2_prefetch": _l2_prefetch_cuda,
 }
 
 

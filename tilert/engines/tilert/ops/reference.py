@@ -466,3 +466,8 @@ def mla_attention_uv(
     else:
         o_lat = mla_sparse_attention(q, kv_cache, indices, scale, kv_lora_rank)
     return mla_uv(o_lat, kv_b, nope_dim, kv_b_scale)
+
+
+def l2_prefetch(tensors: list[torch.Tensor], sites: str) -> None:
+    """Nothing: a cache hint has no result (CUDA: :mod:`.triton_prefetch`)."""
+    return None

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_pdl
+from . import triton_pdl, triton_prefetch
 from .triton_gemv import _row_rstd, rstd_block
 from .triton_pdl import gdc_launch_dependents, pdl_begin
 
@@ -745,6 +745,7 @@ def _moe_up_fp8_kernel(
     RB: tl.constexpr,
     HAS_NORM: tl.constexpr,
     X_READY: tl.constexpr,
+    EV: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # grid (n * k, I / BI, SPLIT); BI divides GN, so the program's gate rows share their scales, and its up rows
@@ -791,8 +792,8 @@ def _moe_up_fp8_kernel(
         su_row = sb + ((ib * BI + I) // GN).to(tl.int64) * stride_sn
         im2 = imask[:, None]
         # the first tiles are in flight while the RMSNorm statistics are computed
-        wg = tl.load(g_rows + offs_k[None, :], mask=im2 & (offs_k < k_hi)[None, :], other=0.0)
-        wu = tl.load(u_rows + offs_k[None, :], mask=im2 & (offs_k < k_hi)[None, :], other=0.0)
+        wg = tl.load(g_rows + offs_k[None, :], mask=im2 & (offs_k < k_hi)[None, :], other=0.0, eviction_policy=EV)
+        wu = tl.load(u_rows + offs_k[None, :], mask=im2 & (offs_k < k_hi)[None, :], other=0.0, eviction_policy=EV)
         if HAS_NORM:
             if not X_READY or j >= static_from:
                 rstd = _row_rstd_cg(x_row, D, eps, RB)
@@ -800,8 +801,8 @@ def _moe_up_fp8_kernel(
         for k0 in range(k_lo + BK, k_hi, BK):
             kk = k0 + tl.arange(0, BK)
             m2 = im2 & (kk < k_hi)[None, :]
-            wg = tl.load(g_rows + kk[None, :], mask=m2, other=0.0)
-            wu = tl.load(u_rows + kk[None, :], mask=m2, other=0.0)
+            wg = tl.load(g_rows + kk[None, :], mask=m2, other=0.0, eviction_policy=EV)
+            wu = tl.load(u_rows + kk[None, :], mask=m2, other=0.0, eviction_policy=EV)
             pg, pu = _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, kk, k_hi, BI, C, V, GK, HAS_NORM)
             acc_g += pg
             acc_u += pu
@@ -854,6 +855,7 @@ def _down_tile(
     V: tl.constexpr,
     GK: tl.constexpr,
     LOADED: tl.constexpr,
+    EV: tl.constexpr,
     w_in,
 ):
     """Step ``t`` of ``moe_down``'s loop (slot block ``jb0 + t // n_ch``, I chunk ``t % n_ch``): loads the e4m3
@@ -873,7 +875,10 @@ def _down_tile(
         w = w_in
     else:
         w = tl.load(
-            w2_ptr + e[:, None, None] * stride_we + w_d + ii[None, None, :], mask=dm3 & m2[:, None, :], other=0.0
+            w2_ptr + e[:, None, None] * stride_we + w_d + ii[None, None, :],
+            mask=dm3 & m2[:, None, :],
+            other=0.0,
+            eviction_policy=EV,
         )
     wj = tl.load(wts_row + j, mask=j < KK, other=0.0)
     a = tl.load(act_row + j[:, None] * stride_ak + ii[None, :], mask=m2, other=0.0)
@@ -914,6 +919,7 @@ def _moe_down_fp8_kernel(
     GN: tl.constexpr,
     G: tl.constexpr,
     HAS_RES: tl.constexpr,
+    EV: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # grid (n, D / BD, G); BD divides GN: the program's rows share each expert's scales (folded into act).
@@ -947,6 +953,7 @@ def _moe_down_fp8_kernel(
         w2_ptr + tl.maximum(e0, 0).to(tl.int64)[:, None, None] * stride_we + w_d + ii0[None, None, :],
         mask=dm3 & m0[:, None, :],
         other=0.0,
+        eviction_policy=EV,
     )
     pdl_begin(PDL)
     acc = _down_tile(
@@ -973,6 +980,7 @@ def _moe_down_fp8_kernel(
         V,
         GK,
         True,
+        EV,
         w0,
     )
     for t in range(1, n_t):
@@ -1000,6 +1008,7 @@ def _moe_down_fp8_kernel(
             V,
             GK,
             False,
+            EV,
             w0,
         )
     total = tl.sum(tl.sum(acc, 2), 0)
@@ -1088,6 +1097,7 @@ def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None, static=None
         RB=rstd_block(D, BK),
         HAS_NORM=norm_w is not None,
         X_READY=static is not None and UP_RSTD_EARLY,
+        EV=triton_prefetch.moe_eviction(),
         num_warps=nw,
         num_stages=1,
         **triton_pdl.kw(),
@@ -1153,6 +1163,7 @@ def moe_down_fp8(act, ids, wts, w2, s2, *, residual=None, out=None, cfg=None):
         GN=gn,
         G=G,
         HAS_RES=residual is not None,
+        EV=triton_prefetch.moe_eviction(),
         num_warps=nw,
         num_stages=1,
         **triton_pdl.kw(),
