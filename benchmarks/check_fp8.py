@@ -72,6 +72,8 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
         (2, 2048, 2048, "wo", None),
         (2, 2048, 2048, "wo", (2, 512, 4)),
         (3, 1024, 1536, "wb", (4, 1024, 4)),
+        (3, 2304, 7168, "wa", (2, 2048, 8)),  # W_a at V3.2 dims in 3.5 tiles, the last one partial
+        (1, 2304, 7168, "wa", (1, 2048, 4)),
     ]
     if small:
         pre = [
@@ -79,6 +81,7 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
             (2, 24, 128, "wb", (4, 32, 4)),
             (2, 24, 80, "wo", (2, 32, 4)),
             (2, 40, 128, "wa", None),
+            (2, 40, 112, "wa", (2, 32, 4)),  # 3.5 tiles
         ]
     for nt, n, k, leaf, cfg in pre:
         x = rnd(nt, k, dev=dev)

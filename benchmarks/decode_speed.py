@@ -403,10 +403,14 @@ TUNING = (  # (module, attribute, values): variants re-timed in the whole captur
 TUNING_FP8 = (
     ("triton_fp8", ("FP8_GEMV_CFG", "k2048"), ((4, 2048, 8), (4, 1024, 4), (2, 2048, 4), (2, 1024, 4))),
     ("triton_fp8", ("FP8_GEMV_CFG", "mid"), ((8, 512, 4), (8, 512, 8), (16, 512, 8), (4, 1024, 4))),
-    ("triton_fp8", "FP8_PRE_BYTES", (96, 0)),
+    ("triton_fp8", "FP8_PRE_BYTES", (96, 0, 128)),
     ("triton_fp8", "UP_RSTD_EARLY", (True, False)),
     ("triton_gemv", "RSTD_MAX", (2048, 0)),
-    ("triton_fp8", ("FP8_GEMV_CFG", "k1024"), ((2, 2048, 4), (4, 1024, 4), (4, 2048, 8), (4, 4096, 8))),
+    (  # W_a at V3.2 / GLM-5 dims (K 7168 / 6144); (2, 2048, 8) and (1, 2048, 4) request all of K before the PDL wait
+        "triton_fp8",
+        ("FP8_GEMV_CFG", "k1024"),
+        ((2, 2048, 4), (4, 1024, 4), (4, 2048, 8), (4, 4096, 8), (2, 2048, 8), (1, 2048, 4)),
+    ),
     ("triton_fp8", ("FP8_GEMV_CFG", "large"), ((8, 1024, 4), (16, 1024, 8))),
     ("triton_fp8", ("FP8_UP_CFG", "small"), ((16, 256, 4, 1), (16, 256, 4, 2), (8, 1024, 4, 1))),
     ("triton_fp8", ("FP8_UP_CFG", "large"), ((8, 1024, 4, 1), (8, 512, 4, 2))),
