@@ -382,6 +382,7 @@ L2_TUNING = (
 TUNING = (  # (module, attribute, values): variants re-timed in the whole captured step (first context)
     ("triton_mla", "DENSE_MIN_TOKENS_PER_SPLIT", (32, 64, 16)),
     ("triton_mla", "SPLIT_ROWS_EARLY", (True, False)),
+    ("triton_mla", "SKIP_EMPTY_SPLITS", (True, False)),
     ("triton_mla", "UV_ONE_READ_MAX", (64, 0)),
     ("triton_moe", ("DOWN_CFG", "wide"), ((1, 2048, 4, 3), (2, 1024, 4, 3), (1, 2048, 8, 3), (1, 2048, 4, 4))),
     (
@@ -436,6 +437,7 @@ TUNING_FP8 = (
     ("triton_gemv", "LARGE_CFG", ((8, 512, 4, 3), (16, 256, 4, 4), (16, 512, 8, 3))),
     ("triton_fused", "PREP_BC_FP8", (128, 64)),
     ("triton_mla", "SPLIT_ROWS_EARLY", (True, False)),
+    ("triton_mla", "SKIP_EMPTY_SPLITS", (True, False)),
     ("triton_mla", "UV_ONE_READ_MAX", (64, 0)),
     ("triton_mla", "UV_TAIL", (True, False)),
     ("triton_mla", "UV_LIVE_LOOP", (True, False)),

@@ -55,8 +55,11 @@ def _mla_split_kernel(
     SPARSE: tl.constexpr,
     HAS_START: tl.constexpr,
     EARLY: tl.constexpr,
+    WRITE_EMPTY: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    # WRITE_EMPTY: a split with no rows writes its partial too (zeros, for a merge that reads every split);
+    # otherwise only its log-sum-exp (-inf), which every other merge reads first.
     # EARLY: the split's rows (from positions / row_start, step inputs written before the step or several kernels
     # back, as mla_prep reads them) are worked out before the PDL wait: no L2 round trip for them after it.
     if not EARLY:
@@ -79,6 +82,63 @@ def _mla_split_kernel(
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < H
+    lse = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    if WRITE_EMPTY or start < end:
+        lse = _mla_split_rows(
+            q_ptr,
+            kv_ptr,
+            idx_ptr,
+            o_ptr,
+            i,
+            pid_s,
+            offs_h,
+            hmask,
+            start,
+            end,
+            stride_qn,
+            stride_qh,
+            stride_kv,
+            stride_idx,
+            stride_on,
+            stride_oh,
+            stride_os,
+            qk_scale,
+            L,
+            R,
+            BLOCK_H,
+            BLOCK_T,
+            SPARSE,
+        )
+    tl.store(lse_ptr + (i * H + offs_h) * NUM_SPLITS + pid_s, lse, mask=hmask)
+
+
+@triton.jit
+def _mla_split_rows(
+    q_ptr,
+    kv_ptr,
+    idx_ptr,
+    o_ptr,
+    i,
+    pid_s,
+    offs_h,
+    hmask,
+    start,
+    end,
+    stride_qn,
+    stride_qh,
+    stride_kv,
+    stride_idx,
+    stride_on,
+    stride_oh,
+    stride_os,
+    qk_scale,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    SPARSE: tl.constexpr,
+):
+    """One split of :func:`_mla_split_kernel`: its partial (written) and its log-sum-exp (returned)."""
     offs_l = tl.arange(0, L)
     offs_r = tl.arange(0, R)
     qrow = q_ptr + i * stride_qn + offs_h[:, None] * stride_qh
@@ -113,10 +173,9 @@ def _mla_split_kernel(
         m_i = m_new
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     obase = o_ptr + i * stride_on + offs_h[:, None] * stride_oh + pid_s * stride_os
     tl.store(obase + offs_l[None, :], o, mask=hmask[:, None])
-    tl.store(lse_ptr + (i * H + offs_h) * NUM_SPLITS + pid_s, lse, mask=hmask)
+    return tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
 
 
 @triton.jit
@@ -191,10 +250,11 @@ def _mla_combine_uv_kernel(
     # grid (n, H, V / BV): merges head h's split partials into o~ (rounded to the activation dtype, as the combine
     # kernel writes it), then o[i, h*V + v] = W_UV_h[v] . o~ for its BV rows (mla_uv's math): one launch for both.
     # ONE_READ: every split's partial [BS, L] is requested right after the PDL wait, with the log-sum-exps (one
-    # L2 round trip; the loop over SB splits at a time reads them only once the weights are known). Every split
-    # row is written by the split kernel (an empty split's o is 0, its weight 0), so no row needs a mask but the
-    # padding's. TAIL > 0 (ONE_READ): splits BS.. are a second tile of TAIL rows (BS the largest power of two
-    # <= the splits, TAIL the rest padded to a power of two: 33 splits read as 32 + 2 rows, not 64).
+    # L2 round trip; the loop over SB splits at a time reads them only once the weights are known). For it every
+    # split row is written by the split kernel (an empty split's o is 0, its weight 0: WRITE_EMPTY), so no row
+    # needs a mask but the padding's. TAIL > 0 (ONE_READ): splits BS.. are a second tile of TAIL rows (BS the
+    # largest power of two <= the splits, TAIL the rest padded to a power of two: 33 splits read as 32 + 2 rows,
+    # not 64).
     i = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -243,7 +303,7 @@ def _mla_combine_uv_kernel(
         # Only up to the last split with rows (a graph sized for a long cache runs short contexts with most of its
         # splits empty: 32 live of 128 at 1K in a 32K-row engine). Those after it would add exact zeros, so the
         # bound changes no bit; it is this query's own, so alone or in a batch alike. The partials' loads do not
-        # wait for their log-sum-exps (every split row is written, an empty one's as 0 with weight 0).
+        # wait for their log-sum-exps (empty splits are a suffix: every split before the last live one has rows).
         acc = tl.zeros([L], dtype=tl.float32)
         if LIVE_LOOP:
             n_live = tl.max(tl.where(lse > float("-inf"), offs_s + 1, 0), 0)
@@ -251,7 +311,8 @@ def _mla_combine_uv_kernel(
                 offs = s0 + tl.arange(0, SB)
                 inside = offs < NUM_SPLITS
                 ls = tl.load(lse_row + offs, mask=inside, other=float("-inf"))
-                o = tl.load(ob + offs[:, None] * stride_os + offs_l[None, :], mask=inside[:, None], other=0.0)
+                # past the last live split nothing may be read: an empty split writes no partial (SKIP_EMPTY_SPLITS)
+                o = tl.load(ob + offs[:, None] * stride_os + offs_l[None, :], mask=(offs < n_live)[:, None], other=0.0)
                 acc += tl.sum(o * (tl.exp2(ls - mx) * inv)[:, None], 0)
         else:  # every split, each step's partials loaded once its log-sum-exps say which hold rows
             for s0 in tl.static_range(0, NUM_SPLITS, SB):
@@ -291,6 +352,10 @@ DENSE_MIN_TOKENS_PER_SPLIT = 32  # chosen with decode_speed --tune
 DENSE_CAP_ROWS = {"one": 32, "many": 64}
 # The split kernel works out its rows before the PDL wait (_mla_split_kernel's EARLY); False: after it.
 SPLIT_ROWS_EARLY = True
+# A split with no rows (a graph sized for a long cache, run at a short context: 96 of 128 splits at 1K in a 32K-row
+# engine) writes only its log-sum-exp, not a partial of zeros that no merge reads (every merge but the ONE_READ one
+# skips splits whose log-sum-exp is -inf, or stops at the last live one); False: it writes the zeros too.
+SKIP_EMPTY_SPLITS = True
 
 
 def _pick_splits(hblocks: int, sparse: bool, n_idx: int, max_tokens: int) -> int:
@@ -316,6 +381,19 @@ def _workspace(key, shape, dtype, device):
         t = torch.empty(shape, dtype=dtype, device=device)
         _WS[key] = t
     return t
+
+
+def _uv_tiles(S: int) -> tuple[int, int, bool]:
+    """(BS, TAIL, ONE_READ) of the merge + ``W_UV`` kernel over ``S`` splits (UV_ONE_READ_MAX, UV_TAIL)."""
+    bs = triton.next_power_of_2(S)
+    tail = 0
+    if UV_TAIL and bs != S and triton.next_power_of_2(S - bs // 2) <= max(2, bs // 16):
+        bs //= 2
+        tail = max(2, triton.next_power_of_2(S - bs))
+    one_read = bs <= UV_ONE_READ_MAX
+    if not one_read:  # the loop's weights come from one tile of every split's log-sum-exp
+        bs, tail = triton.next_power_of_2(S), 0
+    return bs, tail, one_read
 
 
 def mla_decode(
@@ -358,6 +436,7 @@ def mla_decode(
     if row_start is not None:
         row_start = row_start.reshape(-1)
         assert row_start.shape[0] in (1, n), "row_start: one row, or one per query"
+    bs, tail, one_read = _uv_tiles(S)
     _mla_split_kernel[(S, n, hblocks)](
         q,
         kv,
@@ -386,6 +465,7 @@ def mla_decode(
         SPARSE=sparse,
         HAS_START=row_start is not None and not sparse,
         EARLY=SPLIT_ROWS_EARLY,
+        WRITE_EMPTY=not SKIP_EMPTY_SPLITS or (uv is not None and one_read),  # ONE_READ reads every partial
         num_warps=8 if BLOCK_H >= 64 else 4,
         num_stages=2,
         **triton_pdl.kw(),
@@ -395,14 +475,6 @@ def mla_decode(
         y = out if out is not None else torch.empty(n, H * V, device=q.device, dtype=q.dtype)
         BV = min(UV_BV["few" if H <= 32 else "many"], V)
         kgn, kgk = (1, 1) if kvs is None else (kv_b.shape[-2] // kvs.shape[-2], kv_b.shape[-1] // kvs.shape[-1])
-        bs = triton.next_power_of_2(S)
-        tail = 0
-        if UV_TAIL and bs != S and triton.next_power_of_2(S - bs // 2) <= max(2, bs // 16):
-            bs //= 2
-            tail = max(2, triton.next_power_of_2(S - bs))
-        one_read = bs <= UV_ONE_READ_MAX
-        if not one_read:  # the loop's weights come from one tile of every split's log-sum-exp
-            bs, tail = triton.next_power_of_2(S), 0
         _mla_combine_uv_kernel[(n, H, V // BV)](
             o_part,
             lse,
