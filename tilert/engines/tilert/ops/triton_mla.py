@@ -84,98 +84,44 @@ def _mla_split_kernel(
     hmask = offs_h < H
     lse = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     if WRITE_EMPTY or start < end:
-        lse = _mla_split_rows(
-            q_ptr,
-            kv_ptr,
-            idx_ptr,
-            o_ptr,
-            i,
-            pid_s,
-            offs_h,
-            hmask,
-            start,
-            end,
-            stride_qn,
-            stride_qh,
-            stride_kv,
-            stride_idx,
-            stride_on,
-            stride_oh,
-            stride_os,
-            qk_scale,
-            L,
-            R,
-            BLOCK_H,
-            BLOCK_T,
-            SPARSE,
-        )
+        offs_l = tl.arange(0, L)
+        offs_r = tl.arange(0, R)
+        qrow = q_ptr + i * stride_qn + offs_h[:, None] * stride_qh
+        q_nope = tl.load(qrow + offs_l[None, :], mask=hmask[:, None], other=0.0)
+        q_pe = tl.load(qrow + L + offs_r[None, :], mask=hmask[:, None], other=0.0)
+
+        m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, L], dtype=tl.float32)
+        for t0 in range(start, end, BLOCK_T):
+            offs_t = t0 + tl.arange(0, BLOCK_T)
+            tmask = offs_t < end
+            if SPARSE:
+                rows = tl.load(idx_ptr + i * stride_idx + offs_t, mask=tmask, other=-1)
+                valid = tmask & (rows >= 0)
+                rows = tl.where(valid, rows, 0).to(tl.int64)
+            else:
+                valid = tmask
+                rows = offs_t.to(tl.int64)
+            kbase = kv_ptr + rows[:, None] * stride_kv
+            kc = tl.load(kbase + offs_l[None, :], mask=valid[:, None], other=0.0)
+            kp = tl.load(kbase + L + offs_r[None, :], mask=valid[:, None], other=0.0)
+            s = tl.dot(q_nope, tl.trans(kc))
+            s = tl.dot(q_pe, tl.trans(kp), s)
+            s = s * qk_scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(kc.dtype), kc)
+            m_i = m_new
+        has = l_i > 0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        obase = o_ptr + i * stride_on + offs_h[:, None] * stride_oh + pid_s * stride_os
+        tl.store(obase + offs_l[None, :], o, mask=hmask[:, None])
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     tl.store(lse_ptr + (i * H + offs_h) * NUM_SPLITS + pid_s, lse, mask=hmask)
-
-
-@triton.jit
-def _mla_split_rows(
-    q_ptr,
-    kv_ptr,
-    idx_ptr,
-    o_ptr,
-    i,
-    pid_s,
-    offs_h,
-    hmask,
-    start,
-    end,
-    stride_qn,
-    stride_qh,
-    stride_kv,
-    stride_idx,
-    stride_on,
-    stride_oh,
-    stride_os,
-    qk_scale,
-    L: tl.constexpr,
-    R: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    SPARSE: tl.constexpr,
-):
-    """One split of :func:`_mla_split_kernel`: its partial (written) and its log-sum-exp (returned)."""
-    offs_l = tl.arange(0, L)
-    offs_r = tl.arange(0, R)
-    qrow = q_ptr + i * stride_qn + offs_h[:, None] * stride_qh
-    q_nope = tl.load(qrow + offs_l[None, :], mask=hmask[:, None], other=0.0)
-    q_pe = tl.load(qrow + L + offs_r[None, :], mask=hmask[:, None], other=0.0)
-
-    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, L], dtype=tl.float32)
-    for t0 in range(start, end, BLOCK_T):
-        offs_t = t0 + tl.arange(0, BLOCK_T)
-        tmask = offs_t < end
-        if SPARSE:
-            rows = tl.load(idx_ptr + i * stride_idx + offs_t, mask=tmask, other=-1)
-            valid = tmask & (rows >= 0)
-            rows = tl.where(valid, rows, 0).to(tl.int64)
-        else:
-            valid = tmask
-            rows = offs_t.to(tl.int64)
-        kbase = kv_ptr + rows[:, None] * stride_kv
-        kc = tl.load(kbase + offs_l[None, :], mask=valid[:, None], other=0.0)
-        kp = tl.load(kbase + L + offs_r[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q_nope, tl.trans(kc))
-        s = tl.dot(q_pe, tl.trans(kp), s)
-        s = s * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kc.dtype), kc)
-        m_i = m_new
-    has = l_i > 0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    obase = o_ptr + i * stride_on + offs_h[:, None] * stride_oh + pid_s * stride_os
-    tl.store(obase + offs_l[None, :], o, mask=hmask[:, None])
-    return tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
 
 
 @triton.jit
