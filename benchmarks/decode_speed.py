@@ -378,6 +378,15 @@ L2_TUNING = (
             ("wa_next", "moe_evict_first"),
         ),
     ),
+    (  # the requests' size, every site on
+        "triton_prefetch",
+        ["SITES", "CHUNK"],
+        tuple((("wo", "gate", "shared", "wa_next", "moe_evict_first"), c) for c in (4096, 16384, 1024)),
+    ),
+)
+# Fewer, fuller splits of the dense attention at short contexts (its rows per split and its cap, together).
+DENSE_SPLIT_TUNING = (
+    ("triton_mla", ["DENSE_MIN_TOKENS_PER_SPLIT", ("DENSE_CAP_ROWS", "one")], ((32, 32), (64, 64), (128, 128))),
 )
 TUNING = (  # (module, attribute, values): variants re-timed in the whole captured step (first context)
     ("triton_mla", "DENSE_MIN_TOKENS_PER_SPLIT", (32, 64, 16)),
@@ -399,6 +408,7 @@ TUNING = (  # (module, attribute, values): variants re-timed in the whole captur
     ("triton_gemv", "HEAD_CFG", ((16, 256, 4, 4), (8, 512, 4, 3), (16, 512, 8, 3), (32, 256, 8, 4))),
     *DSA_TUNING,
     *L2_TUNING,
+    *DENSE_SPLIT_TUNING,
 )
 # FP8 weights (ops/triton_fp8.py): (module, attribute or (dict attribute, key), values), the first the default.
 # GEMV / moe_up (rows, K tile, warps); moe_down (rows, slots, I tile, warps).
@@ -450,6 +460,7 @@ TUNING_FP8 = (
     ("triton_moe", "ROUTER_WARPS", (0, 1, 8)),
     *DSA_TUNING,
     *L2_TUNING,
+    *DENSE_SPLIT_TUNING,
 )
 
 
@@ -466,35 +477,45 @@ def tune_in_situ(name, eng, ctx) -> list:
 
     table = TUNING_FP8 if eng.model.args.fp8 else TUNING
     if TUNE_ONLY:  # --tune-only: the rows whose attribute (or dict key) is named
-        table = tuple(r for r in table if (r[1][1] if isinstance(r[1], tuple) else r[1]) in TUNE_ONLY)
+        table = tuple(r for r in table if _row_name(r[1]) in TUNE_ONLY)
     return tune_variants(f"[{name}] ctx={ctx}", timed, table, log)
+
+
+def _row_name(attr) -> str:
+    """A tuning row's name (``--tune-only``): its attribute, its dict key, or its first knob's."""
+    if isinstance(attr, list):
+        return _row_name(attr[0])
+    return attr[1] if isinstance(attr, tuple) else attr
+
+
+def _knob(mod, attr):
+    """(get, put) of one knob of ``mod``: an attribute, or ``(dict attribute, key)`` an entry of one."""
+    if isinstance(attr, tuple):
+        table_, key = getattr(mod, attr[0]), attr[1]
+        return (lambda: table_[key]), (lambda v: table_.__setitem__(key, v))
+    return (lambda: getattr(mod, attr)), (lambda v: setattr(mod, attr, v))
 
 
 def tune_variants(tag: str, timed, table, say) -> list:
     """``timed()`` (ms of the recaptured step) under each variant of ``table`` (rows ``(module, attribute or
-    (dict attribute, key), values)`` of ``tilert.engines.tilert.ops``), one at a time, the others at their
-    defaults, then the defaults again (drift check). Used by this script and ``tp_decode.py`` (every rank runs it
-    in lockstep)."""
+    (dict attribute, key), values)`` of ``tilert.engines.tilert.ops``; or ``(module, [knob, ...], values)`` whose
+    values set every knob at once, a tuple each), one at a time, the others at their defaults, then the defaults
+    again (drift check). Used by this script and ``tp_decode.py`` (every rank runs it in lockstep)."""
     import importlib
 
     rows = []
     for mod_name, attr, values in table:
         mod = importlib.import_module(f"tilert.engines.tilert.ops.{mod_name}")
-        if isinstance(attr, tuple):  # an entry of a dict attribute
-            table_, key = getattr(mod, attr[0]), attr[1]
+        several = isinstance(attr, list)
+        knobs = [_knob(mod, a) for a in (attr if several else [attr])]
 
-            def get(table_=table_, key=key):
-                return table_[key]
+        def get(knobs=knobs, several=several):
+            got = tuple(g() for g, _ in knobs)
+            return got if several else got[0]
 
-            def put(v, table_=table_, key=key):
-                table_[key] = v
-        else:
-
-            def get(mod=mod, attr=attr):
-                return getattr(mod, attr)
-
-            def put(v, mod=mod, attr=attr):
-                setattr(mod, attr, v)
+        def put(v, knobs=knobs, several=several):
+            for (_, p), x in zip(knobs, v if several else (v,), strict=True):
+                p(x)
 
         default = get()
         for v in values:
