@@ -99,6 +99,7 @@ def l2_prefetch(tensors: list[torch.Tensor], sites: str) -> None:
 
 
 def _launch(spans: list[tuple[torch.Tensor, int]]) -> None:
+    """One kernel for up to :data:`SEGMENTS` spans (byte view, length); the unused segments are empty."""
     per = 32 * WARPS  # one request per thread
     most = max(n for _, n in spans)
     args: list = []
