@@ -363,6 +363,7 @@ DSA_TUNING = (
     ("triton_topk", "WARPS", (8, 4)),
 )
 # Weights brought into L2 while latency-bound kernels run (ops/triton_prefetch.py): which sites, as whole plans.
+_EVERY_SITE = ("wo", "gate", "shared", "wa_next", "moe_evict_first")  # triton_prefetch.ALL_SITES (no Triton here)
 L2_TUNING = (
     (
         "triton_prefetch",
@@ -373,7 +374,7 @@ L2_TUNING = (
             ("wo", "gate"),
             ("wo", "gate", "shared"),
             ("wo", "gate", "shared", "wa_next"),
-            ("wo", "gate", "shared", "wa_next", "moe_evict_first"),
+            _EVERY_SITE,
             ("wo", "gate", "shared", "moe_evict_first"),
             ("wa_next", "moe_evict_first"),
         ),
@@ -381,7 +382,7 @@ L2_TUNING = (
     (  # the requests' size, every site on
         "triton_prefetch",
         ["SITES", "CHUNK"],
-        tuple((("wo", "gate", "shared", "wa_next", "moe_evict_first"), c) for c in (4096, 16384, 1024)),
+        tuple((_EVERY_SITE, c) for c in (4096, 16384, 1024)),
     ),
 )
 # Fewer, fuller splits of the dense attention at short contexts (its rows per split and its cap, together).
