@@ -106,6 +106,41 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
         finally:
             triton_fp8.FP8_PRE_BYTES = keep
         report(f"fp8 gemv prefetched == loop path (fp32 reassociation) {tag}", got, loop, tol=1e-2)
+    # The TMA-fed GEMV (FP8_TMA_CFG, _gemv_fp8_rows_tma: tiles NS - 1 ahead in shared memory, rows and columns past
+    # the weight zero-filled) at the rank's shapes (W_a + its tail, W_b, W_o + residual) and lite's: against the
+    # reference, n tokens against each alone (bit for bit), and against the register-fed loop of the same tile.
+    tma = [
+        (3, 2240, 7168, "wa", (8, 512, 4, 4)),
+        (1, 2240, 7168, "wa", (16, 256, 6, 4)),
+        (2, 4096, 1536, "wb", (16, 512, 3, 8)),
+        (2, 7168, 2048, "wo", (8, 512, 4, 4)),
+        (1, 2048, 2048, "wo", (4, 1024, 2, 4)),
+    ]
+    if small:
+        tma = [(3, 40, 96, "wa", (8, 32, 3, 4)), (2, 24, 80, "wo", (8, 32, 2, 4)), (2, 36, 112, "wb", (16, 64, 4, 4))]
+    for nt, n, k, leaf, cfg4 in tma:
+        x = rnd(nt, k, dev=dev)
+        g = rnd(k, dev=dev, scale=0.2) + 1
+        w, s = _q(n, k, dev, leaf, k**-0.5)
+        t = rnd(16, k, dev=dev, scale=k**-0.5) if leaf == "wa" else None
+        tag = f"{leaf} n={nt} N={n} K={k} tma={cfg4}"
+        got = triton_fp8.gemv_fp8(x, w, s, norm_w=g, tail=t, tma=cfg4)
+        report(f"fp8 gemv tma {tag}", got, ref.gemv(x, w, g, 1e-6, None, False, s, tail=t))
+        alone = torch.cat([triton_fp8.gemv_fp8(x[r : r + 1], w, s, norm_w=g, tail=t, tma=cfg4) for r in range(nt)])
+        report(f"fp8 gemv tma batch invariance {tag}", got, alone, tol=1e-30)
+        keep = triton_fp8.FP8_PRE_BYTES
+        triton_fp8.FP8_PRE_BYTES = 0
+        try:
+            loop = triton_fp8.gemv_fp8(x, w, s, norm_w=g, tail=t, cfg=(cfg4[0], cfg4[1], cfg4[3]))
+        finally:
+            triton_fp8.FP8_PRE_BYTES = keep
+        report(f"fp8 gemv tma == register-fed loop (fp32 reassociation) {tag}", got, loop, tol=1e-2)
+        if leaf == "wo":
+            h0 = rnd(nt, n, dev=dev)
+            h1, h2 = h0.clone(), h0.clone()
+            triton_fp8.gemv_fp8(x, w, s, residual=h1, tma=cfg4)
+            ref.gemv_residual(h2, x, w, h2, s)
+            report(f"fp8 gemv tma +residual {tag}", h1, h2)
     # MoE: (experts, I, D, tokens); the real V3.2 expert dims with fewer experts (memory), lite dims, and a TP8
     # rank's slice of V3.2's / GLM-5's experts (I = 256: the "narrow" configs).
     moe = [(16, 2048, 7168, 1), (16, 2048, 7168, 4), (66, 1408, 2048, 1), (16, 256, 7168, 1), (16, 256, 6144, 3)]

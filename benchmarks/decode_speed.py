@@ -389,6 +389,30 @@ L2_TUNING = (
 DENSE_SPLIT_TUNING = (
     ("triton_mla", ["DENSE_MIN_TOKENS_PER_SPLIT", ("DENSE_CAP_ROWS", "one")], ((32, 32), (64, 64), (128, 128))),
 )
+# The FP8 GEMVs fed by the TMA (triton_fp8.FP8_TMA_CFG: rows, K tile, stages, warps; None the register-fed kernel),
+# one weight class at a time, then every class at once (the rank's W_a is "k1024", W_o "k2048", its lm_head slice
+# "large"; lite's W_a / W_o "k2048", W_b "small" / "mid", its lm_head "head").
+_TMA_CLASSES = ("k1024", "k2048", "mid", "small", "large", "head")
+TMA_TUNING = (
+    (
+        "triton_fp8",
+        ("FP8_TMA_CFG", "k1024"),
+        (None, (8, 512, 4, 4), (8, 512, 8, 4), (8, 1024, 6, 4), (16, 256, 8, 4), (4, 1024, 8, 4), (16, 512, 6, 8)),
+    ),
+    ("triton_fp8", ("FP8_TMA_CFG", "k2048"), (None, (8, 512, 4, 4), (8, 512, 8, 4), (16, 512, 4, 8), (4, 1024, 6, 4))),
+    ("triton_fp8", ("FP8_TMA_CFG", "mid"), (None, (8, 512, 4, 4), (16, 512, 4, 8))),
+    ("triton_fp8", ("FP8_TMA_CFG", "small"), (None, (8, 512, 4, 4), (4, 1024, 4, 4))),
+    ("triton_fp8", ("FP8_TMA_CFG", "large"), (None, (8, 1024, 4, 4), (16, 512, 6, 8))),
+    ("triton_fp8", ("FP8_TMA_CFG", "head"), (None, (16, 512, 4, 8), (32, 256, 6, 8))),
+    (
+        "triton_fp8",
+        [("FP8_TMA_CFG", k) for k in _TMA_CLASSES],
+        (
+            (None,) * len(_TMA_CLASSES),
+            ((8, 512, 8, 4), (8, 512, 4, 4), (8, 512, 4, 4), (8, 512, 4, 4), (8, 1024, 4, 4), (16, 512, 4, 8)),
+        ),
+    ),
+)
 TUNING = (  # (module, attribute, values): variants re-timed in the whole captured step (first context)
     ("triton_mla", "DENSE_MIN_TOKENS_PER_SPLIT", (32, 64, 16)),
     ("triton_mla", "SPLIT_ROWS_EARLY", (True, False)),
@@ -417,6 +441,7 @@ TUNING_FP8 = (
     ("triton_fp8", ("FP8_GEMV_CFG", "k2048"), ((4, 2048, 8), (4, 1024, 4), (2, 2048, 4), (2, 1024, 4))),
     ("triton_fp8", ("FP8_GEMV_CFG", "mid"), ((8, 512, 4), (8, 512, 8), (16, 512, 8), (4, 1024, 4))),
     ("triton_fp8", "FP8_PRE_BYTES", (96, 0, 128)),
+    *TMA_TUNING,
     ("triton_fp8", "UP_RSTD_EARLY", (True, False)),
     ("triton_gemv", "RSTD_MAX", (2048, 0)),
     (  # W_a at V3.2 / GLM-5 dims (K 7168 / 6144); (2, 2048, 8) and (1, 2048, 4) request all of K before the PDL wait
@@ -477,16 +502,16 @@ def tune_in_situ(name, eng, ctx) -> list:
         return time_graph(eng._graphs[(1, sparse)]) * 1e3
 
     table = TUNING_FP8 if eng.model.args.fp8 else TUNING
-    if TUNE_ONLY:  # --tune-only: the rows whose attribute (or dict key) is named
-        table = tuple(r for r in table if _row_name(r[1]) in TUNE_ONLY)
+    if TUNE_ONLY:  # --tune-only: the rows whose attribute, dict or dict key is named
+        table = tuple(r for r in table if _row_names(r[1]) & set(TUNE_ONLY))
     return tune_variants(f"[{name}] ctx={ctx}", timed, table, log)
 
 
-def _row_name(attr) -> str:
-    """A tuning row's name (``--tune-only``): its attribute, its dict key, or its first knob's."""
+def _row_names(attr) -> set[str]:
+    """What names a tuning row (``--tune-only``): its attribute, or its dict and key; its first knob's."""
     if isinstance(attr, list):
-        return _row_name(attr[0])
-    return attr[1] if isinstance(attr, tuple) else attr
+        return _row_names(attr[0])
+    return set(attr) if isinstance(attr, tuple) else {attr}
 
 
 def _knob(mod, attr):
@@ -837,7 +862,7 @@ def main():
         "--tune-only",
         default="",
         metavar="NAMES",
-        help="with --tune: only these rows (attribute or dict key names, comma separated)",
+        help="with --tune: only these rows (attribute, dict or dict key names, comma separated)",
     )
     ap.add_argument("--no-mtp", action="store_true", help="skip lite-v32's MTP speculative-step timings")
     ap.add_argument("--tf-json", default="", help="reuse transformers numbers from an earlier decode_speed.py JSON")

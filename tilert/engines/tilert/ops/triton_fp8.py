@@ -34,15 +34,18 @@ that rounding and fp32 reassociation: accumulation is fp32 throughout.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import triton_pdl, triton_prefetch
 from .triton_gemv import _row_rstd, rstd_block
 from .triton_pdl import gdc_launch_dependents, pdl_begin
 
-__all__ = ["gemv_fp8", "moe_up_fp8", "moe_down_fp8", "groups", "gemv_fp8_config"]
+__all__ = ["gemv_fp8", "moe_up_fp8", "moe_down_fp8", "groups", "gemv_fp8_class", "gemv_fp8_config"]
 
 # Launch configs. GEMV: (rows BN, K tile BK (e4m3 elements), warps) per weight class (the classes of
 # triton_gemv.gemv_config: lm_head-sized, >= 64 MB in bf16, K a multiple of 1024, N >= 4096, other).
@@ -64,6 +67,12 @@ FP8_GEMV_CFG = {
 # request all of them before the PDL wait and read x once (_gemv_fp8_rows_pre); 0 turns that off.
 FP8_PRE_BYTES = 96
 UP_RSTD_EARLY = True  # moe_up after the router: the routed programs' RMSNorm statistics before the PDL wait
+# GEMVs whose e4m3 tiles the TMA brings into shared memory, NS - 1 tiles ahead (_gemv_fp8_rows_tma): (rows BN, K
+# tile BK, stages NS, warps) per class of FP8_GEMV_CFG, or None for the register-fed kernels. The bytes a program
+# keeps in flight then cost shared memory, not registers (Triton pipelines only the TMA's loads of a loop, not
+# plain ones: num_stages changes nothing in the register-fed kernels). Every class is off until measured in the
+# whole step (decode_speed.py --tune).
+FP8_TMA_CFG: dict[str, tuple[int, int, int, int] | None] = dict.fromkeys(FP8_GEMV_CFG)
 FP8_UP_CFG = {"small": (16, 256, 4, 1), "large": (8, 1024, 4, 1), "narrow": (8, 1024, 4, 1)}
 FP8_DOWN_CFG = {"small": (16, 1, 512, 4, True), "large": (16, 1, 1024, 8, True), "narrow": (64, 1, 256, 8, True)}
 VEC = 16  # e4m3 elements of one 16-byte load: the innermost, in-thread tile axis
@@ -74,15 +83,30 @@ def groups(w: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
     return w.shape[-2] // scale.shape[-2], w.shape[-1] // scale.shape[-1]
 
 
-def gemv_fp8_config(N: int, K: int) -> tuple[int, int, int]:
-    """(BN, BK, warps) of an ``[N, K]`` e4m3 weight (the bf16 classes, :data:`FP8_GEMV_CFG`)."""
+def gemv_fp8_class(N: int, K: int) -> str:
+    """The config class of an ``[N, K]`` e4m3 weight (the bf16 classes: keys of :data:`FP8_GEMV_CFG`)."""
     if N >= 65536:
-        return FP8_GEMV_CFG["head"]
+        return "head"
     if N * K * 2 >= (64 << 20):
-        return FP8_GEMV_CFG["large"]
+        return "large"
     if K % 1024 == 0:
-        return FP8_GEMV_CFG["k2048" if K <= 2048 else "k1024"]
-    return FP8_GEMV_CFG["mid"] if N >= 4096 else FP8_GEMV_CFG["small"]
+        return "k2048" if K <= 2048 else "k1024"
+    return "mid" if N >= 4096 else "small"
+
+
+def gemv_fp8_config(N: int, K: int) -> tuple[int, int, int]:
+    """(BN, BK, warps) of an ``[N, K]`` e4m3 weight (:data:`FP8_GEMV_CFG`)."""
+    return FP8_GEMV_CFG[gemv_fp8_class(N, K)]
+
+
+def _tma_ready(w: torch.Tensor) -> bool:
+    """Whether the TMA can read ``w`` (a 2-D e4m3 weight): 16-byte aligned rows on a Hopper-class GPU (or Triton's
+    interpreter, which emulates it)."""
+    if w.data_ptr() % 16 or w.stride(0) % 16 or w.stride(1) != 1:
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return w.is_cuda and torch.cuda.get_device_capability(w.device)[0] >= 9
 
 
 def moe_class(D: int, I: int) -> str:  # noqa: E741  (I: the expert width)
@@ -188,6 +212,54 @@ def _gemv_fp8_rows(
         w = tl.load(w_rows + kk[None, :], mask=nmask[:, None] & (kk < K)[None, :], other=0.0)
         acc += _gemv_fp8_tile(
             w, x_row, nw_ptr, rstd, s_row, s_rows, nmask, kk, k0 + kc, K, BN, C, V, GK, ROW_BLOCK, HAS_NORM
+        )
+    return tl.sum(acc, 1)
+
+
+@triton.jit
+def _gemv_fp8_rows_tma(
+    x_row,
+    w_desc,
+    s_ptr,
+    nw_ptr,
+    pid_n,
+    N,
+    K,
+    stride_sn,
+    eps,
+    BN: tl.constexpr,
+    C: tl.constexpr,
+    V: tl.constexpr,
+    GK: tl.constexpr,
+    GN: tl.constexpr,
+    RB: tl.constexpr,
+    NS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """:func:`_gemv_fp8_rows` with its e4m3 tiles brought into shared memory by the TMA (``w_desc``: a tensor
+    descriptor of the weight, block ``[BN, C * V]``), ``NS - 1`` tiles ahead of the one being summed: the bytes in
+    flight no longer live in registers. The pipeline's first tiles are requested before the PDL wait, which the
+    first iteration passes (it then computes the RMSNorm statistics); rows and columns past the weight read as
+    zeros."""
+    BK: tl.constexpr = C * V
+    ROW_BLOCK: tl.constexpr = GN % BN == 0
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nmask = offs_n < N
+    offs_k = tl.arange(0, BK)
+    kc = tl.arange(0, C) * V
+    s_row = s_ptr + ((pid_n * BN) // GN).to(tl.int64) * stride_sn
+    s_rows = s_ptr + (offs_n // GN).to(tl.int64)[:, None] * stride_sn
+    acc = tl.zeros([BN, C], dtype=tl.float32)
+    rstd = tl.full([], 1.0, tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=NS):
+        w = w_desc.load([pid_n * BN, k0])
+        if k0 == 0:
+            pdl_begin(PDL)
+            if HAS_NORM:
+                rstd = _row_rstd(x_row, K, eps, RB)
+        acc += _gemv_fp8_tile(
+            w, x_row, nw_ptr, rstd, s_row, s_rows, nmask, k0 + offs_k, k0 + kc, K, BN, C, V, GK, ROW_BLOCK, HAS_NORM
         )
     return tl.sum(acc, 1)
 
@@ -456,6 +528,7 @@ def _gemv_fp8_kernel(
     RB: tl.constexpr,
     NK: tl.constexpr,
     NKT: tl.constexpr,
+    NS: tl.constexpr,
     HAS_NORM: tl.constexpr,
     HAS_RES: tl.constexpr,
     OUT_F32: tl.constexpr,
@@ -464,7 +537,8 @@ def _gemv_fp8_kernel(
 ):
     # grid (rows, NB8 + tail blocks): programs < NB8 own BN e4m3 rows; the others BN rows of the bf16 tail,
     # written after the e4m3 rows (output columns N ... N + NT - 1). NK / NKT > 0: K in that many tiles, all
-    # requested before the PDL wait (_gemv_fp8_rows_pre); 0: the loop (RB: its RMSNorm statistics' tile).
+    # requested before the PDL wait (_gemv_fp8_rows_pre); 0: the loop (RB: its RMSNorm statistics' tile), fed by
+    # the TMA through NS stages when NS > 0 (w_ptr is then the weight's tensor descriptor).
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
     x_row = x_ptr + row * stride_xm
@@ -494,27 +568,49 @@ def _gemv_fp8_kernel(
                     PDL,
                 )
             else:
-                out = _gemv_fp8_rows(
-                    x_row,
-                    w_ptr,
-                    s_ptr,
-                    nw_ptr,
-                    pid_n,
-                    N,
-                    K,
-                    KS,
-                    stride_wn,
-                    stride_sn,
-                    eps,
-                    BN,
-                    C,
-                    V,
-                    GK,
-                    GN,
-                    RB,
-                    HAS_NORM,
-                    PDL,
-                )
+                if NS > 0:
+                    out = _gemv_fp8_rows_tma(
+                        x_row,
+                        w_ptr,
+                        s_ptr,
+                        nw_ptr,
+                        pid_n,
+                        N,
+                        K,
+                        stride_sn,
+                        eps,
+                        BN,
+                        C,
+                        V,
+                        GK,
+                        GN,
+                        RB,
+                        NS,
+                        HAS_NORM,
+                        PDL,
+                    )
+                else:
+                    out = _gemv_fp8_rows(
+                        x_row,
+                        w_ptr,
+                        s_ptr,
+                        nw_ptr,
+                        pid_n,
+                        N,
+                        K,
+                        KS,
+                        stride_wn,
+                        stride_sn,
+                        eps,
+                        BN,
+                        C,
+                        V,
+                        GK,
+                        GN,
+                        RB,
+                        HAS_NORM,
+                        PDL,
+                    )
             offs_o = pid_n * BN + tl.arange(0, BN)
             omask = offs_o < N
         else:
@@ -556,27 +652,32 @@ def _gemv_fp8_kernel(
                 PDL,
             )
         else:
-            out = _gemv_fp8_rows(
-                x_row,
-                w_ptr,
-                s_ptr,
-                nw_ptr,
-                pid_n,
-                N,
-                K,
-                KS,
-                stride_wn,
-                stride_sn,
-                eps,
-                BN,
-                C,
-                V,
-                GK,
-                GN,
-                RB,
-                HAS_NORM,
-                PDL,
-            )
+            if NS > 0:
+                out = _gemv_fp8_rows_tma(
+                    x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, stride_sn, eps, BN, C, V, GK, GN, RB, NS, HAS_NORM, PDL
+                )
+            else:
+                out = _gemv_fp8_rows(
+                    x_row,
+                    w_ptr,
+                    s_ptr,
+                    nw_ptr,
+                    pid_n,
+                    N,
+                    K,
+                    KS,
+                    stride_wn,
+                    stride_sn,
+                    eps,
+                    BN,
+                    C,
+                    V,
+                    GK,
+                    GN,
+                    RB,
+                    HAS_NORM,
+                    PDL,
+                )
             if HAS_RES:
                 r = tl.load(res_row + offs_o, mask=omask, other=0.0).to(tl.float32)
     if OUT_F32:
@@ -600,18 +701,30 @@ def gemv_fp8(
     out_f32: bool = False,
     tail: torch.Tensor | None = None,
     cfg: tuple[int, int, int] | None = None,
+    tma: tuple[int, int, int, int] | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``rms(x)[n, K] @ (w * scale)[N, K]^T`` (``w`` e4m3), then ``rms(x) @ tail[NT, K]^T`` (plain rows in
     ``x``'s dtype) in columns ``N ... N + NT - 1`` when ``tail`` is given; plus ``residual`` when given (no tail
-    then), into ``out`` (default: ``residual``, in place; a tensor-parallel rank's all-reduce buffer)."""
+    then), into ``out`` (default: ``residual``, in place; a tensor-parallel rank's all-reduce buffer).
+
+    ``cfg`` (BN, BK, warps) sets the register-fed kernel's tile, ``tma`` (BN, BK, stages, warps) the TMA-fed one's;
+    by default the weight's class picks (:data:`FP8_TMA_CFG`, else :data:`FP8_GEMV_CFG`). A weight the TMA cannot
+    read (:func:`_tma_ready`) takes the register-fed kernel at its class's tile."""
     assert x.dim() == 2 and x.stride(-1) == 1 and w.stride(-1) == 1 and scale.stride(-1) == 1
     nt, K = x.shape
     N = w.shape[0]
     assert w.shape[1] == K and nt <= 16
     assert tail is None or (residual is None and tail.shape[1] == K and tail.stride(-1) == 1 and tail.dtype == x.dtype)
     gn, gk = groups(w, scale)
-    bn, bk, nw = cfg or gemv_fp8_config(N, K)
+    if tma is None and cfg is None:
+        tma = FP8_TMA_CFG.get(gemv_fp8_class(N, K))
+    if tma is not None and not _tma_ready(w):
+        tma, cfg = None, None
+    if tma is not None:
+        bn, bk, ns, nw = tma
+    else:
+        (bn, bk, nw), ns = cfg or gemv_fp8_config(N, K), 0
     v = min(VEC, gk)
     bk = max(min(bk, triton.next_power_of_2(K)), v)
     NT = 0 if tail is None else tail.shape[0]
@@ -628,12 +741,12 @@ def gemv_fp8(
     nb8 = triton.cdiv(N, bn)
     bt = max(16, min(triton.next_power_of_2(K), bk // 2))  # bf16 tail: a K tile of the same bytes
     nk = triton.cdiv(K, bk)
-    nk = nk if nk <= 4 and bn * bk * nk <= FP8_PRE_BYTES * 32 * nw else 0  # all of K before the PDL wait
+    nk = nk if nk <= 4 and bn * bk * nk <= FP8_PRE_BYTES * 32 * nw and not ns else 0  # all of K before the PDL wait
     nkt = triton.cdiv(K, bt)
     nkt = nkt if nkt <= 4 and bn * bt * 2 * nkt <= FP8_PRE_BYTES * 32 * nw else 0
     _gemv_fp8_kernel[(nt, nb8 + triton.cdiv(NT, bn))](
         x,
-        w,
+        TensorDescriptor(w, [N, K], [w.stride(0), 1], [bn, bk]) if ns else w,
         scale,
         y,
         norm_w if norm_w is not None else x,
@@ -660,12 +773,13 @@ def gemv_fp8(
         RB=rstd_block(K, bk),
         NK=nk,
         NKT=nkt,
+        NS=ns,
         HAS_NORM=norm_w is not None,
         HAS_RES=residual is not None and not out_f32,
         OUT_F32=out_f32,
         HAS_TAIL=tail is not None,
         num_warps=nw,
-        num_stages=1,
+        num_stages=max(ns, 1),
         **triton_pdl.kw(),
     )
     return y
