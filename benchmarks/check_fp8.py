@@ -145,7 +145,7 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
     # rank's slice of V3.2's / GLM-5's experts (I = 256: the "narrow" configs).
     moe = [(16, 2048, 7168, 1), (16, 2048, 7168, 4), (66, 1408, 2048, 1), (16, 256, 7168, 1), (16, 256, 6144, 3)]
     if small:
-        moe = [(6, 96, 128, 1), (6, 160, 200, 3)]
+        moe = [(6, 96, 128, 1), (6, 160, 200, 3), (5, 80, 208, 2)]  # D = 200: rows the TMA cannot read
     for e, i, d, nt in moe:
         w13, s13 = _stack(e, 2 * i, d, dev, "w13")
         w2, s2 = _stack(e, d, i, dev, "w2")
@@ -195,6 +195,36 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
                     ]
                 )
                 report(f"fp8 moe_up cfg={ucfg} batch invariance {tag}", a1, alone, tol=1e-30)
+        # moe_up fed by the TMA (FP8_UP_TMA_CFG): against the reference through moe_down, against the register-fed
+        # kernel of the same tile, the static (shared) slot and the statistics computed early (the engine's call),
+        # twice bit-identical, each token as if alone (rows it cannot read: the register-fed kernel, checked above).
+        for tcfg in (
+            ((8, 512, 4, 4), (16, 256, 6, 4), (8, 1024, 3, 8)) if not small else ((8, 32, 3, 4), (16, 64, 2, 4))
+        ):
+            if not triton_fp8._tma_ready(w13):
+                break
+            t1 = triton_fp8.moe_up_fp8(h, ids, w13, s13, norm_w=g, tma=tcfg)
+            tag_t = f"tma={tcfg} {tag}"
+            report(f"fp8 moe_up {tag_t}", triton_fp8.moe_down_fp8(t1, ids, wts, w2, s2), want, tol=2e-2)
+            reg = triton_fp8.moe_up_fp8(h, ids, w13, s13, norm_w=g, cfg=(tcfg[0], tcfg[1], tcfg[3], 1))
+            report(f"fp8 moe_up tma == register-fed (fp32 reassociation) {tag_t}", t1, reg, tol=1e-2)
+            t2 = triton_fp8.moe_up_fp8(h, ids, w13, s13, norm_w=g, tma=tcfg, static=(3, e - 1))
+            report(f"fp8 moe_up tma, the last slot static == as read from ids {tag_t}", t2, t1, tol=1e-30)
+            keep = triton_fp8.UP_RSTD_EARLY
+            triton_fp8.UP_RSTD_EARLY = not keep
+            try:
+                t3 = triton_fp8.moe_up_fp8(h, ids, w13, s13, norm_w=g, tma=tcfg, static=(3, e - 1))
+            finally:
+                triton_fp8.UP_RSTD_EARLY = keep
+            report(f"fp8 moe_up tma, statistics early or not: bit-identical {tag_t}", t3, t1, tol=1e-30)
+            if nt > 1:
+                alone = torch.cat(
+                    [
+                        triton_fp8.moe_up_fp8(h[r : r + 1], ids[r : r + 1], w13, s13, norm_w=g, tma=tcfg)
+                        for r in range(nt)
+                    ]
+                )
+                report(f"fp8 moe_up tma batch invariance {tag_t}", t1, alone, tol=1e-30)
         for cfg in (
             (16, 1, 512, 4, True),
             (4, 4, 512, 8, False),

@@ -389,9 +389,9 @@ L2_TUNING = (
 DENSE_SPLIT_TUNING = (
     ("triton_mla", ["DENSE_MIN_TOKENS_PER_SPLIT", ("DENSE_CAP_ROWS", "one")], ((32, 32), (64, 64), (128, 128))),
 )
-# The FP8 GEMVs fed by the TMA (triton_fp8.FP8_TMA_CFG: rows, K tile, stages, warps; None the register-fed kernel),
-# one weight class at a time, then every class at once (the rank's W_a is "k1024", W_o "k2048", its lm_head slice
-# "large"; lite's W_a / W_o "k2048", W_b "small" / "mid", its lm_head "head").
+# The FP8 GEMVs and moe_up fed by the TMA (triton_fp8.FP8_TMA_CFG, FP8_UP_TMA_CFG: rows, K tile, stages, warps;
+# None the register-fed kernel), one weight class at a time, then every GEMV class at once (the rank's W_a is
+# "k1024", W_o "k2048", its lm_head slice "large"; lite's W_a / W_o "k2048", W_b "small" / "mid", its lm_head "head").
 _TMA_CLASSES = ("k1024", "k2048", "mid", "small", "large", "head")
 TMA_TUNING = (
     (
@@ -404,6 +404,13 @@ TMA_TUNING = (
     ("triton_fp8", ("FP8_TMA_CFG", "small"), (None, (8, 512, 4, 4), (4, 1024, 4, 4))),
     ("triton_fp8", ("FP8_TMA_CFG", "large"), (None, (8, 1024, 4, 4), (16, 512, 6, 8))),
     ("triton_fp8", ("FP8_TMA_CFG", "head"), (None, (16, 512, 4, 8), (32, 256, 6, 8))),
+    (  # moe_up (rows, K tile, stages, warps): the rank's experts are "narrow", lite's "small"
+        "triton_fp8",
+        ("FP8_UP_TMA_CFG", "narrow"),
+        (None, (8, 512, 4, 4), (8, 512, 8, 4), (8, 1024, 3, 8), (16, 256, 6, 4), (16, 512, 4, 8)),
+    ),
+    ("triton_fp8", ("FP8_UP_TMA_CFG", "small"), (None, (16, 256, 4, 4), (8, 512, 4, 4), (16, 512, 3, 8))),
+    ("triton_fp8", ("FP8_UP_TMA_CFG", "large"), (None, (8, 512, 4, 4), (8, 1024, 3, 8), (16, 512, 4, 8))),
     (
         "triton_fp8",
         [("FP8_TMA_CFG", k) for k in _TMA_CLASSES],
@@ -451,13 +458,13 @@ TUNING_FP8 = (
     ),
     ("triton_fp8", ("FP8_GEMV_CFG", "large"), ((8, 1024, 4), (16, 1024, 8))),
     ("triton_fp8", ("FP8_UP_CFG", "small"), ((16, 256, 4, 1), (16, 256, 4, 2), (8, 1024, 4, 1))),
-    ("triton_fp8", ("FP8_UP_CFG", "large"), ((8, 1024, 4, 1), (8, 512, 4, 2))),
+    ("triton_fp8", ("FP8_UP_CFG", "large"), ((8, 1024, 4, 1), (8, 512, 4, 2), (8, 512, 4, 1), (4, 1024, 4, 1))),
     ("triton_fp8", ("FP8_DOWN_CFG", "small"), ((16, 1, 512, 4, True), (32, 1, 512, 8, True), (4, 4, 512, 8, False))),
     ("triton_fp8", ("FP8_DOWN_CFG", "large"), ((16, 1, 1024, 8, True), (8, 1, 1024, 4, True), (8, 1, 1024, 8, False))),
     (
         "triton_fp8",
         ("FP8_UP_CFG", "narrow"),
-        ((8, 1024, 4, 1), (16, 512, 4, 7), (8, 1024, 4, 2), (16, 1024, 8, 4)),
+        ((8, 1024, 4, 1), (16, 512, 4, 7), (8, 1024, 4, 2), (16, 1024, 8, 4), (8, 512, 4, 1), (4, 1024, 4, 1)),
     ),
     (
         "triton_fp8",

@@ -74,6 +74,9 @@ UP_RSTD_EARLY = True  # moe_up after the router: the routed programs' RMSNorm st
 # whole step (decode_speed.py --tune).
 FP8_TMA_CFG: dict[str, tuple[int, int, int, int] | None] = dict.fromkeys(FP8_GEMV_CFG)
 FP8_UP_CFG = {"small": (16, 256, 4, 1), "large": (8, 1024, 4, 1), "narrow": (8, 1024, 4, 1)}
+# moe_up fed by the TMA (_up_tiles_tma): (rows BI, K tile BK, stages NS, warps) per class, or None (as FP8_TMA_CFG;
+# no split over D, and no eviction hint: the TMA's loads take none). Off until measured.
+FP8_UP_TMA_CFG: dict[str, tuple[int, int, int, int] | None] = dict.fromkeys(FP8_UP_CFG)
 FP8_DOWN_CFG = {"small": (16, 1, 512, 4, True), "large": (16, 1, 1024, 8, True), "narrow": (64, 1, 256, 8, True)}
 VEC = 16  # e4m3 elements of one 16-byte load: the innermost, in-thread tile axis
 
@@ -100,9 +103,10 @@ def gemv_fp8_config(N: int, K: int) -> tuple[int, int, int]:
 
 
 def _tma_ready(w: torch.Tensor) -> bool:
-    """Whether the TMA can read ``w`` (a 2-D e4m3 weight): 16-byte aligned rows on a Hopper-class GPU (or Triton's
-    interpreter, which emulates it)."""
-    if w.data_ptr() % 16 or w.stride(0) % 16 or w.stride(1) != 1:
+    """Whether the TMA can read ``w`` (an e4m3 weight, or a stack of them): 16-byte aligned rows on a Hopper-class
+    GPU (or Triton's interpreter, which emulates it)."""
+    size = w.element_size()
+    if w.data_ptr() % 16 or w.stride(-1) != 1 or any(st * size % 16 for st in w.stride()[:-1]):
         return False
     if os.environ.get("TRITON_INTERPRET") == "1":
         return True
@@ -824,11 +828,55 @@ def _up_tile(
 
 
 @triton.jit
+def _up_tiles_tma(
+    w_desc,
+    e,
+    row_g,
+    row_u,
+    x_row,
+    nw_ptr,
+    rstd,
+    need_rstd,
+    sg_row,
+    su_row,
+    D,
+    eps,
+    BI: tl.constexpr,
+    C: tl.constexpr,
+    V: tl.constexpr,
+    GK: tl.constexpr,
+    RB: tl.constexpr,
+    NS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    """``[BI, C]`` scaled partial sums of expert ``e``'s gate rows from ``row_g`` and up rows from ``row_u``, over all
+    of D, their e4m3 tiles brought into shared memory by the TMA (``w_desc``: ``w13``'s descriptor, block ``[1, BI,
+    C * V]``) ``NS - 1`` tiles ahead; the RMSNorm statistics (``need_rstd``) while the first tiles are in flight."""
+    BK: tl.constexpr = C * V
+    offs_k = tl.arange(0, BK)
+    acc_g = tl.zeros([BI, C], dtype=tl.float32)
+    acc_u = tl.zeros([BI, C], dtype=tl.float32)
+    r = rstd + tl.zeros([], dtype=tl.float32)
+    for k0 in tl.range(0, D, BK, num_stages=NS):
+        wg = tl.reshape(w_desc.load([e, row_g, k0]), [BI, BK])
+        wu = tl.reshape(w_desc.load([e, row_u, k0]), [BI, BK])
+        if HAS_NORM:
+            if k0 == 0:
+                if need_rstd:
+                    r = _row_rstd_cg(x_row, D, eps, RB)
+        pg, pu = _up_tile(wg, wu, x_row, nw_ptr, r, sg_row, su_row, k0 + offs_k, D, BI, C, V, GK, HAS_NORM)
+        acc_g += pg
+        acc_u += pu
+    return acc_g, acc_u
+
+
+@triton.jit
 def _moe_up_fp8_kernel(
     x_ptr,
     nw_ptr,
     ids_ptr,
     w13_ptr,
+    w13_desc,
     s13_ptr,
     act_ptr,
     ws_ptr,
@@ -860,6 +908,7 @@ def _moe_up_fp8_kernel(
     HAS_NORM: tl.constexpr,
     X_READY: tl.constexpr,
     EV: tl.constexpr,
+    NS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # grid (n * k, I / BI, SPLIT); BI divides GN, so the program's gate rows share their scales, and its up rows
@@ -871,6 +920,7 @@ def _moe_up_fp8_kernel(
     # kernels back (the router passes its own PDL wait, on that writer, before this kernel can launch), so it is
     # complete; it is read from L2 (CG). X_READY (static given: the router is the kernel before): the routed
     # slots' programs compute the RMSNorm statistics of x before their PDL wait too (one wide L2 read, RB).
+    # NS > 0 (SPLIT 1, BI dividing I): the weight tiles come through the TMA (w13_desc), NS - 1 ahead.
     BK: tl.constexpr = C * V
     r = tl.program_id(0)
     ib = tl.program_id(1)
@@ -895,31 +945,54 @@ def _moe_up_fp8_kernel(
         if ks == 0:
             tl.store(out_ptr, tl.zeros([BI], dtype=tl.float32).to(act_ptr.dtype.element_ty), mask=imask)
     else:
-        wb = w13_ptr + e.to(tl.int64) * stride_we
         sb = s13_ptr + e.to(tl.int64) * stride_se
-        k_lo = ks * KPS
-        k_hi = tl.minimum(k_lo + KPS, D)
-        offs_k = k_lo + tl.arange(0, BK)
-        g_rows = wb + offs_i.to(tl.int64)[:, None] * stride_wn
-        u_rows = wb + (offs_i + I).to(tl.int64)[:, None] * stride_wn
         sg_row = sb + ((ib * BI) // GN).to(tl.int64) * stride_sn
         su_row = sb + ((ib * BI + I) // GN).to(tl.int64) * stride_sn
-        im2 = imask[:, None]
-        # the first tiles are in flight while the RMSNorm statistics are computed
-        wg = tl.load(g_rows + offs_k[None, :], mask=im2 & (offs_k < k_hi)[None, :], other=0.0, eviction_policy=EV)
-        wu = tl.load(u_rows + offs_k[None, :], mask=im2 & (offs_k < k_hi)[None, :], other=0.0, eviction_policy=EV)
-        if HAS_NORM:
-            if not X_READY or j >= static_from:
-                rstd = _row_rstd_cg(x_row, D, eps, RB)
-        acc_g, acc_u = _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, offs_k, k_hi, BI, C, V, GK, HAS_NORM)
-        for k0 in range(k_lo + BK, k_hi, BK):
-            kk = k0 + tl.arange(0, BK)
-            m2 = im2 & (kk < k_hi)[None, :]
-            wg = tl.load(g_rows + kk[None, :], mask=m2, other=0.0, eviction_policy=EV)
-            wu = tl.load(u_rows + kk[None, :], mask=m2, other=0.0, eviction_policy=EV)
-            pg, pu = _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, kk, k_hi, BI, C, V, GK, HAS_NORM)
-            acc_g += pg
-            acc_u += pu
+        if NS > 0:
+            acc_g, acc_u = _up_tiles_tma(
+                w13_desc,
+                e,
+                ib * BI,
+                ib * BI + I,
+                x_row,
+                nw_ptr,
+                rstd,
+                not X_READY or j >= static_from,
+                sg_row,
+                su_row,
+                D,
+                eps,
+                BI,
+                C,
+                V,
+                GK,
+                RB,
+                NS,
+                HAS_NORM,
+            )
+        else:
+            wb = w13_ptr + e.to(tl.int64) * stride_we
+            k_lo = ks * KPS
+            k_hi = tl.minimum(k_lo + KPS, D)
+            offs_k = k_lo + tl.arange(0, BK)
+            g_rows = wb + offs_i.to(tl.int64)[:, None] * stride_wn
+            u_rows = wb + (offs_i + I).to(tl.int64)[:, None] * stride_wn
+            im2 = imask[:, None]
+            # the first tiles are in flight while the RMSNorm statistics are computed
+            wg = tl.load(g_rows + offs_k[None, :], mask=im2 & (offs_k < k_hi)[None, :], other=0.0, eviction_policy=EV)
+            wu = tl.load(u_rows + offs_k[None, :], mask=im2 & (offs_k < k_hi)[None, :], other=0.0, eviction_policy=EV)
+            if HAS_NORM:
+                if not X_READY or j >= static_from:
+                    rstd = _row_rstd_cg(x_row, D, eps, RB)
+            acc_g, acc_u = _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, offs_k, k_hi, BI, C, V, GK, HAS_NORM)
+            for k0 in range(k_lo + BK, k_hi, BK):
+                kk = k0 + tl.arange(0, BK)
+                m2 = im2 & (kk < k_hi)[None, :]
+                wg = tl.load(g_rows + kk[None, :], mask=m2, other=0.0, eviction_policy=EV)
+                wu = tl.load(u_rows + kk[None, :], mask=m2, other=0.0, eviction_policy=EV)
+                pg, pu = _up_tile(wg, wu, x_row, nw_ptr, rstd, sg_row, su_row, kk, k_hi, BI, C, V, GK, HAS_NORM)
+                acc_g += pg
+                acc_u += pu
         gate = tl.sum(acc_g, 1)
         up = tl.sum(acc_u, 1)
         last = True
@@ -1152,11 +1225,13 @@ def _moe_down_fp8_kernel(
             tl.atomic_xchg(cnt, 0)  # zero for the next launch (which waits on this one: PDL)
 
 
-def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None, static=None):
+def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None, tma=None, static=None):
     """``act[n, k, I] = silu(gate) * up`` of each token's selected experts (e4m3 ``w13`` with ``s13``).
     ``static = (j0, e0)``: slots ``j >= j0`` hold experts ``e0 + j - j0`` whatever ``ids`` says (the shared experts
     that the router appends); their programs start without waiting on the kernel before (the router), whose own
-    PDL wait must cover ``x``'s writer."""
+    PDL wait must cover ``x``'s writer. ``cfg`` (BI, BK, warps, splits) sets the register-fed kernel's tile, ``tma``
+    (BI, BK, stages, warps) the TMA-fed one's; by default the class picks (:data:`FP8_UP_TMA_CFG`, else
+    :data:`FP8_UP_CFG`); weights the TMA cannot read, or rows it cannot tile whole, take the register-fed kernel."""
     n, D = x.shape
     KK = ids.shape[1]
     I = w13.shape[1] // 2
@@ -1164,7 +1239,15 @@ def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None, static=None
     gn, gk = groups(w13, s13)
     assert I % gn == 0
     act = torch.empty(n, KK, I, device=x.device, dtype=x.dtype)
-    BI, BK, nw, split = cfg or FP8_UP_CFG[moe_class(D, I)]
+    if tma is None and cfg is None:
+        tma = FP8_UP_TMA_CFG.get(moe_class(D, I))
+    if tma is not None and (I % min(tma[0], _pow2_floor(gn)) or not _tma_ready(w13)):
+        tma, cfg = None, None
+    if tma is not None:
+        BI, BK, ns, nw = tma
+        split = 1
+    else:
+        (BI, BK, nw, split), ns = cfg or FP8_UP_CFG[moe_class(D, I)], 0
     BI = min(BI, _pow2_floor(gn))
     v = min(VEC, gk)
     BK = max(min(BK, triton.next_power_of_2(D)), v)
@@ -1181,6 +1264,7 @@ def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None, static=None
         norm_w if norm_w is not None else x,
         ids,
         w13,
+        TensorDescriptor(w13, list(w13.shape), [w13.stride(0), w13.stride(1), 1], [1, BI, BK]) if ns else w13,
         s13,
         act,
         ws,
@@ -1212,8 +1296,9 @@ def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None, static=None
         HAS_NORM=norm_w is not None,
         X_READY=static is not None and UP_RSTD_EARLY,
         EV=triton_prefetch.moe_eviction(),
+        NS=ns,
         num_warps=nw,
-        num_stages=1,
+        num_stages=max(ns, 1),
         **triton_pdl.kw(),
     )
     return act
