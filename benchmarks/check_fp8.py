@@ -15,7 +15,7 @@ import torch
 
 from tilert.engines.tilert import fp8
 from tilert.engines.tilert.ops import reference as ref
-from tilert.engines.tilert.ops import triton_fp8, triton_fused, triton_mla
+from tilert.engines.tilert.ops import triton_fp8, triton_fused, triton_gemv, triton_mla
 
 
 def _q(rows: int, cols: int, dev, leaf: str = "wo", scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,7 +201,7 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
         for tcfg in (
             ((8, 512, 4, 4), (16, 256, 6, 4), (8, 1024, 3, 8)) if not small else ((8, 32, 3, 4), (16, 64, 2, 4))
         ):
-            if not triton_fp8._tma_ready(w13):
+            if not triton_gemv.tma_ready(w13):
                 break
             t1 = triton_fp8.moe_up_fp8(h, ids, w13, s13, norm_w=g, tma=tcfg)
             tag_t = f"tma={tcfg} {tag}"

@@ -82,6 +82,28 @@ def check_gemv(dev, small):
         part = poison(torch.empty(4, nt, N, device=dev, dtype=torch.float32))
         triton_gemv.gemv(x, w, norm_w=g, split_k=4, out=part)
         report(f"gemv+rmsnorm split_k=4 fp32 n={nt} N={N} K={K}", part.sum(0), xn.float() @ w.float().T)
+    # The TMA-fed GEMV (triton_gemv.TMA_CFG): against the reference with RMSNorm and residual, each token as if
+    # alone (bit for bit), and against the register-fed kernel of the same tile; rows / columns past the weight
+    # zero-filled (N and K not multiples of the tile).
+    tma = [(3, 2256, 2048, (8, 256, 4, 4)), (1, 5120, 1536, (16, 256, 3, 8)), (2, 1000, 704, (8, 512, 4, 4))]
+    if small:
+        tma = [(3, 40, 96, (8, 32, 3, 4)), (2, 36, 112, (16, 64, 2, 4))]
+    for nt, N, K, cfg4 in tma:
+        x = rnd(nt, K, dev=dev)
+        w = rnd(N, K, dev=dev, scale=K**-0.5)
+        g = rnd(K, dev=dev, scale=0.2) + 1
+        xn = ref.rms_norm(x, g, 1e-6)
+        tag = f"n={nt} N={N} K={K} tma={cfg4}"
+        got = triton_gemv.gemv(x, w, norm_w=g, eps=1e-6, tma=cfg4)
+        report(f"gemv+rmsnorm {tag}", got, xn.float() @ w.float().T)
+        alone = torch.cat([triton_gemv.gemv(x[r : r + 1], w, norm_w=g, eps=1e-6, tma=cfg4) for r in range(nt)])
+        report(f"gemv tma batch invariance {tag}", got, alone, tol=1e-30)
+        reg = triton_gemv.gemv(x, w, norm_w=g, eps=1e-6, cfg=(cfg4[0], cfg4[1], cfg4[3], 1))
+        report(f"gemv tma == register-fed (fp32 reassociation) {tag}", got, reg, tol=1e-2)
+        r0 = rnd(nt, N, dev=dev)
+        r = r0.clone()
+        triton_gemv.gemv(x, w, residual=r, tma=cfg4)
+        report(f"gemv+residual {tag}", r, r0.float() + (x.float() @ w.float().T))
     for shape in ([1, 2048], [4, 7168], [3, 512]) if not small else ([1, 96], [3, 40]):
         x = rnd(*shape, dev=dev)
         g = rnd(shape[-1], dev=dev, scale=0.2) + 1
@@ -467,6 +489,24 @@ def check_moe(dev, small):
         triton_moe.moe_down(act, ids, wts, w2, residual=r)
         want_n = ref.moe_experts(xn, ids, wts, w13, w2)
         report(f"moe fused norm+residual n={n} E={E} D={D}", r, r0.float() + want_n.float())
+        # moe_up fed by the TMA (triton_moe.UP_TMA_CFG): against the reference, the register-fed kernel of the same
+        # tile, and each token as if alone (bit for bit)
+        for tcfg in ((8, 512, 4, 4), (16, 256, 6, 8)) if not small else ((8, 32, 3, 4), (16, 16, 2, 4)):
+            if inter % tcfg[0] or not triton_gemv.tma_ready(w13):
+                continue
+            tag = f"n={n} E={E} D={D} I={inter} tma={tcfg}"
+            t1 = triton_moe.moe_up(x, ids, w13, norm_w=g, eps=1e-6, tma=tcfg)
+            report(f"moe_up tma {tag}", triton_moe.moe_down(t1, ids, wts, w2), want_n)
+            reg = triton_moe.moe_up(x, ids, w13, norm_w=g, eps=1e-6, cfg=(tcfg[0], tcfg[1], tcfg[3], 1))
+            report(f"moe_up tma == register-fed (fp32 reassociation) {tag}", t1, reg, tol=1e-2)
+            if n > 1:
+                alone = torch.cat(
+                    [
+                        triton_moe.moe_up(x[r : r + 1], ids[r : r + 1], w13, norm_w=g, eps=1e-6, tma=tcfg)
+                        for r in range(n)
+                    ]
+                )
+                report(f"moe_up tma batch invariance {tag}", t1, alone, tol=1e-30)
     # router
     for n, E, k, G, TG in [(1, 64, 6, 1, 1), (4, 256, 8, 8, 4), (1, 256, 8, 8, 4)] if not small else [(2, 16, 4, 4, 2)]:
         logits = torch.randn(n, E, device=dev) * 2

@@ -420,6 +420,26 @@ TMA_TUNING = (
         ),
     ),
 )
+# bf16 weights fed by the TMA (triton_gemv.TMA_CFG, triton_moe.UP_TMA_CFG: rows, K tile, stages, warps; None the
+# register-fed kernel, whose num_stages pipelines nothing): lite's W_a / W_o are "k1024", W_b "small", its lm_head
+# "head", its experts "wide".
+BF16_TMA_TUNING = (
+    (
+        "triton_gemv",
+        ("TMA_CFG", "k1024"),
+        (None, (4, 512, 4, 4), (8, 256, 6, 4), (4, 1024, 4, 8), (8, 512, 4, 8), (2, 1024, 6, 4)),
+    ),
+    ("triton_gemv", ("TMA_CFG", "small"), (None, (4, 512, 4, 4), (8, 256, 6, 4), (8, 512, 3, 8))),
+    ("triton_gemv", ("TMA_CFG", "mid"), (None, (8, 256, 4, 4), (16, 256, 4, 8))),
+    ("triton_gemv", ("TMA_CFG", "large"), (None, (8, 512, 4, 8), (16, 256, 4, 8))),
+    ("triton_gemv", ("TMA_CFG", "head"), (None, (16, 256, 4, 8), (8, 512, 4, 8), (32, 128, 6, 8))),
+    (
+        "triton_moe",
+        ("UP_TMA_CFG", "wide"),
+        (None, (8, 256, 4, 4), (8, 512, 4, 8), (16, 256, 6, 8), (4, 512, 6, 4)),
+    ),
+    ("triton_moe", ("UP_TMA_CFG", "narrow"), (None, (8, 256, 4, 4), (8, 512, 4, 8), (4, 512, 6, 4))),
+)
 TUNING = (  # (module, attribute, values): variants re-timed in the whole captured step (first context)
     ("triton_mla", "DENSE_MIN_TOKENS_PER_SPLIT", (32, 64, 16)),
     ("triton_mla", "SPLIT_ROWS_EARLY", (True, False)),
@@ -438,6 +458,7 @@ TUNING = (  # (module, attribute, values): variants re-timed in the whole captur
     ),
     ("triton_gemv", "MID_CFG", ((8, 512, 4, 3), (4, 512, 4, 3), (2, 512, 4, 4), (16, 512, 8, 3))),
     ("triton_gemv", "HEAD_CFG", ((16, 256, 4, 4), (8, 512, 4, 3), (16, 512, 8, 3), (32, 256, 8, 4))),
+    *BF16_TMA_TUNING,
     *DSA_TUNING,
     *L2_TUNING,
     *DENSE_SPLIT_TUNING,

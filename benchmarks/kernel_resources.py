@@ -154,12 +154,14 @@ def main() -> None:
     args = ap.parse_args()
     import triton
 
-    from tilert.engines.tilert.ops import triton_fp8, triton_pdl
+    from tilert.engines.tilert.ops import triton_fp8, triton_gemv, triton_pdl
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     triton_pdl.set_enabled(True)  # as on the H200: the PDL wait compiled in
-    ready = triton_fp8._tma_ready
-    triton_fp8._tma_ready = lambda w: ready(w) or not (w.data_ptr() % 16 or any(st % 16 for st in w.stride()[:-1]))
+    ready = triton_gemv.tma_ready  # as on an H200: these CPU tensors' rows are what decides
+    triton_gemv.tma_ready = lambda w: (
+        ready(w) or not (w.data_ptr() % 16 or any(st * w.element_size() % 16 for st in w.stride()[:-1]))
+    )
     built: list = []
     _compiling(built)
     rows = []

@@ -34,14 +34,12 @@ that rounding and fp32 reassociation: accumulation is fp32 throughout.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import triton_pdl, triton_prefetch
+from . import triton_gemv, triton_pdl, triton_prefetch
 from .triton_gemv import _row_rstd, rstd_block
 from .triton_pdl import gdc_launch_dependents, pdl_begin
 
@@ -100,17 +98,6 @@ def gemv_fp8_class(N: int, K: int) -> str:
 def gemv_fp8_config(N: int, K: int) -> tuple[int, int, int]:
     """(BN, BK, warps) of an ``[N, K]`` e4m3 weight (:data:`FP8_GEMV_CFG`)."""
     return FP8_GEMV_CFG[gemv_fp8_class(N, K)]
-
-
-def _tma_ready(w: torch.Tensor) -> bool:
-    """Whether the TMA can read ``w`` (an e4m3 weight, or a stack of them): 16-byte aligned rows on a Hopper-class
-    GPU (or Triton's interpreter, which emulates it)."""
-    size = w.element_size()
-    if w.data_ptr() % 16 or w.stride(-1) != 1 or any(st * size % 16 for st in w.stride()[:-1]):
-        return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    return w.is_cuda and torch.cuda.get_device_capability(w.device)[0] >= 9
 
 
 def moe_class(D: int, I: int) -> str:  # noqa: E741  (I: the expert width)
@@ -714,7 +701,7 @@ def gemv_fp8(
 
     ``cfg`` (BN, BK, warps) sets the register-fed kernel's tile, ``tma`` (BN, BK, stages, warps) the TMA-fed one's;
     by default the weight's class picks (:data:`FP8_TMA_CFG`, else :data:`FP8_GEMV_CFG`). A weight the TMA cannot
-    read (:func:`_tma_ready`) takes the register-fed kernel at its class's tile."""
+    read (:func:`~.triton_gemv.tma_ready`) takes the register-fed kernel at its class's tile."""
     assert x.dim() == 2 and x.stride(-1) == 1 and w.stride(-1) == 1 and scale.stride(-1) == 1
     nt, K = x.shape
     N = w.shape[0]
@@ -723,7 +710,7 @@ def gemv_fp8(
     gn, gk = groups(w, scale)
     if tma is None and cfg is None:
         tma = FP8_TMA_CFG.get(gemv_fp8_class(N, K))
-    if tma is not None and not _tma_ready(w):
+    if tma is not None and not triton_gemv.tma_ready(w):
         tma, cfg = None, None
     if tma is not None:
         bn, bk, ns, nw = tma
@@ -1241,7 +1228,7 @@ def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None, tma=None, s
     act = torch.empty(n, KK, I, device=x.device, dtype=x.dtype)
     if tma is None and cfg is None:
         tma = FP8_UP_TMA_CFG.get(moe_class(D, I))
-    if tma is not None and (I % min(tma[0], _pow2_floor(gn)) or not _tma_ready(w13)):
+    if tma is not None and (I % min(tma[0], _pow2_floor(gn)) or not triton_gemv.tma_ready(w13)):
         tma, cfg = None, None
     if tma is not None:
         BI, BK, ns, nw = tma

@@ -9,19 +9,37 @@ Optional fusions, all decided at compile time:
   output rows, so ``out`` may be ``residual`` or a buffer apart, e.g. a tensor-parallel rank's all-reduce input).
 * ``split_k``: fp32 partial sums ``[split_k, n, N]`` for small N (the MoE router); the consumer sums.
 
+Weight tiles reach the program one of two ways: loaded into registers (one tile in flight a program: Triton does
+not pipeline plain loads, whatever ``num_stages`` says), or brought into shared memory by the TMA, ``NS - 1`` tiles
+ahead of the one being summed (:data:`TMA_CFG`, per weight class; a tensor descriptor of the weight).
+
 Everything is capturable in a CUDA graph (no host syncs, shapes fixed per call site).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import triton_pdl
 from .triton_pdl import pdl_begin
 
-__all__ = ["gemv", "rms_norm", "gemv_config"]
+__all__ = ["gemv", "rms_norm", "gemv_class", "gemv_config", "tma_ready"]
+
+
+def tma_ready(w: torch.Tensor) -> bool:
+    """Whether the TMA can read ``w`` (a weight, or a stack of them): 16-byte aligned rows on a Hopper-class GPU (or
+    Triton's interpreter, which emulates it)."""
+    size = w.element_size()
+    if w.data_ptr() % 16 or w.stride(-1) != 1 or any(st * size % 16 for st in w.stride()[:-1]):
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return w.is_cuda and torch.cuda.get_device_capability(w.device)[0] >= 9
 
 
 @triton.jit
@@ -34,6 +52,43 @@ def _row_rstd(x_row_ptr, K, eps, BK: tl.constexpr):
         v = tl.load(x_row_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
         acc += v * v
     return tl.rsqrt(tl.sum(acc, 0) / K + eps)
+
+
+@triton.jit
+def _gemv_rows_tma(
+    x_row,
+    w_desc,
+    nw_ptr,
+    pid_n,
+    K,
+    eps,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    RB: tl.constexpr,
+    NS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """``[BN]`` fp32 outputs of rows ``pid_n * BN ...`` over all of K, the weight's tiles brought into shared memory by
+    the TMA (``w_desc``, block ``[BN, BK]``) ``NS - 1`` ahead; the first ones requested before the PDL wait, which the
+    first iteration passes (then the RMSNorm statistics). Rows and columns past the weight read as zeros."""
+    offs_k0 = tl.arange(0, BK)
+    acc = tl.zeros([BN, BK], dtype=tl.float32)
+    rstd = tl.full([], 1.0, tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=NS):
+        w = w_desc.load([pid_n * BN, k0])
+        if k0 == 0:
+            pdl_begin(PDL)
+            if HAS_NORM:
+                rstd = _row_rstd(x_row, K, eps, RB)
+        offs_k = k0 + offs_k0
+        kmask = offs_k < K
+        xv = tl.load(x_row + offs_k, mask=kmask, other=0.0)
+        if HAS_NORM:
+            g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
+            xv = (xv.to(tl.float32) * rstd * g).to(w.dtype)
+        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+    return tl.sum(acc, 1)
 
 
 @triton.jit
@@ -58,41 +113,46 @@ def _gemv_kernel(
     HAS_NORM: tl.constexpr,
     HAS_RES: tl.constexpr,
     OUT_F32: tl.constexpr,
+    NS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # grid (rows, N / BN, split_k): the rows of one weight tile run side by side (one HBM read, L2 hits),
     # and every row is computed exactly as if it were alone (batch invariance: MTP verify == plain decode).
+    # NS > 0 (split_k 1): the tiles come through the TMA (w_ptr is then the weight's tensor descriptor).
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_n = pid_n * BN + tl.arange(0, BN)
     nmask = offs_n < N
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     x_row = x_ptr + row * stride_xm
-    # first weight tile is static: fetch it before waiting on the previous kernel (PDL)
-    offs_k = k_lo + tl.arange(0, BK)
-    kmask = offs_k < k_hi
-    w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-    pdl_begin(PDL)
-    if HAS_NORM:
-        rstd = _row_rstd(x_row, K, eps, RB)
-    xv = tl.load(x_row + offs_k, mask=kmask, other=0.0)
-    if HAS_NORM:
-        g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
-        xv = (xv.to(tl.float32) * rstd * g).to(w_ptr.dtype.element_ty)
-    acc = w.to(tl.float32) * xv.to(tl.float32)[None, :]
-    for k0 in range(k_lo + BK, k_hi, BK):
-        offs_k = k0 + tl.arange(0, BK)
+    if NS > 0:
+        out = _gemv_rows_tma(x_row, w_ptr, nw_ptr, pid_n, K, eps, BN, BK, RB, NS, HAS_NORM, PDL)
+    else:
+        k_lo = pid_k * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, K)
+        w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+        # first weight tile is static: fetch it before waiting on the previous kernel (PDL)
+        offs_k = k_lo + tl.arange(0, BK)
         kmask = offs_k < k_hi
+        w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        pdl_begin(PDL)
+        if HAS_NORM:
+            rstd = _row_rstd(x_row, K, eps, RB)
         xv = tl.load(x_row + offs_k, mask=kmask, other=0.0)
         if HAS_NORM:
             g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
             xv = (xv.to(tl.float32) * rstd * g).to(w_ptr.dtype.element_ty)
-        w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
-    out = tl.sum(acc, 1)
+        acc = w.to(tl.float32) * xv.to(tl.float32)[None, :]
+        for k0 in range(k_lo + BK, k_hi, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            kmask = offs_k < k_hi
+            xv = tl.load(x_row + offs_k, mask=kmask, other=0.0)
+            if HAS_NORM:
+                g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
+                xv = (xv.to(tl.float32) * rstd * g).to(w_ptr.dtype.element_ty)
+            w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+        out = tl.sum(acc, 1)
     if OUT_F32:
         tl.store(y_ptr + pid_k * stride_ys + row * stride_ym + offs_n, out, mask=nmask)
     else:
@@ -121,16 +181,28 @@ MID_CFG = (8, 512, 4, 3)  # < 64 MB, N >= 4096 (W_b)
 SMALL_CFG = (2, 512, 4, 3)
 
 
-def gemv_config(N: int, K: int, nt: int) -> tuple[int, int, int, int]:
-    """(BN, BK, num_warps, num_stages) for a weight of ``[N, K]`` (the same for every ``nt``: batch invariance)."""
+# The register-fed config of each weight class (module attributes, so that tuning can set them).
+_CFG_OF = {"head": "HEAD_CFG", "large": "LARGE_CFG", "k1024": "SMALL_K1024_CFG", "mid": "MID_CFG", "small": "SMALL_CFG"}
+# TMA-fed GEMVs (_gemv_rows_tma): (BN rows, BK, stages NS, warps) per class, or None for the register-fed kernel.
+# Off until measured in the whole step (decode_speed.py --tune).
+TMA_CFG: dict[str, tuple[int, int, int, int] | None] = dict.fromkeys(_CFG_OF)
+
+
+def gemv_class(N: int, K: int) -> str:
+    """The config class of a bf16 weight of ``[N, K]`` (keys of :data:`TMA_CFG`)."""
     nbytes = N * K * 2
     if nbytes >= (512 << 20):
-        return HEAD_CFG
+        return "head"
     if nbytes >= (64 << 20):
-        return LARGE_CFG
+        return "large"
     if K % 1024 == 0:
-        return SMALL_K1024_CFG
-    return MID_CFG if N >= 4096 else SMALL_CFG
+        return "k1024"
+    return "mid" if N >= 4096 else "small"
+
+
+def gemv_config(N: int, K: int, nt: int) -> tuple[int, int, int, int]:
+    """(BN, BK, num_warps, num_stages) for a weight of ``[N, K]`` (the same for every ``nt``: batch invariance)."""
+    return globals()[_CFG_OF[gemv_class(N, K)]]
 
 
 def gemv(
@@ -144,17 +216,30 @@ def gemv(
     split_k: int = 1,
     out_f32: bool = False,
     cfg: tuple[int, int, int, int] | None = None,
+    tma: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """``x[n, K] @ w[N, K]^T`` (bf16 out, or fp32 partials ``[split_k, n, N]`` when split_k > 1).
 
     With ``residual`` the result is ``residual + x @ w^T``, written into ``out`` (default: ``residual``, in place)
-    and returned. ``x`` may be a strided row view (last dim contiguous).
+    and returned. ``x`` may be a strided row view (last dim contiguous). ``cfg`` (BN, BK, warps, stages) sets the
+    register-fed kernel's tile, ``tma`` (BN, BK, stages, warps) the TMA-fed one's; by default the weight's class
+    picks (:data:`TMA_CFG`, else :func:`gemv_config`). Split-K and weights the TMA cannot read take the register-fed
+    kernel.
     """
     assert x.dim() == 2 and x.stride(-1) == 1 and w.stride(-1) == 1
     nt, K = x.shape
     N = w.shape[0]
     assert w.shape[1] == K and nt <= 16
-    bn, bk, nw, ns = cfg or gemv_config(N, K, nt)
+    if tma is None and cfg is None:
+        tma = TMA_CFG[gemv_class(N, K)]
+    if tma is not None and (split_k > 1 or not tma_ready(w)):
+        tma, cfg = None, None
+    if tma is not None:
+        bn, bk, tma_ns, nw = tma
+        bk = min(bk, triton.next_power_of_2(K))
+        ns = tma_ns
+    else:
+        (bn, bk, nw, ns), tma_ns = cfg or gemv_config(N, K, nt), 0
     out_f32 = out_f32 or split_k > 1
     if out_f32:
         shape = (split_k, nt, N) if split_k > 1 else (nt, N)
@@ -170,7 +255,7 @@ def gemv(
     res = residual if residual is not None else y
     _gemv_kernel[grid](
         x,
-        w,
+        TensorDescriptor(w, [N, K], [w.stride(0), 1], [bn, bk]) if tma_ns else w,
         y,
         norm_w if norm_w is not None else x,
         res,
@@ -189,6 +274,7 @@ def gemv(
         HAS_NORM=norm_w is not None,
         HAS_RES=residual is not None and not out_f32,
         OUT_F32=out_f32,
+        NS=tma_ns,
         num_warps=nw,
         num_stages=ns,
         **triton_pdl.kw(),

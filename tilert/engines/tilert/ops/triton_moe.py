@@ -29,8 +29,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import triton_pdl
+from . import triton_gemv, triton_pdl
 from .triton_gemv import _row_rstd, gemv_config, rstd_block
 from .triton_pdl import pdl_begin
 
@@ -57,8 +58,11 @@ def _moe_up_kernel(
     BI: tl.constexpr,
     BK: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    NS: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    # NS > 0 (BI dividing I): w13_ptr is w13's tensor descriptor (block [1, BI, BK]), its tiles brought into shared
+    # memory by the TMA NS - 1 ahead of the one being summed.
     pdl_begin(PDL)
     r = tl.program_id(0)
     ib = tl.program_id(1)
@@ -79,24 +83,38 @@ def _moe_up_kernel(
                 v = tl.load(x_row + offs_k, mask=offs_k < D, other=0.0).to(tl.float32)
                 sq += v * v
             rstd = tl.rsqrt(tl.sum(sq, 0) / D + eps)
-        wb = w13_ptr + e.to(tl.int64) * stride_we
-        g_rows = wb + offs_i.to(tl.int64)[:, None] * stride_wn
-        u_rows = wb + (offs_i + I).to(tl.int64)[:, None] * stride_wn
         acc_g = tl.zeros([BI, BK], dtype=tl.float32)
         acc_u = tl.zeros([BI, BK], dtype=tl.float32)
-        for k0 in range(0, D, BK):
-            offs_k = k0 + tl.arange(0, BK)
-            kmask = offs_k < D
-            xv = tl.load(x_row + offs_k, mask=kmask, other=0.0)
-            if HAS_NORM:
-                g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
-                xv = (xv.to(tl.float32) * rstd * g).to(w13_ptr.dtype.element_ty)
-            xf = xv.to(tl.float32)[None, :]
-            m2 = imask[:, None] & kmask[None, :]
-            wg = tl.load(g_rows + offs_k[None, :], mask=m2, other=0.0)
-            wu = tl.load(u_rows + offs_k[None, :], mask=m2, other=0.0)
-            acc_g += wg.to(tl.float32) * xf
-            acc_u += wu.to(tl.float32) * xf
+        if NS > 0:
+            for k0 in tl.range(0, D, BK, num_stages=NS):
+                wg = tl.reshape(w13_ptr.load([e, ib * BI, k0]), [BI, BK])
+                wu = tl.reshape(w13_ptr.load([e, ib * BI + I, k0]), [BI, BK])
+                offs_k = k0 + tl.arange(0, BK)
+                kmask = offs_k < D
+                xv = tl.load(x_row + offs_k, mask=kmask, other=0.0)
+                if HAS_NORM:
+                    g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
+                    xv = (xv.to(tl.float32) * rstd * g).to(wg.dtype)
+                xf = xv.to(tl.float32)[None, :]
+                acc_g += wg.to(tl.float32) * xf
+                acc_u += wu.to(tl.float32) * xf
+        else:
+            wb = w13_ptr + e.to(tl.int64) * stride_we
+            g_rows = wb + offs_i.to(tl.int64)[:, None] * stride_wn
+            u_rows = wb + (offs_i + I).to(tl.int64)[:, None] * stride_wn
+            for k0 in range(0, D, BK):
+                offs_k = k0 + tl.arange(0, BK)
+                kmask = offs_k < D
+                xv = tl.load(x_row + offs_k, mask=kmask, other=0.0)
+                if HAS_NORM:
+                    g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
+                    xv = (xv.to(tl.float32) * rstd * g).to(w13_ptr.dtype.element_ty)
+                xf = xv.to(tl.float32)[None, :]
+                m2 = imask[:, None] & kmask[None, :]
+                wg = tl.load(g_rows + offs_k[None, :], mask=m2, other=0.0)
+                wu = tl.load(u_rows + offs_k[None, :], mask=m2, other=0.0)
+                acc_g += wg.to(tl.float32) * xf
+                acc_u += wu.to(tl.float32) * xf
         gate = tl.sum(acc_g, 1).to(act_ptr.dtype.element_ty).to(tl.float32)
         up = tl.sum(acc_u, 1).to(act_ptr.dtype.element_ty).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(act_ptr.dtype.element_ty).to(tl.float32) * up
@@ -163,7 +181,11 @@ def _moe_down_kernel(
 # --sections real,tune``, which re-time variants in the whole captured step.
 # moe_up (rows, K tile, warps, stages).
 UP_CFG = {"wide": (8, 512, 4, 4), "narrow": (8, 1024, 4, 3)}
-# moe_down (rows, I tile, warps, stages); the software pipeline over the (slot, chunk) loop, not an unrolled loop.
+# moe_up fed by the TMA: (rows, K tile, stages, warps) per width, or None for the register-fed kernel (off until
+# measured in the whole step).
+UP_TMA_CFG: dict[str, tuple[int, int, int, int] | None] = dict.fromkeys(UP_CFG)
+# moe_down (rows, I tile, warps, stages): one flat loop over (slot, chunk). The stages change nothing in the sm_90
+# build of these register-fed kernels (Triton pipelines the TMA's loads, not plain ones; kernel_resources.py).
 DOWN_CFG = {"wide": (1, 2048, 4, 3), "narrow": (1, 1024, 4, 4)}
 
 
@@ -171,18 +193,31 @@ def _width(inter: int) -> str:
     return "narrow" if inter <= 1024 else "wide"
 
 
-def moe_up(x, ids, w13, *, norm_w=None, eps=1e-6, out=None, cfg=None):
+def moe_up(x, ids, w13, *, norm_w=None, eps=1e-6, out=None, cfg=None, tma=None):
+    """``act[n, k, I] = silu(gate) * up`` of each token's selected experts. ``cfg`` (BI, BK, warps, stages) sets the
+    register-fed kernel's tile, ``tma`` (BI, BK, stages, warps) the TMA-fed one's; by default the width picks
+    (:data:`UP_TMA_CFG`, else :data:`UP_CFG`); weights the TMA cannot read, or rows it cannot tile whole, take the
+    register-fed kernel."""
     n, D = x.shape
     KK = ids.shape[1]
     I = w13.shape[1] // 2
     assert w13.shape[2] == D and w13.stride(-1) == 1 and x.stride(-1) == 1
     act = out if out is not None else torch.empty(n, KK, I, device=x.device, dtype=x.dtype)
-    BI, BK, nw, ns = cfg or UP_CFG[_width(I)]
+    if tma is None and cfg is None:
+        tma = UP_TMA_CFG[_width(I)]
+    if tma is not None and (I % tma[0] or not triton_gemv.tma_ready(w13)):
+        tma, cfg = None, None
+    if tma is not None:
+        BI, BK, tma_ns, nw = tma
+        BK = min(BK, triton.next_power_of_2(D))
+        ns = tma_ns
+    else:
+        (BI, BK, nw, ns), tma_ns = cfg or UP_CFG[_width(I)], 0
     _moe_up_kernel[(n * KK, triton.cdiv(I, BI))](
         x,
         norm_w if norm_w is not None else x,
         ids,
-        w13,
+        TensorDescriptor(w13, list(w13.shape), [w13.stride(0), w13.stride(1), 1], [1, BI, BK]) if tma_ns else w13,
         act,
         D,
         I,
@@ -197,6 +232,7 @@ def moe_up(x, ids, w13, *, norm_w=None, eps=1e-6, out=None, cfg=None):
         BI=BI,
         BK=BK,
         HAS_NORM=norm_w is not None,
+        NS=tma_ns,
         num_warps=nw,
         num_stages=ns,
         **triton_pdl.kw(),
