@@ -1,19 +1,22 @@
-"""What the FP8 decode kernels cost an H200's SMs, read off their sm_90 builds, on any machine with Triton (no GPU).
+"""What the decode kernels that stream weights cost an H200's SMs, read off their sm_90 builds, on any machine with
+Triton (no GPU).
 
-Each launch config of the FP8 GEMV and ``moe_up`` that ``decode_speed.py --tune`` would time (the rows of its
-``TUNING_FP8`` for ``FP8_GEMV_CFG``, ``FP8_TMA_CFG``, ``FP8_UP_CFG`` and ``FP8_UP_TMA_CFG``), register-fed and TMA-fed,
-is compiled as the engine's own call would launch it (``triton_fp8.gemv_fp8`` / ``moe_up_fp8`` on CPU tensors of
-the shapes below, Triton's launch replaced by a compile for sm_90 with Triton's own ``ptxas``), and its resources
-printed from the cubin (``cuobjdump -res-usage``): registers per thread, stack (bytes a thread spills to local
-memory: a config that spills is slow before it runs) and shared memory (the TMA-fed kernels' stages). Nothing is
-run and nothing is timed: what it says is which configs are worth a device's time.
+Each launch config of the GEMV and ``moe_up``, block-FP8 and bf16, that ``decode_speed.py --tune`` would time (the
+defaults and the one-knob rows of its ``TUNING_FP8`` / ``TUNING`` for the register-fed configs and the TMA-fed ones:
+``triton_fp8.FP8_GEMV_CFG`` / ``FP8_TMA_CFG`` / ``FP8_UP_CFG`` / ``FP8_UP_TMA_CFG``, ``triton_gemv``'s class configs /
+``TMA_CFG``, ``triton_moe.UP_CFG`` / ``UP_TMA_CFG``) is compiled as the engine's own call would launch it (the ops'
+host functions on CPU tensors of the shapes below, Triton's launch replaced by a compile for sm_90 with Triton's own
+``ptxas``), and its resources printed from the cubin (``cuobjdump -res-usage``): registers per thread, stack (bytes
+a thread spills to local memory: a config that spills is slow before it runs) and shared memory (the TMA-fed
+kernels' stages). Nothing is run and nothing is timed: what it says is which configs are worth a device's time.
 
     python3 benchmarks/kernel_resources.py [--classes k1024,narrow] [--out DIR]
 
-Shapes: one TP8 rank of full-size V3.2 (``k1024``: W_a with its bf16 tail, ``k2048``: W_o with the residual,
-``small``: W_b, ``large``: the lm_head's rank slice; ``narrow``: the experts' rank slice, 2 of them), lite-v32
-(``head``: its lm_head; ``small`` experts) and V3.2's whole experts (``large``). Writes ``cpu-kernel-resources.json``
-under ``benchmarks/results/`` (``--out``: elsewhere).
+Shapes, FP8: one TP8 rank of full-size V3.2 (``k1024``: W_a with its bf16 tail, ``k2048``: W_o with the residual,
+``small``: W_b, ``large``: the lm_head's rank slice; ``narrow``: the experts' rank slice), lite-v32 (``head``: its
+lm_head; ``small`` experts) and V3.2's whole experts (``large``); bf16: lite-v32's (``k1024`` W_a, ``small`` W_b,
+``head``, ``wide`` experts) and a TP2 rank's V3.2 experts (``narrow``). Writes ``cpu-kernel-resources.json`` under
+``benchmarks/results/`` (``--out``: elsewhere).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 from results_header import RESULTS_DIR, recorded, write_json  # noqa: E402
 
-# GEMV class -> (N, K, what): the weight of that class in the rank's (or lite's) step
+# FP8 GEMV class -> (N, K, what): the weight of that class in the rank's (or lite's) step
 GEMV_SHAPES = {
     "k1024": (2240, 7168, "wa"),
     "k2048": (7168, 2048, "wo"),
@@ -41,8 +44,17 @@ GEMV_SHAPES = {
     "large": (16160, 7168, "head"),
     "head": (129280, 2048, "head"),
 }
-# moe_up class -> (D, I)
+# FP8 moe_up class -> (D, I)
 UP_SHAPES = {"narrow": (7168, 256), "small": (2048, 1408), "large": (7168, 2048)}
+# bf16 (lite-v32 bf16, layer-v32 bf16): GEMV class -> (N, K, what); moe_up width -> (D, I)
+BF16_GEMV_SHAPES = {
+    "k1024": (2240, 2048, "wa"),
+    "small": (3072, 1536, "wb"),
+    "mid": (4096, 1536, "wb"),
+    "large": (16160, 7168, "head"),
+    "head": (129280, 2048, "head"),
+}
+BF16_UP_SHAPES = {"wide": (2048, 1408), "narrow": (7168, 1024)}
 
 
 class _Sm90Driver:
@@ -95,55 +107,84 @@ def _weights(rows: int, cols: int, gn: int = 128) -> tuple[torch.Tensor, torch.T
     return w, torch.ones(-(-rows // gn), cols // 128)
 
 
-def _gemv(triton_fp8, cls: str, cfg, tma: bool) -> None:
+def _gemv_fp8(ops, cls: str, kw: dict) -> None:
     n, k, what = GEMV_SHAPES[cls]
     x = torch.zeros(1, k, dtype=torch.bfloat16)
     w, s = _weights(n, k, 1 if what in ("wa", "wb") else 128)
-    kw: dict = {"tma": cfg} if tma else {"cfg": cfg}
     if what == "wa":
-        triton_fp8.gemv_fp8(x, w, s, norm_w=x[0], tail=torch.zeros(64, k, dtype=torch.bfloat16), **kw)
+        ops.gemv_fp8(x, w, s, norm_w=x[0], tail=torch.zeros(64, k, dtype=torch.bfloat16), **kw)
     elif what == "wo":
-        triton_fp8.gemv_fp8(x, w, s, residual=torch.zeros(1, n, dtype=torch.bfloat16), **kw)
+        ops.gemv_fp8(x, w, s, residual=torch.zeros(1, n, dtype=torch.bfloat16), **kw)
     elif what == "wb":
-        triton_fp8.gemv_fp8(x, w, s, norm_w=x[0], **kw)
+        ops.gemv_fp8(x, w, s, norm_w=x[0], **kw)
     else:
-        triton_fp8.gemv_fp8(x, w, s, out_f32=True, **kw)
+        ops.gemv_fp8(x, w, s, out_f32=True, **kw)
 
 
-def _moe_up(triton_fp8, cls: str, cfg, tma: bool) -> None:
+def _moe_up_fp8(ops, cls: str, kw: dict) -> None:
     d, i = UP_SHAPES[cls]
     w13 = torch.zeros(2, 2 * i, d, dtype=torch.float8_e4m3fn)
     s13 = torch.ones(2, 2 * i // 128, d // 128)
     x = torch.zeros(1, d, dtype=torch.bfloat16)
-    ids = torch.zeros(1, 2, dtype=torch.int32)
-    kw: dict = {"tma": cfg} if tma else {"cfg": cfg}
-    triton_fp8.moe_up_fp8(x, ids, w13, s13, norm_w=x[0], static=(1, 1), **kw)
+    ops.moe_up_fp8(x, torch.zeros(1, 2, dtype=torch.int32), w13, s13, norm_w=x[0], static=(1, 1), **kw)
 
 
-def variants(classes: set[str] | None) -> list[tuple[str, str, object, bool]]:
-    """(kernel, class, config, TMA-fed) of every config the tuning table names, the defaults first."""
-    from decode_speed import TUNING_FP8
+def _gemv_bf16(ops, cls: str, kw: dict) -> None:
+    n, k, what = BF16_GEMV_SHAPES[cls]
+    x = torch.zeros(1, k, dtype=torch.bfloat16)
+    w = torch.zeros(n, k, dtype=torch.bfloat16)
+    if what == "head":
+        ops.gemv(x, w, out_f32=True, **kw)
+    else:
+        ops.gemv(x, w, norm_w=x[0], **kw)
 
-    from tilert.engines.tilert.ops import triton_fp8
 
-    tables = {
-        "FP8_GEMV_CFG": ("gemv", False),
-        "FP8_TMA_CFG": ("gemv", True),
-        "FP8_UP_CFG": ("moe_up", False),
-        "FP8_UP_TMA_CFG": ("moe_up", True),
-    }
-    out: list[tuple[str, str, object, bool]] = []
-    for table, (kernel, tma) in tables.items():
-        defaults = getattr(triton_fp8, table)
-        for cls, cfg in defaults.items():
-            known = GEMV_SHAPES if kernel == "gemv" else UP_SHAPES
-            if cls not in known or (classes and cls not in classes):
+def _moe_up_bf16(ops, cls: str, kw: dict) -> None:
+    d, i = BF16_UP_SHAPES[cls]
+    x = torch.zeros(1, d, dtype=torch.bfloat16)
+    w13 = torch.zeros(2, 2 * i, d, dtype=torch.bfloat16)
+    ops.moe_up(x, torch.zeros(1, 2, dtype=torch.int32), w13, norm_w=x[0], **kw)
+
+
+# (kernel, ops module, its register-fed configs by class: a dict attribute, or class -> module attribute; its
+# TMA-fed configs' dict; the call at a class's shape; the tuning table that names variants)
+KERNELS = (
+    ("gemv fp8", "triton_fp8", "FP8_GEMV_CFG", "FP8_TMA_CFG", _gemv_fp8, "TUNING_FP8"),
+    ("moe_up fp8", "triton_fp8", "FP8_UP_CFG", "FP8_UP_TMA_CFG", _moe_up_fp8, "TUNING_FP8"),
+    ("gemv bf16", "triton_gemv", "_CFG_OF", "TMA_CFG", _gemv_bf16, "TUNING"),
+    ("moe_up bf16", "triton_moe", "UP_CFG", "UP_TMA_CFG", _moe_up_bf16, "TUNING"),
+)
+SHAPES = {_gemv_fp8: GEMV_SHAPES, _moe_up_fp8: UP_SHAPES, _gemv_bf16: BF16_GEMV_SHAPES, _moe_up_bf16: BF16_UP_SHAPES}
+
+
+def _named(table, knob) -> list:
+    """The values the tuning ``table`` gives ``knob`` (an attribute, or (dict, key)) in its one-knob rows."""
+    return [v for _mod, attr, vals in table if attr == knob for v in vals]
+
+
+def variants(classes: set[str] | None) -> list[tuple[str, object, str, object, str]]:
+    """(kernel, call, class, config, path) of every config the tuning tables name, each default first."""
+    import importlib
+
+    import decode_speed
+
+    out: list[tuple[str, object, str, object, str]] = []
+    for kernel, mod_name, reg, tma, call, table_name in KERNELS:
+        mod = importlib.import_module(f"tilert.engines.tilert.ops.{mod_name}")
+        table = getattr(decode_speed, table_name)
+        for cls in SHAPES[call]:
+            if classes and cls not in classes:
                 continue
-            values = [cfg]
-            for _mod, attr, vals in TUNING_FP8:
-                if attr == (table, cls):
-                    values += [v for v in vals if v not in values]
-            out += [(kernel, cls, v, tma) for v in values if v is not None]
+            regs = getattr(mod, reg)
+            if cls in regs:  # register-fed: the class's config, then the table's
+                attr = regs[cls] if isinstance(regs[cls], str) else None
+                default = getattr(mod, attr) if attr else regs[cls]
+                named = _named(table, attr if attr else (reg, cls))
+                out += [(kernel, call, cls, v, "registers") for v in dict.fromkeys([default, *named])]
+            tmas = getattr(mod, tma)
+            if cls in tmas:
+                named = _named(table, (tma, cls))
+                out += [(kernel, call, cls, v, "tma") for v in dict.fromkeys([tmas[cls], *named]) if v is not None]
     return out
 
 
@@ -154,7 +195,7 @@ def main() -> None:
     args = ap.parse_args()
     import triton
 
-    from tilert.engines.tilert.ops import triton_fp8, triton_gemv, triton_pdl
+    from tilert.engines.tilert.ops import triton_fp8, triton_gemv, triton_moe, triton_pdl
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     triton_pdl.set_enabled(True)  # as on the H200: the PDL wait compiled in
@@ -165,17 +206,16 @@ def main() -> None:
     built: list = []
     _compiling(built)
     rows = []
-    print(f"{'kernel':7s} {'class':7s} {'path':9s} {'config':20s} {'regs':>5s} {'stack':>6s} {'shared':>7s}")
-    for kernel, cls, cfg, tma in variants({c for c in args.classes.split(",") if c} or None):
+    print(f"{'kernel':12s} {'class':7s} {'path':9s} {'config':20s} {'regs':>5s} {'stack':>6s} {'shared':>7s}")
+    for kernel, call, cls, cfg, path in variants({c for c in args.classes.split(",") if c} or None):
         built.clear()
-        (_gemv if kernel == "gemv" else _moe_up)(triton_fp8, cls, cfg, tma)
+        ops = triton_fp8 if "fp8" in kernel else triton_gemv if kernel.startswith("gemv") else triton_moe
+        call(ops, cls, {"tma" if path == "tma" else "cfg": cfg})
         res = _resources(built[-1], tool)
-        path = "tma" if tma else "registers"
         rows.append(dict(kernel=kernel, cls=cls, path=path, config=list(cfg), **res))
         flag = "  spills" if res["stack"] or res["local"] else ""
-        print(
-            f"{kernel:7s} {cls:7s} {path:9s} {str(cfg):20s} {res['regs']:5d} {res['stack']:6d} {res['shared']:7d}{flag}"
-        )
+        cost = f"{res['regs']:5d} {res['stack']:6d} {res['shared']:7d}{flag}"
+        print(f"{kernel:12s} {cls:7s} {path:9s} {str(cfg):20s} {cost}")
     out = args.out / "cpu-kernel-resources.json"
     write_json(out, {"target": "sm_90", "rows": rows}, recorded("cpu", mode="kernel-resources", target="sm_90"))
     print(f"wrote {out}")
