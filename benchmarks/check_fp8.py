@@ -115,9 +115,15 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
         (2, 4096, 1536, "wb", (16, 512, 3, 8)),
         (2, 7168, 2048, "wo", (8, 512, 4, 4)),
         (1, 2048, 2048, "wo", (4, 1024, 2, 4)),
+        (2, 7168, 2048, "wo", (8, 512, 8, 4)),  # more stages than K tiles
     ]
     if small:
-        tma = [(3, 40, 96, "wa", (8, 32, 3, 4)), (2, 24, 80, "wo", (8, 32, 2, 4)), (2, 36, 112, "wb", (16, 64, 4, 4))]
+        tma = [
+            (3, 40, 96, "wa", (8, 32, 3, 4)),
+            (2, 24, 80, "wo", (8, 32, 2, 4)),
+            (2, 36, 112, "wb", (16, 64, 4, 4)),
+            (2, 24, 80, "wo", (8, 32, 6, 4)),  # more stages than K tiles
+        ]
     for nt, n, k, leaf, cfg4 in tma:
         x = rnd(nt, k, dev=dev)
         g = rnd(k, dev=dev, scale=0.2) + 1
@@ -199,7 +205,9 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
         # kernel of the same tile, the static (shared) slot and the statistics computed early (the engine's call),
         # twice bit-identical, each token as if alone (rows it cannot read: the register-fed kernel, checked above).
         for tcfg in (
-            ((8, 512, 4, 4), (16, 256, 6, 4), (8, 1024, 3, 8)) if not small else ((8, 32, 3, 4), (16, 64, 2, 4))
+            ((8, 512, 4, 4), (16, 256, 6, 4), (8, 1024, 3, 8), (8, 1024, 8, 4))
+            if not small
+            else ((8, 32, 3, 4), (16, 64, 2, 4), (8, 64, 6, 4))
         ):
             if not triton_gemv.tma_ready(w13):
                 break

@@ -85,9 +85,14 @@ def check_gemv(dev, small):
     # The TMA-fed GEMV (triton_gemv.TMA_CFG): against the reference with RMSNorm and residual, each token as if
     # alone (bit for bit), and against the register-fed kernel of the same tile; rows / columns past the weight
     # zero-filled (N and K not multiples of the tile).
-    tma = [(3, 2256, 2048, (8, 256, 4, 4)), (1, 5120, 1536, (16, 256, 3, 8)), (2, 1000, 704, (8, 512, 4, 4))]
+    tma = [
+        (3, 2256, 2048, (8, 256, 4, 4)),
+        (1, 5120, 1536, (16, 256, 3, 8)),
+        (2, 1000, 704, (8, 512, 4, 4)),
+        (1, 2304, 2048, (4, 1024, 6, 4)),  # more stages than K tiles
+    ]
     if small:
-        tma = [(3, 40, 96, (8, 32, 3, 4)), (2, 36, 112, (16, 64, 2, 4))]
+        tma = [(3, 40, 96, (8, 32, 3, 4)), (2, 36, 112, (16, 64, 2, 4)), (2, 36, 112, (8, 64, 5, 4))]
     for nt, N, K, cfg4 in tma:
         x = rnd(nt, K, dev=dev)
         w = rnd(N, K, dev=dev, scale=K**-0.5)
@@ -491,7 +496,11 @@ def check_moe(dev, small):
         report(f"moe fused norm+residual n={n} E={E} D={D}", r, r0.float() + want_n.float())
         # moe_up fed by the TMA (triton_moe.UP_TMA_CFG): against the reference, the register-fed kernel of the same
         # tile, and each token as if alone (bit for bit)
-        for tcfg in ((8, 512, 4, 4), (16, 256, 6, 8)) if not small else ((8, 32, 3, 4), (16, 16, 2, 4)):
+        for tcfg in (
+            ((8, 512, 4, 4), (16, 256, 6, 8), (8, 1024, 6, 4))
+            if not small
+            else ((8, 32, 3, 4), (16, 16, 2, 4), (8, 32, 4, 4))
+        ):
             if inter % tcfg[0] or not triton_gemv.tma_ready(w13):
                 continue
             tag = f"n={n} E={E} D={D} I={inter} tma={tcfg}"
