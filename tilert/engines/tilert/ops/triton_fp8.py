@@ -40,7 +40,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import triton_gemv, triton_pdl, triton_prefetch
-from .triton_gemv import _row_rstd, rstd_block
+from .triton_gemv import _row_rstd, _tma_first_tile, rstd_block
 from .triton_pdl import gdc_launch_dependents, pdl_begin
 
 __all__ = ["gemv_fp8", "moe_up_fp8", "moe_down_fp8", "groups", "gemv_fp8_class", "gemv_fp8_config"]
@@ -245,10 +245,7 @@ def _gemv_fp8_rows_tma(
     rstd = tl.full([], 1.0, tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=NS):
         w = w_desc.load([pid_n * BN, k0])
-        if k0 == 0:
-            pdl_begin(PDL)
-            if HAS_NORM:
-                rstd = _row_rstd(x_row, K, eps, RB)
+        rstd = _tma_first_tile(k0, rstd, x_row, K, eps, RB, HAS_NORM, PDL)
         acc += _gemv_fp8_tile(
             w, x_row, nw_ptr, rstd, s_row, s_rows, nmask, k0 + offs_k, k0 + kc, K, BN, C, V, GK, ROW_BLOCK, HAS_NORM
         )
@@ -490,6 +487,92 @@ def _gemv_bf16_rows_pre(
 
 
 @triton.jit
+def _gemv_fp8_out(
+    x_row,
+    w_ptr,
+    s_ptr,
+    nw_ptr,
+    res_row,
+    pid_n,
+    N,
+    K,
+    KS,
+    stride_wn,
+    stride_sn,
+    eps,
+    BN: tl.constexpr,
+    C: tl.constexpr,
+    V: tl.constexpr,
+    GK: tl.constexpr,
+    GN: tl.constexpr,
+    RB: tl.constexpr,
+    NK: tl.constexpr,
+    NS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The ``[BN]`` fp32 outputs of e4m3 rows ``pid_n * BN ...`` and (``HAS_RES``) their residual rows, read the way
+    the launch chose: all of K before the PDL wait (``NK`` tiles: the residual read with x), the TMA (``NS`` stages:
+    ``w_ptr`` is the weight's descriptor), or the register-fed loop."""
+    if NK > 0:
+        out, r = _gemv_fp8_rows_pre(
+            x_row,
+            w_ptr,
+            s_ptr,
+            nw_ptr,
+            res_row,
+            pid_n,
+            N,
+            K,
+            stride_wn,
+            stride_sn,
+            eps,
+            BN,
+            C,
+            V,
+            GK,
+            GN,
+            NK,
+            HAS_NORM,
+            HAS_RES,
+            PDL,
+        )
+    else:
+        if NS > 0:
+            out = _gemv_fp8_rows_tma(
+                x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, stride_sn, eps, BN, C, V, GK, GN, RB, NS, HAS_NORM, PDL
+            )
+        else:
+            out = _gemv_fp8_rows(
+                x_row,
+                w_ptr,
+                s_ptr,
+                nw_ptr,
+                pid_n,
+                N,
+                K,
+                KS,
+                stride_wn,
+                stride_sn,
+                eps,
+                BN,
+                C,
+                V,
+                GK,
+                GN,
+                RB,
+                HAS_NORM,
+                PDL,
+            )
+        r = out
+        if HAS_RES:
+            offs_o = pid_n * BN + tl.arange(0, BN)
+            r = tl.load(res_row + offs_o, mask=offs_o < N, other=0.0).to(tl.float32)
+    return out, r
+
+
+@triton.jit
 def _gemv_fp8_kernel(
     x_ptr,
     w_ptr,
@@ -535,73 +618,31 @@ def _gemv_fp8_kernel(
     x_row = x_ptr + row * stride_xm
     if HAS_TAIL:
         if pid_n < NB8:
-            if NK > 0:
-                out, _r = _gemv_fp8_rows_pre(
-                    x_row,
-                    w_ptr,
-                    s_ptr,
-                    nw_ptr,
-                    x_row,
-                    pid_n,
-                    N,
-                    K,
-                    stride_wn,
-                    stride_sn,
-                    eps,
-                    BN,
-                    C,
-                    V,
-                    GK,
-                    GN,
-                    NK,
-                    HAS_NORM,
-                    False,
-                    PDL,
-                )
-            else:
-                if NS > 0:
-                    out = _gemv_fp8_rows_tma(
-                        x_row,
-                        w_ptr,
-                        s_ptr,
-                        nw_ptr,
-                        pid_n,
-                        N,
-                        K,
-                        stride_sn,
-                        eps,
-                        BN,
-                        C,
-                        V,
-                        GK,
-                        GN,
-                        RB,
-                        NS,
-                        HAS_NORM,
-                        PDL,
-                    )
-                else:
-                    out = _gemv_fp8_rows(
-                        x_row,
-                        w_ptr,
-                        s_ptr,
-                        nw_ptr,
-                        pid_n,
-                        N,
-                        K,
-                        KS,
-                        stride_wn,
-                        stride_sn,
-                        eps,
-                        BN,
-                        C,
-                        V,
-                        GK,
-                        GN,
-                        RB,
-                        HAS_NORM,
-                        PDL,
-                    )
+            out, _r = _gemv_fp8_out(
+                x_row,
+                w_ptr,
+                s_ptr,
+                nw_ptr,
+                x_row,
+                pid_n,
+                N,
+                K,
+                KS,
+                stride_wn,
+                stride_sn,
+                eps,
+                BN,
+                C,
+                V,
+                GK,
+                GN,
+                RB,
+                NK,
+                NS,
+                HAS_NORM,
+                False,
+                PDL,
+            )
             offs_o = pid_n * BN + tl.arange(0, BN)
             omask = offs_o < N
         else:
@@ -616,61 +657,33 @@ def _gemv_fp8_kernel(
             offs_o = N + (pid_n - NB8) * BN + tl.arange(0, BN)
             omask = offs_o < N + NT
     else:
-        res_row = res_ptr + row * stride_rm
         offs_o = pid_n * BN + tl.arange(0, BN)
         omask = offs_o < N
-        if NK > 0:  # the residual rows are read right after the PDL wait, with x
-            out, r = _gemv_fp8_rows_pre(
-                x_row,
-                w_ptr,
-                s_ptr,
-                nw_ptr,
-                res_row,
-                pid_n,
-                N,
-                K,
-                stride_wn,
-                stride_sn,
-                eps,
-                BN,
-                C,
-                V,
-                GK,
-                GN,
-                NK,
-                HAS_NORM,
-                HAS_RES,
-                PDL,
-            )
-        else:
-            if NS > 0:
-                out = _gemv_fp8_rows_tma(
-                    x_row, w_ptr, s_ptr, nw_ptr, pid_n, N, K, stride_sn, eps, BN, C, V, GK, GN, RB, NS, HAS_NORM, PDL
-                )
-            else:
-                out = _gemv_fp8_rows(
-                    x_row,
-                    w_ptr,
-                    s_ptr,
-                    nw_ptr,
-                    pid_n,
-                    N,
-                    K,
-                    KS,
-                    stride_wn,
-                    stride_sn,
-                    eps,
-                    BN,
-                    C,
-                    V,
-                    GK,
-                    GN,
-                    RB,
-                    HAS_NORM,
-                    PDL,
-                )
-            if HAS_RES:
-                r = tl.load(res_row + offs_o, mask=omask, other=0.0).to(tl.float32)
+        out, r = _gemv_fp8_out(
+            x_row,
+            w_ptr,
+            s_ptr,
+            nw_ptr,
+            res_ptr + row * stride_rm,
+            pid_n,
+            N,
+            K,
+            KS,
+            stride_wn,
+            stride_sn,
+            eps,
+            BN,
+            C,
+            V,
+            GK,
+            GN,
+            RB,
+            NK,
+            NS,
+            HAS_NORM,
+            HAS_RES,
+            PDL,
+        )
     if OUT_F32:
         tl.store(y_ptr + row * stride_ym + offs_o, out, mask=omask)
     else:

@@ -55,6 +55,28 @@ def _row_rstd(x_row_ptr, K, eps, BK: tl.constexpr):
 
 
 @triton.jit
+def _x_normed(x_row, nw_ptr, rstd, offs_k, kmask, dtype, HAS_NORM: tl.constexpr):
+    """The activations at ``offs_k`` in fp32, RMS-normalised and rounded to ``dtype`` like the unfused reference when
+    ``HAS_NORM``."""
+    xv = tl.load(x_row + offs_k, mask=kmask, other=0.0)
+    if HAS_NORM:
+        g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
+        xv = (xv.to(tl.float32) * rstd * g).to(dtype)
+    return xv.to(tl.float32)
+
+
+@triton.jit
+def _tma_first_tile(k0, rstd, x_row, K, eps, RB: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+    """In a TMA-fed loop: at the first tile (its and the next ones' requests issued), the PDL wait, then the RMSNorm
+    statistics (``rstd`` as given otherwise)."""
+    if k0 == 0:
+        pdl_begin(PDL)
+        if HAS_NORM:
+            rstd = _row_rstd(x_row, K, eps, RB)
+    return rstd
+
+
+@triton.jit
 def _gemv_rows_tma(
     x_row,
     w_desc,
@@ -77,17 +99,10 @@ def _gemv_rows_tma(
     rstd = tl.full([], 1.0, tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=NS):
         w = w_desc.load([pid_n * BN, k0])
-        if k0 == 0:
-            pdl_begin(PDL)
-            if HAS_NORM:
-                rstd = _row_rstd(x_row, K, eps, RB)
+        rstd = _tma_first_tile(k0, rstd, x_row, K, eps, RB, HAS_NORM, PDL)
         offs_k = k0 + offs_k0
-        kmask = offs_k < K
-        xv = tl.load(x_row + offs_k, mask=kmask, other=0.0)
-        if HAS_NORM:
-            g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
-            xv = (xv.to(tl.float32) * rstd * g).to(w.dtype)
-        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+        xf = _x_normed(x_row, nw_ptr, rstd, offs_k, offs_k < K, w.dtype, HAS_NORM)
+        acc += w.to(tl.float32) * xf[None, :]
     return tl.sum(acc, 1)
 
 

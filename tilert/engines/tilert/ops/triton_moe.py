@@ -32,7 +32,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import triton_gemv, triton_pdl
-from .triton_gemv import _row_rstd, gemv_config, rstd_block
+from .triton_gemv import _row_rstd, _x_normed, gemv_config, rstd_block
 from .triton_pdl import pdl_begin
 
 __all__ = ["moe_experts", "moe_up", "moe_down", "router_select", "router"]
@@ -76,6 +76,7 @@ def _moe_up_kernel(
         tl.store(out_ptr, tl.zeros([BI], dtype=tl.float32).to(act_ptr.dtype.element_ty), mask=imask)
     else:
         x_row = x_ptr + i * stride_xm
+        rstd = 1.0
         if HAS_NORM:
             sq = tl.zeros([BK], dtype=tl.float32)
             for k0 in range(0, D, BK):
@@ -90,12 +91,7 @@ def _moe_up_kernel(
                 wg = tl.reshape(w13_ptr.load([e, ib * BI, k0]), [BI, BK])
                 wu = tl.reshape(w13_ptr.load([e, ib * BI + I, k0]), [BI, BK])
                 offs_k = k0 + tl.arange(0, BK)
-                kmask = offs_k < D
-                xv = tl.load(x_row + offs_k, mask=kmask, other=0.0)
-                if HAS_NORM:
-                    g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
-                    xv = (xv.to(tl.float32) * rstd * g).to(wg.dtype)
-                xf = xv.to(tl.float32)[None, :]
+                xf = _x_normed(x_row, nw_ptr, rstd, offs_k, offs_k < D, wg.dtype, HAS_NORM)[None, :]
                 acc_g += wg.to(tl.float32) * xf
                 acc_u += wu.to(tl.float32) * xf
         else:
@@ -105,11 +101,7 @@ def _moe_up_kernel(
             for k0 in range(0, D, BK):
                 offs_k = k0 + tl.arange(0, BK)
                 kmask = offs_k < D
-                xv = tl.load(x_row + offs_k, mask=kmask, other=0.0)
-                if HAS_NORM:
-                    g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
-                    xv = (xv.to(tl.float32) * rstd * g).to(w13_ptr.dtype.element_ty)
-                xf = xv.to(tl.float32)[None, :]
+                xf = _x_normed(x_row, nw_ptr, rstd, offs_k, kmask, w13_ptr.dtype.element_ty, HAS_NORM)[None, :]
                 m2 = imask[:, None] & kmask[None, :]
                 wg = tl.load(g_rows + offs_k[None, :], mask=m2, other=0.0)
                 wu = tl.load(u_rows + offs_k[None, :], mask=m2, other=0.0)
