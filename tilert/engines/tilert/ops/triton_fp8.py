@@ -616,49 +616,10 @@ def _gemv_fp8_kernel(
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
     x_row = x_ptr + row * stride_xm
+    e4m3_rows = True
     if HAS_TAIL:
-        if pid_n < NB8:
-            out, _r = _gemv_fp8_out(
-                x_row,
-                w_ptr,
-                s_ptr,
-                nw_ptr,
-                x_row,
-                pid_n,
-                N,
-                K,
-                KS,
-                stride_wn,
-                stride_sn,
-                eps,
-                BN,
-                C,
-                V,
-                GK,
-                GN,
-                RB,
-                NK,
-                NS,
-                HAS_NORM,
-                False,
-                PDL,
-            )
-            offs_o = pid_n * BN + tl.arange(0, BN)
-            omask = offs_o < N
-        else:
-            if NKT > 0:
-                out = _gemv_bf16_rows_pre(
-                    x_row, t_ptr, nw_ptr, pid_n - NB8, NT, K, stride_tn, eps, BN, BT, NKT, HAS_NORM, PDL
-                )
-            else:
-                out = _gemv_bf16_rows(
-                    x_row, t_ptr, nw_ptr, pid_n - NB8, NT, K, stride_tn, eps, BN, BT, RB, HAS_NORM, PDL
-                )
-            offs_o = N + (pid_n - NB8) * BN + tl.arange(0, BN)
-            omask = offs_o < N + NT
-    else:
-        offs_o = pid_n * BN + tl.arange(0, BN)
-        omask = offs_o < N
+        e4m3_rows = pid_n < NB8
+    if e4m3_rows:
         out, r = _gemv_fp8_out(
             x_row,
             w_ptr,
@@ -684,6 +645,18 @@ def _gemv_fp8_kernel(
             HAS_RES,
             PDL,
         )
+        offs_o = pid_n * BN + tl.arange(0, BN)
+        omask = offs_o < N
+    else:  # the bf16 tail's rows (a tail excludes HAS_RES)
+        if NKT > 0:
+            out = _gemv_bf16_rows_pre(
+                x_row, t_ptr, nw_ptr, pid_n - NB8, NT, K, stride_tn, eps, BN, BT, NKT, HAS_NORM, PDL
+            )
+        else:
+            out = _gemv_bf16_rows(x_row, t_ptr, nw_ptr, pid_n - NB8, NT, K, stride_tn, eps, BN, BT, RB, HAS_NORM, PDL)
+        offs_o = N + (pid_n - NB8) * BN + tl.arange(0, BN)
+        omask = offs_o < N + NT
+        r = out
     if OUT_F32:
         tl.store(y_ptr + row * stride_ym + offs_o, out, mask=omask)
     else:
