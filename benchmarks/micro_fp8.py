@@ -7,7 +7,8 @@ per (kernel, shape, variant).
     python3 benchmarks/micro_fp8.py [--out DIR] [--only gemv,up,down] [--rank]
 
 ``--rank``: the shapes of one TP8 rank of full-size V3.2 / GLM-5 instead, each launch config first checked
-against the dequantising reference (its relative error is part of the variant's label).
+against the dequantising reference (its relative error is part of the variant's label); the GEMVs and ``moe_up``
+also fed by the TMA (variants labelled ``tma (rows, K tile, stages, warps)``).
 
 Writes ``benchmarks/results/<machine>-micro-fp8.json`` (``h200-micro-fp8``; under ``--out DIR`` or at
 ``--out FILE.json`` when given), starting with ``results_header``'s ``"recorded"`` (date, commit, machine,
@@ -216,6 +217,19 @@ def _rel(got, want) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
+def _launch(cfg) -> dict:
+    """A variant's launch arguments: None the class default, ``("tma", c)`` the TMA-fed kernel at c, else a
+    register-fed config."""
+    if isinstance(cfg, tuple) and cfg and cfg[0] == "tma":
+        return {"tma": cfg[1]}
+    return {"cfg": cfg}
+
+
+def _label(cfg, err: float) -> str:
+    name = "default" if cfg is None else f"tma {cfg[1]}" if cfg[0] == "tma" else str(cfg)
+    return f"{name} e={err:.1e}{' BAD' if not err < 2e-2 else ''}"
+
+
 def rank_shapes(only):
     """The TP8 ranks' FP8 kernels (V3.2, GLM-5: W_a + tail, W_b, W_o, the experts at width 256) at each launch
     config: each checked against the dequantising reference on fresh inputs (rel. L2 error printed; "BAD" over
@@ -235,6 +249,13 @@ def rank_shapes(only):
         2048: [(4, 2048, 8), (2, 2048, 4), (4, 1024, 4), (8, 1024, 8)],
     }
     gemv_cfgs[6144] = gemv_cfgs[7168]
+    # the TMA-fed kernel's (rows, K tile, stages, warps), labelled "tma ..."
+    gemv_tma = {
+        7168: [(8, 512, 4, 4), (8, 512, 8, 4), (8, 1024, 6, 4), (16, 256, 8, 4), (4, 1024, 8, 4), (16, 512, 6, 8)],
+        1536: [(8, 512, 4, 4), (16, 512, 4, 8), (8, 256, 6, 4)],
+        2048: [(8, 512, 4, 4), (8, 512, 8, 4), (16, 512, 4, 8), (4, 1024, 6, 4)],
+    }
+    gemv_tma[6144] = gemv_tma[7168]
     for name, N, K, gn, nt, res in gemv_shapes if "gemv" in only else []:
         nb = N * K + 4 * (N // gn) * (K // 128) + 2 * nt * K
         c = copies(nb)
@@ -246,27 +267,27 @@ def rank_shapes(only):
         g = (torch.rand(K, device=DEV) + 0.5).to(torch.bfloat16)
         h = torch.randn(1, N, device=DEV).to(torch.bfloat16)
         tl_ = (lambda t: t) if nt else (lambda t: None)
-        for cfg in [None, *gemv_cfgs[K]]:
+        for cfg in [None, *gemv_cfgs[K], *(("tma", c) for c in gemv_tma[K])]:
+            kw = _launch(cfg)
             w, s, t = ws[0]
             xx = torch.randn(1, K, device=DEV).to(torch.bfloat16)
             if res:
                 h1, h2 = h.clone(), h.clone()
-                triton_fp8.gemv_fp8(xx, w, s, residual=h1, cfg=cfg)
-                triton_fp8.gemv_fp8(xx, w, s, residual=h1, cfg=cfg)
+                triton_fp8.gemv_fp8(xx, w, s, residual=h1, **kw)
+                triton_fp8.gemv_fp8(xx, w, s, residual=h1, **kw)
                 ref.gemv_residual(h2, xx, w, h2, s)
                 ref.gemv_residual(h2, xx, w, h2, s)
                 err = _rel(h1 - h, h2 - h)
-                fns = [lambda w=w, s=s, cfg=cfg: triton_fp8.gemv_fp8(x, w, s, residual=h, cfg=cfg) for w, s, _ in ws]
+                fns = [lambda w=w, s=s, kw=kw: triton_fp8.gemv_fp8(x, w, s, residual=h, **kw) for w, s, _ in ws]
             else:
-                got = triton_fp8.gemv_fp8(xx, w, s, norm_w=g, tail=tl_(t), cfg=cfg)
-                got = triton_fp8.gemv_fp8(xx, w, s, norm_w=g, tail=tl_(t), cfg=cfg)
+                got = triton_fp8.gemv_fp8(xx, w, s, norm_w=g, tail=tl_(t), **kw)
+                got = triton_fp8.gemv_fp8(xx, w, s, norm_w=g, tail=tl_(t), **kw)
                 err = _rel(got, ref.gemv(xx, w, g, 1e-6, None, False, s, tail=tl_(t)))
                 fns = [
-                    lambda w=w, s=s, t=t, cfg=cfg: triton_fp8.gemv_fp8(x, w, s, norm_w=g, tail=tl_(t), cfg=cfg)
+                    lambda w=w, s=s, t=t, kw=kw: triton_fp8.gemv_fp8(x, w, s, norm_w=g, tail=tl_(t), **kw)
                     for w, s, t in ws
                 ]
-            label = f"{cfg or 'default'} e={err:.1e}{' BAD' if not err < 2e-2 else ''}"
-            bench("gemv", name, label, fns, nb)
+            bench("gemv", name, _label(cfg, err), fns, nb)
         del ws
         torch.cuda.empty_cache()
     ups = [
@@ -283,6 +304,7 @@ def rank_shapes(only):
         (8, 1024, 4, 2),
         (16, 2048, 8, 4),
         (4, 2048, 4, 4),
+        *(("tma", c) for c in ((8, 512, 4, 4), (8, 512, 8, 4), (8, 1024, 3, 8), (16, 256, 6, 4), (16, 512, 4, 8))),
     ]
     downs = [
         None,
@@ -314,14 +336,12 @@ def rank_shapes(only):
         h = torch.zeros(1, D, device=DEV, dtype=torch.bfloat16)
         nb_up, nb_dn = KK * 2 * I * D, KK * I * D
         for cfg in ups if "up" in only else []:
-            a1 = triton_fp8.moe_up_fp8(x, sets[0][0], w13, s13, norm_w=g, cfg=cfg)
-            a1 = triton_fp8.moe_up_fp8(x, sets[0][0], w13, s13, norm_w=g, cfg=cfg)
+            kw = _launch(cfg)
+            a1 = triton_fp8.moe_up_fp8(x, sets[0][0], w13, s13, norm_w=g, **kw)
+            a1 = triton_fp8.moe_up_fp8(x, sets[0][0], w13, s13, norm_w=g, **kw)
             err = _rel(triton_fp8.moe_down_fp8(a1, sets[0][0], sets[0][1], w2, s2), want)
-            label = f"{cfg or 'default'} e={err:.1e}{' BAD' if not err < 2e-2 else ''}"
-            fns = [
-                lambda ids=ids, cfg=cfg: triton_fp8.moe_up_fp8(x, ids, w13, s13, norm_w=g, cfg=cfg) for ids, _ in sets
-            ]
-            bench("up", name, label, fns, nb_up)
+            fns = [lambda ids=ids, kw=kw: triton_fp8.moe_up_fp8(x, ids, w13, s13, norm_w=g, **kw) for ids, _ in sets]
+            bench("up", name, _label(cfg, err), fns, nb_up)
         for cfg in downs if "down" in only else []:
             triton_fp8.moe_down_fp8(act0, sets[0][0], sets[0][1], w2, s2, cfg=cfg)
             err = _rel(triton_fp8.moe_down_fp8(act0, sets[0][0], sets[0][1], w2, s2, cfg=cfg), want)
