@@ -396,20 +396,20 @@ def check_fp8_engine(dev, small, report) -> None:
 
 
 def _check_l2_plan(arch, eng, tok, pos, report) -> None:
-    """Every L2 prefetch site on (``triton_prefetch.ALL_SITES``, the experts' loads evict-first included): the
-    graph step's logits bit for bit those without (a cache hint may change the time, never the result)."""
+    """Every L2 prefetch site on (``triton_prefetch.ALL_SITES``) and the experts' loads evict-first: the graph
+    step's logits bit for bit those without (a cache hint may change the time, never the result)."""
     from tilert.engines.tilert.ops import triton_prefetch
 
-    plan = triton_prefetch.SITES
+    plan = triton_prefetch.SITES, triton_prefetch.MOE_EVICT_FIRST
     try:
         eng._graphs.clear()
-        triton_prefetch.SITES = ()
+        triton_prefetch.SITES, triton_prefetch.MOE_EVICT_FIRST = (), False
         base = eng.forward(tok, pos).clone()
         eng._graphs.clear()
-        triton_prefetch.SITES = triton_prefetch.ALL_SITES
+        triton_prefetch.SITES, triton_prefetch.MOE_EVICT_FIRST = triton_prefetch.ALL_SITES, True
         hinted = eng.forward(tok, pos).clone()
     finally:
-        triton_prefetch.SITES = plan
+        triton_prefetch.SITES, triton_prefetch.MOE_EVICT_FIRST = plan
         eng._graphs.clear()
     report(f"{arch}: FP8 engine graph step with every L2 prefetch site, bit for bit", hinted, base, tol=1e-9)
 

@@ -362,21 +362,22 @@ DSA_TUNING = (
     ("triton_topk", "CH", (256, 512, 1024)),
     ("triton_topk", "WARPS", (8, 4)),
 )
-# Weights brought into L2 while latency-bound kernels run (ops/triton_prefetch.py): which sites, as whole plans.
-_EVERY_SITE = ("wo", "gate", "shared", "wa_next", "moe_evict_first")  # triton_prefetch.ALL_SITES (no Triton here)
+# Weights brought into L2 while latency-bound kernels run (ops/triton_prefetch.py): which sites, as whole plans,
+# with the experts' loads marked evict-first or not (MOE_EVICT_FIRST).
+_EVERY_SITE = ("wo", "gate", "shared", "wa_next")  # triton_prefetch.ALL_SITES (no Triton here)
 L2_TUNING = (
     (
         "triton_prefetch",
-        "SITES",
+        ["SITES", "MOE_EVICT_FIRST"],
         (
-            (),
-            ("wo",),
-            ("wo", "gate"),
-            ("wo", "gate", "shared"),
-            ("wo", "gate", "shared", "wa_next"),
-            _EVERY_SITE,
-            ("wo", "gate", "shared", "moe_evict_first"),
-            ("wa_next", "moe_evict_first"),
+            ((), False),
+            (("wo",), False),
+            (("wo", "gate"), False),
+            (("wo", "gate", "shared"), False),
+            (_EVERY_SITE, False),
+            (_EVERY_SITE, True),
+            (("wo", "gate", "shared"), True),
+            (("wa_next",), True),
         ),
     ),
     (  # the requests' size, every site on
@@ -392,7 +393,7 @@ DENSE_SPLIT_TUNING = (
 # The FP8 GEMVs and moe_up fed by the TMA (triton_fp8.FP8_TMA_CFG, FP8_UP_TMA_CFG: rows, K tile, stages, warps;
 # None the register-fed kernel), one weight class at a time, then every GEMV class at once (the rank's W_a is
 # "k1024", W_o "k2048", its lm_head slice "large"; lite's W_a / W_o "k2048", W_b "small" / "mid", its lm_head "head").
-_TMA_CLASSES = ("k1024", "k2048", "mid", "small", "large", "head")
+_TMA_CLASSES = ("k1024", "k2048", "mid", "small", "large", "head")  # triton_fp8.FP8_GEMV_CFG's keys (no Triton here)
 TMA_TUNING = (
     (
         "triton_fp8",

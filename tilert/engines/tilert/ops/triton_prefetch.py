@@ -23,14 +23,16 @@ import triton.language as tl
 from . import triton_pdl
 from .triton_pdl import gdc_launch_dependents, gdc_wait
 
-__all__ = ["l2_prefetch", "moe_eviction", "SITES", "ALL_SITES"]
+__all__ = ["l2_prefetch", "moe_eviction", "SITES", "ALL_SITES", "MOE_EVICT_FIRST"]
 
 # The plan: sites fetched ahead, "wo" (attention's output projection, fetched before the attention core),
 # "gate" (the router's gate, same place), "shared" (the shared experts' weights, fetched before the router),
-# "wa_next" (the next layer's W_a / W_b, same place); and "moe_evict_first": the experts' weight loads (each
-# row read once a step) marked first to leave L2, so that they do not push out what was fetched for later.
+# "wa_next" (the next layer's W_a / W_b, same place).
 SITES: tuple[str, ...] = ()
-ALL_SITES = ("wo", "gate", "shared", "wa_next", "moe_evict_first")
+ALL_SITES = ("wo", "gate", "shared", "wa_next")
+# The experts' weight loads (each row read once a step) marked first to leave L2, so that they do not push out what
+# was fetched for later.
+MOE_EVICT_FIRST = False
 CHUNK = 4096  # bytes of one prefetch request (one thread's)
 WARPS = 1
 SEGMENTS = 6  # tensors one launch covers (more: several launches)
@@ -77,7 +79,7 @@ def _prefetch_kernel(
 
 def moe_eviction() -> str:
     """The L2 eviction policy of the experts' weight loads (a ``tl.load`` ``eviction_policy``)."""
-    return "evict_first" if "moe_evict_first" in SITES else ""
+    return "evict_first" if MOE_EVICT_FIRST else ""
 
 
 def _span(t: torch.Tensor) -> tuple[torch.Tensor, int]:
