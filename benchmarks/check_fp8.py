@@ -31,6 +31,34 @@ def _stack(n: int, rows: int, cols: int, dev, leaf: str) -> tuple[torch.Tensor, 
     return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
 
 
+def _check_gemv_way(dev, rnd, report, way: str, nt, n, k, leaf, kw: dict, loop_cfg, tail: bool) -> None:
+    """One way of reading an FP8 GEMV's weight (``kw``: ``gemv_fp8``'s launch arguments) at one shape: against the
+    reference (W_a's bf16 tail rows too when ``tail``), n tokens against each alone (bit for bit), W_o with the
+    residual, and against the register-fed loop at ``loop_cfg`` (FP8_PRE_BYTES = 0: fp32 reassociation only)."""
+    x = rnd(nt, k, dev=dev)
+    g = rnd(k, dev=dev, scale=0.2) + 1
+    w, s = _q(n, k, dev, leaf, k**-0.5)
+    t = rnd(16, k, dev=dev, scale=k**-0.5) if tail else None
+    tag = f"{way} {leaf} n={nt} N={n} K={k}"
+    got = triton_fp8.gemv_fp8(x, w, s, norm_w=g, tail=t, **kw)
+    report(f"fp8 gemv {tag}", got, ref.gemv(x, w, g, 1e-6, None, False, s, tail=t))
+    alone = torch.cat([triton_fp8.gemv_fp8(x[r : r + 1], w, s, norm_w=g, tail=t, **kw) for r in range(nt)])
+    report(f"fp8 gemv batch invariance {tag}", got, alone, tol=1e-30)
+    if leaf == "wo":
+        h0 = rnd(nt, n, dev=dev)
+        h1, h2 = h0.clone(), h0.clone()
+        triton_fp8.gemv_fp8(x, w, s, residual=h1, **kw)
+        ref.gemv_residual(h2, x, w, h2, s)
+        report(f"fp8 gemv +residual {tag}", h1, h2)
+    keep = triton_fp8.FP8_PRE_BYTES
+    triton_fp8.FP8_PRE_BYTES = 0
+    try:
+        loop = triton_fp8.gemv_fp8(x, w, s, norm_w=g, tail=t, cfg=loop_cfg)
+    finally:
+        triton_fp8.FP8_PRE_BYTES = keep
+    report(f"fp8 gemv == register-fed loop (fp32 reassociation) {tag}", got, loop, tol=1e-2)
+
+
 def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
     # GEMVs: (tokens, N, K, leaf): W_a / W_b (one scale per row), W_o, lm_head-sized, at V3.2 and lite dims.
     shapes = [
@@ -84,28 +112,8 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
             (2, 40, 112, "wa", (2, 32, 4)),  # 3.5 tiles
         ]
     for nt, n, k, leaf, cfg in pre:
-        x = rnd(nt, k, dev=dev)
-        g = rnd(k, dev=dev, scale=0.2) + 1
-        w, s = _q(n, k, dev, leaf, k**-0.5)
-        t = rnd(16, k, dev=dev, scale=k**-0.5)
-        tag = f"{leaf} n={nt} N={n} K={k} cfg={cfg or triton_fp8.gemv_fp8_config(n, k)}"
-        got = triton_fp8.gemv_fp8(x, w, s, norm_w=g, tail=t, cfg=cfg)
-        report(f"fp8 gemv prefetched + bf16 tail {tag}", got, ref.gemv(x, w, g, 1e-6, None, False, s, tail=t))
-        alone = torch.cat([triton_fp8.gemv_fp8(x[r : r + 1], w, s, norm_w=g, tail=t, cfg=cfg) for r in range(nt)])
-        report(f"fp8 gemv prefetched batch invariance {tag}", got, alone, tol=1e-30)
-        if leaf == "wo":
-            h0 = rnd(nt, n, dev=dev)
-            h1, h2 = h0.clone(), h0.clone()
-            triton_fp8.gemv_fp8(x, w, s, residual=h1, cfg=cfg)
-            ref.gemv_residual(h2, x, w, h2, s)
-            report(f"fp8 gemv prefetched +residual {tag}", h1, h2)
-        keep = triton_fp8.FP8_PRE_BYTES
-        triton_fp8.FP8_PRE_BYTES = 0
-        try:
-            loop = triton_fp8.gemv_fp8(x, w, s, norm_w=g, tail=t, cfg=cfg)
-        finally:
-            triton_fp8.FP8_PRE_BYTES = keep
-        report(f"fp8 gemv prefetched == loop path (fp32 reassociation) {tag}", got, loop, tol=1e-2)
+        name = f"prefetched cfg={cfg or triton_fp8.gemv_fp8_config(n, k)}"
+        _check_gemv_way(dev, rnd, report, name, nt, n, k, leaf, {"cfg": cfg}, cfg, tail=True)
     # The TMA-fed GEMV (FP8_TMA_CFG, _gemv_fp8_rows_tma: tiles NS - 1 ahead in shared memory, rows and columns past
     # the weight zero-filled) at the rank's shapes (W_a + its tail, W_b, W_o + residual) and lite's: against the
     # reference, n tokens against each alone (bit for bit), and against the register-fed loop of the same tile.
@@ -125,28 +133,8 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
             (2, 24, 80, "wo", (8, 32, 6, 4)),  # more stages than K tiles
         ]
     for nt, n, k, leaf, cfg4 in tma:
-        x = rnd(nt, k, dev=dev)
-        g = rnd(k, dev=dev, scale=0.2) + 1
-        w, s = _q(n, k, dev, leaf, k**-0.5)
-        t = rnd(16, k, dev=dev, scale=k**-0.5) if leaf == "wa" else None
-        tag = f"{leaf} n={nt} N={n} K={k} tma={cfg4}"
-        got = triton_fp8.gemv_fp8(x, w, s, norm_w=g, tail=t, tma=cfg4)
-        report(f"fp8 gemv tma {tag}", got, ref.gemv(x, w, g, 1e-6, None, False, s, tail=t))
-        alone = torch.cat([triton_fp8.gemv_fp8(x[r : r + 1], w, s, norm_w=g, tail=t, tma=cfg4) for r in range(nt)])
-        report(f"fp8 gemv tma batch invariance {tag}", got, alone, tol=1e-30)
-        keep = triton_fp8.FP8_PRE_BYTES
-        triton_fp8.FP8_PRE_BYTES = 0
-        try:
-            loop = triton_fp8.gemv_fp8(x, w, s, norm_w=g, tail=t, cfg=(cfg4[0], cfg4[1], cfg4[3]))
-        finally:
-            triton_fp8.FP8_PRE_BYTES = keep
-        report(f"fp8 gemv tma == register-fed loop (fp32 reassociation) {tag}", got, loop, tol=1e-2)
-        if leaf == "wo":
-            h0 = rnd(nt, n, dev=dev)
-            h1, h2 = h0.clone(), h0.clone()
-            triton_fp8.gemv_fp8(x, w, s, residual=h1, tma=cfg4)
-            ref.gemv_residual(h2, x, w, h2, s)
-            report(f"fp8 gemv tma +residual {tag}", h1, h2)
+        loop = (cfg4[0], cfg4[1], cfg4[3])
+        _check_gemv_way(dev, rnd, report, f"tma={cfg4}", nt, n, k, leaf, {"tma": cfg4}, loop, tail=leaf == "wa")
     # MoE: (experts, I, D, tokens); the real V3.2 expert dims with fewer experts (memory), lite dims, and a TP8
     # rank's slice of V3.2's / GLM-5's experts (I = 256: the "narrow" configs).
     moe = [(16, 2048, 7168, 1), (16, 2048, 7168, 4), (66, 1408, 2048, 1), (16, 256, 7168, 1), (16, 256, 6144, 3)]

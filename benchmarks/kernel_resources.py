@@ -151,7 +151,7 @@ def _moe_up_bf16(ops, cls: str, kw: dict) -> None:
 KERNELS = (
     ("gemv fp8", "triton_fp8", "FP8_GEMV_CFG", "FP8_TMA_CFG", _gemv_fp8, "TUNING_FP8"),
     ("moe_up fp8", "triton_fp8", "FP8_UP_CFG", "FP8_UP_TMA_CFG", _moe_up_fp8, "TUNING_FP8"),
-    ("gemv bf16", "triton_gemv", "_CFG_OF", "TMA_CFG", _gemv_bf16, "TUNING"),
+    ("gemv bf16", "triton_gemv", "CLASS_CFG", "TMA_CFG", _gemv_bf16, "TUNING"),
     ("moe_up bf16", "triton_moe", "UP_CFG", "UP_TMA_CFG", _moe_up_bf16, "TUNING"),
 )
 SHAPES = {_gemv_fp8: GEMV_SHAPES, _moe_up_fp8: UP_SHAPES, _gemv_bf16: BF16_GEMV_SHAPES, _moe_up_bf16: BF16_UP_SHAPES}
@@ -199,10 +199,7 @@ def main() -> None:
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     triton_pdl.set_enabled(True)  # as on the H200: the PDL wait compiled in
-    ready = triton_gemv.tma_ready  # as on an H200: these CPU tensors' rows are what decides
-    triton_gemv.tma_ready = lambda w: (
-        ready(w) or not (w.data_ptr() % 16 or any(st * w.element_size() % 16 for st in w.stride()[:-1]))
-    )
+    triton_gemv.tma_ready = triton_gemv.tma_addressable  # as on an H200: the rows decide
     built: list = []
     _compiling(built)
     rows = []

@@ -28,14 +28,20 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import triton_pdl
 from .triton_pdl import pdl_begin
 
-__all__ = ["gemv", "rms_norm", "gemv_class", "gemv_config", "tma_ready"]
+__all__ = ["gemv", "rms_norm", "gemv_class", "gemv_config", "tma_addressable", "tma_ready"]
+
+
+def tma_addressable(w: torch.Tensor) -> bool:
+    """Whether a tensor descriptor can describe ``w`` (a weight, or a stack of them): a 16-byte aligned start and
+    strides, the last dimension contiguous."""
+    size = w.element_size()
+    return not (w.data_ptr() % 16 or w.stride(-1) != 1 or any(st * size % 16 for st in w.stride()[:-1]))
 
 
 def tma_ready(w: torch.Tensor) -> bool:
-    """Whether the TMA can read ``w`` (a weight, or a stack of them): 16-byte aligned rows on a Hopper-class GPU (or
-    Triton's interpreter, which emulates it)."""
-    size = w.element_size()
-    if w.data_ptr() % 16 or w.stride(-1) != 1 or any(st * size % 16 for st in w.stride()[:-1]):
+    """Whether the TMA can read ``w``: addressable (:func:`tma_addressable`) on a Hopper-class GPU (or Triton's
+    interpreter, which emulates it)."""
+    if not tma_addressable(w):
         return False
     if os.environ.get("TRITON_INTERPRET") == "1":
         return True
@@ -197,10 +203,16 @@ SMALL_CFG = (2, 512, 4, 3)
 
 
 # The register-fed config of each weight class (module attributes, so that tuning can set them).
-_CFG_OF = {"head": "HEAD_CFG", "large": "LARGE_CFG", "k1024": "SMALL_K1024_CFG", "mid": "MID_CFG", "small": "SMALL_CFG"}
+CLASS_CFG = {
+    "head": "HEAD_CFG",
+    "large": "LARGE_CFG",
+    "k1024": "SMALL_K1024_CFG",
+    "mid": "MID_CFG",
+    "small": "SMALL_CFG",
+}
 # TMA-fed GEMVs (_gemv_rows_tma): (BN rows, BK, stages NS, warps) per class, or None for the register-fed kernel.
 # Off until measured in the whole step (decode_speed.py --tune).
-TMA_CFG: dict[str, tuple[int, int, int, int] | None] = dict.fromkeys(_CFG_OF)
+TMA_CFG: dict[str, tuple[int, int, int, int] | None] = dict.fromkeys(CLASS_CFG)
 
 
 def gemv_class(N: int, K: int) -> str:
@@ -217,7 +229,7 @@ def gemv_class(N: int, K: int) -> str:
 
 def gemv_config(N: int, K: int, nt: int) -> tuple[int, int, int, int]:
     """(BN, BK, num_warps, num_stages) for a weight of ``[N, K]`` (the same for every ``nt``: batch invariance)."""
-    return globals()[_CFG_OF[gemv_class(N, K)]]
+    return globals()[CLASS_CFG[gemv_class(N, K)]]
 
 
 def gemv(
