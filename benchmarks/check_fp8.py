@@ -31,6 +31,12 @@ def _stack(n: int, rows: int, cols: int, dev, leaf: str) -> tuple[torch.Tensor, 
     return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
 
 
+def _each_alone(fn, rows: tuple, *args, **kw) -> torch.Tensor:
+    """``fn`` on each token alone (one row of each of ``rows``, then ``args`` / ``kw``), concatenated: the other side
+    of a batch-invariance check."""
+    return torch.cat([fn(*(t[r : r + 1] for t in rows), *args, **kw) for r in range(rows[0].shape[0])])
+
+
 def _check_gemv_way(dev, rnd, report, way: str, nt, n, k, leaf, kw: dict, loop_cfg, tail: bool) -> None:
     """One way of reading an FP8 GEMV's weight (``kw``: ``gemv_fp8``'s launch arguments) at one shape: against the
     reference (W_a's bf16 tail rows too when ``tail``), n tokens against each alone (bit for bit), W_o with the
@@ -42,7 +48,7 @@ def _check_gemv_way(dev, rnd, report, way: str, nt, n, k, leaf, kw: dict, loop_c
     tag = f"{way} {leaf} n={nt} N={n} K={k}"
     got = triton_fp8.gemv_fp8(x, w, s, norm_w=g, tail=t, **kw)
     report(f"fp8 gemv {tag}", got, ref.gemv(x, w, g, 1e-6, None, False, s, tail=t))
-    alone = torch.cat([triton_fp8.gemv_fp8(x[r : r + 1], w, s, norm_w=g, tail=t, **kw) for r in range(nt)])
+    alone = _each_alone(triton_fp8.gemv_fp8, (x,), w, s, norm_w=g, tail=t, **kw)
     report(f"fp8 gemv batch invariance {tag}", got, alone, tol=1e-30)
     if leaf == "wo":
         h0 = rnd(nt, n, dev=dev)
@@ -182,12 +188,7 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
             report(f"fp8 moe_up cfg={ucfg} {tag}", triton_fp8.moe_down_fp8(a1, ids, wts, w2, s2), want, tol=2e-2)
             report(f"fp8 moe_up cfg={ucfg} twice: bit-identical {tag}", a2, a1, tol=1e-30)
             if nt > 1:
-                alone = torch.cat(
-                    [
-                        triton_fp8.moe_up_fp8(h[r : r + 1], ids[r : r + 1], w13, s13, norm_w=g, cfg=ucfg)
-                        for r in range(nt)
-                    ]
-                )
+                alone = _each_alone(triton_fp8.moe_up_fp8, (h, ids), w13, s13, norm_w=g, cfg=ucfg)
                 report(f"fp8 moe_up cfg={ucfg} batch invariance {tag}", a1, alone, tol=1e-30)
         # moe_up fed by the TMA (FP8_UP_TMA_CFG): against the reference through moe_down, against the register-fed
         # kernel of the same tile, the static (shared) slot and the statistics computed early (the engine's call),
@@ -214,12 +215,7 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
                 triton_fp8.UP_RSTD_EARLY = keep
             report(f"fp8 moe_up tma, statistics early or not: bit-identical {tag_t}", t3, t1, tol=1e-30)
             if nt > 1:
-                alone = torch.cat(
-                    [
-                        triton_fp8.moe_up_fp8(h[r : r + 1], ids[r : r + 1], w13, s13, norm_w=g, tma=tcfg)
-                        for r in range(nt)
-                    ]
-                )
+                alone = _each_alone(triton_fp8.moe_up_fp8, (h, ids), w13, s13, norm_w=g, tma=tcfg)
                 report(f"fp8 moe_up tma batch invariance {tag_t}", t1, alone, tol=1e-30)
         for cfg in (
             (16, 1, 512, 4, True),
