@@ -1,0 +1,210 @@
+"""The floor of a decode step built as a chain of kernels (H200): the time one TP8 rank of full-size V3.2 would
+take if every one of its kernels were the simplest possible weight stream.
+
+Each kernel of the chain reads its share of a layer's weight bytes (e4m3 bytes as the rank's kernels read them:
+W_a, W_b, MLA prep, attention split and merge, W_o, router, MoE up, MoE down), one contiguous chunk of ``--chunk``
+bytes per program, requested in one load; then it waits for its predecessor (programmatic dependent launch, as
+the engine's kernels), reads one value the predecessor wrote and writes one of its own (the next kernel's
+dependency). 61 layers of them are captured in one CUDA graph, each kernel with weights of its own (no L2 reuse),
+and timed as the engine's step is. No arithmetic beyond a byte sum: what the chain takes above its bytes over the
+copy bandwidth is the cost of streaming in kernels of these sizes and of the boundaries between them, the part no
+kernel tuning can remove.
+
+    python3 benchmarks/chain_floor.py [--out DIR] [--chunks 16384,32768,65536] [--layers 61]
+
+Rows: the layer profile at each chunk size (PDL with the weight requested before the wait, PDL with it after,
+no PDL), the same bytes in 6, 3 and 1 kernels a layer, and the boundaries alone (a chain of the engine's number of
+kernels reading no weights). Writes ``benchmarks/results/<machine>-chain-floor.json`` (``h200-chain-floor``), starting
+with ``results_header``'s ``"recorded"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+from results_header import machine_kind, recorded, result_path, write_json  # noqa: E402
+
+# One layer of one TP8 rank of full-size V3.2, block-FP8 (MB per kernel, in chain order; weights and scales, the
+# attention's cache rows at 1K and W_UV): the kernels the engine runs a layer.
+RANK_LAYER_MB = {
+    "W_a": 16.9,
+    "W_b": 4.8,
+    "mla_prep": 1.0,
+    "attn_split": 1.2,
+    "attn_merge": 1.0,
+    "W_o": 14.7,
+    "router": 3.7,
+    "moe_up": 33.0,
+    "moe_down": 16.5,
+}
+# The same bytes in fewer, larger kernels a layer (adjacent kernels' weights merged): what each boundary costs.
+GROUPINGS = {
+    "9 a layer (the engine)": [[k] for k in RANK_LAYER_MB],
+    "6 a layer": [
+        ["W_a"],
+        ["W_b", "mla_prep"],
+        ["attn_split", "attn_merge"],
+        ["W_o"],
+        ["router", "moe_up"],
+        ["moe_down"],
+    ],
+    "3 a layer": [["W_a", "W_b", "mla_prep"], ["attn_split", "attn_merge", "W_o"], ["router", "moe_up", "moe_down"]],
+    "1 a layer": [list(RANK_LAYER_MB)],
+}
+XN = 128  # values of the predecessor's output each kernel reads (one per program, modulo)
+
+
+try:  # the GPU's kernels (the CI's environment has no Triton: --help still runs there)
+    import triton
+    import triton.language as tl
+
+    from tilert.engines.tilert.ops import triton_pdl
+    from tilert.engines.tilert.ops.triton_pdl import pdl_begin
+except ImportError:
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _stream(w_ptr, x_ptr, y_ptr, nbytes, CH: tl.constexpr, NX: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * CH + tl.arange(0, CH)
+        if PRE:
+            w = tl.load(w_ptr + offs, mask=offs < nbytes, other=0)
+            pdl_begin(PDL)
+        else:
+            pdl_begin(PDL)
+            w = tl.load(w_ptr + offs, mask=offs < nbytes, other=0)
+        x = tl.load(x_ptr + pid % NX)
+        tl.store(y_ptr + pid, tl.sum(w.to(tl.int32), 0).to(tl.float32) + x)
+
+
+def launch(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, chunk: int, pre: bool, pdl: bool) -> None:
+    """One kernel of the chain: ``y[p] = sum(w's chunk p) + x[p % XN]``."""
+    n = w.numel()
+    warps = max(1, min(8, chunk // 4096))
+    kw = triton_pdl.kw() if pdl else {"PDL": False, "launch_pdl": False}
+    _stream[(max(1, triton.cdiv(n, chunk)),)](w, x, y, n, CH=chunk, NX=XN, PRE=pre, num_warps=warps, **kw)
+
+
+def build_chain(layers: int, mbs: list[float], dev: torch.device) -> list[torch.Tensor]:
+    """One weight buffer per kernel of the chain (random bytes, so no page is shared or compressed)."""
+    out = []
+    for _ in range(layers):
+        for mb in mbs:
+            n = max(16, int(mb * (1 << 20)))
+            out.append(torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev))
+    return out
+
+
+def time_chain(weights, chunk: int, pre: bool, pdl: bool, dev: torch.device) -> float:
+    """Seconds per replay of the whole chain captured in one graph."""
+    from decode_speed import time_replays
+
+    progs = max(w.numel() for w in weights) // max(chunk, 1) + 2
+    bufs = [torch.zeros(max(progs, XN), device=dev) for _ in range(2)]
+
+    def chain() -> None:
+        for k, w in enumerate(weights):
+            launch(w, bufs[k % 2], bufs[(k + 1) % 2], chunk, pre, pdl)
+
+    chain()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        chain()
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        chain()
+    return time_replays(g.replay, iters=10, reps=5)
+
+
+def check(dev: torch.device) -> None:
+    """One kernel against torch: each program's byte sum plus the predecessor's value it reads."""
+    w = torch.randint(0, 256, (100_000,), dtype=torch.uint8, device=dev)
+    x = torch.randn(XN, device=dev)
+    for chunk in (16384, 65536):
+        y = torch.zeros(8, device=dev)
+        launch(w, x, y, chunk, True, True)
+        progs = -(-w.numel() // chunk)
+        want = torch.stack([w[p * chunk : (p + 1) * chunk].long().sum().float() + x[p % XN] for p in range(progs)])
+        assert torch.allclose(y[:progs], want), (chunk, y[:progs], want)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None, help="a directory (or FILE.json) for the JSON (default: the current result)")
+    ap.add_argument("--chunks", default="16384,32768,65536", help="bytes a program reads (powers of two)")
+    ap.add_argument("--layers", type=int, default=61)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    from decode_speed import copy_bandwidth
+
+    check(dev)
+    bw = copy_bandwidth()
+    mbs = list(RANK_LAYER_MB.values())
+    total = a.layers * sum(mbs) * (1 << 20)
+    ideal = total / bw
+    name = torch.cuda.get_device_name()
+    print(f"GPU {name}  copy bandwidth {bw / 1e12:.2f} TB/s  {a.layers} layers", flush=True)
+    print(f"bytes {total / 1e9:.3f} GB a step: {ideal * 1e3:.3f} ms at the copy bandwidth", flush=True)
+    rows = []
+
+    def row(label: str, kernels: int, nbytes: float, chunk: int, pre: bool, pdl: bool, t: float) -> None:
+        r = dict(
+            chain=label,
+            kernels=kernels,
+            gb=round(nbytes / 1e9, 4),
+            chunk=chunk,
+            weights_before_wait=pre,
+            pdl=pdl,
+            ms_per_step=round(t * 1e3, 4),
+            us_per_kernel=round(t * 1e6 / kernels, 3),
+            tb_s=round(nbytes / t / 1e12, 3),
+            pct_copy_bw=round(100 * nbytes / t / bw, 1),
+        )
+        rows.append(r)
+        print(
+            f"{label:<24} {kernels:>5} kernels  chunk {chunk:>6}  pre {pre!s:<5}  pdl {pdl!s:<5}  "
+            f"{r['ms_per_step']:8.3f} ms  {r['us_per_kernel']:7.2f} us/kernel  {r['tb_s']:5.2f} TB/s  "
+            f"{r['pct_copy_bw']:5.1f}% of copy",
+            flush=True,
+        )
+
+    chunks = [int(c) for c in a.chunks.split(",")]
+    for label, groups in GROUPINGS.items():
+        mb = [sum(RANK_LAYER_MB[k] for k in g) for g in groups]
+        weights = build_chain(a.layers, mb, dev)
+        modes = ((True, True), (False, True), (False, False)) if len(groups) == len(RANK_LAYER_MB) else ((True, True),)
+        for chunk in chunks:
+            for pre, pdl in modes:
+                row(label, len(weights), total, chunk, pre, pdl, time_chain(weights, chunk, pre, pdl, dev))
+        del weights
+        torch.cuda.empty_cache()
+    n_k = a.layers * len(RANK_LAYER_MB)
+    for progs in (132, 528):
+        empty = [torch.empty(progs * 16, dtype=torch.uint8, device=dev) for _ in range(n_k)]
+        row(f"boundaries, {progs} progs", n_k, 0.0, 16, True, True, time_chain(empty, 16, True, True, dev))
+    machine = machine_kind()
+    out = dict(
+        gpu=name,
+        copy_bw_tb_s=round(bw / 1e12, 3),
+        layers=a.layers,
+        layer_mb=RANK_LAYER_MB,
+        ideal_ms=round(ideal * 1e3, 4),
+        rows=rows,
+    )
+    path = write_json(result_path(machine, "chain-floor", ".json", a.out), out, recorded(machine))
+    print(f"wrote {path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
