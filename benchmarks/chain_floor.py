@@ -2,7 +2,7 @@
 take if every one of its kernels were the simplest possible weight stream.
 
 Each kernel of the chain reads its share of a layer's weight bytes (e4m3 bytes as the rank's kernels read them:
-W_a, W_b, MLA prep, attention split and merge, W_o, router, MoE up, MoE down), one contiguous chunk of ``--chunk``
+W_a, W_b, MLA prep, attention split and merge, W_o, router, MoE up, MoE down), one contiguous chunk of ``--chunks``
 bytes per program, requested in one load; then it waits for its predecessor (programmatic dependent launch, as
 the engine's kernels), reads one value the predecessor wrote and writes one of its own (the next kernel's
 dependency). 61 layers of them are captured in one CUDA graph, each kernel with weights of its own (no L2 reuse),
@@ -13,9 +13,11 @@ kernel tuning can remove.
     python3 benchmarks/chain_floor.py [--out DIR] [--chunks 16384,32768,65536] [--layers 61]
 
 Rows: the layer profile at each chunk size (PDL with the weight requested before the wait, PDL with it after,
-no PDL), the same bytes in 6, 3 and 1 kernels a layer, and the boundaries alone (a chain of the engine's number of
-kernels reading no weights). Writes ``benchmarks/results/<machine>-chain-floor.json`` (``h200-chain-floor``), starting
-with ``results_header``'s ``"recorded"``.
+no PDL), the same bytes in 6, 3 and 1 kernels a layer, the whole chain as one persistent launch (one or two
+programs an SM, a grid barrier between the phases, each phase's first chunk requested before the barrier), and the
+boundaries alone (a chain of the engine's number of kernels reading no weights). Writes
+``benchmarks/results/<machine>-chain-floor.json`` (``h200-chain-floor``), starting with ``results_header``'s
+``"recorded"``.
 """
 
 from __future__ import annotations
@@ -84,6 +86,48 @@ if triton is not None:
         x = tl.load(x_ptr + pid % NX)
         tl.store(y_ptr + pid, tl.sum(w.to(tl.int32), 0).to(tl.float32) + x)
 
+    @triton.jit
+    def _persistent(w_ptr, seg_ptr, n_phases, x_ptr, cnt_ptr, G: tl.constexpr, CH: tl.constexpr, SPIN: tl.constexpr):
+        # The whole step in one launch of G resident programs: phase ph streams bytes seg[ph]..seg[ph + 1] (chunk
+        # pid, pid + G, ...), writes one value, and waits at a grid barrier (one counter, counting arrivals) before
+        # reading another program's value of that phase. The next phase's first chunk is requested before the
+        # barrier (static bytes). SPIN bounds every wait (a grid that is not all resident ends, wrong, not hung).
+        pid = tl.program_id(0)
+        offs = tl.arange(0, CH)
+        lo = tl.load(seg_ptr)
+        hi = tl.load(seg_ptr + 1)
+        p0 = lo + pid * CH
+        w = tl.load(w_ptr + p0 + offs, mask=p0 + offs < hi, other=0)
+        xp = 0.0
+        for ph in range(0, n_phases):
+            lo = tl.load(seg_ptr + ph)
+            hi = tl.load(seg_ptr + ph + 1)
+            acc = tl.sum(w.to(tl.int32), 0)
+            for c in range(lo + (pid + G) * CH, hi, G * CH):
+                v = tl.load(w_ptr + c + offs, mask=c + offs < hi, other=0)
+                acc += tl.sum(v.to(tl.int32), 0)
+            nhi = tl.load(seg_ptr + ph + 2)
+            pn = hi + pid * CH
+            w = tl.load(w_ptr + pn + offs, mask=pn + offs < nhi, other=0)
+            tl.store(x_ptr + (ph % 2) * G + pid, acc.to(tl.float32) + xp)
+            tl.debug_barrier()
+            tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
+            target = (ph + 1) * G
+            seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+            it = 0
+            while (seen < target) & (it < SPIN):
+                seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+                it += 1
+            xp = tl.load(x_ptr + (ph % 2) * G + (pid + 1) % G, cache_modifier=".cg")
+
+
+def persistent_step(w: torch.Tensor, seg: torch.Tensor, x: torch.Tensor, cnt: torch.Tensor, g: int, chunk: int) -> None:
+    """The whole chain as one persistent launch of ``g`` programs (``seg``: int64 phase bounds, two past the
+    last phase: ``seg[-1] == seg[-2]``); ``cnt`` zeroed first."""
+    cnt.zero_()
+    warps = max(1, min(8, chunk // 4096))
+    _persistent[(g,)](w, seg, seg.numel() - 2, x, cnt, G=g, CH=chunk, SPIN=1 << 22, num_warps=warps)
+
 
 def launch(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, chunk: int, pre: bool, pdl: bool) -> None:
     """One kernel of the chain: ``y[p] = sum(w's chunk p) + x[p % XN]``."""
@@ -139,6 +183,32 @@ def check(dev: torch.device) -> None:
         assert torch.allclose(y[:progs], want), (chunk, y[:progs], want)
 
 
+def check_persistent(dev: torch.device) -> None:
+    """One program through three phases: its last value is the sum of every byte (each phase adds its own)."""
+    w = torch.randint(0, 256, (50_000,), dtype=torch.uint8, device=dev)
+    seg = torch.tensor([0, 10_000, 10_001, 50_000, 50_000], dtype=torch.int64, device=dev)
+    x = torch.zeros(2, device=dev)
+    cnt = torch.zeros(1, dtype=torch.int32, device=dev)
+    persistent_step(w, seg, x, cnt, 1, 16384)
+    assert x[0].item() == float(w.long().sum().item()), (x, w.long().sum())
+    assert cnt.item() == 3, cnt
+
+
+def time_persistent(weights: torch.Tensor, seg: torch.Tensor, g: int, chunk: int, dev: torch.device) -> float:
+    """Seconds per replay of the one-launch step captured in a graph; raises when its barriers did not hold."""
+    from decode_speed import time_replays
+
+    x = torch.zeros(2 * g, device=dev)
+    cnt = torch.zeros(1, dtype=torch.int32, device=dev)
+    persistent_step(weights, seg, x, cnt, g, chunk)
+    torch.cuda.synchronize()
+    assert cnt.item() == g * (seg.numel() - 2), "a barrier gave up: the grid was not all resident"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        persistent_step(weights, seg, x, cnt, g, chunk)
+    return time_replays(graph.replay, iters=10, reps=5)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="a directory (or FILE.json) for the JSON (default: the current result)")
@@ -149,6 +219,7 @@ def main() -> None:
     from decode_speed import copy_bandwidth
 
     check(dev)
+    check_persistent(dev)
     bw = copy_bandwidth()
     mbs = list(RANK_LAYER_MB.values())
     total = a.layers * sum(mbs) * (1 << 20)
@@ -189,6 +260,19 @@ def main() -> None:
                 row(label, len(weights), total, chunk, pre, pdl, time_chain(weights, chunk, pre, pdl, dev))
         del weights
         torch.cuda.empty_cache()
+    sizes = [int(mb * (1 << 20)) for _ in range(a.layers) for mb in RANK_LAYER_MB.values()]
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    seg = torch.tensor([*bounds, bounds[-1]], dtype=torch.int64, device=dev)
+    flat = torch.randint(0, 256, (bounds[-1],), dtype=torch.uint8, device=dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    for per_sm in (1, 2):
+        for chunk in chunks:
+            t = time_persistent(flat, seg, sms * per_sm, chunk, dev)
+            row(f"persistent, {per_sm}/SM", len(sizes), total, chunk, True, False, t)
+    del flat
+    torch.cuda.empty_cache()
     n_k = a.layers * len(RANK_LAYER_MB)
     for progs in (132, 528):
         empty = [torch.empty(progs * 16, dtype=torch.uint8, device=dev) for _ in range(n_k)]
