@@ -108,6 +108,8 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
         (3, 1024, 1536, "wb", (4, 1024, 4)),
         (3, 2304, 7168, "wa", (2, 2048, 8)),  # W_a at V3.2 dims in 3.5 tiles, the last one partial
         (1, 2304, 7168, "wa", (1, 2048, 4)),
+        (3, 2304, 7168, "wa", (4, 4096, 8)),  # 1.75 tiles
+        (1, 2304, 7168, "wa", (8, 4096, 8)),  # 128 weight bytes a thread a tile: the loop, not the prefetch
     ]
     if small:
         pre = [
@@ -116,6 +118,7 @@ def check_fp8_kernels(dev, small, report, rnd, dtype) -> None:
             (2, 24, 80, "wo", (2, 32, 4)),
             (2, 40, 128, "wa", None),
             (2, 40, 112, "wa", (2, 32, 4)),  # 3.5 tiles
+            (3, 40, 112, "wa", (4, 64, 8)),  # 1.75 tiles
         ]
     for nt, n, k, leaf, cfg in pre:
         name = f"prefetched cfg={cfg or triton_fp8.gemv_fp8_config(n, k)}"
