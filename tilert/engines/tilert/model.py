@@ -242,6 +242,7 @@ class MLAttention(nn.Module):
         use_indexer: bool,
         row_start: Tensor | None = None,
         ahead: Callable[[], Ahead] = lambda: (),
+        dense_rows: int = 0,
     ) -> Tensor | None:
         """``h += attn(rms(h))`` in place, for ``h [n, D]`` at cache rows ``positions [n]``.
 
@@ -251,7 +252,9 @@ class MLAttention(nn.Module):
         previous full layer. ``row_start`` (int64 ``[1]`` or ``[n]``): each token's first usable cache row
         (its sequence's first row, or the MTP layer's first valid row; a device tensor, so one CUDA graph
         serves every value). ``ahead``: weights read after this attention, brought into cache with
-        ``W_o`` once the projections are done. Returns the top-k rows this layer attended to (``None`` when dense).
+        ``W_o`` once the projections are done. ``dense_rows``: the most rows a dense query reads (0: any number),
+        which the device kernels size their work by. Returns the top-k rows this layer attended to (``None`` when
+        dense).
         """
         a = self.args
         k = self.k
@@ -306,6 +309,7 @@ class MLAttention(nn.Module):
             self.wkv_b,
             a.qk_nope_head_dim,
             self.wkv_b_scale,
+            dense_rows,
         )
         out, base = self.tp.partial(h)
         if self.wo_bias is not None:
@@ -458,10 +462,14 @@ class DecoderLayer(nn.Module):
         use_indexer: bool,
         row_start: Tensor | None = None,
         next_layer: DecoderLayer | None = None,
+        dense_rows: int = 0,
     ) -> Tensor | None:
-        """The block; ``next_layer``'s first weights are brought into cache before the MLP."""
+        """The block; ``next_layer``'s first weights are brought into cache before the MLP (``dense_rows``: as
+        :class:`MLAttention`'s)."""
         mlp = self.mlp
-        topk = self.attn(h, positions, rope, kv_cache, index_cache, topk, use_indexer, row_start, mlp.gate_ahead)
+        topk = self.attn(
+            h, positions, rope, kv_cache, index_cache, topk, use_indexer, row_start, mlp.gate_ahead, dense_rows
+        )
         _prefetch(mlp.k, h, lambda: mlp.shared_ahead() + (next_layer.attn.weights_ahead() if next_layer else ()))
         mlp(h)
         return topk
@@ -587,6 +595,8 @@ class Transformer(nn.Module):
         ``positions`` its own positions (module docstring).
         """
         use_indexer = use_indexer and self.args.dsa
+        # dense below the top-k (a DSA model's short context): no query reads more than index_topk rows
+        dense_rows = self.args.index_topk if self.args.dsa and not use_indexer else 0
         kv, idx = self._rows(self.kv_cache, seq), self._rows(self.index_cache, seq)
         h = F.embedding(tokens, self.embed)
         rope = (self.rope_cos, self.rope_sin)
@@ -596,7 +606,7 @@ class Transformer(nn.Module):
             slot = self.index_slot.get(i)
             index_cache = idx[slot] if slot is not None else None
             nxt = layers[i + 1] if i + 1 < len(layers) else None
-            topk = layer(h, positions, rope, kv[i], index_cache, topk, use_indexer, row_start, nxt)
+            topk = layer(h, positions, rope, kv[i], index_cache, topk, use_indexer, row_start, nxt, dense_rows)
         return self.k.rms_norm(h, self.norm, self.args.rms_norm_eps)
 
     def logits(self, hidden: Tensor) -> Tensor:

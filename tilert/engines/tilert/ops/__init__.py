@@ -405,16 +405,19 @@ def mla_attention_uv(
     kv_b: Tensor,
     nope_dim: int,
     kv_b_scale: Tensor | None = None,
+    max_rows: int = 0,
 ) -> Tensor:
     """``mla_uv(mla_attention(...))`` (``indices is None``) or ``mla_uv(mla_sparse_attention(...))``: attention
-    straight to ``o [n, H*V]`` (one kernel fewer on CUDA); see :func:`reference.mla_attention_uv`."""
+    straight to ``o [n, H*V]`` (one kernel fewer on CUDA); see :func:`reference.mla_attention_uv`. ``max_rows``:
+    the most cache rows a dense query reads (0: the whole cache), a bound the device kernels size their work by;
+    it changes no result."""
     return reference.mla_attention_uv(
-        q, kv_cache, positions, indices, scale, kv_lora_rank, row_start, kv_b, nope_dim, kv_b_scale
+        q, kv_cache, positions, indices, scale, kv_lora_rank, row_start, kv_b, nope_dim, kv_b_scale, max_rows
     )
 
 
 @mla_attention_uv.register_fake
-def _(q, kv_cache, positions, indices, scale, kv_lora_rank, row_start, kv_b, nope_dim, kv_b_scale=None):
+def _(q, kv_cache, positions, indices, scale, kv_lora_rank, row_start, kv_b, nope_dim, kv_b_scale=None, max_rows=0):
     return q.new_empty((q.shape[0], kv_b.shape[0] - q.shape[1] * nope_dim))
 
 

@@ -339,8 +339,10 @@ def mla_attention_uv(
     kv_b: Tensor,
     nope_dim: int,
     kv_b_scale: Tensor | None = None,
+    max_rows: int = 0,
 ) -> Tensor:
-    """:func:`mla_uv` of :func:`mla_attention` / :func:`mla_sparse_attention` (``reference.mla_attention_uv``)."""
+    """:func:`mla_uv` of :func:`mla_attention` / :func:`mla_sparse_attention` (``reference.mla_attention_uv``;
+    ``max_rows`` only sizes the device kernels' work)."""
     if indices is None:
         assert positions is not None, "dense MLA needs positions"
         o_lat = mla_attention(q, kv_cache, positions, scale, kv_lora_rank, row_start)

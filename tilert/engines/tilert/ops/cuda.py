@@ -48,12 +48,21 @@ def _mla_ok(q, kv_cache, kv_lora_rank):
     )
 
 
-def _mla_attention_cuda(q, kv_cache, positions, scale, kv_lora_rank, row_start=None):
+def _mla_attention_cuda(q, kv_cache, positions, scale, kv_lora_rank, row_start=None, max_rows=0):
     if not _mla_ok(q, kv_cache, kv_lora_rank):
         return reference.mla_attention(q, kv_cache, positions, scale, kv_lora_rank, row_start)
     from .triton_mla import mla_decode  # lazy: Triton, on CUDA machines only
 
-    return mla_decode(q.contiguous(), kv_cache, positions.contiguous(), None, scale, kv_lora_rank, row_start=row_start)
+    return mla_decode(
+        q.contiguous(),
+        kv_cache,
+        positions.contiguous(),
+        None,
+        scale,
+        kv_lora_rank,
+        row_start=row_start,
+        max_rows=max_rows,
+    )
 
 
 def _mla_sparse_attention_cuda(q, kv_cache, indices, scale, kv_lora_rank):
@@ -408,7 +417,7 @@ def _mla_prep_cuda(
 
 
 def _mla_attention_uv_cuda(
-    q, kv_cache, positions, indices, scale, kv_lora_rank, row_start, kv_b, nope_dim, kv_b_scale=None
+    q, kv_cache, positions, indices, scale, kv_lora_rank, row_start, kv_b, nope_dim, kv_b_scale=None, max_rows=0
 ):
     n, h, _ = q.shape
     v = kv_b.shape[0] // h - nope_dim if h else 0
@@ -429,7 +438,7 @@ def _mla_attention_uv_cuda(
         and (indices is not None or positions is not None)
     ):
         if indices is None:
-            o_lat = _mla_attention_cuda(q, kv_cache, positions, scale, kv_lora_rank, row_start)
+            o_lat = _mla_attention_cuda(q, kv_cache, positions, scale, kv_lora_rank, row_start, max_rows)
         else:
             o_lat = _mla_sparse_attention_cuda(q, kv_cache, indices, scale, kv_lora_rank)
         return _mla_uv_cuda(o_lat, kv_b, nope_dim, kv_b_scale)
@@ -438,7 +447,15 @@ def _mla_attention_uv_cuda(
     uv = (kv_b, nope_dim, v, kv_b_scale)
     if indices is None:
         return mla_decode(
-            q.contiguous(), kv_cache, positions.contiguous(), None, scale, kv_lora_rank, row_start=row_start, uv=uv
+            q.contiguous(),
+            kv_cache,
+            positions.contiguous(),
+            None,
+            scale,
+            kv_lora_rank,
+            row_start=row_start,
+            uv=uv,
+            max_rows=max_rows,
         )
     return mla_decode(q.contiguous(), kv_cache, None, indices.to(torch.int32).contiguous(), scale, kv_lora_rank, uv=uv)
 

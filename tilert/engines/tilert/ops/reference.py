@@ -456,10 +456,12 @@ def mla_attention_uv(
     kv_b: torch.Tensor,
     nope_dim: int,
     kv_b_scale: torch.Tensor | None = None,
+    max_rows: int = 0,
 ) -> torch.Tensor:
     """Attention straight to ``o [n, H*V]``: :func:`mla_uv` of :func:`mla_attention` (dense, ``indices is None``:
     rows ``row_start..positions``) or of :func:`mla_sparse_attention` (``indices``); ``o~`` is rounded to ``q``'s
-    dtype in between, as the two ops do."""
+    dtype in between, as the two ops do. ``max_rows`` (a bound for the device kernels' splits) changes nothing
+    here."""
     if indices is None:
         assert positions is not None, "dense MLA needs positions"
         o_lat = mla_attention(q, kv_cache, positions, scale, kv_lora_rank, row_start)

@@ -27,6 +27,43 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _dense_rows(
+    pos_ptr,
+    start_ptr,
+    i,
+    stride_start,
+    NUM_SPLITS: tl.constexpr,
+    MIN_TPS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HAS_START: tl.constexpr,
+):
+    """Query ``i``'s dense rows ``first..total - 1`` and the rows ``tps`` each split takes."""
+    total = tl.load(pos_ptr + i).to(tl.int32) + 1
+    first = 0
+    if HAS_START:
+        first = tl.minimum(tl.load(start_ptr + i * stride_start).to(tl.int32), total)
+    tps = tl.maximum(tl.cdiv(tl.cdiv(total - first, NUM_SPLITS), BLOCK_T) * BLOCK_T, MIN_TPS)
+    return first, total, tps
+
+
+@triton.jit
+def _live_splits(
+    pos_ptr,
+    start_ptr,
+    i,
+    stride_start,
+    NUM_SPLITS: tl.constexpr,
+    MIN_TPS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HAS_START: tl.constexpr,
+):
+    """How many of query ``i``'s dense splits hold rows (they are a prefix: split ``s`` starts at ``first + s *
+    tps``)."""
+    first, total, tps = _dense_rows(pos_ptr, start_ptr, i, stride_start, NUM_SPLITS, MIN_TPS, BLOCK_T, HAS_START)
+    return tl.cdiv(total - first, tps)
+
+
+@triton.jit
 def _mla_split_kernel(
     q_ptr,
     kv_ptr,
@@ -67,14 +104,12 @@ def _mla_split_kernel(
     pid_s = tl.program_id(0)
     i = tl.program_id(1)
     hb = tl.program_id(2)
-    first = 0
     if SPARSE:
+        first = 0
         total = n_idx
+        tps = tl.maximum(tl.cdiv(tl.cdiv(total, NUM_SPLITS), BLOCK_T) * BLOCK_T, MIN_TPS)
     else:
-        total = tl.load(pos_ptr + i).to(tl.int32) + 1
-        if HAS_START:
-            first = tl.minimum(tl.load(start_ptr + i * stride_start).to(tl.int32), total)
-    tps = tl.maximum(tl.cdiv(tl.cdiv(total - first, NUM_SPLITS), BLOCK_T) * BLOCK_T, MIN_TPS)
+        first, total, tps = _dense_rows(pos_ptr, start_ptr, i, stride_start, NUM_SPLITS, MIN_TPS, BLOCK_T, HAS_START)
     start = first + pid_s * tps
     end = tl.minimum(start + tps, total)
     if EARLY:
@@ -171,13 +206,21 @@ def _mla_combine_uv_kernel(
     kvb_ptr,
     kvs_ptr,
     y_ptr,
+    pos_ptr,
+    start_ptr,
     H,
     stride_on,
     stride_oh,
     stride_os,
     stride_yn,
     stride_ks,
+    stride_start,
     NUM_SPLITS: tl.constexpr,
+    MIN_TPS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    DENSE: tl.constexpr,
+    HAS_START: tl.constexpr,
+    EARLY: tl.constexpr,
     SB: tl.constexpr,
     L: tl.constexpr,
     P: tl.constexpr,
@@ -195,15 +238,19 @@ def _mla_combine_uv_kernel(
 ):
     # grid (n, H, V / BV): merges head h's split partials into o~ (rounded to the activation dtype, as the combine
     # kernel writes it), then o[i, h*V + v] = W_UV_h[v] . o~ for its BV rows (mla_uv's math): one launch for both.
-    # ONE_READ: every split's partial [BS, L] is requested right after the PDL wait, with the log-sum-exps (one
-    # L2 round trip; the loop over SB splits at a time reads them only once the weights are known). For it every
-    # split row is written by the split kernel (an empty split's o is 0, its weight 0: WRITE_EMPTY), so no row
-    # needs a mask but the padding's. TAIL > 0 (ONE_READ): splits BS.. are a second tile of TAIL rows (BS the
-    # largest power of two <= the splits, TAIL the rest padded to a power of two: 33 splits read as 32 + 2 rows,
-    # not 64).
+    # ONE_READ: every live split's partial [BS, L] is requested right after the PDL wait, with the log-sum-exps
+    # (one L2 round trip; the loop over SB splits at a time reads them only once the weights are known). Dense:
+    # the live splits are a prefix, counted from the query's rows as the split kernel splits them (positions /
+    # row_start: step inputs, read before the PDL wait when EARLY); sparse: every split is read, each written by
+    # the split kernel (an empty one's o is 0, its weight 0: WRITE_EMPTY). TAIL > 0 (ONE_READ): splits BS.. are a
+    # second tile of TAIL rows (BS the largest power of two <= the splits, TAIL the rest padded to a power of two:
+    # 33 splits read as 32 + 2 rows, not 64).
     i = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
+    n_live = NUM_SPLITS
+    if ONE_READ and DENSE and EARLY:
+        n_live = _live_splits(pos_ptr, start_ptr, i, stride_start, NUM_SPLITS, MIN_TPS, BLOCK_T, HAS_START)
     offs_l = tl.arange(0, L)
     offs_v = vb * BV + tl.arange(0, BV)
     w = tl.load(kvb_ptr + (h * (P + V) + P + offs_v).to(tl.int64)[:, None] * L + offs_l[None, :])  # static
@@ -219,17 +266,17 @@ def _mla_combine_uv_kernel(
                 + (offs_l // KGK)[None, :]
             )
     pdl_begin(PDL)
+    if ONE_READ and DENSE and not EARLY:
+        n_live = _live_splits(pos_ptr, start_ptr, i, stride_start, NUM_SPLITS, MIN_TPS, BLOCK_T, HAS_START)
     offs_s = tl.arange(0, BS)
     lse_row = lse_ptr + (i * H + h) * NUM_SPLITS
     ob = o_ptr + i * stride_on + h * stride_oh
     if ONE_READ:
-        o_all = tl.load(
-            ob + offs_s[:, None] * stride_os + offs_l[None, :], mask=(offs_s < NUM_SPLITS)[:, None], other=0.0
-        )
+        o_all = tl.load(ob + offs_s[:, None] * stride_os + offs_l[None, :], mask=(offs_s < n_live)[:, None], other=0.0)
         if TAIL > 0:
             offs_t = BS + tl.arange(0, TAIL)
             o_tail = tl.load(
-                ob + offs_t[:, None] * stride_os + offs_l[None, :], mask=(offs_t < NUM_SPLITS)[:, None], other=0.0
+                ob + offs_t[:, None] * stride_os + offs_l[None, :], mask=(offs_t < n_live)[:, None], other=0.0
             )
             lse_t = tl.load(lse_row + offs_t, mask=offs_t < NUM_SPLITS, other=float("-inf"))
     lse = tl.load(lse_row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
@@ -299,9 +346,15 @@ DENSE_CAP_ROWS = {"one": 32, "many": 64}
 # The split kernel works out its rows before the PDL wait (_mla_split_kernel's EARLY); False: after it.
 SPLIT_ROWS_EARLY = True
 # A split with no rows (a graph sized for a long cache, run at a short context: 96 of 128 splits at 1K in a 32K-row
-# engine) writes only its log-sum-exp, not a partial of zeros that no merge reads (every merge but the ONE_READ one
-# skips splits whose log-sum-exp is -inf, or stops at the last live one); False: it writes the zeros too.
+# engine) writes only its log-sum-exp, not a partial of zeros that no merge reads (every merge but the sparse
+# ONE_READ one skips splits whose log-sum-exp is -inf, stops at the last live one or reads only the live ones);
+# False: it writes the zeros too.
 SKIP_EMPTY_SPLITS = True
+
+
+# A dense launch given max_rows (a DSA model's dense steps, below its top-k) sizes its splits by those rows, not by
+# the whole cache: fewer splits, and few enough for the merge's one read (UV_ONE_READ_MAX); False: by the cache.
+SPLITS_BY_MAX_ROWS = True
 
 
 def _pick_splits(hblocks: int, sparse: bool, n_idx: int, max_tokens: int) -> int:
@@ -353,10 +406,12 @@ def mla_decode(
     num_splits: int | None = None,
     row_start: torch.Tensor | None = None,
     uv: tuple | None = None,
+    max_rows: int = 0,
 ) -> torch.Tensor:
     """Dense (``indices is None``, rows ``row_start[i]..positions[i]``; ``row_start`` int64 ``[1]`` or ``[n]``) or
     sparse absorbed MLA; ``[n, H, L]``. With ``uv = (kv_b, P, V, kv_b_scale or None)``: ``W_UV`` applied too
-    (``triton_fused.mla_uv``'s math, in the merging kernel), ``[n, H*V]``."""
+    (``triton_fused.mla_uv``'s math, in the merging kernel), ``[n, H*V]``. ``max_rows``: the most rows a dense
+    query of this launch reads (0: the whole cache), which sizes the splits; any query longer is still whole."""
     n, H, D = q.shape
     L = kv_lora_rank
     R = D - L
@@ -366,7 +421,7 @@ def mla_decode(
     BLOCK_H = 16 if H <= 16 else (32 if H <= 32 else 64)
     hblocks = triton.cdiv(H, BLOCK_H)
     n_idx = indices.shape[-1] if indices is not None else 0
-    S = num_splits or _pick_splits(hblocks, sparse, n_idx, kv.shape[0])
+    S = num_splits or _pick_splits(hblocks, sparse, n_idx, (max_rows if SPLITS_BY_MAX_ROWS else 0) or kv.shape[0])
     rows = DENSE_CAP_ROWS["one" if hblocks == 1 else "many"]
     BLOCK_T = 32 if sparse else min(32, rows)
     min_tps = BLOCK_T if sparse else min(DENSE_MIN_TOKENS_PER_SPLIT, rows)
@@ -411,7 +466,8 @@ def mla_decode(
         SPARSE=sparse,
         HAS_START=row_start is not None and not sparse,
         EARLY=SPLIT_ROWS_EARLY,
-        WRITE_EMPTY=not SKIP_EMPTY_SPLITS or (uv is not None and one_read),  # ONE_READ reads every partial
+        # the sparse ONE_READ merge reads every partial; the dense one only its query's live splits
+        WRITE_EMPTY=not SKIP_EMPTY_SPLITS or (uv is not None and one_read and sparse),
         num_warps=8 if BLOCK_H >= 64 else 4,
         num_stages=2,
         **triton_pdl.kw(),
@@ -427,13 +483,21 @@ def mla_decode(
             kv_b,
             kvs if kvs is not None else kv_b,
             y,
+            pos,
+            row_start if row_start is not None else pos,
             H,
             o_part.stride(0),
             o_part.stride(1),
             o_part.stride(2),
             y.stride(0),
             kvs.stride(0) if kvs is not None else 0,
+            row_start.stride(0) if row_start is not None and row_start.shape[0] > 1 else 0,
             NUM_SPLITS=S,
+            MIN_TPS=min_tps,
+            BLOCK_T=BLOCK_T,
+            DENSE=not sparse,
+            HAS_START=row_start is not None and not sparse,
+            EARLY=SPLIT_ROWS_EARLY,
             SB=min(UV_SB, triton.next_power_of_2(S)),
             L=L,
             P=P,
