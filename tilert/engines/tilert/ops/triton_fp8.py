@@ -57,7 +57,7 @@ FP8_GEMV_CFG = {
     "head": (16, 512, 8),
     "large": (8, 1024, 4),
     "k2048": (4, 2048, 8),  # K = 1024 / 2048 (W_a, W_o at lite dims): all before the PDL wait, one wave
-    "k1024": (2, 2048, 4),
+    "k1024": (4, 4096, 8),  # W_a at V3.2 / GLM-5 dims (K 7168 / 6144): x read by fewer, wider programs
     "mid": (8, 512, 4),  # W_b at lite dims (K = 1536): 3 tiles before the PDL wait, 640 programs in one wave
     "small": (2, 1024, 4),
 }
