@@ -51,17 +51,15 @@ def _mla_ok(q, kv_cache, kv_lora_rank):
 def _mla_attention_cuda(q, kv_cache, positions, scale, kv_lora_rank, row_start=None, max_rows=0):
     if not _mla_ok(q, kv_cache, kv_lora_rank):
         return reference.mla_attention(q, kv_cache, positions, scale, kv_lora_rank, row_start)
+    return _mla_dense(q, kv_cache, positions, scale, kv_lora_rank, row_start, max_rows)
+
+
+def _mla_dense(q, kv_cache, positions, scale, kv_lora_rank, row_start, max_rows, uv=None):
     from .triton_mla import mla_decode  # lazy: Triton, on CUDA machines only
 
+    p = positions.contiguous()
     return mla_decode(
-        q.contiguous(),
-        kv_cache,
-        positions.contiguous(),
-        None,
-        scale,
-        kv_lora_rank,
-        row_start=row_start,
-        max_rows=max_rows,
+        q.contiguous(), kv_cache, p, None, scale, kv_lora_rank, row_start=row_start, uv=uv, max_rows=max_rows
     )
 
 
@@ -442,21 +440,11 @@ def _mla_attention_uv_cuda(
         else:
             o_lat = _mla_sparse_attention_cuda(q, kv_cache, indices, scale, kv_lora_rank)
         return _mla_uv_cuda(o_lat, kv_b, nope_dim, kv_b_scale)
-    from .triton_mla import mla_decode  # lazy: Triton, on CUDA machines only
-
     uv = (kv_b, nope_dim, v, kv_b_scale)
     if indices is None:
-        return mla_decode(
-            q.contiguous(),
-            kv_cache,
-            positions.contiguous(),
-            None,
-            scale,
-            kv_lora_rank,
-            row_start=row_start,
-            uv=uv,
-            max_rows=max_rows,
-        )
+        return _mla_dense(q, kv_cache, positions, scale, kv_lora_rank, row_start, max_rows, uv)
+    from .triton_mla import mla_decode  # lazy: Triton, on CUDA machines only
+
     return mla_decode(q.contiguous(), kv_cache, None, indices.to(torch.int32).contiguous(), scale, kv_lora_rank, uv=uv)
 
 

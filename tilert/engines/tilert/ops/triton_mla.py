@@ -47,23 +47,6 @@ def _dense_rows(
 
 
 @triton.jit
-def _live_splits(
-    pos_ptr,
-    start_ptr,
-    i,
-    stride_start,
-    NUM_SPLITS: tl.constexpr,
-    MIN_TPS: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    HAS_START: tl.constexpr,
-):
-    """How many of query ``i``'s dense splits hold rows (they are a prefix: split ``s`` starts at ``first + s *
-    tps``)."""
-    first, total, tps = _dense_rows(pos_ptr, start_ptr, i, stride_start, NUM_SPLITS, MIN_TPS, BLOCK_T, HAS_START)
-    return tl.cdiv(total - first, tps)
-
-
-@triton.jit
 def _mla_split_kernel(
     q_ptr,
     kv_ptr,
@@ -220,7 +203,6 @@ def _mla_combine_uv_kernel(
     BLOCK_T: tl.constexpr,
     DENSE: tl.constexpr,
     HAS_START: tl.constexpr,
-    EARLY: tl.constexpr,
     SB: tl.constexpr,
     L: tl.constexpr,
     P: tl.constexpr,
@@ -241,16 +223,17 @@ def _mla_combine_uv_kernel(
     # ONE_READ: every live split's partial [BS, L] is requested right after the PDL wait, with the log-sum-exps
     # (one L2 round trip; the loop over SB splits at a time reads them only once the weights are known). Dense:
     # the live splits are a prefix, counted from the query's rows as the split kernel splits them (positions /
-    # row_start: step inputs, read before the PDL wait when EARLY); sparse: every split is read, each written by
-    # the split kernel (an empty one's o is 0, its weight 0: WRITE_EMPTY). TAIL > 0 (ONE_READ): splits BS.. are a
-    # second tile of TAIL rows (BS the largest power of two <= the splits, TAIL the rest padded to a power of two:
-    # 33 splits read as 32 + 2 rows, not 64).
+    # row_start: step inputs written kernels before, read before the PDL wait); sparse: every split is read,
+    # each written by the split kernel (an empty one's o is 0, its weight 0: WRITE_EMPTY). TAIL > 0 (ONE_READ):
+    # splits BS.. are a second tile of TAIL rows (BS the largest power of two <= the splits, TAIL the rest padded
+    # to a power of two: 33 splits read as 32 + 2 rows, not 64).
     i = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
     n_live = NUM_SPLITS
-    if ONE_READ and DENSE and EARLY:
-        n_live = _live_splits(pos_ptr, start_ptr, i, stride_start, NUM_SPLITS, MIN_TPS, BLOCK_T, HAS_START)
+    if ONE_READ and DENSE:  # the split kernel's rows (before the PDL wait, as its EARLY reads them)
+        first, total, tps = _dense_rows(pos_ptr, start_ptr, i, stride_start, NUM_SPLITS, MIN_TPS, BLOCK_T, HAS_START)
+        n_live = tl.cdiv(total - first, tps)
     offs_l = tl.arange(0, L)
     offs_v = vb * BV + tl.arange(0, BV)
     w = tl.load(kvb_ptr + (h * (P + V) + P + offs_v).to(tl.int64)[:, None] * L + offs_l[None, :])  # static
@@ -266,8 +249,6 @@ def _mla_combine_uv_kernel(
                 + (offs_l // KGK)[None, :]
             )
     pdl_begin(PDL)
-    if ONE_READ and DENSE and not EARLY:
-        n_live = _live_splits(pos_ptr, start_ptr, i, stride_start, NUM_SPLITS, MIN_TPS, BLOCK_T, HAS_START)
     offs_s = tl.arange(0, BS)
     lse_row = lse_ptr + (i * H + h) * NUM_SPLITS
     ob = o_ptr + i * stride_on + h * stride_oh
@@ -497,7 +478,6 @@ def mla_decode(
             BLOCK_T=BLOCK_T,
             DENSE=not sparse,
             HAS_START=row_start is not None and not sparse,
-            EARLY=SPLIT_ROWS_EARLY,
             SB=min(UV_SB, triton.next_power_of_2(S)),
             L=L,
             P=P,
