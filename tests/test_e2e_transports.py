@@ -274,8 +274,13 @@ def _staging_pool(prefill: str) -> dict[str, float]:
     }
 
 
-def _pools_whole(prefill: str, decode: str | None, limit_s: float = 2.0) -> None:
-    """Until the staging pool is whole on vLLM's /metrics and every receive slot is free on the node's /health."""
+def _pools_whole(prefill: str, decode: str | None, limit_s: float = 10.0) -> None:
+    """Until the staging pool is whole on vLLM's /metrics and every receive slot is free on the node's /health.
+
+    A freed extent reaches the gauges through vLLM's next engine step (the worker reports it, the scheduler
+    accounts it, the stats travel to the API server): on a loaded 2-core host with NIXL's progress threads polling,
+    seconds after the client's error. How fast the error comes is asserted apart (``FAIL_LIMIT_S``); here only that
+    every extent and slot comes back."""
     deadline = time.monotonic() + limit_s
     while True:
         pool = _staging_pool(prefill)
