@@ -91,7 +91,8 @@ if triton is not None:
         # The whole step in one launch of G resident programs: phase ph streams bytes seg[ph]..seg[ph + 1] (chunk
         # pid, pid + G, ...), writes one value, and waits at a grid barrier (one counter, counting arrivals) before
         # reading another program's value of that phase. The next phase's first chunk is requested before the
-        # barrier (static bytes). SPIN bounds every wait (a grid that is not all resident ends, wrong, not hung).
+        # barrier (static bytes). SPIN bounds every wait: a grid that is not all resident ends (each wait that gave
+        # up counted in cnt[1]), wrong, not hung.
         pid = tl.program_id(0)
         offs = tl.arange(0, CH)
         lo = tl.load(seg_ptr)
@@ -118,15 +119,17 @@ if triton is not None:
             while (seen < target) & (it < SPIN):
                 seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
                 it += 1
+            if seen < target:
+                tl.atomic_add(cnt_ptr + 1, 1, sem="relaxed", scope="gpu")
             xp = tl.load(x_ptr + (ph % 2) * G + (pid + 1) % G, cache_modifier=".cg")
 
 
 def persistent_step(w: torch.Tensor, seg: torch.Tensor, x: torch.Tensor, cnt: torch.Tensor, g: int, chunk: int) -> None:
     """The whole chain as one persistent launch of ``g`` programs (``seg``: int64 phase bounds, two past the
-    last phase: ``seg[-1] == seg[-2]``); ``cnt`` zeroed first."""
+    last phase: ``seg[-1] == seg[-2]``); ``cnt`` (int32 ``[2]``: arrivals, waits given up) zeroed first."""
     cnt.zero_()
     warps = max(1, min(8, chunk // 4096))
-    _persistent[(g,)](w, seg, seg.numel() - 2, x, cnt, G=g, CH=chunk, SPIN=1 << 22, num_warps=warps)
+    _persistent[(g,)](w, seg, seg.numel() - 2, x, cnt, G=g, CH=chunk, SPIN=1 << 16, num_warps=warps)
 
 
 def launch(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, chunk: int, pre: bool, pdl: bool) -> None:
@@ -188,10 +191,10 @@ def check_persistent(dev: torch.device) -> None:
     w = torch.randint(0, 256, (50_000,), dtype=torch.uint8, device=dev)
     seg = torch.tensor([0, 10_000, 10_001, 50_000, 50_000], dtype=torch.int64, device=dev)
     x = torch.zeros(2, device=dev)
-    cnt = torch.zeros(1, dtype=torch.int32, device=dev)
+    cnt = torch.zeros(2, dtype=torch.int32, device=dev)
     persistent_step(w, seg, x, cnt, 1, 16384)
     assert x[0].item() == float(w.long().sum().item()), (x, w.long().sum())
-    assert cnt.item() == 3, cnt
+    assert cnt.tolist() == [3, 0], cnt
 
 
 def time_persistent(weights: torch.Tensor, seg: torch.Tensor, g: int, chunk: int, dev: torch.device) -> float:
@@ -199,10 +202,11 @@ def time_persistent(weights: torch.Tensor, seg: torch.Tensor, g: int, chunk: int
     from decode_speed import time_replays
 
     x = torch.zeros(2 * g, device=dev)
-    cnt = torch.zeros(1, dtype=torch.int32, device=dev)
+    cnt = torch.zeros(2, dtype=torch.int32, device=dev)
     persistent_step(weights, seg, x, cnt, g, chunk)
     torch.cuda.synchronize()
-    assert cnt.item() == g * (seg.numel() - 2), "a barrier gave up: the grid was not all resident"
+    if cnt[1].item():
+        raise RuntimeError(f"{cnt[1].item()} barrier waits gave up: the grid of {g} was not all resident")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         persistent_step(weights, seg, x, cnt, g, chunk)
@@ -269,7 +273,11 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     for per_sm in (1, 2):
         for chunk in chunks:
-            t = time_persistent(flat, seg, sms * per_sm, chunk, dev)
+            try:
+                t = time_persistent(flat, seg, sms * per_sm, chunk, dev)
+            except RuntimeError as exc:  # two programs an SM may not fit: say so, keep the other rows
+                print(f"persistent, {per_sm}/SM, chunk {chunk}: {exc}", flush=True)
+                continue
             row(f"persistent, {per_sm}/SM", len(sizes), total, chunk, True, False, t)
     del flat
     torch.cuda.empty_cache()
