@@ -151,8 +151,8 @@ def build_chain(layers: int, mbs: list[float], dev: torch.device) -> list[torch.
 
 
 def time_chain(weights, chunk: int, pre: bool, pdl: bool, dev: torch.device) -> float:
-    """Seconds per replay of the whole chain captured in one graph."""
-    from decode_speed import time_replays
+    """Seconds per run of the whole chain, captured in a graph (``micro.graph_time``)."""
+    from micro import graph_time
 
     progs = max(w.numel() for w in weights) // max(chunk, 1) + 2
     bufs = [torch.zeros(max(progs, XN), device=dev) for _ in range(2)]
@@ -161,17 +161,7 @@ def time_chain(weights, chunk: int, pre: bool, pdl: bool, dev: torch.device) -> 
         for k, w in enumerate(weights):
             launch(w, bufs[k % 2], bufs[(k + 1) % 2], chunk, pre, pdl)
 
-    chain()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        chain()
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        chain()
-    return time_replays(g.replay, iters=10, reps=5)
+    return graph_time([chain])
 
 
 def check(dev: torch.device) -> None:
@@ -198,8 +188,9 @@ def check_persistent(dev: torch.device) -> None:
 
 
 def time_persistent(weights: torch.Tensor, seg: torch.Tensor, g: int, chunk: int, dev: torch.device) -> float:
-    """Seconds per replay of the one-launch step captured in a graph; raises when its barriers did not hold."""
-    from decode_speed import time_replays
+    """Seconds per one-launch step, captured in a graph (``micro.graph_time``); raises when its barriers did not
+    hold."""
+    from micro import graph_time
 
     x = torch.zeros(2 * g, device=dev)
     cnt = torch.zeros(2, dtype=torch.int32, device=dev)
@@ -207,10 +198,7 @@ def time_persistent(weights: torch.Tensor, seg: torch.Tensor, g: int, chunk: int
     torch.cuda.synchronize()
     if cnt[1].item():
         raise RuntimeError(f"{cnt[1].item()} barrier waits gave up: the grid of {g} was not all resident")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        persistent_step(weights, seg, x, cnt, g, chunk)
-    return time_replays(graph.replay, iters=10, reps=5)
+    return graph_time([lambda: persistent_step(weights, seg, x, cnt, g, chunk)])
 
 
 def main() -> None:

@@ -27,6 +27,12 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _rows_per_split(rows, NUM_SPLITS: tl.constexpr, MIN_TPS: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Rows each split of ``rows`` takes: whole ``BLOCK_T`` tiles, at least ``MIN_TPS``."""
+    return tl.maximum(tl.cdiv(tl.cdiv(rows, NUM_SPLITS), BLOCK_T) * BLOCK_T, MIN_TPS)
+
+
+@triton.jit
 def _dense_rows(
     pos_ptr,
     start_ptr,
@@ -42,8 +48,7 @@ def _dense_rows(
     first = 0
     if HAS_START:
         first = tl.minimum(tl.load(start_ptr + i * stride_start).to(tl.int32), total)
-    tps = tl.maximum(tl.cdiv(tl.cdiv(total - first, NUM_SPLITS), BLOCK_T) * BLOCK_T, MIN_TPS)
-    return first, total, tps
+    return first, total, _rows_per_split(total - first, NUM_SPLITS, MIN_TPS, BLOCK_T)
 
 
 @triton.jit
@@ -90,7 +95,7 @@ def _mla_split_kernel(
     if SPARSE:
         first = 0
         total = n_idx
-        tps = tl.maximum(tl.cdiv(tl.cdiv(total, NUM_SPLITS), BLOCK_T) * BLOCK_T, MIN_TPS)
+        tps = _rows_per_split(total, NUM_SPLITS, MIN_TPS, BLOCK_T)
     else:
         first, total, tps = _dense_rows(pos_ptr, start_ptr, i, stride_start, NUM_SPLITS, MIN_TPS, BLOCK_T, HAS_START)
     start = first + pid_s * tps
