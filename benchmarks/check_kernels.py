@@ -10,7 +10,6 @@ any failure. Outputs are poisoned (NaN) before each kernel run so unwritten elem
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import sys
@@ -254,9 +253,6 @@ def check_indexer(dev, small):
         got = triton_mla.indexer_topk(q, w, k, pos, topk)
         alone = triton_topk.topk(sc, pos, topk)
         same = torch.equal(got, alone)
-        for _label, per_row, ch in TOPK_MODES[1:]:  # pass 1 fused, then one program a row: the same indices
-            with topk_mode(per_row, ch):
-                same = same and torch.equal(triton_mla.indexer_topk(q, w, k, pos, topk), got)
         RESULTS.append((f"indexer_topk fused == topk on its scores n={n} S={S}", 0.0, 0.0, same))
         print(
             f"{'PASS' if same else 'FAIL'}  indexer top-k (pass 1 fused into the scores) == radix top-k on the same "
@@ -431,46 +427,18 @@ def check_topk(dev, small):
             sc[:, 5:50] = float("-inf")
         pos = torch.randint(max(0, S - 3 * k), S, (n,), device=dev)
         pos[0] = S - 1
-        first = None
-        for label, per_row, ch in TOPK_MODES:
-            with topk_mode(per_row, ch):
-                ok = True
-                for _rep in range(2):
-                    got = triton_topk.topk(sc, pos, k)
-                    ok = ok and topk_exact(sc, pos, k, got)
-            first = got if first is None else first
-            same = torch.equal(got, first)  # every select gives the same indices in the same order
-            ws = triton_topk.workspace(n, S, k, sc.device)
-            zeroed = not (ws.fine.any() or ws.coarse.any())
-            RESULTS.append((f"radix topk ({label}) n={n} S={S} k={k} {kind}", 0.0, 0.0, ok and zeroed and same))
-            print(
-                f"{'PASS' if ok and zeroed and same else 'FAIL'}  radix top-k ({label}) n={n} S={S} k={k} {kind}: "
-                f"exact set, deterministic order, twice{'' if zeroed else '; histograms NOT left zeroed'}"
-                f"{'' if same else '; NOT the launches-2-4 indices'}",
-                flush=True,
-            )
-
-
-# The radix top-k's selects after pass 1 (label, triton_topk.PER_ROW, triton_topk.ROW_CH or None: the default):
-# three launches of chunk programs; one program per row at its default chunk and at a small one (several chunks
-# a row in the small cases too).
-TOPK_MODES = (
-    ("three launches", False, None),
-    ("one program a row", True, None),
-    ("one program a row, 1024", True, 1024),
-)
-
-
-@contextlib.contextmanager
-def topk_mode(per_row: bool, ch: int | None):
-    """``triton_topk`` selecting as ``per_row`` (one program a row, ``ch`` scores at a time) inside the block."""
-    saved = triton_topk.PER_ROW, triton_topk.ROW_CH
-    triton_topk.PER_ROW = per_row
-    triton_topk.ROW_CH = ch or saved[1]
-    try:
-        yield
-    finally:
-        triton_topk.PER_ROW, triton_topk.ROW_CH = saved
+        ok = True
+        for _rep in range(2):
+            got = triton_topk.topk(sc, pos, k)
+            ok = ok and topk_exact(sc, pos, k, got)
+        ws = triton_topk.workspace(n, S, k, sc.device)
+        zeroed = not (ws.fine.any() or ws.coarse.any())
+        RESULTS.append((f"radix topk n={n} S={S} k={k} {kind}", 0.0, 0.0, ok and zeroed))
+        print(
+            f"{'PASS' if ok and zeroed else 'FAIL'}  radix top-k n={n} S={S} k={k} {kind}: exact set, deterministic "
+            f"order, twice{'' if zeroed else '; histograms NOT left zeroed'}",
+            flush=True,
+        )
 
 
 def check_shaping(dev, small=False, vocab=129280) -> bool:

@@ -355,24 +355,12 @@ def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
 
 
 # The DSA path (a context past index_topk only): the indexer's rows and warps per program, the top-k's passes'
-# scores and warps per program, and its select as one program a row.
+# scores and warps per program.
 DSA_TUNING = (
     ("triton_mla", "INDEXER_BT", (128, 64, 256)),
     ("triton_mla", "INDEXER_WARPS", (4, 8)),
     ("triton_topk", "CH", (256, 512, 1024)),
     ("triton_topk", "WARPS", (8, 4)),
-    (  # the select after pass 1: three launches (PER_ROW off), or one program a row (scores a read, warps)
-        "triton_topk",
-        ["PER_ROW", "ROW_CH", "ROW_WARPS"],
-        (
-            (False, 16384, 32),
-            (True, 16384, 32),
-            (True, 8192, 32),
-            (True, 32768, 32),
-            (True, 8192, 16),
-            (True, 4096, 16),
-        ),
-    ),
 )
 # Weights brought into L2 while latency-bound kernels run (ops/triton_prefetch.py): which sites, as whole plans,
 # with the experts' loads marked evict-first or not (MOE_EVICT_FIRST).

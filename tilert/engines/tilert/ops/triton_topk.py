@@ -20,12 +20,6 @@ Launches (grid ``(chunks of CH scores, n)``):
 A histogram is read by every program of the launch after the one that fills it, so it is zeroed one launch later
 still: pass 1's by ``count``, pass 2's by ``write``; each replay then starts from zero (the workspace is
 allocated zeroed). ``benchmarks/decode_speed.py`` times it against ``torch.topk`` in the same step.
-
-``PER_ROW`` replaces launches 2-4 with one launch of one program per row (``_row_select_kernel``): from pass 1's
-counters it finds the top 16 bits of ``T`` itself, then reads the row three times, ``ROW_CH`` scores at a time
-(the next 8 bits' histogram inside the bin, zeroing pass 1's bins on the way; the last 8 bits'; the compaction, in
-the same order as ``write``): no launch boundary and no histogram in global memory after pass 1, for one
-program's reads of the row. The same indices, bit for bit.
 """
 
 from __future__ import annotations
@@ -41,9 +35,6 @@ __all__ = ["TopkWorkspace", "topk", "select_from_hist"]
 
 CH = 256  # scores per program in the per-chunk passes (a workspace keeps the value it was made with)
 WARPS = 8  # warps per program of the standalone passes
-PER_ROW = False  # launches 2-4 as one program per row (module docstring)
-ROW_CH = 16384  # scores that program reads at a time
-ROW_WARPS = 32
 BINS = 65536  # 16-bit digits
 COARSE = 256
 
@@ -216,79 +207,6 @@ def _write_kernel(
         tl.store(orow + (K - take_eq) + rank, offs.to(tl.int32), mask=eqm & (rank < take_eq))
 
 
-@triton.jit
-def _row_hist(srow, total, sel_bits, sel, digit_shift, fine_row, ZERO_FINE: tl.constexpr, BC: tl.constexpr):
-    """One read of a row's keys: the 256-bin histogram of bits ``digit_shift .. +7`` of the keys whose bits above
-    ``sel_bits`` equal ``sel``; with ``ZERO_FINE`` each key's pass-1 bin is zeroed on the way."""
-    h = tl.zeros([256], dtype=tl.int32)
-    for c0 in range(0, total, BC):
-        offs = c0 + tl.arange(0, BC)
-        valid = offs < total
-        key = key64(tl.load(srow + offs, mask=valid, other=0.0))
-        if ZERO_FINE:
-            tl.store(fine_row + (key >> 16).to(tl.int32), 0, mask=valid)
-        digit = ((key >> digit_shift) & 255).to(tl.int32)
-        h += tl.histogram(digit, 256, mask=valid & ((key >> sel_bits) == sel))
-    return h
-
-
-@triton.jit
-def _row_select_kernel(
-    s_ptr,
-    pos_ptr,
-    fine_ptr,
-    coarse_ptr,
-    out_ptr,
-    S,
-    stride_s,
-    stride_o,
-    K: tl.constexpr,
-    BC: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    # one program per row: pass 1's counters (filled by the launch before) give T's top 16 bits; then two
-    # 8-bit passes over the keys inside that bin, then the compaction of ``write``; pass 1's counters are
-    # zeroed here (every key's fine bin, the coarse row), so the next replay starts from zero
-    pdl_begin(PDL)
-    i = tl.program_id(0)
-    total = tl.minimum(tl.load(pos_ptr + i) + 1, S)
-    srow = s_ptr + i * stride_s
-    orow = out_ptr + i * stride_o
-    fine_row = fine_ptr + i.to(tl.int64) * 65536
-    coarse_row = coarse_ptr + i * 256
-    bins = tl.arange(0, 256)
-    if total <= K:  # every valid row is selected: 0..total-1, then -1
-        for c0 in range(0, K, BC):
-            offs = c0 + tl.arange(0, BC)
-            tl.store(orow + offs, tl.where(offs < total, offs, -1).to(tl.int32), mask=offs < K)
-        for c0 in range(0, total, BC):  # pass 1 counted every valid key: zero their bins
-            offs = c0 + tl.arange(0, BC)
-            key = key64(tl.load(srow + offs, mask=offs < total, other=0.0))
-            tl.store(fine_row + (key >> 16).to(tl.int32), 0, mask=offs < total)
-    else:
-        cb, need = _select_bin(tl.load(coarse_row + bins), K + 0 * i)
-        fb, need = _select_bin(tl.load(fine_row + cb * 256 + bins), need)
-        hi = (cb * 256 + fb).to(tl.int64)  # T >> 16
-        b, need = _select_bin(_row_hist(srow, total, 16, hi, 8, fine_row, True, BC), need)
-        hi = (hi << 8) | b.to(tl.int64)  # T >> 8
-        b, take_eq = _select_bin(_row_hist(srow, total, 8, hi, 0, fine_row, False, BC), need)
-        thr = (hi << 8) | b.to(tl.int64)
-        n_gt = 0
-        n_eq = 0
-        for c0 in range(0, total, BC):
-            offs = c0 + tl.arange(0, BC)
-            valid = offs < total
-            key = key64(tl.load(srow + offs, mask=valid, other=0.0))
-            gtm = valid & (key > thr)
-            eqm = valid & (key == thr)
-            tl.store(orow + n_gt + tl.cumsum(gtm.to(tl.int32), 0) - 1, offs.to(tl.int32), mask=gtm)
-            rank = n_eq + tl.cumsum(eqm.to(tl.int32), 0) - 1
-            tl.store(orow + (K - take_eq) + rank, offs.to(tl.int32), mask=eqm & (rank < take_eq))
-            n_gt += tl.sum(gtm.to(tl.int32), 0)
-            n_eq += tl.sum(eqm.to(tl.int32), 0)
-    tl.store(coarse_row + bins, tl.zeros([256], dtype=tl.int32))
-
-
 class TopkWorkspace:
     """Histograms (pass 1 and 2), per-row state and per-chunk counts for ``n`` rows of ``S`` scores.
 
@@ -317,29 +235,12 @@ def workspace(n: int, S: int, K: int, device: torch.device) -> TopkWorkspace:
 
 
 def select_from_hist(scores: torch.Tensor, positions: torch.Tensor, ws: TopkWorkspace, out=None) -> torch.Tensor:
-    """Launches 2-4 (or their one launch, ``PER_ROW``): ``scores [n, S]`` fp32 whose pass-1 histogram is already in
-    ``ws`` -> ``[n, K]`` int32."""
+    """Launches 2-4: ``scores [n, S]`` fp32 whose pass-1 histogram is already in ``ws`` -> ``[n, K]`` int32."""
     n, S = scores.shape
     K = ws.K
     assert scores.stride(-1) == 1 and (n, S) == (ws.n, ws.S)
     res = out if out is not None else torch.empty(n, K, device=scores.device, dtype=torch.int32)
     pdl = triton_pdl.kw()
-    if PER_ROW:
-        _row_select_kernel[(n,)](
-            scores,
-            positions,
-            ws.fine,
-            ws.coarse,
-            res,
-            S,
-            scores.stride(0),
-            res.stride(0),
-            K=K,
-            BC=ROW_CH,
-            num_warps=ROW_WARPS,
-            **pdl,
-        )
-        return res
     grid = (ws.chunks, n)
     _hist_lo_kernel[grid](
         scores,
