@@ -87,6 +87,25 @@ if triton is not None:
         tl.store(y_ptr + pid, tl.sum(w.to(tl.int32), 0).to(tl.float32) + x)
 
     @triton.jit
+    def _stream_loop(w_ptr, x_ptr, y_ptr, nbytes, CH: tl.constexpr, NX: tl.constexpr, PDL: tl.constexpr):
+        # A grid of a few programs an SM, each looping over chunks pid, pid + G, ... two chunks a step (two loads
+        # in flight), its first two requested before the PDL wait.
+        pid = tl.program_id(0)
+        step = tl.num_programs(0).to(tl.int64) * CH
+        offs = tl.arange(0, CH)
+        p = pid.to(tl.int64) * CH
+        wa = tl.load(w_ptr + p + offs, mask=p + offs < nbytes, other=0)
+        wb = tl.load(w_ptr + p + step + offs, mask=p + step + offs < nbytes, other=0)
+        pdl_begin(PDL)
+        acc = tl.sum(wa.to(tl.int32), 0) + tl.sum(wb.to(tl.int32), 0)
+        for c in range(p + 2 * step, nbytes, 2 * step):
+            wa = tl.load(w_ptr + c + offs, mask=c + offs < nbytes, other=0)
+            wb = tl.load(w_ptr + c + step + offs, mask=c + step + offs < nbytes, other=0)
+            acc += tl.sum(wa.to(tl.int32), 0) + tl.sum(wb.to(tl.int32), 0)
+        x = tl.load(x_ptr + pid % NX)
+        tl.store(y_ptr + pid, acc.to(tl.float32) + x)
+
+    @triton.jit
     def _persistent(w_ptr, seg_ptr, n_phases, x_ptr, cnt_ptr, G: tl.constexpr, CH: tl.constexpr, SPIN: tl.constexpr):
         # The whole step in one launch of G resident programs: phase ph streams bytes seg[ph]..seg[ph + 1] (chunk
         # pid, pid + G, ...), writes one value, and waits at a grid barrier (one counter, counting arrivals) before
@@ -132,12 +151,17 @@ def persistent_step(w: torch.Tensor, seg: torch.Tensor, x: torch.Tensor, cnt: to
     _persistent[(g,)](w, seg, seg.numel() - 2, x, cnt, G=g, CH=chunk, SPIN=1 << 16, num_warps=warps)
 
 
-def launch(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, chunk: int, pre: bool, pdl: bool) -> None:
-    """One kernel of the chain: ``y[p] = sum(w's chunk p) + x[p % XN]``."""
+def launch(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, chunk: int, pre: bool, pdl: bool, loop: int = 0) -> None:
+    """One kernel of the chain: ``y[p] = sum(w's chunk p) + x[p % XN]``; ``loop`` > 0: at most ``loop`` programs,
+    each summing every ``loop``-th chunk from its own (``y[p]``: the sum of those)."""
     n = w.numel()
     warps = max(1, min(8, chunk // 4096))
     kw = triton_pdl.kw() if pdl else {"PDL": False, "launch_pdl": False}
-    _stream[(max(1, triton.cdiv(n, chunk)),)](w, x, y, n, CH=chunk, NX=XN, PRE=pre, num_warps=warps, **kw)
+    progs = max(1, triton.cdiv(n, chunk))
+    if loop:
+        _stream_loop[(min(progs, loop),)](w, x, y, n, CH=chunk, NX=XN, num_warps=warps, **kw)
+    else:
+        _stream[(progs,)](w, x, y, n, CH=chunk, NX=XN, PRE=pre, num_warps=warps, **kw)
 
 
 def build_chain(layers: int, mbs: list[float], dev: torch.device) -> list[torch.Tensor]:
@@ -150,7 +174,7 @@ def build_chain(layers: int, mbs: list[float], dev: torch.device) -> list[torch.
     return out
 
 
-def time_chain(weights, chunk: int, pre: bool, pdl: bool, dev: torch.device) -> float:
+def time_chain(weights, chunk: int, pre: bool, pdl: bool, dev: torch.device, loop: int = 0) -> float:
     """Seconds per run of the whole chain, captured in a graph (``micro.graph_time``)."""
     from micro import graph_time
 
@@ -159,7 +183,7 @@ def time_chain(weights, chunk: int, pre: bool, pdl: bool, dev: torch.device) -> 
 
     def chain() -> None:
         for k, w in enumerate(weights):
-            launch(w, bufs[k % 2], bufs[(k + 1) % 2], chunk, pre, pdl)
+            launch(w, bufs[k % 2], bufs[(k + 1) % 2], chunk, pre, pdl, loop)
 
     return graph_time([chain])
 
@@ -174,6 +198,12 @@ def check(dev: torch.device) -> None:
         progs = -(-w.numel() // chunk)
         want = torch.stack([w[p * chunk : (p + 1) * chunk].long().sum().float() + x[p % XN] for p in range(progs)])
         assert torch.allclose(y[:progs], want), (chunk, y[:progs], want)
+    chunk, loop = 4096, 3  # 25 chunks over 3 programs: program p sums chunks p, p + 3, ...
+    y = torch.zeros(8, device=dev)
+    launch(w, x, y, chunk, True, True, loop)
+    parts = w.long().split(chunk)
+    want = torch.stack([sum(c.sum() for c in parts[p::loop]).float() + x[p] for p in range(loop)])
+    assert torch.allclose(y[:loop], want), (y[:loop], want)
 
 
 def check_persistent(dev: torch.device) -> None:
@@ -252,13 +282,21 @@ def main() -> None:
                 row(label, len(weights), total, chunk, pre, pdl, time_chain(weights, chunk, pre, pdl, dev))
         del weights
         torch.cuda.empty_cache()
+    # the engine's 9 kernels a layer as grids of a few programs an SM, each looping with two chunks in flight
+    weights = build_chain(a.layers, mbs, dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    for per_sm in (2, 4, 8):
+        for chunk in (8192, 16384):
+            t = time_chain(weights, chunk, True, True, dev, loop=sms * per_sm)
+            row(f"looped, {per_sm}/SM", len(weights), total, chunk, True, True, t)
+    del weights
+    torch.cuda.empty_cache()
     sizes = [int(mb * (1 << 20)) for _ in range(a.layers) for mb in RANK_LAYER_MB.values()]
     bounds = [0]
     for n in sizes:
         bounds.append(bounds[-1] + n)
     seg = torch.tensor([*bounds, bounds[-1]], dtype=torch.int64, device=dev)
     flat = torch.randint(0, 256, (bounds[-1],), dtype=torch.uint8, device=dev)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     for per_sm in (1, 2):
         for chunk in chunks:
             try:

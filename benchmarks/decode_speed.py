@@ -446,7 +446,7 @@ TUNING = (  # (module, attribute, values): variants re-timed in the whole captur
     ("triton_mla", "SPLIT_ROWS_EARLY", (True, False)),
     ("triton_mla", "SKIP_EMPTY_SPLITS", (True, False)),
     ("triton_mla", "UV_ONE_READ_MAX", (64, 0)),
-    ("triton_mla", "SPLITS_BY_MAX_ROWS", (True, False)),
+    ("triton_mla", "SPLITS_BY_MAX_ROWS", (False, True)),
     ("triton_moe", ("DOWN_CFG", "wide"), ((1, 2048, 4, 3), (2, 1024, 4, 3), (1, 2048, 8, 3), (1, 2048, 4, 4))),
     (
         "triton_moe",
@@ -506,7 +506,7 @@ TUNING_FP8 = (
     ("triton_mla", "SPLIT_ROWS_EARLY", (True, False)),
     ("triton_mla", "SKIP_EMPTY_SPLITS", (True, False)),
     ("triton_mla", "UV_ONE_READ_MAX", (64, 0)),
-    ("triton_mla", "SPLITS_BY_MAX_ROWS", (True, False)),
+    ("triton_mla", "SPLITS_BY_MAX_ROWS", (False, True)),
     ("triton_mla", "UV_TAIL", (True, False)),
     ("triton_mla", "UV_LIVE_LOOP", (True, False)),
     ("triton_mla", ("UV_BV", "few"), (8, 4, 8, 4, 16)),

@@ -338,9 +338,11 @@ SPLIT_ROWS_EARLY = True
 SKIP_EMPTY_SPLITS = True
 
 
-# A dense launch given max_rows (a DSA model's dense steps, below its top-k) sizes its splits by those rows, not by
-# the whole cache: fewer splits, and few enough for the merge's one read (UV_ONE_READ_MAX); False: by the cache.
-SPLITS_BY_MAX_ROWS = True
+# True: a dense launch given max_rows (a DSA model's dense steps, below its top-k) sizes its splits by those rows, not
+# by the whole cache: fewer splits, few enough for the merge's one read (UV_ONE_READ_MAX), each longer. False (the
+# default): by the cache, more and shorter splits, which the whole step at one TP8 rank's and lite-v32's shapes runs
+# faster (benchmarks/results/h200-decode-tp8-rank.md).
+SPLITS_BY_MAX_ROWS = False
 
 
 def _pick_splits(hblocks: int, sparse: bool, n_idx: int, max_tokens: int) -> int:
