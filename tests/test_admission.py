@@ -32,7 +32,7 @@ SEQUENCES = 2
 STREAMS = 4  # more than the node decodes at once (and than its slots were before: sequences + 1)
 TRANSFER_TIMEOUT_S = 1.5  # far above a transfer's time here, far below a stream's
 PROMPT = "def admitted(a, b):"
-MAX_TOKENS = 2000  # each stream outlasts the transfer timeout on this stack (checked below); the stack's context is 2048
+MAX_TOKENS = 2000  # each stream outlasts the transfer timeout (checked below); the stack's context is 2048
 
 
 @dataclass
