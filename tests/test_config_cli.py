@@ -637,15 +637,16 @@ def test_allowed_cpus_is_the_cpuset_not_the_current_pinning() -> None:
 
 def test_free_ports_are_below_the_ephemeral_range_and_free() -> None:
     """A port handed out for a process to bind later is never one the kernel may give an outgoing connection
-    meanwhile (below ``ip_local_port_range``), and nothing listens on it."""
+    meanwhile (below ``ip_local_port_range``), nothing listens on it, and no other caller in the process has it."""
     import socket
     from pathlib import Path
 
     from tilert.netio import free_port
 
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    ports = {free_port() for _ in range(20)}
-    assert len(ports) > 1
+    handed = [free_port() for _ in range(200)]
+    ports = set(handed)
+    assert len(ports) == len(handed), "a process is never handed the same port twice"
     assert low <= 21000 or all(20000 <= p < low for p in ports)  # a kernel that leaves no room below: any free port
     with socket.socket() as s:
         s.bind(("127.0.0.1", next(iter(ports))))

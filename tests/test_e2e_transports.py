@@ -24,7 +24,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -67,6 +67,10 @@ class Spare:
     router_url: str
     ctrl_port: int
     logs: Path
+    again: Callable[[], Spare]  # the same spare launched anew, on other ports
+
+
+BIND_TRIES = 3  # launches of a spare whose port another process bound first (picked free, bound a moment later)
 
 
 def _launch_spare(model: Path, node_model: Path, transport: str, secret: Path, prefill_port: int, logs: Path) -> Spare:
@@ -86,13 +90,30 @@ def _launch_spare(model: Path, node_model: Path, transport: str, secret: Path, p
         )
         router = subprocess.Popen(router_command(cfg), env=env, stdout=router_log, stderr=subprocess.STDOUT)
     return Spare(
-        node, router, f"http://127.0.0.1:{cfg.decode_http_port}", f"http://127.0.0.1:{cfg.port}", cfg.ctrl_port, logs
+        node,
+        router,
+        f"http://127.0.0.1:{cfg.decode_http_port}",
+        f"http://127.0.0.1:{cfg.port}",
+        cfg.ctrl_port,
+        logs,
+        lambda: _launch_spare(model, node_model, transport, secret, prefill_port, logs),
     )
 
 
-def _wait_spare(spare: Spare) -> None:
-    wait_healthy(spare.decode_url, spare.node, 300, spare.logs / "node.log")
-    wait_healthy(spare.router_url, spare.router, 300, spare.logs / "router.log")
+def _wait_spare(spare: Spare) -> Spare:
+    """``spare`` healthy, or the same spare launched again when one of its processes died because another process
+    bound its port first (at most ``BIND_TRIES`` launches; any other death fails at once)."""
+    for attempt in range(1, BIND_TRIES + 1):
+        try:
+            wait_healthy(spare.decode_url, spare.node, 300, spare.logs / "node.log")
+            wait_healthy(spare.router_url, spare.router, 300, spare.logs / "router.log")
+            return spare
+        except AssertionError as exc:
+            if attempt == BIND_TRIES or "Address already in use" not in str(exc):
+                raise
+            _stop_spare(spare)
+            spare = spare.again()
+    raise AssertionError("unreachable")
 
 
 def _stop_spare(spare: Spare) -> None:
@@ -166,8 +187,8 @@ def rigs(
         for name, launch in launches.items():
             stacks[name] = launch.wait()
             stacks[name].transport = name
-        for spare in spares.values():
-            _wait_spare(spare)
+        for key, spare in spares.items():
+            spares[key] = _wait_spare(spare)
     except BaseException:
         for spare in spares.values():
             _stop_spare(spare)

@@ -27,6 +27,7 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 _PORTS = random.Random()
+_GIVEN: set[int] = set()  # ports this process has handed out (not handed out twice: the first may not be bound yet)
 
 
 def _ephemeral_low() -> int:
@@ -41,14 +42,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A port nobody listens on now on ``host``, for a process that binds it a little later. Taken below the
     kernel's ephemeral range: a port from that range (what binding port 0 gives) can become the local end of any
     outgoing connection before that process binds it, and its bind then fails with "Address already in use" (a
-    stack's decode node binds its ports only after vLLM has started)."""
+    stack's decode node binds its ports only after vLLM has started). Never the same port twice in one process."""
     low = _ephemeral_low()
     for _ in range(200):
         port = _PORTS.randrange(20000, low) if low > 21000 else 0
+        if port in _GIVEN:
+            continue
         with socket.socket() as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
-            return int(s.getsockname()[1])
+            port = int(s.getsockname()[1])
+        _GIVEN.add(port)
+        return port
     raise OSError(f"no free port on {host} below the ephemeral range")
