@@ -193,33 +193,35 @@ def check_mla(dev, small):
     # (splits sized by the bound or by the cache: triton_mla.SPLITS_BY_MAX_ROWS, both checked)
     short = torch.tensor([40, 7], device=dev)
     by_rows_default = triton_mla.SPLITS_BY_MAX_ROWS
-    for rs, bound, by_rows in itertools.product(
-        (None, torch.tensor([3, 0], device=dev)), (64, 2048 if not small else 256), (False, True)
-    ):
-        triton_mla.SPLITS_BY_MAX_ROWS = by_rows
-        want_s = ref.mla_uv(ref.mla_attention(q, kv, short, scale, L, rs).to(DTYPE), kvb, P_)
-        tag = (
-            f"max_rows={bound} row_start={'per query' if rs is not None else 'none'} "
-            f"splits by {'the bound' if by_rows else 'the cache'} H={H} S={S}"
-        )
-        got = decode_poisoned(q, kv, short, None, scale, L, uv=uv, row_start=rs, max_rows=bound)
-        report(f"mla dense + W_UV {tag}", got, want_s)
-        alone = [
-            decode_poisoned(
-                q[j : j + 1],
-                kv,
-                short[j : j + 1],
-                None,
-                scale,
-                L,
-                uv=uv,
-                row_start=rs[j : j + 1] if rs is not None else None,
-                max_rows=bound,
+    try:
+        for rs, bound, by_rows in itertools.product(
+            (None, torch.tensor([3, 0], device=dev)), (64, 2048 if not small else 256), (False, True)
+        ):
+            triton_mla.SPLITS_BY_MAX_ROWS = by_rows
+            want_s = ref.mla_uv(ref.mla_attention(q, kv, short, scale, L, rs).to(DTYPE), kvb, P_)
+            tag = (
+                f"max_rows={bound} row_start={'per query' if rs is not None else 'none'} "
+                f"splits by {'the bound' if by_rows else 'the cache'} H={H} S={S}"
             )
-            for j in range(q.shape[0])
-        ]
-        bitwise(f"batch invariance: mla dense + W_UV {tag}", got, [a[0] for a in alone])
-    triton_mla.SPLITS_BY_MAX_ROWS = by_rows_default
+            got = decode_poisoned(q, kv, short, None, scale, L, uv=uv, row_start=rs, max_rows=bound)
+            report(f"mla dense + W_UV {tag}", got, want_s)
+            alone = [
+                decode_poisoned(
+                    q[j : j + 1],
+                    kv,
+                    short[j : j + 1],
+                    None,
+                    scale,
+                    L,
+                    uv=uv,
+                    row_start=rs[j : j + 1] if rs is not None else None,
+                    max_rows=bound,
+                )
+                for j in range(q.shape[0])
+            ]
+            bitwise(f"batch invariance: mla dense + W_UV {tag}", got, [a[0] for a in alone])
+    finally:
+        triton_mla.SPLITS_BY_MAX_ROWS = by_rows_default
     saved = triton_mla.DENSE_CAP_ROWS["one"]
     try:
         triton_mla.DENSE_CAP_ROWS["one"] = 16

@@ -103,17 +103,22 @@ def _launch_spare(model: Path, node_model: Path, transport: str, secret: Path, p
 def _wait_spare(spare: Spare) -> Spare:
     """``spare`` healthy, or the same spare launched again when one of its processes died because another process
     bound its port first (at most ``BIND_TRIES`` launches; any other death fails at once)."""
-    for attempt in range(1, BIND_TRIES + 1):
+    for _ in range(BIND_TRIES - 1):
         try:
-            wait_healthy(spare.decode_url, spare.node, 300, spare.logs / "node.log")
-            wait_healthy(spare.router_url, spare.router, 300, spare.logs / "router.log")
+            _wait_healthy_spare(spare)
             return spare
         except AssertionError as exc:
-            if attempt == BIND_TRIES or "Address already in use" not in str(exc):
+            if "Address already in use" not in str(exc):
                 raise
             _stop_spare(spare)
             spare = spare.again()
-    raise AssertionError("unreachable")
+    _wait_healthy_spare(spare)
+    return spare
+
+
+def _wait_healthy_spare(spare: Spare) -> None:
+    wait_healthy(spare.decode_url, spare.node, 300, spare.logs / "node.log")
+    wait_healthy(spare.router_url, spare.router, 300, spare.logs / "router.log")
 
 
 def _stop_spare(spare: Spare) -> None:
