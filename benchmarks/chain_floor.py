@@ -10,12 +10,16 @@ and timed as the engine's step is. No arithmetic beyond a byte sum: what the cha
 copy bandwidth is the cost of streaming in kernels of these sizes and of the boundaries between them, the part no
 kernel tuning can remove.
 
-    python3 benchmarks/chain_floor.py [--out DIR] [--chunks 16384,32768,65536] [--layers 61]
+    python3 benchmarks/chain_floor.py [--out DIR] [--chunks 16384,32768,65536] [--layers 61] [--only groups,...]
 
-Rows: the layer profile at each chunk size (PDL with the weight requested before the wait, PDL with it after,
-no PDL), the same bytes in 6, 3 and 1 kernels a layer, the whole chain as one persistent launch (one or two
-programs an SM, a grid barrier between the phases, each phase's first chunk requested before the barrier), and the
-boundaries alone (a chain of the engine's number of kernels reading no weights). Writes
+Rows (``--only`` picks parts): ``groups``, the layer profile at each chunk size (PDL with the weight requested
+before the wait, PDL with it after, no PDL) and the same bytes in 6, 3 and 1 kernels a layer; ``words``, the layer
+profile reading int32 words (no byte unpacking) and as torch's own ``torch.sum`` kernels; ``looped``, the layer
+profile as grids of a few programs an SM looping with two chunks in flight; ``whole``, the step's bytes in one
+launch (bytes, words, ``torch.sum``): what one streaming kernel reaches with no boundaries; ``persistent``, the whole
+chain as one persistent launch (one or two programs an SM, a grid barrier between the phases, each phase's first
+chunk requested before the barrier); ``boundaries``, the boundaries alone (a chain of the engine's number of
+kernels reading no weights). Writes
 ``benchmarks/results/<machine>-chain-floor.json`` (``h200-chain-floor``), starting with ``results_header``'s
 ``"recorded"``.
 """
@@ -29,6 +33,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from results_header import machine_kind, recorded, result_path, write_json  # noqa: E402
 
@@ -74,7 +79,18 @@ except ImportError:
 if triton is not None:
 
     @triton.jit
-    def _stream(w_ptr, x_ptr, y_ptr, nbytes, CH: tl.constexpr, NX: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
+    def _stream(
+        w_ptr,
+        x_ptr,
+        y_ptr,
+        nbytes,
+        CH: tl.constexpr,
+        NX: tl.constexpr,
+        PRE: tl.constexpr,
+        XOR: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        # XOR: the chunk folded by xor (int32 words: one instruction an element, no overflow) rather than summed
         pid = tl.program_id(0)
         offs = pid.to(tl.int64) * CH + tl.arange(0, CH)
         if PRE:
@@ -84,7 +100,11 @@ if triton is not None:
             pdl_begin(PDL)
             w = tl.load(w_ptr + offs, mask=offs < nbytes, other=0)
         x = tl.load(x_ptr + pid % NX)
-        tl.store(y_ptr + pid, tl.sum(w.to(tl.int32), 0).to(tl.float32) + x)
+        if XOR:
+            v = tl.xor_sum(w, 0)
+        else:
+            v = tl.sum(w.to(tl.int32), 0)
+        tl.store(y_ptr + pid, v.to(tl.float32) + x)
 
     @triton.jit
     def _stream_loop(w_ptr, x_ptr, y_ptr, nbytes, CH: tl.constexpr, NX: tl.constexpr, PDL: tl.constexpr):
@@ -151,30 +171,45 @@ def persistent_step(w: torch.Tensor, seg: torch.Tensor, x: torch.Tensor, cnt: to
     _persistent[(g,)](w, seg, seg.numel() - 2, x, cnt, G=g, CH=chunk, SPIN=1 << 16, num_warps=warps)
 
 
-def launch(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, chunk: int, pre: bool, pdl: bool, loop: int = 0) -> None:
+def launch(
+    w: torch.Tensor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    chunk: int,
+    pre: bool,
+    pdl: bool,
+    loop: int = 0,
+    words: bool = False,
+) -> None:
     """One kernel of the chain: ``y[p] = sum(w's chunk p) + x[p % XN]``; ``loop`` > 0: at most ``loop`` programs,
-    each summing every ``loop``-th chunk from its own (``y[p]``: the sum of those)."""
-    n = w.numel()
+    each summing every ``loop``-th chunk from its own (``y[p]``: the sum of those). ``chunk`` counts bytes;
+    ``words``: the bytes read as int32 words and folded by xor (a quarter of the elements, no byte unpacking)."""
     warps = max(1, min(8, chunk // 4096))
+    if words:
+        w, chunk = w.view(torch.int32), chunk // 4
+    n = w.numel()
     kw = triton_pdl.kw() if pdl else {"PDL": False, "launch_pdl": False}
     progs = max(1, triton.cdiv(n, chunk))
     if loop:
         _stream_loop[(min(progs, loop),)](w, x, y, n, CH=chunk, NX=XN, num_warps=warps, **kw)
     else:
-        _stream[(progs,)](w, x, y, n, CH=chunk, NX=XN, PRE=pre, num_warps=warps, **kw)
+        _stream[(progs,)](w, x, y, n, CH=chunk, NX=XN, PRE=pre, XOR=words, num_warps=warps, **kw)
 
 
 def build_chain(layers: int, mbs: list[float], dev: torch.device) -> list[torch.Tensor]:
-    """One weight buffer per kernel of the chain (random bytes, so no page is shared or compressed)."""
+    """One weight buffer per kernel of the chain (random bytes, so no page is shared or compressed; a multiple of
+    16 bytes, so it reads as int32 words too)."""
     out = []
     for _ in range(layers):
         for mb in mbs:
-            n = max(16, int(mb * (1 << 20)))
+            n = max(16, int(mb * (1 << 20)) // 16 * 16)
             out.append(torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev))
     return out
 
 
-def time_chain(weights, chunk: int, pre: bool, pdl: bool, dev: torch.device, loop: int = 0) -> float:
+def time_chain(
+    weights, chunk: int, pre: bool, pdl: bool, dev: torch.device, loop: int = 0, words: bool = False
+) -> float:
     """Seconds per run of the whole chain, captured in a graph (``micro.graph_time``)."""
     from micro import graph_time
 
@@ -183,7 +218,22 @@ def time_chain(weights, chunk: int, pre: bool, pdl: bool, dev: torch.device, loo
 
     def chain() -> None:
         for k, w in enumerate(weights):
-            launch(w, bufs[k % 2], bufs[(k + 1) % 2], chunk, pre, pdl, loop)
+            launch(w, bufs[k % 2], bufs[(k + 1) % 2], chunk, pre, pdl, loop, words)
+
+    return graph_time([chain])
+
+
+def time_torch_sums(weights, dev: torch.device) -> float:
+    """Seconds per chain of torch's own reductions (``torch.sum`` of each buffer as int32 words): the library's
+    streaming kernel at the same sizes, for comparison."""
+    from micro import graph_time
+
+    outs = [torch.zeros((), dtype=torch.int64, device=dev) for _ in weights]
+    words = [w.view(torch.int32) for w in weights]
+
+    def chain() -> None:
+        for w, o in zip(words, outs, strict=True):
+            torch.sum(w, dtype=torch.int64, out=o)
 
     return graph_time([chain])
 
@@ -198,6 +248,12 @@ def check(dev: torch.device) -> None:
         progs = -(-w.numel() // chunk)
         want = torch.stack([w[p * chunk : (p + 1) * chunk].long().sum().float() + x[p % XN] for p in range(progs)])
         assert torch.allclose(y[:progs], want), (chunk, y[:progs], want)
+    y = torch.zeros(8, device=dev)
+    launch(w[:99_984], x, y, 16384, True, True, words=True)
+    iw = w[:99_984].view(torch.int32)
+    xors = [np.bitwise_xor.reduce(iw[p * 4096 : (p + 1) * 4096].numpy(force=True)) for p in range(7)]
+    want = torch.tensor(xors, dtype=torch.int32, device=dev).float() + x[:7]
+    assert torch.allclose(y[:7], want), (y[:7], want)
     chunk, loop = 4096, 3  # 25 chunks over 3 programs: program p sums chunks p, p + 3, ...
     y = torch.zeros(8, device=dev)
     launch(w, x, y, chunk, True, True, loop)
@@ -236,7 +292,12 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="a directory (or FILE.json) for the JSON (default: the current result)")
     ap.add_argument("--chunks", default="16384,32768,65536", help="bytes a program reads (powers of two)")
     ap.add_argument("--layers", type=int, default=61)
+    parts = ("groups", "words", "looped", "whole", "persistent", "boundaries")
+    ap.add_argument("--only", default=",".join(parts), help=f"which rows, of: {','.join(parts)}")
     a = ap.parse_args()
+    only = set(a.only.split(","))
+    if only - set(parts):
+        ap.error(f"--only: unknown {sorted(only - set(parts))}; known: {','.join(parts)}")
     dev = torch.device("cuda")
     from decode_speed import copy_bandwidth
 
@@ -273,7 +334,7 @@ def main() -> None:
         )
 
     chunks = [int(c) for c in a.chunks.split(",")]
-    for label, groups in GROUPINGS.items():
+    for label, groups in GROUPINGS.items() if "groups" in only else ():
         mb = [sum(RANK_LAYER_MB[k] for k in g) for g in groups]
         weights = build_chain(a.layers, mb, dev)
         modes = ((True, True), (False, True), (False, False)) if len(groups) == len(RANK_LAYER_MB) else ((True, True),)
@@ -282,13 +343,25 @@ def main() -> None:
                 row(label, len(weights), total, chunk, pre, pdl, time_chain(weights, chunk, pre, pdl, dev))
         del weights
         torch.cuda.empty_cache()
-    # the engine's 9 kernels a layer as grids of a few programs an SM, each looping with two chunks in flight
     weights = build_chain(a.layers, mbs, dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    for per_sm in (2, 4, 8):
-        for chunk in (8192, 16384):
-            t = time_chain(weights, chunk, True, True, dev, loop=sms * per_sm)
-            row(f"looped, {per_sm}/SM", len(weights), total, chunk, True, True, t)
+    if "words" in only:  # the engine's 9 kernels a layer reading int32 words (no byte unpacking), and torch's sums
+        for chunk in chunks:
+            row(
+                "9 a layer, int32 words",
+                len(weights),
+                total,
+                chunk,
+                True,
+                True,
+                time_chain(weights, chunk, True, True, dev, words=True),
+            )
+        row("9 a layer, torch.sum", len(weights), total, 0, False, False, time_torch_sums(weights, dev))
+    if "looped" in only:  # the 9 kernels as grids of a few programs an SM, each looping with two chunks in flight
+        for per_sm in (2, 4, 8):
+            for chunk in (8192, 16384):
+                t = time_chain(weights, chunk, True, True, dev, loop=sms * per_sm)
+                row(f"looped, {per_sm}/SM", len(weights), total, chunk, True, True, t)
     del weights
     torch.cuda.empty_cache()
     sizes = [int(mb * (1 << 20)) for _ in range(a.layers) for mb in RANK_LAYER_MB.values()]
@@ -296,8 +369,14 @@ def main() -> None:
     for n in sizes:
         bounds.append(bounds[-1] + n)
     seg = torch.tensor([*bounds, bounds[-1]], dtype=torch.int64, device=dev)
-    flat = torch.randint(0, 256, (bounds[-1],), dtype=torch.uint8, device=dev)
-    for per_sm in (1, 2):
+    flat = torch.randint(0, 256, (bounds[-1] // 16 * 16,), dtype=torch.uint8, device=dev)
+    if "whole" in only:  # the step's bytes in one launch: what a single streaming kernel reaches, no boundaries
+        for chunk in chunks:
+            for words in (False, True):
+                label = "one launch" + (", int32 words" if words else "")
+                row(label, 1, flat.numel(), chunk, True, True, time_chain([flat], chunk, True, True, dev, words=words))
+        row("one launch, torch.sum", 1, flat.numel(), 0, False, False, time_torch_sums([flat], dev))
+    for per_sm in (1, 2) if "persistent" in only else ():
         for chunk in chunks:
             try:
                 t = time_persistent(flat, seg, sms * per_sm, chunk, dev)
@@ -308,7 +387,7 @@ def main() -> None:
     del flat
     torch.cuda.empty_cache()
     n_k = a.layers * len(RANK_LAYER_MB)
-    for progs in (132, 528):
+    for progs in (132, 528) if "boundaries" in only else ():
         empty = [torch.empty(progs * 16, dtype=torch.uint8, device=dev) for _ in range(n_k)]
         row(f"boundaries, {progs} progs", n_k, 0.0, 16, True, True, time_chain(empty, 16, True, True, dev))
     machine = machine_kind()
