@@ -14,12 +14,14 @@ kernel tuning can remove.
 
 Rows (``--only`` picks parts): ``groups``, the layer profile at each chunk size (PDL with the weight requested
 before the wait, PDL with it after, no PDL) and the same bytes in 6, 3 and 1 kernels a layer; ``words``, the layer
-profile reading int32 words (no byte unpacking) and as torch's own ``torch.sum`` kernels; ``looped``, the layer
-profile as grids of a few programs an SM looping with two chunks in flight; ``whole``, the step's bytes in one
-launch (bytes, words, ``torch.sum``): what one streaming kernel reaches with no boundaries; ``persistent``, the whole
-chain as one persistent launch (one or two programs an SM, a grid barrier between the phases, each phase's first
-chunk requested before the barrier); ``boundaries``, the boundaries alone (a chain of the engine's number of
-kernels reading no weights). Writes
+profile reading int32 words (no byte unpacking) and as torch's own ``torch.sum`` kernels; ``gemv``, the layer
+profile doing a split-K GEMV's arithmetic on each program's tile (e4m3 rows of a K tile times bf16 activations, one
+partial sum a row written); ``sizes``, chains of pieces of one size (1 ... 33 MB, as bytes and as GEMV tiles): what
+a kernel of that size streams at; ``looped``, the layer profile as grids of a few programs an SM looping with two
+chunks in flight; ``whole``, the step's bytes in one launch (bytes, words, ``torch.sum``): what one streaming kernel
+reaches with no boundaries; ``persistent``, the whole chain as one persistent launch (one or two programs an SM, a
+grid barrier between the phases, each phase's first chunk requested before the barrier); ``boundaries``, the
+boundaries alone (a chain of the engine's number of kernels reading no weights). Writes
 ``benchmarks/results/<machine>-chain-floor.json`` (``h200-chain-floor``), starting with ``results_header``'s
 ``"recorded"``.
 """
@@ -107,6 +109,17 @@ if triton is not None:
         tl.store(y_ptr + pid, v.to(tl.float32) + x)
 
     @triton.jit
+    def _stream_gemv(w_ptr, x_ptr, y_ptr, nbytes, R: tl.constexpr, KT: tl.constexpr, PDL: tl.constexpr):
+        # A split-K GEMV's tile: the program's R * KT e4m3 bytes as R rows of a K tile, times KT activations (bf16,
+        # the predecessor's output, after the PDL wait), R fp32 partial sums written (no reduction across tiles)
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * (R * KT) + tl.arange(0, R)[:, None] * KT + tl.arange(0, KT)[None, :]
+        w = tl.load(w_ptr + offs, mask=offs < nbytes, other=0.0)
+        pdl_begin(PDL)
+        x = tl.load(x_ptr + tl.arange(0, KT)).to(tl.float32)
+        tl.store(y_ptr + pid * R + tl.arange(0, R), tl.sum(w.to(tl.float32) * x[None, :], 1))
+
+    @triton.jit
     def _stream_loop(w_ptr, x_ptr, y_ptr, nbytes, CH: tl.constexpr, NX: tl.constexpr, PDL: tl.constexpr):
         # A grid of a few programs an SM, each looping over chunks pid, pid + G, ... two chunks a step (two loads
         # in flight), its first two requested before the PDL wait.
@@ -171,6 +184,10 @@ def persistent_step(w: torch.Tensor, seg: torch.Tensor, x: torch.Tensor, cnt: to
     _persistent[(g,)](w, seg, seg.numel() - 2, x, cnt, G=g, CH=chunk, SPIN=1 << 16, num_warps=warps)
 
 
+def kw_pdl(pdl: bool) -> dict:
+    return triton_pdl.kw() if pdl else {"PDL": False, "launch_pdl": False}
+
+
 def launch(
     w: torch.Tensor,
     x: torch.Tensor,
@@ -180,15 +197,25 @@ def launch(
     pdl: bool,
     loop: int = 0,
     words: bool = False,
+    gemv: int = 0,
 ) -> None:
     """One kernel of the chain: ``y[p] = sum(w's chunk p) + x[p % XN]``; ``loop`` > 0: at most ``loop`` programs,
     each summing every ``loop``-th chunk from its own (``y[p]``: the sum of those). ``chunk`` counts bytes;
-    ``words``: the bytes read as int32 words and folded by xor (a quarter of the elements, no byte unpacking)."""
+    ``words``: the bytes read as int32 words and folded by xor (a quarter of the elements, no byte unpacking);
+    ``gemv`` > 0: each program's chunk as e4m3 rows of a ``gemv``-wide K tile times that many bf16 activations (``x``'s
+    bytes), one fp32 partial sum a row written (a split-K GEMV's arithmetic)."""
     warps = max(1, min(8, chunk // 4096))
+    if gemv:
+        n = w.numel()
+        xs = x.view(torch.bfloat16)
+        _stream_gemv[(max(1, triton.cdiv(n, chunk)),)](
+            w.view(torch.float8_e4m3fn), xs, y, n, R=chunk // gemv, KT=gemv, num_warps=warps, **kw_pdl(pdl)
+        )
+        return
     if words:
         w, chunk = w.view(torch.int32), chunk // 4
     n = w.numel()
-    kw = triton_pdl.kw() if pdl else {"PDL": False, "launch_pdl": False}
+    kw = kw_pdl(pdl)
     progs = max(1, triton.cdiv(n, chunk))
     if loop:
         _stream_loop[(min(progs, loop),)](w, x, y, n, CH=chunk, NX=XN, num_warps=warps, **kw)
@@ -208,17 +235,18 @@ def build_chain(layers: int, mbs: list[float], dev: torch.device) -> list[torch.
 
 
 def time_chain(
-    weights, chunk: int, pre: bool, pdl: bool, dev: torch.device, loop: int = 0, words: bool = False
+    weights, chunk: int, pre: bool, pdl: bool, dev: torch.device, loop: int = 0, words: bool = False, gemv: int = 0
 ) -> float:
     """Seconds per run of the whole chain, captured in a graph (``micro.graph_time``)."""
     from micro import graph_time
 
     progs = max(w.numel() for w in weights) // max(chunk, 1) + 2
-    bufs = [torch.zeros(max(progs, XN), device=dev) for _ in range(2)]
+    rows = chunk // gemv if gemv else 1  # values a program writes
+    bufs = [torch.zeros(max(progs * rows, XN, gemv), device=dev) for _ in range(2)]
 
     def chain() -> None:
         for k, w in enumerate(weights):
-            launch(w, bufs[k % 2], bufs[(k + 1) % 2], chunk, pre, pdl, loop, words)
+            launch(w, bufs[k % 2], bufs[(k + 1) % 2], chunk, pre, pdl, loop, words, gemv)
 
     return graph_time([chain])
 
@@ -233,7 +261,7 @@ def time_torch_sums(weights, dev: torch.device) -> float:
 
     def chain() -> None:
         for w, o in zip(words, outs, strict=True):
-            torch.sum(w, dtype=torch.int64, out=o)
+            torch.sum(w, dim=0, dtype=torch.int64, out=o)
 
     return graph_time([chain])
 
@@ -254,6 +282,14 @@ def check(dev: torch.device) -> None:
     xors = [np.bitwise_xor.reduce(iw[p * 4096 : (p + 1) * 4096].numpy(force=True)) for p in range(7)]
     want = torch.tensor(xors, dtype=torch.int32, device=dev).float() + x[:7]
     assert torch.allclose(y[:7], want), (y[:7], want)
+    xb = torch.randn(1024, device=dev, dtype=torch.bfloat16)  # x's bytes: the GEMV tile's activations
+    y = torch.zeros(7 * 16, device=dev)
+    wf = w[:99_984] & 0x77  # no NaN patterns (0x7F, 0xFF)
+    launch(wf, xb.view(torch.float32), y, 16384, True, True, gemv=1024)
+    e = wf.view(torch.float8_e4m3fn).float()
+    e = torch.cat([e, e.new_zeros(7 * 16384 - e.numel())]).view(7 * 16, 1024)
+    want = e @ xb.float()
+    assert torch.allclose(y, want, rtol=1e-3, atol=1e-2), (y, want)
     chunk, loop = 4096, 3  # 25 chunks over 3 programs: program p sums chunks p, p + 3, ...
     y = torch.zeros(8, device=dev)
     launch(w, x, y, chunk, True, True, loop)
@@ -292,7 +328,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="a directory (or FILE.json) for the JSON (default: the current result)")
     ap.add_argument("--chunks", default="16384,32768,65536", help="bytes a program reads (powers of two)")
     ap.add_argument("--layers", type=int, default=61)
-    parts = ("groups", "words", "looped", "whole", "persistent", "boundaries")
+    parts = ("groups", "words", "gemv", "sizes", "looped", "whole", "persistent", "boundaries")
     ap.add_argument("--only", default=",".join(parts), help=f"which rows, of: {','.join(parts)}")
     a = ap.parse_args()
     only = set(a.only.split(","))
@@ -357,6 +393,22 @@ def main() -> None:
                 time_chain(weights, chunk, True, True, dev, words=True),
             )
         row("9 a layer, torch.sum", len(weights), total, 0, False, False, time_torch_sums(weights, dev))
+    if "gemv" in only:  # the 9 kernels doing a split-K GEMV's arithmetic on their tiles (K tile of 512 ... 2048)
+        for chunk in (8192, 16384, 32768):
+            for kt in (512, 1024, 2048):
+                t = time_chain(weights, chunk, True, True, dev, gemv=kt)
+                row(f"9 a layer, GEMV tiles {kt}", len(weights), total, chunk, True, True, t)
+    del weights
+    if "sizes" in only:  # chains of one piece size: what one kernel of that size streams at (the engine's GEMVs)
+        for mb in (1.0, 4.0, 8.0, 16.0, 33.0):
+            same = build_chain(max(64, int(4096 / mb)) // 8, [mb] * 8, dev)
+            nb = sum(w.numel() for w in same)
+            for gemv in (0, 1024):
+                label = f"{mb:g} MB pieces" + (", GEMV tiles" if gemv else "")
+                row(label, len(same), nb, 16384, True, True, time_chain(same, 16384, True, True, dev, gemv=gemv))
+            del same
+            torch.cuda.empty_cache()
+    weights = build_chain(a.layers, mbs, dev)
     if "looped" in only:  # the 9 kernels as grids of a few programs an SM, each looping with two chunks in flight
         for per_sm in (2, 4, 8):
             for chunk in (8192, 16384):
@@ -376,6 +428,10 @@ def main() -> None:
                 label = "one launch" + (", int32 words" if words else "")
                 row(label, 1, flat.numel(), chunk, True, True, time_chain([flat], chunk, True, True, dev, words=words))
         row("one launch, torch.sum", 1, flat.numel(), 0, False, False, time_torch_sums([flat], dev))
+        if "gemv" in only:
+            for kt in (512, 1024):
+                t = time_chain([flat], 16384, True, True, dev, gemv=kt)
+                row(f"one launch, GEMV tiles {kt}", 1, flat.numel(), 16384, True, True, t)
     for per_sm in (1, 2) if "persistent" in only else ():
         for chunk in chunks:
             try:

@@ -43,7 +43,7 @@ from . import triton_gemv, triton_pdl, triton_prefetch
 from .triton_gemv import _row_rstd, _tma_first_tile, rstd_block
 from .triton_pdl import gdc_launch_dependents, pdl_begin
 
-__all__ = ["gemv_fp8", "moe_up_fp8", "moe_down_fp8", "groups", "gemv_fp8_class", "gemv_fp8_config"]
+__all__ = ["gemv_fp8", "gemv_fp8_splitk", "moe_up_fp8", "moe_down_fp8", "groups", "gemv_fp8_class", "gemv_fp8_config"]
 
 # Launch configs. GEMV: (rows BN, K tile BK (e4m3 elements), warps) per weight class (the classes of
 # triton_gemv.gemv_config: lm_head-sized, >= 64 MB in bf16, K a multiple of 1024, N >= 4096, other).
@@ -757,6 +757,162 @@ def gemv_fp8(
         HAS_TAIL=tail is not None,
         num_warps=nw,
         num_stages=max(ns, 1),
+        **triton_pdl.kw(),
+    )
+    return y
+
+
+# Split-K GEMV (gemv_fp8_splitk): (rows BN, K tile BK, warps). Each program reads one [BN, BK] e4m3 tile, all of
+# it before the PDL wait, and the last program of a row block reduces (as moe_down's slot groups).
+FP8_SPLITK_CFG = (16, 1024, 4)
+
+
+@triton.jit
+def _gemv_fp8_splitk_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    nw_ptr,
+    ws_ptr,
+    ssq_ptr,
+    cnt_ptr,
+    N,
+    K,
+    NB,
+    KS,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_ym,
+    eps,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GK: tl.constexpr,
+    GN: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    OUT_F32: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # grid (rows of x, row blocks, K tiles): program (m, b, k) multiplies e4m3 rows b * BN ... by K tile k, all of
+    # its weight tile and scales requested before the PDL wait. It writes BN fp32 partial sums (and, with the
+    # RMSNorm, its tile's sum of x squared), then counts itself in; the last of the row block's KS programs sums
+    # the partials in K order (deterministic, batch-invariant), scales by the row's rstd, adds the residual.
+    # The norm's weight multiplies x unrounded (the reference rounds the normalised x to bf16 first).
+    m = tl.program_id(0)
+    b = tl.program_id(1)
+    k = tl.program_id(2)
+    NG: tl.constexpr = BK // GK
+    offs_n = b * BN + tl.arange(0, BN)
+    nmask = offs_n < N
+    offs_k = k * BK + tl.arange(0, BK)
+    kmask = offs_k < K
+    w = tl.load(
+        w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :],
+        mask=nmask[:, None] & kmask[None, :],
+        other=0.0,
+    )
+    sg = k * NG + tl.arange(0, NG)
+    s = tl.load(
+        s_ptr + (offs_n // GN).to(tl.int64)[:, None] * stride_sn + sg[None, :],
+        mask=nmask[:, None] & (sg * GK < K)[None, :],
+        other=0.0,
+    )
+    pdl_begin(PDL)
+    xv = tl.load(x_ptr + m * stride_xm + offs_k, mask=kmask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        xg = xv * tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
+    else:
+        xg = xv
+    part = tl.sum(tl.sum(tl.reshape(w.to(tl.float32) * xg[None, :], [BN, NG, GK]), 2) * s, 1)
+    blk = m * NB + b
+    ws_row = ws_ptr + blk.to(tl.int64) * KS * BN + tl.arange(0, BN)
+    tl.store(ws_row + k * BN, part)
+    if HAS_NORM:
+        tl.store(ssq_ptr + blk * KS + k, tl.sum(xv * xv, 0))
+    tl.debug_barrier()  # every thread's partials are written before the (release) arrival below
+    cnt = cnt_ptr + blk
+    if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == KS - 1:  # the row block's last: reduce in K order
+        yp = y_ptr + m * stride_ym + offs_n
+        if HAS_RES:  # requested with the partials (one L2 round trip)
+            r = tl.load(yp, mask=nmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        tot = tl.load(ws_row, cache_modifier=".cg")
+        for kk in range(1, KS):
+            tot += tl.load(ws_row + kk * BN, cache_modifier=".cg")
+        if HAS_NORM:
+            ss = tl.load(ssq_ptr + blk * KS, cache_modifier=".cg")
+            for kk in range(1, KS):
+                ss += tl.load(ssq_ptr + blk * KS + kk, cache_modifier=".cg")
+            tot = tot * tl.rsqrt(ss / K + eps)
+        if OUT_F32:
+            tl.store(yp, tot, mask=nmask)
+        elif HAS_RES:
+            tl.store(yp, (r + tot.to(y_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty), mask=nmask)
+        else:
+            tl.store(yp, tot.to(y_ptr.dtype.element_ty), mask=nmask)
+        tl.atomic_xchg(cnt, 0)  # zero for the next launch (which waits on this one: PDL)
+
+
+def gemv_fp8_splitk(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    norm_w: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    out_f32: bool = False,
+    cfg: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """``rms(x)[n, K] @ (w * scale)[N, K]^T`` (``w`` e4m3) as :func:`gemv_fp8` (no tail), split over K: one
+    ``[BN, BK]`` tile a program (``cfg``, default :data:`FP8_SPLITK_CFG`), reduced by the last program of each
+    row block; plus ``residual`` in place when given."""
+    assert x.dim() == 2 and x.stride(-1) == 1 and w.stride(-1) == 1 and scale.stride(-1) == 1
+    nt, K = x.shape
+    N = w.shape[0]
+    assert w.shape[1] == K and nt <= 16
+    gn, gk = groups(w, scale)
+    bn, bk, nw = cfg or FP8_SPLITK_CFG
+    bk = max(min(bk, triton.next_power_of_2(K)), gk)
+    assert bk % gk == 0, (bk, gk)
+    nb, ks = triton.cdiv(N, bn), triton.cdiv(K, bk)
+    if out_f32:
+        y = torch.empty(nt, N, device=x.device, dtype=torch.float32)
+    elif residual is not None:
+        y = residual
+    else:
+        y = torch.empty(nt, N, device=x.device, dtype=x.dtype)
+    key = (x.device, nt, nb, ks, bn)
+    ws = _workspace(("splitk", *key), (nt * nb * ks * bn,), torch.float32, x.device)
+    ssq = _workspace(("splitk_ssq", *key), (nt * nb * ks,), torch.float32, x.device)
+    cnt = _workspace(("splitk_cnt", *key), (nt * nb,), torch.int32, x.device, zero=True)
+    _gemv_fp8_splitk_kernel[(nt, nb, ks)](
+        x,
+        w,
+        scale,
+        y,
+        norm_w if norm_w is not None else x,
+        ws,
+        ssq,
+        cnt,
+        N,
+        K,
+        nb,
+        ks,
+        x.stride(0),
+        w.stride(0),
+        scale.stride(0),
+        y.stride(0),
+        eps,
+        BN=bn,
+        BK=bk,
+        GK=gk,
+        GN=gn,
+        HAS_NORM=norm_w is not None,
+        HAS_RES=residual is not None and not out_f32,
+        OUT_F32=out_f32,
+        num_warps=nw,
         **triton_pdl.kw(),
     )
     return y
