@@ -1,4 +1,4 @@
-"""The floor of a decode step built as a chain of kernels (H200): the time one TP8 rank of full-size V3.2 would
+"""The floor of a decode step built as a chain of kernels (GPU): the time one TP8 rank of full-size V3.2 would
 take if every one of its kernels were the simplest possible weight stream.
 
 Each kernel of the chain reads its share of a layer's weight bytes (e4m3 bytes as the rank's kernels read them:
@@ -22,8 +22,8 @@ chunks in flight; ``whole``, the step's bytes in one launch (bytes, words, ``tor
 reaches with no boundaries; ``persistent``, the whole chain as one persistent launch (one or two programs an SM, a
 grid barrier between the phases, each phase's first chunk requested before the barrier); ``boundaries``, the
 boundaries alone (a chain of the engine's number of kernels reading no weights). Writes
-``benchmarks/results/<machine>-chain-floor.json`` (``h200-chain-floor``), starting with ``results_header``'s
-``"recorded"``.
+``benchmarks/results/<machine>-chain-floor.json`` (``h100-chain-floor``, ``h200-chain-floor``), starting with
+``results_header``'s ``"recorded"``.
 """
 
 from __future__ import annotations

@@ -473,7 +473,7 @@ TUNING_FP8 = (
     ("triton_fp8", "FP8_PRE_BYTES", (96, 0, 128)),
     *TMA_TUNING,
     ("triton_fp8", "UP_RSTD_EARLY", (True, False)),
-    ("triton_gemv", "RSTD_MAX", (2048, 0)),
+    ("triton_gemv", "RSTD_MAX", (2048, 4096, 8192, 0)),
     (  # W_a at V3.2 / GLM-5 dims (K 7168 / 6144); (2, 2048, 8) and (1, 2048, 4) request all of K before the PDL wait
         "triton_fp8",
         ("FP8_GEMV_CFG", "k1024"),

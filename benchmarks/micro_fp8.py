@@ -218,31 +218,15 @@ def _rel(got, want) -> float:
 
 
 def _launch(cfg) -> dict:
-    """A variant's launch arguments: None the class default, ``("tma", c)`` the TMA-fed kernel at c,
-    ``("splitk", c)`` the split-K kernel at c (``None``: its default), ``("notail", None)`` the class default
-    without the tail rows (the split-K kernel's comparison), else a register-fed config."""
-    if isinstance(cfg, tuple) and cfg and cfg[0] in ("tma", "splitk", "notail"):
-        return {cfg[0]: cfg[1]}
+    """A variant's launch arguments: None the class default, ``("tma", c)`` the TMA-fed kernel at c, else a
+    register-fed config."""
+    if isinstance(cfg, tuple) and cfg and cfg[0] == "tma":
+        return {"tma": cfg[1]}
     return {"cfg": cfg}
 
 
-def _gemv(x, w, s, kw, **more):
-    """``gemv_fp8`` at the launch arguments ``kw`` (``_launch``); the split-K kernel and the no-tail default
-    drop ``more``'s tail."""
-    if "splitk" in kw or "notail" in kw:
-        more.pop("tail", None)
-    if "splitk" in kw:
-        return triton_fp8.gemv_fp8_splitk(x, w, s, cfg=kw["splitk"], **more)
-    return triton_fp8.gemv_fp8(x, w, s, **{k: v for k, v in kw.items() if k != "notail"}, **more)
-
-
 def _label(cfg, err: float) -> str:
-    if cfg is None:
-        name = "default"
-    elif cfg[0] in ("tma", "splitk", "notail"):
-        name = f"{cfg[0]} {cfg[1] or 'default'}"
-    else:
-        name = str(cfg)
+    name = "default" if cfg is None else f"tma {cfg[1]}" if cfg[0] == "tma" else str(cfg)
     return f"{name} e={err:.1e}{' BAD' if not err < 2e-2 else ''}"
 
 
@@ -283,26 +267,26 @@ def rank_shapes(only):
         g = (torch.rand(K, device=DEV) + 0.5).to(torch.bfloat16)
         h = torch.randn(1, N, device=DEV).to(torch.bfloat16)
         tl_ = (lambda t: t) if nt else (lambda t: None)
-        splitk = [("splitk", c) for c in (None, (32, 512, 4), (8, 2048, 4), (16, 512, 4), (32, 1024, 8), (64, 256, 4))]
-        notail = [("notail", None)] if nt else []
-        for cfg in [None, *gemv_cfgs[K], *(("tma", c) for c in gemv_tma[K]), *notail, *splitk]:
+        for cfg in [None, *gemv_cfgs[K], *(("tma", c) for c in gemv_tma[K])]:
             kw = _launch(cfg)
             w, s, t = ws[0]
             xx = torch.randn(1, K, device=DEV).to(torch.bfloat16)
-            tail = (lambda t: None) if "splitk" in kw or "notail" in kw else tl_
             if res:  # checked on a zero residual: the output's own rounding, not the residual's, is compared
                 h1, h2 = torch.zeros_like(h), torch.zeros_like(h)
-                _gemv(xx, w, s, kw, residual=h1)
-                _gemv(xx, w, s, kw, residual=h1)
+                triton_fp8.gemv_fp8(xx, w, s, residual=h1, **kw)
+                triton_fp8.gemv_fp8(xx, w, s, residual=h1, **kw)
                 ref.gemv_residual(h2, xx, w, h2, s)
                 ref.gemv_residual(h2, xx, w, h2, s)
                 err = _rel(h1, h2)
-                fns = [lambda w=w, s=s, kw=kw: _gemv(x, w, s, kw, residual=h) for w, s, _ in ws]
+                fns = [lambda w=w, s=s, kw=kw: triton_fp8.gemv_fp8(x, w, s, residual=h, **kw) for w, s, _ in ws]
             else:
-                got = _gemv(xx, w, s, kw, norm_w=g, tail=tail(t))
-                got = _gemv(xx, w, s, kw, norm_w=g, tail=tail(t))
-                err = _rel(got, ref.gemv(xx, w, g, 1e-6, None, False, s, tail=tail(t)))
-                fns = [lambda w=w, s=s, t=t, kw=kw: _gemv(x, w, s, kw, norm_w=g, tail=tail(t)) for w, s, t in ws]
+                got = triton_fp8.gemv_fp8(xx, w, s, norm_w=g, tail=tl_(t), **kw)
+                got = triton_fp8.gemv_fp8(xx, w, s, norm_w=g, tail=tl_(t), **kw)
+                err = _rel(got, ref.gemv(xx, w, g, 1e-6, None, False, s, tail=tl_(t)))
+                fns = [
+                    lambda w=w, s=s, t=t, kw=kw: triton_fp8.gemv_fp8(x, w, s, norm_w=g, tail=tl_(t), **kw)
+                    for w, s, t in ws
+                ]
             bench("gemv", name, _label(cfg, err), fns, nb)
         del ws
         torch.cuda.empty_cache()

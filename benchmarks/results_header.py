@@ -23,7 +23,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "benchmarks" / "results"
 ARCHIVE_DIR = RESULTS_DIR / "archive"
-MACHINES = ("cpu", "h200", "h200x2")
+MACHINES = ("cpu", "h100", "h200", "h200x2")
 HEADER_KEY = "recorded"
 MD_HEADER = re.compile(
     r"^Recorded: (?P<date>\d{4}-\d{2}-\d{2}(?: \d{2}:\d{2}(?::\d{2})?)?) UTC, "
