@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import NamedTuple
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
@@ -109,15 +110,62 @@ if triton is not None:
         tl.store(y_ptr + pid, v.to(tl.float32) + x)
 
     @triton.jit
-    def _stream_gemv(w_ptr, x_ptr, y_ptr, nbytes, R: tl.constexpr, KT: tl.constexpr, PDL: tl.constexpr):
-        # A split-K GEMV's tile: the program's R * KT e4m3 bytes as R rows of a K tile, times KT activations (bf16,
-        # the predecessor's output, after the PDL wait), R fp32 partial sums written (no reduction across tiles)
+    def _gemv_tile(
+        w, x_ptr, g_ptr, s, rstd, k0, R: tl.constexpr, KT: tl.constexpr, SCALE: tl.constexpr, NORM: tl.constexpr
+    ):
+        x = tl.load(x_ptr + k0 + tl.arange(0, KT)).to(tl.float32)
+        if NORM:
+            g = tl.load(g_ptr + k0 + tl.arange(0, KT)).to(tl.float32)
+            x = (x * rstd * g).to(tl.bfloat16).to(tl.float32)
+        p = w.to(tl.float32) * x[None, :]
+        if SCALE:
+            return tl.sum(tl.sum(tl.reshape(p, [R, KT // 128, 128]), 2) * s, 1)
+        else:
+            return tl.sum(p, 1)
+
+    @triton.jit
+    def _stream_gemv(
+        w_ptr,
+        x_ptr,
+        s_ptr,
+        g_ptr,
+        y_ptr,
+        nbytes,
+        R: tl.constexpr,
+        KT: tl.constexpr,
+        SCALE: tl.constexpr,
+        NORM: tl.constexpr,
+        RSTD: tl.constexpr,
+        KX: tl.constexpr,
+        LOOP: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        # A split-K GEMV's work on LOOP consecutive [R, KT] e4m3 tiles (the first requested before the PDL wait,
+        # each later one after the previous one's arithmetic), times bf16 activations (the predecessor's output),
+        # R fp32 partial sums written. SCALE: per-row scales of each 128-column group (a static buffer); NORM: the
+        # activations times the RMSNorm's weight and rstd, rounded to bf16; RSTD > 0: rstd from KX activations read
+        # RSTD at a time after the wait.
         pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * (R * KT) + tl.arange(0, R)[:, None] * KT + tl.arange(0, KT)[None, :]
-        w = tl.load(w_ptr + offs, mask=offs < nbytes, other=0.0)
+        tile = tl.arange(0, R)[:, None] * KT + tl.arange(0, KT)[None, :]
+        base = pid.to(tl.int64) * (R * KT * LOOP)
+        w = tl.load(w_ptr + base + tile, mask=base + tile < nbytes, other=0.0)
+        s = 1.0
+        if SCALE:
+            s = tl.load(s_ptr + tl.arange(0, R)[:, None] * (KT // 128) + tl.arange(0, KT // 128)[None, :])
         pdl_begin(PDL)
-        x = tl.load(x_ptr + tl.arange(0, KT)).to(tl.float32)
-        tl.store(y_ptr + pid * R + tl.arange(0, R), tl.sum(w.to(tl.float32) * x[None, :], 1))
+        rstd = 1.0
+        if RSTD > 0:
+            ss = tl.zeros([RSTD], dtype=tl.float32)
+            for k0 in range(0, KX, RSTD):
+                v = tl.load(x_ptr + k0 + tl.arange(0, RSTD)).to(tl.float32)
+                ss += v * v
+            rstd = tl.rsqrt(tl.sum(ss, 0) / KX + 1e-6)
+        acc = _gemv_tile(w, x_ptr, g_ptr, s, rstd, 0, R, KT, SCALE, NORM)
+        for j in range(1, LOOP):
+            off = base + j * (R * KT)
+            w = tl.load(w_ptr + off + tile, mask=off + tile < nbytes, other=0.0)
+            acc += _gemv_tile(w, x_ptr, g_ptr, s, rstd, j * KT, R, KT, SCALE, NORM)
+        tl.store(y_ptr + pid * R + tl.arange(0, R), acc)
 
     @triton.jit
     def _stream_loop(w_ptr, x_ptr, y_ptr, nbytes, CH: tl.constexpr, NX: tl.constexpr, PDL: tl.constexpr):
@@ -184,6 +232,34 @@ def persistent_step(w: torch.Tensor, seg: torch.Tensor, x: torch.Tensor, cnt: to
     _persistent[(g,)](w, seg, seg.numel() - 2, x, cnt, G=g, CH=chunk, SPIN=1 << 16, num_warps=warps)
 
 
+KX = 8192  # activations a GEMV row (bf16; a K tile's activations are read from its start)
+
+
+class GemvParts(NamedTuple):
+    """A GEMV tile's reads beyond its weights and activations, each on or off (the ``gemv`` rows add them one at a
+    time, so that each one's cost is measured)."""
+
+    kt: int  # K tile: bf16 activations a tile
+    scale: bool = False  # per-row scales, one a 128-column group, applied to the group sums
+    norm: bool = False  # the RMSNorm's weight times the activations and rstd, rounded to bf16
+    rstd: int = 0  # the RMSNorm's statistics over KX activations read this many at a time (0: none)
+    loop: int = 1  # K tiles a program, each requested after the previous one's arithmetic
+
+
+_STATICS: dict = {}
+
+
+def statics(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GEMV rows' scales ``[64, 16]`` (fp32) and RMSNorm weight ``[KX]`` (bf16): static, shared by every
+    kernel (made before any capture: ``time_chain`` asks first)."""
+    if dev not in _STATICS:
+        gen = torch.Generator(device=dev).manual_seed(0)
+        s = torch.rand(64, 16, device=dev, generator=gen) * 0.01 + 0.005
+        g = (torch.rand(KX, device=dev, generator=gen) + 0.5).to(torch.bfloat16)
+        _STATICS[dev] = (s, g)
+    return _STATICS[dev]
+
+
 def kw_pdl(pdl: bool) -> dict:
     return triton_pdl.kw() if pdl else {"PDL": False, "launch_pdl": False}
 
@@ -197,19 +273,35 @@ def launch(
     pdl: bool,
     loop: int = 0,
     words: bool = False,
-    gemv: int = 0,
+    gemv: int | GemvParts = 0,
 ) -> None:
     """One kernel of the chain: ``y[p] = sum(w's chunk p) + x[p % XN]``; ``loop`` > 0: at most ``loop`` programs,
     each summing every ``loop``-th chunk from its own (``y[p]``: the sum of those). ``chunk`` counts bytes;
     ``words``: the bytes read as int32 words and folded by xor (a quarter of the elements, no byte unpacking);
     ``gemv`` > 0: each program's chunk as e4m3 rows of a ``gemv``-wide K tile times that many bf16 activations (``x``'s
-    bytes), one fp32 partial sum a row written (a split-K GEMV's arithmetic)."""
+    bytes), one fp32 partial sum a row written (a split-K GEMV's arithmetic); a :class:`GemvParts` adds the
+    engine's GEMVs' other reads (a program then covers ``loop`` chunks)."""
     warps = max(1, min(8, chunk // 4096))
     if gemv:
+        p = gemv if isinstance(gemv, GemvParts) else GemvParts(gemv)
         n = w.numel()
-        xs = x.view(torch.bfloat16)
-        _stream_gemv[(max(1, triton.cdiv(n, chunk)),)](
-            w.view(torch.float8_e4m3fn), xs, y, n, R=chunk // gemv, KT=gemv, num_warps=warps, **kw_pdl(pdl)
+        s, g = statics(w.device)
+        _stream_gemv[(max(1, triton.cdiv(n, chunk * p.loop)),)](
+            w.view(torch.float8_e4m3fn),
+            x.view(torch.bfloat16),
+            s,
+            g,
+            y,
+            n,
+            R=chunk // p.kt,
+            KT=p.kt,
+            SCALE=p.scale,
+            NORM=p.norm,
+            RSTD=p.rstd,
+            KX=KX,
+            LOOP=p.loop,
+            num_warps=warps,
+            **kw_pdl(pdl),
         )
         return
     if words:
@@ -235,14 +327,23 @@ def build_chain(layers: int, mbs: list[float], dev: torch.device) -> list[torch.
 
 
 def time_chain(
-    weights, chunk: int, pre: bool, pdl: bool, dev: torch.device, loop: int = 0, words: bool = False, gemv: int = 0
+    weights,
+    chunk: int,
+    pre: bool,
+    pdl: bool,
+    dev: torch.device,
+    loop: int = 0,
+    words: bool = False,
+    gemv: int | GemvParts = 0,
 ) -> float:
     """Seconds per run of the whole chain, captured in a graph (``micro.graph_time``)."""
     from micro import graph_time
 
+    statics(dev)
     progs = max(w.numel() for w in weights) // max(chunk, 1) + 2
-    rows = chunk // gemv if gemv else 1  # values a program writes
-    bufs = [torch.zeros(max(progs * rows, XN, gemv), device=dev) for _ in range(2)]
+    kt = gemv.kt if isinstance(gemv, GemvParts) else gemv
+    rows = chunk // kt if kt else 1  # values a program writes
+    bufs = [torch.zeros(max(progs * rows, XN, KX), device=dev) for _ in range(2)]
 
     def chain() -> None:
         for k, w in enumerate(weights):
@@ -290,12 +391,38 @@ def check(dev: torch.device) -> None:
     e = torch.cat([e, e.new_zeros(7 * 16384 - e.numel())]).view(7 * 16, 1024)
     want = e @ xb.float()
     assert torch.allclose(y, want, rtol=1e-3, atol=1e-2), (y, want)
+    xk = torch.randn(KX, device=dev, dtype=torch.bfloat16)
+    for parts in (GemvParts(512, True, True, 2048, 2), GemvParts(256, True, False, 0, 3), GemvParts(1024, False, True)):
+        y = torch.zeros(64 * 16, device=dev)
+        launch(wf[:65_536], xk.view(torch.float32), y, 8192, True, True, gemv=parts)
+        want = gemv_parts_ref(wf[:65_536], xk, 8192, parts)
+        err = ((y[: want.numel()] - want).norm() / want.norm()).item()  # bf16 rounding of the normed x: loose
+        assert err < 1e-2, (parts, err)
     chunk, loop = 4096, 3  # 25 chunks over 3 programs: program p sums chunks p, p + 3, ...
     y = torch.zeros(8, device=dev)
     launch(w, x, y, chunk, True, True, loop)
     parts = w.long().split(chunk)
     want = torch.stack([sum(c.sum() for c in parts[p::loop]).float() + x[p] for p in range(loop)])
     assert torch.allclose(y[:loop], want), (y[:loop], want)
+
+
+def gemv_parts_ref(w: torch.Tensor, x: torch.Tensor, chunk: int, p: GemvParts) -> torch.Tensor:
+    """What ``_stream_gemv`` writes for bytes ``w``, activations ``x`` (bf16, KX of them) and ``chunk`` bytes a tile."""
+    s, g = statics(w.device)
+    rows, span = chunk // p.kt, chunk * p.loop
+    progs = -(-w.numel() // span)
+    e = w.view(torch.float8_e4m3fn).float()
+    e = torch.cat([e, e.new_zeros(progs * span - e.numel())]).view(progs, p.loop, rows, p.kt)
+    rstd = torch.rsqrt(x[:KX].float().square().mean() + 1e-6) if p.rstd else torch.tensor(1.0, device=w.device)
+    sc = s.flatten()[: rows * (p.kt // 128)].view(rows, p.kt // 128)
+    out = torch.zeros(progs, rows, device=w.device)
+    for j in range(p.loop):
+        xx = x[j * p.kt : (j + 1) * p.kt].float()
+        if p.norm:
+            xx = (xx * rstd * g[j * p.kt : (j + 1) * p.kt].float()).bfloat16().float()
+        prod = e[:, j] * xx
+        out += (prod.view(progs, rows, -1, 128).sum(-1) * sc).sum(-1) if p.scale else prod.sum(-1)
+    return out.flatten()
 
 
 def check_persistent(dev: torch.device) -> None:
@@ -328,7 +455,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="a directory (or FILE.json) for the JSON (default: the current result)")
     ap.add_argument("--chunks", default="16384,32768,65536", help="bytes a program reads (powers of two)")
     ap.add_argument("--layers", type=int, default=61)
-    parts = ("groups", "words", "gemv", "sizes", "looped", "whole", "persistent", "boundaries")
+    parts = ("groups", "words", "gemv", "parts", "sizes", "looped", "whole", "persistent", "boundaries")
     ap.add_argument("--only", default=",".join(parts), help=f"which rows, of: {','.join(parts)}")
     a = ap.parse_args()
     only = set(a.only.split(","))
@@ -398,6 +525,34 @@ def main() -> None:
             for kt in (512, 1024, 2048):
                 t = time_chain(weights, chunk, True, True, dev, gemv=kt)
                 row(f"9 a layer, GEMV tiles {kt}", len(weights), total, chunk, True, True, t)
+    if "parts" in only:  # the GEMV tile with the engine's other reads added one at a time, then together
+        variants = {
+            "GEMV 512": GemvParts(512),
+            "+ scales": GemvParts(512, scale=True),
+            "+ norm weight": GemvParts(512, norm=True),
+            "+ rstd, 2048 a read": GemvParts(512, rstd=2048),
+            "+ rstd, 8192 a read": GemvParts(512, rstd=8192),
+            "+ 2 tiles a program": GemvParts(512, loop=2),
+            "all, rstd 2048": GemvParts(512, True, True, 2048, 2),
+            "all, rstd 8192": GemvParts(512, True, True, 8192, 2),
+            "all, rstd 8192, 1 tile": GemvParts(512, True, True, 8192, 1),
+        }
+        for label, parts in variants.items():
+            row(
+                f"9 a layer, {label}",
+                len(weights),
+                total,
+                16384,
+                True,
+                True,
+                time_chain(weights, 16384, True, True, dev, gemv=parts),
+            )
+        same = build_chain(32, [16.0] * 8, dev)
+        nb = sum(w.numel() for w in same)
+        for label in ("GEMV 512", "+ rstd, 2048 a read", "all, rstd 2048", "all, rstd 8192", "all, rstd 8192, 1 tile"):
+            t = time_chain(same, 16384, True, True, dev, gemv=variants[label])
+            row(f"16 MB pieces, {label}", len(same), nb, 16384, True, True, t)
+        del same
     del weights
     if "sizes" in only:  # chains of one piece size: what one kernel of that size streams at (the engine's GEMVs)
         for mb in (1.0, 4.0, 8.0, 16.0, 33.0):
