@@ -138,16 +138,25 @@ if triton is not None:
         RSTD: tl.constexpr,
         KX: tl.constexpr,
         LOOP: tl.constexpr,
+        ROWK: tl.constexpr,
         PDL: tl.constexpr,
     ):
         # A split-K GEMV's work on LOOP consecutive [R, KT] e4m3 tiles (the first requested before the PDL wait,
         # each later one after the previous one's arithmetic), times bf16 activations (the predecessor's output),
         # R fp32 partial sums written. SCALE: per-row scales of each 128-column group (a static buffer); NORM: the
         # activations times the RMSNorm's weight and rstd, rounded to bf16; RSTD > 0: rstd from KX activations read
-        # RSTD at a time after the wait.
+        # RSTD at a time after the wait. ROWK 0: a program's tiles are one contiguous block (a layout packed by
+        # tile); ROWK > 0: the bytes are a row-major matrix of ROWK columns, a tile R rows of KT at that stride.
         pid = tl.program_id(0)
-        tile = tl.arange(0, R)[:, None] * KT + tl.arange(0, KT)[None, :]
-        base = pid.to(tl.int64) * (R * KT * LOOP)
+        if ROWK > 0:
+            KB: tl.constexpr = ROWK // (KT * LOOP)  # programs along a row block
+            tile = tl.arange(0, R)[:, None] * ROWK + tl.arange(0, KT)[None, :]
+            base = (pid // KB).to(tl.int64) * (R * ROWK) + (pid % KB) * (KT * LOOP)
+            step = KT
+        else:
+            tile = tl.arange(0, R)[:, None] * KT + tl.arange(0, KT)[None, :]
+            base = pid.to(tl.int64) * (R * KT * LOOP)
+            step = R * KT
         w = tl.load(w_ptr + base + tile, mask=base + tile < nbytes, other=0.0)
         s = 1.0
         if SCALE:
@@ -162,7 +171,7 @@ if triton is not None:
             rstd = tl.rsqrt(tl.sum(ss, 0) / KX + 1e-6)
         acc = _gemv_tile(w, x_ptr, g_ptr, s, rstd, 0, R, KT, SCALE, NORM)
         for j in range(1, LOOP):
-            off = base + j * (R * KT)
+            off = base + j * step
             w = tl.load(w_ptr + off + tile, mask=off + tile < nbytes, other=0.0)
             acc += _gemv_tile(w, x_ptr, g_ptr, s, rstd, j * KT, R, KT, SCALE, NORM)
         tl.store(y_ptr + pid * R + tl.arange(0, R), acc)
@@ -244,6 +253,7 @@ class GemvParts(NamedTuple):
     norm: bool = False  # the RMSNorm's weight times the activations and rstd, rounded to bf16
     rstd: int = 0  # the RMSNorm's statistics over KX activations read this many at a time (0: none)
     loop: int = 1  # K tiles a program, each requested after the previous one's arithmetic
+    rowk: int = 0  # 0: a program's tiles contiguous (packed by tile); else a row-major matrix of this many columns
 
 
 _STATICS: dict = {}
@@ -286,7 +296,12 @@ def launch(
         p = gemv if isinstance(gemv, GemvParts) else GemvParts(gemv)
         n = w.numel()
         s, g = statics(w.device)
-        _stream_gemv[(max(1, triton.cdiv(n, chunk * p.loop)),)](
+        if p.rowk:
+            assert p.rowk % (p.kt * p.loop) == 0, p
+            progs = triton.cdiv(n, chunk // p.kt * p.rowk) * (p.rowk // (p.kt * p.loop))
+        else:
+            progs = max(1, triton.cdiv(n, chunk * p.loop))
+        _stream_gemv[(progs,)](
             w.view(torch.float8_e4m3fn),
             x.view(torch.bfloat16),
             s,
@@ -300,6 +315,7 @@ def launch(
             RSTD=p.rstd,
             KX=KX,
             LOOP=p.loop,
+            ROWK=p.rowk,
             num_warps=warps,
             **kw_pdl(pdl),
         )
@@ -392,7 +408,13 @@ def check(dev: torch.device) -> None:
     want = e @ xb.float()
     assert torch.allclose(y, want, rtol=1e-3, atol=1e-2), (y, want)
     xk = torch.randn(KX, device=dev, dtype=torch.bfloat16)
-    for parts in (GemvParts(512, True, True, 2048, 2), GemvParts(256, True, False, 0, 3), GemvParts(1024, False, True)):
+    for parts in (
+        GemvParts(512, True, True, 2048, 2),
+        GemvParts(256, True, False, 0, 3),
+        GemvParts(1024, False, True),
+        GemvParts(512, True, False, 0, 2, rowk=3072),
+        GemvParts(256, False, False, 0, 1, rowk=768),
+    ):
         y = torch.zeros(64 * 16, device=dev)
         launch(wf[:65_536], xk.view(torch.float32), y, 8192, True, True, gemv=parts)
         want = gemv_parts_ref(wf[:65_536], xk, 8192, parts)
@@ -410,9 +432,19 @@ def gemv_parts_ref(w: torch.Tensor, x: torch.Tensor, chunk: int, p: GemvParts) -
     """What ``_stream_gemv`` writes for bytes ``w``, activations ``x`` (bf16, KX of them) and ``chunk`` bytes a tile."""
     s, g = statics(w.device)
     rows, span = chunk // p.kt, chunk * p.loop
-    progs = -(-w.numel() // span)
     e = w.view(torch.float8_e4m3fn).float()
-    e = torch.cat([e, e.new_zeros(progs * span - e.numel())]).view(progs, p.loop, rows, p.kt)
+    if p.rowk:  # [row blocks, rows, K] -> [row blocks, programs along K, rows, loop, kt] -> program order
+        blocks = -(-w.numel() // (rows * p.rowk))
+        e = torch.cat([e, e.new_zeros(blocks * rows * p.rowk - e.numel())])
+        e = (
+            e.view(blocks, rows, p.rowk // (p.kt * p.loop), p.loop, p.kt)
+            .permute(0, 2, 3, 1, 4)
+            .reshape(-1, p.loop, rows, p.kt)
+        )
+    else:
+        progs = -(-w.numel() // span)
+        e = torch.cat([e, e.new_zeros(progs * span - e.numel())]).view(progs, p.loop, rows, p.kt)
+    progs = e.shape[0]
     rstd = torch.rsqrt(x[:KX].float().square().mean() + 1e-6) if p.rstd else torch.tensor(1.0, device=w.device)
     sc = s.flatten()[: rows * (p.kt // 128)].view(rows, p.kt // 128)
     out = torch.zeros(progs, rows, device=w.device)
@@ -455,7 +487,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="a directory (or FILE.json) for the JSON (default: the current result)")
     ap.add_argument("--chunks", default="16384,32768,65536", help="bytes a program reads (powers of two)")
     ap.add_argument("--layers", type=int, default=61)
-    parts = ("groups", "words", "gemv", "parts", "sizes", "looped", "whole", "persistent", "boundaries")
+    parts = ("groups", "words", "gemv", "parts", "layout", "sizes", "looped", "whole", "persistent", "boundaries")
     ap.add_argument("--only", default=",".join(parts), help=f"which rows, of: {','.join(parts)}")
     a = ap.parse_args()
     only = set(a.only.split(","))
@@ -552,6 +584,29 @@ def main() -> None:
         for label in ("GEMV 512", "+ rstd, 2048 a read", "all, rstd 2048", "all, rstd 8192", "all, rstd 8192, 1 tile"):
             t = time_chain(same, 16384, True, True, dev, gemv=variants[label])
             row(f"16 MB pieces, {label}", len(same), nb, 16384, True, True, t)
+        del same
+    if "layout" in only:  # 16 MB pieces as row-major [rows, K] matrices against the same tiles packed contiguous
+        same = build_chain(32, [16.0] * 8, dev)
+        nb = sum(w.numel() for w in same)
+        for label, parts, k in (
+            ("32 x 512", GemvParts(512), 7168),
+            ("32 x 512, all reads", GemvParts(512, True, True, 8192), 7168),
+            ("16 x 1024", GemvParts(1024), 7168),
+            ("64 x 256", GemvParts(256), 7168),
+            ("4 x 4096", GemvParts(4096), 8192),
+            ("4 x 4096, 2 a program, all reads", GemvParts(4096, True, True, 2048, 2), 8192),
+        ):
+            for rowk in (0, k):
+                name = f"16 MB, {label}, " + (f"rows of {k}" if rowk else "packed")
+                row(
+                    name,
+                    len(same),
+                    nb,
+                    16384,
+                    True,
+                    True,
+                    time_chain(same, 16384, True, True, dev, gemv=parts._replace(rowk=rowk)),
+                )
         del same
     del weights
     if "sizes" in only:  # chains of one piece size: what one kernel of that size streams at (the engine's GEMVs)
