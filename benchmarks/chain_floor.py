@@ -6,9 +6,10 @@ W_a, W_b, MLA prep, attention split and merge, W_o, router, MoE up, MoE down), o
 bytes per program, requested in one load; then it waits for its predecessor (programmatic dependent launch, as
 the engine's kernels), reads one value the predecessor wrote and writes one of its own (the next kernel's
 dependency). 61 layers of them are captured in one CUDA graph, each kernel with weights of its own (no L2 reuse),
-and timed as the engine's step is. No arithmetic beyond a byte sum: what the chain takes above its bytes over the
-copy bandwidth is the cost of streaming in kernels of these sizes and of the boundaries between them, the part no
-kernel tuning can remove.
+and timed as the engine's step is. The plain rows do no arithmetic beyond a byte sum: what that chain takes above its
+bytes over the copy bandwidth is the cost of streaming in kernels of these sizes and of the boundaries between
+them. The GEMV rows add a GEMV tile's arithmetic and, one at a time, the engine's GEMVs' other reads, so that each
+one's cost is measured against that floor.
 
     python3 benchmarks/chain_floor.py [--out DIR] [--chunks 16384,32768,65536] [--layers 61] [--only groups,...]
 
@@ -332,8 +333,9 @@ def launch(
 
 
 def build_chain(layers: int, mbs: list[float], dev: torch.device) -> list[torch.Tensor]:
-    """One weight buffer per kernel of the chain (random bytes, so no page is shared or compressed; a multiple of
-    16 bytes, so it reads as int32 words too)."""
+    """One weight buffer per kernel of the chain (random bytes, so no page is shared or compressed), a multiple of
+    16 bytes: the kernels' masks are then constant over 16-byte groups and their loads vectorised (a piece of any
+    other size makes Triton load it byte by byte), and it reads as int32 words too."""
     out = []
     for _ in range(layers):
         for mb in mbs:
