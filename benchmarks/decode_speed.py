@@ -26,7 +26,10 @@ full-size DeepSeek-V3.2 / GLM-5 (dimensions from transformers' config classes; e
 block-FP8), timed alone: the rank's step without its collectives, bytes per step counting the rank's share, and
 the rank's speculative step. Rows carry ``config``, ``context``, ``weights``, ``ms_per_step``, ``tok_s``,
 ``bytes_per_step`` and ``pct_roofline`` (``benchmarks/project_tp.py`` reads them). ``--cpu-smoke`` runs those
-configurations reduced on the CPU (no GPU), checking the code path.
+configurations reduced on the CPU (no GPU), checking the code path. ``--rank-experts N`` builds each rank with N
+routed experts a layer instead of the model's (rows ``<config>-e<N>``): a step reads the same routed experts' bytes,
+only the router's gate is smaller, and the rank then fits a GPU of 80 GB (a proxy for the rank's step where no
+larger GPU is at hand, never its record).
 
 ``--weights bf16,fp8`` runs every config twice in the same process: bf16 weights, then block-FP8 weights
 (``ModelArgs.fp8``: e4m3 with 128x128-block scales, read by ``ops/triton_fp8.py``; rows ``<config>-fp8``), bytes
@@ -833,6 +836,20 @@ def _isolated(job, opts):
 
 
 @torch.no_grad()
+def rank_with_experts(name: str, experts: int):
+    """Rank ``name`` (``RANK_CONFIGS``) built with ``experts`` routed experts a layer; refuses a count its routing
+    cannot use (groups of equal size, enough experts in the kept groups for its top-k)."""
+    full = rank_args(name)
+    a = rank_args(name, n_routed_experts=experts)
+    if experts % a.n_group or experts // a.n_group * a.topk_group < a.num_experts_per_tok:
+        raise SystemExit(
+            f"--rank-experts {experts}: {name} routes top-{a.num_experts_per_tok} within {a.topk_group} of "
+            f"{a.n_group} groups; a count divisible by {a.n_group} with at least "
+            f"{-(-a.num_experts_per_tok // a.topk_group)} a group is needed (the model's own: {full.n_routed_experts})"
+        )
+    return a
+
+
 def cpu_smoke(out_dir: str, reduce: dict | None = None) -> list:
     """Each rank configuration, reduced (``reduce``, default ``engine_configs.CPU_REDUCE``), built as the GPU run
     builds it (random FP8 weights, random cache rows, ``TileRTEngine``) on the CPU in float32, one step timed at
@@ -869,7 +886,7 @@ def bench_name(args: argparse.Namespace) -> str:
     if args.sequences:
         return "decode-multiseq"
     if all(name in RANK_CONFIGS for name in args.configs.split(",")):
-        return "decode-tp8-rank"
+        return f"decode-tp8-rank-e{args.rank_experts}" if args.rank_experts else "decode-tp8-rank"
     return "decode-fp8" if "fp8" in args.weights.split(",") else "decode-bf16"
 
 
@@ -920,6 +937,13 @@ def main():
         "built, timed and freed its model in (that can slow the later engine's step)",
     )
     ap.add_argument(
+        "--rank-experts",
+        type=int,
+        default=0,
+        help="build each rank configuration with this many routed experts a layer (rows <config>-e<N>): the same "
+        "bytes a step but the router's, small enough for an 80 GB GPU (0: the model's own)",
+    )
+    ap.add_argument(
         "--cpu-smoke",
         action="store_true",
         help="no GPU: the rank configurations reduced (engine_configs.CPU_REDUCE) through the same engine "
@@ -927,6 +951,8 @@ def main():
         "times nothing worth recording)",
     )
     args = ap.parse_args()
+    if args.rank_experts < 0 or (args.rank_experts and not set(args.configs.split(",")) & set(RANK_CONFIGS)):
+        ap.error(f"--rank-experts: a positive count, for a rank configuration ({', '.join(RANK_CONFIGS)}) in --configs")
     if args.cpu_smoke:
         return cpu_smoke(args.out or ".")
     TUNE_ONLY[:] = [x for x in args.tune_only.split(",") if x]
@@ -996,7 +1022,11 @@ def main():
         for weights in ["fp8"] if rank else args.weights.split(","):
             label = name if weights == "bf16" or rank else f"{name}-{weights}"
             try:
-                job = (label, replace(config_args(name), fp8=weights == "fp8"), contexts, bw)
+                if rank and args.rank_experts:
+                    margs, label = rank_with_experts(name, args.rank_experts), f"{name}-e{args.rank_experts}"
+                else:
+                    margs = config_args(name)
+                job = (label, replace(margs, fp8=weights == "fp8"), contexts, bw)
                 opts = dict(
                     mtp=(rank or name == "lite-v32") and not args.no_mtp, profile=not args.no_breakdown, tune=args.tune
                 )

@@ -71,6 +71,28 @@ def test_bytes_per_step_are_the_rank_models(name: str) -> None:
     assert 3e9 < b["total"] < 20e9  # the attention and top-k experts of a 600B+ FP8 model, one rank's share
 
 
+@pytest.mark.parametrize("name", list(engine_configs.RANK_CONFIGS))
+def test_rank_with_fewer_experts_reads_the_same_but_the_gate(name: str) -> None:
+    """``--rank-experts``: the proxy of a rank for a smaller GPU holds half the experts, and a step reads the same
+    bytes but the router's gate (one row an expert)."""
+    full = engine_configs.rank_args(name)
+    half = full.n_routed_experts // 2
+    a = decode_speed.rank_with_experts(name, half)
+    assert a.n_routed_experts == half and a.moe_intermediate_size == full.moe_intermediate_size
+    with torch.device("meta"):
+        names = [n for n, _ in Transformer(a).named_parameters()]
+    moe_layers = sum(n.endswith("mlp.gate") and not n.startswith("mtp.") for n in names)  # a plain step's
+    assert moe_layers > 0
+    b_full = decode_speed.bytes_per_token(full, 1024, sparse=False)["total"]
+    b_half = decode_speed.bytes_per_token(a, 1024, sparse=False)["total"]
+    assert b_full - b_half == moe_layers * half * a.hidden_size * 2  # the gate's rows, read as bf16
+
+
+def test_rank_with_experts_refuses_what_routing_cannot_use() -> None:
+    with pytest.raises(SystemExit, match="divisible by"):
+        decode_speed.rank_with_experts("v32-tp8-rank", 12)
+
+
 def test_reduced_ranks_run_on_the_cpu(tmp_path: Path) -> None:
     """``decode_speed.py --cpu-smoke``'s path (smaller still here: the suite's time): the rank configurations built
     with random FP8 weights, a plain step at a dense and a DSA context and a speculative step, JSON rows with the
