@@ -205,19 +205,20 @@ if triton is not None:
         # up counted in cnt[1]), wrong, not hung.
         pid = tl.program_id(0)
         offs = tl.arange(0, CH)
-        lo = tl.load(seg_ptr)
-        hi = tl.load(seg_ptr + 1)
+        # the bounds are 16-byte multiples (piece_bytes): said, so that the masked loads stay vectorised
+        lo = tl.multiple_of(tl.load(seg_ptr), 16)
+        hi = tl.multiple_of(tl.load(seg_ptr + 1), 16)
         p0 = lo + pid * CH
         w = tl.load(w_ptr + p0 + offs, mask=p0 + offs < hi, other=0)
         xp = 0.0
         for ph in range(0, n_phases):
-            lo = tl.load(seg_ptr + ph)
-            hi = tl.load(seg_ptr + ph + 1)
+            lo = tl.multiple_of(tl.load(seg_ptr + ph), 16)
+            hi = tl.multiple_of(tl.load(seg_ptr + ph + 1), 16)
             acc = tl.sum(w.to(tl.int32), 0)
             for c in range(lo + (pid + G) * CH, hi, G * CH):
                 v = tl.load(w_ptr + c + offs, mask=c + offs < hi, other=0)
                 acc += tl.sum(v.to(tl.int32), 0)
-            nhi = tl.load(seg_ptr + ph + 2)
+            nhi = tl.multiple_of(tl.load(seg_ptr + ph + 2), 16)
             pn = hi + pid * CH
             w = tl.load(w_ptr + pn + offs, mask=pn + offs < nhi, other=0)
             tl.store(x_ptr + (ph % 2) * G + pid, acc.to(tl.float32) + xp)
@@ -235,8 +236,8 @@ if triton is not None:
 
 
 def persistent_step(w: torch.Tensor, seg: torch.Tensor, x: torch.Tensor, cnt: torch.Tensor, g: int, chunk: int) -> None:
-    """The whole chain as one persistent launch of ``g`` programs (``seg``: int64 phase bounds, two past the
-    last phase: ``seg[-1] == seg[-2]``); ``cnt`` (int32 ``[2]``: arrivals, waits given up) zeroed first."""
+    """The whole chain as one persistent launch of ``g`` programs (``seg``: int64 phase bounds, multiples of 16, two
+    past the last phase: ``seg[-1] == seg[-2]``); ``cnt`` (int32 ``[2]``: arrivals, waits given up) zeroed first."""
     cnt.zero_()
     warps = max(1, min(8, chunk // 4096))
     _persistent[(g,)](w, seg, seg.numel() - 2, x, cnt, G=g, CH=chunk, SPIN=1 << 16, num_warps=warps)
@@ -332,16 +333,19 @@ def launch(
         _stream[(progs,)](w, x, y, n, CH=chunk, NX=XN, PRE=pre, XOR=words, num_warps=warps, **kw)
 
 
+def piece_bytes(mb: float) -> int:
+    """The bytes of a piece of ``mb`` MB, a multiple of 16: the kernels' masks are then constant over 16-byte groups
+    and their loads vectorised (a piece of any other size makes Triton load it byte by byte), and a piece reads as
+    int32 words too."""
+    return max(16, int(mb * (1 << 20)) // 16 * 16)
+
+
 def build_chain(layers: int, mbs: list[float], dev: torch.device) -> list[torch.Tensor]:
-    """One weight buffer per kernel of the chain (random bytes, so no page is shared or compressed), a multiple of
-    16 bytes: the kernels' masks are then constant over 16-byte groups and their loads vectorised (a piece of any
-    other size makes Triton load it byte by byte), and it reads as int32 words too."""
-    out = []
-    for _ in range(layers):
-        for mb in mbs:
-            n = max(16, int(mb * (1 << 20)) // 16 * 16)
-            out.append(torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev))
-    return out
+    """One weight buffer per kernel of the chain (random bytes, so no page is shared or compressed), each of
+    ``piece_bytes``."""
+    return [
+        torch.randint(0, 256, (piece_bytes(mb),), dtype=torch.uint8, device=dev) for _ in range(layers) for mb in mbs
+    ]
 
 
 def time_chain(
@@ -462,7 +466,7 @@ def gemv_parts_ref(w: torch.Tensor, x: torch.Tensor, chunk: int, p: GemvParts) -
 def check_persistent(dev: torch.device) -> None:
     """One program through three phases: its last value is the sum of every byte (each phase adds its own)."""
     w = torch.randint(0, 256, (50_000,), dtype=torch.uint8, device=dev)
-    seg = torch.tensor([0, 10_000, 10_001, 50_000, 50_000], dtype=torch.int64, device=dev)
+    seg = torch.tensor([0, 10_000, 10_016, 50_000, 50_000], dtype=torch.int64, device=dev)
     x = torch.zeros(2, device=dev)
     cnt = torch.zeros(2, dtype=torch.int32, device=dev)
     persistent_step(w, seg, x, cnt, 1, 16384)
@@ -540,7 +544,8 @@ def main() -> None:
                 row(label, len(weights), total, chunk, pre, pdl, time_chain(weights, chunk, pre, pdl, dev))
         del weights
         torch.cuda.empty_cache()
-    weights = build_chain(a.layers, mbs, dev)
+    # the layer profile's chain, for the parts that time it
+    weights = build_chain(a.layers, mbs, dev) if only & {"words", "gemv", "parts", "looped"} else []
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     if "words" in only:  # the engine's 9 kernels a layer reading int32 words (no byte unpacking), and torch's sums
         for chunk in chunks:
@@ -610,7 +615,6 @@ def main() -> None:
                     time_chain(same, 16384, True, True, dev, gemv=parts._replace(rowk=rowk)),
                 )
         del same
-    del weights
     if "sizes" in only:  # chains of one piece size: what one kernel of that size streams at (the engine's GEMVs)
         for mb in (1.0, 4.0, 8.0, 16.0, 33.0):
             same = build_chain(max(64, int(4096 / mb)) // 8, [mb] * 8, dev)
@@ -620,7 +624,6 @@ def main() -> None:
                 row(label, len(same), nb, 16384, True, True, time_chain(same, 16384, True, True, dev, gemv=gemv))
             del same
             torch.cuda.empty_cache()
-    weights = build_chain(a.layers, mbs, dev)
     if "looped" in only:  # the 9 kernels as grids of a few programs an SM, each looping with two chunks in flight
         for per_sm in (2, 4, 8):
             for chunk in (8192, 16384):
@@ -628,12 +631,12 @@ def main() -> None:
                 row(f"looped, {per_sm}/SM", len(weights), total, chunk, True, True, t)
     del weights
     torch.cuda.empty_cache()
-    sizes = [int(mb * (1 << 20)) for _ in range(a.layers) for mb in RANK_LAYER_MB.values()]
+    sizes = [piece_bytes(mb) for _ in range(a.layers) for mb in RANK_LAYER_MB.values()]
     bounds = [0]
     for n in sizes:
         bounds.append(bounds[-1] + n)
     seg = torch.tensor([*bounds, bounds[-1]], dtype=torch.int64, device=dev)
-    flat = torch.randint(0, 256, (bounds[-1] // 16 * 16,), dtype=torch.uint8, device=dev)
+    flat = torch.randint(0, 256, (bounds[-1],), dtype=torch.uint8, device=dev)
     if "whole" in only:  # the step's bytes in one launch: what a single streaming kernel reaches, no boundaries
         for chunk in chunks:
             for words in (False, True):

@@ -835,21 +835,21 @@ def _isolated(job, opts):
         return pool.submit(_bench_child, job, opts, list(TUNE_ONLY)).result()
 
 
-@torch.no_grad()
 def rank_with_experts(name: str, experts: int):
     """Rank ``name`` (``RANK_CONFIGS``) built with ``experts`` routed experts a layer; refuses a count its routing
     cannot use (groups of equal size, enough experts in the kept groups for its top-k)."""
-    full = rank_args(name)
     a = rank_args(name, n_routed_experts=experts)
     if experts % a.n_group or experts // a.n_group * a.topk_group < a.num_experts_per_tok:
         raise SystemExit(
             f"--rank-experts {experts}: {name} routes top-{a.num_experts_per_tok} within {a.topk_group} of "
             f"{a.n_group} groups; a count divisible by {a.n_group} with at least "
-            f"{-(-a.num_experts_per_tok // a.topk_group)} a group is needed (the model's own: {full.n_routed_experts})"
+            f"{-(-a.num_experts_per_tok // a.topk_group)} a group is needed "
+            f"(the model's own: {rank_args(name).n_routed_experts})"
         )
     return a
 
 
+@torch.no_grad()
 def cpu_smoke(out_dir: str, reduce: dict | None = None) -> list:
     """Each rank configuration, reduced (``reduce``, default ``engine_configs.CPU_REDUCE``), built as the GPU run
     builds it (random FP8 weights, random cache rows, ``TileRTEngine``) on the CPU in float32, one step timed at
