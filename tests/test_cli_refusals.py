@@ -143,3 +143,36 @@ def test_up_says_which_process_failed_with_its_last_log_lines(tiny_model: Path, 
     assert any("max_sequences (--max-sequences, $TILERT_DECODE_MAX_SEQUENCES) must be in 1..64" in t for t in tail)
     assert not [line for line in tail if "vllm" in line.lower()], tail  # the prefill's log stays in its file
     assert (tmp_path / "prefill.log").exists() and (tmp_path / "up.log").exists()
+
+
+def test_decode_refuses_a_port_another_process_holds(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node binds its two ports when it starts, before its engine loads: a port another process listens on is
+    refused then, with the setting's name, exit 2 and no traceback."""
+    from support.stack import free_port
+
+    from tilert.decode import server
+    from tilert.decode.config import DecodeConfig
+    from tilert.netio import listening_socket
+    from tilert.settings import ConfigError
+
+    held = listening_socket("127.0.0.1", 0)
+    port = held.getsockname()[1]
+    try:
+        cmd = [sys.executable, "-m", "tilert.cli", "decode", "--model", str(tiny_model)]
+        cmd += ["--ctrl-port", str(port), "--http-port", str(free_port())]
+        base = {k: v for k, v in os.environ.items() if not k.startswith("TILERT_")}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**base, **SECRET})
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        reason = f"ctrl_port (--ctrl-port, $TILERT_DECODE_CTRL_PORT): cannot listen on 127.0.0.1:{port}"
+        assert reason in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        # in process: the engine is never built (build_node stands in for it here, to show the order)
+        built: list[object] = []
+        monkeypatch.setattr(server, "build_node", built.append)
+        cfg = DecodeConfig(model=tiny_model, ctrl_port=free_port(), http_port=port)
+        with pytest.raises(ConfigError, match=f"http_port .*127.0.0.1:{port}"):
+            server.serve(cfg)
+        assert built == []
+        with listening_socket("127.0.0.1", cfg.ctrl_port):  # the free one bound first is closed again
+            pass
+    finally:
+        held.close()

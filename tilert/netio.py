@@ -1,5 +1,5 @@
 """Exact reads from blocking sockets, shared by the control channel and the TCP transport; a free port to listen
-on."""
+on, and a listening socket bound now for a server that starts serving later."""
 
 from __future__ import annotations
 
@@ -57,3 +57,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         _GIVEN.add(port)
         return port
     raise OSError(f"no free port on {host} below the ephemeral range")
+
+
+def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A TCP socket bound to ``host:port`` and listening, for a server to serve from later: a server that binds its
+    ports when it starts learns then that one is taken (and holds it), not after a long load."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn and anyio bind
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock

@@ -15,6 +15,8 @@ vLLM prefills) waits up to ``early_offer_wait_s`` for it.
 
 from __future__ import annotations
 
+import socket
+
 import anyio
 import anyio.abc
 import structlog
@@ -51,9 +53,18 @@ class ControlServer:
         self.connections = 0
 
     async def serve(
-        self, host: str, port: int, *, task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED
+        self,
+        host: str,
+        port: int,
+        sock: socket.socket | None = None,
+        *,
+        task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
-        listener = await anyio.create_tcp_listener(local_host=host, local_port=port, reuse_port=False)
+        """Serve on ``host:port``, or on ``sock`` (bound and listening already: ``netio.listening_socket``)."""
+        if sock is not None:
+            listener: anyio.abc.Listener[SocketStream] = await anyio.abc.SocketListener.from_socket(sock)
+        else:
+            listener = await anyio.create_tcp_listener(local_host=host, local_port=port, reuse_port=False)
         bound = listener.extra(anyio.abc.SocketAttribute.local_port)
         log.info("control_listening", host=host, port=bound)
         task_status.started(bound)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import importlib.util
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -65,7 +66,9 @@ from tilert.decode.slots import SlotError, SlotTable
 from tilert.engines.base import DecodeEngine
 from tilert.logs import AccessLog, uvicorn_options
 from tilert.models.checkpoint import eos_token_ids, sampling_defaults
+from tilert.netio import listening_socket
 from tilert.plugins import load_transport
+from tilert.settings import ConfigError, describe
 
 log = structlog.get_logger("tilert.decode.server")
 
@@ -459,7 +462,8 @@ class DecodeNode:
                 log.warning("lease_expired", transfer_id=tid)
             self.metrics.lease_expired(len(expired))
 
-    async def serve(self) -> None:
+    async def serve(self, sockets: NodeSockets | None = None) -> None:
+        """Serve until stopped, on ``sockets`` (bound at start-up: :func:`bind_sockets`) or on the config's ports."""
         cfg = self.config
         loop = asyncio.get_running_loop()
         server = _Server(
@@ -476,7 +480,7 @@ class DecodeNode:
         )
         try:
             async with anyio.create_task_group() as tg:
-                await tg.start(self.control.serve, cfg.host, cfg.ctrl_port)
+                await tg.start(self.control.serve, cfg.host, cfg.ctrl_port, sockets and sockets.ctrl)
                 tg.start_soon(self._sweep_leases)
                 log.info(
                     "decode_node_ready",
@@ -487,7 +491,7 @@ class DecodeNode:
                     transport=cfg.transport,
                     slots=len(self.table.slots),
                 )
-                await server.serve()
+                await server.serve(sockets=[sockets.http] if sockets else None)
                 tg.cancel_scope.cancel()
         finally:
             self.batch.close()
@@ -512,15 +516,51 @@ def build_node(config: DecodeConfig) -> DecodeNode:
     return DecodeNode(config, EngineProcess(spec) if config.engine_process else spec.load())
 
 
+@dataclass
+class NodeSockets:
+    """The node's control and HTTP listening sockets, bound before its engine loads."""
+
+    ctrl: socket.socket
+    http: socket.socket
+
+    def close(self) -> None:
+        self.ctrl.close()
+        self.http.close()
+
+
+def bind_sockets(config: DecodeConfig) -> NodeSockets:
+    """Bind the node's two ports now: a port another process holds is refused at start-up (:class:`ConfigError`,
+    naming the setting), not after the engine has loaded, and no other process can take it meanwhile."""
+    bound: list[socket.socket] = []
+    try:
+        for name in ("ctrl_port", "http_port"):
+            port = getattr(config, name)
+            try:
+                bound.append(listening_socket(config.host, port))
+            except OSError as exc:
+                raise ConfigError(
+                    f"{describe(DecodeConfig, name)}: cannot listen on {config.host}:{port} ({exc.strerror or exc})"
+                ) from None
+    except BaseException:
+        for sock in bound:
+            sock.close()
+        raise
+    return NodeSockets(*bound)
+
+
 def serve(config: DecodeConfig) -> None:
     """One process, one engine (``--tp 1``; ``tilert.decode.tp.serve_tp`` serves several ranks)."""
-    run_node(build_node(config))
+    sockets = bind_sockets(config)
+    try:
+        run_node(build_node(config), sockets)
+    finally:
+        sockets.close()
 
 
-def run_node(node: DecodeNode) -> None:
+def run_node(node: DecodeNode, sockets: NodeSockets | None = None) -> None:
     """Serve ``node`` until it stops, on uvloop's event loop where it is installed (as uvicorn runs the router): its
     socket writes and wake-ups from the worker thread cost each line of a decode stream less than asyncio's."""
-    anyio.run(node.serve, backend_options={"use_uvloop": importlib.util.find_spec("uvloop") is not None})
+    anyio.run(node.serve, sockets, backend_options={"use_uvloop": importlib.util.find_spec("uvloop") is not None})
 
 
 _Item = c.TokenLine | Finish | BaseException  # what the batch's worker thread hands a decode stream

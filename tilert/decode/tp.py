@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from tilert.decode.config import DecodeConfig, resolve_device, resolve_dtype
-from tilert.decode.server import DecodeNode, run_node
+from tilert.decode.server import DecodeNode, bind_sockets, run_node
 from tilert.engines.base import Capabilities, DecodeEngine, KVLayout, SpecStepResult
 from tilert.engines.tilert import parallel, sharding
 from tilert.engines.tilert.engine import GRAPH_MAX_TOKENS, TileRTEngine
@@ -347,6 +347,7 @@ def serve_tp(config: DecodeConfig) -> None:
     device = resolve_device(config.device)
     check_tp(config, device)
     dtype = resolve_dtype(config.dtype, device)
+    sockets = bind_sockets(config)  # the node's ports, before the ranks load
     port = free_port()
     ctx = torch.multiprocessing.get_context("spawn")
     names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -381,8 +382,9 @@ def serve_tp(config: DecodeConfig) -> None:
         leader = LeaderEngine(engine, channel)
         node = DecodeNode(config, leader)
         log.info("tilert decode: rank 0 of %d serving (pid %d)", config.tp, os.getpid())
-        run_node(node)
+        run_node(node, sockets)
     finally:
+        sockets.close()
         if leader is not None:
             leader.close()
         for p in followers:
