@@ -450,6 +450,7 @@ TUNING = (  # (module, attribute, values): variants re-timed in the whole captur
     ("triton_mla", "SKIP_EMPTY_SPLITS", (True, False)),
     ("triton_mla", "UV_ONE_READ_MAX", (64, 0)),
     ("triton_mla", "SPLITS_BY_MAX_ROWS", (False, True)),
+    ("triton_moe", "SELECT_BITONIC", (True, False)),
     ("triton_moe", ("DOWN_CFG", "wide"), ((1, 2048, 4, 3), (2, 1024, 4, 3), (1, 2048, 8, 3), (1, 2048, 4, 4))),
     (
         "triton_moe",
@@ -504,6 +505,7 @@ TUNING_FP8 = (
         ),
     ),
     ("triton_moe", "ROUTER_SPLIT", (8, 4, 14, 16)),
+    ("triton_moe", "SELECT_BITONIC", (True, False)),
     ("triton_gemv", "LARGE_CFG", ((8, 512, 4, 3), (16, 256, 4, 4), (16, 512, 8, 3))),
     ("triton_fused", "PREP_BC_FP8", (128, 64)),
     ("triton_mla", "SPLIT_ROWS_EARLY", (True, False)),
