@@ -552,7 +552,8 @@ def check_moe(dev, small):
                 )
                 report(f"moe_up tma batch invariance {tag}", t1, alone, tol=1e-30)
     # router
-    for n, E, k, G, TG in [(1, 64, 6, 1, 1), (4, 256, 8, 8, 4), (1, 256, 8, 8, 4)] if not small else [(2, 16, 4, 4, 2)]:
+    routes = [(1, 64, 6, 1, 1), (4, 256, 8, 8, 4), (1, 256, 8, 8, 4), (2, 8, 2, 2, 1), (1, 64, 1, 1, 1)]
+    for n, E, k, G, TG in routes if not small else [(2, 16, 4, 4, 2), (2, 8, 2, 2, 1)]:
         logits = torch.randn(n, E, device=dev) * 2
         bias = torch.randn(E, device=dev) * 0.1
         part = torch.stack([logits * 0.25] * 4)

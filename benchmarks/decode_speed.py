@@ -450,7 +450,6 @@ TUNING = (  # (module, attribute, values): variants re-timed in the whole captur
     ("triton_mla", "SKIP_EMPTY_SPLITS", (True, False)),
     ("triton_mla", "UV_ONE_READ_MAX", (64, 0)),
     ("triton_mla", "SPLITS_BY_MAX_ROWS", (False, True)),
-    ("triton_moe", "SELECT_BITONIC", (True, False)),
     ("triton_moe", ("DOWN_CFG", "wide"), ((1, 2048, 4, 3), (2, 1024, 4, 3), (1, 2048, 8, 3), (1, 2048, 4, 4))),
     (
         "triton_moe",
@@ -505,7 +504,6 @@ TUNING_FP8 = (
         ),
     ),
     ("triton_moe", "ROUTER_SPLIT", (8, 4, 14, 16)),
-    ("triton_moe", "SELECT_BITONIC", (True, False)),
     ("triton_gemv", "LARGE_CFG", ((8, 512, 4, 3), (16, 256, 4, 4), (16, 512, 8, 3))),
     ("triton_fused", "PREP_BC_FP8", (128, 64)),
     ("triton_mla", "SPLIT_ROWS_EARLY", (True, False)),
@@ -541,6 +539,63 @@ def tune_in_situ(name, eng, ctx) -> list:
     if TUNE_ONLY:  # --tune-only: the rows whose attribute, dict or dict key is named
         table = tuple(r for r in table if _row_names(r[1]) & set(TUNE_ONLY))
     return tune_variants(f"[{name}] ctx={ctx}", timed, table, log)
+
+
+# (what, [(module, function, index of the argument that names the call), ...]): kernel classes left out of the step
+ABLATIONS = (
+    ("the FP8 GEMVs (W_a, W_b, W_o)", [("triton_fp8", "gemv_fp8", 1)]),
+    ("the router (gate GEMV + selection)", [("triton_moe", "router", 1)]),
+    ("mla_prep", [("triton_fused", "mla_prep", 3)]),
+    ("the attention core (+ W_uv)", [("triton_mla", "mla_decode", 1)]),
+    ("the DSA top-k", [("triton_mla", "indexer_topk", 2)]),
+    ("the experts (moe_up + moe_down)", [("triton_fp8", "moe_up_fp8", 2), ("triton_fp8", "moe_down_fp8", 3)]),
+)
+
+
+def ablate_in_situ(name, eng, ctx) -> list:
+    """The step recaptured with each kernel class of :data:`ABLATIONS` left out: every call of its functions
+    returns what the same call (the same weight or cache) returned in an eager step before, launching nothing. What
+    the step loses is that class's cost in the step, overlap included. Timing only: the outputs are stale."""
+    import importlib
+
+    tok = torch.tensor([77], device=DEV)
+    sparse = ctx + 1 > eng.model.args.index_topk
+    positions = torch.tensor([ctx], device=DEV)
+
+    def timed() -> float:
+        eng._graphs.clear()
+        eng.forward(tok, ctx)
+        return time_graph(eng._graphs[(1, sparse)]) * 1e3
+
+    base = timed()
+    rows = [dict(without=None, ms=base)]
+    for what, fns in ABLATIONS:
+        saved, memo = [], {}
+        for mod_name, fn_name, key_arg in fns:
+            mod = importlib.import_module(f"tilert.engines.tilert.ops.{mod_name}")
+            real = getattr(mod, fn_name)
+
+            def left_out(*a, real=real, fn_name=fn_name, key_arg=key_arg, memo=memo, **kw):
+                t = a[key_arg]
+                key = (fn_name, t.data_ptr(), tuple(t.shape))
+                if key not in memo:
+                    memo[key] = real(*a, **kw)
+                return memo[key]
+
+            saved.append((mod, fn_name, real))
+            setattr(mod, fn_name, left_out)
+        try:
+            eng.model.logits(eng.model(tok, positions, sparse))  # records every call's output, eagerly
+            ms = timed() if memo else float("nan")  # nan: the step has no such kernel
+        finally:
+            for mod, fn_name, real in saved:
+                setattr(mod, fn_name, real)
+        rows.append(dict(without=what, ms=ms))
+        log(f"[{name}] ctx={ctx} without {what}: {ms:.4f} ms ({base - ms:+.4f} ms)")
+    again = timed()
+    rows.append(dict(without="nothing, again", ms=again))
+    log(f"[{name}] ctx={ctx} the whole step again: {again:.4f} ms")
+    return rows
 
 
 def _row_names(attr) -> set[str]:
@@ -598,7 +653,7 @@ def tune_variants(tag: str, timed, table, say) -> list:
 
 
 @torch.no_grad()
-def bench_engine(name, args, contexts, bw, mtp=True, profile=True, topk_compare=True, tune=False):
+def bench_engine(name, args, contexts, bw, mtp=True, profile=True, topk_compare=True, tune=False, ablate=False):
     """The engine: random weights on the GPU, caches of random rows, its own CUDA-graph decode step."""
     from dataclasses import replace
 
@@ -663,6 +718,8 @@ def bench_engine(name, args, contexts, bw, mtp=True, profile=True, topk_compare=
             )
         if tune and ctx == contexts[0]:
             r["tuning"] = tune_in_situ(name, eng, ctx)
+        if ablate:
+            r["ablation"] = ablate_in_situ(name, eng, ctx)
         rows.append(r)
         if mtp and ctx == contexts[0]:
             verify = bench_mtp(name, eng, ctx, t)
@@ -909,6 +966,11 @@ def main():
     ap.add_argument("--no-breakdown", action="store_true")
     ap.add_argument("--tune", action="store_true", help="re-time kernel-config variants in the whole step")
     ap.add_argument(
+        "--ablate",
+        action="store_true",
+        help="at each context, the step again with each kernel class left out (ABLATIONS: what each costs in it)",
+    )
+    ap.add_argument(
         "--tune-only",
         default="",
         metavar="NAMES",
@@ -1030,7 +1092,10 @@ def main():
                     margs = config_args(name)
                 job = (label, replace(margs, fp8=weights == "fp8"), contexts, bw)
                 opts = dict(
-                    mtp=(rank or name == "lite-v32") and not args.no_mtp, profile=not args.no_breakdown, tune=args.tune
+                    mtp=(rank or name == "lite-v32") and not args.no_mtp,
+                    profile=not args.no_breakdown,
+                    tune=args.tune,
+                    ablate=args.ablate,
                 )
                 if args.isolate:
                     rows, verify = _isolated(job, opts)

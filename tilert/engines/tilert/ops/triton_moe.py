@@ -299,7 +299,6 @@ def _route(
     KPAD: tl.constexpr,
     N_SHARED: tl.constexpr,
     NORM: tl.constexpr,
-    BITONIC: tl.constexpr,
 ):
     """Token ``i``'s noaux_tc routing from fp32 split-K partial logits: (ids, weights) ``[KPAD]``, the
     shared-expert slots appended (ids ``E_real + s``, weight 1), -1 / 0 beyond ``K + N_SHARED``."""
@@ -308,16 +307,18 @@ def _route(
     logits = tl.zeros([E], dtype=tl.float32)
     for s in range(0, SPLIT):
         logits += tl.load(part_ptr + s * stride_ps + i * stride_pn + offs, mask=emask, other=0.0)
-    return _select(logits, bias_ptr, route_scale, E_real, E, G, TOPK_G, K, KPAD, N_SHARED, NORM, BITONIC)
+    return _select(logits, bias_ptr, route_scale, E_real, E, G, TOPK_G, K, KPAD, N_SHARED, NORM)
 
 
 @triton.jit
-def _first_k(key, offs, K: tl.constexpr, KEEP: tl.constexpr, BITONIC: tl.constexpr):
-    """Ranks ``[KEEP]`` of the K largest of ``key`` (largest first, ties to the lower index: what K rounds of
-    ``tl.argmax`` pick), -1 beyond K. ``BITONIC``: one bitonic top-k over keys that carry their index (a few
-    rounds of shuffles); else K rounds of argmax (two block reductions each)."""
+def _first_k(key, offs, K: tl.constexpr, KEEP: tl.constexpr):
+    """Indices ``[KEEP]`` of the K largest of ``key``, largest first, ties to the lower index (what K rounds of
+    ``tl.argmax`` would pick), -1 beyond K: one bitonic top-k over keys that carry their index, a few rounds of
+    shuffles where rounds of argmax take two block reductions each."""
     kk = tl.arange(0, KEEP)
-    if BITONIC:
+    if K == 1:  # (tl.topk cannot return a single element)
+        ids = tl.where(kk == 0, tl.argmax(key, 0).to(tl.int32), -1)
+    else:
         n: tl.constexpr = key.shape[0]
         KTOP: tl.constexpr = triton.next_power_of_2(K)
         c = tl.where(key == 0.0, 0.0, key)  # -0.0 orders as +0.0, as the float compare does
@@ -327,12 +328,6 @@ def _first_k(key, offs, K: tl.constexpr, KEEP: tl.constexpr, BITONIC: tl.constex
         top = (tl.topk(packed, KTOP) & 0xFFFFFFFF).to(tl.int32) ^ (n - 1)  # [KTOP], largest first
         t = tl.arange(0, KTOP)
         ids = tl.sum(tl.where((kk[:, None] == t[None, :]) & (t[None, :] < K), top[None, :] + 1, 0), 1) - 1
-    else:
-        ids = tl.full([KEEP], -1, dtype=tl.int32)
-        for t in tl.static_range(K):
-            j = tl.argmax(key, 0)
-            ids = tl.where(kk == t, j.to(tl.int32), ids)
-            key = tl.where(offs == j, float("-inf"), key)
     return ids
 
 
@@ -349,7 +344,6 @@ def _select(
     KPAD: tl.constexpr,
     N_SHARED: tl.constexpr,
     NORM: tl.constexpr,
-    BITONIC: tl.constexpr,
 ):
     """The selection of :func:`_route` from the summed logits ``[E]``."""
     offs = tl.arange(0, E)
@@ -364,12 +358,12 @@ def _select(
         m1 = tl.max(c2, 1)
         m2 = tl.max(tl.where(cols[None, :] == a1[:, None], float("-inf"), c2), 1)
         gidx = tl.arange(0, G)
-        kept = _first_k(m1 + m2, gidx, TOPK_G, triton.next_power_of_2(TOPK_G), BITONIC)
+        kept = _first_k(m1 + m2, gidx, TOPK_G, triton.next_power_of_2(TOPK_G))
         keep = tl.sum((gidx[:, None] == kept[None, :]).to(tl.int32), 1) > 0
         c2 = tl.where(keep[:, None], c2, float("-inf"))
         choice = tl.reshape(c2, [E])
     kk = tl.arange(0, KPAD)
-    sel_ids = _first_k(choice, offs, K, KPAD, BITONIC)
+    sel_ids = _first_k(choice, offs, K, KPAD)
     # each chosen expert's score: the one term of a row that is not zero (exact)
     sel_w = tl.sum(tl.where(offs[None, :] == sel_ids[:, None], scores[None, :], 0.0), 1)
     if NORM:
@@ -402,7 +396,6 @@ def _router_select_kernel(
     KPAD: tl.constexpr,
     N_SHARED: tl.constexpr,
     NORM: tl.constexpr,
-    BITONIC: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
@@ -423,7 +416,6 @@ def _router_select_kernel(
         KPAD,
         N_SHARED,
         NORM,
-        BITONIC,
     )
     kk = tl.arange(0, KPAD)
     m = kk < K + N_SHARED
@@ -475,7 +467,6 @@ def router_select(
         KPAD=triton.next_power_of_2(KK),
         N_SHARED=n_shared_slots,
         NORM=norm_topk,
-        BITONIC=SELECT_BITONIC,
         num_warps=4,
         **triton_pdl.kw(),
     )
@@ -516,7 +507,6 @@ def _router_kernel(
     KPAD: tl.constexpr,
     N_SHARED: tl.constexpr,
     NORM: tl.constexpr,
-    BITONIC: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # grid (n, NB, SPLIT): the split-K router GEMV of triton_gemv (fp32 partials, same arithmetic), then the last of
@@ -573,7 +563,6 @@ def _router_kernel(
             KPAD,
             N_SHARED,
             NORM,
-            BITONIC,
         )
         kk = tl.arange(0, KPAD)
         m = kk < K_SEL + N_SHARED
@@ -599,7 +588,6 @@ def _route_cg(
     KPAD: tl.constexpr,
     N_SHARED: tl.constexpr,
     NORM: tl.constexpr,
-    BITONIC: tl.constexpr,
 ):
     """:func:`_route` reading partials that other programs of the same launch wrote (from L2, past L1)."""
     offs = tl.arange(0, E)
@@ -607,12 +595,9 @@ def _route_cg(
     logits = tl.zeros([E], dtype=tl.float32)
     for s in range(0, SPLIT):
         logits += tl.load(part_ptr + s * stride_ps + i * stride_pn + offs, mask=emask, other=0.0, cache_modifier=".cg")
-    return _select(logits, bias_ptr, route_scale, E_real, E, G, TOPK_G, K, KPAD, N_SHARED, NORM, BITONIC)
+    return _select(logits, bias_ptr, route_scale, E_real, E, G, TOPK_G, K, KPAD, N_SHARED, NORM)
 
 
-# the expert selection's top-k: one bitonic top-k over keys that carry their index (True), or a round of argmax per
-# chosen expert (False); both pick the same experts in the same order
-SELECT_BITONIC = True
 ROUTER_SPLIT = 8  # the router GEMV's split_k (as the separate GEMV + router_select had it)
 ROUTER_WARPS = 0  # warps per router program (0: the bf16 GEMV's)
 
@@ -686,7 +671,6 @@ def router(
         KPAD=triton.next_power_of_2(KK),
         N_SHARED=n_shared_slots,
         NORM=norm_topk,
-        BITONIC=SELECT_BITONIC,
         num_warps=nw,
         num_stages=1,
         **triton_pdl.kw(),
