@@ -944,6 +944,8 @@ def bench_name(args: argparse.Namespace) -> str:
     """The benchmark a run of these flags records (the ``<benchmark>`` of its file name)."""
     if args.sequences:
         return "decode-multiseq"
+    if args.ablate:
+        return "decode-ablation"
     if all(name in RANK_CONFIGS for name in args.configs.split(",")):
         return f"decode-tp8-rank-e{args.rank_experts}" if args.rank_experts else "decode-tp8-rank"
     return "decode-fp8" if "fp8" in args.weights.split(",") else "decode-bf16"
