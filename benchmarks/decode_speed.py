@@ -362,7 +362,6 @@ def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
 DSA_TUNING = (
     ("triton_mla", "INDEXER_BT", (128, 64, 256)),
     ("triton_mla", "INDEXER_WARPS", (4, 8)),
-    ("triton_mla", "INDEXER_ROWS_EARLY", (True, False)),
     ("triton_topk", "CH", (256, 512, 1024)),
     ("triton_topk", "WARPS", (8, 4)),
 )
@@ -448,7 +447,6 @@ BF16_TMA_TUNING = (
 TUNING = (  # (module, attribute, values): variants re-timed in the whole captured step (first context)
     ("triton_mla", "DENSE_MIN_TOKENS_PER_SPLIT", (32, 64, 16)),
     ("triton_mla", "SPLIT_ROWS_EARLY", (True, False)),
-    ("triton_mla", "SPLIT_FIRST_TILE_EARLY", (True, False)),
     ("triton_mla", "SKIP_EMPTY_SPLITS", (True, False)),
     ("triton_mla", "UV_ONE_READ_MAX", (64, 0)),
     ("triton_mla", "SPLITS_BY_MAX_ROWS", (False, True)),
@@ -509,7 +507,6 @@ TUNING_FP8 = (
     ("triton_gemv", "LARGE_CFG", ((8, 512, 4, 3), (16, 256, 4, 4), (16, 512, 8, 3))),
     ("triton_fused", "PREP_BC_FP8", (128, 64)),
     ("triton_mla", "SPLIT_ROWS_EARLY", (True, False)),
-    ("triton_mla", "SPLIT_FIRST_TILE_EARLY", (True, False)),
     ("triton_mla", "SKIP_EMPTY_SPLITS", (True, False)),
     ("triton_mla", "UV_ONE_READ_MAX", (64, 0)),
     ("triton_mla", "SPLITS_BY_MAX_ROWS", (False, True)),

@@ -52,21 +52,6 @@ def _dense_rows(
 
 
 @triton.jit
-def _attend_tile(q_nope, q_pe, kc, kp, valid, m_i, l_i, acc, qk_scale):
-    """One tile of cache rows into the online softmax: (m_i, l_i, acc) updated."""
-    s = tl.dot(q_nope, tl.trans(kc))
-    s = tl.dot(q_pe, tl.trans(kp), s)
-    s = s * qk_scale
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(kc.dtype), kc)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _mla_split_kernel(
     q_ptr,
     kv_ptr,
@@ -95,8 +80,6 @@ def _mla_split_kernel(
     SPARSE: tl.constexpr,
     HAS_START: tl.constexpr,
     EARLY: tl.constexpr,
-    FIRST_TILE_EARLY: tl.constexpr,
-    NPAD: tl.constexpr,
     WRITE_EMPTY: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -117,21 +100,6 @@ def _mla_split_kernel(
         first, total, tps = _dense_rows(pos_ptr, start_ptr, i, stride_start, NUM_SPLITS, MIN_TPS, BLOCK_T, HAS_START)
     start = first + pid_s * tps
     end = tl.minimum(start + tps, total)
-    offs_l = tl.arange(0, L)
-    offs_r = tl.arange(0, R)
-    # FIRST_TILE_EARLY (dense, with EARLY): the split's first tile of cache rows is requested before the wait too,
-    # all but the rows at this launch's positions (the rows mla_prep, the kernel before, writes), read after it.
-    PRE: tl.constexpr = FIRST_TILE_EARLY and EARLY and not SPARSE
-    if PRE:
-        offs_t0 = start + tl.arange(0, BLOCK_T)
-        tmask0 = offs_t0 < end
-        rows0 = offs_t0.to(tl.int64)
-        jj = tl.arange(0, NPAD)
-        written = tl.load(pos_ptr + jj, mask=jj < tl.num_programs(1), other=-1)
-        fresh0 = tl.sum((rows0[:, None] == written[None, :]).to(tl.int32), 1) > 0
-        kbase0 = kv_ptr + rows0[:, None] * stride_kv
-        kc0 = tl.load(kbase0 + offs_l[None, :], mask=(tmask0 & ~fresh0)[:, None], other=0.0)
-        kp0 = tl.load(kbase0 + L + offs_r[None, :], mask=(tmask0 & ~fresh0)[:, None], other=0.0)
     if EARLY:
         pdl_begin(PDL)
 
@@ -139,6 +107,8 @@ def _mla_split_kernel(
     hmask = offs_h < H
     lse = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     if WRITE_EMPTY or start < end:
+        offs_l = tl.arange(0, L)
+        offs_r = tl.arange(0, R)
         qrow = q_ptr + i * stride_qn + offs_h[:, None] * stride_qh
         q_nope = tl.load(qrow + offs_l[None, :], mask=hmask[:, None], other=0.0)
         q_pe = tl.load(qrow + L + offs_r[None, :], mask=hmask[:, None], other=0.0)
@@ -146,14 +116,7 @@ def _mla_split_kernel(
         m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, L], dtype=tl.float32)
-        lo = start
-        if PRE:
-            now = (tmask0 & fresh0)[:, None]
-            kc0 = tl.where(fresh0[:, None], tl.load(kbase0 + offs_l[None, :], mask=now, other=0.0), kc0)
-            kp0 = tl.where(fresh0[:, None], tl.load(kbase0 + L + offs_r[None, :], mask=now, other=0.0), kp0)
-            m_i, l_i, acc = _attend_tile(q_nope, q_pe, kc0, kp0, tmask0, m_i, l_i, acc, qk_scale)
-            lo = start + BLOCK_T
-        for t0 in range(lo, end, BLOCK_T):
+        for t0 in range(start, end, BLOCK_T):
             offs_t = t0 + tl.arange(0, BLOCK_T)
             tmask = offs_t < end
             if SPARSE:
@@ -166,7 +129,16 @@ def _mla_split_kernel(
             kbase = kv_ptr + rows[:, None] * stride_kv
             kc = tl.load(kbase + offs_l[None, :], mask=valid[:, None], other=0.0)
             kp = tl.load(kbase + L + offs_r[None, :], mask=valid[:, None], other=0.0)
-            m_i, l_i, acc = _attend_tile(q_nope, q_pe, kc, kp, valid, m_i, l_i, acc, qk_scale)
+            s = tl.dot(q_nope, tl.trans(kc))
+            s = tl.dot(q_pe, tl.trans(kp), s)
+            s = s * qk_scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(kc.dtype), kc)
+            m_i = m_new
         has = l_i > 0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
         obase = o_ptr + i * stride_on + offs_h[:, None] * stride_oh + pid_s * stride_os
@@ -359,9 +331,6 @@ DENSE_MIN_TOKENS_PER_SPLIT = 32  # chosen with decode_speed --tune
 DENSE_CAP_ROWS = {"one": 32, "many": 64}
 # The split kernel works out its rows before the PDL wait (_mla_split_kernel's EARLY); False: after it.
 SPLIT_ROWS_EARLY = True
-# With it, a dense split requests its first tile of cache rows before the wait too (_mla_split_kernel's
-# FIRST_TILE_EARLY); False: after it.
-SPLIT_FIRST_TILE_EARLY = True
 # A split with no rows (a graph sized for a long cache, run at a short context: 96 of 128 splits at 1K in a 32K-row
 # engine) writes only its log-sum-exp, not a partial of zeros that no merge reads (every merge but the sparse
 # ONE_READ one skips splits whose log-sum-exp is -inf, stops at the last live one or reads only the live ones);
@@ -485,8 +454,6 @@ def mla_decode(
         SPARSE=sparse,
         HAS_START=row_start is not None and not sparse,
         EARLY=SPLIT_ROWS_EARLY,
-        FIRST_TILE_EARLY=SPLIT_FIRST_TILE_EARLY,
-        NPAD=triton.next_power_of_2(n),
         # the sparse ONE_READ merge reads every partial; the dense one only its query's live splits
         WRITE_EMPTY=not SKIP_EMPTY_SPLITS or (uv is not None and one_read and sparse),
         num_warps=8 if BLOCK_H >= 64 else 4,
@@ -580,14 +547,9 @@ def _indexer_score_kernel(
     BT: tl.constexpr,
     HIST: tl.constexpr,
     HAS_START: tl.constexpr,
-    EARLY: tl.constexpr,
-    NPAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # EARLY: the program's cache rows are requested before the PDL wait, all but those at this launch's positions
-    # (the rows the kernel before, mla_prep, writes; positions and row_start are step inputs), which are read after.
-    if not EARLY:
-        pdl_begin(PDL)
+    pdl_begin(PDL)
     pid_t = tl.program_id(0)
     i = tl.program_id(1)
     pos = tl.load(pos_ptr + i)
@@ -598,25 +560,14 @@ def _indexer_score_kernel(
     offs_t = pid_t * BT + tl.arange(0, BT)
     tmask = offs_t < S
     valid = offs_t <= pos
-    live = pid_t * BT <= pos
-    offs_d = tl.arange(0, DI)
-    rows = first + offs_t.to(tl.int64)
-    k_rows = k_ptr + rows[:, None] * stride_k + offs_d[None, :]
-    k = tl.zeros([BT, DI], dtype=k_ptr.dtype.element_ty)
-    if EARLY:
-        jj = tl.arange(0, NPAD)
-        written = tl.load(pos_ptr + jj, mask=jj < tl.num_programs(1), other=-1)
-        fresh = tl.sum((rows[:, None] == written[None, :]).to(tl.int32), 1) > 0
-        if live:
-            k = tl.load(k_rows, mask=(valid & tmask & ~fresh)[:, None], other=0.0)
-        pdl_begin(PDL)
-        if live:
-            k_new = tl.load(k_rows, mask=(valid & tmask & fresh)[:, None], other=0.0)
-            k = tl.where(fresh[:, None], k_new, k)
     res = tl.full([BT], float("-inf"), dtype=tl.float32)
-    if live:
-        if not EARLY:
-            k = tl.load(k_rows, mask=(valid & tmask)[:, None], other=0.0)
+    if pid_t * BT <= pos:
+        offs_d = tl.arange(0, DI)
+        k = tl.load(
+            k_ptr + (first + offs_t.to(tl.int64))[:, None] * stride_k + offs_d[None, :],
+            mask=(valid & tmask)[:, None],
+            other=0.0,
+        )
         acc = tl.zeros([BT], dtype=tl.float32)
         for h0 in range(0, Hi, BH):
             offs_h = h0 + tl.arange(0, BH)
@@ -672,8 +623,6 @@ def indexer_scores(
         BT=BT,
         HIST=hist,
         HAS_START=row_start is not None,
-        EARLY=INDEXER_ROWS_EARLY,
-        NPAD=triton.next_power_of_2(n),
         num_warps=INDEXER_WARPS,
         num_stages=2,
         **triton_pdl.kw(),
@@ -683,9 +632,6 @@ def indexer_scores(
 
 INDEXER_BT = 128  # cache rows per program of the indexer's score kernel
 INDEXER_WARPS = 4
-# The score kernel requests its cache rows before the PDL wait, but for the rows at this launch's positions
-# (_indexer_score_kernel's EARLY); False: all of them after it.
-INDEXER_ROWS_EARLY = True
 
 
 # "radix" (default): triton_topk's multi-program radix select, pass 1 fused into the score kernel;
