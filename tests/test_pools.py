@@ -361,6 +361,7 @@ def test_killing_native_decode_fails_its_stream_fast_and_spares_tilert(pools_to_
         "return_token_ids": True,
     }
     native = _native_process(pools)
+    in_flight: list[dict[str, Any]] = []
 
     def tilert_stream(hold: threading.Event | None, started: threading.Event | None) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
@@ -371,6 +372,9 @@ def test_killing_native_decode_fails_its_stream_fast_and_spares_tilert(pools_to_
                 if line.startswith("data: {"):
                     events.append(json.loads(line[6:]))
                     if len(events) == 3 and started is not None and hold is not None:
+                        # the node's slots as the stream starts (read here, not after the main thread wakes: on a
+                        # busy host the decode may have run to its end into the socket buffers by then)
+                        in_flight.append(httpx.get(pools.decode + "/health", timeout=10).json())
                         started.set()
                         hold.wait(60)  # keep the stream open across the kill
         return events
@@ -413,7 +417,7 @@ def test_killing_native_decode_fails_its_stream_fast_and_spares_tilert(pools_to_
         # seconds of buffered tokens, or the whole completion, before the error.)
         worker.start()
         assert started.wait(60)
-        health = httpx.get(pools.decode + "/health", timeout=10).json()
+        health = in_flight[0]
         assert health["slots_free"] < health["slots_total"], "the TileRT decode must be in flight"
         with httpx.stream("POST", pools.router + "/v1/completions", json=body, headers={POOL: "vllm"}, timeout=60) as r:
             assert r.headers[POOL] == "vllm"
