@@ -607,7 +607,7 @@ def _route_cg(
     return _select(logits, bias_ptr, route_scale, E_real, E, G, TOPK_G, K, KPAD, N_SHARED, NORM)
 
 
-ROUTE_UNROLL = False  # True: the selecting program requests the split partials all at once (not yet timed on a GPU)
+ROUTE_UNROLL = False  # True: the selecting program requests the split partials all at once (decode_speed --tune)
 ROUTER_SPLIT = 8  # the router GEMV's split_k (as the separate GEMV + router_select had it)
 ROUTER_WARPS = 0  # warps per router program (0: the bf16 GEMV's)
 
