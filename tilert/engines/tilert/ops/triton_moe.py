@@ -401,21 +401,7 @@ def _router_select_kernel(
     pdl_begin(PDL)
     i = tl.program_id(0)
     sel_ids, sel_w = _route(
-        part_ptr,
-        bias_ptr,
-        i,
-        SPLIT,
-        stride_ps,
-        stride_pn,
-        route_scale,
-        E_real,
-        E,
-        G,
-        TOPK_G,
-        K,
-        KPAD,
-        N_SHARED,
-        NORM,
+        part_ptr, bias_ptr, i, SPLIT, stride_ps, stride_pn, route_scale, E_real, E, G, TOPK_G, K, KPAD, N_SHARED, NORM
     )
     kk = tl.arange(0, KPAD)
     m = kk < K + N_SHARED
