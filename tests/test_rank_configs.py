@@ -5,6 +5,7 @@ model the engine builds, and a reduced version runs through the same code on the
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 from pathlib import Path
@@ -91,6 +92,22 @@ def test_rank_with_fewer_experts_reads_the_same_but_the_gate(name: str) -> None:
 def test_rank_with_experts_refuses_what_routing_cannot_use() -> None:
     with pytest.raises(SystemExit, match="divisible by"):
         decode_speed.rank_with_experts("v32-tp8-rank", 12)
+
+
+@pytest.mark.parametrize(
+    ("flags", "name"),
+    [
+        ({}, "decode-bf16"),
+        ({"weights": "bf16,fp8"}, "decode-fp8"),
+        ({"configs": "v32-tp8-rank"}, "decode-tp8-rank"),
+        ({"configs": "v32-tp8-rank", "rank_experts": 128}, "decode-tp8-rank-e128"),
+        ({"configs": "v32-tp8-rank,lite-v32", "rank_experts": 128, "ablate": True}, "decode-ablation"),
+        ({"sequences": "1,4"}, "decode-multiseq"),
+    ],
+)
+def test_each_run_records_under_its_benchmarks_name(flags: dict[str, Any], name: str) -> None:
+    args = {"sequences": "", "ablate": False, "configs": "lite-v32,layer-v32", "rank_experts": 0, "weights": "bf16"}
+    assert decode_speed.bench_name(argparse.Namespace(**(args | flags))) == name
 
 
 def test_reduced_ranks_run_on_the_cpu(tmp_path: Path) -> None:
