@@ -462,8 +462,8 @@ class DecodeNode:
                 log.warning("lease_expired", transfer_id=tid)
             self.metrics.lease_expired(len(expired))
 
-    async def serve(self, sockets: NodeSockets | None = None) -> None:
-        """Serve until stopped, on ``sockets`` (bound at start-up: :func:`bind_sockets`) or on the config's ports."""
+    async def serve(self, sockets: NodeSockets) -> None:
+        """Serve until stopped, on ``sockets`` (the config's ports, bound at start-up: :func:`bind_sockets`)."""
         cfg = self.config
         loop = asyncio.get_running_loop()
         server = _Server(
@@ -480,7 +480,7 @@ class DecodeNode:
         )
         try:
             async with anyio.create_task_group() as tg:
-                await tg.start(self.control.serve, cfg.host, cfg.ctrl_port, sockets and sockets.ctrl)
+                await tg.start(self.control.serve, cfg.host, cfg.ctrl_port, sockets.ctrl)
                 tg.start_soon(self._sweep_leases)
                 log.info(
                     "decode_node_ready",
@@ -491,7 +491,7 @@ class DecodeNode:
                     transport=cfg.transport,
                     slots=len(self.table.slots),
                 )
-                await server.serve(sockets=[sockets.http] if sockets else None)
+                await server.serve(sockets=[sockets.http])
                 tg.cancel_scope.cancel()
         finally:
             self.batch.close()
@@ -557,9 +557,10 @@ def serve(config: DecodeConfig) -> None:
         sockets.close()
 
 
-def run_node(node: DecodeNode, sockets: NodeSockets | None = None) -> None:
-    """Serve ``node`` until it stops, on uvloop's event loop where it is installed (as uvicorn runs the router): its
-    socket writes and wake-ups from the worker thread cost each line of a decode stream less than asyncio's."""
+def run_node(node: DecodeNode, sockets: NodeSockets) -> None:
+    """Serve ``node`` on ``sockets`` until it stops, on uvloop's event loop where it is installed (as uvicorn runs the
+    router): its socket writes and wake-ups from the worker thread cost each line of a decode stream less than
+    asyncio's."""
     anyio.run(node.serve, sockets, backend_options={"use_uvloop": importlib.util.find_spec("uvloop") is not None})
 
 
