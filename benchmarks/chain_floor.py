@@ -30,6 +30,7 @@ boundaries alone (a chain of the engine's number of kernels reading no weights).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 from typing import NamedTuple
@@ -285,17 +286,17 @@ def launch(
     pdl: bool,
     loop: int = 0,
     words: bool = False,
-    gemv: int | GemvParts = 0,
+    gemv: GemvParts | None = None,
 ) -> None:
     """One kernel of the chain: ``y[p] = sum(w's chunk p) + x[p % XN]``; ``loop`` > 0: at most ``loop`` programs,
     each summing every ``loop``-th chunk from its own (``y[p]``: the sum of those). ``chunk`` counts bytes;
     ``words``: the bytes read as int32 words and folded by xor (a quarter of the elements, no byte unpacking);
-    ``gemv`` > 0: each program's chunk as e4m3 rows of a ``gemv``-wide K tile times that many bf16 activations (``x``'s
-    bytes), one fp32 partial sum a row written (a split-K GEMV's arithmetic); a :class:`GemvParts` adds the
-    engine's GEMVs' other reads (a program then covers ``loop`` chunks)."""
+    ``gemv``: each program's chunk as e4m3 rows of a ``gemv.kt``-wide K tile times that many bf16 activations (``x``'s
+    bytes), one fp32 partial sum a row written (a split-K GEMV's arithmetic), with the engine's GEMVs' other reads
+    that ``gemv`` turns on (a program then covers ``gemv.loop`` chunks)."""
     warps = max(1, min(8, chunk // 4096))
-    if gemv:
-        p = gemv if isinstance(gemv, GemvParts) else GemvParts(gemv)
+    if gemv is not None:
+        p = gemv
         n = w.numel()
         s, g = statics(w.device)
         if p.rowk:
@@ -356,15 +357,14 @@ def time_chain(
     dev: torch.device,
     loop: int = 0,
     words: bool = False,
-    gemv: int | GemvParts = 0,
+    gemv: GemvParts | None = None,
 ) -> float:
     """Seconds per run of the whole chain, captured in a graph (``micro.graph_time``)."""
     from micro import graph_time
 
     statics(dev)
     progs = max(w.numel() for w in weights) // max(chunk, 1) + 2
-    kt = gemv.kt if isinstance(gemv, GemvParts) else gemv
-    rows = chunk // kt if kt else 1  # values a program writes
+    rows = chunk // gemv.kt if gemv is not None else 1  # values a program writes
     bufs = [torch.zeros(max(progs * rows, XN, KX), device=dev) for _ in range(2)]
 
     def chain() -> None:
@@ -408,7 +408,7 @@ def check(dev: torch.device) -> None:
     xb = torch.randn(1024, device=dev, dtype=torch.bfloat16)  # x's bytes: the GEMV tile's activations
     y = torch.zeros(7 * 16, device=dev)
     wf = w[:99_984] & 0x77  # no NaN patterns (0x7F, 0xFF)
-    launch(wf, xb.view(torch.float32), y, 16384, True, True, gemv=1024)
+    launch(wf, xb.view(torch.float32), y, 16384, True, True, gemv=GemvParts(1024))
     e = wf.view(torch.float8_e4m3fn).float()
     e = torch.cat([e, e.new_zeros(7 * 16384 - e.numel())]).view(7 * 16, 1024)
     want = e @ xb.float()
@@ -534,6 +534,10 @@ def main() -> None:
             flush=True,
         )
 
+    def timed(label: str, weights: list[torch.Tensor], nbytes: float, chunk: int = 16384, **kw: object) -> None:
+        """A row of ``weights``' chain, each kernel's weight requested before its PDL wait."""
+        row(label, len(weights), nbytes, chunk, True, True, time_chain(weights, chunk, True, True, dev, **kw))
+
     chunks = [int(c) for c in a.chunks.split(",")]
     for label, groups in GROUPINGS.items() if "groups" in only else ():
         mb = [sum(RANK_LAYER_MB[k] for k in g) for g in groups]
@@ -549,21 +553,15 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     if "words" in only:  # the engine's 9 kernels a layer reading int32 words (no byte unpacking), and torch's sums
         for chunk in chunks:
-            row(
-                "9 a layer, int32 words",
-                len(weights),
-                total,
-                chunk,
-                True,
-                True,
-                time_chain(weights, chunk, True, True, dev, words=True),
-            )
+            timed("9 a layer, int32 words", weights, total, chunk, words=True)
         row("9 a layer, torch.sum", len(weights), total, 0, False, False, time_torch_sums(weights, dev))
     if "gemv" in only:  # the 9 kernels doing a split-K GEMV's arithmetic on their tiles (K tile of 512 ... 2048)
         for chunk in (8192, 16384, 32768):
             for kt in (512, 1024, 2048):
-                t = time_chain(weights, chunk, True, True, dev, gemv=kt)
-                row(f"9 a layer, GEMV tiles {kt}", len(weights), total, chunk, True, True, t)
+                timed(f"9 a layer, GEMV tiles {kt}", weights, total, chunk, gemv=GemvParts(kt))
+    # 16 MB pieces (W_a's size), for the parts and layout rows
+    mb16 = build_chain(32, [16.0] * 8, dev) if only & {"parts", "layout"} else []
+    mb16_bytes = sum(w.numel() for w in mb16)
     if "parts" in only:  # the GEMV tile with the engine's other reads added one at a time, then together
         variants = {
             "GEMV 512": GemvParts(512),
@@ -577,24 +575,10 @@ def main() -> None:
             "all, rstd 8192, 1 tile": GemvParts(512, True, True, 8192, 1),
         }
         for label, parts in variants.items():
-            row(
-                f"9 a layer, {label}",
-                len(weights),
-                total,
-                16384,
-                True,
-                True,
-                time_chain(weights, 16384, True, True, dev, gemv=parts),
-            )
-        same = build_chain(32, [16.0] * 8, dev)
-        nb = sum(w.numel() for w in same)
+            timed(f"9 a layer, {label}", weights, total, gemv=parts)
         for label in ("GEMV 512", "+ rstd, 2048 a read", "all, rstd 2048", "all, rstd 8192", "all, rstd 8192, 1 tile"):
-            t = time_chain(same, 16384, True, True, dev, gemv=variants[label])
-            row(f"16 MB pieces, {label}", len(same), nb, 16384, True, True, t)
-        del same
+            timed(f"16 MB pieces, {label}", mb16, mb16_bytes, gemv=variants[label])
     if "layout" in only:  # 16 MB pieces as row-major [rows, K] matrices against the same tiles packed contiguous
-        same = build_chain(32, [16.0] * 8, dev)
-        nb = sum(w.numel() for w in same)
         for label, parts, k in (
             ("32 x 512", GemvParts(512), 7168),
             ("32 x 512, all reads", GemvParts(512, True, True, 8192), 7168),
@@ -605,62 +589,49 @@ def main() -> None:
         ):
             for rowk in (0, k):
                 name = f"16 MB, {label}, " + (f"rows of {k}" if rowk else "packed")
-                row(
-                    name,
-                    len(same),
-                    nb,
-                    16384,
-                    True,
-                    True,
-                    time_chain(same, 16384, True, True, dev, gemv=parts._replace(rowk=rowk)),
-                )
-        del same
+                timed(name, mb16, mb16_bytes, gemv=parts._replace(rowk=rowk))
+    del mb16
     if "sizes" in only:  # chains of one piece size: what one kernel of that size streams at (the engine's GEMVs)
         for mb in (1.0, 4.0, 8.0, 16.0, 33.0):
             same = build_chain(max(64, int(4096 / mb)) // 8, [mb] * 8, dev)
             nb = sum(w.numel() for w in same)
-            for gemv in (0, 1024):
-                label = f"{mb:g} MB pieces" + (", GEMV tiles" if gemv else "")
-                row(label, len(same), nb, 16384, True, True, time_chain(same, 16384, True, True, dev, gemv=gemv))
+            for gemv in (None, GemvParts(1024)):
+                timed(f"{mb:g} MB pieces" + (", GEMV tiles" if gemv else ""), same, nb, gemv=gemv)
             del same
             torch.cuda.empty_cache()
     if "looped" in only:  # the 9 kernels as grids of a few programs an SM, each looping with two chunks in flight
         for per_sm in (2, 4, 8):
             for chunk in (8192, 16384):
-                t = time_chain(weights, chunk, True, True, dev, loop=sms * per_sm)
-                row(f"looped, {per_sm}/SM", len(weights), total, chunk, True, True, t)
+                timed(f"looped, {per_sm}/SM", weights, total, chunk, loop=sms * per_sm)
     del weights
     torch.cuda.empty_cache()
-    sizes = [piece_bytes(mb) for _ in range(a.layers) for mb in RANK_LAYER_MB.values()]
-    bounds = [0]
-    for n in sizes:
-        bounds.append(bounds[-1] + n)
-    seg = torch.tensor([*bounds, bounds[-1]], dtype=torch.int64, device=dev)
-    flat = torch.randint(0, 256, (bounds[-1],), dtype=torch.uint8, device=dev)
-    if "whole" in only:  # the step's bytes in one launch: what a single streaming kernel reaches, no boundaries
-        for chunk in chunks:
-            for words in (False, True):
-                label = "one launch" + (", int32 words" if words else "")
-                row(label, 1, flat.numel(), chunk, True, True, time_chain([flat], chunk, True, True, dev, words=words))
-        row("one launch, torch.sum", 1, flat.numel(), 0, False, False, time_torch_sums([flat], dev))
-        if "gemv" in only:
-            for kt in (512, 1024):
-                t = time_chain([flat], 16384, True, True, dev, gemv=kt)
-                row(f"one launch, GEMV tiles {kt}", 1, flat.numel(), 16384, True, True, t)
-    for per_sm in (1, 2) if "persistent" in only else ():
-        for chunk in chunks:
-            try:
-                t = time_persistent(flat, seg, sms * per_sm, chunk, dev)
-            except RuntimeError as exc:  # two programs an SM may not fit: say so, keep the other rows
-                print(f"persistent, {per_sm}/SM, chunk {chunk}: {exc}", flush=True)
-                continue
-            row(f"persistent, {per_sm}/SM", len(sizes), total, chunk, True, False, t)
-    del flat
-    torch.cuda.empty_cache()
+    if only & {"whole", "persistent"}:  # the step's bytes in one buffer, the pieces' bounds in it
+        sizes = [piece_bytes(mb) for _ in range(a.layers) for mb in RANK_LAYER_MB.values()]
+        bounds = [0, *itertools.accumulate(sizes)]
+        seg = torch.tensor([*bounds, bounds[-1]], dtype=torch.int64, device=dev)
+        flat = torch.randint(0, 256, (bounds[-1],), dtype=torch.uint8, device=dev)
+        if "whole" in only:  # the step's bytes in one launch: what a single streaming kernel reaches, no boundaries
+            for chunk in chunks:
+                for words in (False, True):
+                    timed("one launch" + (", int32 words" if words else ""), [flat], flat.numel(), chunk, words=words)
+            row("one launch, torch.sum", 1, flat.numel(), 0, False, False, time_torch_sums([flat], dev))
+            if "gemv" in only:
+                for kt in (512, 1024):
+                    timed(f"one launch, GEMV tiles {kt}", [flat], flat.numel(), gemv=GemvParts(kt))
+        for per_sm in (1, 2) if "persistent" in only else ():
+            for chunk in chunks:
+                try:
+                    t = time_persistent(flat, seg, sms * per_sm, chunk, dev)
+                except RuntimeError as exc:  # two programs an SM may not fit: say so, keep the other rows
+                    print(f"persistent, {per_sm}/SM, chunk {chunk}: {exc}", flush=True)
+                    continue
+                row(f"persistent, {per_sm}/SM", len(sizes), total, chunk, True, False, t)
+        del flat
+        torch.cuda.empty_cache()
     n_k = a.layers * len(RANK_LAYER_MB)
     for progs in (132, 528) if "boundaries" in only else ():
         empty = [torch.empty(progs * 16, dtype=torch.uint8, device=dev) for _ in range(n_k)]
-        row(f"boundaries, {progs} progs", n_k, 0.0, 16, True, True, time_chain(empty, 16, True, True, dev))
+        timed(f"boundaries, {progs} progs", empty, 0.0, 16)
     machine = machine_kind()
     out = dict(
         gpu=name,
