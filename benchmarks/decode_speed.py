@@ -525,9 +525,8 @@ TUNING_FP8 = (
 )
 
 
-def tune_in_situ(name, eng, ctx) -> list:
-    """Each TUNING variant (one at a time, the others at their defaults): recapture the engine's step and
-    time it, with the default re-timed around the variants (drift check)."""
+def step_timer(eng, ctx):
+    """A function that recaptures the engine's one-token step at ``ctx`` (the ops as they are then) and times it, ms."""
     tok = torch.tensor([77], device=DEV)
     sparse = ctx + 1 > eng.model.args.index_topk
 
@@ -536,6 +535,13 @@ def tune_in_situ(name, eng, ctx) -> list:
         eng.forward(tok, ctx)
         return time_graph(eng._graphs[(1, sparse)]) * 1e3
 
+    return timed
+
+
+def tune_in_situ(name, eng, ctx) -> list:
+    """Each TUNING variant (one at a time, the others at their defaults): recapture the engine's step and
+    time it, with the default re-timed around the variants (drift check)."""
+    timed = step_timer(eng, ctx)
     table = TUNING_FP8 if eng.model.args.fp8 else TUNING
     if TUNE_ONLY:  # --tune-only: the rows whose attribute, dict or dict key is named
         table = tuple(r for r in table if _row_names(r[1]) & set(TUNE_ONLY))
@@ -559,15 +565,9 @@ def ablate_in_situ(name, eng, ctx) -> list:
     the step loses is that class's cost in the step, overlap included. Timing only: the outputs are stale."""
     import importlib
 
-    tok = torch.tensor([77], device=DEV)
+    timed = step_timer(eng, ctx)
+    tok, positions = torch.tensor([77], device=DEV), torch.tensor([ctx], device=DEV)
     sparse = ctx + 1 > eng.model.args.index_topk
-    positions = torch.tensor([ctx], device=DEV)
-
-    def timed() -> float:
-        eng._graphs.clear()
-        eng.forward(tok, ctx)
-        return time_graph(eng._graphs[(1, sparse)]) * 1e3
-
     base = timed()
     rows = [dict(without=None, ms=base)]
     for what, fns in ABLATIONS:
