@@ -504,7 +504,6 @@ TUNING_FP8 = (
         ),
     ),
     ("triton_moe", "ROUTER_SPLIT", (8, 4, 14, 16)),
-    ("triton_moe", "ROUTE_UNROLL", (False, True)),
     ("triton_gemv", "LARGE_CFG", ((8, 512, 4, 3), (16, 256, 4, 4), (16, 512, 8, 3))),
     ("triton_fused", "PREP_BC_FP8", (128, 64)),
     ("triton_mla", "SPLIT_ROWS_EARLY", (True, False)),

@@ -493,7 +493,6 @@ def _router_kernel(
     KPAD: tl.constexpr,
     N_SHARED: tl.constexpr,
     NORM: tl.constexpr,
-    UNROLL: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # grid (n, NB, SPLIT): the split-K router GEMV of triton_gemv (fp32 partials, same arithmetic), then the last of
@@ -550,7 +549,6 @@ def _router_kernel(
             KPAD,
             N_SHARED,
             NORM,
-            UNROLL,
         )
         kk = tl.arange(0, KPAD)
         m = kk < K_SEL + N_SHARED
@@ -576,24 +574,17 @@ def _route_cg(
     KPAD: tl.constexpr,
     N_SHARED: tl.constexpr,
     NORM: tl.constexpr,
-    UNROLL: tl.constexpr,
 ):
-    """:func:`_route` reading partials that other programs of the same launch wrote (from L2, past L1). ``UNROLL``:
-    the split loop unrolled, so that its loads are all in flight at once (summed in the same order)."""
+    """:func:`_route` reading partials that other programs of the same launch wrote (from L2, past L1)."""
     offs = tl.arange(0, E)
     emask = offs < E_real
     logits = tl.zeros([E], dtype=tl.float32)
     row = part_ptr + i * stride_pn + offs
-    if UNROLL:
-        for s in tl.static_range(SPLIT):
-            logits += tl.load(row + s * stride_ps, mask=emask, other=0.0, cache_modifier=".cg")
-    else:
-        for s in range(0, SPLIT):
-            logits += tl.load(row + s * stride_ps, mask=emask, other=0.0, cache_modifier=".cg")
+    for s in range(0, SPLIT):
+        logits += tl.load(row + s * stride_ps, mask=emask, other=0.0, cache_modifier=".cg")
     return _select(logits, bias_ptr, route_scale, E_real, E, G, TOPK_G, K, KPAD, N_SHARED, NORM)
 
 
-ROUTE_UNROLL = False  # True: the selecting program requests the split partials all at once (decode_speed --tune)
 ROUTER_SPLIT = 8  # the router GEMV's split_k (as the separate GEMV + router_select had it)
 ROUTER_WARPS = 0  # warps per router program (0: the bf16 GEMV's)
 
@@ -667,7 +658,6 @@ def router(
         KPAD=triton.next_power_of_2(KK),
         N_SHARED=n_shared_slots,
         NORM=norm_topk,
-        UNROLL=ROUTE_UNROLL,
         num_warps=nw,
         num_stages=1,
         **triton_pdl.kw(),
