@@ -1170,7 +1170,9 @@ def check_engine_mtp(dev, small):
     """MTP speculative greedy on the GPU (catch-up + draft chain + verify in one CUDA graph per shape) emits
     exactly the engine's plain greedy tokens, K = 1, 2, 3, in the dense and the DSA regime (index_topk
     lowered to 64 so the DSA path runs at short contexts); the graph equals the same function run eagerly.
-    The pipelined greedy_stream (argmax and next position inside its graph) emits them too. Twice: an engine
+    The pipelined greedy_stream (argmax and next position inside its graph) emits them too; the speculative stream
+    (steps launched ahead from state on the device) gives, with every draft taken, the steps called one by one,
+    across the dense / DSA boundary and when stopped and continued step by step. Twice: an engine
     of one sequence, and sequence 2 of an engine holding 3 (flat rows, each token's first row as a graph input)
     while sequences 0 and 1 hold other prompts."""
     for n_seq, seq in ((1, 0), (3, 2)):
@@ -1212,13 +1214,26 @@ def _check_engine_mtp(dev, small, n_seq, seq):
     def spec(first, start, n, k):
         if n_seq == 1:
             return speculative_generate(eng, first, start, n, num_draft=k)
-        out, drafted, accepted, tok, pos = [], 0, 0, first, start
-        while len(out) < n:
-            res = eng.speculative_greedy_step(tok, pos, k, seq=seq)
+        out, drafted, accepted = [], 0, 0
+        for res in eng.speculative_stream(first, start, k, seq=seq):
             out += res.tokens
             drafted, accepted = drafted + res.num_drafted, accepted + res.num_accepted
-            tok, pos = res.tokens[-1], pos + len(res.tokens)
+            if len(out) >= n:
+                break
         return out[:n], drafted, accepted
+
+    def steps_all_accepted(first, start, k, streamed):
+        # every draft taken: the stream's steps (run ahead on the device) against steps called one by one
+        out, tok, pos = [], first, start
+        stream = eng.speculative_stream(first, start, k, seq=seq, accept_all=True)
+        while len(out) < streamed:
+            out.append(next(stream))
+            tok, pos = out[-1].tokens[-1], pos + len(out[-1].tokens)
+        stream.close()
+        while len(out) < 10:
+            out.append(eng.speculative_greedy_step(tok, pos, k, seq=seq, accept_all=True))
+            tok, pos = out[-1].tokens[-1], pos + len(out[-1].tokens)
+        return out
 
     gen = 48
     with torch.no_grad():
@@ -1238,6 +1253,19 @@ def _check_engine_mtp(dev, small, n_seq, seq):
                     f"{'PASS' if ok else 'FAIL'}  MTP speculative greedy == plain greedy, K={k}, from pos {start}, "
                     f"{gen} tokens (drafted {drafted}, accepted {accepted}){tag}; spec graphs "
                     f"{sorted(k_ for k_, v in eng._spec_graphs.items() if v)}",
+                    flush=True,
+                )
+            for k in (1, 3):
+                eng.forward(ids, 0, seq=seq)
+                want = steps_all_accepted(first, start, k, 0)
+                eng.forward(ids, 0, seq=seq)
+                got = steps_all_accepted(first, start, k, 8)
+                ok = got == want
+                RESULTS.append((f"mtp stream accept_all K={k} start={start}{tag}", 0.0, 0.0, ok))
+                print(
+                    f"{'PASS' if ok else 'FAIL'}  MTP speculative_stream, every draft taken, == the steps one by one, "
+                    f"K={k}, from pos {start}, 8 steps streamed, 2 after; stream graphs "
+                    f"{sorted(eng._spec_run_graphs)}{tag}",
                     flush=True,
                 )
             first = int(eng.forward(ids, 0, seq=seq)[-1].argmax())

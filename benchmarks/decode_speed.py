@@ -303,6 +303,10 @@ def wall_per_call(fn, iters=30, reps=3) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
+MTP_STREAM_STEPS = 24  # speculative_stream's steps timed, every draft taken (K + 1 positions each)
+MTP_ROOM = 16 + MTP_STREAM_STEPS * 4 + 8  # positions past the last context an engine with MTP timed holds
+
+
 def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
     """Speculative steps of the engine (``speculative_greedy_step``: MTP catch-up of 1 row + K chained drafts +
     verify of K+1 tokens + argmax, one CUDA graph, one host read) at ``ctx``: graph replay time, the whole
@@ -331,6 +335,20 @@ def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
         st.len, st.mtp_upto = ctx, ctx - 1
         return eng.speculative_greedy_step(77, ctx, K)
 
+    def stream_step(K):
+        # speculative_stream with every draft taken, from the steady state (hidden states and MTP rows below ctx
+        # held), so each step runs from the device's state and the next is launched before it is read
+        st = eng._seqs[0]
+        st.len, st.mtp_upto, st.hid_lo = ctx, ctx - 1, 0
+        stream = eng.speculative_stream(77, ctx, K, accept_all=True)
+        t1 = time.perf_counter()
+        for _ in range(MTP_STREAM_STEPS):
+            next(stream)
+        t = (time.perf_counter() - t1) / MTP_STREAM_STEPS
+        stream.close()
+        torch.cuda.synchronize()
+        return t
+
     eng.forward(tok, ctx - 1)  # records h_{ctx-1}
     for K in (1, 2, 3):
         spec_call(K)
@@ -341,6 +359,9 @@ def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
         tw = wall_per_call(lambda K=K: spec_call(K))
         rates = {a: a / tw for a in (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0) if a <= K + 1}
         full = spec_bytes_per_step(eng.model.args, ctx, sparse, K, K + 1)  # after a step that accepted every draft
+        stream_step(K)  # captures its graph
+        ts = sorted(stream_step(K) for _ in range(3))[1]
+        eng.forward(tok, ctx - 1)  # the steady state spec_call assumes again
         out["steps"][K] = dict(
             graph_ms=tg * 1e3,
             wall_ms=tw * 1e3,
@@ -348,11 +369,15 @@ def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
             tok_s_at_accepted_len=rates,
             bytes_ratio_to_plain=full["ratio"],
             ceiling_speedup_all_accepted=full["ceiling_speedup"],
+            stream_all_accepted_ms=ts * 1e3,
+            stream_all_accepted_tok_s=(K + 1) / ts,
         )
         log(
             f"[{name}] ctx={ctx} MTP K={K}: draft+verify graph {tg * 1e3:.3f} ms ({tg / plain_graph_s:.2f}x plain; "
             f"{full['ratio']:.2f}x its bytes, every draft accepted: at most {full['ceiling_speedup']:.2f}x MTP off), "
-            f"call {tw * 1e3:.3f} ms; tok/s at accepted length " + ", ".join(f"{a}: {r:.0f}" for a, r in rates.items())
+            f"call {tw * 1e3:.3f} ms; tok/s at accepted length "
+            + ", ".join(f"{a}: {r:.0f}" for a, r in rates.items())
+            + f"; speculative_stream, every draft taken: {ts * 1e3:.3f} ms a step, {(K + 1) / ts:.0f} tok/s"
         )
     return out
 
@@ -664,7 +689,7 @@ def bench_engine(name, args, contexts, bw, mtp=True, profile=True, topk_compare=
     register_device_kernels()
     if mtp and not args.num_mtp_layers:
         args = replace(args, num_mtp_layers=1)  # DeepSeek-V3.2's one MTP module (not read by the plain step)
-    max_seq = max(contexts) + 16
+    max_seq = max(contexts) + (MTP_ROOM if mtp else 16)
     t0 = time.time()
     model = random_model(args, device=DEV, dtype=torch.bfloat16, max_seq_len=max_seq, seed=0)
     model.kv_cache.normal_()
@@ -1170,14 +1195,23 @@ def main():
         )
         log(f"=== MTP speculative step, {name} ctx={res['ctx']} ===")
         lens = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0)
-        log(f"{'K':>2} {'graph ms':>9} {'x plain':>8} {'call ms':>8} " + " ".join(f"{'L=' + str(a):>7}" for a in lens))
+        log(
+            f"{'K':>2} {'graph ms':>9} {'x plain':>8} {'call ms':>8} {'stream ms':>9} {'stream tok/s':>12} "
+            + " ".join(f"{'L=' + str(a):>7}" for a in lens)
+        )
         for K, v in res["steps"].items():
             cells = " ".join(
                 f"{v['tok_s_at_accepted_len'][a]:>7.0f}" if a in v["tok_s_at_accepted_len"] else f"{'-':>7}"
                 for a in lens
             )
-            log(f"{K:>2} {v['graph_ms']:>9.3f} {v['ratio_to_plain']:>8.2f} {v['wall_ms']:>8.3f} {cells}")
-        log("(tok/s = accepted length / call time; accepted length counts the bonus token, at most K+1)")
+            log(
+                f"{K:>2} {v['graph_ms']:>9.3f} {v['ratio_to_plain']:>8.2f} {v['wall_ms']:>8.3f} "
+                f"{v['stream_all_accepted_ms']:>9.3f} {v['stream_all_accepted_tok_s']:>12.0f} {cells}"
+            )
+        log(
+            "(tok/s = accepted length / call time; accepted length counts the bonus token, at most K+1; stream: "
+            "speculative_stream's steps, every draft taken, K+1 tokens a step, the next launched before one is read)"
+        )
     save()
 
 

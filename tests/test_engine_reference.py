@@ -385,6 +385,43 @@ def test_mtp_acceptance_with_predictive_module(tmp_path: Path, main_scale: float
         assert 0 < accepted < drafted
 
 
+@pytest.mark.parametrize("main_scale", [1e-3, 0.3], ids=["near_bigram", "partial"])
+def test_speculative_stream_equals_step_by_step(tmp_path: Path, main_scale: float) -> None:
+    """The speculative stream (the decode node's MTP path), whose steps run from state kept on the device once
+    their shape no longer depends on where they start, gives step for step what speculative_greedy_step gives
+    (drafts accepted in part, all, and with every draft taken); stopped, the engine goes on from the last step
+    read."""
+    model = hf_model("deepseek_v3", seed=5)
+    case = Case(model, tmp_path / "base", with_generate=False)
+    eng = case.engine(_add_mtp(case, tmp_path / "mtp", predictive=True, main_scale=main_scale))
+    first = int(eng.forward(case.prompt, 0)[-1].argmax())
+    from_device = []
+    run = eng._spec_run
+    eng._spec_run = lambda *a, **kw: from_device.append(a) or run(*a, **kw)  # type: ignore[method-assign]
+
+    def steps(streamed: int, accept_all: bool) -> list[Any]:
+        eng.forward(case.prompt, 0)
+        out, tok, pos = [], first, PROMPT_LEN
+        stream = eng.speculative_stream(first, PROMPT_LEN, 3, accept_all=accept_all)
+        while len(out) < streamed:
+            out.append(next(stream))
+            tok, pos = out[-1].tokens[-1], pos + len(out[-1].tokens)
+        stream.close()
+        while len(out) < 14:
+            res = eng.speculative_greedy_step(tok, pos, 3, accept_all=accept_all)
+            out.append(res)
+            tok, pos = res.tokens[-1], pos + len(res.tokens)
+        return out
+
+    for accept_all in (False, True):
+        want = steps(0, accept_all)
+        assert not from_device
+        assert steps(10, accept_all) == want
+        assert len(from_device) >= 8, len(from_device)  # all but the first steps ran from the device's state
+        from_device.clear()
+    assert [r.num_accepted for r in want] == [3] * 14
+
+
 @pytest.mark.parametrize("num_draft", [0, 2])
 def test_decode_loop_speculative_and_stops(cases: dict[str, Case], tmp_path: Path, num_draft: int) -> None:
     """The decode node's loop: MTP-speculative greedy emits exactly plain greedy; a stop token inside a

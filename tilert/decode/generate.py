@@ -195,8 +195,8 @@ def _fast_steps(
     caps, p = engine.capabilities(), run.params
     plain_greedy = p.greedy and not p.needs_logits  # no rule to apply to the logits: the engine's argmax
     if plain_greedy and num_draft > 0 and caps.mtp:
-        while True:
-            step = engine.speculative_greedy_step(run.token, run.pos, num_draft, run.seq, accept_all_drafts)
+        # The engine may run the next step while this one's tokens are emitted.
+        for step in engine.speculative_stream(run.token, run.pos, num_draft, run.seq, accept_all_drafts):
             yield step.tokens
     elif plain_greedy and caps.pipelined_greedy:
         # The next step runs while this token is emitted (the engine pipelines them).

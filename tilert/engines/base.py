@@ -264,3 +264,18 @@ class DecodeEngine(ABC):
         the serving path at full acceptance, which random weights never reach.
         """
         raise NotImplementedError(f"{type(self).__name__} does not declare Capabilities.mtp")
+
+    def speculative_stream(
+        self, first_token: int, start_pos: int, num_draft: int, seq: int = 0, accept_all: bool = False
+    ) -> Iterator[SpecStepResult]:
+        """Greedy speculative steps of sequence ``seq`` one after another (``Capabilities.mtp``): the first feeds
+        ``first_token`` at ``start_pos``, each next one the last token of the step before, at the position after
+        it; each yields its :class:`SpecStepResult`. Runs until the caller stops iterating; the engine is then
+        ready to continue from the last token read (as after :meth:`speculative_greedy_step`). This default
+        runs one :meth:`speculative_greedy_step` at a time; an engine may run the next step before the caller has
+        read this one."""
+        token, pos = first_token, start_pos
+        while True:
+            step = self.speculative_greedy_step(token, pos, num_draft, seq, accept_all)
+            yield step
+            token, pos = step.tokens[-1], pos + len(step.tokens)

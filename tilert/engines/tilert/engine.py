@@ -144,6 +144,12 @@ class TileRTEngine(DecodeEngine):
         self._stream_pos = torch.zeros(1, dtype=torch.int64, device=device)
         self._stream_base = torch.zeros(1, dtype=torch.int64, device=device)
         self._stream_graphs: dict[bool, CapturedFn | None] = {}
+        # speculative_stream's step: its first token's model row, which it advances by what it accepts; the
+        # sequence's first row (several sequences, flat rows); its drafts, verify tokens and accepted count
+        self._spec_row = torch.zeros(1, dtype=torch.int64, device=device)
+        self._spec_base = torch.zeros(1, dtype=torch.int64, device=device)
+        self._spec_out = torch.zeros(2 * GRAPH_MAX_TOKENS + 1, dtype=torch.int64, device=device)
+        self._spec_run_graphs: dict[tuple[int, bool, bool], CapturedFn] = {}
         # greedy_batch_stream's graphs by (rows, regime) and their static tokens / cache rows / first rows by rows
         self._batch_graphs: dict[tuple[int, bool], CapturedFn] = {}
         self._batch_bufs: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -158,6 +164,8 @@ class TileRTEngine(DecodeEngine):
             self._stream_host = torch.empty(2, dtype=torch.int64, pin_memory=True)
             self._stream_done = (torch.cuda.Event(), torch.cuda.Event())
             self._batch_host = torch.empty(2, GRAPH_MAX_TOKENS, dtype=torch.int64, pin_memory=True)
+            self._spec_host = torch.empty(2, 2 * GRAPH_MAX_TOKENS + 1, dtype=torch.int64, pin_memory=True)
+            self._spec_done = (torch.cuda.Event(), torch.cuda.Event())
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None  # shared by the graphs
 
     # ----------------------------------------------------------------------------- contract
@@ -762,6 +770,135 @@ class TileRTEngine(DecodeEngine):
         st.len = L + n_acc + 1  # rejected positions are rewound
         return SpecStepResult(tokens=greedy[: n_acc + 1], num_drafted=len(drafts), num_accepted=n_acc)
 
+    def speculative_stream(
+        self, first_token: int, start_pos: int, num_draft: int, seq: int = 0, accept_all: bool = False
+    ) -> Iterator[SpecStepResult]:
+        """:meth:`DecodeEngine.speculative_stream`, pipelined on CUDA as :meth:`greedy_stream` is.
+
+        Where a step's shape does not depend on where it starts, the step runs from state kept on the device
+        (:meth:`_spec_run`: its first token's row, advanced by the step itself by what it accepts; one CUDA
+        graph per ``(drafts, dense/DSA, accept_all)``), so step ``t+1`` is launched before step ``t``'s tokens
+        are read. Such a step always catches up the ``num_draft + 1`` MTP rows below its first position (those
+        the step before did not need again: the same values, row for row), drafts, verifies and accepts. Where
+        its shape could change (the first steps after an injection, a verify that could cross into the DSA
+        regime, the end of the cache), a step is one :meth:`speculative_greedy_step`, read before the next.
+        The tokens are those of :meth:`speculative_greedy_step` called step by step; when the caller stops, at
+        most one step beyond the last one read has run (its rows lie beyond the sequence, rewritten later).
+        """
+        self._check_seq(seq)
+        if num_draft < 0:
+            raise ValueError("num_draft must be >= 0")
+        st = self._seqs[seq]
+        base = seq * self.max_seq_len
+        off = base if self.flat else 0  # as speculative_greedy_step
+        token, pos = first_token, start_pos
+        slot, running = 0, False  # running: a step from the device's state, launched at ``pos``, not read yet
+        while True:
+            if not running:
+                regime = self._spec_regime(st, pos, pos, num_draft)
+                if regime is None:
+                    step = self.speculative_greedy_step(token, pos, num_draft, seq, accept_all)
+                    yield step
+                    token, pos = step.tokens[-1], pos + len(step.tokens)
+                    continue
+                self._tokens[base + pos] = token
+                self._spec_row.fill_(off + pos)
+                self._spec_base.fill_(base)
+                self._mtp_from.fill_(st.mtp_lo + off)
+                self._spec_launch(num_draft, regime, accept_all, base - off, self._view(seq), slot)
+            st.mtp_upto = pos  # as speculative_greedy_step: this step catches up the MTP rows below pos
+            # the next step, from wherever this one ends (1 to num_draft + 1 positions on), before this one is read
+            ahead = self._spec_regime(st, pos + 1, pos + num_draft + 1, num_draft) if self.use_graphs else None
+            if ahead is not None:
+                self._spec_launch(num_draft, ahead, accept_all, base - off, self._view(seq), 1 - slot)
+            step = self._spec_read(num_draft, slot)
+            self._note_written(st, pos, num_draft + 1)
+            st.len = pos + len(step.tokens)
+            yield step
+            token, pos = step.tokens[-1], pos + len(step.tokens)
+            slot, running = 1 - slot, ahead is not None
+
+    def _spec_regime(self, st: _Seq, lo: int, hi: int, num_draft: int) -> bool | None:
+        """Whether a step from the device's state (:meth:`_spec_run`) may start anywhere in positions ``lo..hi``
+        of sequence ``st``, and in which regime (``True``: DSA); ``None``: a step must be called from the host.
+        Its catch-up rows ``p-K-1..p-1`` must hold real hidden states inside the MTP rows' range, its verify rows
+        ``p..p+K`` and the row of its last token ``p+K+1`` must lie in the cache and in one attention regime."""
+        a = self.model.args
+        K = num_draft
+        if not (self.supports_mtp and 1 <= K < GRAPH_MAX_TOKENS and st.recompute_last is None):
+            return None
+        if lo - K - 1 < max(st.hid_lo, st.mtp_lo) or st.mtp_upto < lo - K - 1 or hi + K + 1 >= self.max_seq_len:
+            return None
+        if not a.dsa or hi + K < a.index_topk:
+            return False
+        return True if lo >= a.index_topk else None
+
+    def _spec_launch(
+        self, num_draft: int, use_indexer: bool, accept_all: bool, buf_off: int, seq: int | None, slot: int
+    ) -> None:
+        """Run :meth:`_spec_run` (its graph on CUDA, then the copy of its outcome to the host's ``slot``)."""
+        if not self.use_graphs:
+            with torch.inference_mode():  # as _forward_main
+                self._spec_run(num_draft, use_indexer, accept_all, buf_off, seq)
+            return
+        key = (num_draft, use_indexer, accept_all)
+        if key not in self._spec_run_graphs:
+            torch.cuda.synchronize(self.device)  # the step in flight has advanced the row
+            saved = self._spec_row.clone()
+            captured = CapturedFn(lambda: self._spec_run(num_draft, use_indexer, accept_all), self.device, warmup=1)
+            captured.capture(pool=self._pool)  # its warm-up advanced the row: put it back
+            self._spec_row.copy_(saved)
+            self._spec_run_graphs[key] = captured
+        self._spec_run_graphs[key].replay()
+        n = 2 * num_draft + 2
+        self._spec_host[slot, :n].copy_(self._spec_out[:n], non_blocking=True)
+        self._spec_done[slot].record()
+
+    def _spec_read(self, num_draft: int, slot: int) -> SpecStepResult:
+        """The outcome of the step launched into ``slot`` (waits for it on CUDA)."""
+        n = 2 * num_draft + 2
+        if self.use_graphs:
+            self._spec_done[slot].synchronize()
+            out = self._spec_host[slot, :n].tolist()
+        else:
+            out = self._spec_out[:n].tolist()
+        drafts, n_acc = out[:num_draft], out[-1]
+        tokens = [*drafts[:n_acc], out[num_draft + n_acc]]  # the accepted drafts, then the verify's next token
+        return SpecStepResult(tokens=tokens, num_drafted=num_draft, num_accepted=n_acc)
+
+    def _spec_run(
+        self, num_draft: int, use_indexer: bool, accept_all: bool, buf_off: int = 0, seq: int | None = None
+    ) -> None:
+        """One speculative step from the device's state, no host sync (graph-capturable): its first token is
+        ``_tokens`` at model row ``_spec_row`` (+ ``buf_off``), the MTP rows caught up are the ``K + 1`` below it,
+        then :meth:`_draft_verify`; the accepted drafts (all with ``accept_all``) and the verify's next token
+        decide the next step's row, whose token it writes. ``_spec_out``: drafts ``[K]``, the verify's tokens
+        ``[K+1]``, the accepted count."""
+        K = num_draft
+        row = self._spec_row
+        offs = torch.arange(K + 1, device=self.device)
+        catch = row - (K + 1) + offs
+        verify = row + offs
+        start = self._spec_base.expand(K + 1).contiguous() if self.flat and self.max_sequences > 1 else None
+        drafts, greedy = self._draft_verify(
+            self._tokens[catch + buf_off + 1],
+            catch,
+            verify,
+            start,
+            num_draft=K,
+            use_indexer=use_indexer,
+            buf_off=buf_off,
+            seq=seq,
+        )
+        if accept_all:
+            n_acc = torch.full((1,), K, dtype=torch.int64, device=self.device)
+        else:  # the longest prefix of drafts equal to the verify's tokens
+            n_acc = (drafts == greedy[:K]).long().cumprod(0).sum().view(1)
+        nxt = row + n_acc + 1
+        self._tokens.index_copy_(0, nxt + buf_off, greedy.gather(0, n_acc))
+        row.copy_(nxt)
+        self._spec_out[: 2 * K + 2].copy_(torch.cat([drafts, greedy, n_acc]))
+
     # ----------------------------------------------------------------------------- internals
 
     def _recompute_last(self, st: _Seq, L: int, seq: int, k_max: int) -> None:
@@ -981,16 +1118,14 @@ def greedy_generate(engine: DecodeEngine, first_token: int, start_pos: int, n: i
 def speculative_generate(
     engine: TileRTEngine, first_token: int, start_pos: int, n: int, num_draft: int
 ) -> tuple[list[int], int, int]:
-    """Greedy decoding through :meth:`TileRTEngine.speculative_greedy_step`: the next ``n`` tokens after
+    """Greedy decoding through :meth:`TileRTEngine.speculative_stream`: the next ``n`` tokens after
     ``first_token`` (at ``start_pos``), plus ``(drafted, accepted)`` totals."""
     out: list[int] = []
     drafted = accepted = 0
-    tok, pos = first_token, start_pos
-    while len(out) < n:
-        res = engine.speculative_greedy_step(tok, pos, num_draft)
+    for res in engine.speculative_stream(first_token, start_pos, num_draft):
         out.extend(res.tokens)
         drafted += res.num_drafted
         accepted += res.num_accepted
-        pos += len(res.tokens)
-        tok = res.tokens[-1]
+        if len(out) >= n:
+            break
     return out[:n], drafted, accepted
