@@ -335,17 +335,21 @@ def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
         st.len, st.mtp_upto = ctx, ctx - 1
         return eng.speculative_greedy_step(77, ctx, K)
 
-    def stream_step(K):
-        # speculative_stream with every draft taken, from the steady state (hidden states and MTP rows below ctx
-        # held), so each step runs from the device's state and the next is launched before it is read
+    def stream_step(K, ahead=True):
+        # every draft taken, from the steady state (hidden states and MTP rows below ctx held): speculative_stream,
+        # whose steps run from the device's state, the next launched before one is read (ahead), or the same
+        # steps called one by one (speculative_greedy_step: its catch-up then K + 1 rows as well)
         st = eng._seqs[0]
         st.len, st.mtp_upto, st.hid_lo = ctx, ctx - 1, 0
-        stream = eng.speculative_stream(77, ctx, K, accept_all=True)
+        stream = eng.speculative_stream(77, ctx, K, accept_all=True) if ahead else None
+        tok_, pos = 77, ctx
         t1 = time.perf_counter()
         for _ in range(MTP_STREAM_STEPS):
-            next(stream)
+            res = next(stream) if stream else eng.speculative_greedy_step(tok_, pos, K, accept_all=True)
+            tok_, pos = res.tokens[-1], pos + len(res.tokens)
         t = (time.perf_counter() - t1) / MTP_STREAM_STEPS
-        stream.close()
+        if stream:
+            stream.close()
         torch.cuda.synchronize()
         return t
 
@@ -360,7 +364,9 @@ def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
         rates = {a: a / tw for a in (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0) if a <= K + 1}
         full = spec_bytes_per_step(eng.model.args, ctx, sparse, K, K + 1)  # after a step that accepted every draft
         stream_step(K)  # captures its graph
+        stream_step(K, ahead=False)
         ts = sorted(stream_step(K) for _ in range(3))[1]
+        t1s = sorted(stream_step(K, ahead=False) for _ in range(3))[1]
         eng.forward(tok, ctx - 1)  # the steady state spec_call assumes again
         out["steps"][K] = dict(
             graph_ms=tg * 1e3,
@@ -371,13 +377,15 @@ def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
             ceiling_speedup_all_accepted=full["ceiling_speedup"],
             stream_all_accepted_ms=ts * 1e3,
             stream_all_accepted_tok_s=(K + 1) / ts,
+            one_by_one_all_accepted_ms=t1s * 1e3,
         )
         log(
             f"[{name}] ctx={ctx} MTP K={K}: draft+verify graph {tg * 1e3:.3f} ms ({tg / plain_graph_s:.2f}x plain; "
             f"{full['ratio']:.2f}x its bytes, every draft accepted: at most {full['ceiling_speedup']:.2f}x MTP off), "
             f"call {tw * 1e3:.3f} ms; tok/s at accepted length "
             + ", ".join(f"{a}: {r:.0f}" for a, r in rates.items())
-            + f"; speculative_stream, every draft taken: {ts * 1e3:.3f} ms a step, {(K + 1) / ts:.0f} tok/s"
+            + f"; every draft taken: speculative_stream {ts * 1e3:.3f} ms a step ({(K + 1) / ts:.0f} tok/s), the "
+            f"steps one by one {t1s * 1e3:.3f} ms"
         )
     return out
 
@@ -1197,7 +1205,7 @@ def main():
         lens = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0)
         log(
             f"{'K':>2} {'graph ms':>9} {'x plain':>8} {'call ms':>8} {'stream ms':>9} {'stream tok/s':>12} "
-            + " ".join(f"{'L=' + str(a):>7}" for a in lens)
+            f"{'1by1 ms':>8} " + " ".join(f"{'L=' + str(a):>7}" for a in lens)
         )
         for K, v in res["steps"].items():
             cells = " ".join(
@@ -1206,11 +1214,13 @@ def main():
             )
             log(
                 f"{K:>2} {v['graph_ms']:>9.3f} {v['ratio_to_plain']:>8.2f} {v['wall_ms']:>8.3f} "
-                f"{v['stream_all_accepted_ms']:>9.3f} {v['stream_all_accepted_tok_s']:>12.0f} {cells}"
+                f"{v['stream_all_accepted_ms']:>9.3f} {v['stream_all_accepted_tok_s']:>12.0f} "
+                f"{v['one_by_one_all_accepted_ms']:>8.3f} {cells}"
             )
         log(
             "(tok/s = accepted length / call time; accepted length counts the bonus token, at most K+1; stream: "
-            "speculative_stream's steps, every draft taken, K+1 tokens a step, the next launched before one is read)"
+            "speculative_stream's steps, every draft taken, K+1 tokens a step, the next launched before one is read; "
+            "1by1: the same steps called one by one)"
         )
     save()
 
