@@ -68,22 +68,23 @@ def prompt_tokens(caches: PagedCaches, lays: dict[str, KVLayout], ids: list[int]
 def _speculative(
     caches: PagedCaches, lays: dict[str, KVLayout], ids: list[int], tokens: int, drafts: int, accept_all: bool
 ) -> tuple[float, list[int], float]:
-    """``tokens - 1`` tokens after an injected prompt through MTP speculative steps (the node's path for a greedy
-    sequence alone; ``accept_all``: every draft accepted, as ``tilert decode --accept-all-drafts``): the seconds
-    they took, the tokens (prefill's first, then the steps', cut at ``tokens``) and the tokens per step."""
+    """``tokens - 1`` tokens after an injected prompt through MTP speculative steps (``speculative_stream``: the
+    node's path for a greedy sequence alone; ``accept_all``: every draft accepted, as ``tilert decode
+    --accept-all-drafts``): the seconds they took, the tokens (prefill's first, then the steps', cut at
+    ``tokens``) and the tokens per step."""
     engine, n = caches.engine, len(ids)
     first = _prefill(caches, ids, 0)
     engine.inject(caches.held_state(n), lays, n, seq=0, last_token_id=ids[-1])
     engine_sync(engine)
     t0 = time.perf_counter()
-    out, steps, tok, pos = [first], 0, first, n
+    out, steps = [first], 0
+    stream = engine.speculative_stream(first, n, drafts, accept_all=accept_all)
     while len(out) < tokens:
-        step = engine.speculative_greedy_step(tok, pos, drafts, accept_all=accept_all)
-        out += step.tokens
+        out += next(stream).tokens
         steps += 1
-        pos += len(step.tokens)
-        tok = step.tokens[-1]
-    return time.perf_counter() - t0, out[:tokens], (len(out) - 1) / steps
+    seconds = time.perf_counter() - t0
+    stream.close()
+    return seconds, out[:tokens], (len(out) - 1) / steps
 
 
 def _batch(caches: PagedCaches, lays: dict[str, KVLayout], prompts: list[list[int]], steps: int) -> tuple[list, float]:
@@ -133,7 +134,7 @@ def engine_speed(
                 row["tok_s"] = (tokens - 1) / seconds
                 row["tokens_per_step"] = per_step
                 how = ", every draft accepted" if accept_all else ""
-                row["path"] = f"speculative_greedy_step (MTP, {drafts} draft{'s' if drafts > 1 else ''}{how})"
+                row["path"] = f"speculative_stream (MTP, {drafts} draft{'s' if drafts > 1 else ''}{how})"
                 # the node's tokens on that path: with fp8 pages the prompt's last row, recomputed to draft from
                 # the first step, is no longer the fp8 row the plain stream reads, so greedy's may differ
                 row["tokens"] = spec

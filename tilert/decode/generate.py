@@ -4,8 +4,8 @@ Runs on a worker thread (the engine blocks); ``emit`` hands each step's tokens t
 as soon as they exist, so nothing is batched on a timer. ``cancel`` is checked between steps.
 
 The fast path comes from the engine's declared :class:`~tilert.engines.base.Capabilities`: greedy requests
-on an engine with ``mtp`` decode speculatively (``num_draft`` drafts per step, verified by the main model),
-which yields exactly the plain greedy tokens, several per step; other greedy requests use
+on an engine with ``mtp`` decode speculatively (``speculative_stream``: ``num_draft`` drafts per step, verified by
+the main model), which yields exactly the plain greedy tokens, several per step; other greedy requests use
 ``greedy_stream`` when the engine declares ``pipelined_greedy``. Greedy requests whose logits a rule changes
 (penalties, bias, ``min_tokens``, one-token bad words, a grammar) use the engine's ``shaped_greedy_stream``, which
 applies the rules inside its own steps. Sampled requests (temperature > 0), bad words of several tokens and requests

@@ -22,7 +22,9 @@ On CUDA the main-model step of 1..16 tokens runs as one CUDA graph per ``(n, den
 sequences) each token's first row, all device tensors, so the same graph serves a verify batch of one sequence
 and a :meth:`~TileRTEngine.decode_step` over ``n`` sequences. A speculative step (MTP catch-up + draft chain +
 verify + the verify's argmax) is one graph per ``(drafts, catch-up rows, dense/DSA)``: one launch and one host
-read per step. Prefill runs eagerly (the same functions).
+read per step; :meth:`~TileRTEngine.speculative_stream` runs its steps from state on the device (one graph per
+``(drafts, dense/DSA, accept_all)``), each launched before the host reads the one before. Prefill runs eagerly
+(the same functions).
 
 On CPU the model computes with :mod:`.ops.cpu` (the native row-invariant kernels of :mod:`.ops.native` where a C
 compiler is present, else ATen; over only the cache rows a step reads; ``TILERT_CPU_FAST=0`` or
