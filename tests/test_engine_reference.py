@@ -397,7 +397,7 @@ def test_speculative_stream_equals_step_by_step(tmp_path: Path, main_scale: floa
     first = int(eng.forward(case.prompt, 0)[-1].argmax())
     from_device = []
     run = eng._spec_run
-    eng._spec_run = lambda *a, **kw: from_device.append(a) or run(*a, **kw)  # type: ignore[method-assign]
+    eng._spec_run = lambda *a, **kw: from_device.append(a) or run(*a, **kw)  # counts the steps it runs
 
     def steps(streamed: int, accept_all: bool) -> list[Any]:
         eng.forward(case.prompt, 0)

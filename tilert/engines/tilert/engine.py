@@ -780,8 +780,8 @@ class TileRTEngine(DecodeEngine):
         Where a step's shape does not depend on where it starts, the step runs from state kept on the device
         (:meth:`_spec_run`: its first token's row, advanced by the step itself by what it accepts; one CUDA
         graph per ``(drafts, dense/DSA, accept_all)``), so step ``t+1`` is launched before step ``t``'s tokens
-        are read. Such a step always catches up the ``num_draft + 1`` MTP rows below its first position (those
-        the step before did not need again: the same values, row for row), drafts, verifies and accepts. Where
+        are read. Such a step always catches up the ``num_draft + 1`` MTP rows below its first position (rows that
+        an earlier step caught up are computed again, to the same values), drafts, verifies and accepts. Where
         its shape could change (the first steps after an injection, a verify that could cross into the DSA
         regime, the end of the cache), a step is one :meth:`speculative_greedy_step`, read before the next.
         The tokens are those of :meth:`speculative_greedy_step` called step by step; when the caller stops, at
