@@ -307,10 +307,16 @@ def check_indexer(dev, small):
         )
 
 
+def verdict(key, ok, text):
+    """A check without an error figure: recorded under ``key``, printed as ``text``."""
+    RESULTS.append((key, 0.0, 0.0, ok))
+    print(f"{'PASS' if ok else 'FAIL'}  {text}", flush=True)
+
+
 def bitwise(name, batched, alone):
-    ok = all(torch.equal(a, b) for a, b in zip(batched, alone, strict=False)) and len(batched) == len(alone)
-    RESULTS.append((name, 0.0, 0.0, ok))
-    print(f"{'PASS' if ok else 'FAIL'}  {name}", flush=True)
+    verdict(
+        name, all(torch.equal(a, b) for a, b in zip(batched, alone, strict=False)) and len(batched) == len(alone), name
+    )
 
 
 def check_batch_invariance(dev, small):
@@ -1248,25 +1254,23 @@ def _check_engine_mtp(dev, small, n_seq, seq):
                 if not ok:
                     j = next(i for i, (a, b) in enumerate(zip(got, plain, strict=False)) if a != b)
                     print(f"      first difference at token {j}: spec {got[j]} vs plain {plain[j]}", flush=True)
-                RESULTS.append((f"mtp K={k} start={start}{tag}", 0.0, 0.0, ok))
-                print(
-                    f"{'PASS' if ok else 'FAIL'}  MTP speculative greedy == plain greedy, K={k}, from pos {start}, "
-                    f"{gen} tokens (drafted {drafted}, accepted {accepted}){tag}; spec graphs "
+                verdict(
+                    f"mtp K={k} start={start}{tag}",
+                    ok,
+                    f"MTP speculative greedy == plain greedy, K={k}, from pos {start}, {gen} tokens (drafted "
+                    f"{drafted}, accepted {accepted}){tag}; spec graphs "
                     f"{sorted(k_ for k_, v in eng._spec_graphs.items() if v)}",
-                    flush=True,
                 )
             for k in (1, 3):
                 eng.forward(ids, 0, seq=seq)
                 want = steps_all_accepted(first, start, k, 0)
                 eng.forward(ids, 0, seq=seq)
                 got = steps_all_accepted(first, start, k, 8)
-                ok = got == want
-                RESULTS.append((f"mtp stream accept_all K={k} start={start}{tag}", 0.0, 0.0, ok))
-                print(
-                    f"{'PASS' if ok else 'FAIL'}  MTP speculative_stream, every draft taken, == the steps one by one, "
-                    f"K={k}, from pos {start}, 8 steps streamed, 2 after; stream graphs "
-                    f"{sorted(eng._spec_run_graphs)}{tag}",
-                    flush=True,
+                verdict(
+                    f"mtp stream accept_all K={k} start={start}{tag}",
+                    got == want,
+                    f"MTP speculative_stream, every draft taken, == the steps one by one, K={k}, from pos {start}, 8 "
+                    f"steps streamed, 2 after; stream graphs {sorted(eng._spec_run_graphs)}{tag}",
                 )
             first = int(eng.forward(ids, 0, seq=seq)[-1].argmax())
             stream = list(eng.greedy_stream(first, start, gen, seq=seq))
@@ -1275,23 +1279,20 @@ def _check_engine_mtp(dev, small, n_seq, seq):
             head = [next(part) for _ in range(gen // 2)]
             part.close()
             resumed = head + greedy(head[-1], start + gen // 2, gen - gen // 2)
-            ok = stream == plain and resumed == plain
-            RESULTS.append((f"greedy_stream start={start}{tag}", 0.0, 0.0, ok))
-            print(
-                f"{'PASS' if ok else 'FAIL'}  pipelined greedy_stream == plain greedy from pos {start}, {gen} tokens; "
-                f"stopped half-way and continued with forward(): same{tag}",
-                flush=True,
+            verdict(
+                f"greedy_stream start={start}{tag}",
+                stream == plain and resumed == plain,
+                f"pipelined greedy_stream == plain greedy from pos {start}, {gen} tokens; stopped half-way and "
+                f"continued with forward(): same{tag}",
             )
         if eng.use_graphs:  # the captured step vs the same function eagerly, same inputs and state
             key, step = next((k_, v) for k_, v in eng._spec_graphs.items() if v)
             d1, g1 = (t.clone() for t in step.replay())
             d2, g2 = eng._draft_verify(*step.inputs, num_draft=key[0], use_indexer=key[2])
-            ok = torch.equal(d1, d2) and torch.equal(g1, g2)
-            RESULTS.append((f"mtp graph == eager{tag}", 0.0, 0.0, ok))
-            print(
-                f"{'PASS' if ok else 'FAIL'}  MTP draft+verify graph {key} == eager: drafts {d1.tolist()} "
-                f"greedy {g1.tolist()}{tag}",
-                flush=True,
+            verdict(
+                f"mtp graph == eager{tag}",
+                torch.equal(d1, d2) and torch.equal(g1, g2),
+                f"MTP draft+verify graph {key} == eager: drafts {d1.tolist()} greedy {g1.tolist()}{tag}",
             )
 
 
