@@ -422,6 +422,33 @@ def test_speculative_stream_equals_step_by_step(tmp_path: Path, main_scale: floa
     assert [r.num_accepted for r in want] == [3] * 14
 
 
+@pytest.mark.parametrize("accept_all", [False, True])
+def test_warm_up_runs_the_speculative_steps_and_leaves_the_engine_as_loaded(
+    cases: dict[str, Case], tmp_path: Path, accept_all: bool
+) -> None:
+    """The decode node's warm-up (on CUDA it captures what the first requests would wait for) runs the speculative
+    steps a request takes in each attention regime, the last ones from the device's state, and leaves nothing
+    behind: afterwards an injected prompt decodes speculatively to plain greedy's tokens."""
+    case = cases["deepseek_v32"]
+    eng = case.engine(_add_mtp(case, tmp_path / "mtp"))
+    first = int(eng.forward(case.prompt, 0)[-1].argmax())
+    state, lay = _vllm_state(eng, PROMPT_LEN)
+    a = eng.model.args
+    eng.model.index_cache[:, :PROMPT_LEN] = layouts.decode_dsa_indexer(
+        state["indexer"], a.index_head_dim, a.qk_rope_head_dim, a.indexer_rope_interleave
+    )
+    plain = greedy_generate(eng, first, PROMPT_LEN, 24)  # from the prompt's rows as the injection writes them
+    fresh = case.engine(_add_mtp(case, tmp_path / "mtp2"))
+    regimes = []
+    run = fresh._spec_run
+    fresh._spec_run = lambda *a, **kw: regimes.append(a[1]) or run(*a, **kw)  # the regime of each such step
+    fresh._warm_steps(2, accept_all)
+    assert set(regimes) == {False, True}, regimes  # dense and DSA steps from the device's state
+    assert all(vars(st) == vars(type(st)()) for st in fresh._seqs)  # the bookkeeping as loaded
+    fresh.inject(state, lay, PROMPT_LEN)
+    assert speculative_generate(fresh, first, PROMPT_LEN, 24, num_draft=2)[0] == plain
+
+
 @pytest.mark.parametrize("num_draft", [0, 2])
 def test_decode_loop_speculative_and_stops(cases: dict[str, Case], tmp_path: Path, num_draft: int) -> None:
     """The decode node's loop: MTP-speculative greedy emits exactly plain greedy; a stop token inside a

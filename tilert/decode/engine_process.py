@@ -91,7 +91,7 @@ class EngineSpec:
             max_seq_len=self.max_seq_len,
             max_sequences=self.max_sequences,
         )
-        engine.warm_up()
+        engine.warm_up(self.num_draft, self.accept_all_drafts)
         return engine
 
 

@@ -200,9 +200,10 @@ class DecodeEngine(ABC):
             pos = [p + 1 for p in pos]
             yield toks
 
-    def warm_up(self) -> None:
+    def warm_up(self, num_draft: int = 0, accept_all: bool = False) -> None:
         """Prepare what the first requests would otherwise wait for (e.g. captured graphs), before any sequence is
-        injected; the decode node calls it once, after :meth:`load`. This default does nothing."""
+        injected; the decode node calls it once, after :meth:`load`, with the drafts its greedy requests take a
+        step (``Capabilities.mtp``) and whether it accepts all of them. This default does nothing."""
         return None
 
     # ------------------------------------------------------------------ optional fast paths
@@ -267,7 +268,7 @@ class DecodeEngine(ABC):
 
     def speculative_stream(
         self, first_token: int, start_pos: int, num_draft: int, seq: int = 0, accept_all: bool = False
-    ) -> Iterator[SpecStepResult]:
+    ) -> Generator[SpecStepResult, None, None]:
         """Greedy speculative steps of sequence ``seq`` one after another (``Capabilities.mtp``): the first feeds
         ``first_token`` at ``start_pos``, each next one the last token of the step before, at the position after
         it; each yields its :class:`SpecStepResult`. Runs until the caller stops iterating; the engine is then

@@ -457,21 +457,47 @@ class TileRTEngine(DecodeEngine):
         return step
 
     @torch.no_grad()
-    def warm_up(self) -> None:
+    def warm_up(self, num_draft: int = 0, accept_all: bool = False) -> None:
         """On CUDA, capture the graphs of the node's plain greedy paths now, in each attention regime: the
         ``greedy_stream`` step and the ``greedy_batch_stream`` step of every row count up to ``max_sequences``
-        (a request would otherwise wait for a capture when that many sequences first decode together). The steps
+        (a request would otherwise wait for a capture when that many sequences first decode together); with
+        ``num_draft`` and an MTP module, the speculative steps' too (:meth:`_warm_speculative`). The steps
         write cache rows of every sequence: nothing is injected yet, and the sequences' bookkeeping is reset."""
-        if not self.use_graphs:
-            return
+        if self.use_graphs:
+            self._warm_steps(num_draft, accept_all)
+
+    def _warm_steps(self, num_draft: int, accept_all: bool) -> None:
+        """:meth:`warm_up`'s steps, on any device (on the CPU they capture nothing)."""
         a = self.model.args
         starts = [0] + ([a.index_topk] if a.dsa and a.index_topk + 2 < self.max_seq_len else [])
         for start in starts:
             list(self.greedy_stream(0, start, 2))
             for n in range(2, min(self.max_sequences, GRAPH_MAX_TOKENS) + 1):
                 list(self.greedy_batch_stream([0] * n, [start] * n, list(range(n)), 2))
-        torch.cuda.synchronize(self.device)
+            self._warm_speculative(start, num_draft, accept_all)
+        if self.use_graphs:
+            torch.cuda.synchronize(self.device)
         self._seqs = [_Seq() for _ in range(self.max_sequences)]
+
+    def _warm_speculative(self, start: int, num_draft: int, accept_all: bool) -> None:
+        """Speculative steps of sequence 0 from ``start`` as a request takes them (nothing when the engine cannot
+        draft, or when they would not fit in the cache): a step that catches up one MTP row (the first ones after
+        an injection), then :meth:`speculative_stream` until its steps run from the device's state, the next
+        launched ahead. On CUDA their graphs are then captured; the sequence's rows and bookkeeping are left as
+        they end (the caller resets them)."""
+        K = num_draft
+        rows = (K + 2) + (K + 4) * (K + 1) + K + 2  # the prompt, the steps below, and one step run ahead
+        if not (self.supports_mtp and K > 0 and start + rows < self.max_seq_len):
+            return
+        st, pos = self._seqs[0], start + K + 2
+        for p in range(start, pos):  # hidden rows to draft from, one token a step (the step a recomputed row takes)
+            self.forward(torch.zeros(1, dtype=torch.int64, device=self.device), p)
+        st.mtp_upto = pos - 1  # the MTP rows below the last position are done, as after a request's first step
+        step = self.speculative_greedy_step(0, pos, K, accept_all=accept_all)
+        stream = self.speculative_stream(step.tokens[-1], pos + len(step.tokens), K, accept_all=accept_all)
+        for _ in range(K + 3):  # drafts rejected: K steps of one row, then from the device's state
+            next(stream)
+        stream.close()
 
     @torch.no_grad()
     def greedy_batch_stream(
@@ -774,7 +800,7 @@ class TileRTEngine(DecodeEngine):
 
     def speculative_stream(
         self, first_token: int, start_pos: int, num_draft: int, seq: int = 0, accept_all: bool = False
-    ) -> Iterator[SpecStepResult]:
+    ) -> Generator[SpecStepResult, None, None]:
         """:meth:`DecodeEngine.speculative_stream`, pipelined on CUDA as :meth:`greedy_stream` is.
 
         Where a step's shape does not depend on where it starts, the step runs from state kept on the device
