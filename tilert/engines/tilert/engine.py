@@ -141,15 +141,15 @@ class TileRTEngine(DecodeEngine):
             self.cpu_native = native.kernels() is not None  # built now (about a second), not in a request's step
         self._graphs: dict[tuple[int, bool], CapturedFn | None] = {}
         self._spec_graphs: dict[tuple[int, int, bool], CapturedFn | None] = {}
-        # greedy_stream's step: reads and advances these on the device (token, its cache row, its first row)
+        # greedy_stream's step: reads and advances these on the device (token, its cache row, its first row; the
+        # first row is speculative_stream's too)
         self._stream_tok = torch.zeros(1, dtype=torch.int64, device=device)
         self._stream_pos = torch.zeros(1, dtype=torch.int64, device=device)
         self._stream_base = torch.zeros(1, dtype=torch.int64, device=device)
         self._stream_graphs: dict[bool, CapturedFn | None] = {}
-        # speculative_stream's step: its first token's model row, which it advances by what it accepts; the
-        # sequence's first row (several sequences, flat rows); its drafts, verify tokens and accepted count
+        # speculative_stream's step: its first token's model row, which it advances by what it accepts (the
+        # sequence's first row: _stream_base); its drafts, verify tokens and accepted count
         self._spec_row = torch.zeros(1, dtype=torch.int64, device=device)
-        self._spec_base = torch.zeros(1, dtype=torch.int64, device=device)
         self._spec_out = torch.zeros(2 * GRAPH_MAX_TOKENS + 1, dtype=torch.int64, device=device)
         self._spec_run_graphs: dict[tuple[int, bool, bool], CapturedFn] = {}
         # greedy_batch_stream's graphs by (rows, regime) and their static tokens / cache rows / first rows by rows
@@ -787,16 +787,20 @@ class TileRTEngine(DecodeEngine):
                 )
         out = torch.cat([drafts_t, greedy_t]).tolist()  # the step's one host sync
         drafts, greedy = out[:k_max], out[k_max:]
+        n_acc = k_max  # accept_all: every draft, then the main model's token after the last
+        if not accept_all:
+            n_acc = 0
+            while n_acc < k_max and drafts[n_acc] == greedy[n_acc]:
+                n_acc += 1
+        return self._spec_outcome(st, L, drafts, greedy, n_acc)
+
+    def _spec_outcome(self, st: _Seq, L: int, drafts: list[int], greedy: list[int], n_acc: int) -> SpecStepResult:
+        """The bookkeeping after a speculative step at ``L`` that verified ``drafts`` (the verify's tokens
+        ``greedy``) and accepted ``n_acc`` of them, and its tokens: the accepted drafts, then the verify's next."""
         st.mtp_upto = L  # rows >= L hold draft data only
-        self._note_written(st, L, k_max + 1)
-        if accept_all:  # every draft, then the main model's token after the last
-            st.len = L + k_max + 1
-            return SpecStepResult(tokens=[*drafts, greedy[k_max]], num_drafted=k_max, num_accepted=k_max)
-        n_acc = 0
-        while n_acc < k_max and drafts[n_acc] == greedy[n_acc]:
-            n_acc += 1
+        self._note_written(st, L, len(drafts) + 1)
         st.len = L + n_acc + 1  # rejected positions are rewound
-        return SpecStepResult(tokens=greedy[: n_acc + 1], num_drafted=len(drafts), num_accepted=n_acc)
+        return SpecStepResult(tokens=[*drafts[:n_acc], greedy[n_acc]], num_drafted=len(drafts), num_accepted=n_acc)
 
     def speculative_stream(
         self, first_token: int, start_pos: int, num_draft: int, seq: int = 0, accept_all: bool = False
@@ -831,7 +835,7 @@ class TileRTEngine(DecodeEngine):
                     continue
                 self._tokens[base + pos] = token
                 self._spec_row.fill_(off + pos)
-                self._spec_base.fill_(base)
+                self._stream_base.fill_(base)
                 self._mtp_from.fill_(st.mtp_lo + off)
                 self._spec_launch(num_draft, regime, accept_all, base - off, self._view(seq), slot)
             st.mtp_upto = pos  # as speculative_greedy_step: this step catches up the MTP rows below pos
@@ -839,9 +843,7 @@ class TileRTEngine(DecodeEngine):
             ahead = self._spec_regime(st, pos + 1, pos + num_draft + 1, num_draft) if self.use_graphs else None
             if ahead is not None:
                 self._spec_launch(num_draft, ahead, accept_all, base - off, self._view(seq), 1 - slot)
-            step = self._spec_read(num_draft, slot)
-            self._note_written(st, pos, num_draft + 1)
-            st.len = pos + len(step.tokens)
+            step = self._spec_read(st, pos, num_draft, slot)
             yield step
             token, pos = step.tokens[-1], pos + len(step.tokens)
             slot, running = 1 - slot, ahead is not None
@@ -882,17 +884,15 @@ class TileRTEngine(DecodeEngine):
         self._spec_host[slot, :n].copy_(self._spec_out[:n], non_blocking=True)
         self._spec_done[slot].record()
 
-    def _spec_read(self, num_draft: int, slot: int) -> SpecStepResult:
-        """The outcome of the step launched into ``slot`` (waits for it on CUDA)."""
+    def _spec_read(self, st: _Seq, pos: int, num_draft: int, slot: int) -> SpecStepResult:
+        """The outcome of the step at ``pos`` launched into ``slot`` (waits for it on CUDA)."""
         n = 2 * num_draft + 2
         if self.use_graphs:
             self._spec_done[slot].synchronize()
             out = self._spec_host[slot, :n].tolist()
         else:
             out = self._spec_out[:n].tolist()
-        drafts, n_acc = out[:num_draft], out[-1]
-        tokens = [*drafts[:n_acc], out[num_draft + n_acc]]  # the accepted drafts, then the verify's next token
-        return SpecStepResult(tokens=tokens, num_drafted=num_draft, num_accepted=n_acc)
+        return self._spec_outcome(st, pos, out[:num_draft], out[num_draft:-1], out[-1])
 
     def _spec_run(
         self, num_draft: int, use_indexer: bool, accept_all: bool, buf_off: int = 0, seq: int | None = None
@@ -907,7 +907,7 @@ class TileRTEngine(DecodeEngine):
         offs = torch.arange(K + 1, device=self.device)
         catch = row - (K + 1) + offs
         verify = row + offs
-        start = self._spec_base.expand(K + 1).contiguous() if self.flat and self.max_sequences > 1 else None
+        start = self._stream_base.expand(K + 1).contiguous() if self.flat and self.max_sequences > 1 else None
         drafts, greedy = self._draft_verify(
             self._tokens[catch + buf_off + 1],
             catch,
