@@ -562,7 +562,7 @@ def _route_cg(
     part_ptr,
     bias_ptr,
     i,
-    SPLIT: tl.constexpr,
+    SPLIT,
     stride_ps,
     stride_pn,
     route_scale,
