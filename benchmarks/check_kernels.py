@@ -1217,17 +1217,6 @@ def _check_engine_mtp(dev, small, n_seq, seq):
             out.append(tok)
         return out
 
-    def spec(first, start, n, k):
-        if n_seq == 1:
-            return speculative_generate(eng, first, start, n, num_draft=k)
-        out, drafted, accepted = [], 0, 0
-        for res in eng.speculative_stream(first, start, k, seq=seq):
-            out += res.tokens
-            drafted, accepted = drafted + res.num_drafted, accepted + res.num_accepted
-            if len(out) >= n:
-                break
-        return out[:n], drafted, accepted
-
     def steps_all_accepted(first, start, k, streamed):
         # every draft taken: the stream's steps (run ahead on the device) against steps called one by one
         out, tok, pos = [], first, start
@@ -1249,7 +1238,7 @@ def _check_engine_mtp(dev, small, n_seq, seq):
             plain = greedy(first, start, gen)
             for k in (1, 2, 3):
                 eng.forward(ids, 0, seq=seq)
-                got, drafted, accepted = spec(first, start, gen, k)
+                got, drafted, accepted = speculative_generate(eng, first, start, gen, num_draft=k, seq=seq)
                 ok = got == plain
                 if not ok:
                     j = next(i for i, (a, b) in enumerate(zip(got, plain, strict=False)) if a != b)

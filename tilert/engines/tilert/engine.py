@@ -1144,13 +1144,13 @@ def greedy_generate(engine: DecodeEngine, first_token: int, start_pos: int, n: i
 
 
 def speculative_generate(
-    engine: TileRTEngine, first_token: int, start_pos: int, n: int, num_draft: int
+    engine: TileRTEngine, first_token: int, start_pos: int, n: int, num_draft: int, seq: int = 0
 ) -> tuple[list[int], int, int]:
-    """Greedy decoding through :meth:`TileRTEngine.speculative_stream`: the next ``n`` tokens after
-    ``first_token`` (at ``start_pos``), plus ``(drafted, accepted)`` totals."""
+    """Greedy decoding of sequence ``seq`` through :meth:`TileRTEngine.speculative_stream`: the next ``n`` tokens
+    after ``first_token`` (at ``start_pos``), plus ``(drafted, accepted)`` totals."""
     out: list[int] = []
     drafted = accepted = 0
-    for res in engine.speculative_stream(first_token, start_pos, num_draft):
+    for res in engine.speculative_stream(first_token, start_pos, num_draft, seq):
         out.extend(res.tokens)
         drafted += res.num_drafted
         accepted += res.num_accepted
