@@ -205,6 +205,7 @@ def parser() -> argparse.ArgumentParser:
     ov.add_argument("--overhead-requests", type=int, default=None, help="requests per run (default max(64, 2 x C))")
     ov.add_argument("--overhead-prompt-words", type=int, default=200)
     ov.add_argument("--standin-slots", type=int, default=4096, help=argparse.SUPPRESS)
+    ov.add_argument("--prefill-ms", type=float, default=0.0, help=argparse.SUPPRESS)  # the prefill stand-in's time
     ov.add_argument(
         "--baseline-router",
         type=Path,

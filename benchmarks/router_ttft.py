@@ -88,6 +88,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--kinds", type=_names(KINDS), default=list(KINDS), help="comma list of " + ",".join(KINDS))
     ap.add_argument("--clients", type=_names(CLIENTS), default=list(CLIENTS), help="comma list of " + ",".join(CLIENTS))
     ap.add_argument("--requests", type=int, default=40, help="requests per run, one at a time")
+    ap.add_argument(
+        "--prefill-ms",
+        type=float,
+        default=0.0,
+        help="how long the prefill stand-in takes a prefill (0: it answers at once); the router sits idle meanwhile, "
+        "as while vLLM works, so its code after the answer runs cold, as it does in service",
+    )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--baseline-router", type=Path, default=None, help="a second router from DIR's tilert")
     ap.add_argument("--router-cpus", default="", help="CPU set of the router process(es) (default: unpinned)")
@@ -242,7 +249,7 @@ def _start(args: argparse.Namespace, procs: Procs, secret: str) -> tuple[dict[st
     env.update({SECRET_ENV: secret, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     me = [sys.executable, str(E2E), "--model", str(args.model)]
     commands = {
-        "prefill": [*me, "--standin", "prefill", "--port", str(ports["prefill"])],
+        "prefill": [*me, "--standin", "prefill", "--port", str(ports["prefill"]), "--prefill-ms", str(args.prefill_ms)],
         "decode": [*me, "--standin", "decode", "--port", str(ports["decode"]), "--gap-ms", "0"],
     }
     routers = {"router": env}
@@ -370,8 +377,9 @@ def markdown(result: dict[str, Any], note: str | None) -> str:
         f"{'/'.join(f'{x:.2f}' for x in cond['loadavg_end'])}",
         f"- git commit {cond['git_commit'][:12]}{' (working tree modified)' if cond['git_dirty'] else ''}; Python "
         f"{cond['python']}; " + ", ".join(f"{k} {v}" for k, v in cond["versions"].items() if v),
-        f"- stand-ins `tilert.testing.standins` (`benchmarks/e2e.py --standin`, one process each, answering at once); "
-        f"prompt {s['prompt_tokens']} tokens, {s['tokens']} tokens streamed, greedy; {s['requests']} requests a run "
+        "- stand-ins `tilert.testing.standins` (`benchmarks/e2e.py --standin`, one process each, "
+        + (f"each prefill taking {s['prefill_ms']:g} ms); " if s.get("prefill_ms") else "answering at once); ")
+        + f"prompt {s['prompt_tokens']} tokens, {s['tokens']} tokens streamed, greedy; {s['requests']} requests a run "
         f"one at a time, {s['rounds']} rounds; router CPUs {s['router_cpus'] or 'unpinned'}"
         + (f"; `baseline`: the router of `{s['baseline_router']}`" if s["baseline_router"] else ""),
         "",

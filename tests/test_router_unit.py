@@ -663,6 +663,12 @@ def test_request_id_echo_and_mint(router: RouterHandle, world: Standins) -> None
         router.url + "/v1/completions", json={"n": 3, "prompt": "x"}, headers={"X-Request-Id": "e-1"}, timeout=5
     )
     assert r3.status_code == 400 and r3.headers["x-request-id"] == "e-1"
+    # a stream's head passes the middleware (its id, its pool) and its body goes to the server past it, whole
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, headers={"X-Request-Id": "s-1"}) as r4:
+        events = [line for line in r4.iter_lines() if line.startswith("data: ")]
+    assert r4.status_code == 200 and r4.headers["x-request-id"] == "s-1" and r4.headers["x-tilert-pool"] == "tilert"
+    assert events[-1] == "data: [DONE]" and sum(len(json.loads(e[6:])["choices"]) for e in events[:-1]) >= 4
 
 
 def test_models_health_metrics(router: RouterHandle, world: Standins) -> None:

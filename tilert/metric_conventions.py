@@ -150,7 +150,9 @@ class ManyObservations:
         self._parts = None if None in parts else parts  # not the layout this relies on: one by one
 
     def observe(self, value: float, n: int) -> None:
-        if n == 1 or self._parts is None:
+        """``n`` observations of ``value`` (one included: prometheus_client's own ``observe`` walks the bounds in
+        Python, this bisects them)."""
+        if self._parts is None:
             for _ in range(n):
                 self._histogram.observe(value)
             return

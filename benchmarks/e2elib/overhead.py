@@ -31,7 +31,14 @@ from e2elib.tables import fmt, overhead_table
 from tilert import contracts as c
 from tilert.auth import SECRET_ENV, generate_secret, load_secret
 from tilert.netio import free_port
-from tilert.testing.standins import DecodeStandin, NodeBehaviour, PrefillStandin, Script, printable_ids
+from tilert.testing.standins import (
+    DecodeStandin,
+    NodeBehaviour,
+    PrefillBehaviour,
+    PrefillStandin,
+    Script,
+    printable_ids,
+)
 
 E2E = Path(__file__).resolve().parents[1] / "e2e.py"
 STANDIN_MAX_SEQ_LEN = 1 << 20
@@ -60,7 +67,7 @@ def serve_standin(args: argparse.Namespace) -> int:
     keep_alive = 5  # vLLM's (uvicorn's default)
     app: Any
     if args.standin == "prefill":
-        app = PrefillStandin(script, secret, str(args.model)).app
+        app = PrefillStandin(script, secret, str(args.model), PrefillBehaviour(delay_s=args.prefill_ms / 1000.0)).app
     else:
         behaviour = NodeBehaviour(
             slots=args.standin_slots,

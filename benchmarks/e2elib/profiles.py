@@ -10,9 +10,10 @@ from typing import Any
 # (part, path fragments of the functions it holds), first match wins; the rest is "other"
 PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
-        "decode stream read (decode_stream / aiohttp)",
+        "decode stream read (decode_stream, http1 / aiohttp)",
         (
             "tilert/router/decode_stream.py",
+            "tilert/router/http1.py",
             "httptools",
             "aiohttp/streams.py",
             "aiohttp/client_proto.py",

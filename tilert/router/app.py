@@ -26,6 +26,7 @@ from tilert.router.flow import RequestFlow
 from tilert.router.metrics import RouterMetrics
 from tilert.router.middleware import REQUEST_ID_SCOPE_KEY, BearerAuthMiddleware, RequestIdMiddleware
 from tilert.router.openai_format import models_list
+from tilert.router.output import SERVER_SEND
 from tilert.router.prefill import relay
 from tilert.router.routing import POOL_HEADER, choose_pool
 from tilert.router.tools import prepare_chat
@@ -85,7 +86,7 @@ class FlowResponse(Response):
 
             tg.start_soon(watch_disconnect)
             try:
-                await flow.run(send)
+                await flow.run(send, scope.get(SERVER_SEND))
             finally:
                 tg.cancel_scope.cancel()
 
@@ -145,7 +146,7 @@ async def prefill_relay(request: Request) -> Response:
     try:
         raw = await _body(request, ctx.config.max_body_bytes)
         status, body = await ctx.prefills.call(
-            lambda prefill: relay(prefill, path, raw, request_id=rid, api_key=ctx.config.prefill_api_key),
+            lambda prefill: relay(prefill, path, raw, request_id=rid),
             request_id=rid,
             failure=lambda answer: f"HTTP {answer[0]}" if answer[0] >= 500 else None,
         )
@@ -256,6 +257,15 @@ def _lifespan(holder: _Holder, own_process: bool) -> Any:
     return lifespan
 
 
+class _RouterApp(Starlette):
+    """The router's Starlette app, keeping the server's own ``send`` in each request's scope (:data:`SERVER_SEND`:
+    what a response's body goes through once its head went through the middleware, :mod:`tilert.router.output`)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[SERVER_SEND] = send
+        await super().__call__(scope, receive, send)
+
+
 def build_app(config: RouterConfig | None = None, *, own_process: bool = False) -> Starlette:
     """The router app. Without ``config`` it is read at start-up from ``$TILERT_ROUTER_CONFIG``.
 
@@ -266,7 +276,7 @@ def build_app(config: RouterConfig | None = None, *, own_process: bool = False) 
     if config is not None:
         config.validate()
     holder = _Holder(config)
-    app = Starlette(
+    app = _RouterApp(
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),

@@ -65,7 +65,12 @@ class RouterContext:
         tokenizer, parsers = await _model_files(config)
         prefills = PrefillPool(
             config.prefill_urls,
-            partial(prefill_session, timeout_s=config.prefill_timeout_s, connect_timeout_s=config.connect_timeout_s),
+            partial(
+                prefill_session,
+                timeout_s=config.prefill_timeout_s,
+                connect_timeout_s=config.connect_timeout_s,
+                api_key=config.prefill_api_key,
+            ),
             metrics,
             policy=config.prefill_policy,
             prefix_chars=config.prefill_prefix_chars,
@@ -103,7 +108,9 @@ class RouterContext:
                 raise RuntimeError(f"native_engine: {exc}") from exc
             # No total timeout: a native decode streams as long as it needs; reads are bounded per event.
             ctx.native = vllm_session(
-                config.native_url, aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s)
+                config.native_url,
+                aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s),
+                config.prefill_api_key,
             )
         return ctx
 

@@ -113,8 +113,9 @@ class RequestFlow:
         return anyio.current_time() - self.arrived
 
     # -- entry -------------------------------------------------------------------------------------
-    async def run(self, send: Send) -> None:
-        self.out = ClientOutput(send, self.pool, self.choice.why)
+    async def run(self, send: Send, server_send: Send | None = None) -> None:
+        """The request, answered through ``send`` (``server_send``: the server's own, for the body: ClientOutput)."""
+        self.out = ClientOutput(send, self.pool, self.choice.why, server_send)
         self.ctx.metrics.running(1)
         try:
             await self._run(self.out)
@@ -289,9 +290,7 @@ class RequestFlow:
         claim = c.Claim.signed(self.ctx.config.secret, transfer_id, spec.host, spec.ctrl_port)
         t0 = anyio.current_time()
         pre = await self.ctx.prefills.call(
-            lambda prefill: run_prefill(
-                prefill, plan, claim, request_id=self.request_id, api_key=self.ctx.config.prefill_api_key
-            ),
+            lambda prefill: run_prefill(prefill, plan, claim, request_id=self.request_id),
             key=self.ctx.prefills.key(plan.body),
             request_id=self.request_id,
         )

@@ -22,7 +22,6 @@ from types import TracebackType
 from typing import TypeVar
 
 import anyio
-import anyio.lowlevel
 import structlog
 
 from tilert import contracts as c
@@ -148,11 +147,7 @@ class NodeLease:
         reserved = anyio.Event()
 
         async def reserve() -> None:
-            try:
-                # aiohttp writes a request's body on a task of its own (Python < 3.12: not started eagerly), queued
-                # when the work sent its request: one turn of the loop first puts the work's request on the wire
-                # before this one is built.
-                await anyio.lowlevel.checkpoint()
+            try:  # started after the work's first step, which writes the prefill's request on a kept connection
                 if await self._reserve(node):
                     refused.append(True)
                     tg.cancel_scope.cancel()

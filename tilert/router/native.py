@@ -78,9 +78,7 @@ async def native_prefill(
     ended the request) the prefill's result to answer from."""
     t0 = anyio.current_time()
     data = await ctx.prefills.call(
-        lambda prefill: post_prefill(
-            prefill, req.plan, plugin.prefill_params(), request_id=req.request_id, api_key=ctx.config.prefill_api_key
-        ),
+        lambda prefill: post_prefill(prefill, req.plan, plugin.prefill_params(), request_id=req.request_id),
         key=ctx.prefills.key(req.plan.body),
         request_id=req.request_id,
     )
@@ -120,8 +118,6 @@ async def _post_decode(ctx: RouterContext, req: NativeRequest, body: dict[str, A
     cfg, plan, session = ctx.config, req.plan, ctx.native
     assert session is not None
     headers = {"content-type": "application/json", "x-request-id": req.request_id}
-    if cfg.prefill_api_key:
-        headers["authorization"] = f"Bearer {cfg.prefill_api_key}"
     try:
         with anyio.fail_after(cfg.transfer_timeout_s if plan.stream else cfg.prefill_timeout_s):
             resp = await session.post(plan.path, data=orjson.dumps(body), headers=headers)

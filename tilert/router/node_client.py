@@ -19,8 +19,9 @@ import aiohttp
 from tilert import auth
 from tilert import contracts as c
 from tilert.router.config import DecodeNodeSpec
-from tilert.router.decode_stream import DECODE_LOST, DecodeConnections, DecodeLines, StreamBroke
+from tilert.router.decode_stream import DECODE_LOST, HIGH_WATER, DecodeLines
 from tilert.router.errors import RouterError
+from tilert.router.http1 import Connections, Http1Connection, StreamBroke
 
 _FAILURES = (aiohttp.ClientError, asyncio.TimeoutError)
 # A kept-alive connection the server closed while it sat in the pool: the request never got an answer.
@@ -78,8 +79,8 @@ class NodeClient:
         self.session = _session(spec, connect_timeout_s)
         self._timeout = aiohttp.ClientTimeout(total=control_timeout_s)
         self._headers = {"content-type": "application/json", "authorization": "Bearer " + auth.node_api_token(secret)}
-        self.streams = DecodeConnections(
-            spec.host, spec.http_port, self._headers, connect_timeout_s, idle_s=c.NODE_KEEPALIVE_S / 2
+        self.streams = Connections(
+            spec.base_url, self._headers, connect_timeout_s, idle_s=c.NODE_KEEPALIVE_S / 2, high_water=HIGH_WATER
         )
 
     async def aclose(self) -> None:
@@ -177,22 +178,22 @@ class NodeClient:
         A refusal (the node checks the request before streaming) raises :class:`RouterError` with the
         node's status for 4xx and 501, else 502."""
         try:
-            status, lines = await self.streams.open(c.dump(body))
+            conn = await self.streams.post("/v1/decode", c.dump(body))
         except (OSError, TimeoutError, StreamBroke) as exc:
             raise RouterError(502, f"decode node unreachable: {type(exc).__name__}", outcome=DECODE_LOST) from None
         try:
-            if status != 200:
-                message = node_message(await _refusal(lines), f"HTTP {status}")
-                refused = status if 400 <= status < 500 or status == 501 else 502
+            if conn.status != 200:
+                message = node_message(await _refusal(conn), f"HTTP {conn.status}")
+                refused = conn.status if 400 <= conn.status < 500 or conn.status == 501 else 502
                 raise RouterError(refused, message, outcome="decode_refused")
-            yield lines
+            yield DecodeLines(conn)
         finally:
-            self.streams.finish(lines)  # read to its end: kept for the next stream; else closed (the node stops)
+            self.streams.finish(conn)  # read to its end: kept for the next stream; else closed (the node stops)
 
 
-async def _refusal(lines: DecodeLines) -> bytes:
+async def _refusal(conn: Http1Connection) -> bytes:
     try:
-        return await lines.read_all()
+        return await conn.read_all()
     except StreamBroke:
         return b""
 

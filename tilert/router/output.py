@@ -1,4 +1,10 @@
-"""The ASGI response of one client request, as the router's legs write it."""
+"""The ASGI response of one client request, as the router's legs write it.
+
+The response's head goes through the app's middleware (which adds the request id and notes the status); once it has,
+the body's messages, one or more a token, go straight to the server's own ``send`` (:data:`SERVER_SEND`, kept in
+the request's scope by the app): none of the middleware reads them, and each wrapper of ``send`` is a Python call
+a token on the relay's path. A middleware that rewrites bodies would have to be put outside the app.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,9 @@ from starlette.types import Message, Send
 
 from tilert.router.routing import POOL_HEADER, REASON_HEADER
 
-__all__ = ["SSE_HEADERS", "ClientOutput"]
+__all__ = ["SERVER_SEND", "SSE_HEADERS", "ClientOutput"]
+
+SERVER_SEND = "tilert.server_send"  # the scope key of the server's own send
 
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -18,8 +26,11 @@ SSE_HEADERS = [
 class ClientOutput:
     """The ASGI response of one request, remembering how far it got."""
 
-    def __init__(self, send: Send, pool: str | None = None, pool_reason: str | None = None) -> None:
+    def __init__(
+        self, send: Send, pool: str | None = None, pool_reason: str | None = None, server_send: Send | None = None
+    ) -> None:
         self._send = send
+        self._body_send = server_send or send  # once the head went through send
         self.started = False
         self.done = False
         self.pool = pool  # the x-tilert-pool header of the response (the pool serving the request)
@@ -40,7 +51,7 @@ class ClientOutput:
         if self._head is not None:
             head, self._head = self._head, None
             await self._send(head)
-        await self._send({"type": "http.response.body", "body": data, "more_body": more})
+        await self._body_send({"type": "http.response.body", "body": data, "more_body": more})
 
     async def json(self, status: int, payload: bytes, extra: dict[str, str] | None = None) -> None:
         headers = [(b"content-type", b"application/json")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +11,7 @@ import orjson
 
 from tilert.contracts import Claim, ClaimResult, ContractError
 from tilert.router.errors import RouterError, upstream_message
+from tilert.router.http1 import Connections, ConnectTimeout, StreamBroke, header_lines
 from tilert.router.validation import RequestPlan
 
 
@@ -47,7 +49,7 @@ class InstanceFailed(RouterError):
         self.retry = retry
 
 
-def _unreachable(what: str, exc: aiohttp.ClientError) -> InstanceFailed:
+def _unreachable(what: str, exc: Exception) -> InstanceFailed:
     return InstanceFailed(502, f"{what}: {type(exc).__name__}", outcome="prefill_error", retry=True)
 
 
@@ -57,40 +59,62 @@ def _unreachable(what: str, exc: aiohttp.ClientError) -> InstanceFailed:
 VLLM_KEEPALIVE_S = 4.0
 
 
-def vllm_session(base_url: str, timeout: aiohttp.ClientTimeout) -> aiohttp.ClientSession:
-    """A client of a vLLM server (aiohttp, as for the decode nodes: it is on every request's path). No cap on
+def _auth(api_key: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def vllm_session(base_url: str, timeout: aiohttp.ClientTimeout, api_key: str | None) -> aiohttp.ClientSession:
+    """A client of a vLLM server (aiohttp, as for the decode nodes), sending ``api_key`` with every call. No cap on
     connections: concurrency is vLLM's to schedule."""
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=VLLM_KEEPALIVE_S)
-    return aiohttp.ClientSession(base_url, connector=connector, timeout=timeout)
+    return aiohttp.ClientSession(base_url, connector=connector, timeout=timeout, headers=_auth(api_key))
 
 
-def prefill_session(base_url: str, timeout_s: float, connect_timeout_s: float) -> aiohttp.ClientSession:
-    """The router's client of the prefill vLLM."""
-    return vllm_session(base_url, aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s))
+@dataclass(eq=False)
+class PrefillClient:
+    """The router's clients of one prefill vLLM: the prefill POST, on every request's path, on kept-alive HTTP/1.1
+    connections of :mod:`tilert.router.http1` (``posts``); health checks and the relayed calls (``/tokenize``) on
+    aiohttp (``session``). ``timeout_s``: a prefill's whole call, connecting included."""
+
+    session: aiohttp.ClientSession
+    posts: Connections
+    timeout_s: float
+
+    async def aclose(self) -> None:
+        self.posts.close()
+        await self.session.close()
+
+
+def prefill_session(base_url: str, timeout_s: float, connect_timeout_s: float, api_key: str | None) -> PrefillClient:
+    """The router's client of the prefill vLLM at ``base_url``."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
+    fixed = {"content-type": "application/json"} | _auth(api_key)
+    posts = Connections(base_url, fixed, connect_timeout_s, idle_s=VLLM_KEEPALIVE_S, high_water=_ANSWER_HIGH_WATER)
+    return PrefillClient(vllm_session(base_url, timeout, api_key), posts, timeout_s)
+
+
+_ANSWER_HIGH_WATER = 1 << 20  # a prefill answer's bytes read before the reader takes them (it takes them at once)
 
 
 async def post_prefill(
-    client: aiohttp.ClientSession,
+    client: PrefillClient,
     plan: RequestPlan,
     kv_transfer_params: dict[str, Any],
     *,
     request_id: str,
-    api_key: str | None,
 ) -> dict[str, Any]:
     """POST the ``max_tokens=1`` prefill carrying ``kv_transfer_params``; vLLM's JSON answer.
 
     vLLM's 4xx reach the client as they are, 5xx and transport errors are 502/504."""
-    headers = _headers(request_id, api_key)
+    body = orjson.dumps(plan.prefill_body(kv_transfer_params))
     try:
-        async with client.post(
-            plan.path, data=orjson.dumps(plan.prefill_body(kv_transfer_params)), headers=headers
-        ) as resp:
-            status, body = resp.status, await resp.read()
-    except aiohttp.ConnectionTimeoutError as exc:  # never connected: nothing was sent
+        async with asyncio.timeout(client.timeout_s):
+            status, body = await client.posts.call(plan.path, body, header_lines({"x-request-id": request_id}))
+    except ConnectTimeout as exc:  # never connected: nothing was sent
         raise _unreachable("prefill server unreachable", exc) from None
     except TimeoutError:
         raise InstanceFailed(504, "prefill timed out", outcome="prefill_timeout", retry=False) from None
-    except aiohttp.ClientError as exc:
+    except (OSError, StreamBroke) as exc:
         raise _unreachable("prefill server unreachable", exc) from None
     if 400 <= status < 500:
         message = upstream_message(body, f"prefill rejected the request with HTTP {status}")
@@ -114,13 +138,11 @@ async def post_prefill(
     return data
 
 
-async def relay(
-    client: aiohttp.ClientSession, path: str, body: bytes, *, request_id: str, api_key: str | None
-) -> tuple[int, bytes]:
+async def relay(client: PrefillClient, path: str, body: bytes, *, request_id: str) -> tuple[int, bytes]:
     """POST ``body`` as it is to the prefill vLLM's ``path`` (``/tokenize``, ``/detokenize``): vLLM's status and
     body, whatever they are; a timeout is 504, an unreachable server 502 (:class:`InstanceFailed` both)."""
     try:
-        async with client.post(path, data=body, headers=_headers(request_id, api_key)) as resp:
+        async with client.session.post(path, data=body, headers=_headers(request_id)) as resp:
             return resp.status, await resp.read()
     except aiohttp.ConnectionTimeoutError as exc:
         raise _unreachable(f"prefill server unreachable for {path}", exc) from None
@@ -131,18 +153,13 @@ async def relay(
         raise _unreachable(f"prefill server unreachable for {path}", exc) from None
 
 
-def _headers(request_id: str, api_key: str | None) -> dict[str, str]:
-    headers = {"content-type": "application/json", "x-request-id": request_id}
-    if api_key:
-        headers["authorization"] = f"Bearer {api_key}"
-    return headers
+def _headers(request_id: str) -> dict[str, str]:
+    return {"content-type": "application/json", "x-request-id": request_id}
 
 
-async def run_prefill(
-    client: aiohttp.ClientSession, plan: RequestPlan, claim: Claim, *, request_id: str, api_key: str | None
-) -> PrefillResult:
+async def run_prefill(client: PrefillClient, plan: RequestPlan, claim: Claim, *, request_id: str) -> PrefillResult:
     """The TileRT pool's prefill: :func:`post_prefill` with the claim, the connector's answer checked."""
-    data = await post_prefill(client, plan, claim.to_params(), request_id=request_id, api_key=api_key)
+    data = await post_prefill(client, plan, claim.to_params(), request_id=request_id)
     return parse_prefill_response(data, plan, claim.transfer_id)
 
 

@@ -41,7 +41,7 @@ import structlog
 
 from tilert.router.errors import RouterError
 from tilert.router.metrics import RouterMetrics
-from tilert.router.prefill import InstanceFailed
+from tilert.router.prefill import InstanceFailed, PrefillClient
 
 log = structlog.get_logger("tilert.router.prefill_pool")
 
@@ -142,10 +142,10 @@ class Breaker:
 
 @dataclass(eq=False)
 class PrefillInstance:
-    """One prefill vLLM: its client, breaker and load as this router sees them."""
+    """One prefill vLLM: its clients, breaker and load as this router sees them."""
 
     url: str
-    session: aiohttp.ClientSession
+    client: PrefillClient
     breaker: Breaker
     in_flight: int = 0
     requests: int = 0  # calls sent to it
@@ -168,7 +168,7 @@ class PrefillPool:
     def __init__(
         self,
         urls: Sequence[str],
-        session: Callable[[str], aiohttp.ClientSession],
+        client: Callable[[str], PrefillClient],
         metrics: RouterMetrics,
         *,
         policy: str = LEAST_LOADED,
@@ -186,7 +186,7 @@ class PrefillPool:
         self._metrics = metrics
         self._rr = 0
         self.instances = [
-            PrefillInstance(url, session(url), Breaker(url, failures_to_open, open_s, self._reporter(url), clock))
+            PrefillInstance(url, client(url), Breaker(url, failures_to_open, open_s, self._reporter(url), clock))
             for url in urls
         ]
         for inst in self.instances:
@@ -227,13 +227,13 @@ class PrefillPool:
     # -- calls -------------------------------------------------------------------------------------
     async def call(
         self,
-        work: Callable[[aiohttp.ClientSession], Awaitable[T]],
+        work: Callable[[PrefillClient], Awaitable[T]],
         *,
         key: str | None = None,
         request_id: str = "",
         failure: Callable[[T], str | None] = lambda _: None,
     ) -> T:
-        """``work(session)`` on the instance the policy picks; once more on another one when the first failed
+        """``work(client)`` on the instance the policy picks; once more on another one when the first failed
         before it could run. ``failure(result)``: a result that is the instance's own failure (a relayed 5xx)."""
         tried: list[PrefillInstance] = []
         while True:
@@ -257,7 +257,7 @@ class PrefillPool:
     async def _one(
         self,
         inst: PrefillInstance,
-        work: Callable[[aiohttp.ClientSession], Awaitable[T]],
+        work: Callable[[PrefillClient], Awaitable[T]],
         failure: Callable[[T], str | None],
         request_id: str,
     ) -> T:
@@ -268,7 +268,7 @@ class PrefillPool:
         outcome = "cancelled"
         try:
             try:
-                result = await work(inst.session)
+                result = await work(inst.client)
             except InstanceFailed as exc:
                 outcome = "failed"
                 inst.breaker.failed(exc.message)
@@ -313,7 +313,7 @@ class PrefillPool:
     async def probe(self, inst: PrefillInstance, timeout_s: float) -> dict[str, Any]:
         """Ask ``inst``'s /health; an open instance's breaker hears the answer when its wait is over."""
         try:
-            async with inst.session.get("/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            async with inst.client.session.get("/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 ok, error = resp.status == 200, None if resp.status == 200 else f"HTTP {resp.status}"
         except (TimeoutError, aiohttp.ClientError) as exc:
             ok, error = False, f"{type(exc).__name__}: {exc}"
@@ -358,7 +358,7 @@ class PrefillPool:
 
     async def aclose(self) -> None:
         for inst in self.instances:
-            await inst.session.close()
+            await inst.client.aclose()
 
 
 class _FailedResult(Exception):
