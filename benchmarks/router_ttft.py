@@ -1,7 +1,7 @@
 """The time to first token the router adds over its prefill: one user, one request at a time, long prompts.
 
 The stand-ins of :mod:`tilert.testing.standins` (``e2e.py --standin``: vLLM's non-streaming prefill reply, the
-decode node's API; both answer at once) on loopback, the real router (``tilert router``) in between, and, with
+decode node's API; both answer at once, the prefill after ``--prefill-ms``) on loopback, the real router (``tilert router``) in between, and, with
 ``--baseline-router DIR``, a second router run from DIR's ``tilert`` (e.g. ``git archive`` of an earlier commit)
 against the same stand-ins in the same rounds. Each request is a greedy streaming request of ``--tokens`` tokens
 after a ``--prompt-tokens``-token prompt, of each kind of ``--kinds``:
@@ -33,6 +33,7 @@ Writes ``NAME.json`` and ``NAME.md`` (default ``benchmarks/results/cpu-router-tt
 
     python benchmarks/router_ttft.py                                     # this checkout's router alone
     python benchmarks/router_ttft.py --baseline-router /tmp/before       # against an earlier one, same rounds
+    python benchmarks/router_ttft.py --prefill-ms 10                     # the router idle while the prefill works
 """
 
 from __future__ import annotations
