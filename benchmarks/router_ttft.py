@@ -1,10 +1,10 @@
 """The time to first token the router adds over its prefill: one user, one request at a time, long prompts.
 
 The stand-ins of :mod:`tilert.testing.standins` (``e2e.py --standin``: vLLM's non-streaming prefill reply, the
-decode node's API; both answer at once, the prefill after ``--prefill-ms``) on loopback, the real router (``tilert router``) in between, and, with
-``--baseline-router DIR``, a second router run from DIR's ``tilert`` (e.g. ``git archive`` of an earlier commit)
-against the same stand-ins in the same rounds. Each request is a greedy streaming request of ``--tokens`` tokens
-after a ``--prompt-tokens``-token prompt, of each kind of ``--kinds``:
+decode node's API; the decode answers at once, the prefill after ``--prefill-ms``) on loopback, the real router
+(``tilert router``) in between, and, with ``--baseline-router DIR``, a second router run from DIR's ``tilert`` (e.g.
+``git archive`` of an earlier commit) against the same stand-ins in the same rounds. Each request is a greedy
+streaming request of ``--tokens`` tokens after a ``--prompt-tokens``-token prompt, of each kind of ``--kinds``:
 
 - ``ids``: a completion whose prompt is the token ids of a text (code-like words);
 - ``random``: a completion whose prompt is seeded random token ids, as ``gpu_serving.py`` sends, whose text has no
