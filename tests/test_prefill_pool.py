@@ -280,6 +280,9 @@ def test_router_settings_take_one_or_several_prefill_urls(tmp_path: Path, monkey
         ({"prefill_urls": [A, A + "/"]}, "duplicate prefill instances"),
         ({"prefill_urls": [A, "ftp://x"]}, "must be an http(s) URL"),
         ({"prefill_urls": [A + "/v1"]}, "without /v1"),
+        ({"prefill_urls": ["http://u:secret@127.0.0.1:8000"]}, "must carry no credentials"),
+        ({"prefill_urls": [A + "/?x=1"]}, "without a query or fragment"),
+        ({"prefill_urls": ["http://127.0.0.1:99999"]}, "has no valid port"),
         ({"prefill_urls": [A], "prefill_policy": "random"}, "prefill_policy (--prefill-policy"),
         ({"prefill_urls": [A], "prefill_breaker_failures": 0}, "prefill_breaker_failures"),
         ({"prefill_urls": [A], "prefill_breaker_open_s": 0}, "prefill_breaker_open_s"),
@@ -290,6 +293,12 @@ def test_bad_prefill_settings_are_refused_with_the_reason(tmp_path: Path, kw: di
     with pytest.raises(ConfigError) as err:
         _config(tmp_path, **kw).validate()
     assert reason in str(err.value)
+
+
+def test_a_prefill_url_with_credentials_is_refused_without_repeating_them(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        _config(tmp_path, prefill_urls=["http://user:pa55word@127.0.0.1:8000"]).validate()
+    assert "credentials" in str(err.value) and "pa55word" not in str(err.value)
 
 
 def test_tilert_up_starts_n_prefill_instances_on_consecutive_ports(tmp_path: Path) -> None:

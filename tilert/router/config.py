@@ -154,6 +154,14 @@ def prefill_url_problem(url: Any) -> str | None:
     parsed = urlparse(url) if isinstance(url, str) else urlparse("")
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         return f"must be an http(s) URL such as http://127.0.0.1:8000, got {url!r}"
+    if parsed.username is not None or parsed.password is not None:
+        return "must carry no credentials (the router sends prefill_api_key as a bearer token)"
+    if parsed.query or parsed.fragment or parsed.params:
+        return f"is the server root, without a query or fragment: {url!r}"
+    try:
+        parsed.port  # noqa: B018 - raises on a port that is no number in range
+    except ValueError:
+        return f"has no valid port: {url!r}"
     if url.rstrip("/").endswith("/v1"):
         return f"is the server root, without /v1: {url!r}"
     return None

@@ -172,14 +172,16 @@ class Connections:
         self, url: str, headers: dict[str, str], connect_timeout_s: float, idle_s: float, high_water: int
     ) -> None:
         parsed = urlparse(url)
-        if parsed.scheme not in ("http", "https") or not parsed.hostname:
-            raise ValueError(f"not an http(s) URL: {url!r}")
+        if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.username is not None:
+            raise ValueError(f"not an http(s) URL of a server (no credentials): {parsed.scheme}://{parsed.hostname}")
         self.host = parsed.hostname
         self.port = parsed.port or (443 if parsed.scheme == "https" else 80)
         self._tls = ssl.create_default_context() if parsed.scheme == "https" else None
         self._prefix = parsed.path.rstrip("/")
         self.connect_timeout_s, self.idle_s, self.high_water = connect_timeout_s, idle_s, high_water
-        self._fields = f"host: {parsed.netloc}\r\n".encode("latin-1") + header_lines(headers)
+        netloc = f"[{self.host}]" if ":" in self.host else self.host
+        netloc += f":{parsed.port}" if parsed.port else ""
+        self._fields = header_lines({"host": netloc, **headers})
         self._idle: list[Http1Connection] = []
         self._open: set[Http1Connection] = set()
 
