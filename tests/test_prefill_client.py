@@ -19,7 +19,7 @@ import orjson
 import pytest
 
 from tilert.router.errors import RouterError
-from tilert.router.http1 import header_lines
+from tilert.router.http1 import Connections, header_lines
 from tilert.router.prefill import InstanceFailed, PrefillClient, post_prefill, prefill_session
 from tilert.router.validation import build_plan
 
@@ -254,6 +254,28 @@ async def test_a_cancelled_call_closes_its_connection() -> None:
         await asyncio.wait_for(srv.closed_by_client.wait(), 5)
     finally:
         await client.aclose()
+        server.close()
+
+
+@run
+async def test_connections_left_idle_past_their_time_are_closed_and_dropped() -> None:
+    srv = Server([whole() for _ in range(9)])
+    server = await srv.start()
+    conns = Connections(f"http://127.0.0.1:{_port(server)}", {}, connect_timeout_s=2.0, idle_s=0.5, high_water=1 << 20)
+    try:
+        got = await asyncio.gather(*(conns.call("/p", b"{}") for _ in range(3)))  # a burst: three connections
+        assert [status for status, _ in got] == [200] * 3 and srv.connections == 3
+        burst = list(conns._idle)
+        for _ in range(5):  # one call at a time after it, each on the most recently used connection
+            await asyncio.sleep(0.15)
+            assert (await conns.call("/p", b"{}"))[0] == 200
+        assert srv.connections == 3
+        assert list(conns._idle) == [burst[-1]]  # the two left idle since the burst: closed and dropped
+        assert all(c.closed for c in burst[:-1]) and not burst[-1].closed
+        await asyncio.sleep(0.6)
+        assert (await conns.call("/p", b"{}"))[0] == 200 and srv.connections == 4  # the aged one is not reused
+    finally:
+        conns.close()
         server.close()
 
 

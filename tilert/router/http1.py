@@ -18,6 +18,7 @@ closed (the server then stops: vLLM aborts a request whose connection closed, th
 from __future__ import annotations
 
 import asyncio
+import collections
 import ssl
 import time
 from typing import cast
@@ -182,7 +183,7 @@ class Connections:
         netloc = f"[{self.host}]" if ":" in self.host else self.host
         netloc += f":{parsed.port}" if parsed.port else ""
         self._fields = header_lines({"host": netloc, **headers})
-        self._idle: list[Http1Connection] = []
+        self._idle: collections.deque[Http1Connection] = collections.deque()  # the oldest first
         self._open: set[Http1Connection] = set()
 
     async def _connection(self) -> Http1Connection:
@@ -237,11 +238,15 @@ class Connections:
     def finish(self, conn: Http1Connection) -> None:
         """The response is left: its connection back to the pool when it was read to its end, else closed."""
         self._open.discard(conn)
+        now = time.monotonic()
         if conn.at_end and conn.keep_alive and not conn.closed:
-            conn.idle_since = time.monotonic()
+            conn.idle_since = now
             self._idle.append(conn)
         else:
             conn.close()
+        idle = self._idle  # those that aged out or the server closed, dropped (a burst's connections do not linger)
+        while idle and (idle[0].closed or now - idle[0].idle_since >= self.idle_s):
+            idle.popleft().close()
 
     def close(self) -> None:
         for conn in [*self._idle, *self._open]:
