@@ -63,22 +63,7 @@ class RouterContext:
     async def start(cls, config: RouterConfig, metrics: RouterMetrics) -> RouterContext:
         config.validate()
         tokenizer, parsers = await _model_files(config)
-        prefills = PrefillPool(
-            config.prefill_urls,
-            partial(
-                prefill_session,
-                timeout_s=config.prefill_timeout_s,
-                connect_timeout_s=config.connect_timeout_s,
-                api_key=config.prefill_api_key,
-            ),
-            metrics,
-            policy=config.prefill_policy,
-            prefix_chars=config.prefill_prefix_chars,
-            slack=config.prefill_prefix_slack,
-            failures_to_open=config.prefill_breaker_failures,
-            open_s=config.prefill_breaker_open_s,
-            retry_after_s=config.retry_after_s,
-        )
+        prefills = _prefill_pool(config, metrics)
         nodes = {
             spec.name: NodeClient(
                 spec, config.connect_timeout_s, config.control_timeout_s, config.secret, config.lease_s
@@ -228,3 +213,24 @@ class RouterContext:
                 await self.check_native()
             except Exception:  # noqa: BLE001 - the loop must survive anything
                 log.exception("health_loop_error")
+
+
+def _prefill_pool(config: RouterConfig, metrics: RouterMetrics) -> PrefillPool:
+    """The router's prefill instances, each with its clients (:func:`~tilert.router.prefill.prefill_session`)."""
+    client = partial(
+        prefill_session,
+        timeout_s=config.prefill_timeout_s,
+        connect_timeout_s=config.connect_timeout_s,
+        api_key=config.prefill_api_key,
+    )
+    return PrefillPool(
+        config.prefill_urls,
+        client,
+        metrics,
+        policy=config.prefill_policy,
+        prefix_chars=config.prefill_prefix_chars,
+        slack=config.prefill_prefix_slack,
+        failures_to_open=config.prefill_breaker_failures,
+        open_s=config.prefill_breaker_open_s,
+        retry_after_s=config.retry_after_s,
+    )
