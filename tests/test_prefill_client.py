@@ -20,7 +20,7 @@ import pytest
 
 from tilert.router.errors import RouterError
 from tilert.router.http1 import Connections, header_lines
-from tilert.router.prefill import InstanceFailed, PrefillClient, post_prefill, prefill_session
+from tilert.router.prefill import InstanceFailed, PrefillClient, post_prefill, prefill_client
 from tilert.router.validation import build_plan
 
 pytestmark = pytest.mark.timeout(60)
@@ -123,7 +123,7 @@ def _port(server: asyncio.Server) -> int:
 
 
 def client_of(url: str, timeout_s: float = 10.0, api_key: str | None = "k-123") -> PrefillClient:
-    return prefill_session(url, timeout_s=timeout_s, connect_timeout_s=2.0, api_key=api_key)
+    return prefill_client(url, timeout_s=timeout_s, connect_timeout_s=2.0, api_key=api_key)
 
 
 async def call(client: PrefillClient, request_id: str = "r-1") -> dict[str, Any]:

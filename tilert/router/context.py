@@ -20,7 +20,7 @@ from tilert.router.detokenize import TokenizerBundle, load_tokenizer
 from tilert.router.metrics import RouterMetrics
 from tilert.router.node_client import NodeClient
 from tilert.router.pool import DecodePool, PooledNode, ProbeTimeouts
-from tilert.router.prefill import prefill_session, vllm_session
+from tilert.router.prefill import prefill_client, vllm_session
 from tilert.router.prefill_pool import PrefillPool
 from tilert.router.tools import Parsers, load_parsers
 from tilert.router.watch import NodeWatch
@@ -216,9 +216,9 @@ class RouterContext:
 
 
 def _prefill_pool(config: RouterConfig, metrics: RouterMetrics) -> PrefillPool:
-    """The router's prefill instances, each with its clients (:func:`~tilert.router.prefill.prefill_session`)."""
+    """The router's prefill instances, each with its clients (:func:`~tilert.router.prefill.prefill_client`)."""
     client = partial(
-        prefill_session,
+        prefill_client,
         timeout_s=config.prefill_timeout_s,
         connect_timeout_s=config.connect_timeout_s,
         api_key=config.prefill_api_key,

@@ -85,15 +85,15 @@ class PrefillClient:
         await self.session.close()
 
 
-def prefill_session(base_url: str, timeout_s: float, connect_timeout_s: float, api_key: str | None) -> PrefillClient:
-    """The router's client of the prefill vLLM at ``base_url``."""
+_ANSWER_HIGH_WATER = 1 << 20  # a prefill answer's bytes read before the reader takes them (it takes them at once)
+
+
+def prefill_client(base_url: str, timeout_s: float, connect_timeout_s: float, api_key: str | None) -> PrefillClient:
+    """The router's clients of the prefill vLLM at ``base_url``."""
     timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
     fixed = {"content-type": "application/json"} | _auth(api_key)
     posts = Connections(base_url, fixed, connect_timeout_s, idle_s=VLLM_KEEPALIVE_S, high_water=_ANSWER_HIGH_WATER)
     return PrefillClient(vllm_session(base_url, timeout, api_key), posts, timeout_s)
-
-
-_ANSWER_HIGH_WATER = 1 << 20  # a prefill answer's bytes read before the reader takes them (it takes them at once)
 
 
 async def post_prefill(
@@ -106,10 +106,10 @@ async def post_prefill(
     """POST the ``max_tokens=1`` prefill carrying ``kv_transfer_params``; vLLM's JSON answer.
 
     vLLM's 4xx reach the client as they are, 5xx and transport errors are 502/504."""
-    body = orjson.dumps(plan.prefill_body(kv_transfer_params))
+    request = orjson.dumps(plan.prefill_body(kv_transfer_params))
     try:
         async with asyncio.timeout(client.timeout_s):
-            status, body = await client.posts.call(plan.path, body, header_lines({"x-request-id": request_id}))
+            status, body = await client.posts.call(plan.path, request, header_lines({"x-request-id": request_id}))
     except ConnectTimeout as exc:  # never connected: nothing was sent
         raise _unreachable("prefill server unreachable", exc) from None
     except TimeoutError:
