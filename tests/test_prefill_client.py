@@ -279,6 +279,26 @@ async def test_connections_left_idle_past_their_time_are_closed_and_dropped() ->
         server.close()
 
 
+@run
+async def test_a_connection_that_got_bytes_while_idle_is_not_reused() -> None:
+    async def then_stray(head: bytes, got: bytes, writer: asyncio.StreamWriter) -> None:
+        await whole()(head, got, writer)
+        await asyncio.sleep(0.05)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstray")  # an answer to nothing
+
+    srv = Server([then_stray, whole()])
+    server = await srv.start()
+    client = client_of(f"http://127.0.0.1:{_port(server)}")
+    try:
+        await call(client)
+        await asyncio.sleep(0.2)
+        assert await call(client) == orjson.loads(ANSWER)
+        assert srv.connections == 2
+    finally:
+        await client.aclose()
+        server.close()
+
+
 def _self_signed(tmp: Path) -> tuple[Path, Path]:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization

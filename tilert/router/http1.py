@@ -190,7 +190,8 @@ class Connections:
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()  # the most recently used: the others age out
-            if not conn.closed and now - conn.idle_since < self.idle_s:
+            # (bytes that came while it sat idle are no answer to anything: it is not reused)
+            if not conn.closed and not conn.chunks and conn.error is None and now - conn.idle_since < self.idle_s:
                 return conn
             conn.close()
         loop = asyncio.get_running_loop()
