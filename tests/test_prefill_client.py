@@ -11,7 +11,8 @@ import datetime
 import functools
 import ipaddress
 import ssl
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,7 @@ class Server:
         self.connections = 0
         self.closed_by_client = asyncio.Event()
         self.readers: list[asyncio.StreamReader] = []
+        self.port = 0  # once started by serving()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -126,6 +128,21 @@ def client_of(url: str, timeout_s: float = 10.0, api_key: str | None = "k-123") 
     return prefill_client(url, timeout_s=timeout_s, connect_timeout_s=2.0, api_key=api_key)
 
 
+@asynccontextmanager
+async def serving(srv: Server, path: str = "", **kw: Any) -> AsyncIterator[PrefillClient]:
+    """``srv`` started on loopback (its port in ``srv.port``) and a client of it (``client_of``'s ``kw``), both
+    closed after."""
+    server = await srv.start()
+    srv.port = _port(server)
+    client = client_of(f"http://127.0.0.1:{srv.port}{path}", **kw)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
+
+
 async def call(client: PrefillClient, request_id: str = "r-1") -> dict[str, Any]:
     return await post_prefill(client, PLAN, CLAIM, request_id=request_id)
 
@@ -133,21 +150,15 @@ async def call(client: PrefillClient, request_id: str = "r-1") -> dict[str, Any]
 @run
 async def test_the_request_is_vllms_and_a_kept_connection_serves_the_next_call() -> None:
     srv = Server([whole(), chunked, whole()])
-    server = await srv.start()
-    port = _port(server)
-    client = client_of(f"http://127.0.0.1:{port}/prefix/")
-    try:
+    async with serving(srv, "/prefix/") as client:
         for rid in ("r-1", "r-2", "r-3"):
             assert await call(client, rid) == orjson.loads(ANSWER)
-    finally:
-        await client.aclose()
-        server.close()
     assert srv.connections == 1  # kept alive across the three calls, chunked or not
     head, body = srv.requests[0]
     lines = head.decode("latin-1").split("\r\n")
     assert lines[0] == "POST /prefix/v1/completions HTTP/1.1"
     fields = dict(line.split(": ", 1) for line in lines[1:] if line)
-    assert fields["host"] == f"127.0.0.1:{port}"
+    assert fields["host"] == f"127.0.0.1:{srv.port}"
     assert fields["authorization"] == "Bearer k-123"
     assert fields["x-request-id"] == "r-1"
     assert fields["content-type"] == "application/json"
@@ -164,14 +175,9 @@ async def test_the_request_is_vllms_and_a_kept_connection_serves_the_next_call()
 @run
 async def test_a_connection_the_server_closes_is_not_reused() -> None:
     srv = Server([whole(extra=b"connection: close\r\n"), whole()])
-    server = await srv.start()
-    client = client_of(f"http://127.0.0.1:{_port(server)}", api_key=None)
-    try:
+    async with serving(srv, api_key=None) as client:
         await call(client)
         await call(client)
-    finally:
-        await client.aclose()
-        server.close()
     assert srv.connections == 2
     assert b"authorization" not in srv.requests[0][0].lower()
 
@@ -179,37 +185,24 @@ async def test_a_connection_the_server_closes_is_not_reused() -> None:
 @run
 async def test_vllms_4xx_reaches_the_client_and_its_5xx_is_the_instances_failure() -> None:
     refusal = orjson.dumps({"error": {"message": "prompt too long", "type": "BadRequestError", "code": 400}})
-    srv = Server([whole(400, refusal), whole(500, b"oops")])
-    server = await srv.start()
-    client = client_of(f"http://127.0.0.1:{_port(server)}")
-    try:
+    async with serving(Server([whole(400, refusal), whole(500, b"oops")])) as client:
         with pytest.raises(RouterError) as got:
             await call(client)
         assert got.value.status == 400 and "prompt too long" in got.value.message and got.value.body == refusal
         with pytest.raises(InstanceFailed) as failed:
             await call(client)
         assert failed.value.status == 502 and failed.value.retry
-    finally:
-        await client.aclose()
-        server.close()
 
 
 @run
 async def test_a_broken_connection_and_an_absent_server_fail_the_instance_for_a_retry() -> None:
     srv = Server([broken])
-    server = await srv.start()
-    port = _port(server)
-    client = client_of(f"http://127.0.0.1:{port}")
-    try:
+    async with serving(srv) as client:
         with pytest.raises(InstanceFailed) as got:
             await call(client)
         assert (got.value.status, got.value.retry) == (502, True), got.value.message
         assert got.value.message.startswith("prefill server unreachable")
-    finally:
-        await client.aclose()
-        server.close()
-    await server.wait_closed()
-    gone = client_of(f"http://127.0.0.1:{port}")  # nothing listens there now
+    gone = client_of(f"http://127.0.0.1:{srv.port}")  # nothing listens there now
     try:
         with pytest.raises(InstanceFailed) as got:
             await call(gone)
@@ -222,26 +215,19 @@ async def test_a_broken_connection_and_an_absent_server_fail_the_instance_for_a_
 async def test_a_server_that_never_answers_times_out_without_a_retry() -> None:
     srv = Server([])
     srv.answers.append(silent(srv))
-    server = await srv.start()
-    client = client_of(f"http://127.0.0.1:{_port(server)}", timeout_s=0.3)
-    try:
+    async with serving(srv, timeout_s=0.3) as client:
         with pytest.raises(InstanceFailed) as got:
             await call(client)
         assert (got.value.status, got.value.retry, got.value.message) == (504, False, "prefill timed out")
         # the timed-out call's connection was closed, not kept: the server saw it go
         await asyncio.wait_for(srv.closed_by_client.wait(), 5)
-    finally:
-        await client.aclose()
-        server.close()
 
 
 @run
 async def test_a_cancelled_call_closes_its_connection() -> None:
     srv = Server([])
     srv.answers.append(silent(srv))
-    server = await srv.start()
-    client = client_of(f"http://127.0.0.1:{_port(server)}")
-    try:
+    async with serving(srv) as client:
         task = asyncio.ensure_future(call(client))
         for _ in range(200):
             if srv.requests:
@@ -252,9 +238,6 @@ async def test_a_cancelled_call_closes_its_connection() -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         await asyncio.wait_for(srv.closed_by_client.wait(), 5)
-    finally:
-        await client.aclose()
-        server.close()
 
 
 @run
@@ -287,16 +270,11 @@ async def test_a_connection_that_got_bytes_while_idle_is_not_reused() -> None:
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstray")  # an answer to nothing
 
     srv = Server([then_stray, whole()])
-    server = await srv.start()
-    client = client_of(f"http://127.0.0.1:{_port(server)}")
-    try:
+    async with serving(srv) as client:
         await call(client)
         await asyncio.sleep(0.2)
         assert await call(client) == orjson.loads(ANSWER)
         assert srv.connections == 2
-    finally:
-        await client.aclose()
-        server.close()
 
 
 def _self_signed(tmp: Path) -> tuple[Path, Path]:
