@@ -823,6 +823,7 @@ class TileRTEngine(DecodeEngine):
         st = self._seqs[seq]
         base = seq * self.max_seq_len
         off = base if self.flat else 0  # as speculative_greedy_step
+        buf_off, view = base - off, self._view(seq)  # the step's buffers' offset and model rows (CPU view path)
         token, pos = first_token, start_pos
         slot, running = 0, False  # running: a step from the device's state, launched at ``pos``, not read yet
         while True:
@@ -837,12 +838,12 @@ class TileRTEngine(DecodeEngine):
                 self._spec_row.fill_(off + pos)
                 self._stream_base.fill_(base)
                 self._mtp_from.fill_(st.mtp_lo + off)
-                self._spec_launch(num_draft, regime, accept_all, base - off, self._view(seq), slot)
+                self._spec_launch(num_draft, regime, accept_all, buf_off, view, slot)
             st.mtp_upto = pos  # as speculative_greedy_step: this step catches up the MTP rows below pos
             # the next step, from wherever this one ends (1 to num_draft + 1 positions on), before this one is read
             ahead = self._spec_regime(st, pos + 1, pos + num_draft + 1, num_draft) if self.use_graphs else None
             if ahead is not None:
-                self._spec_launch(num_draft, ahead, accept_all, base - off, self._view(seq), 1 - slot)
+                self._spec_launch(num_draft, ahead, accept_all, buf_off, view, 1 - slot)
             step = self._spec_read(st, pos, num_draft, slot)
             yield step
             token, pos = step.tokens[-1], pos + len(step.tokens)
