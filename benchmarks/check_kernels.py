@@ -805,6 +805,19 @@ def check_registered(dev):
             report(f"op tilert::mla_prep n={n} (cuda): {nm}", x1, x2)
         report(f"op tilert::mla_prep n={n} (cuda): kv rows", kc1[pos_], kc2[pos_])
         report(f"op tilert::mla_prep n={n} (cuda): index rows", ic1[pos_], ic2[pos_])
+        # a dense step: W_a without the indexer's head weights, W_b without its queries (Hi = 0), the key row still
+        kc3, ic3 = kc2.index_fill(0, pos_, float("nan")), ic2.index_fill(0, pos_, float("nan"))  # rows to be written
+        a3, b3 = a_[:, : QL + L + R + DI].contiguous(), b_[:, : H * (P + R)].contiguous()
+        q3, iq3, iw3 = ops.mla_prep(a3, b3, pos_, kvb, cs, sn, kvn, kc3, ikw, ikb, ic3, H, P, QL, 0, 1e-6, 0.01)
+        empty = iq3.shape == (n, 0, DI) and iw3.shape == (n, 0)
+        report(
+            f"op tilert::mla_prep n={n} dense, no index q (cuda): q, empty={empty}",
+            q3,
+            want[0],
+            tol=TOL if empty else -1,
+        )
+        report(f"op tilert::mla_prep n={n} dense, no index q (cuda): kv rows", kc3[pos_], kc2[pos_])
+        report(f"op tilert::mla_prep n={n} dense, no index q (cuda): index rows", ic3[pos_], ic2[pos_])
         ol = rnd(n, H, L, dev=dev)
         report(f"op tilert::mla_uv n={n} (cuda)", ops.mla_uv(ol, kvb, P), ref.mla_uv(ol, kvb, P))
 

@@ -139,19 +139,25 @@ def _wbytes(a, leaf: str, *shape: int) -> int:
     return math.prod(shape) + 4 * math.prod(fp8.scale_shape(leaf, shape))
 
 
-def _attn_bytes(a, has_indexer: bool) -> int:
-    """One layer's attention weights: W_a (with the indexer's rows where it runs its own), W_b, W_kv_b, W_o."""
+def _projection_bytes(a, has_indexer: bool, sparse: bool) -> int:
+    """W_a and W_b as a step reads them (``ModelArgs.wa_step_rows``: the indexer's queries and head weights on a
+    sparse step only)."""
+    b = _wbytes(a, "wa", a.wa_step_rows(has_indexer, sparse), a.hidden_size)
+    if a.q_lora_rank is not None:
+        b += _wbytes(a, "wb", a.wb_step_rows(has_indexer, sparse), a.q_lora_rank)
+    if has_indexer and sparse and a.fp8:  # indexer.weights_proj, kept bf16 apart from W_a
+        b += a.index_n_heads * a.hidden_size * 2
+    return b
+
+
+def _attn_bytes(a, has_indexer: bool, sparse: bool) -> int:
+    """One layer's attention weights: W_a and W_b (:func:`_projection_bytes`), W_kv_b, W_o."""
     d, h = a.hidden_size, a.num_heads
-    b = (
-        _wbytes(a, "wa", a.wa_rows(has_indexer), d)
+    return (
+        _projection_bytes(a, has_indexer, sparse)
         + _wbytes(a, "wkv_b", h * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)
         + _wbytes(a, "wo", d, h * a.v_head_dim)
     )
-    if a.q_lora_rank is not None:
-        b += _wbytes(a, "wb", a.wb_rows(has_indexer), a.q_lora_rank)
-    if has_indexer and a.fp8:  # indexer.weights_proj, kept bf16 apart from W_a
-        b += a.index_n_heads * a.hidden_size * 2
-    return b
 
 
 def routed_union(args, tokens: int) -> float:
@@ -184,7 +190,7 @@ def bytes_per_token(args, ctx: int, sparse: bool, tokens: int = 1) -> dict:
     d = a.hidden_size
     index_layers = set(a.index_layers)
     weights = sum(
-        _attn_bytes(a, j in index_layers)
+        _attn_bytes(a, j in index_layers, sparse)
         + (_moe_bytes(a, tokens) if a.mlp_layer_types[j] == "sparse" else _dense_bytes(a))
         for j in range(a.num_layers)
     )
@@ -207,7 +213,7 @@ def spec_bytes_per_step(args, ctx: int, sparse: bool, drafts: int, caught_up: in
     d = a.hidden_size
     head = (a.vocab_size // a.tp_size) * d * el + (d * el if a.mtp_own_embed else 0)
     mlp = (lambda t: _moe_bytes(a, t)) if a.mtp_moe else (lambda t: _dense_bytes(a))
-    layer = lambda t: 2 * d * 2 * d + _attn_bytes(a, a.mtp_indexer) + mlp(t)  # noqa: E731 (eh_proj stays bf16)
+    layer = lambda t: 2 * d * 2 * d + _attn_bytes(a, a.mtp_indexer, sparse) + mlp(t)  # noqa: E731 (eh_proj stays bf16)
     mtp_kv = ctx * a.latent_dim * el
     mtp = layer(caught_up) + head + mtp_kv + (drafts - 1) * (layer(1) + head + mtp_kv)
     verify = bytes_per_token(a, ctx, sparse, tokens=drafts + 1)["total"]
@@ -242,11 +248,7 @@ def category_bytes(args, ctx: int, sparse: bool) -> dict:
     rows = min(ctx, a.index_topk) if sparse else ctx
     for j in range(a.num_layers):
         has_idx = j in index_layers
-        out[gemv] += _wbytes(a, "wa", a.wa_rows(has_idx), d) + _wbytes(a, "wo", d, h * a.v_head_dim)
-        if a.q_lora_rank is not None:
-            out[gemv] += _wbytes(a, "wb", a.wb_rows(has_idx), a.q_lora_rank)
-        if has_idx and a.fp8:
-            out[gemv] += a.index_n_heads * d * el
+        out[gemv] += _projection_bytes(a, has_idx, sparse) + _wbytes(a, "wo", d, h * a.v_head_dim)
         out[core] += _wbytes(a, "wkv_b", h * a.v_head_dim, a.kv_lora_rank)  # W_UV: in the combine kernel
         out["mla prep"] += _wbytes(a, "wkv_b", h * a.qk_nope_head_dim, a.kv_lora_rank)
         out[core] += rows * a.latent_dim * el

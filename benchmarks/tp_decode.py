@@ -451,9 +451,9 @@ def bytes_per_gpu(a: ModelArgs, ctx: int, sparse: bool, n: int) -> float:
     """Bytes one GPU reads per token at TP ``n`` (``a`` global): its heads, replicated W_a / indexer / router /
     latent KV, ``top_k / n`` routed and ``1/n`` of the shared experts, ``1/n`` of dense MLPs and lm_head."""
     el, d, h = 2, a.hidden_size, a.num_heads
-    idx = a.index_n_heads * a.index_head_dim if a.dsa else 0
+    idx = a.index_n_heads * a.index_head_dim if a.dsa and sparse else 0  # the indexer's queries: sparse steps only
     attn = (
-        a.wa_rows(a.dsa) * d
+        a.wa_step_rows(a.dsa, sparse) * d
         + (a.q_width // n + idx) * (a.q_lora_rank or 0)
         + h // n * (a.qk_nope_head_dim + a.v_head_dim) * a.kv_lora_rank
         + d * h // n * a.v_head_dim

@@ -148,6 +148,43 @@ def test_cache_hints_name_the_weights_read_next(cases: dict[str, Case], monkeypa
             assert nxt == []
 
 
+def test_a_dense_step_leaves_the_indexer_scores_out(cases: dict[str, Case], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below ``index_topk`` a step attends every row, so it computes neither the indexer's queries (``W_b``'s last
+    rows) nor its head weights (``W_a``'s): its GEMVs read the rows it uses, a sparse step's all of them. The
+    indexer's key is still written to its cache (the sparse steps read it: the token-by-token logits above cross
+    from dense to sparse steps)."""
+    from types import SimpleNamespace
+
+    from tilert.engines.tilert.ops import cpu
+
+    case = cases["deepseek_v32"]
+    eng = case.engine()
+    model, a = eng.model, eng.model.args
+    attn = model.layers[0].attn
+    assert attn.has_indexer and a.q_lora_rank is not None and not a.fp8
+    rows: dict[int, list[int]] = {attn.wa.data_ptr(): [], attn.wb.data_ptr(): []}
+    heads: list[int] = []
+    table = SimpleNamespace(**{name: getattr(cpu, name) for name in cpu.__all__})
+
+    def gemv(x: torch.Tensor, w: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
+        rows.get(w.data_ptr(), []).append(w.shape[0])
+        return cpu.gemv(x, w, *args, **kw)
+
+    def mla_prep(*args: Any) -> tuple[torch.Tensor, ...]:
+        heads.append(args[14])
+        return cpu.mla_prep(*args)
+
+    table.gemv, table.mla_prep = gemv, mla_prep
+    model.use_kernels(table)
+    eng.forward(case.prompt[:4], 0)  # positions 0..3: dense
+    eng.forward(case.prompt[4:16], 4)  # up to position 15: past index_topk, sparse
+    wa_rows, wb_rows = a.wa_rows(True), a.wb_rows(True)
+    assert rows[attn.wa.data_ptr()] == [wa_rows - a.index_n_heads, wa_rows]
+    assert rows[attn.wb.data_ptr()] == [a.q_width, wb_rows] and a.q_width < wb_rows
+    n = len(model.layers)
+    assert heads == [0] * n + [a.index_n_heads] * n
+
+
 @pytest.mark.parametrize(
     "variant",
     [{"q_lora_rank": None}, {"rope_parameters": YARN}, {"rope_interleave": False}],

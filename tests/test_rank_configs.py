@@ -41,9 +41,10 @@ def test_rank_is_the_full_size_models_share(name: str) -> None:
     assert (a.kv_lora_rank, a.q_lora_rank, a.index_n_heads) == (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.index_n_heads)
 
 
-def _bytes_read(model: Transformer) -> int:
+def _bytes_read(model: Transformer, sparse: bool) -> int:
     """Bytes one plain step reads, counted from the model's parameters (bf16 weights, e4m3 FP8 weights, float32
-    scales): each MoE layer's experts at (top-k + shared) of its slots, one embedding row, no norms, no MTP."""
+    scales): each MoE layer's experts at (top-k + shared) of its slots, one embedding row, no norms, no MTP; a dense
+    step the query rows of W_b and not the indexer's head weights (it scores no rows)."""
     a = model.args
     total = 0
     for name, p in model.named_parameters():
@@ -55,6 +56,10 @@ def _bytes_read(model: Transformer) -> int:
             n = a.hidden_size * 2
         elif ".mlp.w" in name and p.shape[0] == a.n_routed_experts + a.n_shared_experts:
             n = n * (a.num_experts_per_tok + a.n_shared_experts) // p.shape[0]
+        elif not sparse and name.endswith((".attn.wb", ".attn.wb" + fp8.SCALE_SUFFIX)):
+            n = n * a.q_width // p.shape[0]
+        elif not sparse and name.endswith(".attn.index_wproj"):
+            n = 0
         total += n
     return total
 
@@ -65,10 +70,11 @@ def test_bytes_per_step_are_the_rank_models(name: str) -> None:
     with torch.device("meta"):
         model = Transformer(a)
     b = decode_speed.bytes_per_token(a, 1024, sparse=False)
-    assert b["weights"] + b["head"] == _bytes_read(model)
+    assert b["weights"] + b["head"] == _bytes_read(model, sparse=False)
     assert b["kv"] == a.num_layers * 1024 * a.latent_dim * 2
-    sparse = decode_speed.bytes_per_token(a, 32768, sparse=True)["kv"]
-    assert sparse == a.num_layers * a.index_topk * a.latent_dim * 2 + len(a.index_layers) * 32768 * 128 * 2
+    sparse = decode_speed.bytes_per_token(a, 32768, sparse=True)
+    assert sparse["weights"] + sparse["head"] == _bytes_read(model, sparse=True) > _bytes_read(model, sparse=False)
+    assert sparse["kv"] == a.num_layers * a.index_topk * a.latent_dim * 2 + len(a.index_layers) * 32768 * 128 * 2
     assert 3e9 < b["total"] < 20e9  # the attention and top-k experts of a 600B+ FP8 model, one rank's share
 
 

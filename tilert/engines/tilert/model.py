@@ -185,6 +185,16 @@ class ModelArgs:
         """Rows of the fused ``W_b = [q_b | idx_wq_b]`` (q_lora models only)."""
         return self.q_width + (self.index_n_heads * self.index_head_dim if has_indexer else 0)
 
+    def wa_step_rows(self, has_indexer: bool, sparse: bool) -> int:
+        """Rows of ``W_a`` a step reads. The indexer's head weights (``weights_proj``) only score rows for the top-k,
+        so a dense step (every row attended) leaves them out; its key is still computed (the cache keeps it)."""
+        skip = self.index_n_heads if has_indexer and not sparse and not self.fp8 else 0
+        return self.wa_rows(has_indexer) - skip
+
+    def wb_step_rows(self, has_indexer: bool, sparse: bool) -> int:
+        """Rows of ``W_b`` a step reads: the indexer's queries only on a sparse step (see :meth:`wa_step_rows`)."""
+        return self.wb_rows(has_indexer and sparse)
+
 
 # Tensors transformers keeps in float32 whatever the model dtype.
 FP32_SUFFIXES = ("gate_bias",)  # e_score_correction_bias (fp32 in transformers too)
@@ -260,12 +270,21 @@ class MLAttention(nn.Module):
         k = self.k
         qa = a.q_lora_rank if a.q_lora_rank is not None else a.q_width
         # a = [q_a | c_kv | k_pe | idx_k | idx_w] = W_a rms(h);  b = [q | idx_q] = W_b rms(q_a).
-        # FP8: the bf16 indexer head weights (index_wproj) are W_a's plain tail rows (a keeps its layout)
+        # FP8: the bf16 indexer head weights (index_wproj) are W_a's plain tail rows (a keeps its layout).
+        # A dense step reads neither idx_w nor idx_q (ModelArgs.wa_step_rows): those rows are not computed.
+        scores = self.has_indexer and use_indexer
+        n_a, n_b = a.wa_step_rows(self.has_indexer, use_indexer), a.wb_step_rows(self.has_indexer, use_indexer)
         wa = k.gemv(
-            h, self.wa, self.attn_norm, a.rms_norm_eps, self.wa_bias, scale=self.wa_scale, tail=self.index_wproj
+            h,
+            self.wa[:n_a],
+            self.attn_norm,
+            a.rms_norm_eps,
+            _head_rows(self.wa_bias, n_a),
+            scale=_head_rows(self.wa_scale, n_a),
+            tail=self.index_wproj if scores else None,
         )
         if a.q_lora_rank is not None:
-            b = k.gemv(wa[:, :qa], self.wb, self.q_norm, 1e-6, scale=self.wb_scale)
+            b = k.gemv(wa[:, :qa], self.wb[:n_b], self.q_norm, 1e-6, scale=_head_rows(self.wb_scale, n_b))
         else:
             b = wa
         _prefetch(k, h, lambda: _site("wo", self.wo, self.wo_scale) + ahead())  # read after the attention core
@@ -285,7 +304,7 @@ class MLAttention(nn.Module):
             a.num_heads,
             a.qk_nope_head_dim,
             qa,
-            a.index_n_heads,
+            a.index_n_heads if scores else 0,  # a dense step: the indexer's key only (its cache row)
             1e-6,
             index_scale,
             self.wkv_b_scale,
@@ -416,6 +435,11 @@ class MoE(nn.Module):
         out, base = self.tp.partial(h)  # the experts read rms(h) before the share is written (out may be h)
         k.moe_partial(out, h, self.ffn_norm, eps, ids, weights, self.w13, self.w2, base, self.w13_scale, self.w2_scale)
         self.tp.reduce_into(h, out)
+
+
+def _head_rows(t: Tensor | None, n: int) -> Tensor | None:
+    """The first ``n`` rows of ``t`` (a view), or None."""
+    return None if t is None else t[:n]
 
 
 def _site(site: str, *tensors: Tensor | None) -> Ahead:

@@ -400,7 +400,7 @@ def _mla_prep_cuda(
         iq if has_idx else None,
         iw if has_idx else None,
         H=h,
-        Hi=max(hi, 1),
+        Hi=hi,  # 0: no indexer queries or head weights (a dense step), the key row only
         QL=kv_offset,
         L=lat,
         R=r,
