@@ -53,7 +53,8 @@ over those rows only: ``q_i = W_iq q_lat`` ``[Hi, Di]``, ``k_i = LayerNorm(W_ik 
 first ``R`` dims (``k_i`` cached); ``w = W_w x * Hi^-0.5 * Di^-0.5`` (fp32);
 ``score[t] = sum_h w_h relu(q_i,h . k_i[t])`` (``tilert::indexer_topk``). While every query position is
 ``< index_topk`` the top-k is every row, so the step runs dense MLA instead (same result; the indexer keys
-are still cached). GLM-5 ``indexer_types``: a ``"shared"`` layer reuses the previous full layer's top-k.
+are still cached, and the rows of ``W_a`` / ``W_b`` that only score rows, the head weights and queries, are not
+read: ``ModelArgs.wa_step_rows``). GLM-5 ``indexer_types``: a ``"shared"`` layer reuses the previous full layer's top-k.
 
 MoE (noaux_tc routing inside ``tilert::moe_block``): ``s = sigmoid(W_g x)`` (fp32); choice scores ``s + bias``; groups
 ranked by the sum of their top-2 choice scores, keep ``topk_group`` groups, pick ``top_k`` experts among
