@@ -508,7 +508,7 @@ TUNING = (  # (module, attribute, values): variants re-timed in the whole captur
 # GEMV / moe_up (rows, K tile, warps); moe_down (rows, slots, I tile, warps).
 TUNING_FP8 = (
     ("triton_fp8", ("FP8_GEMV_CFG", "k2048"), ((4, 2048, 8), (4, 1024, 4), (2, 2048, 4), (2, 1024, 4))),
-    ("triton_fp8", ("FP8_GEMV_CFG", "mid"), ((8, 512, 4), (8, 512, 8), (16, 512, 8), (4, 1024, 4))),
+    ("triton_fp8", ("FP8_GEMV_CFG", "mid"), ((8, 512, 4), (8, 512, 8), (16, 512, 8), (4, 1024, 4), (4, 512, 4))),
     ("triton_fp8", "FP8_PRE_BYTES", (96, 0, 128)),
     *TMA_TUNING,
     ("triton_fp8", "UP_RSTD_EARLY", (True, False)),

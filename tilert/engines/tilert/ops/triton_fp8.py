@@ -58,7 +58,7 @@ FP8_GEMV_CFG = {
     "large": (8, 1024, 4),
     "k2048": (4, 2048, 8),  # K = 1024 / 2048 (W_a, W_o at lite dims): all before the PDL wait, one wave
     "k1024": (4, 4096, 8),  # W_a at V3.2 / GLM-5 dims (K 7168 / 6144): x read by fewer, wider programs
-    "mid": (8, 512, 4),  # W_b at lite dims (K = 1536): 3 tiles before the PDL wait, 640 programs in one wave
+    "mid": (8, 512, 4),  # W_b (K = 1536): 3 tiles before the PDL wait; lite's whole W_b is 640 programs in one wave
     "small": (2, 1024, 4),
 }
 # GEMVs whose K fits in <= 4 tiles of at most FP8_PRE_BYTES weight bytes per thread (e4m3, or the bf16 tail)
@@ -92,7 +92,7 @@ def gemv_fp8_class(N: int, K: int) -> str:
         return "large"
     if K % 1024 == 0:
         return "k2048" if K <= 2048 else "k1024"
-    return "mid" if N >= 4096 else "small"
+    return "mid" if N >= 2048 else "small"
 
 
 def gemv_fp8_config(N: int, K: int) -> tuple[int, int, int]:
