@@ -89,7 +89,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, cast, overload
 
 import torch
 import torch.nn.functional as F
@@ -277,7 +277,7 @@ class MLAttention(nn.Module):
         n_a, n_b = a.wa_step_rows(self.has_indexer, use_indexer), a.wb_step_rows(self.has_indexer, use_indexer)
         wa = k.gemv(
             h,
-            self.wa[:n_a],
+            _head_rows(self.wa, n_a),
             self.attn_norm,
             a.rms_norm_eps,
             _head_rows(self.wa_bias, n_a),
@@ -285,7 +285,7 @@ class MLAttention(nn.Module):
             tail=self.index_wproj if scores else None,
         )
         if a.q_lora_rank is not None:
-            b = k.gemv(wa[:, :qa], self.wb[:n_b], self.q_norm, 1e-6, scale=_head_rows(self.wb_scale, n_b))
+            b = k.gemv(wa[:, :qa], _head_rows(self.wb, n_b), self.q_norm, 1e-6, scale=_head_rows(self.wb_scale, n_b))
         else:
             b = wa
         _prefetch(k, h, lambda: _site("wo", self.wo, self.wo_scale) + ahead())  # read after the attention core
@@ -438,9 +438,14 @@ class MoE(nn.Module):
         self.tp.reduce_into(h, out)
 
 
+@overload
+def _head_rows(t: Tensor, n: int) -> Tensor: ...
+@overload
+def _head_rows(t: Tensor | None, n: int) -> Tensor | None: ...
 def _head_rows(t: Tensor | None, n: int) -> Tensor | None:
-    """The first ``n`` rows of ``t`` (a view), or None."""
-    return None if t is None else t[:n]
+    """The first ``n`` rows of ``t`` (``t`` itself when that is all of it: no view made on a step that reads every
+    row), or None."""
+    return t if t is None or t.shape[0] == n else t[:n]
 
 
 def _site(site: str, *tensors: Tensor | None) -> Ahead:
