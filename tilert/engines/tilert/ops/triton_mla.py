@@ -221,6 +221,7 @@ def _mla_combine_uv_kernel(
     ONE_READ: tl.constexpr,
     TAIL: tl.constexpr,
     LIVE_LOOP: tl.constexpr,
+    STAGES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # grid (n, H, V / BV): merges head h's split partials into o~ (rounded to the activation dtype, as the combine
@@ -236,7 +237,7 @@ def _mla_combine_uv_kernel(
     h = tl.program_id(1)
     vb = tl.program_id(2)
     n_live = NUM_SPLITS
-    if ONE_READ and DENSE:  # the split kernel's rows (before the PDL wait, as its EARLY reads them)
+    if DENSE and (ONE_READ or LIVE_LOOP):  # the split kernel's rows (before the PDL wait, as its EARLY reads them)
         first, total, tps = _dense_rows(pos_ptr, start_ptr, i, stride_start, NUM_SPLITS, MIN_TPS, BLOCK_T, HAS_START)
         n_live = tl.cdiv(total - first, tps)
     offs_l = tl.arange(0, L)
@@ -285,8 +286,9 @@ def _mla_combine_uv_kernel(
         # wait for their log-sum-exps (empty splits are a suffix: every split before the last live one has rows).
         acc = tl.zeros([L], dtype=tl.float32)
         if LIVE_LOOP:
-            n_live = tl.max(tl.where(lse > float("-inf"), offs_s + 1, 0), 0)
-            for s0 in range(0, n_live, SB):
+            if not DENSE:  # dense: counted from the query's rows before the PDL wait (the same count)
+                n_live = tl.max(tl.where(lse > float("-inf"), offs_s + 1, 0), 0)
+            for s0 in tl.range(0, n_live, SB, num_stages=STAGES):
                 offs = s0 + tl.arange(0, SB)
                 inside = offs < NUM_SPLITS
                 ls = tl.load(lse_row + offs, mask=inside, other=float("-inf"))
@@ -320,6 +322,7 @@ UV_TAIL = True
 # Over UV_ONE_READ_MAX splits (an engine sized for a long cache): the merge loops only to the query's last split
 # with rows (LIVE_LOOP; bit-identical); False: over every split.
 UV_LIVE_LOOP = True
+UV_STAGES = 1
 
 
 # Fewest cache rows one split of the dense kernel takes: short contexts use fewer, fuller splits.
@@ -498,6 +501,7 @@ def mla_decode(
             ONE_READ=one_read,
             TAIL=tail,
             LIVE_LOOP=UV_LIVE_LOOP,
+            STAGES=UV_STAGES,
             num_warps=8 if one_read and bs > 32 else 4,
             **triton_pdl.kw(),
         )
