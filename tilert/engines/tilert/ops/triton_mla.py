@@ -322,6 +322,8 @@ UV_TAIL = True
 # Over UV_ONE_READ_MAX splits (an engine sized for a long cache): the merge loops only to the query's last split
 # with rows (LIVE_LOOP; bit-identical); False: over every split.
 UV_LIVE_LOOP = True
+# Stages of that loop (Triton's software pipelining: the partials of the next STAGES - 1 steps requested through
+# shared memory while one step is summed); 1: each step's loads issued when it starts.
 UV_STAGES = 1
 
 
