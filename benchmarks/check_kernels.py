@@ -164,6 +164,23 @@ def check_mla(dev, small):
         out = poison(torch.empty(n, H, L, device=dev, dtype=DTYPE))
         triton_mla.mla_decode(q, kv, None, idx, scale, L, out=out)
         report(f"mla sparse n={n} H={H} S={S} topk={topk}", out, ref.mla_sparse_attention(q, kv, idx, scale, L))
+    for slice_l in (0, 16 if small else 32):  # the merge by blocks of W_UV's rows, and by slices of the latent
+        check_mla_uv(dev, small, L, R, slice_l)
+
+
+def check_mla_uv(dev, small, L, R, slice_l):
+    """The dense merge + W_UV (``slice_l``: triton_mla.UV_SLICE_L, 0 the merge by blocks of W_UV's rows) against the
+    reference, each query alone against the batch bit for bit; block-FP8 W_UV too."""
+    saved_slice = triton_mla.UV_SLICE_L
+    triton_mla.UV_SLICE_L = slice_l
+    sl = f" (latent slices of {slice_l})" if slice_l else ""
+    try:
+        _check_mla_uv(dev, small, L, R, sl)
+    finally:
+        triton_mla.UV_SLICE_L = saved_slice
+
+
+def _check_mla_uv(dev, small, L, R, sl):
     # merge + W_UV at split counts that are not powers of two (UV_TAIL: a power-of-two tile, then the rest; 65: of
     # 64 + 2 rows, 32 of them empty splits) and at 16 cache rows a split (DENSE_CAP_ROWS below 32: 16-row tiles)
     H, S, P_ = (16, 1040, 128) if not small else (4, 300, 16)
@@ -176,15 +193,15 @@ def check_mla(dev, small):
     want = ref.mla_uv(ref.mla_attention(q, kv, pos, scale, L).to(DTYPE), kvb, P_)
     for ns in (128, 100, 65, 33, 17, 5, None):  # 128, 100: the loop over live splits (a long cache's graph)
         got = decode_poisoned(q, kv, pos, None, scale, L, num_splits=ns, uv=uv)
-        report(f"mla dense + W_UV splits={ns or 'default'} H={H} S={S}", got, want)
+        report(f"mla dense + W_UV{sl} splits={ns or 'default'} H={H} S={S}", got, want)
         alone = [
             decode_poisoned(q[j : j + 1], kv, pos[j : j + 1], None, scale, L, num_splits=ns, uv=uv)
             for j in range(q.shape[0])
         ]
         same = all(torch.equal(got[j : j + 1], a) for j, a in enumerate(alone))
-        RESULTS.append((f"mla dense + W_UV splits={ns} each query alone == batched", 0.0, 0.0, same))
+        RESULTS.append((f"mla dense + W_UV{sl} splits={ns} each query alone == batched", 0.0, 0.0, same))
         print(
-            f"{'PASS' if same else 'FAIL'}  mla dense + W_UV splits={ns or 'default'}: each query alone == batched "
+            f"{'PASS' if same else 'FAIL'}  mla dense + W_UV{sl} splits={ns or 'default'}: each query alone == batched "
             "(bit for bit)",
             flush=True,
         )
@@ -204,7 +221,7 @@ def check_mla(dev, small):
                 f"splits by {'the bound' if by_rows else 'the cache'} H={H} S={S}"
             )
             got = decode_poisoned(q, kv, short, None, scale, L, uv=uv, row_start=rs, max_rows=bound)
-            report(f"mla dense + W_UV {tag}", got, want_s)
+            report(f"mla dense + W_UV{sl} {tag}", got, want_s)
             alone = [
                 decode_poisoned(
                     q[j : j + 1],
@@ -219,19 +236,29 @@ def check_mla(dev, small):
                 )
                 for j in range(q.shape[0])
             ]
-            bitwise(f"batch invariance: mla dense + W_UV {tag}", got, [a[0] for a in alone])
+            bitwise(f"batch invariance: mla dense + W_UV{sl} {tag}", got, [a[0] for a in alone])
     finally:
         triton_mla.SPLITS_BY_MAX_ROWS = by_rows_default
+    # block-FP8 W_UV (e4m3 rows, a scale per 128 x 128 block; 16 x 16 on the small shapes)
+    g = 16 if small else 128
+    kv8 = kvb.float().to(torch.float8_e4m3fn)
+    kvs = torch.rand(kvb.shape[0] // g, L // g, device=dev) + 0.5
+    deq = (kv8.float() * kvs.repeat_interleave(g, 0).repeat_interleave(g, 1)).to(DTYPE)
+    want8 = ref.mla_uv(ref.mla_attention(q, kv, pos, scale, L).to(DTYPE), deq, P_)
+    for ns in (128, 33, None):
+        got = decode_poisoned(q, kv, pos, None, scale, L, num_splits=ns, uv=(kv8, P_, P_, kvs))
+        report(f"mla dense + FP8 W_UV{sl} splits={ns or 'default'} H={H} S={S}", got, want8)
+
     saved = triton_mla.DENSE_CAP_ROWS["one"]
     try:
         triton_mla.DENSE_CAP_ROWS["one"] = 16
         report(
-            f"mla dense + W_UV 16 rows a split H={H} S={S}",
+            f"mla dense + W_UV{sl} 16 rows a split H={H} S={S}",
             triton_mla.mla_decode(q, kv, pos, None, scale, L, uv=uv),
             want,
         )
         report(
-            f"mla dense 16 rows a split H={H} S={S}",
+            f"mla dense{sl} 16 rows a split H={H} S={S}",
             triton_mla.mla_decode(q, kv, pos, None, scale, L),
             ref.mla_attention(q, kv, pos, scale, L),
         )

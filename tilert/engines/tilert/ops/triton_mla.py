@@ -307,6 +307,79 @@ def _mla_combine_uv_kernel(
     tl.store(y_ptr + i * stride_yn + h * V + offs_v, y.to(y_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _mla_merge_uv_sliced_kernel(
+    o_ptr,
+    lse_ptr,
+    kvb_ptr,
+    kvs_ptr,
+    y_ptr,
+    ws_ptr,
+    cnt_ptr,
+    pos_ptr,
+    start_ptr,
+    H,
+    stride_on,
+    stride_oh,
+    stride_os,
+    stride_yn,
+    stride_ks,
+    stride_start,
+    NUM_SPLITS: tl.constexpr,
+    MIN_TPS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HAS_START: tl.constexpr,
+    BS: tl.constexpr,
+    L: tl.constexpr,
+    P: tl.constexpr,
+    V: tl.constexpr,
+    BL: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    KGN: tl.constexpr,
+    KGK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # Dense only. grid (n, H, L / BL): program (i, h, lb) merges columns lb*BL.. of head h's live split partials
+    # (counted from the query's rows before the PDL wait), rounds them to the activation dtype (o~, as the merge over
+    # whole rows does) and applies the same BL columns of W_UV_h: a partial y [V] in fp32, ws[i, h, lb]. The last of
+    # the head's L / BL programs to finish (a counter per query and head) sums the partials in one fixed tree,
+    # writes y and zeroes its counter for the next launch (which waits on this one). Each partial is read once,
+    # where the merge over whole rows reads a head's partials once per block of V rows.
+    NLB: tl.constexpr = L // BL
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    lb = tl.program_id(2)
+    first, total, tps = _dense_rows(pos_ptr, start_ptr, i, stride_start, NUM_SPLITS, MIN_TPS, BLOCK_T, HAS_START)
+    n_live = tl.cdiv(total - first, tps)
+    offs_l = lb * BL + tl.arange(0, BL)
+    offs_v = tl.arange(0, V)
+    rows = (h * (P + V) + P + offs_v).to(tl.int64)
+    wf = tl.load(kvb_ptr + rows[:, None] * L + offs_l[None, :]).to(tl.float32)  # [V, BL], static
+    if HAS_SCALE:
+        wf = wf * tl.load(kvs_ptr + (rows // KGN)[:, None] * stride_ks + (offs_l // KGK)[None, :])
+    pdl_begin(PDL)
+    offs_s = tl.arange(0, BS)
+    lse = tl.load(lse_ptr + (i * H + h) * NUM_SPLITS + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    ob = o_ptr + i * stride_on + h * stride_oh
+    o = tl.load(ob + offs_s[:, None] * stride_os + offs_l[None, :], mask=(offs_s < n_live)[:, None], other=0.0)
+    mx = tl.max(lse, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    wgt = tl.exp2(lse - mx)
+    wsum = tl.sum(wgt, 0)
+    inv = 1.0 / tl.where(wsum > 0, wsum, 1.0)
+    ol = tl.sum(o * (wgt * inv)[:, None], 0).to(y_ptr.dtype.element_ty).to(tl.float32)
+    part = tl.sum(wf * ol[None, :], 1)  # [V]
+    ws_row = ws_ptr + ((i * H + h) * NLB).to(tl.int64) * V
+    tl.store(ws_row + lb * V + offs_v, part)
+    tl.debug_barrier()  # every thread's partial is written before the (release) arrival below
+    cnt = cnt_ptr + i * H + h
+    arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+    if arrived == NLB - 1:  # the head's last program: its partials summed in a fixed order, whatever the arrival
+        parts = tl.load(ws_row + tl.arange(0, NLB)[:, None] * V + offs_v[None, :], cache_modifier=".cg")
+        tl.store(y_ptr + i * stride_yn + h * V + offs_v, tl.sum(parts, 0).to(y_ptr.dtype.element_ty))
+        tl.atomic_xchg(cnt, 0)
+
+
 # mla_decode with W_UV (mla_attention_uv): rows of W_UV per program by head count ("few": H <= 32; each
 # program merges its head's splits again, so many heads want fewer, wider programs), splits merged per step.
 UV_BV = {"few": 8, "many": 64}  # chosen with decode_speed --tune (few heads: twice the programs, each reading its
@@ -325,6 +398,9 @@ UV_LIVE_LOOP = True
 # Stages of that loop (Triton's software pipelining: the partials of the next STAGES - 1 steps requested through
 # shared memory while one step is summed); 1: each step's loads issued when it starts.
 UV_STAGES = 1
+# Dense merge + W_UV by slices of the latent (_mla_merge_uv_sliced_kernel): BL columns a program, each partial read
+# once, the head's output summed by its last program; 0: by blocks of W_UV's rows (_mla_combine_uv_kernel).
+UV_SLICE_L = 0
 
 
 # Fewest cache rows one split of the dense kernel takes: short contexts use fewer, fuller splits.
@@ -367,10 +443,12 @@ def _pick_splits(hblocks: int, sparse: bool, n_idx: int, max_tokens: int) -> int
 _WS: dict = {}
 
 
-def _workspace(key, shape, dtype, device):
+def _workspace(key, shape, dtype, device, zero: bool = False):
+    """A buffer kept across calls (made at the first, before any graph capture); ``zero``: counters, made zeroed
+    (the kernels that count in them zero them again)."""
     t = _WS.get(key)
     if t is None or t.shape != shape or t.device != device:
-        t = torch.empty(shape, dtype=dtype, device=device)
+        t = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
         _WS[key] = t
     return t
 
@@ -386,6 +464,44 @@ def _uv_tiles(S: int) -> tuple[int, int, bool]:
     if not one_read:  # the loop's weights come from one tile of every split's log-sum-exp
         bs, tail = triton.next_power_of_2(S), 0
     return bs, tail, one_read
+
+
+def _merge_uv_sliced(o_part, lse, kv_b, kvs, y, pos, row_start, S, min_tps, block_t, P, V, BL, kgn, kgk) -> None:
+    n, H, _, L = o_part.shape
+    ws = _workspace(("mla_uv_ws", o_part.device, n, H, L // BL, V), (n, H, L // BL, V), torch.float32, o_part.device)
+    cnt = _workspace(("mla_uv_cnt", o_part.device, n, H), (n, H), torch.int32, o_part.device, zero=True)
+    _mla_merge_uv_sliced_kernel[(n, H, L // BL)](
+        o_part,
+        lse,
+        kv_b,
+        kvs if kvs is not None else kv_b,
+        y,
+        ws,
+        cnt,
+        pos,
+        row_start if row_start is not None else pos,
+        H,
+        o_part.stride(0),
+        o_part.stride(1),
+        o_part.stride(2),
+        y.stride(0),
+        kvs.stride(0) if kvs is not None else 0,
+        row_start.stride(0) if row_start is not None and row_start.shape[0] > 1 else 0,
+        NUM_SPLITS=S,
+        MIN_TPS=min_tps,
+        BLOCK_T=block_t,
+        HAS_START=row_start is not None,
+        BS=triton.next_power_of_2(S),
+        L=L,
+        P=P,
+        V=V,
+        BL=BL,
+        HAS_SCALE=kvs is not None,
+        KGN=kgn,
+        KGK=kgk,
+        num_warps=4,
+        **triton_pdl.kw(),
+    )
 
 
 def mla_decode(
@@ -470,6 +586,10 @@ def mla_decode(
         y = out if out is not None else torch.empty(n, H * V, device=q.device, dtype=q.dtype)
         BV = min(UV_BV["few" if H <= 32 else "many"], V)
         kgn, kgk = (1, 1) if kvs is None else (kv_b.shape[-2] // kvs.shape[-2], kv_b.shape[-1] // kvs.shape[-1])
+        BL = min(UV_SLICE_L, L)
+        if BL and not sparse and L % BL == 0:
+            _merge_uv_sliced(o_part, lse, kv_b, kvs, y, pos, row_start, S, min_tps, BLOCK_T, P, V, BL, kgn, kgk)
+            return y
         _mla_combine_uv_kernel[(n, H, V // BV)](
             o_part,
             lse,
