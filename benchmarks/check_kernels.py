@@ -248,6 +248,15 @@ def _check_mla_uv(dev, small, L, R, sl):
     for ns in (128, 33, None):
         got = decode_poisoned(q, kv, pos, None, scale, L, num_splits=ns, uv=(kv8, P_, P_, kvs))
         report(f"mla dense + FP8 W_UV{sl} splits={ns or 'default'} H={H} S={S}", got, want8)
+    # sparse (the DSA regime): a merge reads every split (each written, rows or not), the batch against each alone
+    topk = 64 if small else 1024
+    idx = torch.stack([torch.randperm(S, device=dev)[:topk] for _ in range(q.shape[0])]).to(torch.int32)
+    idx[:, -topk // 3 :] = -1
+    want_sp = ref.mla_uv(ref.mla_sparse_attention(q, kv, idx, scale, L).to(DTYPE), kvb, P_)
+    got = decode_poisoned(q, kv, None, idx, scale, L, uv=uv)
+    report(f"mla sparse + W_UV{sl} topk={topk} H={H} S={S}", got, want_sp)
+    alone = [decode_poisoned(q[j : j + 1], kv, None, idx[j : j + 1], scale, L, uv=uv)[0] for j in range(q.shape[0])]
+    bitwise(f"batch invariance: mla sparse + W_UV{sl} topk={topk}", got, alone)
     saved = triton_mla.DENSE_CAP_ROWS["one"]
     try:
         triton_mla.DENSE_CAP_ROWS["one"] = 16

@@ -328,6 +328,7 @@ def _mla_merge_uv_sliced_kernel(
     NUM_SPLITS: tl.constexpr,
     MIN_TPS: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    DENSE: tl.constexpr,
     HAS_START: tl.constexpr,
     BS: tl.constexpr,
     L: tl.constexpr,
@@ -339,18 +340,21 @@ def _mla_merge_uv_sliced_kernel(
     KGK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # Dense only. grid (n, H, L / BL): program (i, h, lb) merges columns lb*BL.. of head h's live split partials
-    # (counted from the query's rows before the PDL wait), rounds them to the activation dtype (o~, as the merge over
-    # whole rows does) and applies the same BL columns of W_UV_h: a partial y [V] in fp32, ws[i, h, lb]. The last of
-    # the head's L / BL programs to finish (a counter per query and head) sums the partials in one fixed tree,
-    # writes y and zeroes its counter for the next launch (which waits on this one). Each partial is read once,
-    # where the merge over whole rows reads a head's partials once per block of V rows.
+    # grid (n, H, L / BL): program (i, h, lb) merges columns lb*BL.. of head h's split partials (dense: the live
+    # ones, counted from the query's rows before the PDL wait; sparse: every split, each written), rounds them to
+    # the activation dtype (o~, as the merge over whole rows does) and applies the same BL columns of W_UV_h: a
+    # partial y [V] in fp32, ws[i, h, lb]. The last of the head's L / BL programs to finish (a counter per query and
+    # head) sums the partials in one fixed tree, writes y and zeroes its counter for the next launch (which waits on
+    # this one). Each partial is read once, where the merge over whole rows reads a head's partials once per block
+    # of V rows.
     NLB: tl.constexpr = L // BL
     i = tl.program_id(0)
     h = tl.program_id(1)
     lb = tl.program_id(2)
-    first, total, tps = _dense_rows(pos_ptr, start_ptr, i, stride_start, NUM_SPLITS, MIN_TPS, BLOCK_T, HAS_START)
-    n_live = tl.cdiv(total - first, tps)
+    n_live = NUM_SPLITS
+    if DENSE:
+        first, total, tps = _dense_rows(pos_ptr, start_ptr, i, stride_start, NUM_SPLITS, MIN_TPS, BLOCK_T, HAS_START)
+        n_live = tl.cdiv(total - first, tps)
     offs_l = lb * BL + tl.arange(0, BL)
     offs_v = tl.arange(0, V)
     rows = (h * (P + V) + P + offs_v).to(tl.int64)
@@ -398,7 +402,7 @@ UV_LIVE_LOOP = True
 # Stages of that loop (Triton's software pipelining: the partials of the next STAGES - 1 steps requested through
 # shared memory while one step is summed); 1: each step's loads issued when it starts.
 UV_STAGES = 1
-# Dense merge + W_UV by slices of the latent (_mla_merge_uv_sliced_kernel): BL columns a program, each partial read
+# Merge + W_UV by slices of the latent (_mla_merge_uv_sliced_kernel): BL columns a program, each partial read
 # once, the head's output summed by its last program; 0: by blocks of W_UV's rows (_mla_combine_uv_kernel).
 UV_SLICE_L = 0
 
@@ -466,7 +470,7 @@ def _uv_tiles(S: int) -> tuple[int, int, bool]:
     return bs, tail, one_read
 
 
-def _merge_uv_sliced(o_part, lse, kv_b, kvs, y, pos, row_start, S, min_tps, block_t, P, V, BL, kgn, kgk) -> None:
+def _merge_uv_sliced(o_part, lse, kv_b, kvs, y, pos, row_start, S, min_tps, block_t, dense, P, V, BL, kgn, kgk) -> None:
     n, H, _, L = o_part.shape
     ws = _workspace(("mla_uv_ws", o_part.device, n, H, L // BL, V), (n, H, L // BL, V), torch.float32, o_part.device)
     cnt = _workspace(("mla_uv_cnt", o_part.device, n, H), (n, H), torch.int32, o_part.device, zero=True)
@@ -490,7 +494,8 @@ def _merge_uv_sliced(o_part, lse, kv_b, kvs, y, pos, row_start, S, min_tps, bloc
         NUM_SPLITS=S,
         MIN_TPS=min_tps,
         BLOCK_T=block_t,
-        HAS_START=row_start is not None,
+        DENSE=dense,
+        HAS_START=dense and row_start is not None,
         BS=triton.next_power_of_2(S),
         L=L,
         P=P,
@@ -547,6 +552,7 @@ def mla_decode(
         row_start = row_start.reshape(-1)
         assert row_start.shape[0] in (1, n), "row_start: one row, or one per query"
     bs, tail, one_read = _uv_tiles(S)
+    BL = min(UV_SLICE_L, L) if uv is not None and UV_SLICE_L and L % min(UV_SLICE_L, L) == 0 else 0
     _mla_split_kernel[(S, n, hblocks)](
         q,
         kv,
@@ -576,7 +582,7 @@ def mla_decode(
         HAS_START=row_start is not None and not sparse,
         EARLY=SPLIT_ROWS_EARLY,
         # the sparse ONE_READ merge reads every partial; the dense one only its query's live splits
-        WRITE_EMPTY=not SKIP_EMPTY_SPLITS or (uv is not None and one_read and sparse),
+        WRITE_EMPTY=not SKIP_EMPTY_SPLITS or (uv is not None and (one_read or BL > 0) and sparse),
         num_warps=8 if BLOCK_H >= 64 else 4,
         num_stages=2,
         **triton_pdl.kw(),
@@ -586,9 +592,10 @@ def mla_decode(
         y = out if out is not None else torch.empty(n, H * V, device=q.device, dtype=q.dtype)
         BV = min(UV_BV["few" if H <= 32 else "many"], V)
         kgn, kgk = (1, 1) if kvs is None else (kv_b.shape[-2] // kvs.shape[-2], kv_b.shape[-1] // kvs.shape[-1])
-        BL = min(UV_SLICE_L, L)
-        if BL and not sparse and L % BL == 0:
-            _merge_uv_sliced(o_part, lse, kv_b, kvs, y, pos, row_start, S, min_tps, BLOCK_T, P, V, BL, kgn, kgk)
+        if BL:
+            _merge_uv_sliced(
+                o_part, lse, kv_b, kvs, y, pos, row_start, S, min_tps, BLOCK_T, not sparse, P, V, BL, kgn, kgk
+            )
             return y
         _mla_combine_uv_kernel[(n, H, V // BV)](
             o_part,
