@@ -8,7 +8,9 @@ CUDA graph captures one grid); each program derives its token range from ``posit
 so the same graph serves every context length. Sparse: query i attends to ``indices[i, :]`` (``-1`` skipped).
 Partials (fp32 ``o`` and a base-2 log-sum-exp per split) are merged by a second kernel that writes the
 latent output ``[n, H, L]`` in the query dtype, or (``uv``: ``tilert::mla_attention_uv``) rounds the merged
-``o~`` to that dtype and applies ``W_UV`` (bf16 or block-FP8 ``kv_b``) in the same kernel, ``[n, H*V]``.
+``o~`` to that dtype and applies ``W_UV`` (bf16 or block-FP8 ``kv_b``) in the same kernel, ``[n, H*V]``: by blocks
+of ``W_UV``'s rows (each program merges its head's whole ``o~``), or (``UV_SLICE_L``) by slices of the latent (each
+program merges a slice once and applies the matching columns; the head's last program sums the slices' outputs).
 """
 
 from __future__ import annotations
