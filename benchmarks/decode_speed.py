@@ -552,6 +552,7 @@ TUNING_FP8 = (
     ("triton_mla", ("UV_BV", "many"), (64, 32)),
     ("triton_mla", "UV_SB", (4, 8, 16)),
     ("triton_mla", "UV_STAGES", (1, 2, 3)),
+    ("triton_mla", "UV_LIVE_EARLY", (True, False)),
     ("triton_mla", "UV_SLICE_L", (0, 32, 64, 16)),
     ("triton_mla", ("DENSE_CAP_ROWS", "one"), (32, 16, 32, 16)),
     ("triton_mla", ("DENSE_CAP_ROWS", "many"), (64, 32)),

@@ -223,6 +223,7 @@ def _mla_combine_uv_kernel(
     ONE_READ: tl.constexpr,
     TAIL: tl.constexpr,
     LIVE_LOOP: tl.constexpr,
+    LIVE_EARLY: tl.constexpr,
     STAGES: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -239,7 +240,7 @@ def _mla_combine_uv_kernel(
     h = tl.program_id(1)
     vb = tl.program_id(2)
     n_live = NUM_SPLITS
-    if DENSE and (ONE_READ or LIVE_LOOP):  # the split kernel's rows (before the PDL wait, as its EARLY reads them)
+    if DENSE and (ONE_READ or LIVE_EARLY):  # the split kernel's rows (before the PDL wait, as its EARLY reads them)
         first, total, tps = _dense_rows(pos_ptr, start_ptr, i, stride_start, NUM_SPLITS, MIN_TPS, BLOCK_T, HAS_START)
         n_live = tl.cdiv(total - first, tps)
     offs_l = tl.arange(0, L)
@@ -288,7 +289,7 @@ def _mla_combine_uv_kernel(
         # wait for their log-sum-exps (empty splits are a suffix: every split before the last live one has rows).
         acc = tl.zeros([L], dtype=tl.float32)
         if LIVE_LOOP:
-            if not DENSE:  # dense: counted from the query's rows before the PDL wait (the same count)
+            if not (DENSE and LIVE_EARLY):  # else counted from the query's rows before the PDL wait (the same count)
                 n_live = tl.max(tl.where(lse > float("-inf"), offs_s + 1, 0), 0)
             for s0 in tl.range(0, n_live, SB, num_stages=STAGES):
                 offs = s0 + tl.arange(0, SB)
@@ -401,6 +402,9 @@ UV_TAIL = True
 # Over UV_ONE_READ_MAX splits (an engine sized for a long cache): the merge loops only to the query's last split
 # with rows (LIVE_LOOP; bit-identical); False: over every split.
 UV_LIVE_LOOP = True
+# That loop's bound, dense: the live splits counted from the query's rows before the PDL wait (as the one read counts
+# them), so that the partials' loads do not wait for the log-sum-exps; False: from the log-sum-exps (the same count).
+UV_LIVE_EARLY = True
 # Stages of that loop (Triton's software pipelining: the partials of the next STAGES - 1 steps requested through
 # shared memory while one step is summed); 1: each step's loads issued when it starts.
 UV_STAGES = 1
@@ -632,6 +636,7 @@ def mla_decode(
             ONE_READ=one_read,
             TAIL=tail,
             LIVE_LOOP=UV_LIVE_LOOP,
+            LIVE_EARLY=UV_LIVE_EARLY,
             STAGES=UV_STAGES,
             num_warps=8 if one_read and bs > 32 else 4,
             **triton_pdl.kw(),
