@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tilert.engines.tilert.ops import reference as ref  # noqa: E402
-from tilert.engines.tilert.ops import triton_fused, triton_gemv, triton_mla, triton_moe, triton_topk  # noqa: E402
+from tilert.engines.tilert.ops import triton_fused, triton_gemv, triton_mla, triton_moe, triton_topk, workspace  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import check_fp8  # noqa: E402  (block-FP8 checks: --only fp8,fp8engine)
@@ -122,7 +122,7 @@ def decode_poisoned(*args, **kw):
     """``triton_mla.mla_decode`` over split-partial workspaces filled with NaN (a first call makes the ones it
     uses): a merge that reads a partial no split wrote shows as NaN."""
     triton_mla.mla_decode(*args, **kw)
-    for key, t in triton_mla._WS.items():
+    for key, t in workspace.BUFFERS.items():
         if key[0] == "mla_o":
             t.fill_(float("nan"))
     return triton_mla.mla_decode(*args, **kw)

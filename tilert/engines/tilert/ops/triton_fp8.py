@@ -42,6 +42,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import triton_gemv, triton_pdl, triton_prefetch
 from .triton_gemv import _row_rstd, _tma_first_tile, rstd_block
 from .triton_pdl import gdc_launch_dependents, pdl_begin
+from .workspace import buffer
 
 __all__ = ["gemv_fp8", "moe_up_fp8", "moe_down_fp8", "groups", "gemv_fp8_class", "gemv_fp8_config"]
 
@@ -1228,8 +1229,8 @@ def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None, tma=None, s
     split = triton.cdiv(D, kps)
     nib = triton.cdiv(I, BI)
     if split > 1:
-        ws = _workspace(("up_ws", x.device, n * KK, split, I), (n * KK, split, 2, I), torch.float32, x.device)
-        cnt = _workspace(("up_cnt", x.device, n * KK, nib), (n * KK, nib), torch.int32, x.device, zero=True)
+        ws = buffer("up_ws", (n * KK, split, 2, I), torch.float32, x.device)
+        cnt = buffer("up_cnt", (n * KK, nib), torch.int32, x.device, zero=True)
     else:
         ws, cnt = act, ids
     _moe_up_fp8_kernel[(n * KK, nib, split)](
@@ -1300,8 +1301,8 @@ def moe_down_fp8(act, ids, wts, w2, s2, *, residual=None, out=None, cfg=None):
     BI = max(min(BI, triton.next_power_of_2(I)), v)
     ndb = triton.cdiv(D, BD)
     if G > 1:
-        ws = _workspace(("down_ws", act.device, n, G, D), (n, G, D), torch.float32, act.device)
-        cnt = _workspace(("down_cnt", act.device, n, ndb), (n, ndb), torch.int32, act.device, zero=True)
+        ws = buffer("down_ws", (n, G, D), torch.float32, act.device)
+        cnt = buffer("down_cnt", (n, ndb), torch.int32, act.device, zero=True)
     else:
         ws, cnt = y, ids
     _moe_down_fp8_kernel[(n, ndb, G)](
@@ -1341,16 +1342,3 @@ def moe_down_fp8(act, ids, wts, w2, s2, *, residual=None, out=None, cfg=None):
         **triton_pdl.kw(),
     )
     return y
-
-
-_WS: dict = {}
-
-
-def _workspace(key, shape, dtype, device, zero: bool = False) -> torch.Tensor:
-    """A buffer kept across calls (allocated at the first call, outside any CUDA graph capture: the engine warms
-    its step up first). ``zero``: counters, allocated zeroed; every kernel that counts in them zeroes them again."""
-    t = _WS.get(key)
-    if t is None:
-        t = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
-        _WS[key] = t
-    return t

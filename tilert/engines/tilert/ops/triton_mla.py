@@ -22,6 +22,7 @@ import triton.language as tl
 from . import triton_pdl, triton_topk
 from .triton_pdl import pdl_begin
 from .triton_topk import hist_update, key64
+from .workspace import buffer
 
 __all__ = ["mla_decode", "indexer_scores", "indexer_topk"]
 
@@ -51,6 +52,32 @@ def _dense_rows(
     if HAS_START:
         first = tl.minimum(tl.load(start_ptr + i * stride_start).to(tl.int32), total)
     return first, total, _rows_per_split(total - first, NUM_SPLITS, MIN_TPS, BLOCK_T)
+
+
+@triton.jit
+def _live_splits(
+    pos_ptr,
+    start_ptr,
+    i,
+    stride_start,
+    NUM_SPLITS: tl.constexpr,
+    MIN_TPS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HAS_START: tl.constexpr,
+):
+    """How many of query ``i``'s dense splits hold rows (a prefix: the split kernel's own count)."""
+    first, total, tps = _dense_rows(pos_ptr, start_ptr, i, stride_start, NUM_SPLITS, MIN_TPS, BLOCK_T, HAS_START)
+    return tl.cdiv(total - first, tps)
+
+
+@triton.jit
+def _split_weights(lse):
+    """Each split's weight in the merge, from the splits' base-2 log-sum-exps: 0 for a split with no rows."""
+    mx = tl.max(lse, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    wts = tl.exp2(lse - mx)
+    wsum = tl.sum(wts, 0)
+    return wts / tl.where(wsum > 0, wsum, 1.0)
 
 
 @triton.jit
@@ -173,11 +200,7 @@ def _mla_combine_kernel(
     offs_s = tl.arange(0, BS)
     smask = offs_s < NUM_SPLITS
     lse = tl.load(lse_ptr + (i * H + h) * NUM_SPLITS + offs_s, mask=smask, other=float("-inf"))
-    mx = tl.max(lse, 0)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    wts = tl.exp2(lse - mx)
-    wsum = tl.sum(wts, 0)
-    wts = wts / tl.where(wsum > 0, wsum, 1.0)
+    wts = _split_weights(lse)
     offs_l = lb * BL + tl.arange(0, BL)
     live = smask & (lse > float("-inf"))
     o = tl.load(
@@ -241,8 +264,7 @@ def _mla_combine_uv_kernel(
     vb = tl.program_id(2)
     n_live = NUM_SPLITS
     if DENSE and (ONE_READ or LIVE_EARLY):  # the split kernel's rows (before the PDL wait, as its EARLY reads them)
-        first, total, tps = _dense_rows(pos_ptr, start_ptr, i, stride_start, NUM_SPLITS, MIN_TPS, BLOCK_T, HAS_START)
-        n_live = tl.cdiv(total - first, tps)
+        n_live = _live_splits(pos_ptr, start_ptr, i, stride_start, NUM_SPLITS, MIN_TPS, BLOCK_T, HAS_START)
     offs_l = tl.arange(0, L)
     offs_v = vb * BV + tl.arange(0, BV)
     w = tl.load(kvb_ptr + (h * (P + V) + P + offs_v).to(tl.int64)[:, None] * L + offs_l[None, :])  # static
@@ -356,8 +378,7 @@ def _mla_merge_uv_sliced_kernel(
     lb = tl.program_id(2)
     n_live = NUM_SPLITS
     if DENSE:
-        first, total, tps = _dense_rows(pos_ptr, start_ptr, i, stride_start, NUM_SPLITS, MIN_TPS, BLOCK_T, HAS_START)
-        n_live = tl.cdiv(total - first, tps)
+        n_live = _live_splits(pos_ptr, start_ptr, i, stride_start, NUM_SPLITS, MIN_TPS, BLOCK_T, HAS_START)
     offs_l = lb * BL + tl.arange(0, BL)
     offs_v = tl.arange(0, V)
     rows = (h * (P + V) + P + offs_v).to(tl.int64)
@@ -369,12 +390,7 @@ def _mla_merge_uv_sliced_kernel(
     lse = tl.load(lse_ptr + (i * H + h) * NUM_SPLITS + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
     ob = o_ptr + i * stride_on + h * stride_oh
     o = tl.load(ob + offs_s[:, None] * stride_os + offs_l[None, :], mask=(offs_s < n_live)[:, None], other=0.0)
-    mx = tl.max(lse, 0)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    wgt = tl.exp2(lse - mx)
-    wsum = tl.sum(wgt, 0)
-    inv = 1.0 / tl.where(wsum > 0, wsum, 1.0)
-    ol = tl.sum(o * (wgt * inv)[:, None], 0).to(y_ptr.dtype.element_ty).to(tl.float32)
+    ol = tl.sum(o * _split_weights(lse)[:, None], 0).to(y_ptr.dtype.element_ty).to(tl.float32)
     part = tl.sum(wf * ol[None, :], 1)  # [V]
     ws_row = ws_ptr + ((i * H + h) * NLB).to(tl.int64) * V
     tl.store(ws_row + lb * V + offs_v, part)
@@ -450,19 +466,6 @@ def _pick_splits(hblocks: int, sparse: bool, n_idx: int, max_tokens: int) -> int
     return max(1, min(want, 128, cap))
 
 
-_WS: dict = {}
-
-
-def _workspace(key, shape, dtype, device, zero: bool = False):
-    """A buffer kept across calls (made at the first, before any graph capture); ``zero``: counters, made zeroed
-    (the kernels that count in them zero them again)."""
-    t = _WS.get(key)
-    if t is None or t.shape != shape or t.device != device:
-        t = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
-        _WS[key] = t
-    return t
-
-
 def _uv_tiles(S: int) -> tuple[int, int, bool]:
     """(BS, TAIL, ONE_READ) of the merge + ``W_UV`` kernel over ``S`` splits (UV_ONE_READ_MAX, UV_TAIL)."""
     bs = triton.next_power_of_2(S)
@@ -478,8 +481,8 @@ def _uv_tiles(S: int) -> tuple[int, int, bool]:
 
 def _merge_uv_sliced(o_part, lse, kv_b, kvs, y, pos, row_start, S, min_tps, block_t, dense, P, V, BL, kgn, kgk) -> None:
     n, H, _, L = o_part.shape
-    ws = _workspace(("mla_uv_ws", o_part.device, n, H, L // BL, V), (n, H, L // BL, V), torch.float32, o_part.device)
-    cnt = _workspace(("mla_uv_cnt", o_part.device, n, H), (n, H), torch.int32, o_part.device, zero=True)
+    ws = buffer("mla_uv_ws", (n, H, L // BL, V), torch.float32, o_part.device)
+    cnt = buffer("mla_uv_cnt", (n, H), torch.int32, o_part.device, zero=True)
     _mla_merge_uv_sliced_kernel[(n, H, L // BL)](
         o_part,
         lse,
@@ -545,8 +548,8 @@ def mla_decode(
     rows = DENSE_CAP_ROWS["one" if hblocks == 1 else "many"]
     BLOCK_T = 32 if sparse else min(32, rows)
     min_tps = BLOCK_T if sparse else min(DENSE_MIN_TOKENS_PER_SPLIT, rows)
-    o_part = _workspace(("mla_o", q.device, n, H, S, L), (n, H, S, L), torch.float32, q.device)
-    lse = _workspace(("mla_lse", q.device, n, H, S), (n, H, S), torch.float32, q.device)
+    o_part = buffer("mla_o", (n, H, S, L), torch.float32, q.device)
+    lse = buffer("mla_lse", (n, H, S), torch.float32, q.device)
     if indices is not None:
         idx = indices if indices.stride(-1) == 1 else indices.contiguous()
         pos = idx  # unused
@@ -558,7 +561,8 @@ def mla_decode(
         row_start = row_start.reshape(-1)
         assert row_start.shape[0] in (1, n), "row_start: one row, or one per query"
     bs, tail, one_read = _uv_tiles(S)
-    BL = min(UV_SLICE_L, L) if uv is not None and UV_SLICE_L and L % min(UV_SLICE_L, L) == 0 else 0
+    BL = min(UV_SLICE_L, L) if uv is not None else 0  # the merge + W_UV by slices of the latent (0: by W_UV's rows)
+    BL = BL if BL and L % BL == 0 else 0
     _mla_split_kernel[(S, n, hblocks)](
         q,
         kv,
@@ -587,7 +591,7 @@ def mla_decode(
         SPARSE=sparse,
         HAS_START=row_start is not None and not sparse,
         EARLY=SPLIT_ROWS_EARLY,
-        # the sparse ONE_READ merge reads every partial; the dense one only its query's live splits
+        # the sparse ONE_READ and sliced merges read every partial; the dense ones only their query's live splits
         WRITE_EMPTY=not SKIP_EMPTY_SPLITS or (uv is not None and (one_read or BL > 0) and sparse),
         num_warps=8 if BLOCK_H >= 64 else 4,
         num_stages=2,

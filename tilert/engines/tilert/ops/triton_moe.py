@@ -34,6 +34,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import triton_gemv, triton_pdl
 from .triton_gemv import _row_rstd, _x_normed, gemv_config, rstd_block
 from .triton_pdl import pdl_begin
+from .workspace import buffer
 
 __all__ = ["moe_experts", "moe_up", "moe_down", "router_select", "router"]
 
@@ -620,8 +621,8 @@ def router(
     G = n_group if n_group > 1 else 1
     assert G == 1 or E == E_real
     dev = x.device
-    part = _workspace(("router_part", dev, split, n, E_real), (split, n, E_real), torch.float32, dev)
-    cnt = _workspace(("router_cnt", dev, n), (n,), torch.int32, dev, zero=True)
+    part = buffer("router_part", (split, n, E_real), torch.float32, dev)
+    cnt = buffer("router_cnt", (n,), torch.int32, dev, zero=True)
     ids = torch.empty(n, KK, device=dev, dtype=torch.int32)
     wts = torch.empty(n, KK, device=dev, dtype=torch.float32)
     nb = triton.cdiv(E_real, bn)
@@ -663,16 +664,3 @@ def router(
         **triton_pdl.kw(),
     )
     return ids, wts
-
-
-_WS: dict = {}
-
-
-def _workspace(key, shape, dtype, device, zero: bool = False) -> torch.Tensor:
-    """A buffer kept across calls (allocated at the first call, outside any CUDA graph capture: the engine warms
-    its step up first). ``zero``: counters, allocated zeroed; the kernels that count in them zero them again."""
-    t = _WS.get(key)
-    if t is None:
-        t = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
-        _WS[key] = t
-    return t
