@@ -171,13 +171,13 @@ def check_mla(dev, small):
 def check_mla_uv(dev, small, L, R, slice_l):
     """The dense merge + W_UV (``slice_l``: triton_mla.UV_SLICE_L, 0 the merge by blocks of W_UV's rows) against the
     reference, each query alone against the batch bit for bit; block-FP8 W_UV too."""
-    saved_slice = triton_mla.UV_SLICE_L
-    triton_mla.UV_SLICE_L = slice_l
+    saved_slice = dict(triton_mla.UV_SLICE_L)
+    triton_mla.UV_SLICE_L.update(dense=slice_l, sparse=slice_l)
     sl = f" (latent slices of {slice_l})" if slice_l else ""
     try:
         _check_mla_uv(dev, small, L, R, sl)
     finally:
-        triton_mla.UV_SLICE_L = saved_slice
+        triton_mla.UV_SLICE_L.update(saved_slice)
 
 
 def _check_mla_uv(dev, small, L, R, sl):

@@ -425,8 +425,9 @@ UV_LIVE_EARLY = True
 # shared memory while one step is summed); 1: each step's loads issued when it starts.
 UV_STAGES = 1
 # Merge + W_UV by slices of the latent (_mla_merge_uv_sliced_kernel): BL columns a program, each partial read
-# once, the head's output summed by its last program; 0: by blocks of W_UV's rows (_mla_combine_uv_kernel).
-UV_SLICE_L = 0
+# once, the head's output summed by its last program; 0: by blocks of W_UV's rows (_mla_combine_uv_kernel). Per
+# regime: a sparse launch merges every split it was given (the DSA top-k's rows), a dense one only its live ones.
+UV_SLICE_L = {"dense": 0, "sparse": 0}
 
 
 # Fewest cache rows one split of the dense kernel takes: short contexts use fewer, fuller splits.
@@ -561,7 +562,8 @@ def mla_decode(
         row_start = row_start.reshape(-1)
         assert row_start.shape[0] in (1, n), "row_start: one row, or one per query"
     bs, tail, one_read = _uv_tiles(S)
-    BL = min(UV_SLICE_L, L) if uv is not None else 0  # the merge + W_UV by slices of the latent (0: by W_UV's rows)
+    # the merge + W_UV by slices of the latent (0: by W_UV's rows)
+    BL = min(UV_SLICE_L["sparse" if sparse else "dense"], L) if uv is not None else 0
     BL = BL if BL and L % BL == 0 else 0
     _mla_split_kernel[(S, n, hblocks)](
         q,
