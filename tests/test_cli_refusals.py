@@ -39,6 +39,12 @@ CASES: list[tuple[list[str], str, dict[str, str]]] = [
     (["decode", "--model", "."], "the log format must be one of console, json", {**SECRET, "TILERT_LOG_FORMAT": "xml"}),
     (["up", "--model", ".", "--log-format", "yaml"], "the log format must be one of console, json", SECRET),
     (["tiny-model", "--arch", "deepseek_v3", "--out", "unused", "--log-level", "x"], "the log level", {}),
+    (["decode", "--model", ".", "--draft-head", "int4"], "DRAFT_HEAD) must be one of model, fp8 ('int4')", SECRET),
+    (
+        ["decode", "--model", ".", "--draft-head", "fp8", "--num-speculative-tokens", "0"],
+        "DRAFT_HEAD) fp8 needs num_speculative_tokens",
+        SECRET,
+    ),
 ]
 
 COMMANDS = ["tiny-model", "convert", "decode", "router", "up"]

@@ -17,7 +17,7 @@ import torch
 from support.hf_reference import COMMON, FAMILIES, PROMPT_LEN, VOCAB, hf_model, prompt_ids, rel_err
 
 from tilert.engines.base import KVLayout
-from tilert.engines.tilert import layouts
+from tilert.engines.tilert import fp8, layouts, ops
 from tilert.engines.tilert.engine import TileRTEngine, greedy_generate, speculative_generate
 from tilert.models.tiny import add_mtp_layer
 
@@ -420,6 +420,35 @@ def test_mtp_acceptance_with_predictive_module(tmp_path: Path, main_scale: float
         assert accepted > 0.5 * drafted
     else:
         assert 0 < accepted < drafted
+
+
+def test_fp8_draft_head_drafts_from_its_copy_and_keeps_the_tokens(tmp_path: Path) -> None:
+    """warm_up(draft_head="fp8"): the drafts' logits are the block-FP8 copy's (the verify step keeps the model's
+    head), a module that predicts well is still accepted, and the tokens are plain greedy's; a checkpoint without an
+    MTP layer, or a head the engine does not know, is refused."""
+    model = hf_model("deepseek_v3", seed=5)
+    case = Case(model, tmp_path / "base", with_generate=False)
+    eng = case.engine(_add_mtp(case, tmp_path / "mtp", predictive=True, main_scale=1e-3))
+    first = int(eng.forward(case.prompt, 0)[-1].argmax())
+    plain = greedy_generate(eng, first, PROMPT_LEN, GEN)
+    eng.warm_up(2, draft_head="fp8")
+    m = eng.model
+    mtp = m.mtp[0]
+    assert mtp.draft_head is not None and mtp.draft_head.dtype == torch.float8_e4m3fn
+    head = mtp.head if mtp.head is not None else m.lm_head
+    copy = fp8.dequant(mtp.draft_head, mtp.draft_head_scale, torch.float32)
+    assert 0 < (copy - head.float()).abs().max() <= head.float().abs().max() / 16  # e4m3's rounding, not the head
+    h = torch.randn(2, m.args.hidden_size, generator=torch.Generator().manual_seed(0)).to(head.dtype)
+    logits = ops.reference.gemv(h, mtp.draft_head, mtp.head_norm, m.args.rms_norm_eps, None, True, mtp.draft_head_scale)
+    want = ops.reference.gemv(h, copy.to(head.dtype), mtp.head_norm, m.args.rms_norm_eps, None, True)
+    assert torch.equal(logits, want)
+    eng.forward(case.prompt, 0)
+    spec, drafted, accepted = speculative_generate(eng, first, PROMPT_LEN, GEN, num_draft=3)
+    assert spec == plain and accepted > 0.5 * drafted
+    with pytest.raises(ValueError, match="needs a checkpoint with an MTP layer"):
+        case.engine().warm_up(1, draft_head="fp8")
+    with pytest.raises(ValueError, match="draft_head must be one of model, fp8"):
+        eng.warm_up(1, draft_head="int4")
 
 
 @pytest.mark.parametrize("main_scale", [1e-3, 0.3], ids=["near_bigram", "partial"])

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from tilert.cpus import allowed_cpus, parse_cpu_list
+from tilert.engines.plugin import DRAFT_HEADS
 from tilert.logs import LOG_FORMAT, LOG_LEVEL
 from tilert.models.checkpoint import MTP_LAYERS_KEY, context_problem, mtp_layers, read_json
 from tilert.settings import (
@@ -120,6 +121,13 @@ class DecodeConfig:
         "the greedy ones), to measure the serving path at full acceptance; needs num_speculative_tokens > 0, not "
         "with --tp",
     )
+    draft_head: str = setting(
+        "model",
+        help="what the MTP drafts' vocabulary head reads: model (the checkpoint's head, as the verify step) or fp8 "
+        "(a block-FP8 copy made at load, half the bytes a draft reads; the verify step keeps the model's head, so "
+        "the tokens are the same and only how many drafts are accepted may change); fp8 needs "
+        "num_speculative_tokens > 0, the tilert engine and --tp 1",
+    )
     engine_cpus: str | None = setting(
         None,
         metavar="LIST",
@@ -217,6 +225,13 @@ class DecodeConfig:
         need(
             not self.accept_all_drafts or (self.speculative_tokens > 0 and self.tp == 1),
             f"{d('accept_all_drafts')} needs {d('num_speculative_tokens')} > 0 and {d('tp')} 1",
+        )
+        heads = ", ".join(DRAFT_HEADS)
+        need(self.draft_head in DRAFT_HEADS, f"{d('draft_head')} must be one of {heads} ({self.draft_head!r})")
+        need(
+            self.draft_head == "model" or (self.speculative_tokens > 0 and self.tp == 1 and self.engine == "tilert"),
+            f"{d('draft_head')} {self.draft_head} needs {d('num_speculative_tokens')} > 0, the tilert engine and "
+            f"{d('tp')} 1",
         )
         problems += self._checkpoint_problems()
         for name in ("lease_s", "max_lease_s", "transfer_timeout_s"):

@@ -80,6 +80,7 @@ class EngineSpec:
     num_draft: int
     cpus: tuple[int, ...]
     accept_all_drafts: bool = False
+    draft_head: str = "model"
 
     def load(self) -> DecodeEngine:
         """The engine, loaded in the calling process (the node's own, or the engine process), and warmed up."""
@@ -91,7 +92,7 @@ class EngineSpec:
             max_seq_len=self.max_seq_len,
             max_sequences=self.max_sequences,
         )
-        engine.warm_up(self.num_draft, self.accept_all_drafts)
+        engine.warm_up(self.num_draft, self.accept_all_drafts, self.draft_head)
         return engine
 
 
@@ -470,4 +471,5 @@ def spec_for(config: DecodeConfig, eos: frozenset[int]) -> EngineSpec:
         num_draft=config.speculative_tokens,
         cpus=tuple(sorted(config.engine_cpu_set)),
         accept_all_drafts=config.accept_all_drafts,
+        draft_head=config.draft_head,
     )

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from tilert.engines.base import DecodeEngine
 
 __all__ = [
+    "DRAFT_HEADS",
     "KINDS",
     "NATIVE_POOL",
     "NODE_ENGINE",
@@ -36,6 +37,10 @@ __all__ = [
     "load_engine",
     "load_native_pool",
 ]
+
+# What an engine's MTP drafts read as their vocabulary head (DecodeEngine.warm_up's draft_head): the checkpoint's own
+# head, or a block-FP8 copy of it.
+DRAFT_HEADS: Final = ("model", "fp8")
 
 EngineKind = Literal["node-engine", "native-pool"]
 NODE_ENGINE: Final = "node-engine"

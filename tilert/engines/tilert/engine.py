@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from tilert.engines.base import Capabilities, DecodeEngine, KVLayout, SpecStepResult, check_decode_batch
+from tilert.engines.plugin import DRAFT_HEADS
 from tilert.engines.shaping import NextMask, Shaping
 
 from . import layouts
@@ -457,12 +458,20 @@ class TileRTEngine(DecodeEngine):
         return step
 
     @torch.no_grad()
-    def warm_up(self, num_draft: int = 0, accept_all: bool = False) -> None:
+    def warm_up(self, num_draft: int = 0, accept_all: bool = False, draft_head: str = "model") -> None:
         """On CUDA, capture the graphs of the node's plain greedy paths now, in each attention regime: the
         ``greedy_stream`` step and the ``greedy_batch_stream`` step of every row count up to ``max_sequences``
         (a request would otherwise wait for a capture when that many sequences first decode together); with
         ``num_draft`` and an MTP module, the speculative steps' too (:meth:`_warm_speculative`). The steps
-        write cache rows of every sequence: nothing is injected yet, and the sequences' bookkeeping is reset."""
+        write cache rows of every sequence: nothing is injected yet, and the sequences' bookkeeping is reset.
+        ``draft_head="fp8"``: the drafts read a block-FP8 copy of their head from now on
+        (:meth:`Transformer.quantize_draft_head`); it needs an MTP module."""
+        if draft_head not in DRAFT_HEADS:
+            raise ValueError(f"draft_head must be one of {', '.join(DRAFT_HEADS)} (got {draft_head!r})")
+        if draft_head == "fp8":
+            if not self.supports_mtp:
+                raise ValueError("draft_head='fp8' needs a checkpoint with an MTP layer")
+            self.model.quantize_draft_head()
         if self.use_graphs:
             self._warm_steps(num_draft, accept_all)
 

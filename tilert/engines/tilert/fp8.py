@@ -90,6 +90,19 @@ def quantize_blocks(w: Tensor) -> tuple[Tensor, Tensor]:
     return q.to(E4M3).contiguous(), s.contiguous()
 
 
+def quantize_tiled(w: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`quantize_blocks` in groups that tile ``w [N, K]`` exactly (each side's largest power of two dividing
+    it, at most :data:`BLOCK`: a tensor-parallel shard's rows need not be a multiple of 128), on ``w``'s device;
+    ``(q, scale)`` in the engine's layout (:func:`dequant`, the kernels)."""
+    n, k = w.shape
+    gn, gk = min(BLOCK, n & -n), min(BLOCK, k & -k)
+    groups = w.float().reshape(n // gn, gn, k // gk, gk)
+    amax = groups.abs().amax(dim=(1, 3))
+    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = (groups / s[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).reshape(n, k)
+    return q.to(E4M3).contiguous(), s.contiguous()
+
+
 def dequantize_blocks(q: Tensor, scale_inv: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """The checkpoint's real weight: ``float(q) * scale_inv`` per 128x128 block, in ``dtype``."""
     n, k = q.shape

@@ -518,6 +518,9 @@ class MTPLayer(nn.Module):
         self.head_norm = _param(d)  # shared_head.norm
         self.head = _param(args.vocab_size // args.tp_size, d) if args.mtp_own_head else None  # shared_head.head
         self.block = DecoderLayer(args, moe=args.mtp_moe, has_indexer=args.mtp_indexer)
+        # the head the drafts read when it is not the model's (Transformer.quantize_draft_head): e4m3 and its scales
+        self.draft_head: Tensor | None = None
+        self.draft_head_scale: Tensor | None = None
 
 
 class Transformer(nn.Module):
@@ -663,8 +666,18 @@ class Transformer(nn.Module):
         index_cache = self._rows(self.mtp_index_cache, seq)[0] if a.mtp_indexer else None
         rope = (self.rope_cos, self.rope_sin)
         m.block(h, positions, rope, self._rows(self.mtp_kv_cache, seq)[0], index_cache, None, False, valid_from)
+        head, scale = m.draft_head, m.draft_head_scale
+        if head is None:
+            head = m.head if m.head is not None else self.lm_head
+        return h, self.tp.all_gather(k.gemv(h, head, m.head_norm, eps, fp32_out=True, scale=scale))
+
+    def quantize_draft_head(self) -> None:
+        """The MTP drafts read a block-FP8 copy of their head (this rank's rows), made here, on the head's device:
+        half the bytes of a bf16 head a draft. The verify step keeps the model's head, so the tokens decoded are the
+        same; a draft whose argmax the rounding moves is rejected like any other."""
+        m = cast(MTPLayer, self.mtp[0])
         head = m.head if m.head is not None else self.lm_head
-        return h, self.tp.all_gather(k.gemv(h, head, m.head_norm, eps, fp32_out=True))
+        m.draft_head, m.draft_head_scale = fp8.quantize_tiled(head.detach())
 
 
 def finish_model(
