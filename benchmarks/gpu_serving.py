@@ -71,21 +71,33 @@ def _ints(text: str) -> list[int]:
     return sorted({int(x) for x in text.split(",") if x.strip()})
 
 
-def _node_configs(text: str) -> list[tuple[int, bool]]:
-    """``"0,1,3all"`` -> ``[(0, False), (1, False), (3, True)]``."""
+def _node_configs(text: str) -> list[tuple[int, bool, str]]:
+    """``"0,1,3all,3all+fp8"`` -> ``[(0, False, "model"), (1, False, "model"), (3, True, "model"), (3, True, "fp8")]``
+    (drafts, every draft accepted, the drafts' head)."""
     out = []
     for item in (x.strip() for x in text.split(",") if x.strip()):
-        count = item.removesuffix("all")
-        if not count.isdigit() or (item.endswith("all") and int(count) == 0):
-            raise argparse.ArgumentTypeError(f"{item!r}: a number of drafts, or 'Nall' with N > 0")
-        out.append((int(count), item.endswith("all")))
+        node, plus, head = item.partition("+")
+        count = node.removesuffix("all")
+        if (
+            not count.isdigit()
+            or (node.endswith("all") and int(count) == 0)
+            or (plus and (head != "fp8" or not int(count)))
+        ):
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: a number of drafts, or 'Nall' with N > 0, then optionally '+fp8'"
+            )
+        out.append((int(count), node.endswith("all"), head or "model"))
     return out
 
 
-def node_label(drafts: int | None, accept_all: bool) -> str:
+def node_label(drafts: int | None, accept_all: bool, draft_head: str = "model") -> str:
     if drafts is None:
         return "default"
-    return f"MTP {drafts}" + (" all accepted" if accept_all else "") if drafts else "MTP off"
+    if not drafts:
+        return "MTP off"
+    return (
+        f"MTP {drafts}" + (" all accepted" if accept_all else "") + (", FP8 draft head" if draft_head == "fp8" else "")
+    )
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -119,7 +131,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="the node's --num-speculative-tokens, one node per item, e.g. 0,1,3all: the first at every --users, the "
         "others (MTP serves a sequence alone) at one user; 'Nall': N drafts and --accept-all-drafts (benchmarks "
-        "only: the serving path at full acceptance). Default: the node's own",
+        "only: the serving path at full acceptance); '+fp8' after either: the node's --draft-head fp8. Default: the "
+        "node's own",
     )
     ap.add_argument(
         "--ttft-pairs",
@@ -224,6 +237,7 @@ def measure(
         "users": users,
         "drafts": drafts,
         "accept_all": lay.accept_all_drafts,
+        "draft_head": lay.draft_head,
     }
     t0 = time.monotonic()
     reference = httpx.post(urls["standin"] + "/bench/reference", json=ask, timeout=None).raise_for_status().json()
@@ -239,7 +253,7 @@ def measure(
             got = users_at.run_users(urls["router"], args.api, str(model), bodies, args.tokens, k, f"r{r}-k{k}")
             streams[k] += got
     timings = httpx.get(urls["standin"] + "/bench/timings", timeout=30).raise_for_status().json()
-    label = node_label(lay.drafts, lay.accept_all_drafts)
+    label = node_label(lay.drafts, lay.accept_all_drafts, lay.draft_head)
     rows = [{"node": label, **report.row(k, streams[k], reference, timings)} for k in users]
     return {"rows": rows, "reference": reference, "streams": streams, "timings": timings}
 
@@ -308,7 +322,10 @@ def run(args: argparse.Namespace, model: Path, synthetic: dict[str, Any] | None 
         max(args.users),
         None,
     )
-    nodes = [replace(lay, drafts=d, accept_all_drafts=a) for d, a in (args.drafts or [(None, False)])]
+    nodes = [
+        replace(lay, drafts=d, accept_all_drafts=a, draft_head=h)
+        for d, a, h in (args.drafts or [(None, False, "model")])
+    ]
     log_dir = Path(tempfile.mkdtemp(prefix="gpu-serving-logs-"))
     print(
         f"logs: {log_dir}\nmodel: {model} ({config.get('model_type')}), node on {args.device}, prefill stand-in on "
@@ -327,7 +344,7 @@ def run(args: argparse.Namespace, model: Path, synthetic: dict[str, Any] | None 
             cfg, urls = parts.start(procs, nodes[0], script, secret_file, args.startup_timeout_s)
             for i, node in enumerate(nodes):
                 if i:
-                    print(f"node: {node_label(node.drafts, node.accept_all_drafts)}", flush=True)
+                    print(f"node: {node_label(node.drafts, node.accept_all_drafts, node.draft_head)}", flush=True)
                     parts.restart_node(procs, node, cfg, script, secret_file, args.startup_timeout_s)
                 users = args.users if i == 0 else [1]
                 results.append(measure(args, urls, model, node, users, users_at, bodies))
@@ -365,7 +382,7 @@ def run(args: argparse.Namespace, model: Path, synthetic: dict[str, Any] | None 
     if synthetic is not None:
         conditions["synthetic"] = synthetic
     streams = {
-        f"{node_label(node.drafts, node.accept_all_drafts)}, {k}": [s.summary() for s in v]
+        f"{node_label(node.drafts, node.accept_all_drafts, node.draft_head)}, {k}": [s.summary() for s in v]
         for node, result in zip(nodes, results, strict=True)
         for k, v in result["streams"].items()
     }

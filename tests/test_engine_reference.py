@@ -445,6 +445,8 @@ def test_fp8_draft_head_drafts_from_its_copy_and_keeps_the_tokens(tmp_path: Path
     eng.forward(case.prompt, 0)
     spec, drafted, accepted = speculative_generate(eng, first, PROMPT_LEN, GEN, num_draft=3)
     assert spec == plain and accepted > 0.5 * drafted
+    eng.use_draft_head("model")
+    assert mtp.draft_head is None and mtp.draft_head_scale is None
     with pytest.raises(ValueError, match="needs a checkpoint with an MTP layer"):
         case.engine().warm_up(1, draft_head="fp8")
     with pytest.raises(ValueError, match="draft_head must be one of model, fp8"):

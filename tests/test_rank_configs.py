@@ -175,3 +175,5 @@ def test_speculative_step_bytes() -> None:
     assert full["mtp"] > decode_speed.spec_bytes_per_step(a, 1024, False, 3, 1)["mtp"]  # the catch-up's union
     assert 1 < full["ceiling_speedup"] < 4
     assert full["ceiling_speedup"] == pytest.approx(4 * plain["total"] / full["total"])
+    fp8_head = decode_speed.spec_bytes_per_step(a, 1024, False, 3, 4, fp8_head=True)  # each draft reads half the head
+    assert full["total"] - fp8_head["total"] == pytest.approx(3 * a.vocab_size * a.hidden_size)

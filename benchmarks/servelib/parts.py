@@ -31,6 +31,7 @@ class Layout:
     max_sequences: int
     drafts: int | None  # the node's --num-speculative-tokens (None: its default)
     accept_all_drafts: bool = False  # the node's --accept-all-drafts (benchmarks only)
+    draft_head: str = "model"  # the node's --draft-head
 
 
 def stack_config(lay: Layout) -> stack.StackConfig:
@@ -79,6 +80,8 @@ def commands(lay: Layout, cfg: stack.StackConfig, script: Path) -> dict[str, lis
         decode += ["--num-speculative-tokens", str(lay.drafts)]
     if lay.accept_all_drafts:
         decode += ["--accept-all-drafts"]
+    if lay.draft_head != "model":
+        decode += ["--draft-head", lay.draft_head]
     return {"standin": standin, "decode": decode, "router": stack.router_command(cfg)}
 
 

@@ -114,13 +114,15 @@ def engine_speed(
     users: list[int],
     drafts: int,
     accept_all: bool = False,
+    draft_head: str = "model",
 ) -> dict[int, dict[str, Any]]:
     """Per number of users: the engine's per-user tok/s on the node's path (``tok_s``, ``path``); alone also plain
     ``greedy_stream``'s (``stream_tok_s``) and, with MTP, the tokens per speculative step (``tokens_per_step``),
     the first prompt's tokens on that path (``tokens``) and, unless every draft is accepted, whether they are those
     of the plain stream (``spec_same_as_stream``); with company
     whether each sequence's tokens are those it gets alone (``batch_same``, against ``alone``: :func:`prompt_tokens`
-    of each prompt, run before: the untimed first run)."""
+    of each prompt, run before: the untimed first run). ``draft_head``: what the drafts' head reads, as the node's
+    ``--draft-head``."""
     engine = caches.engine
     tokens = len(alone[0]["handed"])
     out: dict[int, dict[str, Any]] = {}
@@ -129,11 +131,16 @@ def engine_speed(
             stream_tok_s = (tokens - 1) / prompt_tokens(caches, lays, prompts[0], tokens)["stream_s"]
             row: dict[str, Any] = {"path": "greedy_stream", "tok_s": stream_tok_s, "stream_tok_s": stream_tok_s}
             if engine.supports_mtp and drafts > 0:
-                _speculative(caches, lays, prompts[0], tokens, drafts, accept_all)
-                seconds, spec, per_step = _speculative(caches, lays, prompts[0], tokens, drafts, accept_all)
+                engine.use_draft_head(draft_head)
+                try:
+                    _speculative(caches, lays, prompts[0], tokens, drafts, accept_all)
+                    seconds, spec, per_step = _speculative(caches, lays, prompts[0], tokens, drafts, accept_all)
+                finally:
+                    engine.use_draft_head("model")
                 row["tok_s"] = (tokens - 1) / seconds
                 row["tokens_per_step"] = per_step
                 how = ", every draft accepted" if accept_all else ""
+                how += ", drafts from a block-FP8 head" if draft_head == "fp8" else ""
                 row["path"] = f"speculative_stream (MTP, {drafts} draft{'s' if drafts > 1 else ''}{how})"
                 # the node's tokens on that path: with fp8 pages the prompt's last row, recomputed to draft from
                 # the first step, is no longer the fp8 row the plain stream reads, so greedy's may differ

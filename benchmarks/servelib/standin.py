@@ -241,8 +241,8 @@ class PrefillStandin:
         return self._alone[key]
 
     async def _reference(self, request: Request) -> Response:
-        """``{"requests": [{"route", "body"}], "tokens", "users", "drafts", "accept_all"}``: each request's prompt ids
-        and the engine's tokens for it, and the engine's speed per number of users."""
+        """``{"requests": [{"route", "body"}], "tokens", "users", "drafts", "accept_all", "draft_head"}``: each
+        request's prompt ids and the engine's tokens for it, and the engine's speed per number of users."""
         ask = orjson.loads(await request.body())
         prompts = [self.prompt_ids(r["route"] == "chat", r["body"]) for r in ask["requests"]]
 
@@ -251,7 +251,14 @@ class PrefillStandin:
                 lays = self.driver.worker.layouts
                 alone = [self._prompt_tokens(lays, ids, ask["tokens"]) for ids in prompts]
                 speed = engine_speed(
-                    self.caches, lays, prompts, alone, ask["users"], ask["drafts"], ask.get("accept_all", False)
+                    self.caches,
+                    lays,
+                    prompts,
+                    alone,
+                    ask["users"],
+                    ask["drafts"],
+                    ask.get("accept_all", False),
+                    ask.get("draft_head", "model"),
                 )
             return {"prompts": alone, "speed": {str(k): v for k, v in speed.items()}, "mtp": self.engine.supports_mtp}
 

@@ -41,6 +41,7 @@ import os
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -50,7 +51,7 @@ from tilert.engines.shaping import NextMask, Shaping
 
 from . import layouts
 from .fast import CapturedFn
-from .model import Transformer
+from .model import MTPLayer, Transformer
 from .ops import cpu as cpu_ops
 from .ops import native, register_device_kernels
 from .weights import load_model
@@ -466,14 +467,29 @@ class TileRTEngine(DecodeEngine):
         write cache rows of every sequence: nothing is injected yet, and the sequences' bookkeeping is reset.
         ``draft_head="fp8"``: the drafts read a block-FP8 copy of their head from now on
         (:meth:`Transformer.quantize_draft_head`); it needs an MTP module."""
-        if draft_head not in DRAFT_HEADS:
-            raise ValueError(f"draft_head must be one of {', '.join(DRAFT_HEADS)} (got {draft_head!r})")
-        if draft_head == "fp8":
-            if not self.supports_mtp:
-                raise ValueError("draft_head='fp8' needs a checkpoint with an MTP layer")
-            self.model.quantize_draft_head()
+        self.use_draft_head(draft_head)
         if self.use_graphs:
             self._warm_steps(num_draft, accept_all)
+
+    def use_draft_head(self, draft_head: str) -> None:
+        """What the MTP drafts' head reads from now on (one of ``DRAFT_HEADS``): ``"model"``, the model's head, or
+        ``"fp8"``, a block-FP8 copy (:meth:`Transformer.quantize_draft_head`; it needs an MTP module). The
+        speculative steps' graphs captured with the other head are dropped."""
+        if draft_head not in DRAFT_HEADS:
+            raise ValueError(f"draft_head must be one of {', '.join(DRAFT_HEADS)} (got {draft_head!r})")
+        if draft_head == "fp8" and not self.supports_mtp:
+            raise ValueError("draft_head='fp8' needs a checkpoint with an MTP layer")
+        if not self.supports_mtp:
+            return
+        mtp = cast(MTPLayer, self.model.mtp[0])
+        if (mtp.draft_head is not None) == (draft_head == "fp8"):
+            return
+        if draft_head == "fp8":
+            self.model.quantize_draft_head()
+        else:
+            mtp.draft_head = mtp.draft_head_scale = None
+        self._spec_graphs.clear()
+        self._spec_run_graphs.clear()
 
     def _warm_steps(self, num_draft: int, accept_all: bool) -> None:
         """:meth:`warm_up`'s steps, on any device (on the CPU they capture nothing)."""
