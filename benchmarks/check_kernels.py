@@ -1323,6 +1323,8 @@ def _check_engine_mtp(dev, small, n_seq, seq):
                 f"pipelined greedy_stream == plain greedy from pos {start}, {gen} tokens; stopped half-way and "
                 f"continued with forward(): same{tag}",
             )
+        if n_seq == 1:
+            _check_fp8_draft_head(eng, dev, prompt, seq, gen, greedy)
         if eng.use_graphs:  # the captured step vs the same function eagerly, same inputs and state
             key, step = next((k_, v) for k_, v in eng._spec_graphs.items() if v)
             d1, g1 = (t.clone() for t in step.replay())
@@ -1332,6 +1334,45 @@ def _check_engine_mtp(dev, small, n_seq, seq):
                 torch.equal(d1, d2) and torch.equal(g1, g2),
                 f"MTP draft+verify graph {key} == eager: drafts {d1.tolist()} greedy {g1.tolist()}{tag}",
             )
+
+
+def _check_fp8_draft_head(eng, dev, prompt, seq, gen, greedy):
+    """``--draft-head fp8``: the drafts' head logits (the e4m3 copy through the device's FP8 GEMV, RMSNorm fused)
+    against the reference's, and MTP greedy with those drafts still plain greedy's tokens."""
+    from tilert.engines.tilert import ops
+    from tilert.engines.tilert.engine import speculative_generate
+    from tilert.engines.tilert.ops import reference
+
+    eng.use_draft_head("fp8")
+    try:
+        m, mtp = eng.model, eng.model.mtp[0]
+        h = torch.randn(2, m.args.hidden_size, device=dev, dtype=DTYPE)
+        eps = m.args.rms_norm_eps
+        got = ops.gemv(h, mtp.draft_head, mtp.head_norm, eps, None, True, mtp.draft_head_scale)
+        want = reference.gemv(
+            h.cpu().float(),
+            mtp.draft_head.cpu(),
+            mtp.head_norm.cpu().float(),
+            eps,
+            None,
+            True,
+            mtp.draft_head_scale.cpu(),
+        )
+        report("mtp fp8 draft head logits", got.float().cpu(), want)
+        for start in (40, 200):
+            ids = torch.cat([prompt, prompt.repeat(4)])[:start]
+            first = int(eng.forward(ids, 0, seq=seq)[-1].argmax())
+            plain = greedy(first, start, gen)
+            eng.forward(ids, 0, seq=seq)
+            got_t, drafted, accepted = speculative_generate(eng, first, start, gen, num_draft=3, seq=seq)
+            verdict(
+                f"mtp fp8 draft head K=3 start={start}",
+                got_t == plain,
+                f"MTP drafting from the block-FP8 head copy == plain greedy, K=3, from pos {start}, {gen} tokens "
+                f"(drafted {drafted}, accepted {accepted})",
+            )
+    finally:
+        eng.use_draft_head("model")
 
 
 def main():
