@@ -427,7 +427,7 @@ UV_STAGES = 1
 # Merge + W_UV by slices of the latent (_mla_merge_uv_sliced_kernel): BL columns a program, each partial read
 # once, the head's output summed by its last program; 0: by blocks of W_UV's rows (_mla_combine_uv_kernel). Per
 # regime: a sparse launch merges every split it was given (the DSA top-k's rows), a dense one only its live ones.
-UV_SLICE_L = {"dense": 0, "sparse": 0}
+UV_SLICE_L = {"dense": 0, "sparse": 32}  # chosen with decode_speed --tune
 
 
 # Fewest cache rows one split of the dense kernel takes: short contexts use fewer, fuller splits.
