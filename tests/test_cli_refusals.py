@@ -90,8 +90,8 @@ def _refusal(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess
 
 
 def test_decode_refuses_what_the_checkpoint_cannot_hold(tiny_model: Path) -> None:
-    """More positions than the checkpoint's context, or MTP drafts without an MTP layer (the published
-    ``--with-mtp`` included): exit 2 with one line naming the flag and the checkpoint's value, in a process
+    """More positions than the checkpoint's context, or MTP drafts (or their FP8 head) without an MTP layer (the
+    published ``--with-mtp`` included): exit 2 with one line naming the flag and the checkpoint's value, in a process
     that may not allocate 1 GiB (so before the engine sizes anything)."""
     cfg = json.loads((tiny_model / "config.json").read_text())
     assert cfg["max_position_embeddings"] == 4096 and cfg["num_nextn_predict_layers"] == 0
@@ -108,6 +108,10 @@ def test_decode_refuses_what_the_checkpoint_cannot_hold(tiny_model: Path) -> Non
             ["(--num-speculative-tokens, $TILERT_DECODE_NUM_SPECULATIVE_TOKENS) 2", "num_nextn_predict_layers 0"],
         ),
         (published, ["--num-speculative-tokens", "num_nextn_predict_layers 0"]),
+        (
+            [*decode, "--draft-head", "fp8"],  # drafts default to one: nothing to draft with on this checkpoint
+            ["(--draft-head, $TILERT_DECODE_DRAFT_HEAD) fp8 needs an MTP layer", "num_nextn_predict_layers 0"],
+        ),
     ]:
         proc = _refusal(cmd, SECRET)
         assert proc.returncode == 2, proc.stderr[-2000:]

@@ -125,8 +125,8 @@ class DecodeConfig:
         "model",
         help="what the MTP drafts' vocabulary head reads: model (the checkpoint's head, as the verify step) or fp8 "
         "(a block-FP8 copy made at load, half the bytes a draft reads; the verify step keeps the model's head, so "
-        "the tokens are the same and only how many drafts are accepted may change); fp8 needs "
-        "num_speculative_tokens > 0, the tilert engine and --tp 1",
+        "the tokens are the same and only how many drafts are accepted may change); fp8 needs a checkpoint with an "
+        "MTP layer, num_speculative_tokens > 0 and --tp 1",
     )
     engine_cpus: str | None = setting(
         None,
@@ -229,9 +229,8 @@ class DecodeConfig:
         heads = ", ".join(DRAFT_HEADS)
         need(self.draft_head in DRAFT_HEADS, f"{d('draft_head')} must be one of {heads} ({self.draft_head!r})")
         need(
-            self.draft_head == "model" or (self.speculative_tokens > 0 and self.tp == 1 and self.engine == "tilert"),
-            f"{d('draft_head')} {self.draft_head} needs {d('num_speculative_tokens')} > 0, the tilert engine and "
-            f"{d('tp')} 1",
+            self.draft_head == "model" or (self.speculative_tokens > 0 and self.tp == 1),
+            f"{d('draft_head')} {self.draft_head} needs {d('num_speculative_tokens')} > 0 and {d('tp')} 1",
         )
         problems += self._checkpoint_problems()
         for name in ("lease_s", "max_lease_s", "transfer_timeout_s"):
@@ -298,12 +297,15 @@ class DecodeConfig:
         too_long = context_problem(model, self.max_seq_len, d("max_seq_len"))
         problems = [too_long] if too_long else []
         drafts = self.num_speculative_tokens
-        if drafts is not None and is_int(drafts) and drafts > 0 and mtp_layers(model) == 0:
-            declared = read_json(model / "config.json").get(MTP_LAYERS_KEY, "absent")
-            problems.append(
-                f"{d('num_speculative_tokens')} {drafts} needs an MTP layer, but the checkpoint has none "
-                f"({MTP_LAYERS_KEY} {declared} in {model / 'config.json'}); use 0"
-            )
+        if mtp_layers(model) != 0:  # has one (or does not say)
+            return problems
+        config = model / "config.json"
+        none = f"needs an MTP layer, but the checkpoint has none ({MTP_LAYERS_KEY} "
+        none += f"{read_json(config).get(MTP_LAYERS_KEY, 'absent')} in {config})"
+        if drafts is not None and is_int(drafts) and drafts > 0:
+            problems.append(f"{d('num_speculative_tokens')} {drafts} {none}; use 0")
+        if self.draft_head != "model":
+            problems.append(f"{d('draft_head')} {self.draft_head} {none}")
         return problems
 
 

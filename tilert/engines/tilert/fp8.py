@@ -80,14 +80,10 @@ def quantize_blocks(w: Tensor) -> tuple[Tensor, Tensor]:
     """DeepSeek's block quantisation of ``w [N, K]``: per 128x128 block ``s = amax / 448``, ``q = e4m3(w / s)``;
     returns ``(q, weight_scale_inv = s)`` (an all-zero block gets ``s = 1``)."""
     n, k = w.shape
-    nb, kb = -(-n // BLOCK), -(-k // BLOCK)
-    pad = torch.zeros(nb * BLOCK, kb * BLOCK, dtype=torch.float32)
+    pad = torch.zeros(-(-n // BLOCK) * BLOCK, -(-k // BLOCK) * BLOCK, dtype=torch.float32)
     pad[:n, :k] = w.float()
-    blocks = pad.view(nb, BLOCK, kb, BLOCK)
-    amax = blocks.abs().amax(dim=(1, 3))
-    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    q = (blocks / s[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).view(nb * BLOCK, kb * BLOCK)[:n, :k]
-    return q.to(E4M3).contiguous(), s.contiguous()
+    q, s = _quantize_groups(pad, BLOCK, BLOCK)
+    return q[:n, :k].to(E4M3).contiguous(), s
 
 
 def quantize_tiled(w: Tensor) -> tuple[Tensor, Tensor]:
@@ -95,12 +91,18 @@ def quantize_tiled(w: Tensor) -> tuple[Tensor, Tensor]:
     it, at most :data:`BLOCK`: a tensor-parallel shard's rows need not be a multiple of 128), on ``w``'s device;
     ``(q, scale)`` in the engine's layout (:func:`dequant`, the kernels)."""
     n, k = w.shape
-    gn, gk = min(BLOCK, n & -n), min(BLOCK, k & -k)
-    groups = w.float().reshape(n // gn, gn, k // gk, gk)
+    q, s = _quantize_groups(w.float(), min(BLOCK, n & -n), min(BLOCK, k & -k))
+    return q.to(E4M3).contiguous(), s
+
+
+def _quantize_groups(w: Tensor, gn: int, gk: int) -> tuple[Tensor, Tensor]:
+    """float32 ``w [N, K]`` (N, K multiples of ``gn``, ``gk``) in ``gn x gk`` groups: ``s = amax / 448`` (1 for an
+    all-zero group) and ``w / s`` clamped to e4m3's range, still float32."""
+    n, k = w.shape
+    groups = w.reshape(n // gn, gn, k // gk, gk)
     amax = groups.abs().amax(dim=(1, 3))
     s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    q = (groups / s[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).reshape(n, k)
-    return q.to(E4M3).contiguous(), s.contiguous()
+    return (groups / s[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).reshape(n, k), s.contiguous()
 
 
 def dequantize_blocks(q: Tensor, scale_inv: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
