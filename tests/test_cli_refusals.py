@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -40,6 +41,12 @@ CASES: list[tuple[list[str], str, dict[str, str]]] = [
     (["up", "--model", ".", "--log-format", "yaml"], "the log format must be one of console, json", SECRET),
     (["tiny-model", "--arch", "deepseek_v3", "--out", "unused", "--log-level", "x"], "the log level", {}),
     (["decode", "--model", ".", "--draft-head", "int4"], "DRAFT_HEAD) must be one of model, fp8 ('int4')", SECRET),
+    (["decode", "--model", ".", "--draft-vocab", "/nonexistent.json"], "DRAFT_VOCAB): cannot read a JSON list", SECRET),
+    (
+        ["decode", "--model", ".", "--draft-vocab", "/nonexistent.json", "--tp", "2"],
+        "DRAFT_VOCAB) needs num_speculative_tokens",
+        SECRET,
+    ),
     (
         ["decode", "--model", ".", "--draft-head", "fp8", "--num-speculative-tokens", "0"],
         "DRAFT_HEAD) fp8 needs num_speculative_tokens",
@@ -186,3 +193,25 @@ def test_decode_refuses_a_port_another_process_holds(tiny_model: Path, monkeypat
             pass
     finally:
         held.close()
+
+
+def test_draft_vocab_file_is_read_strictly(tmp_path: Path) -> None:
+    """``--draft-vocab``: a non-empty JSON list of distinct token ids inside the checkpoint's vocabulary, or a reason."""
+    from tilert.decode.config import read_draft_vocab
+
+    f = tmp_path / "vocab.json"
+    f.write_text("[3, 1, 2]")
+    assert read_draft_vocab(str(f), 4) == (3, 1, 2)
+    for text, reason in [
+        ("{}", "non-empty JSON list"),
+        ("[]", "non-empty JSON list"),
+        ("[1, 2.0]", "non-empty JSON list"),
+        ("[1, true]", "non-empty JSON list"),
+        ("[1, 1]", "distinct"),
+        ("[0, 4]", "token id 4 is outside the checkpoint's vocabulary (0..3)"),
+        ("[-1]", "token id -1 is outside"),
+        ("[1,", "cannot read a JSON list"),
+    ]:
+        f.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(reason)):
+            read_draft_vocab(str(f), 4)

@@ -453,6 +453,33 @@ def test_fp8_draft_head_drafts_from_its_copy_and_keeps_the_tokens(tmp_path: Path
         eng.warm_up(1, draft_head="int4")
 
 
+@pytest.mark.parametrize("draft_head", ["model", "fp8"])
+def test_draft_vocab_drafts_only_its_tokens_and_keeps_the_tokens(tmp_path: Path, draft_head: str) -> None:
+    """warm_up(draft_vocab=ids): drafts read only those rows of the head (as they are, or their FP8 copy) and
+    propose only those tokens. A subset holding greedy's tokens is still accepted; one without them never is; the
+    tokens are plain greedy's either way. Ids that repeat or fall outside the vocabulary are refused."""
+    model = hf_model("deepseek_v3", seed=5)
+    case = Case(model, tmp_path / "base", with_generate=False)
+    eng = case.engine(_add_mtp(case, tmp_path / "mtp", predictive=True, main_scale=1e-3))
+    first = int(eng.forward(case.prompt, 0)[-1].argmax())
+    plain = greedy_generate(eng, first, PROMPT_LEN, GEN)
+    others = [t for t in range(VOCAB) if t not in set(plain)]
+    mtp = eng.model.mtp[0]
+    for vocab, accepted_some in ((sorted(set(plain)) + others[::3], True), (others[::2], False)):
+        eng.warm_up(3, draft_head=draft_head, draft_vocab=vocab)
+        assert mtp.draft_head is not None and mtp.draft_head.shape[0] == len(vocab)
+        assert mtp.draft_vocab is not None and mtp.draft_vocab.tolist() == vocab
+        eng.forward(case.prompt, 0)
+        spec, drafted, accepted = speculative_generate(eng, first, PROMPT_LEN, GEN, num_draft=3)
+        assert spec == plain
+        assert accepted > 0.5 * drafted if accepted_some else accepted == 0, (accepted, drafted)
+    eng.use_draft_head()
+    assert mtp.draft_head is None and mtp.draft_vocab is None
+    for bad in ([1, 1], [VOCAB], []):
+        with pytest.raises(ValueError, match="draft_vocab must be distinct token ids"):
+            eng.use_draft_head(draft_head, bad)
+
+
 @pytest.mark.parametrize("main_scale", [1e-3, 0.3], ids=["near_bigram", "partial"])
 def test_speculative_stream_equals_step_by_step(tmp_path: Path, main_scale: float) -> None:
     """The speculative stream (the decode node's MTP path), whose steps run from state kept on the device once

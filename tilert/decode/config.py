@@ -13,6 +13,7 @@ The deployment's shared secret (:mod:`tilert.auth`) comes from ``--secret-file``
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 from collections.abc import Mapping
@@ -128,6 +129,14 @@ class DecodeConfig:
         "the tokens are the same and only how many drafts are accepted may change); fp8 needs a checkpoint with an "
         "MTP layer, num_speculative_tokens > 0 and --tp 1",
     )
+    draft_vocab: str | None = setting(
+        None,
+        metavar="FILE",
+        help="a JSON list of token ids, the only tokens the MTP drafts may propose (e.g. the most frequent ones of "
+        "your traffic): a draft reads only their rows of the head, so it reads fewer bytes, and a token outside "
+        "them is never drafted (the verify step decides every token as before, so the tokens are the same). "
+        "Needs what --draft-head fp8 needs. Default: every token",
+    )
     engine_cpus: str | None = setting(
         None,
         metavar="LIST",
@@ -232,7 +241,11 @@ class DecodeConfig:
             self.draft_head == "model" or (self.speculative_tokens > 0 and self.tp == 1),
             f"{d('draft_head')} {self.draft_head} needs {d('num_speculative_tokens')} > 0 and {d('tp')} 1",
         )
-        problems += self._checkpoint_problems()
+        need(
+            self.draft_vocab is None or (self.speculative_tokens > 0 and self.tp == 1),
+            f"{d('draft_vocab')} needs {d('num_speculative_tokens')} > 0 and {d('tp')} 1",
+        )
+        problems += self._checkpoint_problems() + self._draft_vocab_problems()
         for name in ("lease_s", "max_lease_s", "transfer_timeout_s"):
             value = getattr(self, name)
             need(is_number(value) and value > 0, f"{d(name)} must be > 0 ({value})")
@@ -306,7 +319,42 @@ class DecodeConfig:
             problems.append(f"{d('num_speculative_tokens')} {drafts} {none}; use 0")
         if self.draft_head != "model":
             problems.append(f"{d('draft_head')} {self.draft_head} {none}")
+        if self.draft_vocab is not None:
+            problems.append(f"{d('draft_vocab')} {none}")
         return problems
+
+    def _draft_vocab_problems(self) -> list[str]:
+        """What is wrong with the ``draft_vocab`` file (against the checkpoint's vocabulary when it has one)."""
+        try:
+            self.draft_vocab_ids()
+        except ValueError as exc:
+            return [f"{describe(DecodeConfig, 'draft_vocab')}: {exc}"]
+        return []
+
+    def draft_vocab_ids(self) -> tuple[int, ...] | None:
+        """The token ids of the ``draft_vocab`` file (validated at start-up), or ``None``."""
+        if self.draft_vocab is None:
+            return None
+        config = Path(self.model) / "config.json"
+        return read_draft_vocab(self.draft_vocab, read_json(config).get("vocab_size") if config.is_file() else None)
+
+
+def read_draft_vocab(path: str, vocab_size: int | None) -> tuple[int, ...]:
+    """The token ids of a ``--draft-vocab`` file: a JSON list of distinct integers in ``0..vocab_size - 1``, at least
+    one; ValueError naming what is not."""
+    try:
+        ids = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read a JSON list from {path} ({exc})") from None
+    if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
+        raise ValueError(f"{path} must hold a non-empty JSON list of token ids (integers)")
+    top = vocab_size if isinstance(vocab_size, int) else None
+    outside = [t for t in ids if t < 0 or (top is not None and t >= top)]
+    if outside:
+        raise ValueError(f"{path}: token id {outside[0]} is outside the checkpoint's vocabulary (0..{(top or 1) - 1})")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{path}: token ids must be distinct")
+    return tuple(ids)
 
 
 def load_decode_config(cli: Mapping[str, Any] | None = None) -> DecodeConfig:

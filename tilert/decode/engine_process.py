@@ -81,6 +81,7 @@ class EngineSpec:
     cpus: tuple[int, ...]
     accept_all_drafts: bool = False
     draft_head: str = "model"
+    draft_vocab: tuple[int, ...] | None = None
 
     def load(self) -> DecodeEngine:
         """The engine, loaded in the calling process (the node's own, or the engine process), and warmed up."""
@@ -92,7 +93,7 @@ class EngineSpec:
             max_seq_len=self.max_seq_len,
             max_sequences=self.max_sequences,
         )
-        engine.warm_up(self.num_draft, self.accept_all_drafts, self.draft_head)
+        engine.warm_up(self.num_draft, self.accept_all_drafts, self.draft_head, self.draft_vocab)
         return engine
 
 
@@ -472,4 +473,5 @@ def spec_for(config: DecodeConfig, eos: frozenset[int]) -> EngineSpec:
         cpus=tuple(sorted(config.engine_cpu_set)),
         accept_all_drafts=config.accept_all_drafts,
         draft_head=config.draft_head,
+        draft_vocab=config.draft_vocab_ids(),
     )

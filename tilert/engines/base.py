@@ -200,14 +200,21 @@ class DecodeEngine(ABC):
             pos = [p + 1 for p in pos]
             yield toks
 
-    def warm_up(self, num_draft: int = 0, accept_all: bool = False, draft_head: str = "model") -> None:
+    def warm_up(
+        self,
+        num_draft: int = 0,
+        accept_all: bool = False,
+        draft_head: str = "model",
+        draft_vocab: Sequence[int] | None = None,
+    ) -> None:
         """Prepare what the first requests would otherwise wait for (e.g. captured graphs), before any sequence is
         injected; the decode node calls it once, after :meth:`load`, with the drafts its greedy requests take a
         step (``Capabilities.mtp``), whether it accepts all of them and what the drafts' vocabulary head reads
-        (one of :data:`~tilert.engines.plugin.DRAFT_HEADS`). This default does nothing, and refuses (ValueError) a
-        draft head other than the model's."""
-        if draft_head != "model":
-            raise ValueError(f"engine {self.name!r} drafts only with the model's head (got draft_head={draft_head!r})")
+        (``draft_head``, one of :data:`~tilert.engines.plugin.DRAFT_HEADS`; ``draft_vocab``, the only token ids
+        drafts may propose, ``None`` for all). This default does nothing, and refuses (ValueError) a draft head
+        other than the model's whole one."""
+        if draft_head != "model" or draft_vocab is not None:
+            raise ValueError(f"engine {self.name!r} drafts only with the model's whole head")
 
     # ------------------------------------------------------------------ optional fast paths
     # Called only when ``capabilities()`` sets the flag named in each docstring.

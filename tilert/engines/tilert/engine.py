@@ -41,7 +41,6 @@ import os
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
 
 import torch
 
@@ -51,7 +50,7 @@ from tilert.engines.shaping import NextMask, Shaping
 
 from . import layouts
 from .fast import CapturedFn
-from .model import MTPLayer, Transformer
+from .model import Transformer
 from .ops import cpu as cpu_ops
 from .ops import native, register_device_kernels
 from .weights import load_model
@@ -143,6 +142,7 @@ class TileRTEngine(DecodeEngine):
             self.cpu_native = native.kernels() is not None  # built now (about a second), not in a request's step
         self._graphs: dict[tuple[int, bool], CapturedFn | None] = {}
         self._spec_graphs: dict[tuple[int, int, bool], CapturedFn | None] = {}
+        self._draft_choice: tuple[str, tuple[int, ...] | None] = ("model", None)  # use_draft_head's
         # greedy_stream's step: reads and advances these on the device (token, its cache row, its first row; the
         # first row is speculative_stream's too)
         self._stream_tok = torch.zeros(1, dtype=torch.int64, device=device)
@@ -459,35 +459,46 @@ class TileRTEngine(DecodeEngine):
         return step
 
     @torch.no_grad()
-    def warm_up(self, num_draft: int = 0, accept_all: bool = False, draft_head: str = "model") -> None:
+    def warm_up(
+        self,
+        num_draft: int = 0,
+        accept_all: bool = False,
+        draft_head: str = "model",
+        draft_vocab: Sequence[int] | None = None,
+    ) -> None:
         """On CUDA, capture the graphs of the node's plain greedy paths now, in each attention regime: the
         ``greedy_stream`` step and the ``greedy_batch_stream`` step of every row count up to ``max_sequences``
         (a request would otherwise wait for a capture when that many sequences first decode together); with
         ``num_draft`` and an MTP module, the speculative steps' too (:meth:`_warm_speculative`). The steps
         write cache rows of every sequence: nothing is injected yet, and the sequences' bookkeeping is reset.
-        ``draft_head="fp8"``: the drafts read a block-FP8 copy of their head from now on
-        (:meth:`Transformer.quantize_draft_head`); it needs an MTP module."""
-        self.use_draft_head(draft_head)
+        ``draft_head`` / ``draft_vocab``: what the drafts' head reads from now on (:meth:`use_draft_head`)."""
+        self.use_draft_head(draft_head, draft_vocab)
         if self.use_graphs:
             self._warm_steps(num_draft, accept_all)
 
-    def use_draft_head(self, draft_head: str) -> None:
-        """What the MTP drafts' head reads from now on (one of ``DRAFT_HEADS``): ``"model"``, the model's head, or
-        ``"fp8"``, a block-FP8 copy (:meth:`Transformer.quantize_draft_head`; it needs an MTP module). The
-        speculative steps' graphs captured with the other head are dropped."""
+    def use_draft_head(self, draft_head: str = "model", draft_vocab: Sequence[int] | None = None) -> None:
+        """What the MTP drafts' head reads from now on (:meth:`Transformer.set_draft_head`): ``draft_head`` (one
+        of ``DRAFT_HEADS``) ``"model"``, the model's head, or ``"fp8"``, a block-FP8 copy; ``draft_vocab`` the only
+        token ids drafts may propose (distinct, in the vocabulary), or ``None``, all. Anything but the model's
+        whole head needs an MTP module. The speculative steps' graphs captured with another head are dropped."""
         if draft_head not in DRAFT_HEADS:
             raise ValueError(f"draft_head must be one of {', '.join(DRAFT_HEADS)} (got {draft_head!r})")
-        if draft_head == "fp8" and not self.supports_mtp:
-            raise ValueError("draft_head='fp8' needs a checkpoint with an MTP layer")
-        if not self.supports_mtp:
+        vocab = None if draft_vocab is None else tuple(int(t) for t in draft_vocab)
+        if vocab is not None:
+            bad = [t for t in vocab if not 0 <= t < self.vocab_size]
+            if not vocab or bad or len(set(vocab)) != len(vocab):
+                raise ValueError(
+                    f"draft_vocab must be distinct token ids in 0..{self.vocab_size - 1}, at least one "
+                    f"({len(vocab)} given{f', e.g. {bad[0]} outside' if bad else ''})"
+                )
+        choice = (draft_head, vocab)
+        if choice != ("model", None) and not self.supports_mtp:
+            raise ValueError("a draft head other than the model's needs a checkpoint with an MTP layer")
+        if choice == self._draft_choice:
             return
-        mtp = cast(MTPLayer, self.model.mtp[0])
-        if (mtp.draft_head is not None) == (draft_head == "fp8"):
-            return
-        if draft_head == "fp8":
-            self.model.quantize_draft_head()
-        else:
-            mtp.draft_head = mtp.draft_head_scale = None
+        ids = None if vocab is None else torch.tensor(vocab, dtype=torch.int64, device=self.device)
+        self.model.set_draft_head(draft_head == "fp8", ids)
+        self._draft_choice = choice
         self._spec_graphs.clear()
         self._spec_run_graphs.clear()
 
@@ -992,11 +1003,11 @@ class TileRTEngine(DecodeEngine):
         Returns the drafts ``[K]`` and the verify's greedy tokens ``[K+1]`` (int64)."""
         m = self.model
         g, logits = m.mtp_forward(catch_tokens, self._hidden[catch_rows + buf_off], catch_rows, self._mtp_from, seq)
-        drafts = [logits[-1:].argmax(-1)]
+        drafts = [m.draft_tokens(logits)]
         h_prev = g[-1:]
         for j in range(1, num_draft):  # chained drafts at rows L, L+1, ...
             h_prev, logits = m.mtp_forward(drafts[-1], h_prev, verify_pos[j - 1 : j], self._mtp_from, seq)
-            drafts.append(logits[-1:].argmax(-1))
+            drafts.append(m.draft_tokens(logits))
         buf_rows = verify_pos + buf_off
         tokens = torch.cat([self._tokens[buf_rows[:1]], *drafts])
         hidden = m(tokens, verify_pos, use_indexer, verify_start, seq)

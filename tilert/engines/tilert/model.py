@@ -518,9 +518,11 @@ class MTPLayer(nn.Module):
         self.head_norm = _param(d)  # shared_head.norm
         self.head = _param(args.vocab_size // args.tp_size, d) if args.mtp_own_head else None  # shared_head.head
         self.block = DecoderLayer(args, moe=args.mtp_moe, has_indexer=args.mtp_indexer)
-        # the head the drafts read when it is not the model's (Transformer.quantize_draft_head): e4m3 and its scales
+        # the head the drafts read when it is not the model's (Transformer.set_draft_head): its rows (e4m3 with its
+        # scales, or as the head), and the token id of each row when they are a subset of the vocabulary
         self.draft_head: Tensor | None = None
         self.draft_head_scale: Tensor | None = None
+        self.draft_vocab: Tensor | None = None
 
 
 class Transformer(nn.Module):
@@ -652,8 +654,9 @@ class Transformer(nn.Module):
         """MTP rows at ``positions``: ``tokens`` are ``t_{i+1}``, ``prev_hidden`` is ``h_i`` (main final-norm
         output, or the previous draft's MTP output). Writes the MTP cache rows and attends over rows
         ``valid_from..i`` (``valid_from``: int64 ``[1]`` on the model's device); returns
-        ``(h' [n, D] before shared_head.norm, logits fp32 [n, V])``. Rows are addressed as in :meth:`forward`
-        (flat, or sequence ``seq``'s own).
+        ``(h' [n, D] before shared_head.norm, logits fp32 [n, V])`` (``V``: the draft head's rows, see
+        :meth:`set_draft_head`; :meth:`draft_tokens` reads them). Rows are addressed as in :meth:`forward` (flat, or
+        sequence ``seq``'s own).
         """
         a = self.args
         k = self.k
@@ -671,13 +674,26 @@ class Transformer(nn.Module):
             head = m.head if m.head is not None else self.lm_head
         return h, self.tp.all_gather(k.gemv(h, head, m.head_norm, eps, fp32_out=True, scale=scale))
 
-    def quantize_draft_head(self) -> None:
-        """The MTP drafts read a block-FP8 copy of their head (this rank's rows), made here, on the head's device:
-        half the bytes of a bf16 head a draft. The verify step keeps the model's head, so the tokens decoded are the
-        same; a draft whose argmax the rounding moves is rejected like any other."""
+    def draft_tokens(self, logits: Tensor) -> Tensor:
+        """The draft of the last row of :meth:`mtp_forward`'s ``logits``: int64 ``[1]``, a token id."""
+        best = logits[-1:].argmax(-1)
+        vocab = cast(MTPLayer, self.mtp[0]).draft_vocab
+        return best if vocab is None else vocab[best]
+
+    def set_draft_head(self, fp8_copy: bool, vocab: Tensor | None = None) -> None:
+        """What the MTP drafts read as their head from now on, made here on the head's device (one rank's model):
+        ``vocab`` (int64 token ids, on the head's device) a subset of the vocabulary, the only tokens drafts may
+        propose (the head's rows of those ids, in that order); ``fp8_copy``: a block-FP8 copy of those rows (half the
+        bytes a draft reads of a bf16 head). Neither: the model's head. The verify step keeps the model's head, so the
+        tokens decoded are the same; a draft the copy or the subset changes is rejected like any other."""
         m = cast(MTPLayer, self.mtp[0])
-        head = m.head if m.head is not None else self.lm_head
-        m.draft_head, m.draft_head_scale = fp8.quantize_tiled(head.detach())
+        head = (m.head if m.head is not None else self.lm_head).detach()
+        rows = head if vocab is None else head.index_select(0, vocab)
+        m.draft_head, m.draft_head_scale, m.draft_vocab = None, None, vocab
+        if fp8_copy:
+            m.draft_head, m.draft_head_scale = fp8.quantize_tiled(rows)
+        elif vocab is not None:
+            m.draft_head = rows.contiguous()
 
 
 def finish_model(
