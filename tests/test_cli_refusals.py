@@ -196,7 +196,8 @@ def test_decode_refuses_a_port_another_process_holds(tiny_model: Path, monkeypat
 
 
 def test_draft_vocab_file_is_read_strictly(tmp_path: Path) -> None:
-    """``--draft-vocab``: a non-empty JSON list of distinct token ids inside the checkpoint's vocabulary, or a reason."""
+    """``--draft-vocab``: a non-empty JSON list of distinct token ids inside the checkpoint's vocabulary, else a
+    reason."""
     from tilert.decode.config import read_draft_vocab
 
     f = tmp_path / "vocab.json"
