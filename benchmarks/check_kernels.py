@@ -1338,7 +1338,9 @@ def _check_engine_mtp(dev, small, n_seq, seq):
 
 def _check_fp8_draft_head(eng, dev, prompt, seq, gen, greedy):
     """``--draft-head fp8``: the drafts' head logits (the e4m3 copy through the device's FP8 GEMV, RMSNorm fused)
-    against the reference's, and MTP greedy with those drafts still plain greedy's tokens."""
+    against the reference's, and MTP greedy with those drafts still plain greedy's tokens; the same with the drafts
+    limited to half the vocabulary (``--draft-vocab``: the head's rows of those ids, the draft mapped back inside the
+    step's graph)."""
     from tilert.engines.tilert import ops
     from tilert.engines.tilert.engine import speculative_generate
     from tilert.engines.tilert.ops import reference
@@ -1359,18 +1361,21 @@ def _check_fp8_draft_head(eng, dev, prompt, seq, gen, greedy):
             mtp.draft_head_scale.cpu(),
         )
         report("mtp fp8 draft head logits", got.float().cpu(), want)
-        for start in (40, 200):
-            ids = torch.cat([prompt, prompt.repeat(4)])[:start]
-            first = int(eng.forward(ids, 0, seq=seq)[-1].argmax())
-            plain = greedy(first, start, gen)
-            eng.forward(ids, 0, seq=seq)
-            got_t, drafted, accepted = speculative_generate(eng, first, start, gen, num_draft=3, seq=seq)
-            verdict(
-                f"mtp fp8 draft head K=3 start={start}",
-                got_t == plain,
-                f"MTP drafting from the block-FP8 head copy == plain greedy, K=3, from pos {start}, {gen} tokens "
-                f"(drafted {drafted}, accepted {accepted})",
-            )
+        half = range(0, m.args.vocab_size, 2)
+        for vocab, what in ((None, "the block-FP8 head copy"), (half, "its rows of the even token ids")):
+            eng.use_draft_head("fp8", vocab)
+            for start in (40, 200):
+                ids = torch.cat([prompt, prompt.repeat(4)])[:start]
+                first = int(eng.forward(ids, 0, seq=seq)[-1].argmax())
+                plain = greedy(first, start, gen)
+                eng.forward(ids, 0, seq=seq)
+                got_t, drafted, accepted = speculative_generate(eng, first, start, gen, num_draft=3, seq=seq)
+                verdict(
+                    f"mtp fp8 draft head{' (half the vocabulary)' if vocab else ''} K=3 start={start}",
+                    got_t == plain,
+                    f"MTP drafting from {what} == plain greedy, K=3, from pos {start}, {gen} tokens (drafted "
+                    f"{drafted}, accepted {accepted})",
+                )
     finally:
         eng.use_draft_head("model")
 

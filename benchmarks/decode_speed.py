@@ -203,16 +203,20 @@ def bytes_per_token(args, ctx: int, sparse: bool, tokens: int = 1) -> dict:
     return dict(weights=weights, head=head, kv=kv, total=weights + head + kv)
 
 
-def spec_bytes_per_step(args, ctx: int, sparse: bool, drafts: int, caught_up: int, fp8_head: bool = False) -> dict:
+def spec_bytes_per_step(
+    args, ctx: int, sparse: bool, drafts: int, caught_up: int, fp8_head: bool = False, head_rows: int | None = None
+) -> dict:
     """Bytes of one speculative step (``speculative_greedy_step``): the MTP layer over the ``caught_up`` rows the
     previous step accepted (1 when it accepted no draft, ``drafts`` + 1 when it accepted all), then ``drafts`` - 1
     more MTP steps of one row, each draft reading ``lm_head``, and the main model's verify of ``drafts`` + 1 tokens
     (:func:`bytes_per_token` over that many). ``ratio``: over the plain step's bytes; ``ceiling_speedup``: the
     tokens a step yields when every draft is accepted over that ratio, the speedup over MTP off at equal bandwidth.
-    ``fp8_head``: the drafts read a block-FP8 copy of the head (``--draft-head fp8``)."""
+    ``fp8_head``: the drafts read a block-FP8 copy of the head (``--draft-head fp8``); ``head_rows``: only that many
+    of its rows (``--draft-vocab``)."""
     a, el = args, 2
     d = a.hidden_size
-    head = (a.vocab_size // a.tp_size) * d * (1 if fp8_head else el) + (d * el if a.mtp_own_embed else 0)
+    rows = head_rows or a.vocab_size // a.tp_size
+    head = rows * d * (1 if fp8_head else el) + (d * el if a.mtp_own_embed else 0)
     mlp = (lambda t: _moe_bytes(a, t)) if a.mtp_moe else (lambda t: _dense_bytes(a))
     layer = lambda t: 2 * d * 2 * d + _attn_bytes(a, a.mtp_indexer, sparse) + mlp(t)  # noqa: E731 (eh_proj stays bf16)
     mtp_kv = ctx * a.latent_dim * el
@@ -391,30 +395,42 @@ def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
             + f"; every draft taken: speculative_stream {ts * 1e3:.3f} ms a step ({(K + 1) / ts:.0f} tok/s), the "
             f"steps one by one {t1s * 1e3:.3f} ms"
         )
-    # K = 3 again with the drafts reading a block-FP8 copy of the head (--draft-head fp8), every draft taken
-    K = 3
-    eng.use_draft_head("fp8")
-    try:
-        stream_step(K)  # captures its graph
-        ts = sorted(stream_step(K) for _ in range(3))[1]
-        full = spec_bytes_per_step(eng.model.args, ctx, ctx + K + 1 > eng.model.args.index_topk, K, K + 1, True)
-    finally:
-        eng.use_draft_head("model")
-        eng.forward(tok, ctx - 1)
-    out["fp8_draft_head"] = dict(
-        K=K,
-        stream_all_accepted_ms=ts * 1e3,
-        stream_all_accepted_tok_s=(K + 1) / ts,
-        bytes_ratio_to_plain=full["ratio"],
-        ceiling_speedup_all_accepted=full["ceiling_speedup"],
-    )
-    log(
-        f"[{name}] ctx={ctx} MTP K={K}, drafts from a block-FP8 head: speculative_stream {ts * 1e3:.3f} ms a step "
-        f"({(K + 1) / ts:.0f} tok/s; {full['ratio']:.2f}x the plain step's bytes, at most "
-        f"{full['ceiling_speedup']:.2f}x MTP off), against {out['steps'][K]['stream_all_accepted_ms']:.3f} ms with "
-        "the model's head"
-    )
+    # K = 3 again with other draft heads (--draft-head fp8, --draft-vocab of the first DRAFT_VOCAB ids), every
+    # draft taken
+    K, a = 3, eng.model.args
+    out["draft_heads"] = {}
+    for label, head, rows in DRAFT_HEADS:
+        rows = min(rows, a.vocab_size) if rows else None
+        eng.use_draft_head(head, range(rows) if rows else None)
+        try:
+            stream_step(K)  # captures its graph
+            ts = sorted(stream_step(K) for _ in range(3))[1]
+            full = spec_bytes_per_step(a, ctx, ctx + K + 1 > a.index_topk, K, K + 1, head == "fp8", rows)
+        finally:
+            eng.use_draft_head()
+            eng.forward(tok, ctx - 1)
+        out["draft_heads"][label] = dict(
+            K=K,
+            stream_all_accepted_ms=ts * 1e3,
+            stream_all_accepted_tok_s=(K + 1) / ts,
+            bytes_ratio_to_plain=full["ratio"],
+            ceiling_speedup_all_accepted=full["ceiling_speedup"],
+        )
+        log(
+            f"[{name}] ctx={ctx} MTP K={K}, drafts from {label}: speculative_stream {ts * 1e3:.3f} ms a step "
+            f"({(K + 1) / ts:.0f} tok/s; {full['ratio']:.2f}x the plain step's bytes, at most "
+            f"{full['ceiling_speedup']:.2f}x MTP off), against {out['steps'][K]['stream_all_accepted_ms']:.3f} ms "
+            "with the model's head"
+        )
     return out
+
+
+DRAFT_VOCAB = 32768  # token ids of the --draft-vocab rows timed
+# (label, --draft-head, rows of --draft-vocab or None) timed after the model's head
+DRAFT_HEADS = (
+    ("a block-FP8 head", "fp8", None),
+    (f"a block-FP8 head of {DRAFT_VOCAB} tokens", "fp8", DRAFT_VOCAB),
+)
 
 
 # The DSA path (a context past index_topk only): the indexer's rows and warps per program, the top-k's passes'
@@ -1253,12 +1269,11 @@ def main():
             "speculative_stream's steps, every draft taken, K+1 tokens a step, the next launched before one is read; "
             "1by1: the same steps called one by one)"
         )
-        f8 = res.get("fp8_draft_head")
-        if f8:
+        for label, f8 in res.get("draft_heads", {}).items():
             log(
-                f"K={f8['K']}, drafts from a block-FP8 head (--draft-head fp8): stream "
-                f"{f8['stream_all_accepted_ms']:.3f} ms = {f8['stream_all_accepted_tok_s']:.0f} tok/s, every draft "
-                f"taken (byte ceiling {f8['ceiling_speedup_all_accepted']:.2f}x MTP off)"
+                f"K={f8['K']}, drafts from {label}: stream {f8['stream_all_accepted_ms']:.3f} ms = "
+                f"{f8['stream_all_accepted_tok_s']:.0f} tok/s, every draft taken (byte ceiling "
+                f"{f8['ceiling_speedup_all_accepted']:.2f}x MTP off)"
             )
     save()
 

@@ -71,33 +71,35 @@ def _ints(text: str) -> list[int]:
     return sorted({int(x) for x in text.split(",") if x.strip()})
 
 
-def _node_configs(text: str) -> list[tuple[int, bool, str]]:
-    """``"0,1,3all,3all+fp8"`` -> ``[(0, False, "model"), (1, False, "model"), (3, True, "model"), (3, True, "fp8")]``
-    (drafts, every draft accepted, the drafts' head)."""
+def _node_configs(text: str) -> list[tuple[int, bool, str, int | None]]:
+    """``"0,3all,3all+fp8,3all+fp8+v32768"`` -> ``[(0, False, "model", None), (3, True, "model", None), (3, True,
+    "fp8", None), (3, True, "fp8", 32768)]`` (drafts, every draft accepted, the drafts' head, the first token ids
+    they may propose)."""
     out = []
     for item in (x.strip() for x in text.split(",") if x.strip()):
-        node, plus, head = item.partition("+")
+        node, *extra = item.split("+")
         count = node.removesuffix("all")
-        if (
-            not count.isdigit()
-            or (node.endswith("all") and int(count) == 0)
-            or (plus and (head != "fp8" or not int(count)))
-        ):
+        vocab = [int(e[1:]) for e in extra if e[:1] == "v" and e[1:].isdigit() and int(e[1:]) > 0]
+        ok = count.isdigit() and not (node.endswith("all") and int(count) == 0)
+        ok = ok and len(vocab) + extra.count("fp8") == len(extra) and len(vocab) <= 1 and extra.count("fp8") <= 1
+        if not ok or (extra and int(count) == 0):
             raise argparse.ArgumentTypeError(
-                f"{item!r}: a number of drafts, or 'Nall' with N > 0, then optionally '+fp8'"
+                f"{item!r}: a number of drafts, or 'Nall' with N > 0, then optionally '+fp8' and '+vM'"
             )
-        out.append((int(count), node.endswith("all"), head or "model"))
+        out.append(
+            (int(count), node.endswith("all"), "fp8" if "fp8" in extra else "model", vocab[0] if vocab else None)
+        )
     return out
 
 
-def node_label(drafts: int | None, accept_all: bool, draft_head: str = "model") -> str:
+def node_label(drafts: int | None, accept_all: bool, draft_head: str = "model", draft_vocab: int | None = None) -> str:
     if drafts is None:
         return "default"
     if not drafts:
         return "MTP off"
-    return (
-        f"MTP {drafts}" + (" all accepted" if accept_all else "") + (", FP8 draft head" if draft_head == "fp8" else "")
-    )
+    head = ", FP8 draft head" if draft_head == "fp8" else ""
+    head += f", drafts among the first {draft_vocab} tokens" if draft_vocab else ""
+    return f"MTP {drafts}" + (" all accepted" if accept_all else "") + head
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -131,8 +133,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="the node's --num-speculative-tokens, one node per item, e.g. 0,1,3all: the first at every --users, the "
         "others (MTP serves a sequence alone) at one user; 'Nall': N drafts and --accept-all-drafts (benchmarks "
-        "only: the serving path at full acceptance); '+fp8' after either: the node's --draft-head fp8. Default: the "
-        "node's own",
+        "only: the serving path at full acceptance); '+fp8' after either: the node's --draft-head fp8; '+vM': its "
+        "--draft-vocab of token ids 0..M-1. Default: the node's own",
     )
     ap.add_argument(
         "--ttft-pairs",
@@ -238,6 +240,7 @@ def measure(
         "drafts": drafts,
         "accept_all": lay.accept_all_drafts,
         "draft_head": lay.draft_head,
+        "draft_vocab": lay.draft_vocab,
     }
     t0 = time.monotonic()
     reference = httpx.post(urls["standin"] + "/bench/reference", json=ask, timeout=None).raise_for_status().json()
@@ -253,7 +256,7 @@ def measure(
             got = users_at.run_users(urls["router"], args.api, str(model), bodies, args.tokens, k, f"r{r}-k{k}")
             streams[k] += got
     timings = httpx.get(urls["standin"] + "/bench/timings", timeout=30).raise_for_status().json()
-    label = node_label(lay.drafts, lay.accept_all_drafts, lay.draft_head)
+    label = node_label(lay.drafts, lay.accept_all_drafts, lay.draft_head, lay.draft_vocab)
     rows = [{"node": label, **report.row(k, streams[k], reference, timings)} for k in users]
     return {"rows": rows, "reference": reference, "streams": streams, "timings": timings}
 
@@ -323,8 +326,8 @@ def run(args: argparse.Namespace, model: Path, synthetic: dict[str, Any] | None 
         None,
     )
     nodes = [
-        replace(lay, drafts=d, accept_all_drafts=a, draft_head=h)
-        for d, a, h in (args.drafts or [(None, False, "model")])
+        replace(lay, drafts=d, accept_all_drafts=a, draft_head=h, draft_vocab=v)
+        for d, a, h, v in (args.drafts or [(None, False, "model", None)])
     ]
     log_dir = Path(tempfile.mkdtemp(prefix="gpu-serving-logs-"))
     print(
@@ -344,7 +347,8 @@ def run(args: argparse.Namespace, model: Path, synthetic: dict[str, Any] | None 
             cfg, urls = parts.start(procs, nodes[0], script, secret_file, args.startup_timeout_s)
             for i, node in enumerate(nodes):
                 if i:
-                    print(f"node: {node_label(node.drafts, node.accept_all_drafts, node.draft_head)}", flush=True)
+                    label = node_label(node.drafts, node.accept_all_drafts, node.draft_head, node.draft_vocab)
+                    print(f"node: {label}", flush=True)
                     parts.restart_node(procs, node, cfg, script, secret_file, args.startup_timeout_s)
                 users = args.users if i == 0 else [1]
                 results.append(measure(args, urls, model, node, users, users_at, bodies))
@@ -382,7 +386,9 @@ def run(args: argparse.Namespace, model: Path, synthetic: dict[str, Any] | None 
     if synthetic is not None:
         conditions["synthetic"] = synthetic
     streams = {
-        f"{node_label(node.drafts, node.accept_all_drafts, node.draft_head)}, {k}": [s.summary() for s in v]
+        f"{node_label(node.drafts, node.accept_all_drafts, node.draft_head, node.draft_vocab)}, {k}": [
+            s.summary() for s in v
+        ]
         for node, result in zip(nodes, results, strict=True)
         for k, v in result["streams"].items()
     }

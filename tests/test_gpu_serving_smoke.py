@@ -3,7 +3,7 @@
 The real router and decode node, the prefill stand-in prefilling with the engine and handing the prompt's KV (the
 MLA latent and the DSA indexer's keys, in vLLM's layouts) to the real connector, the OpenAI SDK streaming at one and
 two users, then one user on a node that drafts with the checkpoint's MTP layer and accepts every draft (its head as
-the checkpoint has it, then a block-FP8 copy: ``--draft-head fp8``). Its prompt
+the checkpoint has it, then a block-FP8 copy of its first 300 rows: ``--draft-head fp8 --draft-vocab``). Its prompt
 passes the model's ``index_topk``, so the node's decode steps select rows with the indexer keys that travelled.
 Every stream must equal the engine's own tokens for its prompt (greedy; with every draft accepted, the engine's on
 that path).
@@ -38,22 +38,25 @@ def test_smoke_run_streams_the_engines_own_tokens(tmp_path: Path) -> None:
 
     model = add_mtp_layer(build_tiny_model("deepseek_v32", tmp_path / "tiny-v32", seed=0), tmp_path / "tiny-v32-mtp")
     out = tmp_path / "out"
-    done = _run("--smoke", "--device", "cpu", "--model", str(model), "--out", str(out), "--drafts", "0,2all,2all+fp8")
+    done = _run(
+        "--smoke", "--device", "cpu", "--model", str(model), "--out", str(out), "--drafts", "0,2all,2all+fp8+v300"
+    )
     doc = json.loads((out / "cpu-serving.json").read_text())
     assert doc["recorded"]["machine"] == "cpu"
     assert [(r["node"], r["users"]) for r in doc["rows"]] == [
         ("MTP off", 1),
         ("MTP off", 2),
         ("MTP 2 all accepted", 1),
-        ("MTP 2 all accepted, FP8 draft head", 1),
+        ("MTP 2 all accepted, FP8 draft head, drafts among the first 300 tokens", 1),
     ]
     for r in doc["rows"]:
         assert r["errors"] == 0 and r["requests"] == r["users"], r
         assert r["same_tokens"] is True, r
     accepted = doc["rows"][2]
     assert accepted["engine_tokens_per_step"] == 3.0 and "every draft accepted" in accepted["engine_path"], accepted
-    fp8_head = doc["rows"][3]  # every draft taken: the stream is the drafts, read from the node's FP8 copy of the head
+    fp8_head = doc["rows"][3]  # every draft taken: the stream is the drafts, from the node's FP8 copy of 300 rows
     assert fp8_head["engine_tokens_per_step"] == 3.0 and "block-FP8 head" in fp8_head["engine_path"], fp8_head
+    assert "first 300 tokens" in fp8_head["engine_path"], fp8_head
     rows = {r["users"]: r for r in doc["rows"][:2]}
     for r in rows.values():
         assert r["client_tok_s"] > 0 and r["engine_tok_s"] > 0, r

@@ -177,3 +177,5 @@ def test_speculative_step_bytes() -> None:
     assert full["ceiling_speedup"] == pytest.approx(4 * plain["total"] / full["total"])
     fp8_head = decode_speed.spec_bytes_per_step(a, 1024, False, 3, 4, fp8_head=True)  # each draft reads half the head
     assert full["total"] - fp8_head["total"] == pytest.approx(3 * a.vocab_size * a.hidden_size)
+    subset = decode_speed.spec_bytes_per_step(a, 1024, False, 3, 4, fp8_head=True, head_rows=1000)
+    assert fp8_head["total"] - subset["total"] == pytest.approx(3 * (a.vocab_size - 1000) * a.hidden_size)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ class Layout:
     drafts: int | None  # the node's --num-speculative-tokens (None: its default)
     accept_all_drafts: bool = False  # the node's --accept-all-drafts (benchmarks only)
     draft_head: str = "model"  # the node's --draft-head
+    draft_vocab: int | None = None  # the node's --draft-vocab: token ids 0..draft_vocab - 1 (None: every token)
 
 
 def stack_config(lay: Layout) -> stack.StackConfig:
@@ -82,6 +84,10 @@ def commands(lay: Layout, cfg: stack.StackConfig, script: Path) -> dict[str, lis
         decode += ["--accept-all-drafts"]
     if lay.draft_head != "model":
         decode += ["--draft-head", lay.draft_head]
+    if lay.draft_vocab:
+        vocab = Path(tempfile.gettempdir()) / f"tilert-draft-vocab-{lay.draft_vocab}.json"
+        vocab.write_text(json.dumps(list(range(lay.draft_vocab))))
+        decode += ["--draft-vocab", str(vocab)]
     return {"standin": standin, "decode": decode, "router": stack.router_command(cfg)}
 
 

@@ -115,14 +115,15 @@ def engine_speed(
     drafts: int,
     accept_all: bool = False,
     draft_head: str = "model",
+    draft_vocab: int | None = None,
 ) -> dict[int, dict[str, Any]]:
     """Per number of users: the engine's per-user tok/s on the node's path (``tok_s``, ``path``); alone also plain
     ``greedy_stream``'s (``stream_tok_s``) and, with MTP, the tokens per speculative step (``tokens_per_step``),
     the first prompt's tokens on that path (``tokens``) and, unless every draft is accepted, whether they are those
     of the plain stream (``spec_same_as_stream``); with company
     whether each sequence's tokens are those it gets alone (``batch_same``, against ``alone``: :func:`prompt_tokens`
-    of each prompt, run before: the untimed first run). ``draft_head``: what the drafts' head reads, as the node's
-    ``--draft-head``."""
+    of each prompt, run before: the untimed first run). ``draft_head`` / ``draft_vocab``: what the drafts' head
+    reads, as the node's ``--draft-head`` / ``--draft-vocab`` (token ids ``0..draft_vocab - 1``)."""
     engine = caches.engine
     tokens = len(alone[0]["handed"])
     out: dict[int, dict[str, Any]] = {}
@@ -131,16 +132,17 @@ def engine_speed(
             stream_tok_s = (tokens - 1) / prompt_tokens(caches, lays, prompts[0], tokens)["stream_s"]
             row: dict[str, Any] = {"path": "greedy_stream", "tok_s": stream_tok_s, "stream_tok_s": stream_tok_s}
             if engine.supports_mtp and drafts > 0:
-                engine.use_draft_head(draft_head)
+                engine.use_draft_head(draft_head, range(draft_vocab) if draft_vocab else None)
                 try:
                     _speculative(caches, lays, prompts[0], tokens, drafts, accept_all)
                     seconds, spec, per_step = _speculative(caches, lays, prompts[0], tokens, drafts, accept_all)
                 finally:
-                    engine.use_draft_head("model")
+                    engine.use_draft_head()
                 row["tok_s"] = (tokens - 1) / seconds
                 row["tokens_per_step"] = per_step
                 how = ", every draft accepted" if accept_all else ""
                 how += ", drafts from a block-FP8 head" if draft_head == "fp8" else ""
+                how += f", drafts among the first {draft_vocab} tokens" if draft_vocab else ""
                 row["path"] = f"speculative_stream (MTP, {drafts} draft{'s' if drafts > 1 else ''}{how})"
                 # the node's tokens on that path: with fp8 pages the prompt's last row, recomputed to draft from
                 # the first step, is no longer the fp8 row the plain stream reads, so greedy's may differ

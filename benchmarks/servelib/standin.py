@@ -241,7 +241,8 @@ class PrefillStandin:
         return self._alone[key]
 
     async def _reference(self, request: Request) -> Response:
-        """``{"requests": [{"route", "body"}], "tokens", "users", "drafts", "accept_all", "draft_head"}``: each
+        """``{"requests": [{"route", "body"}], "tokens", "users", "drafts", "accept_all", "draft_head",
+        "draft_vocab"}``: each
         request's prompt ids and the engine's tokens for it, and the engine's speed per number of users."""
         ask = orjson.loads(await request.body())
         prompts = [self.prompt_ids(r["route"] == "chat", r["body"]) for r in ask["requests"]]
@@ -259,6 +260,7 @@ class PrefillStandin:
                     ask["drafts"],
                     ask.get("accept_all", False),
                     ask.get("draft_head", "model"),
+                    ask.get("draft_vocab"),
                 )
             return {"prompts": alone, "speed": {str(k): v for k, v in speed.items()}, "mtp": self.engine.supports_mtp}
 
