@@ -54,7 +54,7 @@ CASES: list[tuple[list[str], str, dict[str, str]]] = [
     ),
 ]
 
-COMMANDS = ["tiny-model", "convert", "decode", "router", "up"]
+COMMANDS = ["tiny-model", "convert", "draft-vocab", "decode", "router", "up"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -1,4 +1,4 @@
-"""The ``tilert`` command: ``tiny-model``, ``convert``, ``decode``, ``router``, ``up``."""
+"""The ``tilert`` command: ``tiny-model``, ``convert``, ``draft-vocab``, ``decode``, ``router``, ``up``."""
 
 from __future__ import annotations
 
@@ -47,6 +47,19 @@ def _convert(args: argparse.Namespace) -> int:
         print(f"tilert convert: {exc}", file=sys.stderr)
         return 2
     print(out)
+    return 0
+
+
+def _draft_vocab(args: argparse.Namespace) -> int:
+    _own_logs(args)
+    from tilert.models.draft_vocab import write_draft_vocab  # lazy: the tokenizer, and the command's implementation
+
+    try:
+        ids, tokens = write_draft_vocab(args.model, args.inputs, args.top, args.out)
+    except (ValueError, OSError) as exc:  # inputs or a checkpoint it cannot read: say why, exit 2
+        print(f"tilert draft-vocab: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.out}: the {ids} most frequent of {tokens} tokens counted")
     return 0
 
 
@@ -125,6 +138,22 @@ def parser() -> argparse.ArgumentParser:
     conv.add_argument("--quiet", action="store_true", help="no progress bar")
     add_config_arguments(conv, LogConfig)
     conv.set_defaults(func=_convert)
+
+    dv = sub.add_parser(
+        "draft-vocab",
+        help="count the token ids of text from your traffic: the list `tilert decode --draft-vocab` takes",
+        allow_abbrev=False,
+        description="Tokenize text with the checkpoint's tokenizer and write the most frequent token ids (a JSON "
+        "list, most frequent first): the only tokens a node given `--draft-vocab` lets its MTP drafts propose. "
+        "Inputs: plain text files, or JSON Lines (*.jsonl) whose prompt / completion / text / messages[].content "
+        "strings are counted.",
+    )
+    dv.add_argument("--model", required=True, type=Path, help="the checkpoint (config.json + tokenizer.json)")
+    dv.add_argument("--top", type=int, default=32768, help="token ids to keep (default 32768)")
+    dv.add_argument("--out", required=True, type=Path, help="the JSON file to write")
+    dv.add_argument("inputs", nargs="+", type=Path, metavar="INPUT", help="text or *.jsonl files")
+    add_config_arguments(dv, LogConfig)
+    dv.set_defaults(func=_draft_vocab)
 
     dec = sub.add_parser(
         "decode",
