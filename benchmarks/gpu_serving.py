@@ -257,7 +257,8 @@ def measure(
             streams[k] += got
     timings = httpx.get(urls["standin"] + "/bench/timings", timeout=30).raise_for_status().json()
     label = node_label(lay.drafts, lay.accept_all_drafts, lay.draft_head, lay.draft_vocab)
-    rows = [{"node": label, **report.row(k, streams[k], reference, timings)} for k in users]
+    spec = node_spec(urls["decode"])  # every stream of this node's life, warm-ups included
+    rows = [{"node": label, **report.row(k, streams[k], reference, timings), **spec} for k in users]
     return {"rows": rows, "reference": reference, "streams": streams, "timings": timings}
 
 
@@ -294,6 +295,20 @@ def router_legs(router: str) -> dict[str, tuple[float, float]]:
             if name in sums and part in ("sum", "count"):
                 sums[name][part == "count"] += sample.value
     return {name: (v[0], v[1]) for name, v in sums.items()}
+
+
+def node_spec(node: str) -> dict[str, float]:
+    """The decode node's own speculative counts (its ``tilert:spec_decode_*`` counters), as ``node_spec_*`` fields."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(node + "/metrics", timeout=30).raise_for_status().text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for part in ("drafts", "draft_tokens", "accepted_tokens"):
+                if sample.name == f"tilert:spec_decode_num_{part}_total":
+                    out[f"node_spec_{part}"] = sample.value
+    return out
 
 
 def _smoke_model() -> Path:

@@ -550,6 +550,7 @@ def test_decode_metrics_follow_vllm_names() -> None:
     m.tokens(2, 0.01)
     m.request_done(0.5, "length", 0.005)
     m.lease_expired()
+    m.spec_decode(4, 12, (3, 1))  # 4 steps of 3 drafts: 3 kept the first, 1 the first two
     samples = _families(m.render())
     for name in [
         "tilert:num_requests_running",
@@ -565,12 +566,20 @@ def test_decode_metrics_follow_vllm_names() -> None:
         "tilert:request_success_total",
         "tilert:kv_transfer_wait_seconds_count",
         "tilert:decode_leases_expired_total",
+        "tilert:spec_decode_num_drafts_total",
+        "tilert:spec_decode_num_draft_tokens_total",
+        "tilert:spec_decode_num_accepted_tokens_total",
+        "tilert:spec_decode_num_accepted_tokens_per_pos_total",
     ]:
         assert name in samples, name
         assert all(labels.get("model_name") == "tiny" for _, labels in samples[name]), name
     text = m.render().decode()
     assert 'tilert:generation_tokens_total{model_name="tiny"} 3.0' in text
     assert 'tilert:num_requests_waiting{model_name="tiny"} 2.0' in text
+    assert 'tilert:spec_decode_num_drafts_total{model_name="tiny"} 4.0' in text
+    assert 'tilert:spec_decode_num_draft_tokens_total{model_name="tiny"} 12.0' in text
+    assert 'tilert:spec_decode_num_accepted_tokens_total{model_name="tiny"} 4.0' in text
+    assert 'tilert:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="1"} 1.0' in text
     assert m.content_type.startswith("text/plain")
 
 

@@ -228,3 +228,21 @@ def test_a_steps_tokens_cross_the_pipe_as_one_message() -> None:
     with send.step():
         pass
     assert not theirs.poll(0.05)  # an empty step sends nothing
+
+
+def test_a_jobs_speculative_counts_cross_the_pipe_with_its_end() -> None:
+    """What the node's spec-decode metrics count comes back from the engine process with the job's end."""
+    from tilert.decode.generate import SpecCounts
+
+    spec = SpecCounts().step(3, 2).step(3, 0).step(0, 0).step(3, 3)
+    assert (spec.drafts, spec.draft_tokens, spec.accepted_per_pos, spec.accepted_tokens) == (3, 9, (2, 2, 1), 5)
+    done = c.EngineJobDone(
+        7, "stop", None, spec=c.SpecTally(spec.drafts, spec.draft_tokens, list(spec.accepted_per_pos))
+    )
+    back = c.parse_engine_event(c.dump_engine(done))
+    assert back == done and isinstance(back, c.EngineJobDone) and back.spec is not None
+    assert SpecCounts(back.spec.drafts, back.spec.draft_tokens, tuple(back.spec.accepted_per_pos)) == spec
+    assert c.parse_engine_event(c.dump_engine(c.EngineJobDone(8, "length"))) == c.EngineJobDone(8, "length")
+    too_many = c.EngineJobDone(9, "stop", spec=c.SpecTally(1, 1, [1] * (c.MAX_DRAFTS + 1)))
+    with pytest.raises(c.ContractError):
+        c.parse_engine_event(c.dump_engine(too_many))

@@ -54,6 +54,12 @@ def test_smoke_run_streams_the_engines_own_tokens(tmp_path: Path) -> None:
         assert r["same_tokens"] is True, r
     accepted = doc["rows"][2]
     assert accepted["engine_tokens_per_step"] == 3.0 and "every draft accepted" in accepted["engine_path"], accepted
+    # the node's own spec-decode counters: every draft it drafted, it accepted (two a step)
+    assert accepted["node_spec_drafts"] > 0, accepted
+    assert (
+        accepted["node_spec_accepted_tokens"] == accepted["node_spec_draft_tokens"] == 2 * accepted["node_spec_drafts"]
+    )
+    assert doc["rows"][0]["node_spec_drafts"] == 0  # MTP off
     fp8_head = doc["rows"][3]  # every draft taken: the stream is the drafts, from the node's FP8 copy of 300 rows
     assert fp8_head["engine_tokens_per_step"] == 3.0 and "block-FP8 head" in fp8_head["engine_path"], fp8_head
     assert "first 300 tokens" in fp8_head["engine_path"], fp8_head

@@ -347,8 +347,12 @@ def test_dsa_and_mtp_kv_through_each_transport_continue_as_the_engine_itself(
 
     # The decode node's continuation == the engine's own continuation of the same prompt.
     want = reference(prefilled, vc.held)
-    assert got.finish == Finish("length")
+    assert isinstance(got.finish, Finish) and (got.finish.reason, got.finish.stop_token_id) == ("length", None)
     assert got.tokens == want.tokens
+    spec = got.finish.spec  # its speculative steps, as the node's metrics count them
+    assert spec is not None and spec.drafts >= 1 and spec.drafts < GEN <= spec.drafts * (DRAFT + 1)
+    assert spec.draft_tokens == DRAFT * spec.drafts and spec.accepted_tokens <= spec.draft_tokens
+    assert len(spec.accepted_per_pos) <= DRAFT and list(spec.accepted_per_pos) == sorted(spec.accepted_per_pos)[::-1]
 
     # Logits: the same engine, injected with what arrived, stepped plainly.
     engine.inject(got.state, got.layouts, PROMPT, last_token_id=got.offer.last_token_id)

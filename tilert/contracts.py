@@ -72,6 +72,7 @@ MAX_PROMPT_TOKEN_IDS = 1 << 21  # the prompt's ids a decode request carries for 
 MAX_REASON_CHARS = 2000
 MAX_CHOICES = 1 << 10  # n of a decode: the choices (engine sequences) one request decodes from its prompt
 MAX_LOGPROBS = 20  # top log-probabilities a token carries: vLLM's default max_logprobs
+MAX_DRAFTS = 16  # draft positions a speculative step counts (the node's num_speculative_tokens is at most 8)
 # vLLM's OpenAI layer shows a log-probability below this (-inf: a token the grammar masks) as this value; the
 # node sends it so (JSON has no -inf), which changes nothing a client sees
 LOGPROB_FLOOR = -9999.0
@@ -817,13 +818,23 @@ class EngineStep(_EngineMsg, tag="step"):
     tokens: list[EngineTokens]
 
 
+class SpecTally(_Strict, array_like=True):
+    """A job's speculative steps (:class:`tilert.decode.generate.SpecCounts`, field for field)."""
+
+    drafts: Count
+    draft_tokens: Count
+    accepted_per_pos: Annotated[list[Count], msgspec.Meta(max_length=MAX_DRAFTS)]
+
+
 class EngineJobDone(_EngineMsg, tag="done"):
-    """``job`` left the engine: finished (``finish``) or failed (``error``, the engine's exception)."""
+    """``job`` left the engine: finished (``finish``, with its speculative steps when it took any) or failed
+    (``error``, the engine's exception)."""
 
     job: Count
     finish: Literal["stop", "length", "cancelled"] | None = None
     stop_token_id: TokenId | None = None
     error: Reason | None = None
+    spec: SpecTally | None = None
 
 
 class EngineCheckResult(_EngineMsg, tag="check_result"):

@@ -36,7 +36,7 @@ import structlog
 import torch
 
 from tilert.contracts import TokenLogprobs
-from tilert.decode.generate import Emit, Finish, SequenceRun, decode_alone
+from tilert.decode.generate import Emit, Finish, SequenceRun, SpecCounts, decode_alone
 from tilert.decode.grammar import Grammars
 from tilert.decode.sampling import DecodeParams, Sampler, seeded_generator
 from tilert.engines.base import DecodeEngine, KVLayout
@@ -72,6 +72,7 @@ class _Running:
     left: int = 0
     finished: set[int] = field(default_factory=set)
     cancelled: bool = False
+    spec: SpecCounts = field(default_factory=SpecCounts)  # its choices' speculative steps, as they end
 
     def emit_for(self, index: int) -> Emit:
         def emit(ids: list[int], finish: Finish | None, logprobs: list[TokenLogprobs] | None = None, /) -> None:
@@ -254,8 +255,10 @@ class DecodeBatch:
         elif index not in running.finished:
             running.emit_for(index)([], finish)
         running.left -= 1
+        running.spec += run.spec
         if running.left == 0:
-            running.job.done(Finish("cancelled") if running.cancelled else finish)
+            done = Finish("cancelled") if running.cancelled else finish
+            running.job.done(replace(done, spec=running.spec) if running.spec.drafts else done)
 
     def _fail_all(self, exc: BaseException) -> None:
         failed: dict[int, _Running] = {}

@@ -45,7 +45,7 @@ import torch
 from tilert import contracts as c
 from tilert.decode.batch import DecodeBatch, Job
 from tilert.decode.config import resolve_device, resolve_dtype
-from tilert.decode.generate import Finish
+from tilert.decode.generate import Finish, SpecCounts
 from tilert.decode.grammar import Grammars
 from tilert.decode.sampling import DecodeParams
 from tilert.decode.slots import state_views
@@ -304,10 +304,12 @@ class EngineProcess:
             finish = None if ev.finish is None else Finish(ev.finish, ev.stop_token_id)
             job.emit(ev.token_ids, finish, ev.index, ev.logprobs)
         elif isinstance(ev, c.EngineJobDone):
+            s = ev.spec
+            spec = None if s is None else SpecCounts(s.drafts, s.draft_tokens, tuple(s.accepted_per_pos))
             job.done(
                 EngineProcessError(ev.error)
                 if ev.error is not None
-                else Finish(ev.finish or "cancelled", ev.stop_token_id)
+                else Finish(ev.finish or "cancelled", ev.stop_token_id, spec)
             )
 
     def _fail(self, reason: str) -> None:
@@ -418,7 +420,9 @@ def _serve(
         def done(result: Finish | BaseException) -> None:
             cancels.pop(key, None)
             if isinstance(result, Finish):
-                send(c.EngineJobDone(key, result.reason, result.stop_token_id))
+                s = result.spec
+                tally = None if s is None else c.SpecTally(s.drafts, s.draft_tokens, list(s.accepted_per_pos))
+                send(c.EngineJobDone(key, result.reason, result.stop_token_id, spec=tally))
             else:
                 send(c.EngineJobDone(key, error=f"{type(result).__name__}: {result}"[: c.MAX_REASON_CHARS]))
 

@@ -35,6 +35,33 @@ FinishReason = Literal["stop", "length", "cancelled"]
 
 
 @dataclass(frozen=True)
+class SpecCounts:
+    """A decode's speculative steps, as vLLM counts them: steps that drafted (``drafts``), the tokens they drafted
+    (``draft_tokens``) and, per draft position, how many steps had it accepted (``accepted_per_pos[i]``: the
+    steps whose first ``i + 1`` drafts were accepted)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = ()
+
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(self.accepted_per_pos)
+
+    def step(self, drafted: int, accepted: int) -> SpecCounts:
+        """These counts and one step that drafted ``drafted`` tokens and had ``accepted`` of them accepted."""
+        if drafted <= 0:
+            return self
+        return self + SpecCounts(1, drafted, (1,) * accepted)
+
+    def __add__(self, other: SpecCounts) -> SpecCounts:
+        a, b = self.accepted_per_pos, other.accepted_per_pos
+        n = max(len(a), len(b))
+        per_pos = tuple((a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n))
+        return SpecCounts(self.drafts + other.drafts, self.draft_tokens + other.draft_tokens, per_pos)
+
+
+@dataclass(frozen=True)
 class Finish:
     """Why decoding stopped.
 
@@ -46,6 +73,7 @@ class Finish:
 
     reason: FinishReason
     stop_token_id: int | None = None
+    spec: SpecCounts | None = None  # a job's (DecodeBatch's done): its speculative steps, when it took any
 
 
 class Emit(Protocol):
@@ -98,6 +126,7 @@ class SequenceRun:
         self.sampler = Sampler(params, self.eos | self.stop_ids, matcher, generator)
         self.token, self.pos, self.produced = params.first_token_id, num_tokens, 0
         self._logprobs: list[TokenLogprobs] = []  # of the tokens sampled and not yet emitted
+        self.spec = SpecCounts()  # its speculative steps
         self.finish: Finish | None = None if self.limit > 0 else Finish("length")
 
     @property
@@ -197,6 +226,7 @@ def _fast_steps(
     if plain_greedy and num_draft > 0 and caps.mtp:
         # The engine may run the next step while this one's tokens are emitted.
         for step in engine.speculative_stream(run.token, run.pos, num_draft, run.seq, accept_all_drafts):
+            run.spec = run.spec.step(step.num_drafted, step.num_accepted)
             yield step.tokens
     elif plain_greedy and caps.pipelined_greedy:
         # The next step runs while this token is emitted (the engine pipelines them).

@@ -14,6 +14,9 @@ tilert:inter_token_latency_seconds              vllm:inter_token_latency_seconds
 tilert:request_time_per_output_token_seconds    vllm:request_time_per_output_token_seconds  request_done
 tilert:e2e_request_latency_seconds              vllm:e2e_request_latency_seconds            request_done
 tilert:request_success_total{finished_reason}   vllm:request_success_total                  request_done
+tilert:spec_decode_num_drafts_total             vllm:spec_decode_num_drafts_total           spec_decode
+tilert:spec_decode_num_draft_tokens_total       vllm:spec_decode_num_draft_tokens_total     spec_decode
+tilert:spec_decode_num_accepted_tokens_total    vllm:spec_decode_num_accepted_tokens_total  spec_decode
 ==============================================  ==========================================  =================
 
 Differences in meaning: running is decodes on the engine (one at a time today), waiting is decodes whose KV
@@ -21,8 +24,12 @@ has landed and which wait for the engine; e2e is a decode request's life on the 
 arrival to its last line: transfer wait, engine wait and decode); generation tokens count the tokens the node
 produced (the router's count adds prefill's first token); time per output token is a decode's time from its
 hand-off to the engine to its last token over the tokens the node generated (the mean of its inter-token
-latencies). vLLM 0.10 renamed ``vllm:time_per_output_token_seconds`` to ``vllm:inter_token_latency_seconds``; this
-follows the new name.
+latencies). The speculative (MTP) counts, and ``tilert:spec_decode_num_accepted_tokens_per_pos_total{position}``
+(vLLM's ``vllm:spec_decode_num_accepted_tokens_per_pos_total``), are a decode's, added when it ends: drafts are
+speculative steps that drafted, draft tokens the tokens they drafted, accepted tokens those the verify kept, per
+position the steps that kept draft ``position`` (0-based; acceptance rate = accepted / draft tokens, mean accepted
+length = 1 + accepted / drafts, as vLLM's). vLLM 0.10 renamed ``vllm:time_per_output_token_seconds`` to
+``vllm:inter_token_latency_seconds``; this follows the new name.
 
 The node's own, with no vLLM counterpart:
 
@@ -98,6 +105,16 @@ class DecodeMetrics:
             PREFIX + "request_success", "Finished decodes by finished_reason.", m + ["finished_reason"], registry=r
         )
         self._expired = Counter(PREFIX + "decode_leases_expired", "Reservations whose lease ran out.", m, registry=r)
+        spec = PREFIX + "spec_decode_num_"
+        self._drafts = Counter(spec + "drafts", "Speculative steps that drafted.", m, registry=r)
+        self._draft_tokens = Counter(spec + "draft_tokens", "Tokens the speculative steps drafted.", m, registry=r)
+        self._accepted = Counter(spec + "accepted_tokens", "Drafted tokens the verify accepted.", m, registry=r)
+        self._accepted_per_pos = Counter(
+            spec + "accepted_tokens_per_pos",
+            "Speculative steps whose draft at this position (0-based) was accepted.",
+            m + ["position"],
+            registry=r,
+        )
         for metric in (
             self._running,
             self._waiting,
@@ -106,6 +123,9 @@ class DecodeMetrics:
             self._received,
             self._generation_tokens,
             self._expired,
+            self._drafts,
+            self._draft_tokens,
+            self._accepted,
         ):
             metric.labels(model_name)
         # observed for every line a decode stream sends: their labelled children looked up once
@@ -150,6 +170,16 @@ class DecodeMetrics:
             self._success.labels(m, finished_reason).inc()
         if tpot_s is not None:
             self._tpot.labels(m).observe(tpot_s)
+
+    def spec_decode(self, drafts: int, draft_tokens: int, accepted_per_pos: tuple[int, ...]) -> None:
+        """A decode ended that took ``drafts`` speculative steps, drafting ``draft_tokens`` tokens, of which
+        ``accepted_per_pos[i]`` steps had draft ``i`` accepted."""
+        m = self.model_name
+        self._drafts.labels(m).inc(drafts)
+        self._draft_tokens.labels(m).inc(draft_tokens)
+        self._accepted.labels(m).inc(sum(accepted_per_pos))
+        for pos, n in enumerate(accepted_per_pos):
+            self._accepted_per_pos.labels(m, str(pos)).inc(n)
 
     def lease_expired(self, n: int = 1) -> None:
         if n > 0:

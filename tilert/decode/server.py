@@ -406,7 +406,17 @@ class DecodeNode:
         last_token = slot.offer.last_token_id if slot.offer is not None else None
         try:
             self.batch.submit(
-                Job(state, layouts, num_tokens, params, emit, inbox.put, slot.cancel, last_token, slot.index)
+                Job(
+                    state,
+                    layouts,
+                    num_tokens,
+                    params,
+                    emit,
+                    self._counted(inbox.put),
+                    slot.cancel,
+                    last_token,
+                    slot.index,
+                )
             )
         except EngineProcessError as exc:
             raise SlotError(f"decode engine unavailable: {exc}", 503) from None
@@ -432,6 +442,18 @@ class DecodeNode:
                     yield lines
         finally:
             slot.cancel.set()  # the reader left (or the decode ended): the batch drops the sequence
+
+    def _counted(self, done: Callable[[Finish | BaseException], None]) -> Callable[[Finish | BaseException], None]:
+        """``done`` of a decode job, its speculative steps counted first (the batch's thread calls it, or the engine
+        process's reader)."""
+
+        def counted(result: Finish | BaseException) -> None:
+            if isinstance(result, Finish) and result.spec is not None:
+                s = result.spec
+                self.metrics.spec_decode(s.drafts, s.draft_tokens, s.accepted_per_pos)
+            done(result)
+
+        return counted
 
     def _handoff(self) -> _Handoff:
         """The worker's hand-off to this node's event loop (made on the loop, at the first decode)."""
