@@ -297,17 +297,22 @@ def router_legs(router: str) -> dict[str, tuple[float, float]]:
     return {name: (v[0], v[1]) for name, v in sums.items()}
 
 
-def node_spec(node: str) -> dict[str, float]:
-    """The decode node's own speculative counts (its ``tilert:spec_decode_*`` counters), as ``node_spec_*`` fields."""
+def node_spec(node: str) -> dict[str, Any]:
+    """The decode node's own speculative counts (its ``tilert:spec_decode_*`` counters), as ``node_spec_*`` fields
+    (``node_spec_accepted_per_pos``: by draft position)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(node + "/metrics", timeout=30).raise_for_status().text
-    out = {}
+    out: dict[str, Any] = {}
+    per_pos: dict[int, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             for part in ("drafts", "draft_tokens", "accepted_tokens"):
                 if sample.name == f"tilert:spec_decode_num_{part}_total":
                     out[f"node_spec_{part}"] = sample.value
+            if sample.name == "tilert:spec_decode_num_accepted_tokens_per_pos_total":
+                per_pos[int(sample.labels["position"])] = sample.value
+    out["node_spec_accepted_per_pos"] = [per_pos[i] for i in sorted(per_pos)]
     return out
 
 

@@ -59,6 +59,7 @@ def test_smoke_run_streams_the_engines_own_tokens(tmp_path: Path) -> None:
     assert (
         accepted["node_spec_accepted_tokens"] == accepted["node_spec_draft_tokens"] == 2 * accepted["node_spec_drafts"]
     )
+    assert accepted["node_spec_accepted_per_pos"] == [accepted["node_spec_drafts"]] * 2
     assert doc["rows"][0]["node_spec_drafts"] == 0  # MTP off
     fp8_head = doc["rows"][3]  # every draft taken: the stream is the drafts, from the node's FP8 copy of 300 rows
     assert fp8_head["engine_tokens_per_step"] == 3.0 and "block-FP8 head" in fp8_head["engine_path"], fp8_head
