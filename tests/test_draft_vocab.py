@@ -8,6 +8,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from tokenizers import Tokenizer
 
 from tilert.decode.config import read_draft_vocab
@@ -25,7 +26,7 @@ def test_counts_text_and_jsonl_and_writes_what_the_node_reads(tiny_model: Path, 
     JSON Lines records' prompt / completion / text / messages strings are counted, nothing else; the node's
     ``--draft-vocab`` reader takes the file."""
     plain = tmp_path / "a.txt"
-    plain.write_text("the cat sat on the mat. the end.")
+    plain.write_text("the cat sat on the mat.\nthe end.\n\nthe")
     logs = tmp_path / "b.jsonl"
     records = [
         {"prompt": "the dog", "completion": " sat", "model": "ignored words here"},
@@ -39,7 +40,7 @@ def test_counts_text_and_jsonl_and_writes_what_the_node_reads(tiny_model: Path, 
     assert done.returncode == 0, done.stderr
     tok = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
     counts: Counter[int] = Counter()
-    for text in [plain.read_text(), "the dog", " sat", "on the mat", "the"]:
+    for text in [*plain.read_text().splitlines(keepends=True), "the dog", " sat", "on the mat", "the"]:
         counts.update(tok.encode(text, add_special_tokens=False).ids)
     ids = json.loads(out.read_text())
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
@@ -69,3 +70,15 @@ def test_refusals_say_why(tiny_model: Path, tmp_path: Path) -> None:
     ]:
         done = _cli(*args)
         assert done.returncode == 2 and reason in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_texts_are_counted_a_batch_at_a_time(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches of any size count the same: the last, partial one included."""
+    from tilert.models import draft_vocab
+
+    texts = ["the cat", "sat on", "the mat", "again and", "again"]
+    whole = draft_vocab.count_tokens(tiny_model, texts)
+    for size in (1, 2, 3):
+        monkeypatch.setattr(draft_vocab, "_BATCH", size)
+        assert draft_vocab.count_tokens(tiny_model, iter(texts)) == whole
+    assert sum(whole.values()) > len(texts)

@@ -4,9 +4,9 @@ counted from text one's own traffic holds.
 The drafts of a node given such a list read only those rows of the vocabulary head, so the more of the traffic's
 tokens the list covers, the more drafts can be accepted; the fewer ids it holds, the fewer bytes a draft reads.
 The list is the ``top`` most frequent token ids of the text, most frequent first (ties: the lower id), among the
-ids the checkpoint's head has. Inputs: plain text files (each file one text), or JSON Lines (``*.jsonl``) of
-OpenAI-style records, whose ``prompt``, ``completion``, ``text`` strings and ``messages[].content`` strings are
-counted.
+ids the checkpoint's head has. Inputs: plain text files (read line by line, each line a text), or JSON Lines
+(``*.jsonl``) of OpenAI-style records, whose ``prompt``, ``completion``, ``text`` strings and ``messages[].content``
+strings are counted. Files are streamed, and texts tokenized a batch at a time: request logs of any size fit.
 """
 
 from __future__ import annotations
@@ -15,20 +15,28 @@ import json
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from tilert.models.checkpoint import read_json
 
 __all__ = ["count_tokens", "most_frequent", "texts_of", "write_draft_vocab"]
 
 _FIELDS = ("prompt", "completion", "text")
+_BATCH = 1024  # texts tokenized at once
 
 
 def texts_of(path: Path) -> Iterator[str]:
     """The texts of one input file (see the module docstring); ValueError naming a line that is not a record."""
-    if path.suffix != ".jsonl":
-        yield path.read_text(encoding="utf-8")
-        return
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    with path.open(encoding="utf-8") as f:
+        if path.suffix != ".jsonl":
+            yield from f
+            return
+        yield from _records(path, f)
+
+
+def _records(path: Path, lines: Iterable[str]) -> Iterator[str]:
+    """The counted strings of each JSON Lines record of ``path``."""
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -49,9 +57,19 @@ def count_tokens(model_dir: Path, texts: Iterable[str]) -> Counter[int]:
 
     tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
     counts: Counter[int] = Counter()
+    batch: list[str] = []
     for text in texts:
-        counts.update(tok.encode(text, add_special_tokens=False).ids)
+        batch.append(text)
+        if len(batch) == _BATCH:
+            _count(tok, batch, counts)
+            batch = []
+    _count(tok, batch, counts)
     return counts
+
+
+def _count(tok: Any, texts: list[str], counts: Counter[int]) -> None:
+    for encoding in tok.encode_batch(texts, add_special_tokens=False):
+        counts.update(encoding.ids)
 
 
 def most_frequent(counts: Counter[int], top: int, vocab_size: int) -> list[int]:
