@@ -399,7 +399,7 @@ def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
     # draft taken
     K, a = 3, eng.model.args
     out["draft_heads"] = {}
-    for label, head, rows in DRAFT_HEADS:
+    for label, head, rows in DRAFT_VARIANTS:
         rows = min(rows, a.vocab_size) if rows else None
         eng.use_draft_head(head, range(rows) if rows else None)
         try:
@@ -427,7 +427,7 @@ def bench_mtp(name, eng, ctx, plain_graph_s) -> dict:
 
 DRAFT_VOCAB = 32768  # token ids of the --draft-vocab rows timed
 # (label, --draft-head, rows of --draft-vocab or None) timed after the model's head
-DRAFT_HEADS = (
+DRAFT_VARIANTS = (
     ("a block-FP8 head", "fp8", None),
     (f"a block-FP8 head of {DRAFT_VOCAB} tokens", "fp8", DRAFT_VOCAB),
 )

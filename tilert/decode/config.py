@@ -231,20 +231,18 @@ class DecodeConfig:
             or (is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= 8),
             f"{d('num_speculative_tokens')} must be in 0..8 ({self.num_speculative_tokens})",
         )
-        need(
-            not self.accept_all_drafts or (self.speculative_tokens > 0 and self.tp == 1),
-            f"{d('accept_all_drafts')} needs {d('num_speculative_tokens')} > 0 and {d('tp')} 1",
-        )
         heads = ", ".join(DRAFT_HEADS)
         need(self.draft_head in DRAFT_HEADS, f"{d('draft_head')} must be one of {heads} ({self.draft_head!r})")
-        need(
-            self.draft_head == "model" or (self.speculative_tokens > 0 and self.tp == 1),
-            f"{d('draft_head')} {self.draft_head} needs {d('num_speculative_tokens')} > 0 and {d('tp')} 1",
-        )
-        need(
-            self.draft_vocab is None or (self.speculative_tokens > 0 and self.tp == 1),
-            f"{d('draft_vocab')} needs {d('num_speculative_tokens')} > 0 and {d('tp')} 1",
-        )
+        # the MTP settings that only a node drafting on one rank can honour (the name as the refusal shows it)
+        for name, asked in (
+            (d("accept_all_drafts"), self.accept_all_drafts),
+            (f"{d('draft_head')} {self.draft_head}", self.draft_head != "model"),
+            (d("draft_vocab"), self.draft_vocab is not None),
+        ):
+            need(
+                not asked or (self.speculative_tokens > 0 and self.tp == 1),
+                f"{name} needs {d('num_speculative_tokens')} > 0 and {d('tp')} 1",
+            )
         problems += self._checkpoint_problems() + self._draft_vocab_problems()
         for name in ("lease_s", "max_lease_s", "transfer_timeout_s"):
             value = getattr(self, name)

@@ -669,10 +669,12 @@ class Transformer(nn.Module):
         index_cache = self._rows(self.mtp_index_cache, seq)[0] if a.mtp_indexer else None
         rope = (self.rope_cos, self.rope_sin)
         m.block(h, positions, rope, self._rows(self.mtp_kv_cache, seq)[0], index_cache, None, False, valid_from)
-        head, scale = m.draft_head, m.draft_head_scale
-        if head is None:
-            head = m.head if m.head is not None else self.lm_head
-        return h, self.tp.all_gather(k.gemv(h, head, m.head_norm, eps, fp32_out=True, scale=scale))
+        head = m.draft_head if m.draft_head is not None else self._mtp_head(m)
+        return h, self.tp.all_gather(k.gemv(h, head, m.head_norm, eps, fp32_out=True, scale=m.draft_head_scale))
+
+    def _mtp_head(self, m: MTPLayer) -> Tensor:
+        """The MTP module's own vocabulary head (``shared_head.head``), or the model's when it shares it."""
+        return m.head if m.head is not None else self.lm_head
 
     def draft_tokens(self, logits: Tensor) -> Tensor:
         """The draft of the last row of :meth:`mtp_forward`'s ``logits``: int64 ``[1]``, a token id."""
@@ -687,13 +689,13 @@ class Transformer(nn.Module):
         bytes a draft reads of a bf16 head). Neither: the model's head. The verify step keeps the model's head, so the
         tokens decoded are the same; a draft the copy or the subset changes is rejected like any other."""
         m = cast(MTPLayer, self.mtp[0])
-        head = (m.head if m.head is not None else self.lm_head).detach()
-        rows = head if vocab is None else head.index_select(0, vocab)
+        head = self._mtp_head(m).detach()
+        rows = head if vocab is None else head.index_select(0, vocab)  # (a copy: contiguous)
         m.draft_head, m.draft_head_scale, m.draft_vocab = None, None, vocab
         if fp8_copy:
             m.draft_head, m.draft_head_scale = fp8.quantize_tiled(rows)
         elif vocab is not None:
-            m.draft_head = rows.contiguous()
+            m.draft_head = rows
 
 
 def finish_model(
