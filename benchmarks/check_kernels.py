@@ -21,7 +21,15 @@ import torch
 import torch.nn.functional as F
 
 from tilert.engines.tilert.ops import reference as ref  # noqa: E402
-from tilert.engines.tilert.ops import triton_fused, triton_gemv, triton_mla, triton_moe, triton_topk, workspace  # noqa: E402
+from tilert.engines.tilert.ops import (  # noqa: E402
+    triton_fp8,
+    triton_fused,
+    triton_gemv,
+    triton_mla,
+    triton_moe,
+    triton_topk,
+    workspace,
+)
 
 sys.path.insert(0, os.path.dirname(__file__))
 import check_fp8  # noqa: E402  (block-FP8 checks: --only fp8,fp8engine)
@@ -543,6 +551,45 @@ def torch_route(logits, bias, top_k, n_group, topk_group, scale):
     return ids, w
 
 
+def _check_moe_16bit(x, g, ids, wts, w13, w2, r0, want_n, small, tag):
+    """The expert kernels (``triton_fp8``'s, given no scales) on these 16-bit experts, as the engine runs them: the
+    RMSNorm fused, added into a residual, against the reference; the shared slots started without the router's
+    wait equal to read from ids; ``moe_up`` split over D; ``moe_down`` split over slots or not; each twice bit for
+    bit (the split counters left zeroed) and each token as if alone."""
+    n, kk = ids.shape
+    want = r0.float() + want_n.float()
+    r = r0.clone()
+    act = triton_fp8.moe_up_fp8(x, ids, w13, None, norm_w=g)
+    triton_fp8.moe_down_fp8(act, ids, wts, w2, None, residual=r)
+    report(f"moe norm+residual {tag}", r, want)
+    static = triton_fp8.moe_up_fp8(x, ids, w13, None, norm_w=g, static=(kk - 1, int(ids[0, -1])))
+    report(f"moe_up, the last slot static == as read from ids {tag}", static, act, tol=1e-30)
+    ups = ((8, 512, 4, 1), (16, 256, 4, 2), (4, 1024, 4, 1)) if not small else ((8, 32, 4, 1), (4, 16, 4, 3))
+    downs = (
+        ((16, 1, 512, 4, True), (4, 4, 512, 8, False), (32, 1, 256, 8, True))
+        if not small
+        else ((4, 1, 16, 4, True), (8, 2, 32, 4, False))
+    )
+    for ucfg, dcfg in itertools.zip_longest(ups, downs, fillvalue=None):
+        a1 = act if ucfg is None else triton_fp8.moe_up_fp8(x, ids, w13, None, norm_w=g, cfg=ucfg)
+        ys = []
+        for _ in range(2):
+            y = r0.clone()
+            triton_fp8.moe_down_fp8(a1, ids, wts, w2, None, residual=y, cfg=dcfg)
+            ys.append(y)
+        cfgs = f"up={ucfg} down={dcfg} {tag}"
+        report(f"moe {cfgs}", ys[0], want)
+        report(f"moe twice: bit-identical {cfgs}", ys[1], ys[0], tol=1e-30)
+        if n > 1:
+            alone = []
+            for i in range(n):
+                ai = triton_fp8.moe_up_fp8(x[i : i + 1], ids[i : i + 1], w13, None, norm_w=g, cfg=ucfg)
+                yi = r0[i : i + 1].clone()
+                triton_fp8.moe_down_fp8(ai, ids[i : i + 1], wts[i : i + 1], w2, None, residual=yi, cfg=dcfg)
+                alone.append(yi)
+            report(f"moe batch invariance {cfgs}", ys[0], torch.cat(alone), tol=1e-30)
+
+
 def check_moe(dev, small):
     cases = [
         (1, 64, 6, 2, 2048, 1408),
@@ -562,17 +609,13 @@ def check_moe(dev, small):
         ids = torch.cat([ids, (E + torch.arange(ns, device=dev)).expand(n, ns)], 1).to(torch.int32)
         wts = torch.rand(n, k + ns, device=dev)
         want = ref.moe_experts(x, ids, wts, w13, w2)
-        got = triton_moe.moe_experts(x, ids, wts, w13, w2)
+        got = triton_fp8.moe_down_fp8(triton_fp8.moe_up_fp8(x, ids, w13, None), ids, wts, w2, None)
         report(f"moe_experts n={n} E={E}+{ns} k={k} D={D} I={inter}", got, want)
-        xn = ref.rms_norm(x, g, 1e-6)
         r0 = rnd(n, D, dev=dev)
-        r = r0.clone()
-        act = triton_moe.moe_up(x, ids, w13, norm_w=g, eps=1e-6)
-        triton_moe.moe_down(act, ids, wts, w2, residual=r)
-        want_n = ref.moe_experts(xn, ids, wts, w13, w2)
-        report(f"moe fused norm+residual n={n} E={E} D={D}", r, r0.float() + want_n.float())
-        # moe_up fed by the TMA (triton_moe.UP_TMA_CFG): against the reference, the register-fed kernel of the same
-        # tile, and each token as if alone (bit for bit)
+        want_n = ref.moe_experts(ref.rms_norm(x, g, 1e-6), ids, wts, w13, w2)
+        _check_moe_16bit(x, g, ids, wts, w13, w2, r0, want_n, small, f"n={n} E={E}+{ns} D={D} I={inter}")
+        # moe_up fed by the TMA (triton_fp8.BF16_UP_TMA_CFG): against the reference, the register-fed kernel of the
+        # same tile, and each token as if alone (bit for bit)
         for tcfg in (
             ((8, 512, 4, 4), (16, 256, 6, 8), (8, 1024, 6, 4))
             if not small
@@ -581,14 +624,14 @@ def check_moe(dev, small):
             if inter % tcfg[0] or not triton_gemv.tma_ready(w13):
                 continue
             tag = f"n={n} E={E} D={D} I={inter} tma={tcfg}"
-            t1 = triton_moe.moe_up(x, ids, w13, norm_w=g, eps=1e-6, tma=tcfg)
-            report(f"moe_up tma {tag}", triton_moe.moe_down(t1, ids, wts, w2), want_n)
-            reg = triton_moe.moe_up(x, ids, w13, norm_w=g, eps=1e-6, cfg=(tcfg[0], tcfg[1], tcfg[3], 1))
+            t1 = triton_fp8.moe_up_fp8(x, ids, w13, None, norm_w=g, tma=tcfg)
+            report(f"moe_up tma {tag}", triton_fp8.moe_down_fp8(t1, ids, wts, w2, None), want_n)
+            reg = triton_fp8.moe_up_fp8(x, ids, w13, None, norm_w=g, cfg=(tcfg[0], tcfg[1], tcfg[3], 1))
             report(f"moe_up tma == register-fed (fp32 reassociation) {tag}", t1, reg, tol=1e-2)
             if n > 1:
                 alone = torch.cat(
                     [
-                        triton_moe.moe_up(x[r : r + 1], ids[r : r + 1], w13, norm_w=g, eps=1e-6, tma=tcfg)
+                        triton_fp8.moe_up_fp8(x[r : r + 1], ids[r : r + 1], w13, None, norm_w=g, tma=tcfg)
                         for r in range(n)
                     ]
                 )

@@ -500,9 +500,9 @@ TMA_TUNING = (
         ),
     ),
 )
-# bf16 weights fed by the TMA (triton_gemv.TMA_CFG, triton_moe.UP_TMA_CFG: rows, K tile, stages, warps; None the
-# register-fed kernel, whose num_stages pipelines nothing): lite's W_a / W_o are "k1024", W_b "small", its lm_head
-# "head", its experts "wide".
+# bf16 weights fed by the TMA (triton_gemv.TMA_CFG, triton_fp8.BF16_UP_TMA_CFG: rows, K tile, stages, warps; None
+# the register-fed kernel, whose num_stages pipelines nothing): lite's W_a / W_o are "k1024", W_b "small", its
+# lm_head "head", its experts "small" (layer-v32's "large").
 BF16_TMA_TUNING = (
     (
         "triton_gemv",
@@ -514,11 +514,11 @@ BF16_TMA_TUNING = (
     ("triton_gemv", ("TMA_CFG", "large"), (None, (8, 512, 4, 8), (16, 256, 4, 8))),
     ("triton_gemv", ("TMA_CFG", "head"), (None, (16, 256, 4, 8), (8, 512, 4, 8), (32, 128, 6, 8))),
     (
-        "triton_moe",
-        ("UP_TMA_CFG", "wide"),
+        "triton_fp8",
+        ("BF16_UP_TMA_CFG", "small"),
         (None, (8, 256, 4, 4), (8, 512, 4, 8), (16, 256, 6, 8), (4, 512, 6, 4)),
     ),
-    ("triton_moe", ("UP_TMA_CFG", "narrow"), (None, (8, 256, 4, 4), (8, 512, 4, 8), (4, 512, 6, 4))),
+    ("triton_fp8", ("BF16_UP_TMA_CFG", "large"), (None, (8, 256, 4, 4), (8, 512, 4, 8), (4, 512, 6, 4))),
 )
 TUNING = (  # (module, attribute, values): variants re-timed in the whole captured step (first context)
     ("triton_mla", "DENSE_MIN_TOKENS_PER_SPLIT", (32, 64, 16)),
@@ -526,11 +526,27 @@ TUNING = (  # (module, attribute, values): variants re-timed in the whole captur
     ("triton_mla", "SKIP_EMPTY_SPLITS", (True, False)),
     ("triton_mla", "UV_ONE_READ_MAX", (64, 0)),
     ("triton_mla", "SPLITS_BY_MAX_ROWS", (False, True)),
-    ("triton_moe", ("DOWN_CFG", "wide"), ((1, 2048, 4, 3), (2, 1024, 4, 3), (1, 2048, 8, 3), (1, 2048, 4, 4))),
     (
-        "triton_moe",
-        ("UP_CFG", "wide"),
-        ((8, 512, 4, 4), (4, 512, 4, 4), (8, 512, 4, 3), (16, 512, 8, 4), (8, 1024, 4, 3)),
+        "triton_fp8",
+        ("BF16_UP_CFG", "small"),
+        ((8, 512, 4, 1), (16, 256, 4, 1), (8, 1024, 4, 1), (4, 1024, 4, 1), (16, 512, 8, 1), (8, 256, 4, 1)),
+    ),
+    (
+        "triton_fp8",
+        ("BF16_DOWN_CFG", "small"),
+        (
+            (8, 1, 512, 4, True),
+            (16, 1, 512, 4, True),
+            (32, 1, 512, 8, True),
+            (16, 1, 256, 4, True),
+            (8, 2, 512, 8, True),
+        ),
+    ),
+    ("triton_fp8", ("BF16_UP_CFG", "large"), ((8, 512, 4, 1), (8, 1024, 4, 1), (4, 1024, 4, 1), (16, 512, 8, 1))),
+    (
+        "triton_fp8",
+        ("BF16_DOWN_CFG", "large"),
+        ((16, 1, 1024, 8, True), (8, 1, 1024, 4, True), (16, 1, 512, 4, True), (32, 1, 512, 8, True)),
     ),
     (
         "triton_gemv",

@@ -4,11 +4,11 @@ Triton (no GPU).
 Each launch config of the GEMV and ``moe_up``, block-FP8 and bf16, that ``decode_speed.py --tune`` would time (the
 defaults and the one-knob rows of its ``TUNING_FP8`` / ``TUNING`` for the register-fed configs and the TMA-fed ones:
 ``triton_fp8.FP8_GEMV_CFG`` / ``FP8_TMA_CFG`` / ``FP8_UP_CFG`` / ``FP8_UP_TMA_CFG``, ``triton_gemv``'s class configs /
-``TMA_CFG``, ``triton_moe.UP_CFG`` / ``UP_TMA_CFG``) is compiled as the engine's own call would launch it (the ops'
-host functions on CPU tensors of the shapes below, Triton's launch replaced by a compile for sm_90 with Triton's own
-``ptxas``), and its resources printed from the cubin (``cuobjdump -res-usage``): registers per thread, stack (bytes
-a thread spills to local memory: a config that spills is slow before it runs) and shared memory (the TMA-fed
-kernels' stages). Nothing is run and nothing is timed: what it says is which configs are worth a device's time.
+``TMA_CFG``, ``triton_fp8.BF16_UP_CFG`` / ``BF16_UP_TMA_CFG``) is compiled as the engine's own call would launch it
+(the ops' host functions on CPU tensors of the shapes below, Triton's launch replaced by a compile for sm_90 with
+Triton's own ``ptxas``), and its resources printed from the cubin (``cuobjdump -res-usage``): registers per thread,
+stack (bytes a thread spills to local memory: a config that spills is slow before it runs) and shared memory (the
+TMA-fed kernels' stages). Nothing is run and nothing is timed: what it says is which configs are worth a device's time.
 
     python3 benchmarks/kernel_resources.py [--classes k1024,narrow] [--out DIR]
 
@@ -46,7 +46,7 @@ GEMV_SHAPES = {
 }
 # FP8 moe_up class -> (D, I)
 UP_SHAPES = {"narrow": (7168, 256), "small": (2048, 1408), "large": (7168, 2048)}
-# bf16 (lite-v32 bf16, layer-v32 bf16): GEMV class -> (N, K, what); moe_up width -> (D, I)
+# bf16 (lite-v32 bf16, layer-v32 bf16 and its TP2 rank): GEMV class -> (N, K, what); moe_up class -> (D, I)
 BF16_GEMV_SHAPES = {
     "k1024": (2240, 2048, "wa"),
     "small": (3072, 1536, "wb"),
@@ -54,7 +54,7 @@ BF16_GEMV_SHAPES = {
     "large": (16160, 7168, "head"),
     "head": (129280, 2048, "head"),
 }
-BF16_UP_SHAPES = {"wide": (2048, 1408), "narrow": (7168, 1024)}
+BF16_UP_SHAPES = {"small": (2048, 1408), "large": (7168, 1024)}
 
 
 class _Sm90Driver:
@@ -143,7 +143,7 @@ def _moe_up_bf16(ops, cls: str, kw: dict) -> None:
     d, i = BF16_UP_SHAPES[cls]
     x = torch.zeros(1, d, dtype=torch.bfloat16)
     w13 = torch.zeros(2, 2 * i, d, dtype=torch.bfloat16)
-    ops.moe_up(x, torch.zeros(1, 2, dtype=torch.int32), w13, norm_w=x[0], **kw)
+    ops.moe_up_fp8(x, torch.zeros(1, 2, dtype=torch.int32), w13, None, norm_w=x[0], static=(1, 1), **kw)
 
 
 # (kernel, ops module, its register-fed configs by class: a dict attribute, or class -> module attribute; its
@@ -152,7 +152,7 @@ KERNELS = (
     ("gemv fp8", "triton_fp8", "FP8_GEMV_CFG", "FP8_TMA_CFG", _gemv_fp8, "TUNING_FP8"),
     ("moe_up fp8", "triton_fp8", "FP8_UP_CFG", "FP8_UP_TMA_CFG", _moe_up_fp8, "TUNING_FP8"),
     ("gemv bf16", "triton_gemv", "CLASS_CFG", "TMA_CFG", _gemv_bf16, "TUNING"),
-    ("moe_up bf16", "triton_moe", "UP_CFG", "UP_TMA_CFG", _moe_up_bf16, "TUNING"),
+    ("moe_up bf16", "triton_fp8", "BF16_UP_CFG", "BF16_UP_TMA_CFG", _moe_up_bf16, "TUNING"),
 )
 SHAPES = {_gemv_fp8: GEMV_SHAPES, _moe_up_fp8: UP_SHAPES, _gemv_bf16: BF16_GEMV_SHAPES, _moe_up_bf16: BF16_UP_SHAPES}
 
@@ -195,7 +195,7 @@ def main() -> None:
     args = ap.parse_args()
     import triton
 
-    from tilert.engines.tilert.ops import triton_fp8, triton_gemv, triton_moe, triton_pdl
+    from tilert.engines.tilert.ops import triton_fp8, triton_gemv, triton_pdl
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     triton_pdl.set_enabled(True)  # as on the H200: the PDL wait compiled in
@@ -206,7 +206,7 @@ def main() -> None:
     print(f"{'kernel':12s} {'class':7s} {'path':9s} {'config':20s} {'regs':>5s} {'stack':>6s} {'shared':>7s}")
     for kernel, call, cls, cfg, path in variants({c for c in args.classes.split(",") if c} or None):
         built.clear()
-        ops = triton_fp8 if "fp8" in kernel else triton_gemv if kernel.startswith("gemv") else triton_moe
+        ops = triton_gemv if kernel == "gemv bf16" else triton_fp8
         call(ops, cls, {"tma" if path == "tma" else "cfg": cfg})
         res = _resources(built[-1], tool)
         rows.append(dict(kernel=kernel, cls=cls, path=path, config=list(cfg), **res))

@@ -576,17 +576,18 @@ def log_timeline(tag: str, tl: dict, step_ms: float) -> None:
 
 
 # Variants re-timed in the whole step (the first of each the default). TP2 real dims: the half-width experts
-# (moe "narrow"), W_o [7168, 8192] 117 MB (gemv LARGE), the lm_head's 64640 rows (HEAD); one GPU: the LARGE and
-# wide-expert configs the TP2 tuning would touch there (W_b 100 MB and W_o 235 MB are LARGE on one GPU).
+# (I = 1024 at hidden 7168: triton_fp8's "large" expert class), W_o [7168, 8192] 117 MB (gemv LARGE), the lm_head's
+# 64640 rows (HEAD); one GPU: the LARGE and expert configs the TP2 tuning would touch there (W_b 100 MB and W_o
+# 235 MB are LARGE on one GPU).
 TUNING_TP = (
-    ("triton_moe", ("DOWN_CFG", "narrow"), ((1, 1024, 4, 4), (1, 1024, 2, 4), (2, 1024, 4, 4))),
-    ("triton_moe", ("UP_CFG", "narrow"), ((8, 1024, 4, 3), (8, 1024, 8, 3), (8, 1024, 4, 4), (16, 1024, 4, 3))),
+    ("triton_fp8", ("BF16_DOWN_CFG", "large"), ((16, 1, 1024, 8, True), (8, 1, 1024, 4, True), (16, 1, 512, 4, True))),
+    ("triton_fp8", ("BF16_UP_CFG", "large"), ((8, 512, 4, 1), (8, 1024, 4, 1), (16, 512, 8, 1), (4, 1024, 4, 1))),
     ("triton_gemv", "LARGE_CFG", ((8, 512, 4, 3), (4, 512, 4, 3), (8, 1024, 8, 3), (8, 1024, 4, 3))),
     ("triton_gemv", "HEAD_CFG", ((16, 256, 4, 4), (8, 512, 4, 3))),
 )
 TUNING_ONE = (
     ("triton_gemv", "LARGE_CFG", ((8, 512, 4, 3), (4, 512, 4, 3), (8, 1024, 8, 3), (8, 1024, 4, 3))),
-    ("triton_moe", ("UP_CFG", "wide"), ((8, 512, 4, 4), (8, 1024, 4, 3))),
+    ("triton_fp8", ("BF16_UP_CFG", "large"), ((8, 512, 4, 1), (8, 1024, 4, 1))),
 )
 
 

@@ -93,7 +93,8 @@ def test_fast_path_predicates():
 
 def test_fp8_inputs_the_kernels_do_not_cover_fall_back_to_dequantisation():
     """Block-FP8 weights with float32 activations (no FP8 Triton path) reach the reference, which dequantises;
-    the FP8 fast-path predicates accept bf16 activations with e4m3 weights and refuse a scale-less weight."""
+    the fast-path predicates accept bf16 activations with e4m3 weights and their scales (or 16-bit experts without
+    any) and refuse a scale-less e4m3 weight."""
     from tilert.engines.tilert import fp8
 
     g = torch.Generator().manual_seed(0)
@@ -107,4 +108,9 @@ def test_fp8_inputs_the_kernels_do_not_cover_fall_back_to_dequantisation():
     cuda_ops._gemv_residual_cuda(h, x, q, h, scale)
     torch.testing.assert_close(h, want)
     assert cuda_ops._gemv_fp8_ok(x.bfloat16(), q, scale) and not cuda_ops._gemv_fp8_ok(x, q, scale)
-    assert not cuda_ops._moe_fp8_ok(x.bfloat16(), q[None], q[None], None, scale[None])
+    xb, e = x.bfloat16(), q[None]
+    assert cuda_ops._moe_ok(xb, e, e, scale[None], scale[None])  # e4m3 experts with their scales
+    assert not cuda_ops._moe_ok(xb, e, e, None, scale[None])  # one scale missing
+    assert not cuda_ops._moe_ok(xb, e, e, None, None)  # e4m3 without scales
+    assert cuda_ops._moe_ok(xb, e.bfloat16(), e.bfloat16(), None, None)  # 16-bit experts: the same kernels, no scales
+    assert not cuda_ops._moe_ok(x, e.float(), e.float(), None, None)  # float32 activations: the reference

@@ -81,32 +81,37 @@ def _indexer_topk_cuda(q, weights, k_cache, positions, topk, row_start=None):
     )
 
 
-def _moe_fp8_ok(x, w13, w2, s13, s2) -> bool:
-    return (
-        s13 is not None
-        and s2 is not None
-        and x.dtype in _FAST_DTYPES
-        and w13.dtype == _E4M3
-        and w2.dtype == _E4M3
-        and 0 < x.shape[0] <= 16
-        and x.is_contiguous()
-    )
+def _moe_ok(x, w13, w2, s13, s2) -> bool:
+    """Whether the Triton expert kernels take these weights: e4m3 with both scales, or the activations' dtype
+    without."""
+    if s13 is not None or s2 is not None:
+        ok = s13 is not None and s2 is not None and w13.dtype == _E4M3 and w2.dtype == _E4M3
+    else:
+        ok = w13.dtype == x.dtype and w2.dtype == x.dtype
+    return ok and x.dtype in _FAST_DTYPES and 0 < x.shape[0] <= 16 and x.is_contiguous()
+
+
+def _experts(
+    x, topk_ids, topk_weights, w13, w2, s13, s2, *, norm_w=None, eps=1e-6, residual=None, out=None, static=None
+):
+    """The Triton experts (``triton_fp8``'s kernels, e4m3 or 16-bit) on weights :func:`_moe_ok` takes: ``moe_up``
+    (RMSNorm fused when ``norm_w``), then ``moe_down`` (added into ``residual``, in place or into ``out``); returns
+    ``moe_down``'s output."""
+    from . import triton_fp8  # lazy: Triton, on CUDA machines only
+
+    ids = topk_ids.to(torch.int32).contiguous()
+    wts = topk_weights.float().contiguous()
+
+    s13, s2 = (None, None) if s13 is None else (s13.contiguous(), s2.contiguous())
+    act = triton_fp8.moe_up_fp8(x, ids, w13.contiguous(), s13, norm_w=norm_w, eps=eps, static=static)
+    return triton_fp8.moe_down_fp8(act, ids, wts, w2.contiguous(), s2, residual=residual, out=out)
 
 
 def _moe_experts_cuda(x, topk_ids, topk_weights, w13, w2, s13=None, s2=None):
-    if s13 is not None or s2 is not None:
-        if not _moe_fp8_ok(x, w13, w2, s13, s2):
-            return reference.moe_experts(x, topk_ids, topk_weights, w13, w2, s13, s2)
-        from . import triton_fp8  # lazy: Triton, on CUDA machines only
-
-        ids = topk_ids.to(torch.int32).contiguous()
-        act = triton_fp8.moe_up_fp8(x, ids, w13.contiguous(), s13.contiguous())
-        return triton_fp8.moe_down_fp8(act, ids, topk_weights.float().contiguous(), w2.contiguous(), s2.contiguous())
-    if x.dtype not in _FAST_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype or x.shape[0] > 16:
-        return reference.moe_experts(x, topk_ids, topk_weights, w13, w2)
-    from .triton_moe import moe_experts  # lazy: Triton, on CUDA machines only
-
-    return moe_experts(x, topk_ids, topk_weights, w13.contiguous(), w2.contiguous())
+    x = x.contiguous()
+    if not _moe_ok(x, w13, w2, s13, s2):
+        return reference.moe_experts(x, topk_ids, topk_weights, w13, w2, s13, s2)
+    return _experts(x, topk_ids, topk_weights, w13, w2, s13, s2)
 
 
 def _rows_ok(*ts) -> bool:
@@ -218,69 +223,20 @@ def _router_cuda(h, norm_weight, eps, gate_weight, bias, top_k, n_group, topk_gr
 def _moe_residual_cuda(h, norm_weight, eps, topk_ids, topk_weights, w13, w2, s13=None, s2=None, static=None):
     # static (not an op argument; from _moe_block_cuda): (first slot of the router's appended shared experts, its
     # expert id): moe_up's programs for those slots start without waiting on the router
-    if s13 is not None or s2 is not None:
-        if not _moe_fp8_ok(h, w13, w2, s13, s2):
-            return reference.moe_residual(h, norm_weight, eps, topk_ids, topk_weights, w13, w2, s13, s2)
-        from . import triton_fp8  # lazy: Triton, on CUDA machines only
-
-        ids = topk_ids.to(torch.int32).contiguous()
-        act = triton_fp8.moe_up_fp8(
-            h,
-            ids,
-            w13.contiguous(),
-            s13.contiguous(),
-            norm_w=norm_weight.to(h.dtype).contiguous(),
-            eps=eps,
-            static=static,
-        )
-        triton_fp8.moe_down_fp8(
-            act, ids, topk_weights.float().contiguous(), w2.contiguous(), s2.contiguous(), residual=h
-        )
-        return None
-    if (
-        h.dtype not in _FAST_DTYPES
-        or w13.dtype != h.dtype
-        or w2.dtype != h.dtype
-        or h.shape[0] > 16
-        or not h.is_contiguous()
-        or h.shape[0] == 0
-    ):
-        return reference.moe_residual(h, norm_weight, eps, topk_ids, topk_weights, w13, w2)
-    from . import triton_moe  # lazy: Triton, on CUDA machines only
-
-    ids = topk_ids.to(torch.int32).contiguous()
-    act = triton_moe.moe_up(h, ids, w13.contiguous(), norm_w=norm_weight.to(h.dtype).contiguous(), eps=eps)
-    triton_moe.moe_down(act, ids, topk_weights.float().contiguous(), w2.contiguous(), residual=h)
+    if not _moe_ok(h, w13, w2, s13, s2):
+        return reference.moe_residual(h, norm_weight, eps, topk_ids, topk_weights, w13, w2, s13, s2)
+    nw = norm_weight.to(h.dtype).contiguous()
+    _experts(h, topk_ids, topk_weights, w13, w2, s13, s2, norm_w=nw, eps=eps, residual=h, static=static)
+    return None
 
 
 def _moe_partial_cuda(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2, residual, s13=None, s2=None):
+    if not (_moe_ok(x, w13, w2, s13, s2) and _out_ok(out, x, residual)):
+        return reference.moe_partial(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2, residual, s13, s2)
     nw = None if norm_weight is None else norm_weight.to(x.dtype).contiguous()
-    if s13 is not None or s2 is not None:
-        if not (_moe_fp8_ok(x, w13, w2, s13, s2) and _out_ok(out, x, residual)):
-            return reference.moe_partial(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2, residual, s13, s2)
-        from . import triton_fp8  # lazy: Triton, on CUDA machines only
-
-        ids = topk_ids.to(torch.int32).contiguous()
-        act = triton_fp8.moe_up_fp8(x, ids, w13.contiguous(), s13.contiguous(), norm_w=nw, eps=eps)  # reads x first
-        triton_fp8.moe_down_fp8(
-            act, ids, topk_weights.float().contiguous(), w2.contiguous(), s2.contiguous(), residual=residual, out=out
-        )
-        return None
-    if (
-        x.dtype not in _FAST_DTYPES
-        or w13.dtype != x.dtype
-        or w2.dtype != x.dtype
-        or not _out_ok(out, x, residual)
-        or x.shape[0] > 16
-        or not x.is_contiguous()
-        or x.shape[0] == 0
-    ):
-        return reference.moe_partial(out, x, norm_weight, eps, topk_ids, topk_weights, w13, w2, residual)
-    from . import triton_moe  # lazy: Triton, on CUDA machines only
-
-    ids = topk_ids.to(torch.int32).contiguous()
-    act = triton_moe.moe_up(x, ids, w13.contiguous(), norm_w=nw, eps=eps)  # reads x before out is written
-    triton_moe.moe_down(act, ids, topk_weights.float().contiguous(), w2.contiguous(), residual=residual, out=out)
+    # moe_up reads x before out is written
+    _experts(x, topk_ids, topk_weights, w13, w2, s13, s2, norm_w=nw, eps=eps, residual=residual, out=out)
+    return None
 
 
 def _moe_block_cuda(

@@ -1,5 +1,6 @@
 """Block-FP8 weight kernels in Triton: GEMV (with its fused RMSNorm / residual, and an optional bf16 tail of
-rows) and the MoE experts.
+rows) and the MoE experts. The expert kernels are the engine's for 16-bit experts too: given no scales (``GK``
+0) they skip the scaling and keep everything else (the early starts, split reductions and tiles below).
 
 Weights are e4m3 with a float32 scale per ``GN x GK`` group (``fp8.py``: ``GN``, ``GK`` divide 128 and are read
 off the shapes; 128 x 128 for real models, ``GN = 1`` for the fused ``W_a`` / ``W_b``). Activations are bf16.
@@ -77,6 +78,11 @@ FP8_UP_CFG = {"small": (16, 256, 4, 1), "large": (8, 1024, 4, 1), "narrow": (8, 
 # no split over D, and no eviction hint: the TMA's loads take none). Off until measured.
 FP8_UP_TMA_CFG: dict[str, tuple[int, int, int, int] | None] = dict.fromkeys(FP8_UP_CFG)
 FP8_DOWN_CFG = {"small": (16, 1, 512, 4, True), "large": (16, 1, 1024, 8, True), "narrow": (64, 1, 256, 8, True)}
+# The same kernels on bf16 / fp16 experts (no scales; a tile's K / I sizes count elements, 8 to a 16-byte load):
+# the configs of the 16-bit weights, by the same classes.
+BF16_UP_CFG = {"small": (8, 512, 4, 1), "large": (8, 512, 4, 1), "narrow": (8, 512, 4, 1)}
+BF16_UP_TMA_CFG: dict[str, tuple[int, int, int, int] | None] = dict.fromkeys(BF16_UP_CFG)
+BF16_DOWN_CFG = {"small": (8, 1, 512, 4, True), "large": (16, 1, 1024, 8, True), "narrow": (32, 1, 256, 8, True)}
 VEC = 16  # e4m3 elements of one 16-byte load: the innermost, in-thread tile axis
 
 
@@ -791,10 +797,15 @@ def _up_tile(
     GK: tl.constexpr,
     HAS_NORM: tl.constexpr,
 ):
-    """``[BI, C]`` scaled partial sums of the gate and up tiles at columns ``kk``."""
+    """``[BI, C]`` scaled partial sums of the gate and up tiles at columns ``kk`` (``GK == 0``: unscaled 16-bit
+    weights)."""
     xv = _x_tile(x_row, nw_ptr, rstd, kk, D, HAS_NORM, True)
-    xg = xv * tl.load(sg_row + kk // GK, mask=kk < D, other=0.0)
-    xu = xv * tl.load(su_row + kk // GK, mask=kk < D, other=0.0)
+    if GK > 0:
+        xg = xv * tl.load(sg_row + kk // GK, mask=kk < D, other=0.0)
+        xu = xv * tl.load(su_row + kk // GK, mask=kk < D, other=0.0)
+    else:
+        xg = xv
+        xu = xv
     return (
         tl.sum(tl.reshape(wg.to(tl.float32) * xg[None, :], [BI, C, V]), 2),
         tl.sum(tl.reshape(wu.to(tl.float32) * xu[None, :], [BI, C, V]), 2),
@@ -1043,8 +1054,11 @@ def _down_tile(
         )
     wj = tl.load(wts_row + j, mask=j < KK, other=0.0)
     a = tl.load(act_row + j[:, None] * stride_ak + ii[None, :], mask=m2, other=0.0)
-    s = tl.load(s2_ptr + e[:, None] * stride_se + dg * stride_sd + (ii // GK)[None, :], mask=m2, other=0.0)
-    a = a.to(tl.float32) * s * wj[:, None]  # [SB, BI]
+    if GK > 0:
+        s = tl.load(s2_ptr + e[:, None] * stride_se + dg * stride_sd + (ii // GK)[None, :], mask=m2, other=0.0)
+        a = a.to(tl.float32) * s * wj[:, None]  # [SB, BI]
+    else:
+        a = a.to(tl.float32) * wj[:, None]
     return tl.sum(tl.reshape(w.to(tl.float32) * a[:, None, :], [SB, BD, C, V]), 3)
 
 
@@ -1199,8 +1213,24 @@ def _moe_down_fp8_kernel(
             tl.atomic_xchg(cnt, 0)  # zero for the next launch (which waits on this one: PDL)
 
 
+def _expert_groups(w: torch.Tensor, scale: torch.Tensor | None) -> tuple[int, int, int]:
+    """(GN, GK, V) of an expert weight stack: its scale groups and the elements of one 16-byte load; a 16-bit
+    weight without scales has GK 0 (the kernels' unscaled path) and one group of all its rows."""
+    if scale is None:
+        return w.shape[-2], 0, 16 // w.element_size()
+    gn, gk = groups(w, scale)
+    return gn, gk, min(VEC, gk)
+
+
+def _expert_cfg(table: dict, fp8_table: dict, scale: torch.Tensor | None, D: int, I: int):  # noqa: E741
+    """The launch config of an expert kernel: the e4m3 table's class entry (weights with scales), else the 16-bit
+    one's."""
+    return (fp8_table if scale is not None else table)[moe_class(D, I)]
+
+
 def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None, tma=None, static=None):
-    """``act[n, k, I] = silu(gate) * up`` of each token's selected experts (e4m3 ``w13`` with ``s13``).
+    """``act[n, k, I] = silu(gate) * up`` of each token's selected experts (e4m3 ``w13`` with ``s13``, or a bf16 /
+    fp16 ``w13`` with ``s13`` None: the same kernel without scales, tiles by :data:`BF16_UP_CFG`).
     ``static = (j0, e0)``: slots ``j >= j0`` hold experts ``e0 + j - j0`` whatever ``ids`` says (the shared experts
     that the router appends); their programs start without waiting on the kernel before (the router), whose own
     PDL wait must cover ``x``'s writer. ``cfg`` (BI, BK, warps, splits) sets the register-fed kernel's tile, ``tma``
@@ -1209,21 +1239,22 @@ def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None, tma=None, s
     n, D = x.shape
     KK = ids.shape[1]
     I = w13.shape[1] // 2
-    assert w13.shape[2] == D and w13.stride(-1) == 1 and x.stride(-1) == 1 and s13.stride(-1) == 1
-    gn, gk = groups(w13, s13)
+    assert w13.shape[2] == D and w13.stride(-1) == 1 and x.stride(-1) == 1
+    assert s13 is None or s13.stride(-1) == 1
+    gn, gk, v = _expert_groups(w13, s13)
+    gn = min(gn, I)
     assert I % gn == 0
     act = torch.empty(n, KK, I, device=x.device, dtype=x.dtype)
     if tma is None and cfg is None:
-        tma = FP8_UP_TMA_CFG.get(moe_class(D, I))
+        tma = _expert_cfg(BF16_UP_TMA_CFG, FP8_UP_TMA_CFG, s13, D, I)
     if tma is not None and (I % min(tma[0], _pow2_floor(gn)) or not triton_gemv.tma_ready(w13)):
         tma, cfg = None, None
     if tma is not None:
         BI, BK, ns, nw = tma
         split = 1
     else:
-        (BI, BK, nw, split), ns = cfg or FP8_UP_CFG[moe_class(D, I)], 0
+        (BI, BK, nw, split), ns = cfg or _expert_cfg(BF16_UP_CFG, FP8_UP_CFG, s13, D, I), 0
     BI = min(BI, _pow2_floor(gn))
-    v = min(VEC, gk)
     BK = max(min(BK, triton.next_power_of_2(D)), v)
     kps = triton.cdiv(triton.cdiv(D, split), BK) * BK  # columns per split, whole K tiles
     split = triton.cdiv(D, kps)
@@ -1239,14 +1270,14 @@ def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None, tma=None, s
         ids,
         w13,
         TensorDescriptor(w13, list(w13.shape), [w13.stride(0), w13.stride(1), 1], [1, BI, BK]) if ns else w13,
-        s13,
+        s13 if s13 is not None else w13,
         act,
         ws,
         cnt,
         D,
         I,
         KK,
-        s13.shape[-1],
+        s13.shape[-1] if s13 is not None else 0,
         kps,
         nib,
         static[0] if static is not None else KK,
@@ -1255,8 +1286,8 @@ def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None, tma=None, s
         ids.stride(0),
         w13.stride(0),
         w13.stride(1),
-        s13.stride(0),
-        s13.stride(1),
+        s13.stride(0) if s13 is not None else 0,
+        s13.stride(1) if s13 is not None else 0,
         act.stride(0),
         act.stride(1),
         eps,
@@ -1279,13 +1310,14 @@ def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None, tma=None, s
 
 
 def moe_down_fp8(act, ids, wts, w2, s2, *, residual=None, out=None, cfg=None):
-    """``y[n, D] = (residual +) sum_j w_j * w2[e_j] @ act_j`` (e4m3 ``w2`` with ``s2``) into ``out`` (default:
+    """``y[n, D] = (residual +) sum_j w_j * w2[e_j] @ act_j`` (e4m3 ``w2`` with ``s2``, or a bf16 / fp16 ``w2`` with
+    ``s2`` None: tiles by :data:`BF16_DOWN_CFG`) into ``out`` (default:
     ``residual``, in place). ``ids`` / ``wts`` must come from a kernel before the one that wrote ``act`` (the router
     before ``moe_up``): they are read before the PDL wait."""
     n, KK, I = act.shape
     D = w2.shape[1]
-    assert w2.shape[2] == I and w2.stride(-1) == 1 and s2.stride(-1) == 1
-    gn, gk = groups(w2, s2)
+    assert w2.shape[2] == I and w2.stride(-1) == 1 and (s2 is None or s2.stride(-1) == 1)
+    gn, gk, v = _expert_groups(w2, s2)
     if out is not None and residual is not None and out is not residual:
         out.copy_(residual)  # the kernel adds in place (a tensor-parallel rank 0's share on top of h)
         residual = out
@@ -1293,11 +1325,10 @@ def moe_down_fp8(act, ids, wts, w2, s2, *, residual=None, out=None, cfg=None):
         y = out
     else:
         y = residual if residual is not None else torch.empty(n, D, device=act.device, dtype=act.dtype)
-    BD, SB, BI, nw, split = cfg or FP8_DOWN_CFG[moe_class(D, I)]
+    BD, SB, BI, nw, split = cfg or _expert_cfg(BF16_DOWN_CFG, FP8_DOWN_CFG, s2, D, I)
     BD = min(BD, _pow2_floor(gn))
     SB = min(SB, triton.next_power_of_2(KK))
     G = triton.cdiv(KK, SB) if split else 1
-    v = min(VEC, gk)
     BI = max(min(BI, triton.next_power_of_2(I)), v)
     ndb = triton.cdiv(D, BD)
     if G > 1:
@@ -1310,14 +1341,14 @@ def moe_down_fp8(act, ids, wts, w2, s2, *, residual=None, out=None, cfg=None):
         ids,
         wts,
         w2,
-        s2,
+        s2 if s2 is not None else w2,
         y,
         ws,
         cnt,
         D,
         I,
         KK,
-        s2.shape[-1],
+        s2.shape[-1] if s2 is not None else 0,
         ndb,
         act.stride(0),
         act.stride(1),
@@ -1325,8 +1356,8 @@ def moe_down_fp8(act, ids, wts, w2, s2, *, residual=None, out=None, cfg=None):
         wts.stride(0),
         w2.stride(0),
         w2.stride(1),
-        s2.stride(0),
-        s2.stride(1),
+        s2.stride(0) if s2 is not None else 0,
+        s2.stride(1) if s2 is not None else 0,
         y.stride(0),
         BD=BD,
         SB=SB,
