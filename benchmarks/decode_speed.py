@@ -521,6 +521,7 @@ BF16_TMA_TUNING = (
     ("triton_fp8", ("BF16_UP_TMA_CFG", "large"), (None, (8, 256, 4, 4), (8, 512, 4, 8), (4, 512, 6, 4))),
 )
 TUNING = (  # (module, attribute, values): variants re-timed in the whole captured step (first context)
+    ("triton_gemv", "PRE_TILES", (1, 2)),
     ("triton_mla", "DENSE_MIN_TOKENS_PER_SPLIT", (32, 64, 16)),
     ("triton_mla", "SPLIT_ROWS_EARLY", (True, False)),
     ("triton_mla", "SKIP_EMPTY_SPLITS", (True, False)),
@@ -540,6 +541,9 @@ TUNING = (  # (module, attribute, values): variants re-timed in the whole captur
             (32, 1, 512, 8, True),
             (16, 1, 256, 4, True),
             (8, 2, 512, 8, True),
+            (8, 1, 1024, 4, True),
+            (4, 1, 1024, 4, True),
+            (8, 1, 2048, 8, True),
         ),
     ),
     ("triton_fp8", ("BF16_UP_CFG", "large"), ((8, 512, 4, 1), (8, 1024, 4, 1), (4, 1024, 4, 1), (16, 512, 8, 1))),
