@@ -573,6 +573,7 @@ TUNING_FP8 = (
     *TMA_TUNING,
     ("triton_fp8", "UP_RSTD_EARLY", (True, False)),
     ("triton_gemv", "RSTD_MAX", (2048, 4096, 8192, 0)),
+    ("triton_gemv", "PRE_TILES", (1, 2)),  # the lm_head's bf16 GEMV
     (  # W_a at V3.2 / GLM-5 dims (K 7168 / 6144); (2, 2048, 8) and (1, 2048, 4) request all of K before the PDL wait
         "triton_fp8",
         ("FP8_GEMV_CFG", "k1024"),
