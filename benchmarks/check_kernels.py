@@ -91,17 +91,6 @@ def check_gemv(dev, small):
         part = poison(torch.empty(4, nt, N, device=dev, dtype=torch.float32))
         triton_gemv.gemv(x, w, norm_w=g, split_k=4, out=part)
         report(f"gemv+rmsnorm split_k=4 fp32 n={nt} N={N} K={K}", part.sum(0), xn.float() @ w.float().T)
-        # two weight tiles requested before the PDL wait (PRE_TILES): the same sums in the same order, bit for bit
-        one = triton_gemv.gemv(x, w, norm_w=g, eps=1e-6)
-        keep = triton_gemv.PRE_TILES
-        triton_gemv.PRE_TILES = 2
-        try:
-            two = triton_gemv.gemv(x, w, norm_w=g, eps=1e-6)
-            two_split = triton_gemv.gemv(x, w, norm_w=g, split_k=4, out=torch.empty_like(part))
-        finally:
-            triton_gemv.PRE_TILES = keep
-        report(f"gemv+rmsnorm, two tiles before the PDL wait == one n={nt} N={N} K={K}", two, one, tol=1e-30)
-        report(f"gemv split_k=4, two tiles before the PDL wait n={nt} N={N} K={K}", two_split, part, tol=1e-30)
     # The TMA-fed GEMV (triton_gemv.TMA_CFG): against the reference with RMSNorm and residual, each token as if
     # alone (bit for bit), and against the register-fed kernel of the same tile; rows / columns past the weight
     # zero-filled (N and K not multiples of the tile).

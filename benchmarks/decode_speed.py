@@ -521,7 +521,6 @@ BF16_TMA_TUNING = (
     ("triton_fp8", ("BF16_UP_TMA_CFG", "large"), (None, (8, 256, 4, 4), (8, 512, 4, 8), (4, 512, 6, 4))),
 )
 TUNING = (  # (module, attribute, values): variants re-timed in the whole captured step (first context)
-    ("triton_gemv", "PRE_TILES", (1, 2)),
     ("triton_mla", "DENSE_MIN_TOKENS_PER_SPLIT", (32, 64, 16)),
     ("triton_mla", "SPLIT_ROWS_EARLY", (True, False)),
     ("triton_mla", "SKIP_EMPTY_SPLITS", (True, False)),
@@ -573,7 +572,6 @@ TUNING_FP8 = (
     *TMA_TUNING,
     ("triton_fp8", "UP_RSTD_EARLY", (True, False)),
     ("triton_gemv", "RSTD_MAX", (2048, 4096, 8192, 0)),
-    ("triton_gemv", "PRE_TILES", (1, 2)),  # the lm_head's bf16 GEMV
     (  # W_a at V3.2 / GLM-5 dims (K 7168 / 6144); (2, 2048, 8) and (1, 2048, 4) request all of K before the PDL wait
         "triton_fp8",
         ("FP8_GEMV_CFG", "k1024"),

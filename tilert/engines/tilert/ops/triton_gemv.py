@@ -135,7 +135,6 @@ def _gemv_kernel(
     HAS_RES: tl.constexpr,
     OUT_F32: tl.constexpr,
     NS: tl.constexpr,
-    PRE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # grid (rows, N / BN, split_k): the rows of one weight tile run side by side (one HBM read, L2 hits),
@@ -153,14 +152,10 @@ def _gemv_kernel(
         k_lo = pid_k * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)
         w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-        # the first PRE weight tiles are static: fetch them before waiting on the previous kernel (PDL)
+        # first weight tile is static: fetch it before waiting on the previous kernel (PDL)
         offs_k = k_lo + tl.arange(0, BK)
         kmask = offs_k < k_hi
         w = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        if PRE > 1:
-            offs_k2 = offs_k + BK
-            kmask2 = offs_k2 < k_hi
-            w2 = tl.load(w_rows + offs_k2[None, :], mask=nmask[:, None] & kmask2[None, :], other=0.0)
         pdl_begin(PDL)
         if HAS_NORM:
             rstd = _row_rstd(x_row, K, eps, RB)
@@ -169,13 +164,7 @@ def _gemv_kernel(
             g = tl.load(nw_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
             xv = (xv.to(tl.float32) * rstd * g).to(w_ptr.dtype.element_ty)
         acc = w.to(tl.float32) * xv.to(tl.float32)[None, :]
-        if PRE > 1:
-            xv = tl.load(x_row + offs_k2, mask=kmask2, other=0.0)
-            if HAS_NORM:
-                g = tl.load(nw_ptr + offs_k2, mask=kmask2, other=0.0).to(tl.float32)
-                xv = (xv.to(tl.float32) * rstd * g).to(w_ptr.dtype.element_ty)
-            acc += w2.to(tl.float32) * xv.to(tl.float32)[None, :]
-        for k0 in range(k_lo + PRE * BK, k_hi, BK):
+        for k0 in range(k_lo + BK, k_hi, BK):
             offs_k = k0 + tl.arange(0, BK)
             kmask = offs_k < k_hi
             xv = tl.load(x_row + offs_k, mask=kmask, other=0.0)
@@ -196,7 +185,6 @@ def _gemv_kernel(
 
 
 RSTD_MAX = 2048  # widest tile of the RMSNorm statistics (0: the kernel's K tile)
-PRE_TILES = 1  # weight tiles the register-fed kernel requests before its PDL wait (1 or 2)
 
 
 def rstd_block(K: int, bk: int) -> int:
@@ -314,7 +302,6 @@ def gemv(
         HAS_RES=residual is not None and not out_f32,
         OUT_F32=out_f32,
         NS=tma_ns,
-        PRE=PRE_TILES,
         num_warps=nw,
         num_stages=ns,
         **triton_pdl.kw(),
