@@ -101,7 +101,6 @@ def _experts(
 
     ids = topk_ids.to(torch.int32).contiguous()
     wts = topk_weights.float().contiguous()
-
     s13, s2 = (None, None) if s13 is None else (s13.contiguous(), s2.contiguous())
     act = triton_fp8.moe_up_fp8(x, ids, w13.contiguous(), s13, norm_w=norm_w, eps=eps, static=static)
     return triton_fp8.moe_down_fp8(act, ids, wts, w2.contiguous(), s2, residual=residual, out=out)

@@ -1242,7 +1242,7 @@ def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None, tma=None, s
     assert w13.shape[2] == D and w13.stride(-1) == 1 and x.stride(-1) == 1
     assert s13 is None or s13.stride(-1) == 1
     gn, gk, v = _expert_groups(w13, s13)
-    gn = min(gn, I)
+    gn = min(gn, I)  # unscaled: the gate and the up half each one group
     assert I % gn == 0
     act = torch.empty(n, KK, I, device=x.device, dtype=x.dtype)
     if tma is None and cfg is None:
