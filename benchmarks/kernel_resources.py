@@ -1,14 +1,15 @@
 """What the decode kernels that stream weights cost an H200's SMs, read off their sm_90 builds, on any machine with
 Triton (no GPU).
 
-Each launch config of the GEMV and ``moe_up``, block-FP8 and bf16, that ``decode_speed.py --tune`` would time (the
-defaults and the one-knob rows of its ``TUNING_FP8`` / ``TUNING`` for the register-fed configs and the TMA-fed ones:
-``triton_fp8.FP8_GEMV_CFG`` / ``FP8_TMA_CFG`` / ``FP8_UP_CFG`` / ``FP8_UP_TMA_CFG``, ``triton_gemv``'s class configs /
-``TMA_CFG``, ``triton_fp8.BF16_UP_CFG`` / ``BF16_UP_TMA_CFG``) is compiled as the engine's own call would launch it
-(the ops' host functions on CPU tensors of the shapes below, Triton's launch replaced by a compile for sm_90 with
-Triton's own ``ptxas``), and its resources printed from the cubin (``cuobjdump -res-usage``): registers per thread,
-stack (bytes a thread spills to local memory: a config that spills is slow before it runs) and shared memory (the
-TMA-fed kernels' stages). Nothing is run and nothing is timed: what it says is which configs are worth a device's time.
+Each launch config of the GEMV, ``moe_up`` and ``moe_down``, block-FP8 and bf16, that ``decode_speed.py --tune`` would
+time (the defaults and the one-knob rows of its ``TUNING_FP8`` / ``TUNING`` for the register-fed configs and the
+TMA-fed ones: ``triton_fp8.FP8_GEMV_CFG`` / ``FP8_TMA_CFG`` / ``FP8_UP_CFG`` / ``FP8_UP_TMA_CFG`` / ``FP8_DOWN_CFG``,
+``triton_gemv``'s class configs / ``TMA_CFG``, ``triton_fp8.BF16_UP_CFG`` / ``BF16_UP_TMA_CFG`` / ``BF16_DOWN_CFG``)
+is compiled as the engine's own call would launch it (the ops' host functions on CPU tensors of the shapes below,
+Triton's launch replaced by a compile for sm_90 with Triton's own ``ptxas``), and its resources printed from the cubin
+(``cuobjdump -res-usage``): registers per thread, stack (bytes a thread spills to local memory: a config that spills
+is slow before it runs) and shared memory (the TMA-fed kernels' stages). Nothing is run and nothing is timed: what it
+says is which configs are worth a device's time.
 
     python3 benchmarks/kernel_resources.py [--classes k1024,narrow] [--out DIR]
 
@@ -146,15 +147,41 @@ def _moe_up_bf16(ops, cls: str, kw: dict) -> None:
     ops.moe_up_fp8(x, torch.zeros(1, 2, dtype=torch.int32), w13, None, norm_w=x[0], static=(1, 1), **kw)
 
 
+def _moe_down(ops, d: int, i: int, w2: torch.Tensor, s2: torch.Tensor | None, kw: dict) -> None:
+    act = torch.zeros(1, 2, i, dtype=torch.bfloat16)
+    ids, wts = torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, 2)
+    ops.moe_down_fp8(act, ids, wts, w2, s2, residual=torch.zeros(1, d, dtype=torch.bfloat16), **kw)
+
+
+def _moe_down_fp8(ops, cls: str, kw: dict) -> None:
+    d, i = UP_SHAPES[cls]
+    w2 = torch.zeros(2, d, i, dtype=torch.float8_e4m3fn)
+    _moe_down(ops, d, i, w2, torch.ones(2, d // 128, i // 128), kw)
+
+
+def _moe_down_bf16(ops, cls: str, kw: dict) -> None:
+    d, i = BF16_UP_SHAPES[cls]
+    _moe_down(ops, d, i, torch.zeros(2, d, i, dtype=torch.bfloat16), None, kw)
+
+
 # (kernel, ops module, its register-fed configs by class: a dict attribute, or class -> module attribute; its
-# TMA-fed configs' dict; the call at a class's shape; the tuning table that names variants)
+# TMA-fed configs' dict, or None; the call at a class's shape; the tuning table that names variants)
 KERNELS = (
     ("gemv fp8", "triton_fp8", "FP8_GEMV_CFG", "FP8_TMA_CFG", _gemv_fp8, "TUNING_FP8"),
     ("moe_up fp8", "triton_fp8", "FP8_UP_CFG", "FP8_UP_TMA_CFG", _moe_up_fp8, "TUNING_FP8"),
+    ("moe_down fp8", "triton_fp8", "FP8_DOWN_CFG", None, _moe_down_fp8, "TUNING_FP8"),
     ("gemv bf16", "triton_gemv", "CLASS_CFG", "TMA_CFG", _gemv_bf16, "TUNING"),
     ("moe_up bf16", "triton_fp8", "BF16_UP_CFG", "BF16_UP_TMA_CFG", _moe_up_bf16, "TUNING"),
+    ("moe_down bf16", "triton_fp8", "BF16_DOWN_CFG", None, _moe_down_bf16, "TUNING"),
 )
-SHAPES = {_gemv_fp8: GEMV_SHAPES, _moe_up_fp8: UP_SHAPES, _gemv_bf16: BF16_GEMV_SHAPES, _moe_up_bf16: BF16_UP_SHAPES}
+SHAPES = {
+    _gemv_fp8: GEMV_SHAPES,
+    _moe_up_fp8: UP_SHAPES,
+    _moe_down_fp8: UP_SHAPES,
+    _gemv_bf16: BF16_GEMV_SHAPES,
+    _moe_up_bf16: BF16_UP_SHAPES,
+    _moe_down_bf16: BF16_UP_SHAPES,
+}
 
 
 def _named(table, knob) -> list:
@@ -181,7 +208,7 @@ def variants(classes: set[str] | None) -> list[tuple[str, object, str, object, s
                 default = getattr(mod, attr) if attr else regs[cls]
                 named = _named(table, attr if attr else (reg, cls))
                 out += [(kernel, call, cls, v, "registers") for v in dict.fromkeys([default, *named])]
-            tmas = getattr(mod, tma)
+            tmas = getattr(mod, tma) if tma else {}
             if cls in tmas:
                 named = _named(table, (tma, cls))
                 out += [(kernel, call, cls, v, "tma") for v in dict.fromkeys([tmas[cls], *named]) if v is not None]
@@ -203,7 +230,7 @@ def main() -> None:
     built: list = []
     _compiling(built)
     rows = []
-    print(f"{'kernel':12s} {'class':7s} {'path':9s} {'config':20s} {'regs':>5s} {'stack':>6s} {'shared':>7s}")
+    print(f"{'kernel':13s} {'class':7s} {'path':9s} {'config':20s} {'regs':>5s} {'stack':>6s} {'shared':>7s}")
     for kernel, call, cls, cfg, path in variants({c for c in args.classes.split(",") if c} or None):
         built.clear()
         ops = triton_gemv if kernel == "gemv bf16" else triton_fp8
@@ -212,7 +239,7 @@ def main() -> None:
         rows.append(dict(kernel=kernel, cls=cls, path=path, config=list(cfg), **res))
         flag = "  spills" if res["stack"] or res["local"] else ""
         cost = f"{res['regs']:5d} {res['stack']:6d} {res['shared']:7d}{flag}"
-        print(f"{kernel:12s} {cls:7s} {path:9s} {str(cfg):20s} {cost}")
+        print(f"{kernel:13s} {cls:7s} {path:9s} {str(cfg):20s} {cost}")
     out = args.out / "cpu-kernel-resources.json"
     write_json(out, {"target": "sm_90", "rows": rows}, recorded("cpu", mode="kernel-resources", target="sm_90"))
     print(f"wrote {out}")
