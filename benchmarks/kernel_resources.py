@@ -45,9 +45,9 @@ GEMV_SHAPES = {
     "large": (16160, 7168, "head"),
     "head": (129280, 2048, "head"),
 }
-# FP8 moe_up class -> (D, I)
+# FP8 expert class (moe_up, moe_down) -> (D, I)
 UP_SHAPES = {"narrow": (7168, 256), "small": (2048, 1408), "large": (7168, 2048)}
-# bf16 (lite-v32 bf16, layer-v32 bf16 and its TP2 rank): GEMV class -> (N, K, what); moe_up class -> (D, I)
+# bf16 (lite-v32 bf16, layer-v32 bf16 and its TP2 rank): GEMV class -> (N, K, what); expert class -> (D, I)
 BF16_GEMV_SHAPES = {
     "k1024": (2240, 2048, "wa"),
     "small": (3072, 1536, "wb"),
