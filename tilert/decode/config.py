@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from tilert.cpus import allowed_cpus, parse_cpu_list
-from tilert.engines.plugin import DRAFT_HEADS
+from tilert.engines.plugin import DRAFT_HEADS, draft_vocab_problem
 from tilert.logs import LOG_FORMAT, LOG_LEVEL
 from tilert.models.checkpoint import MTP_LAYERS_KEY, context_problem, mtp_layers, read_json
 from tilert.settings import (
@@ -346,12 +346,9 @@ def read_draft_vocab(path: str, vocab_size: int | None) -> tuple[int, ...]:
         raise ValueError(f"cannot read a JSON list from {path} ({exc})") from None
     if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
         raise ValueError(f"{path} must hold a non-empty JSON list of token ids (integers)")
-    top = vocab_size if isinstance(vocab_size, int) else None
-    outside = [t for t in ids if t < 0 or (top is not None and t >= top)]
-    if outside:
-        raise ValueError(f"{path}: token id {outside[0]} is outside the checkpoint's vocabulary (0..{(top or 1) - 1})")
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"{path}: token ids must be distinct")
+    problem = draft_vocab_problem(ids, vocab_size if isinstance(vocab_size, int) else None)
+    if problem:
+        raise ValueError(f"{path}: {problem}")
     return tuple(ids)
 
 

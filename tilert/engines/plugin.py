@@ -16,6 +16,7 @@ naming what is there. This module imports no torch: the router loads native pool
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DRAFT_HEADS",
+    "draft_vocab_problem",
     "KINDS",
     "NATIVE_POOL",
     "NODE_ENGINE",
@@ -41,6 +43,20 @@ __all__ = [
 # What an engine's MTP drafts read as their vocabulary head (DecodeEngine.warm_up's draft_head): the checkpoint's own
 # head, or a block-FP8 copy of it.
 DRAFT_HEADS: Final = ("model", "fp8")
+
+
+def draft_vocab_problem(ids: Sequence[int], vocab_size: int | None) -> str | None:
+    """What keeps the token ids ``ids`` from being a draft vocabulary (DecodeEngine.warm_up's ``draft_vocab``: at least
+    one id, each inside ``0..vocab_size - 1``, none twice; the range unchecked when ``vocab_size`` is None), or None."""
+    if not ids:
+        return "no token id given"
+    outside = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if outside:
+        return f"token id {outside[0]} is outside the checkpoint's vocabulary (0..{(vocab_size or 1) - 1})"
+    if len(set(ids)) != len(ids):
+        return "token ids must be distinct"
+    return None
+
 
 EngineKind = Literal["node-engine", "native-pool"]
 NODE_ENGINE: Final = "node-engine"

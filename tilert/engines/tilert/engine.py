@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from tilert.engines.base import Capabilities, DecodeEngine, KVLayout, SpecStepResult, check_decode_batch
-from tilert.engines.plugin import DRAFT_HEADS
+from tilert.engines.plugin import DRAFT_HEADS, draft_vocab_problem
 from tilert.engines.shaping import NextMask, Shaping
 
 from . import layouts
@@ -484,13 +484,11 @@ class TileRTEngine(DecodeEngine):
         if draft_head not in DRAFT_HEADS:
             raise ValueError(f"draft_head must be one of {', '.join(DRAFT_HEADS)} (got {draft_head!r})")
         vocab = None if draft_vocab is None else tuple(int(t) for t in draft_vocab)
-        if vocab is not None:
-            bad = [t for t in vocab if not 0 <= t < self.vocab_size]
-            if not vocab or bad or len(set(vocab)) != len(vocab):
-                raise ValueError(
-                    f"draft_vocab must be distinct token ids in 0..{self.vocab_size - 1}, at least one "
-                    f"({len(vocab)} given{f', e.g. {bad[0]} outside' if bad else ''})"
-                )
+        problem = None if vocab is None else draft_vocab_problem(vocab, self.vocab_size)
+        if problem:
+            raise ValueError(
+                f"draft_vocab must be distinct token ids in 0..{self.vocab_size - 1}, at least one ({problem})"
+            )
         choice = (draft_head, vocab)
         if choice != ("model", None) and not self.supports_mtp:
             raise ValueError("a draft head other than the model's needs a checkpoint with an MTP layer")
