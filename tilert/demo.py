@@ -6,7 +6,7 @@ TileRT decode) and from the very same vLLM instance alone (prefill and decode); 
 through the native pool (vLLM prefill, vLLM decode over NixlConnector). Each answer is measured as a client sees
 it: time to the first token and per-user tokens/s after it, side by side with the ratio. Then it prints the OpenAI
 base URL with a ``curl`` and a Python example, and serves until Ctrl-C, which reaches ``tilert up`` (same
-foreground process group) and stops every process.
+foreground process group) and stops every process. SIGTERM or SIGHUP to the demo alone stops ``tilert up`` too.
 
 ``tilert up`` makes the deployment's shared secret itself; when the router's client API key is configured
 (``$TILERT_ROUTER_API_KEY`` or ``$TILERT_ROUTER_API_KEY_FILE``, which the router inherits), the demo sends it.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -154,6 +155,10 @@ def _show(model: str, urls: dict[str, str], native: bool) -> None:
     print("(a tiny random model: the words are noise; the path and the speeds are real)\n")
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", required=True, type=Path)
@@ -162,6 +167,8 @@ def main() -> int:
     args = ap.parse_args()
 
     cmd = [sys.executable, "-m", "tilert.cli", "up", "--model", str(args.model), "--port", str(args.port)]
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # as Ctrl-C: through the ``finally`` below, which stops the stack
+        signal.signal(sig, _interrupt)
     up = subprocess.Popen(cmd + (["--native"] if args.native else []), stdout=subprocess.PIPE, text=True)
     try:
         urls = _wait_ready(up)
@@ -174,7 +181,8 @@ def main() -> int:
             return 1
         print("\n".join(_examples(urls["router"], str(args.model))), flush=True)
         return up.wait()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C reached ``tilert up`` too; a signal to this process alone did not
+        up.terminate()
         return up.wait()
     finally:
         if up.poll() is None:

@@ -18,12 +18,14 @@ Each child runs in its own process group, so stopping it reaches every process i
 starts an engine-core process of its own). Start-up waits until each answers ``/health`` (a child that dies
 meanwhile stops the stack); once up, a child that dies is started again after a backoff while the others serve
 on (:class:`Supervisor`: the router answers 503 for what it cannot serve meanwhile, e.g. the native pool, and says
-``degraded``). SIGINT or SIGTERM stops every child and leaves no process behind.
+``degraded``). SIGINT, SIGTERM or SIGHUP (the terminal closed) stops every child and leaves no process behind;
+on Linux each child also gets SIGTERM when ``tilert up`` itself dies without stopping them (SIGKILL, the OOM killer).
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import functools
 import json
 import os
@@ -652,14 +654,18 @@ class Stack:
     def start_child(self, name: str) -> None:
         """Start child ``name`` (again: after its process group is gone), its output appended to its log file."""
         rest = self.plan.children
-        pin = functools.partial(os.sched_setaffinity, 0, rest) if rest else None
         cmd = self._commands[name]
         log.info("starting", process=name, command=" ".join(cmd), cpus=CpuPlan.text(rest) or "any")
         if name in self._log_files:
             self._log_files[name].close()  # its previous run's
         out = self._log_files[name] = open(self.log_path(name), "ab")  # closed by stop()
         self.children[name] = subprocess.Popen(
-            cmd, env=self._envs[name], stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin
+            cmd,
+            env=self._envs[name],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_child_setup(rest),
         )
 
     def wait_healthy(
@@ -728,6 +734,27 @@ def fresh_log_dir() -> Path:
     """A new directory for one run's logs under the system's temporary directory (kept at exit)."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     return Path(tempfile.mkdtemp(prefix=f"tilert-up-{stamp}-"))
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _child_setup(cpus: frozenset[int]) -> Callable[[], None]:
+    """What a child runs between fork and exec: its CPUs (``cpus``; any when empty), and on Linux SIGTERM to it
+    when this process dies, so that a ``tilert up`` killed outright leaves no child serving. Only what is safe after
+    a fork runs in the child: libc is looked up here, before it."""
+    parent = os.getpid()
+    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+
+    def setup() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+            if os.getppid() != parent:  # this process died before the request took effect
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    return setup
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
@@ -826,7 +853,7 @@ def run(cfg: StackConfig) -> int:
         nonlocal stopping
         stopping = True
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         _say(f"tilert up: starting {', '.join(stack.urls)}; logs in {stack.log_dir}/")
         stack.start()
