@@ -213,6 +213,25 @@ def _check_mla_uv(dev, small, L, R, sl):
             "(bit for bit)",
             flush=True,
         )
+    # a long cache's graph at short contexts, the merge by W_UV's rows: each query's live splits read in one request
+    # (UV_LIVE_ONE_READ) or, past a smaller bound, one query of the batch in one request and the other by the loop
+    saved_live = triton_mla.UV_LIVE_ONE_READ
+    try:
+        for live_read in (0, 64, 16 if not small else 4) if not sl else ():  # the loop; all at once; one of each
+            triton_mla.UV_LIVE_ONE_READ = live_read
+            got = decode_poisoned(q, kv, pos, None, scale, L, num_splits=128, uv=uv)
+            report(f"mla dense + W_UV{sl} splits=128 live splits read at once up to {live_read}", got, want)
+            alone = [
+                decode_poisoned(q[j : j + 1], kv, pos[j : j + 1], None, scale, L, num_splits=128, uv=uv)[0]
+                for j in range(2)
+            ]
+            bitwise(
+                f"batch invariance: mla dense + W_UV{sl} splits=128 live splits read at once up to {live_read}",
+                got,
+                alone,
+            )
+    finally:
+        triton_mla.UV_LIVE_ONE_READ = saved_live
     # a bound on the rows a dense query reads (a DSA model's dense steps, below its top-k): fewer splits, each merge
     # reading only its query's live splits, counted from its rows (every other partial poisoned: a read shows)
     # (splits sized by the bound or by the cache: triton_mla.SPLITS_BY_MAX_ROWS, both checked)

@@ -247,6 +247,7 @@ def _mla_combine_uv_kernel(
     TAIL: tl.constexpr,
     LIVE_LOOP: tl.constexpr,
     LIVE_EARLY: tl.constexpr,
+    LIVE_READ: tl.constexpr,
     STAGES: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -258,7 +259,9 @@ def _mla_combine_uv_kernel(
     # row_start: step inputs written kernels before, read before the PDL wait); sparse: every split is read,
     # each written by the split kernel (an empty one's o is 0, its weight 0: WRITE_EMPTY). TAIL > 0 (ONE_READ):
     # splits BS.. are a second tile of TAIL rows (BS the largest power of two <= the splits, TAIL the rest padded
-    # to a power of two: 33 splits read as 32 + 2 rows, not 64).
+    # to a power of two: 33 splits read as 32 + 2 rows, not 64). LIVE_READ > 0 (dense, not ONE_READ, the live splits
+    # counted before the PDL wait): a query with at most LIVE_READ live splits reads them in one request as ONE_READ
+    # does, one with more loops over them (a long cache's graph at a short context: 32 live of 128 at 1K).
     i = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -291,6 +294,13 @@ def _mla_combine_uv_kernel(
                 ob + offs_t[:, None] * stride_os + offs_l[None, :], mask=(offs_t < n_live)[:, None], other=0.0
             )
             lse_t = tl.load(lse_row + offs_t, mask=offs_t < NUM_SPLITS, other=float("-inf"))
+    elif LIVE_READ > 0:  # nothing is read (every row masked) when the query has more live splits
+        offs_r = tl.arange(0, LIVE_READ)
+        few = n_live <= LIVE_READ
+        o_few = tl.load(
+            ob + offs_r[:, None] * stride_os + offs_l[None, :], mask=((offs_r < n_live) & few)[:, None], other=0.0
+        )
+        lse_few = tl.load(lse_row + offs_r, mask=(offs_r < n_live) & few, other=float("-inf"))
     lse = tl.load(lse_row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
     mx = tl.max(lse, 0)
     if ONE_READ and TAIL > 0:
@@ -313,7 +323,11 @@ def _mla_combine_uv_kernel(
         if LIVE_LOOP:
             if not (DENSE and LIVE_EARLY):  # else counted from the query's rows before the PDL wait (the same count)
                 n_live = tl.max(tl.where(lse > float("-inf"), offs_s + 1, 0), 0)
-            for s0 in tl.range(0, n_live, SB, num_stages=STAGES):
+            s_first = 0
+            if LIVE_READ > 0:  # exact zeros when the loop below merges instead (every weight exp2(-inf) = 0)
+                acc = tl.sum(o_few * (tl.exp2(lse_few - mx) * inv)[:, None], 0)
+                s_first = tl.where(few, n_live, 0)
+            for s0 in tl.range(s_first, n_live, SB, num_stages=STAGES):
                 offs = s0 + tl.arange(0, SB)
                 inside = offs < NUM_SPLITS
                 ls = tl.load(lse_row + offs, mask=inside, other=float("-inf"))
@@ -421,6 +435,10 @@ UV_LIVE_LOOP = True
 # That loop's bound, dense: the live splits counted from the query's rows before the PDL wait (as the one read counts
 # them), so that the partials' loads do not wait for the log-sum-exps; False: from the log-sum-exps (the same count).
 UV_LIVE_EARLY = True
+# That loop, dense, when a query's live splits are at most this many (a power of two; 0: always the loop): read in one
+# request instead, as UV_ONE_READ_MAX's merge reads every split (8 warps above 32). Checked (check_kernels.py), not
+# yet timed in the whole step: off until decode_speed --tune says.
+UV_LIVE_ONE_READ = 0
 # Stages of that loop (Triton's software pipelining: the partials of the next STAGES - 1 steps requested through
 # shared memory while one step is summed); 1: each step's loads issued when it starts.
 UV_STAGES = 1
@@ -604,6 +622,8 @@ def mla_decode(
         y = out if out is not None else torch.empty(n, H * V, device=q.device, dtype=q.dtype)
         BV = min(UV_BV["few" if H <= 32 else "many"], V)
         kgn, kgk = (1, 1) if kvs is None else (kv_b.shape[-2] // kvs.shape[-2], kv_b.shape[-1] // kvs.shape[-1])
+        live_read = UV_LIVE_ONE_READ if not (one_read or sparse) and UV_LIVE_LOOP and UV_LIVE_EARLY else 0
+        live_read = min(live_read, bs // 2)  # a read of every split is the ONE_READ merge's
         if BL:
             _merge_uv_sliced(
                 o_part, lse, kv_b, kvs, y, pos, row_start, S, min_tps, BLOCK_T, not sparse, P, V, BL, kgn, kgk
@@ -643,8 +663,9 @@ def mla_decode(
             TAIL=tail,
             LIVE_LOOP=UV_LIVE_LOOP,
             LIVE_EARLY=UV_LIVE_EARLY,
+            LIVE_READ=live_read,
             STAGES=UV_STAGES,
-            num_warps=8 if one_read and bs > 32 else 4,
+            num_warps=8 if max(bs if one_read else 0, live_read) > 32 else 4,
             **triton_pdl.kw(),
         )
         return y
