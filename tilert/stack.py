@@ -741,8 +741,9 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 def _child_setup(cpus: frozenset[int]) -> Callable[[], None]:
     """What a child runs between fork and exec: its CPUs (``cpus``; any when empty), and on Linux SIGTERM to it
-    when this process dies, so that a ``tilert up`` killed outright leaves no child serving. Only what is safe after
-    a fork runs in the child: libc is looked up here, before it."""
+    when this process dies, so that a ``tilert up`` killed outright leaves no child serving (Linux sends it when the
+    thread that started the child ends: ``tilert up`` starts every child from its main thread). Only what is safe
+    after a fork runs in the child: libc is looked up here, before it."""
     parent = os.getpid()
     prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
 
