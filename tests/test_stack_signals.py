@@ -9,98 +9,51 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
-from support.stack import free_port
+from support.stack import alive, free_port, launch_stack, stop_launch
+from support.waiting import wait_until
 
-SECRET = {"TILERT_SECRET": "0123456789abcdef0123456789abcdef"}
-
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads the process tree from /proc")
-
-
-def _parent(pid: int) -> int | None:
-    """A live process's parent; ``None`` once it has exited (a zombie counts as exited)."""
-    try:
-        state, ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:2]
-    except OSError:
-        return None
-    return None if state in ("Z", "X") else int(ppid)
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
+GONE_S = 30.0  # from the signal until no process of the stack is left
 
 
-def _children(pid: int) -> set[int]:
-    """The live processes whose parent is ``pid``."""
-    return {int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and _parent(int(e.name)) == pid}
-
-
-def _all_gone(pids: set[int]) -> bool:
-    return all(_parent(p) is None for p in pids)
-
-
-def _wait_for(what: str, cond: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"not within {timeout_s:.0f} s: {what}"
-        time.sleep(0.1)
-
-
-def _start(module_argv: list[str], tiny_model: Path, tmp_path: Path) -> subprocess.Popen[str]:
-    ports = [str(free_port()) for _ in range(4)]
-    cmd = [sys.executable, "-m", *module_argv, "--model", str(tiny_model), "--port", ports[0]]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TILERT_")}
-    env.update(SECRET)
-    # the stack's other ports and its log directory, through the variables ``tilert up`` reads
-    env.update(TILERT_UP_PREFILL_PORT=ports[1], TILERT_UP_CTRL_PORT=ports[2], TILERT_UP_DECODE_HTTP_PORT=ports[3])
-    env["TILERT_UP_LOG_DIR"] = str(tmp_path)
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-
-
-def _stack_of(up_pid: int) -> set[int]:
-    """The stack's three children, once ``tilert up`` has started them."""
-    found: set[int] = set()
-
-    def started() -> bool:
-        found.update(_children(up_pid))
-        return len(found) >= 3
-
-    _wait_for("tilert up starts prefill, decode and router", started, 60.0)
-    return found
+def _children(proc: psutil.Process, count: int) -> list[psutil.Process]:
+    """``proc``'s first ``count`` children, once it has started them."""
+    return wait_until(lambda: len(kids := proc.children()) >= count and kids, 60.0, f"{count} children started")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL], ids=["terminal-closed", "killed-outright"])
 def test_up_leaves_no_child_however_it_ends(tiny_model: Path, tmp_path: Path, sig: signal.Signals) -> None:
-    up = _start(["tilert.cli", "up"], tiny_model, tmp_path)
+    launch = launch_stack(tiny_model, tmp_path / "up.log")
     try:
-        stack = _stack_of(up.pid)
-        up.send_signal(sig)
-        up.wait(timeout=60)
-        _wait_for(f"every child of tilert up gone after {sig.name}: {sorted(stack)}", lambda: _all_gone(stack), 30.0)
+        stack = _children(psutil.Process(launch.proc.pid), 3)  # prefill, decode, router
+        launch.proc.send_signal(sig)
+        launch.proc.wait(timeout=60)
+        wait_until(lambda: not any(alive(p) for p in stack), GONE_S, f"every child of tilert up gone after {sig.name}")
         if sig == signal.SIGHUP:  # stopped in order, as on Ctrl-C
-            said = up.stdout.read() if up.stdout else ""
-            assert up.returncode == 1 and "tilert up: interrupted during start-up" in said, said
+            said = launch.log.read_text()
+            assert launch.proc.returncode == 1 and "tilert up: interrupted during start-up" in said, said
     finally:
-        up.kill()
-        up.wait()
+        stop_launch(launch)
 
 
 def test_demo_stopped_alone_stops_its_stack(tiny_model: Path, tmp_path: Path) -> None:
     """SIGTERM to the demo process only (a supervisor's stop, ``kill PID``): ``tilert up`` and every child go."""
-    demo = _start(["tilert.demo"], tiny_model, tmp_path)
+    port, prefill, ctrl, http = (str(free_port()) for _ in range(4))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TILERT_")}
+    env.update(TILERT_SECRET="0123456789abcdef0123456789abcdef", TILERT_UP_LOG_DIR=str(tmp_path))
+    env.update(TILERT_UP_PREFILL_PORT=prefill, TILERT_UP_CTRL_PORT=ctrl, TILERT_UP_DECODE_HTTP_PORT=http)
+    cmd = [sys.executable, "-m", "tilert.demo", "--model", str(tiny_model), "--port", port]
+    demo = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        ups: set[int] = set()
-
-        def started() -> bool:
-            ups.update(_children(demo.pid))
-            return bool(ups)
-
-        _wait_for("the demo starts tilert up", started, 30.0)
-        (up,) = ups
-        stack = _stack_of(up)
+        (up,) = _children(psutil.Process(demo.pid), 1)
+        family = [up, *_children(up, 3)]
         demo.send_signal(signal.SIGTERM)
         demo.wait(timeout=60)
-        _wait_for(f"tilert up and its children gone: {up}, {sorted(stack)}", lambda: _all_gone({up, *stack}), 30.0)
+        wait_until(lambda: not any(alive(p) for p in family), GONE_S, "tilert up and its children gone")
         said = demo.stdout.read() if demo.stdout else ""
         assert "tilert up: interrupted during start-up" in said, said  # stopped by the demo, in order
     finally:

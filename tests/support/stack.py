@@ -180,7 +180,8 @@ def _interrupt(proc: subprocess.Popen[str]) -> None:
             proc.kill()
 
 
-def _alive(proc: psutil.Process) -> bool:
+def alive(proc: psutil.Process) -> bool:
+    """Running and not a zombie (a process that exited but was not reaped yet counts as gone)."""
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
@@ -231,9 +232,9 @@ def stop_stack_checked(stack: Stack) -> None:
             f"tilert up wrote to its terminal while it served: {said}"
         )
         try:
-            wait_until(lambda: not any(_alive(p) for p in family), LEFTOVER_TIMEOUT_S, "no process of the stack left")
+            wait_until(lambda: not any(alive(p) for p in family), LEFTOVER_TIMEOUT_S, "no process of the stack left")
         except AssertionError:
-            left = [(p.pid, _cmdline(p)) for p in family if _alive(p)]
+            left = [(p.pid, _cmdline(p)) for p in family if alive(p)]
             pytest.fail(f"tilert up exited, leaving behind: {left}")
     finally:
         for p in family:
