@@ -214,10 +214,11 @@ def _check_mla_uv(dev, small, L, R, sl):
             flush=True,
         )
     # a long cache's graph at short contexts, the merge by W_UV's rows: each query's live splits read in one request
-    # (UV_LIVE_ONE_READ) or, past a smaller bound, one query of the batch in one request and the other by the loop
+    # (UV_LIVE_ONE_READ) or, past a smaller bound, one query of the batch in one request and the other by the loop;
+    # the last bound reads the longer query's splits past it in the second tile (UV_TAIL: 33 as 32 + 4, 9 as 8 + 2)
     saved_live = triton_mla.UV_LIVE_ONE_READ
     try:
-        for live_read in (0, 64, 16 if not small else 4) if not sl else ():  # the loop; all at once; one of each
+        for live_read in ((0, 64, 16, 32) if not small else (0, 64, 4, 8)) if not sl else ():
             triton_mla.UV_LIVE_ONE_READ = live_read
             got = decode_poisoned(q, kv, pos, None, scale, L, num_splits=128, uv=uv)
             report(f"mla dense + W_UV{sl} splits=128 live splits read at once up to {live_read}", got, want)

@@ -611,7 +611,7 @@ TUNING_FP8 = (
     ("triton_mla", ("UV_BV", "many"), (64, 32)),
     ("triton_mla", "UV_SB", (4, 8, 16)),
     ("triton_mla", "UV_STAGES", (1, 2, 3)),
-    ("triton_mla", "UV_LIVE_ONE_READ", (0, 64, 32)),
+    ("triton_mla", "UV_LIVE_ONE_READ", (32, 0, 64)),
     ("triton_mla", "UV_LIVE_EARLY", (True, False)),
     ("triton_mla", ("UV_SLICE_L", "dense"), (0, 32, 64, 16)),
     ("triton_mla", ("UV_SLICE_L", "sparse"), (0, 32, 64)),

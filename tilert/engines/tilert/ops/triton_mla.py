@@ -81,6 +81,18 @@ def _split_weights(lse):
 
 
 @triton.jit
+def _partials(ob, offs, stride_os, offs_l, live):
+    """One (query, head)'s split partials ``offs``, ``[len(offs), L]``; a row not ``live`` is 0 and never requested."""
+    return tl.load(ob + offs[:, None] * stride_os + offs_l[None, :], mask=live[:, None], other=0.0)
+
+
+@triton.jit
+def _weighted(o, ls, mx, inv):
+    """The partials ``o`` summed, each by its split's share ``exp2(ls - mx) * inv`` of the softmax."""
+    return tl.sum(o * (tl.exp2(ls - mx) * inv)[:, None], 0)
+
+
+@triton.jit
 def _mla_split_kernel(
     q_ptr,
     kv_ptr,
@@ -247,21 +259,21 @@ def _mla_combine_uv_kernel(
     TAIL: tl.constexpr,
     LIVE_LOOP: tl.constexpr,
     LIVE_EARLY: tl.constexpr,
-    LIVE_READ: tl.constexpr,
+    READ: tl.constexpr,
     STAGES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # grid (n, H, V / BV): merges head h's split partials into o~ (rounded to the activation dtype, as the combine
     # kernel writes it), then o[i, h*V + v] = W_UV_h[v] . o~ for its BV rows (mla_uv's math): one launch for both.
-    # ONE_READ: every live split's partial [BS, L] is requested right after the PDL wait, with the log-sum-exps
-    # (one L2 round trip; the loop over SB splits at a time reads them only once the weights are known). Dense:
+    # READ > 0: the live splits' partials [READ + TAIL, L] are requested right after the PDL wait, with their
+    # log-sum-exps (one L2 round trip; the loop over SB splits at a time reads them only once the weights are
+    # known); TAIL > 0: splits READ.. are a second tile of TAIL rows (33 splits read as 32 + 2 rows, not 64). Dense:
     # the live splits are a prefix, counted from the query's rows as the split kernel splits them (positions /
-    # row_start: step inputs written kernels before, read before the PDL wait); sparse: every split is read,
-    # each written by the split kernel (an empty one's o is 0, its weight 0: WRITE_EMPTY). TAIL > 0 (ONE_READ):
-    # splits BS.. are a second tile of TAIL rows (BS the largest power of two <= the splits, TAIL the rest padded
-    # to a power of two: 33 splits read as 32 + 2 rows, not 64). LIVE_READ > 0 (dense, not ONE_READ, the live splits
-    # counted before the PDL wait): a query with at most LIVE_READ live splits reads them in one request as ONE_READ
-    # does, one with more loops over them (a long cache's graph at a short context: 32 live of 128 at 1K).
+    # row_start: step inputs written kernels before, read before the PDL wait); sparse: every split is live, each
+    # written by the split kernel (an empty one's o is 0, its weight 0: WRITE_EMPTY). ONE_READ: READ + TAIL spans
+    # every split (BS = READ, the largest power of two <= the splits). Otherwise (dense, the live splits counted
+    # before the PDL wait; BS spans every split for the weights) a query with at most READ + TAIL live splits is
+    # read so, one with more loops over them (a long cache's graph at a short context: 33 live of 128 at 1K).
     i = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -286,61 +298,54 @@ def _mla_combine_uv_kernel(
     offs_s = tl.arange(0, BS)
     lse_row = lse_ptr + (i * H + h) * NUM_SPLITS
     ob = o_ptr + i * stride_on + h * stride_oh
-    if ONE_READ:
-        o_all = tl.load(ob + offs_s[:, None] * stride_os + offs_l[None, :], mask=(offs_s < n_live)[:, None], other=0.0)
+    if READ > 0:  # ONE_READ: every split (few always holds); else nothing is requested for a query with more
+        offs_r = tl.arange(0, READ)
+        few = n_live <= READ + TAIL
+        o_r = _partials(ob, offs_r, stride_os, offs_l, (offs_r < n_live) & few)
         if TAIL > 0:
-            offs_t = BS + tl.arange(0, TAIL)
-            o_tail = tl.load(
-                ob + offs_t[:, None] * stride_os + offs_l[None, :], mask=(offs_t < n_live)[:, None], other=0.0
-            )
-            lse_t = tl.load(lse_row + offs_t, mask=offs_t < NUM_SPLITS, other=float("-inf"))
-    elif LIVE_READ > 0:  # nothing is read (every row masked) when the query has more live splits
-        offs_r = tl.arange(0, LIVE_READ)
-        few = n_live <= LIVE_READ
-        o_few = tl.load(
-            ob + offs_r[:, None] * stride_os + offs_l[None, :], mask=((offs_r < n_live) & few)[:, None], other=0.0
-        )
-        lse_few = tl.load(lse_row + offs_r, mask=(offs_r < n_live) & few, other=float("-inf"))
+            offs_t = READ + tl.arange(0, TAIL)
+            o_t = _partials(ob, offs_t, stride_os, offs_l, (offs_t < n_live) & few)
+            lse_t = tl.load(lse_row + offs_t, mask=(offs_t < n_live) & few, other=float("-inf"))
+        if not ONE_READ:  # the weights of the splits read; the loop's tile below spans every split
+            lse_r = tl.load(lse_row + offs_r, mask=(offs_r < n_live) & few, other=float("-inf"))
     lse = tl.load(lse_row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    if ONE_READ:
+        lse_r = lse
     mx = tl.max(lse, 0)
-    if ONE_READ and TAIL > 0:
+    if ONE_READ and TAIL > 0:  # the tail's splits lie past the tile of every split's log-sum-exp
         mx = tl.maximum(mx, tl.max(lse_t, 0))
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     wsum = tl.sum(tl.exp2(lse - mx), 0)
     if ONE_READ and TAIL > 0:
         wsum += tl.sum(tl.exp2(lse_t - mx), 0)
     inv = 1.0 / tl.where(wsum > 0, wsum, 1.0)
-    if ONE_READ:
-        acc = tl.sum(o_all * (tl.exp2(lse - mx) * inv)[:, None], 0)
+    acc = tl.zeros([L], dtype=tl.float32)
+    if READ > 0:  # exact zeros for a query the loop below merges instead (every weight exp2(-inf) = 0)
+        acc = _weighted(o_r, lse_r, mx, inv)
         if TAIL > 0:
-            acc += tl.sum(o_tail * (tl.exp2(lse_t - mx) * inv)[:, None], 0)
-    else:
+            acc += _weighted(o_t, lse_t, mx, inv)
+    if not ONE_READ:
         # Only up to the last split with rows (a graph sized for a long cache runs short contexts with most of its
-        # splits empty: 32 live of 128 at 1K in a 32K-row engine). Those after it would add exact zeros, so the
+        # splits empty: 33 live of 128 at 1K in a 32K-row engine). Those after it would add exact zeros, so the
         # bound changes no bit; it is this query's own, so alone or in a batch alike. The partials' loads do not
         # wait for their log-sum-exps (empty splits are a suffix: every split before the last live one has rows).
-        acc = tl.zeros([L], dtype=tl.float32)
         if LIVE_LOOP:
             if not (DENSE and LIVE_EARLY):  # else counted from the query's rows before the PDL wait (the same count)
                 n_live = tl.max(tl.where(lse > float("-inf"), offs_s + 1, 0), 0)
             s_first = 0
-            if LIVE_READ > 0:  # exact zeros when the loop below merges instead (every weight exp2(-inf) = 0)
-                acc = tl.sum(o_few * (tl.exp2(lse_few - mx) * inv)[:, None], 0)
+            if READ > 0:
                 s_first = tl.where(few, n_live, 0)
             for s0 in tl.range(s_first, n_live, SB, num_stages=STAGES):
                 offs = s0 + tl.arange(0, SB)
-                inside = offs < NUM_SPLITS
-                ls = tl.load(lse_row + offs, mask=inside, other=float("-inf"))
+                ls = tl.load(lse_row + offs, mask=offs < NUM_SPLITS, other=float("-inf"))
                 # past the last live split nothing may be read: an empty split writes no partial (SKIP_EMPTY_SPLITS)
-                o = tl.load(ob + offs[:, None] * stride_os + offs_l[None, :], mask=(offs < n_live)[:, None], other=0.0)
-                acc += tl.sum(o * (tl.exp2(ls - mx) * inv)[:, None], 0)
+                acc += _weighted(_partials(ob, offs, stride_os, offs_l, offs < n_live), ls, mx, inv)
         else:  # every split, each step's partials loaded once its log-sum-exps say which hold rows
             for s0 in tl.static_range(0, NUM_SPLITS, SB):
                 offs = s0 + tl.arange(0, SB)
                 ls = tl.load(lse_row + offs, mask=offs < NUM_SPLITS, other=float("-inf"))
                 live = ls > float("-inf")
-                o = tl.load(ob + offs[:, None] * stride_os + offs_l[None, :], mask=live[:, None], other=0.0)
-                acc += tl.sum(o * (tl.exp2(ls - mx) * inv)[:, None], 0)
+                acc += _weighted(_partials(ob, offs, stride_os, offs_l, live), ls, mx, inv)
     ol = acc.to(y_ptr.dtype.element_ty).to(tl.float32) * cs
     y = tl.sum(wf * ol[None, :], 1)
     tl.store(y_ptr + i * stride_yn + h * V + offs_v, y.to(y_ptr.dtype.element_ty))
@@ -403,7 +408,7 @@ def _mla_merge_uv_sliced_kernel(
     offs_s = tl.arange(0, BS)
     lse = tl.load(lse_ptr + (i * H + h) * NUM_SPLITS + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
     ob = o_ptr + i * stride_on + h * stride_oh
-    o = tl.load(ob + offs_s[:, None] * stride_os + offs_l[None, :], mask=(offs_s < n_live)[:, None], other=0.0)
+    o = _partials(ob, offs_s, stride_os, offs_l, offs_s < n_live)
     ol = tl.sum(o * _split_weights(lse)[:, None], 0).to(y_ptr.dtype.element_ty).to(tl.float32)
     part = tl.sum(wf * ol[None, :], 1)  # [V]
     ws_row = ws_ptr + ((i * H + h) * NLB).to(tl.int64) * V
@@ -427,7 +432,8 @@ UV_SB = 4
 UV_ONE_READ_MAX = 64
 # ONE_READ over a split count that is not a power of two: the largest power of two below it in one tile and the
 # rest in a second (TAIL) when that is at most an eighth of the first (33 splits: 32 + 2 rows, not 64; 65: 64 + 2,
-# where the padded 128 would not be read at once at all); False: one padded tile.
+# where the padded 128 would not be read at once at all); and UV_LIVE_ONE_READ's read takes up to an eighth more
+# splits so (33 live as 32 + 4). False: one padded tile; the live read, at most its bound.
 UV_TAIL = True
 # Over UV_ONE_READ_MAX splits (an engine sized for a long cache): the merge loops only to the query's last split
 # with rows (LIVE_LOOP; bit-identical); False: over every split.
@@ -435,10 +441,10 @@ UV_LIVE_LOOP = True
 # That loop's bound, dense: the live splits counted from the query's rows before the PDL wait (as the one read counts
 # them), so that the partials' loads do not wait for the log-sum-exps; False: from the log-sum-exps (the same count).
 UV_LIVE_EARLY = True
-# That loop, dense, when a query's live splits are at most this many (a power of two; 0: always the loop): read in one
-# request instead, as UV_ONE_READ_MAX's merge reads every split (8 warps above 32). Checked (check_kernels.py), not
-# yet timed in the whole step: off until decode_speed --tune says.
-UV_LIVE_ONE_READ = 0
+# That loop, dense, when a query's live splits are at most this many (a power of two, and UV_TAIL's eighth more; 0:
+# always the loop): read in one request instead, as UV_ONE_READ_MAX's merge reads every split (8 warps above 32). A
+# graph sized for 32K rows runs a 1K step with 33 live splits of its 128.
+UV_LIVE_ONE_READ = 32  # chosen with decode_speed --tune
 # Stages of that loop (Triton's software pipelining: the partials of the next STAGES - 1 steps requested through
 # shared memory while one step is summed); 1: each step's loads issued when it starts.
 UV_STAGES = 1
@@ -485,11 +491,16 @@ def _pick_splits(hblocks: int, sparse: bool, n_idx: int, max_tokens: int) -> int
     return max(1, min(want, 128, cap))
 
 
+def _tail(bs: int) -> int:
+    """The most rows a tile of ``bs`` splits takes in a second tile (UV_TAIL): an eighth of it, at least 2."""
+    return max(2, bs // 8)
+
+
 def _uv_tiles(S: int) -> tuple[int, int, bool]:
     """(BS, TAIL, ONE_READ) of the merge + ``W_UV`` kernel over ``S`` splits (UV_ONE_READ_MAX, UV_TAIL)."""
     bs = triton.next_power_of_2(S)
     tail = 0
-    if UV_TAIL and bs != S and triton.next_power_of_2(S - bs // 2) <= max(2, bs // 16):
+    if UV_TAIL and bs != S and triton.next_power_of_2(S - bs // 2) <= _tail(bs // 2):
         bs //= 2
         tail = max(2, triton.next_power_of_2(S - bs))
     one_read = bs <= UV_ONE_READ_MAX
@@ -622,8 +633,11 @@ def mla_decode(
         y = out if out is not None else torch.empty(n, H * V, device=q.device, dtype=q.dtype)
         BV = min(UV_BV["few" if H <= 32 else "many"], V)
         kgn, kgk = (1, 1) if kvs is None else (kv_b.shape[-2] // kvs.shape[-2], kv_b.shape[-1] // kvs.shape[-1])
-        live_read = UV_LIVE_ONE_READ if not (one_read or sparse) and UV_LIVE_LOOP and UV_LIVE_EARLY else 0
-        live_read = min(live_read, bs // 2)  # a read of every split is the ONE_READ merge's
+        read, read_tail = bs, tail  # ONE_READ: every split at once
+        if not one_read:  # a query's live splits at once when they are few (dense, counted before the PDL wait)
+            read = UV_LIVE_ONE_READ if not sparse and UV_LIVE_LOOP and UV_LIVE_EARLY else 0
+            read = min(read, bs // 2)  # a read of every split is the ONE_READ merge's
+            read_tail = _tail(read) if read and UV_TAIL else 0
         if BL:
             _merge_uv_sliced(
                 o_part, lse, kv_b, kvs, y, pos, row_start, S, min_tps, BLOCK_T, not sparse, P, V, BL, kgn, kgk
@@ -660,12 +674,12 @@ def mla_decode(
             ROW_UNIFORM=kgn % BV == 0 and P % BV == 0 and V % BV == 0,
             BS=bs,
             ONE_READ=one_read,
-            TAIL=tail,
+            TAIL=read_tail,
             LIVE_LOOP=UV_LIVE_LOOP,
             LIVE_EARLY=UV_LIVE_EARLY,
-            LIVE_READ=live_read,
+            READ=read,
             STAGES=UV_STAGES,
-            num_warps=8 if max(bs if one_read else 0, live_read) > 32 else 4,
+            num_warps=8 if read > 32 else 4,
             **triton_pdl.kw(),
         )
         return y
