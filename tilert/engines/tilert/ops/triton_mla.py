@@ -270,10 +270,10 @@ def _mla_combine_uv_kernel(
     # known); TAIL > 0: splits READ.. are a second tile of TAIL rows (33 splits read as 32 + 2 rows, not 64). Dense:
     # the live splits are a prefix, counted from the query's rows as the split kernel splits them (positions /
     # row_start: step inputs written kernels before, read before the PDL wait); sparse: every split is live, each
-    # written by the split kernel (an empty one's o is 0, its weight 0: WRITE_EMPTY). ONE_READ: READ + TAIL spans
-    # every split (BS = READ, the largest power of two <= the splits). Otherwise (dense, the live splits counted
-    # before the PDL wait; BS spans every split for the weights) a query with at most READ + TAIL live splits is
-    # read so, one with more loops over them (a long cache's graph at a short context: 33 live of 128 at 1K).
+    # written by the split kernel (an empty one's o is 0, its weight 0: WRITE_EMPTY). ONE_READ: READ (= BS) + TAIL
+    # spans every split. Otherwise (dense, the live splits counted before the PDL wait; BS spans every split for the
+    # weights) a query with at most READ + TAIL live splits is read so, one with more loops over them (a long
+    # cache's graph at a short context: 33 live of 128 at 1K).
     i = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
