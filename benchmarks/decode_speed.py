@@ -607,7 +607,7 @@ TUNING_FP8 = (
     ("triton_mla", "SPLITS_BY_MAX_ROWS", (False, True)),
     ("triton_mla", "UV_TAIL", (True, False)),
     ("triton_mla", "UV_LIVE_LOOP", (True, False)),
-    ("triton_mla", ("UV_BV", "few"), (8, 4, 8, 4, 16)),
+    ("triton_mla", ("UV_BV", "few"), (16, 8, 32)),
     ("triton_mla", ("UV_BV", "many"), (64, 32)),
     ("triton_mla", "UV_SB", (4, 8, 16)),
     ("triton_mla", "UV_STAGES", (1, 2, 3)),

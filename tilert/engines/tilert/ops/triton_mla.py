@@ -424,8 +424,8 @@ def _mla_merge_uv_sliced_kernel(
 
 # mla_decode with W_UV (mla_attention_uv): rows of W_UV per program by head count ("few": H <= 32; each
 # program merges its head's splits again, so many heads want fewer, wider programs), splits merged per step.
-UV_BV = {"few": 8, "many": 64}  # chosen with decode_speed --tune (few heads: twice the programs, each reading its
-# head's partials)
+UV_BV = {"few": 16, "many": 64}  # chosen with decode_speed --tune in engines sized for 32K (few heads: 16 rows, 8
+# programs a head, each reading the head's live splits at once)
 UV_SB = 4
 # Merge + W_UV reads every split's partial in one request when the splits (padded to a power of two) are at most
 # this many (ONE_READ; 8 warps above 32, to keep the [splits, L] fp32 tile at 128 registers a thread); 0: off.
