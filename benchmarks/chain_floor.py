@@ -22,9 +22,7 @@ a kernel of that size streams at; ``looped``, the layer profile as grids of a fe
 chunks in flight; ``whole``, the step's bytes in one launch (bytes, words, ``torch.sum``): what one streaming kernel
 reaches with no boundaries; ``persistent``, the whole chain as one persistent launch (one or two programs an SM, a
 grid barrier between the phases, each phase's first chunk requested before the barrier); ``boundaries``, the
-boundaries alone (a chain of the engine's number of kernels reading no weights); ``trigger``, the layer profile
-(bytes and GEMV tiles) with each kernel letting the next start before its own PDL wait (``triton_pdl.EARLY_TRIGGER``:
-several kernels waiting at once, each with its weight requested) against after it, side by side. Writes
+boundaries alone (a chain of the engine's number of kernels reading no weights). Writes
 ``benchmarks/results/<machine>-chain-floor.json`` (``h100-chain-floor``, ``h200-chain-floor``), starting with
 ``results_header``'s ``"recorded"``.
 """
@@ -496,7 +494,6 @@ def main() -> None:
     ap.add_argument("--chunks", default="16384,32768,65536", help="bytes a program reads (powers of two)")
     ap.add_argument("--layers", type=int, default=61)
     parts = ("groups", "words", "gemv", "parts", "layout", "sizes", "looped", "whole", "persistent", "boundaries")
-    parts += ("trigger",)
     ap.add_argument("--only", default=",".join(parts), help=f"which rows, of: {','.join(parts)}")
     a = ap.parse_args()
     only = set(a.only.split(","))
@@ -552,7 +549,7 @@ def main() -> None:
         del weights
         torch.cuda.empty_cache()
     # the layer profile's chain, for the parts that time it
-    weights = build_chain(a.layers, mbs, dev) if only & {"words", "gemv", "parts", "looped", "trigger"} else []
+    weights = build_chain(a.layers, mbs, dev) if only & {"words", "gemv", "parts", "looped"} else []
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     if "words" in only:  # the engine's 9 kernels a layer reading int32 words (no byte unpacking), and torch's sums
         for chunk in chunks:
@@ -602,15 +599,6 @@ def main() -> None:
                 timed(f"{mb:g} MB pieces" + (", GEMV tiles" if gemv else ""), same, nb, gemv=gemv)
             del same
             torch.cuda.empty_cache()
-    for _rep in range(2) if "trigger" in only else ():  # where each kernel lets the next start, twice alternating
-        for early in (False, True):
-            triton_pdl.EARLY_TRIGGER = early
-            try:
-                for gemv in (None, GemvParts(512)):
-                    order = "trigger first" if early else "wait first"
-                    timed(f"9 a layer, {order}" + (", GEMV tiles" if gemv else ""), weights, total, gemv=gemv)
-            finally:
-                triton_pdl.EARLY_TRIGGER = False
     if "looped" in only:  # the 9 kernels as grids of a few programs an SM, each looping with two chunks in flight
         for per_sm in (2, 4, 8):
             for chunk in (8192, 16384):

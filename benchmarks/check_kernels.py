@@ -325,14 +325,6 @@ def check_indexer(dev, small):
             torch.where(fin, sc, 0.0) if same_mask else sc,
             torch.where(fin, rs, 0.0),
         )
-        if Hi == 64:  # every head in one dot (INDEXER_BH)
-            saved_bh, triton_mla.INDEXER_BH = triton_mla.INDEXER_BH, 64
-            try:
-                sc64 = triton_mla.indexer_scores(q, w, k, pos)
-            finally:
-                triton_mla.INDEXER_BH = saved_bh
-            want64 = torch.where(fin, rs, 0.0)
-            report(f"indexer scores n={n} Hi={Hi} S={S}, 64 heads a dot", torch.where(fin, sc64, 0.0), want64)
         got = triton_mla.indexer_topk(q, w, k, pos, topk)
         alone = triton_topk.topk(sc, pos, topk)
         same = torch.equal(got, alone)

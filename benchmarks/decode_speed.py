@@ -438,7 +438,6 @@ DRAFT_VARIANTS = (
 DSA_TUNING = (
     ("triton_mla", "INDEXER_BT", (128, 64, 256)),
     ("triton_mla", "INDEXER_WARPS", (4, 8)),
-    ("triton_mla", "INDEXER_BH", (0, 64, 16)),
     ("triton_topk", "CH", (256, 512, 1024)),
     ("triton_topk", "WARPS", (8, 4)),
 )
@@ -470,9 +469,6 @@ L2_TUNING = (
 DENSE_SPLIT_TUNING = (
     ("triton_mla", ["DENSE_MIN_TOKENS_PER_SPLIT", ("DENSE_CAP_ROWS", "one")], ((32, 32), (64, 64), (128, 128))),
 )
-# Where each kernel lets the next one start (ops/triton_pdl.py): after its own PDL wait, or before it (several
-# kernels then wait at once, each with its first weights requested).
-PDL_TUNING = (("triton_pdl", "EARLY_TRIGGER", (False, True)),)
 # The FP8 GEMVs and moe_up fed by the TMA (triton_fp8.FP8_TMA_CFG, FP8_UP_TMA_CFG: rows, K tile, stages, warps;
 # None the register-fed kernel), one weight class at a time, then every GEMV class at once (the rank's W_a is
 # "k1024", W_o "k2048", its lm_head slice "large"; lite's W_a / W_o "k2048", W_b "small" / "mid", its lm_head "head").
@@ -566,7 +562,6 @@ TUNING = (  # (module, attribute, values): variants re-timed in the whole captur
     *DSA_TUNING,
     *L2_TUNING,
     *DENSE_SPLIT_TUNING,
-    *PDL_TUNING,
 )
 # FP8 weights (ops/triton_fp8.py): (module, attribute or (dict attribute, key), values), the first the default.
 # GEMV / moe_up (rows, K tile, warps); moe_down (rows, slots, I tile, warps).
@@ -626,7 +621,6 @@ TUNING_FP8 = (
     *DSA_TUNING,
     *L2_TUNING,
     *DENSE_SPLIT_TUNING,
-    *PDL_TUNING,
 )
 
 

@@ -1304,7 +1304,7 @@ def moe_up_fp8(x, ids, w13, s13, *, norm_w=None, eps=1e-6, cfg=None, tma=None, s
         NS=ns,
         num_warps=nw,
         num_stages=max(ns, 1),
-        **triton_pdl.kw(ordered=True),  # moe_down reads the router's ids before its wait
+        **triton_pdl.kw(),
     )
     return act
 

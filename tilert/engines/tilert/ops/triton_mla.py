@@ -779,7 +779,7 @@ def indexer_scores(
     k = k_cache.reshape(S, -1)
     res = out if out is not None else torch.empty(n, S, device=q.device, dtype=torch.float32)
     BT = INDEXER_BT
-    BH = INDEXER_BH or (16 if Hi <= 16 else 32)
+    BH = 16 if Hi <= 16 else 32
     hist = topk_ws is not None
     fine, coarse = (topk_ws.fine, topk_ws.coarse) if topk_ws is not None else (res, res)
     _indexer_score_kernel[(triton.cdiv(S, BT), n)](
@@ -813,7 +813,6 @@ def indexer_scores(
 
 INDEXER_BT = 128  # cache rows per program of the indexer's score kernel
 INDEXER_WARPS = 4
-INDEXER_BH = 0  # index heads a dot of the score kernel (0: 16 for up to 16 heads, else 32)
 
 
 # "radix" (default): triton_topk's multi-program radix select, pass 1 fused into the score kernel;

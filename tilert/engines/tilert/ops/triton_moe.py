@@ -197,7 +197,7 @@ def router_select(
         N_SHARED=n_shared_slots,
         NORM=norm_topk,
         num_warps=4,
-        **triton_pdl.kw(ordered=True),  # moe_up reads x (two kernels back) before its wait
+        **triton_pdl.kw(),
     )
     return ids, wts
 
@@ -403,6 +403,6 @@ def router(
         NORM=norm_topk,
         num_warps=nw,
         num_stages=1,
-        **triton_pdl.kw(ordered=True),  # moe_up reads x (two kernels back) before its wait
+        **triton_pdl.kw(),
     )
     return ids, wts
